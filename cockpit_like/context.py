@@ -1,0 +1,137 @@
+"""What the cockpit knows about the step being tracked.
+
+The cockpit builds one :class:`StepRecord` per tracked step and hands it to
+the quantities. The module-level getters (``get_batch_size`` and friends) are
+the view that Cockpit-style plugins use; they are valid only while the
+quantities of that step are tracked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "StepRecord",
+    "MissingInfoError",
+    "get_record",
+    "get_batch_size",
+    "get_individual_losses",
+    "get_loss",
+    "get_optimizer",
+]
+
+#: The info keys the cockpit knows, with what each holds.
+INFO_KEYS = {
+    "batch_size": "int, the number of samples in the mini-batch",
+    "individual_losses": "1-D tensor of the per-sample losses",
+    "loss": "the mini-batch loss tensor (mean reduction)",
+    "optimizer": "the torch.optim.Optimizer that updates the parameters",
+}
+
+
+class MissingInfoError(KeyError):
+    """A quantity needs an ``info`` key that was not passed to the cockpit."""
+
+    def __init__(self, key: str, needed_by: str, global_step: int | None = None):
+        self.key = key
+        self.needed_by = needed_by
+        self.global_step = global_step
+        super().__init__(key)
+
+    def __str__(self) -> str:
+        what = INFO_KEYS.get(self.key, "")
+        at = f" at step {self.global_step}" if self.global_step is not None else ""
+        return (
+            f"{self.needed_by} needs info[{self.key!r}]{at} ({what}), but it was not given. "
+            f"Pass it via info=, e.g. `with cockpit(step, info={{{self.key!r}: ...}}):`"
+        )
+
+
+@dataclass
+class StepRecord:
+    """Everything a quantity may read about one tracked step.
+
+    Attributes:
+        global_step: the step.
+        info: the ``info`` dict given to the cockpit.
+        params: the tracked parameters, in the order given to the cockpit.
+        stats: results of per-sample statistics, keyed by the statistic.
+        loss_is_finite: False when ``info["loss"]`` is NaN or infinite.
+    """
+
+    global_step: int
+    info: dict[str, Any]
+    params: list[torch.Tensor]
+    stats: dict[Any, Any] = field(default_factory=dict)
+    loss_is_finite: bool = True
+
+    def require(self, key: str, needed_by: str) -> Any:
+        """``info[key]``, or a :class:`MissingInfoError` naming ``needed_by``."""
+        try:
+            return self.info[key]
+        except KeyError:
+            raise MissingInfoError(key, needed_by, self.global_step) from None
+
+    def stat(self, spec: Any) -> Any:
+        """The result of a per-sample statistic requested for this step."""
+        try:
+            return self.stats[spec]
+        except KeyError:
+            raise KeyError(
+                f"per-sample statistic {spec!r} was not computed at step {self.global_step}; "
+                "return it from the quantity's per_sample_stats(global_step)"
+            ) from None
+
+
+_ACTIVE: StepRecord | None = None
+
+
+def _activate(record: StepRecord | None) -> None:
+    global _ACTIVE
+    _ACTIVE = record
+
+
+def get_record(global_step: int) -> StepRecord:
+    """The record of the step being tracked.
+
+    Raises:
+        RuntimeError: called outside tracking, or for another step.
+    """
+    if _ACTIVE is None:
+        raise RuntimeError(
+            "step information is only available while a cockpit tracks quantities "
+            "(inside the exit of `with cockpit(step, info=...)`)"
+        )
+    if _ACTIVE.global_step != global_step:
+        raise RuntimeError(
+            f"asked for step {global_step}, but the cockpit is tracking step "
+            f"{_ACTIVE.global_step}"
+        )
+    return _ACTIVE
+
+
+def _get(global_step: int, key: str) -> Any:
+    return get_record(global_step).require(key, "this quantity")
+
+
+def get_batch_size(global_step: int) -> int:
+    """``info["batch_size"]`` of the tracked step."""
+    return _get(global_step, "batch_size")
+
+
+def get_individual_losses(global_step: int) -> torch.Tensor:
+    """``info["individual_losses"]`` of the tracked step."""
+    return _get(global_step, "individual_losses")
+
+
+def get_loss(global_step: int) -> torch.Tensor:
+    """``info["loss"]`` of the tracked step."""
+    return _get(global_step, "loss")
+
+
+def get_optimizer(global_step: int) -> torch.optim.Optimizer:
+    """``info["optimizer"]`` of the tracked step."""
+    return _get(global_step, "optimizer")

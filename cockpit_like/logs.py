@@ -1,0 +1,251 @@
+"""Cockpit logs on disk: plain JSON, a streaming form, and one reader for both.
+
+Two forms, both plain JSON with no special encoders:
+
+- **Full log** (``Cockpit.write(path)`` writes ``path.json``)::
+
+      {"schema": "cockpit_like.log", "schema_version": 1,
+       "metadata": {...}, "steps": {"0": {"Loss": 2.3, ...}, "1": {...}}}
+
+- **Streaming log** (``Cockpit(..., stream_to=path)`` writes ``path.jsonl``),
+  one JSON document per line, flushed as each step is tracked::
+
+      {"schema": "cockpit_like.stream", "schema_version": 1, "metadata": {...}}
+      {"step": 0, "values": {"Loss": 2.3, ...}}
+      {"step": 0, "values": {"UpdateSize": [...]}}     # finished one step later
+
+  A run that crashes or is killed loses at most the line being written; the
+  reader skips a torn last line.
+
+Values: numpy arrays become nested lists, tuples become lists, and the
+non-finite floats NaN, inf and -inf (not allowed in JSON) are written as the
+strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``, which the reader turns
+back into floats. :func:`read_log` also reads logs written by Cockpit
+(``cockpit-for-pytorch``), whose arrays are ``{"__ndarray__": ...}`` objects.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+__all__ = ["SCHEMA_VERSION", "read_log", "read_log_with_metadata", "write_log", "StreamWriter", "encode", "decode"]
+
+SCHEMA_VERSION = 1
+_FULL = "cockpit_like.log"
+_STREAM = "cockpit_like.stream"
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _encode_float(value: float) -> float | str:
+    if math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+def _encode_nested(value: Any) -> Any:
+    if isinstance(value, list):
+        return [_encode_nested(v) for v in value]
+    if isinstance(value, float):
+        return _encode_float(value)
+    return value
+
+
+def encode(value: Any) -> Any:
+    """A JSON-safe copy of a stored value (see the module docstring)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return _encode_float(value)
+    if isinstance(value, np.ndarray):
+        listed = value.tolist()
+        if value.dtype.kind == "f" and not np.isfinite(value).all():
+            return _encode_nested(listed)
+        return listed
+    if isinstance(value, np.generic):
+        return encode(value.item())
+    if isinstance(value, Mapping):
+        return {str(k): encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [encode(v) for v in value]
+    if hasattr(value, "tolist"):  # e.g. a tensor a custom quantity left unconverted
+        return encode(np.asarray(value.tolist()))
+    raise TypeError(
+        f"cannot write a {type(value).__name__} to a cockpit log; quantities must return "
+        "numbers, arrays, or lists/tuples/dicts of them"
+    )
+
+
+def decode(value: Any) -> Any:
+    """Inverse of :func:`encode` (arrays come back as nested lists)."""
+    if isinstance(value, str):
+        return _NONFINITE.get(value, value)
+    if isinstance(value, list):
+        return [decode(v) for v in value]
+    if isinstance(value, dict):
+        if "__ndarray__" in value:  # a Cockpit (json_tricks) array
+            return np.asarray(decode(value["__ndarray__"]), dtype=value.get("dtype"))
+        return {k: decode(v) for k, v in value.items()}
+    return value
+
+
+def run_metadata(quantities: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Library and torch versions, the time, and the tracked quantities."""
+    import torch
+
+    from cockpit_like import __version__
+
+    return {
+        "library": "cockpit_like",
+        "version": __version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "quantities": quantities or [],
+    }
+
+
+def _json_path(logpath: str | os.PathLike, suffix: str) -> Path:
+    path = Path(logpath)
+    return path if path.suffix == suffix else path.with_name(path.name + suffix)
+
+
+def write_log(logpath: str | os.PathLike, steps: Mapping[int, Mapping[str, Any]], metadata: dict) -> Path:
+    """Write the full form to ``logpath + ".json"`` atomically; return the path.
+
+    Folders are created as needed. The file is written to a temporary name
+    and renamed, so a crash while writing never leaves a half-written log in
+    place of the previous one.
+    """
+    path = _json_path(logpath, ".json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "schema": _FULL,
+        "schema_version": SCHEMA_VERSION,
+        "metadata": metadata,
+        "steps": {str(step): encode(values) for step, values in sorted(steps.items())},
+    }
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as handle:
+        json.dump(document, handle, indent=1, allow_nan=False)
+    os.replace(temporary, path)
+    return path
+
+
+class StreamWriter:
+    """Appends one line per tracked step to ``logpath + ".jsonl"``.
+
+    Args:
+        logpath: where to write (``.jsonl`` is appended if missing).
+        metadata: written in the header line.
+        fsync: also force each line to the disk (survives a machine crash,
+            not only a killed process; slower).
+    """
+
+    def __init__(self, logpath: str | os.PathLike, metadata: dict, fsync: bool = False):
+        self.path = _json_path(logpath, ".jsonl")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._handle: IO[str] | None = open(self.path, "w")
+        self._line({"schema": _STREAM, "schema_version": SCHEMA_VERSION, "metadata": metadata})
+
+    def _line(self, document: dict) -> None:
+        if self._handle is None:
+            raise RuntimeError(f"the stream to {self.path} was closed")
+        self._handle.write(json.dumps(document, allow_nan=False) + "\n")
+        self._handle.flush()
+        if self._fsync:
+            os.fsync(self._handle.fileno())
+
+    def write_step(self, step: int, values: Mapping[str, Any]) -> None:
+        if values:
+            self._line({"step": int(step), "values": encode(values)})
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def _read_stream(lines: list[str], path: Path) -> tuple[dict, dict[int, dict[str, Any]]]:
+    metadata: dict = {}
+    steps: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            document = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) - 1:
+                break  # the line in flight when the run stopped
+            raise ValueError(f"{path}: line {number + 1} is not valid JSON") from None
+        if "schema" in document:
+            _check_version(document, path)
+            metadata = document.get("metadata", {})
+            continue
+        steps.setdefault(int(document["step"]), {}).update(decode(document["values"]))
+    return metadata, steps
+
+
+def _check_version(document: dict, path: Path) -> None:
+    version = document.get("schema_version")
+    if not isinstance(version, int) or version > SCHEMA_VERSION:
+        raise ValueError(
+            f"{path} has log schema version {version!r}; this cockpit_like reads versions "
+            f"up to {SCHEMA_VERSION}. Upgrade cockpit_like to read it."
+        )
+
+
+def _resolve(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    for candidate in (path, _json_path(path, ".json"), _json_path(path, ".jsonl")):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"no cockpit log at {path} (also tried {path}.json and {path}.jsonl)"
+    )
+
+
+def read_log_with_metadata(path: str | os.PathLike) -> tuple[dict, dict[int, dict[str, Any]]]:
+    """``(metadata, {step: {name: value}})`` from any log form."""
+    path = _resolve(path)
+    text = path.read_text()
+    stripped = text.lstrip()
+    if stripped.startswith("{") and '"schema": "cockpit_like.stream"' not in text.split("\n", 1)[0]:
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            document = None
+        if isinstance(document, dict):
+            if document.get("schema") == _FULL:
+                _check_version(document, path)
+                steps = {int(k): decode(v) for k, v in document["steps"].items()}
+                return document.get("metadata", {}), steps
+            if all(key.lstrip("-").isdigit() for key in document):  # a Cockpit log
+                return {"library": "cockpit"}, {int(k): decode(v) for k, v in document.items()}
+            raise ValueError(f"{path} is JSON but not a cockpit log")
+    return _read_stream(text.split("\n"), path)
+
+
+def read_log(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """Load a log written by :meth:`Cockpit.write`, a streaming log, or a Cockpit log.
+
+    Args:
+        path: the file, with or without ``.json`` / ``.jsonl``.
+
+    Returns:
+        ``{global_step: {quantity_name: value}}`` as :meth:`Cockpit.get_output`
+        gives it, with arrays as nested lists and non-finite floats restored.
+    """
+    return read_log_with_metadata(path)[1]

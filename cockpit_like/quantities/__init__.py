@@ -1,0 +1,23 @@
+"""All built-in quantities and the base classes to write your own."""
+
+from cockpit_like.quantities.byproducts import GradNorm, Loss, Parameters, Time
+from cockpit_like.quantities.parameter_motion import Distance, UpdateSize
+from cockpit_like.quantities.quantity import (
+    ByproductQuantity,
+    Quantity,
+    SingleStepQuantity,
+    TwoStepQuantity,
+)
+
+__all__ = [
+    "Quantity",
+    "SingleStepQuantity",
+    "TwoStepQuantity",
+    "ByproductQuantity",
+    "Loss",
+    "Time",
+    "Parameters",
+    "GradNorm",
+    "Distance",
+    "UpdateSize",
+]

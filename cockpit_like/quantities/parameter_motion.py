@@ -1,0 +1,66 @@
+"""How far the parameters move: from the start (Distance) and per update (UpdateSize)."""
+
+from __future__ import annotations
+
+import torch
+
+from cockpit_like.quantities.quantity import TwoStepQuantity
+
+__all__ = ["Distance", "UpdateSize"]
+
+
+def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [param.detach().clone() for param in params]
+
+
+def _block_norms(params: list[torch.Tensor], reference: list[torch.Tensor]) -> list[float]:
+    return torch.stack([(p.detach() - r).norm() for p, r in zip(params, reference)]).tolist()
+
+
+class Distance(TwoStepQuantity):
+    """Per-parameter L2 distance to the initial parameters, ``[||theta_t,p - theta_0,p|| for p]``.
+
+    The reference ``theta_0`` is taken at the first step the cockpit is entered
+    (Cockpit insists on step 0; starting later is not an error here), and kept
+    for the whole run. Stored under every scheduled step.
+    """
+
+    SAVE_SHIFT = 0
+
+    def __init__(self, track_schedule, verbose: bool = False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._reference_step: int | None = None
+
+    def is_start(self, global_step: int) -> bool:
+        return self._reference_step is None
+
+    def is_end(self, global_step: int) -> bool:
+        return self.should_compute(global_step)
+
+    def _compute_start(self, global_step, params, batch_loss):
+        self._reference_step = global_step
+        self.save_to_cache(global_step, "params", _snapshot(params), block_fn=lambda _: True)
+
+    def _compute_end(self, global_step, params, batch_loss):
+        return _block_norms(params, self.load_from_cache(self._reference_step, "params"))
+
+
+class UpdateSize(TwoStepQuantity):
+    """Per-parameter L2 norm of the update, ``[||theta_{t+1},p - theta_t,p|| for p]``.
+
+    Stored under the start step ``t`` (``SAVE_SHIFT = 1``), when the cockpit is
+    entered at step ``t + 1`` (which need not be scheduled itself).
+    """
+
+    SAVE_SHIFT = 1
+
+    def _compute_start(self, global_step, params, batch_loss):
+        self.save_to_cache(
+            global_step, "params", _snapshot(params), block_fn=lambda step, t=global_step: step <= t
+        )
+
+    def _compute_end(self, global_step, params, batch_loss):
+        start = global_step - self.SAVE_SHIFT
+        if not self.is_cached(start, "params"):
+            return None
+        return _block_norms(params, self.load_from_cache(start, "params"))

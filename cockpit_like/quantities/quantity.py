@@ -1,0 +1,245 @@
+"""Base classes of every quantity (the plugin contract of ``API.md``).
+
+A quantity declares, per step, what it needs (BackPACK extensions, hooks,
+per-sample statistics, ``info`` keys, the graph) and computes its value from
+what the cockpit hands it. The cockpit never special-cases a quantity: it
+builds each step from these answers.
+
+Writing a new quantity means subclassing one of
+
+- :class:`SingleStepQuantity`: a value at each scheduled step,
+- :class:`ByproductQuantity`: the same, but needing nothing from BackPACK,
+- :class:`TwoStepQuantity`: information cached at a start step and finished at
+  an end step (e.g. the update ``theta_{t+1} - theta_t``),
+
+and overriding ``_compute`` (or ``_compute_start``/``_compute_end``). See
+``docs/custom_quantities.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from cockpit_like.utils.schedules import check_schedule
+
+__all__ = [
+    "Quantity",
+    "SingleStepQuantity",
+    "ByproductQuantity",
+    "TwoStepQuantity",
+    "to_output",
+]
+
+
+def to_output(value: Any) -> Any:
+    """Convert a computed value into what is stored (no tensors).
+
+    Zero-dimensional tensors become Python ``float`` (or ``int`` / ``bool``),
+    other tensors numpy arrays of the same dtype; lists and dicts are converted
+    recursively, tuples stay tuples, Python and numpy scalars and arrays are
+    kept as they are.
+
+    Example:
+        >>> to_output([torch.tensor(2.0), torch.ones(2)])
+        [2.0, array([1., 1.], dtype=float32)]
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        if value.dim() == 0:
+            return value.item()
+        return value.cpu().numpy()
+    if isinstance(value, dict):
+        return {key: to_output(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [to_output(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(to_output(item) for item in value)
+    return value
+
+
+class Quantity:
+    """Base class of all quantities.
+
+    Args:
+        track_schedule: ``int -> bool``; whether to compute at a global step
+            (see :mod:`cockpit_like.utils.schedules`).
+        verbose: print a line whenever a value is computed.
+
+    Attributes:
+        output: ``{global_step: value}`` of what was computed so far.
+    """
+
+    def __init__(self, track_schedule: Callable[[int], bool], verbose: bool = False):
+        check_schedule(track_schedule, type(self).__name__)
+        self._track_schedule = track_schedule
+        self._verbose = verbose
+        self.output: dict[int, Any] = {}
+
+    # ---- what the quantity needs at a step --------------------------------
+    def should_compute(self, global_step: int) -> bool:
+        """Whether the schedule asks for a value at ``global_step``."""
+        return bool(self._track_schedule(global_step))
+
+    def is_active(self, global_step: int) -> bool:
+        """Whether the quantity does any work at ``global_step``.
+
+        The cockpit asks for needs and calls :meth:`track` only on active
+        quantities. Two-step quantities are also active at their end steps.
+        """
+        return self.should_compute(global_step)
+
+    def extensions(self, global_step: int) -> list:
+        """BackPACK extensions needed at ``global_step`` (results stay on params)."""
+        return []
+
+    def extension_hooks(self, global_step: int) -> list[Callable]:
+        """Hooks ``hook(module)`` run by BackPACK on each module during backward."""
+        return []
+
+    def per_sample_stats(self, global_step: int) -> list:
+        """Per-sample-gradient statistics (``backends.per_sample``) needed at a step.
+
+        They are reduced layer by layer during the backward pass, shared
+        between quantities that ask for equal statistics, and read back with
+        :meth:`cockpit_like.context.StepRecord.stat`.
+        """
+        return []
+
+    def required_info(self, global_step: int) -> set[str]:
+        """Keys of the cockpit's ``info`` dict needed at ``global_step``.
+
+        The cockpit checks them when the step begins, before the backward pass.
+        """
+        return set()
+
+    def create_graph(self, global_step: int) -> bool:
+        """Whether the backward pass must keep the graph (``create_graph=True``)."""
+        return False
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-safe description of the quantity's arguments (written to logs)."""
+        return {}
+
+    # ---- computing ---------------------------------------------------------
+    def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
+        """Compute and store the value if the schedule asks for it."""
+        if self.should_compute(global_step):
+            value = self._compute(global_step, params, batch_loss)
+            self._store(global_step, value)
+
+    def _compute(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement _compute(global_step, params, batch_loss)"
+        )
+
+    def _store(self, global_step: int, value: Any) -> None:
+        if value is None:
+            return
+        self.output[global_step] = to_output(value)
+        if self._verbose:
+            print(f"[Step {global_step}] {type(self).__name__}: {self.output[global_step]}")
+
+    def get_output(self) -> dict[int, Any]:
+        """All stored values, ``{global_step: value}``."""
+        return self.output
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+        return f"{type(self).__name__}({args})"
+
+
+class SingleStepQuantity(Quantity):
+    """A quantity computed from the information of one step."""
+
+
+class ByproductQuantity(SingleStepQuantity):
+    """A single-step quantity that needs nothing from BackPACK."""
+
+
+class TwoStepQuantity(Quantity):
+    """A quantity that starts at one step and ends at a later one.
+
+    At a start step, :meth:`_compute_start` saves what it needs with
+    :meth:`save_to_cache`; at an end step, :meth:`_compute_end` loads it back
+    with :meth:`load_from_cache` and returns the value, which is stored
+    ``SAVE_SHIFT`` steps before the end step. After every tracked step, cache
+    entries whose ``block_fn(step)`` is false are freed.
+
+    By default a step is a start when the schedule holds, and an end when the
+    schedule held ``SAVE_SHIFT`` steps before.
+    """
+
+    SAVE_SHIFT: int = 1
+
+    def __init__(self, track_schedule: Callable[[int], bool], verbose: bool = False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._cache: dict[int, dict[str, tuple[Any, Callable[[int], bool]]]] = {}
+
+    def is_start(self, global_step: int) -> bool:
+        return self.should_compute(global_step)
+
+    def is_end(self, global_step: int) -> bool:
+        start = global_step - self.SAVE_SHIFT
+        return start >= 0 and self.should_compute(start)
+
+    def is_active(self, global_step: int) -> bool:
+        return self.is_start(global_step) or self.is_end(global_step)
+
+    def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
+        if self.is_start(global_step):
+            self._compute_start(global_step, params, batch_loss)
+        if self.is_end(global_step):
+            value = self._compute_end(global_step, params, batch_loss)
+            self._store(global_step - self.SAVE_SHIFT, value)
+        self.clean_cache(global_step)
+
+    def _compute_start(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement _compute_start")
+
+    def _compute_end(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement _compute_end")
+
+    # ---- cache ---------------------------------------------------------------
+    def save_to_cache(
+        self, global_step: int, key: str, value: Any, block_fn: Callable[[int], bool]
+    ) -> None:
+        """Keep ``value`` under ``(global_step, key)`` while ``block_fn(step)`` holds."""
+        if not callable(block_fn):
+            raise TypeError(f"block_fn must be callable int -> bool, got {block_fn!r}")
+        self._cache.setdefault(global_step, {})[key] = (value, block_fn)
+
+    def load_from_cache(self, global_step: int, key: str) -> Any:
+        """The value saved under ``(global_step, key)``.
+
+        Raises:
+            KeyError: nothing is cached there (e.g. the cockpit was not entered
+                at the start step, or the entry was already freed).
+        """
+        try:
+            return self._cache[global_step][key][0]
+        except KeyError:
+            raise KeyError(
+                f"{type(self).__name__}: no cached {key!r} from step {global_step}. "
+                f"Cached: {self.cached_keys()}. Enter the cockpit context at every "
+                "step between the start and the end step."
+            ) from None
+
+    def is_cached(self, global_step: int, key: str) -> bool:
+        return key in self._cache.get(global_step, {})
+
+    def cached_keys(self) -> list[tuple[int, str]]:
+        """``(step, key)`` of all live cache entries."""
+        return [(step, key) for step, entries in self._cache.items() for key in entries]
+
+    def clean_cache(self, global_step: int) -> None:
+        """Free every entry whose block function does not hold at ``global_step``."""
+        for step in list(self._cache):
+            entries = self._cache[step]
+            for key in [k for k, (_, block) in entries.items() if not block(global_step)]:
+                del entries[key]
+            if not entries:
+                del self._cache[step]

@@ -1,0 +1,57 @@
+"""Preset sets of quantities: ``"economy"``, ``"business"`` and ``"full"``.
+
+- economy: Alpha, Distance, GradHist1d, GradNorm, InnerTest, Loss, NormTest,
+  OrthoTest, UpdateSize
+- business: economy + TICDiag, HessTrace
+- full: business + HessMaxEV, GradHist2d
+
+Every quantity of a preset uses its default arguments and the same schedule.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+__all__ = ["configuration", "quantities_cls_for_configuration", "PRESETS"]
+
+_ECONOMY = ["Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest", "OrthoTest", "UpdateSize"]
+_BUSINESS = _ECONOMY + ["TICDiag", "HessTrace"]
+_FULL = _BUSINESS + ["HessMaxEV", "GradHist2d"]
+
+#: Class names of every preset, in order.
+PRESETS: dict[str, list[str]] = {"economy": _ECONOMY, "business": _BUSINESS, "full": _FULL}
+
+
+def quantities_cls_for_configuration(label: str) -> list[type]:
+    """The quantity classes of a preset.
+
+    Raises:
+        KeyError: unknown label (the message lists the valid ones).
+    """
+    from cockpit_like import quantities
+
+    if label not in PRESETS:
+        raise KeyError(
+            f"unknown configuration {label!r}; choose one of {sorted(PRESETS)}"
+        )
+    names = PRESETS[label]
+    missing = [name for name in names if not hasattr(quantities, name)]
+    if missing:
+        warnings.warn(
+            f"configuration {label!r}: {missing} are not implemented yet in this version of "
+            "cockpit_like and are left out",
+            UserWarning,
+            stacklevel=2,
+        )
+    return [getattr(quantities, name) for name in names if name not in missing]
+
+
+def configuration(
+    label: str, track_schedule: Callable[[int], bool] | None = None, verbose: bool = False
+) -> list:
+    """Instantiated quantities of a preset, all with ``track_schedule`` (default ``linear(1)``)."""
+    from cockpit_like.utils.schedules import linear
+
+    schedule = linear(1) if track_schedule is None else track_schedule
+    return [cls(track_schedule=schedule, verbose=verbose) for cls in quantities_cls_for_configuration(label)]

@@ -1,0 +1,142 @@
+"""Shared test toolkit: small models, data, a training loop, brute-force references.
+
+References are computed independently of BackPACK and of cockpit_like, with
+``torch.func`` in float64:
+
+- :func:`per_sample_grads` ``g_i = grad of l_i`` (NOT divided by B), one
+  ``[B, *p.shape]`` tensor per parameter;
+- :func:`dense_hessian` the ``D x D`` Hessian of the mean loss over all params.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from backpack import extend
+from torch import nn
+from torch.func import functional_call, grad, hessian, vmap
+
+DTYPE = torch.float64
+
+
+def make_mlp(bias: bool = True, seed: int = 0) -> nn.Module:
+    """MLP on 12 features (given as 3x4 images): Flatten, 12-10 Tanh 10-8 Sigmoid 8-4."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(12, 10, bias=bias),
+        nn.Tanh(),
+        nn.Linear(10, 8, bias=bias),
+        nn.Sigmoid(),
+        nn.Linear(8, 4, bias=bias),
+    ).to(DTYPE)
+
+
+def make_cnn(bias: bool = True, seed: int = 0) -> nn.Module:
+    """Small CNN on 2x6x6 inputs: Conv 2-4 3x3, Tanh, MaxPool 2, Flatten, Linear 16-5."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, bias=bias),
+        nn.Tanh(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16, 5, bias=bias),
+    ).to(DTYPE)
+
+
+#: name -> (model factory, input shape without batch, number of classes)
+PROBLEMS: dict[str, tuple[Callable[..., nn.Module], tuple[int, ...], int]] = {
+    "mlp": (make_mlp, (3, 4), 4),
+    "cnn": (make_cnn, (2, 6, 6), 5),
+}
+
+
+def make_batch(problem: str, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _, shape, classes = PROBLEMS[problem]
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randn(batch_size, *shape, generator=generator, dtype=DTYPE)
+    labels = torch.randint(0, classes, (batch_size,), generator=generator)
+    return inputs, labels
+
+
+def make_problem(problem: str, bias: bool = True, seed: int = 0):
+    """``(extended model, extended CrossEntropyLoss, per-sample loss function)``."""
+    factory = PROBLEMS[problem][0]
+    model = extend(factory(bias=bias, seed=seed))
+    return model, extend(nn.CrossEntropyLoss()), nn.CrossEntropyLoss(reduction="none")
+
+
+def train(
+    model: nn.Module,
+    lossfunc: nn.Module,
+    individual_lossfunc: nn.Module,
+    cockpit,
+    problem: str,
+    steps: int,
+    batch_size: int = 8,
+    optimizer: torch.optim.Optimizer | None = None,
+    record: Callable | None = None,
+) -> None:
+    """A plain training loop with the cockpit around every backward pass.
+
+    ``record(step, model, inputs, labels)`` is called before each backward
+    pass (with the parameters of that step) so tests can compute references.
+    """
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        inputs, labels = make_batch(problem, batch_size, seed=1000 + step)
+        if record is not None:
+            record(step, model, inputs, labels)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        losses = individual_lossfunc(outputs, labels)
+        info = {"batch_size": batch_size, "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+
+
+def _params_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def per_sample_grads(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+    """``g_i`` of the per-sample cross-entropy losses, ``[B, *p.shape]`` per parameter."""
+    params = _params_dict(model)
+
+    def sample_loss(p, x, y):
+        out = functional_call(model, p, (x.unsqueeze(0),))
+        return nn.functional.cross_entropy(out, y.unsqueeze(0))
+
+    grads = vmap(grad(sample_loss), in_dims=(None, 0, 0))(params, inputs, labels)
+    return [grads[name] for name in params]
+
+
+def mean_loss_fn(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """``(flat_params, unflatten, f)`` with ``f(flat) =`` the mean cross-entropy."""
+    params = _params_dict(model)
+    names = list(params)
+    shapes = [params[n].shape for n in names]
+    sizes = [params[n].numel() for n in names]
+    flat = torch.cat([params[n].reshape(-1) for n in names])
+
+    def unflatten(vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {n: piece.reshape(s) for n, piece, s in zip(names, vector.split(sizes), shapes)}
+
+    def loss(vector: torch.Tensor) -> torch.Tensor:
+        out = functional_call(model, unflatten(vector), (inputs,))
+        return nn.functional.cross_entropy(out, labels)
+
+    return flat, unflatten, loss
+
+
+def dense_hessian(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The ``D x D`` Hessian of the mean loss w.r.t. all parameters (flattened in order)."""
+    flat, _, loss = mean_loss_fn(model, inputs, labels)
+    return hessian(loss)(flat)
+
+
+def block_sizes(model: nn.Module) -> list[int]:
+    return [p.numel() for p in model.parameters()]
