@@ -11,6 +11,7 @@ References are computed independently of BackPACK and of cockpit_like, with
 from __future__ import annotations
 
 from collections.abc import Callable
+from copy import deepcopy
 
 import torch
 from backpack import extend
@@ -102,8 +103,19 @@ def _params_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def plain_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` without BackPACK's hooks (``torch.func`` cannot run through them)."""
+    copy = deepcopy(model)
+    for module in copy.modules():
+        for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            getattr(module, hooks).clear()
+        module._is_full_backward_hook = None
+    return copy
+
+
 def per_sample_grads(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
     """``g_i`` of the per-sample cross-entropy losses, ``[B, *p.shape]`` per parameter."""
+    model = plain_copy(model)
     params = _params_dict(model)
 
     def sample_loss(p, x, y):
@@ -116,6 +128,7 @@ def per_sample_grads(model: nn.Module, inputs: torch.Tensor, labels: torch.Tenso
 
 def mean_loss_fn(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
     """``(flat_params, unflatten, f)`` with ``f(flat) =`` the mean cross-entropy."""
+    model = plain_copy(model)
     params = _params_dict(model)
     names = list(params)
     shapes = [params[n].shape for n in names]
