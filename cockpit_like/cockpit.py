@@ -283,7 +283,7 @@ class _TrackedStep:
         if not finite:
             self._loss_is_finite = False
             warnings.warn(
-                f"[cockpit_like] step {self.step}: the loss is {float(loss):g}; quantities "
+                f"[cockpit_like] step {self.step}: the loss is {float(loss.detach() if isinstance(loss, torch.Tensor) else loss):g}; quantities "
                 "that cannot be computed store NaN for this step",
                 RuntimeWarning,
                 stacklevel=3,

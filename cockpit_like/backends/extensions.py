@@ -15,7 +15,7 @@ __all__ = ["ExtensionConflictError", "extension_key", "describe", "merge_extensi
 
 # Attributes of BackPACK extension objects that are machinery, not settings.
 _MACHINERY = {"saved_quantities", "_BackpropExtension__module_extensions"}
-_HIDDEN_DEFAULTS = {"fail_mode": "ERROR", "subsampling": None}
+_HIDDEN_DEFAULTS = {"subsampling": None}
 
 
 class ExtensionConflictError(ValueError):
@@ -44,7 +44,7 @@ def describe(extension: Any) -> str:
     shown = [
         f"{name}={value!r}"
         for name, value in _hyperparameters(extension)
-        if name != "savefield" and _HIDDEN_DEFAULTS.get(name, object()) != value
+        if name not in ("savefield", "fail_mode") and _HIDDEN_DEFAULTS.get(name, object()) != value
     ]
     return f"{type(extension).__name__}({', '.join(shown)})"
 
