@@ -1,0 +1,179 @@
+"""JSON logs: full form, streaming form, reading back, crashes."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cockpit_like import Cockpit, quantities, read_log
+from cockpit_like.logs import SCHEMA_VERSION, decode, encode, read_log_with_metadata
+from cockpit_like.utils.schedules import linear
+from tests.helpers import make_problem, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def plain(value):
+    """Stored values in the form a log gives back (arrays -> lists, tuples -> lists)."""
+    if isinstance(value, np.ndarray):
+        return plain(value.tolist())
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def same(a, b):
+    a, b = plain(a), plain(b)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
+        return math.isnan(b)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b and type(a) is type(b)
+
+
+def small_run(tmp_path, stream=False, steps=5):
+    model, lossfunc, individual = make_problem("mlp")
+    made = [q(linear(1)) for q in (quantities.Loss, quantities.GradNorm, quantities.Distance, quantities.UpdateSize, quantities.Parameters)]
+    cockpit = Cockpit(model.parameters(), quantities=made, stream_to=tmp_path / "stream" if stream else None)
+    train(model, lossfunc, individual, cockpit, "mlp", steps)
+    cockpit.log(steps - 1, epoch_count=0, train_loss=0.5, train_accuracy=0.25, learning_rate=0.1)
+    return cockpit
+
+
+def test_round_trip_full_form(tmp_path):
+    cockpit = small_run(tmp_path)
+    path = cockpit.write(tmp_path / "deep" / "folder" / "run")
+    assert path.endswith("run.json")
+    document = json.loads(Path(path).read_text())  # plain JSON, nothing special
+    assert document["schema"] == "cockpit_like.log" and document["schema_version"] == SCHEMA_VERSION
+    meta = document["metadata"]
+    assert meta["torch"] == torch.__version__ and meta["library"] == "cockpit_like"
+    assert [q["name"] for q in meta["quantities"]] == ["Loss", "GradNorm", "Distance", "UpdateSize", "Parameters"]
+    assert meta["quantities"][0]["schedule"] == "linear(interval=1, offset=0)"
+    back = read_log(path)
+    original = cockpit.get_output()
+    assert list(back) == list(original) == [0, 1, 2, 3, 4]
+    assert same(back, original)
+    assert read_log(tmp_path / "deep" / "folder" / "run") == back  # without the suffix
+
+
+def test_numpy_tuples_and_non_finite_values_round_trip(tmp_path):
+    values = {
+        0: {"hist": {"hist": np.arange(4, dtype=np.float32), "edges": (np.zeros(2), np.ones(3))}, "alpha": -1},
+        1: {"nan": math.nan, "inf": [math.inf, -math.inf, 1.5], "arr": np.array([[1.0, np.nan]]), "f64": np.float64(2.5)},
+    }
+    cockpit = Cockpit([torch.ones(1, requires_grad=True)])
+    cockpit._epoch_logs.update(values)
+    path = cockpit.write(tmp_path / "odd")
+    text = Path(path).read_text()
+    assert "NaN" in text and "Infinity" in text
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    back = read_log(path)
+    assert back[0]["hist"] == {"hist": [0.0, 1.0, 2.0, 3.0], "edges": [[0.0, 0.0], [1.0, 1.0, 1.0]]}
+    assert back[0]["alpha"] == -1
+    assert math.isnan(back[1]["nan"]) and back[1]["inf"] == [math.inf, -math.inf, 1.5]
+    assert back[1]["arr"][0][0] == 1.0 and math.isnan(back[1]["arr"][0][1]) and back[1]["f64"] == 2.5
+
+
+def test_bare_file_name_is_written_to_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Cockpit([torch.ones(1, requires_grad=True)]).write("bare")
+    assert (tmp_path / "bare.json").is_file()
+
+
+def test_streaming_log_reads_back_like_the_full_log(tmp_path):
+    cockpit = small_run(tmp_path, stream=True)
+    assert cockpit.stream_path.endswith("stream.jsonl")
+    streamed = read_log(cockpit.stream_path)
+    assert same(streamed, cockpit.get_output())
+    meta, _ = read_log_with_metadata(tmp_path / "stream")
+    assert meta["num_params"] == 6
+
+
+def test_torn_last_line_is_skipped(tmp_path):
+    cockpit = small_run(tmp_path, stream=True)
+    path = Path(cockpit.stream_path)
+    with open(path, "a") as handle:
+        handle.write('{"step": 9, "values": {"Loss": 0.')
+    back = read_log(path)
+    assert 9 not in back and same(back, cockpit.get_output())
+
+
+def test_a_killed_run_keeps_every_completed_step(tmp_path):
+    script = textwrap.dedent(
+        f"""
+        import sys, time, torch
+        sys.path.insert(0, {str(ROOT)!r})
+        from cockpit_like import Cockpit, quantities
+        from cockpit_like.utils.schedules import linear
+        from tests.helpers import make_problem, make_batch
+        model, lossfunc, individual = make_problem("mlp")
+        cockpit = Cockpit(model.parameters(), [quantities.Loss(linear(1)), quantities.UpdateSize(linear(1))],
+                          stream_to={str(tmp_path / "killed")!r})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(10**6):
+            inputs, labels = make_batch("mlp", 8, seed=step)
+            optimizer.zero_grad()
+            loss = lossfunc(model(inputs), labels)
+            with cockpit(step, info={{"loss": loss}}):
+                loss.backward()
+            optimizer.step()
+            print(step, loss.item(), flush=True)
+            if step >= 5:
+                time.sleep(0.05)
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    printed = []
+    for line in process.stdout:
+        printed.append(line.split())
+        if len(printed) == 12:
+            break
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    back = read_log(tmp_path / "killed.jsonl")
+    for step, loss in printed:
+        assert back[int(step)]["Loss"] == pytest.approx(float(loss), rel=1e-12)
+    # Each UpdateSize is stored once the next step is tracked.
+    assert all("UpdateSize" in back[int(step)] for step, _ in printed[:-1])
+
+
+def test_reads_cockpit_logs(tmp_path):
+    cockpit_style = {
+        "0": {"Loss": 2.0, "GradHist1d": {"hist": {"__ndarray__": [1.0, 2.0], "dtype": "float32", "shape": [2]}}},
+        "10": {"Alpha": -1},
+    }
+    path = tmp_path / "cockpit.json"
+    path.write_text(json.dumps(cockpit_style))
+    back = read_log(path)
+    assert sorted(back) == [0, 10]
+    assert back[0]["GradHist1d"]["hist"].dtype == np.float32 and back[0]["GradHist1d"]["hist"].tolist() == [1.0, 2.0]
+
+
+def test_newer_schema_and_missing_files_are_clear_errors(tmp_path):
+    path = tmp_path / "future.json"
+    path.write_text(json.dumps({"schema": "cockpit_like.log", "schema_version": SCHEMA_VERSION + 1, "steps": {}}))
+    with pytest.raises(ValueError, match="schema version 2; this cockpit_like reads versions up to 1"):
+        read_log(path)
+    with pytest.raises(FileNotFoundError, match="no cockpit log at .*nothing.*also tried"):
+        read_log(tmp_path / "nothing")
+
+
+def test_encode_rejects_unknown_objects():
+    with pytest.raises(TypeError, match="cannot write a object to a cockpit log"):
+        encode(object())
+    assert decode(encode({"a": (1, 2.0)})) == {"a": [1, 2.0]}
