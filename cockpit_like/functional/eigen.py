@@ -1,0 +1,182 @@
+"""Top eigenvalue of a symmetric operator given only as a matrix-vector product.
+
+Both solvers work on flat vectors: ``matvec(v) -> A v`` for a symmetric ``A``
+(in practice a Hessian-vector product, see
+:class:`cockpit_like.quantities.HessMaxEV`). Each returns an
+:class:`EigenResult` that also counts the products used, so callers can report
+the cost and warm-start the next solve from ``result.vector``.
+
+- :func:`power_iteration`: Cockpit's power iteration. It converges to the
+  eigenvalue of largest *magnitude* and stops when two consecutive Rayleigh
+  quotients agree, ``|lambda_prev - lambda| <= atol + rtol * |lambda|``.
+- :func:`lanczos`: Lanczos with full re-orthogonalisation, giving the
+  largest *algebraic* eigenvalue (like ``scipy.sparse.linalg.eigsh(k=1,
+  which="LA")``). It stops when the Ritz residual
+  ``||A x - theta x|| = beta_k |s_k|`` drops to ``rtol * |theta|``.
+
+Example:
+    >>> A = torch.diag(torch.tensor([3.0, 1.0, -2.0], dtype=torch.float64))
+    >>> r = lanczos(lambda v: A @ v, torch.ones(3, dtype=torch.float64))
+    >>> round(r.value, 10), r.num_matvecs
+    (3.0, 3)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["EigenResult", "power_iteration", "lanczos"]
+
+MatVec = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class EigenResult:
+    """Outcome of an eigenvalue solve.
+
+    Attributes:
+        value: the eigenvalue estimate (Python float).
+        vector: unit-norm eigenvector estimate (flat tensor, dtype of the start).
+        num_matvecs: how many products ``matvec(v)`` were evaluated.
+        converged: whether the stopping rule was met within ``max_iter``.
+    """
+
+    value: float
+    vector: torch.Tensor
+    num_matvecs: int
+    converged: bool
+
+
+def _unit(v0: torch.Tensor) -> torch.Tensor:
+    if v0.dim() != 1:
+        raise ValueError(f"start vector must be flat (1-D), got shape {list(v0.shape)}")
+    norm = v0.norm()
+    if not torch.isfinite(norm) or norm == 0:
+        raise ValueError("start vector must be finite and non-zero")
+    return v0 / norm
+
+
+def power_iteration(
+    matvec: MatVec,
+    v0: torch.Tensor,
+    max_iter: int = 100,
+    rtol: float = 1e-3,
+    atol: float = 1e-6,
+    warn: bool = True,
+) -> EigenResult:
+    """Power iteration with Cockpit's stopping rule.
+
+    Iterates ``w = A v; lambda = v^T w; v <- w / ||w||`` and stops when
+    ``|lambda_prev - lambda| <= atol + rtol * |lambda|`` (``lambda_prev``
+    starts at ``+inf``, so at least two products are used). The result is the
+    last Rayleigh quotient ``lambda`` and the last normalised iterate.
+
+    Converges to the eigenvalue of largest magnitude (negative if
+    ``|lambda_min| > lambda_max``). Unlike Cockpit 1.0.2 it works in any dtype
+    (Cockpit compares a float32 ``inf`` with the float64 ``lambda`` and
+    crashes), and a zero product ``A v = 0`` returns 0 instead of dividing by 0.
+
+    Args:
+        matvec: ``v -> A v`` for symmetric ``A``.
+        v0: start vector (normalised here); e.g. the previous solve's vector.
+        max_iter: most products; if reached, warns (when ``warn``) and returns
+            the last estimate with ``converged=False``.
+        rtol, atol: stopping tolerances on consecutive Rayleigh quotients.
+        warn: warn when ``max_iter`` is reached.
+    """
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    v = _unit(v0)
+    previous = math.inf
+    value = math.nan
+    for count in range(1, max_iter + 1):
+        w = matvec(v)
+        value = float(torch.dot(v, w))
+        norm = w.norm()
+        if norm == 0:
+            return EigenResult(value, v, count, True)
+        v = w / norm
+        if abs(previous - value) <= atol + rtol * abs(value):
+            return EigenResult(value, v, count, True)
+        previous = value
+    if warn:
+        warnings.warn(
+            f"power iteration did not converge in {max_iter} iterations; returning the last "
+            f"estimate {value:g}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return EigenResult(value, v, max_iter, False)
+
+
+def lanczos(
+    matvec: MatVec,
+    v0: torch.Tensor,
+    max_iter: int = 100,
+    rtol: float = 1e-6,
+    warn: bool = True,
+) -> EigenResult:
+    """Largest algebraic eigenvalue by Lanczos with full re-orthogonalisation.
+
+    Builds an orthonormal Krylov basis ``Q_k`` of ``span{v0, A v0, ...}`` and
+    the tridiagonal ``T_k = Q_k^T A Q_k``; the top Ritz pair ``(theta, Q_k s)``
+    of ``T_k`` estimates the top eigenpair. Stops when the residual
+    ``||A x - theta x|| = beta_k |s_k|`` is at most ``rtol * |theta|`` (then
+    ``|lambda_max - theta| <= rtol * |theta|``, and usually far less), when
+    the Krylov space is invariant (``beta_k`` ~ 0), or when it spans the
+    whole space. The small eigenproblems are solved in float64.
+
+    Args:
+        matvec: ``v -> A v`` for symmetric ``A``.
+        v0: start vector; a good guess (the previous solve's vector) makes it
+            converge in few products.
+        max_iter: most products (capped at the dimension).
+        rtol: relative residual tolerance.
+        warn: warn when ``max_iter`` is reached without convergence.
+    """
+    if max_iter < 1:
+        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+    q = _unit(v0)
+    dim = q.numel()
+    basis = [q]
+    alphas: list[float] = []
+    betas: list[float] = []
+    eps = torch.finfo(q.dtype).eps
+    theta, ritz = math.nan, None
+    converged = False
+    count = 0
+    for count in range(1, min(max_iter, dim) + 1):
+        w = matvec(basis[-1])
+        alphas.append(float(torch.dot(basis[-1], w)))
+        Q = torch.stack(basis)
+        for _ in range(2):  # full re-orthogonalisation, twice is enough
+            w = w - Q.T @ (Q @ w)
+        beta = float(w.norm())
+        T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
+        if betas:
+            off = torch.tensor(betas, dtype=torch.float64)
+            T = T + torch.diag(off, 1) + torch.diag(off, -1)
+        evals, evecs = torch.linalg.eigh(T)
+        theta, ritz = float(evals[-1]), evecs[:, -1]
+        residual = beta * abs(float(ritz[-1]))
+        scale = max(abs(theta), float(evals.abs().max()))
+        if residual <= rtol * abs(theta) or beta <= 10 * eps * max(scale, 1e-300) or count == dim:
+            converged = True
+            break
+        betas.append(beta)
+        basis.append(w / beta)
+    vector = torch.stack(basis[: len(alphas)]).T @ ritz.to(q.dtype)
+    vector = vector / vector.norm()
+    if not converged and warn:
+        warnings.warn(
+            f"Lanczos did not reach rtol={rtol:g} in {count} iterations; returning the last "
+            f"estimate {theta:g}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return EigenResult(theta, vector, count, converged)

@@ -1,0 +1,163 @@
+"""Curvature diagonals: Hessian trace and the Takeuchi information criterion.
+
+All three quantities read a BackPACK diagonal ``c`` of the curvature of the
+**mean** loss ``L = (1/B) sum_i l_i``, chosen by ``curvature``:
+
+- ``"diag_h"``: :class:`backpack.extensions.DiagHessian`, the exact
+  ``diag(∇²L)`` (may have negative entries; used as they are);
+- ``"diag_ggn_exact"``: :class:`backpack.extensions.DiagGGNExact`, the
+  diagonal of the generalized Gauss-Newton ``(1/B) sum_i J_i^T ∇²_f l_i J_i``;
+- ``"diag_ggn_mc"``: :class:`backpack.extensions.DiagGGNMC` with one sample,
+  the same with ``∇²_f l_i`` replaced by a Monte-Carlo estimate (random: it
+  uses the torch RNG during backward).
+
+TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
+(BackPACK's :class:`~backpack.extensions.SumGradSquared`; ``grad_batch[i] =
+g_i / B`` for a mean loss) and ``B = info["batch_size"]``.
+
+Difference to Cockpit: an unknown ``curvature`` fails when the quantity is
+constructed (a :class:`UnknownCurvatureError`, both a ``ValueError`` and a
+``KeyError``), not later when the extensions are requested.
+"""
+
+from __future__ import annotations
+
+import torch
+from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian, SumGradSquared
+
+from cockpit_like.context import get_record
+from cockpit_like.quantities.quantity import SingleStepQuantity
+
+__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES"]
+
+#: curvature name -> BackPACK extension factory (its savefield is the name)
+CURVATURES = {
+    "diag_h": DiagHessian,
+    "diag_ggn_exact": DiagGGNExact,
+    "diag_ggn_mc": lambda: DiagGGNMC(mc_samples=1),
+}
+
+
+class UnknownCurvatureError(ValueError, KeyError):
+    """``curvature`` is not one of :data:`CURVATURES`."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _check_curvature(curvature: str, owner: str) -> str:
+    if curvature not in CURVATURES:
+        raise UnknownCurvatureError(
+            f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
+            f"{list(CURVATURES)} (Hessian diagonal, exact GGN diagonal, Monte-Carlo GGN diagonal)"
+        )
+    return curvature
+
+
+def _diagonals(params: list[torch.Tensor], field: str, owner: str) -> list[torch.Tensor]:
+    diagonals = []
+    for index, param in enumerate(params):
+        value = getattr(param, field, None)
+        if value is None:
+            raise RuntimeError(
+                f"{owner}: BackPACK stored no '{field}' on parameter #{index} "
+                f"(shape {list(param.shape)}); extend the model and the loss function with "
+                "backpack.extend and call backward inside the cockpit context"
+            )
+        diagonals.append(value.detach())
+    return diagonals
+
+
+class _DiagCurvatureQuantity(SingleStepQuantity):
+    """Shared glue: the ``curvature`` argument and reading its diagonal."""
+
+    def __init__(self, track_schedule, verbose: bool = False, curvature: str = "diag_h"):
+        super().__init__(track_schedule, verbose=verbose)
+        self._curvature = _check_curvature(curvature, type(self).__name__)
+
+    @property
+    def curvature(self) -> str:
+        return self._curvature
+
+    def extensions(self, global_step: int) -> list:
+        if not self.should_compute(global_step):
+            return []
+        return [CURVATURES[self._curvature]()]
+
+    def settings(self) -> dict:
+        return {"curvature": self._curvature}
+
+    def _curvature_diagonals(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _diagonals(params, self._curvature, type(self).__name__)
+
+
+class HessTrace(_DiagCurvatureQuantity):
+    """Per-parameter trace of the curvature diagonal, ``[sum_j c_{p,j} for p]``.
+
+    ``c`` is the diagonal of the mean loss's Hessian (``"diag_h"``), exact GGN
+    (``"diag_ggn_exact"``) or one-sample Monte-Carlo GGN (``"diag_ggn_mc"``);
+    see the module docstring. Stored as a list of floats, one per parameter
+    tensor in params order.
+
+    Example:
+        >>> q = HessTrace(linear(1), curvature="diag_ggn_exact")
+    """
+
+    def _compute(self, global_step, params, batch_loss):
+        return [float(c.sum()) for c in self._curvature_diagonals(params)]
+
+
+class _TIC(_DiagCurvatureQuantity):
+    def __init__(self, track_schedule, verbose: bool = False, curvature: str = "diag_h", epsilon: float = 1e-7):
+        super().__init__(track_schedule, verbose=verbose, curvature=curvature)
+        self._epsilon = epsilon
+
+    def extensions(self, global_step: int) -> list:
+        extensions = super().extensions(global_step)
+        return extensions + [SumGradSquared()] if extensions else []
+
+    def required_info(self, global_step: int) -> set[str]:
+        return {"batch_size"} if self.should_compute(global_step) else set()
+
+    def settings(self) -> dict:
+        return {"curvature": self._curvature, "epsilon": self._epsilon}
+
+    def _inputs(self, global_step, params):
+        name = type(self).__name__
+        batch_size = get_record(global_step).require("batch_size", name)
+        squares = _diagonals(params, "sum_grad_squared", name)
+        return batch_size, squares, self._curvature_diagonals(params)
+
+
+class TICDiag(_TIC):
+    """Takeuchi information criterion with a diagonal curvature.
+
+    ``TICDiag = sum_j (B s_j) / (c_j + epsilon) = sum_j ((1/B) sum_i g_ij^2) / (c_j + epsilon)``
+
+    over all entries ``j`` of all parameters: the *uncentered* second moment
+    of the per-sample gradients ``g_i`` against the curvature diagonal ``c``
+    (see the module docstring). ``B = info["batch_size"]``, ``s_j`` from
+    BackPACK's SumGradSquared. Stored as a float. Entries with ``c_j ≈ 0``
+    dominate; ``"diag_h"`` may even have ``c_j + epsilon <= 0``, as in Cockpit.
+    """
+
+    def _compute(self, global_step, params, batch_loss):
+        batch_size, squares, diagonals = self._inputs(global_step, params)
+        total = sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals))
+        return float(total)
+
+
+class TICTrace(_TIC):
+    """Takeuchi information criterion with the curvature trace.
+
+    ``TICTrace = (B sum_j s_j) / (sum_j c_j + epsilon) = ((1/B) sum_i ||g_i||^2) / (tr c + epsilon)``
+
+    with sums over all entries of all parameters (see :class:`TICDiag`).
+    Stored as a float.
+    """
+
+    def _compute(self, global_step, params, batch_loss):
+        batch_size, squares, diagonals = self._inputs(global_step, params)
+        numerator = batch_size * sum(s.sum() for s in squares)
+        denominator = sum(c.sum() for c in diagonals) + self._epsilon
+        return float(numerator / denominator)

@@ -1,0 +1,121 @@
+"""Trace, Frobenius norm and log-determinant of Kronecker-factored curvature (new)."""
+
+from __future__ import annotations
+
+import math
+
+from backpack.extensions import KFAC, KFLR
+
+from cockpit_like.functional.kronecker import kron_frobenius, kron_logdet, kron_trace
+from cockpit_like.quantities.quantity import SingleStepQuantity
+
+__all__ = ["KFACTrace"]
+
+_CHOICES = ("kfac", "kflr")
+
+
+class KFACTrace(SingleStepQuantity):
+    """Summaries of BackPACK's Kronecker-factored GGN blocks, per parameter tensor.
+
+    For each tracked parameter ``p`` BackPACK stores factors whose Kronecker
+    product approximates the GGN block of ``p``: ``[G, A]`` for weights of
+    linear and convolution layers (``G`` from the backpropagated loss
+    Hessian, ``A`` from the layer inputs; ``G ⊗ A`` matches torch's
+    row-major flattening), ``[G]`` for biases. With ``F_p = ⊗_i F_{p,i}``:
+
+    - ``trace[p] = tr F_p = prod_i tr F_{p,i}``,
+    - ``frobenius[p] = ||F_p||_F = prod_i ||F_{p,i}||_F``,
+    - ``logdet[p] = log det(F_p + damping I)`` from the factors' eigenvalues
+      (only with ``damping``; factor eigenvalues are clamped at 0, since they
+      are PSD by construction).
+
+    Curvature (``curvature``):
+
+    - ``"kflr"``: :class:`backpack.extensions.KFLR`, the exact loss Hessian
+      is backpropagated (exact for a single linear layer with MSE loss);
+    - ``"kfac"``: :class:`backpack.extensions.KFAC`, a Monte-Carlo estimate
+      with ``mc_samples`` sampled labels (random: uses the torch RNG).
+
+    Scaling (BackPACK's, for a **mean** loss over ``B`` samples): for a linear
+    layer with inputs ``a_n`` and output loss-Hessian square roots ``S_n``,
+    ``A = (1/B) sum_n a_n a_n^T`` and ``G = sum_n S_n S_n^T`` where ``S_n``
+    already carries the ``1/sqrt(B)`` of the mean, so ``G ≈ (1/B) sum_n
+    ∇²_{f_n} l_n`` and ``G ⊗ A`` approximates the GGN of the mean loss,
+    ``(1/B) sum_n J_n^T ∇²_f l_n J_n``. For convolutions,
+    ``A = (1/B) sum_n sum_t x_{n,t} x_{n,t}^T`` sums the unfolded input
+    patches over the ``T`` output positions and ``G`` is the GGN w.r.t. the
+    bias (outputs summed over positions), which BackPACK notes is ``T`` times
+    the ``Γ`` of Grosse & Martens (2016).
+
+    Stored value (a dict): ``{"trace": [per-param floats], "trace_total":
+    float, "frobenius": [per-param floats], "frobenius_total": float}`` and,
+    only when ``damping`` is set, ``"logdet": [per-param floats],
+    "logdet_total": float``. Totals are those of the block-diagonal matrix:
+    the sum of traces, ``sqrt(sum frobenius^2)`` and the sum of
+    log-determinants.
+
+    Args:
+        track_schedule: when to compute.
+        verbose: print each value.
+        curvature: ``"kfac"`` or ``"kflr"``.
+        mc_samples: Monte-Carlo samples of ``"kfac"`` (ignored by ``"kflr"``).
+        damping: ``> 0`` to also report the damped log-determinant.
+
+    Example:
+        >>> q = KFACTrace(linear(10), curvature="kflr", damping=1e-3)
+    """
+
+    def __init__(
+        self,
+        track_schedule,
+        verbose: bool = False,
+        curvature: str = "kfac",
+        mc_samples: int = 1,
+        damping: float | None = None,
+    ):
+        super().__init__(track_schedule, verbose=verbose)
+        if curvature not in _CHOICES:
+            raise ValueError(
+                f"KFACTrace(curvature={curvature!r}): unknown curvature; choose one of "
+                f"{list(_CHOICES)} (Monte-Carlo KFAC or exact-loss-Hessian KFLR)"
+            )
+        if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"KFACTrace(mc_samples=...) needs a positive int, got {mc_samples!r}")
+        if damping is not None and not (isinstance(damping, (int, float)) and damping > 0):
+            raise ValueError(f"KFACTrace(damping=...) must be None or a float > 0, got {damping!r}")
+        self._curvature = curvature
+        self._mc_samples = mc_samples
+        self._damping = None if damping is None else float(damping)
+
+    def extensions(self, global_step: int) -> list:
+        if not self.should_compute(global_step):
+            return []
+        return [KFAC(mc_samples=self._mc_samples) if self._curvature == "kfac" else KFLR()]
+
+    def settings(self) -> dict:
+        return {"curvature": self._curvature, "mc_samples": self._mc_samples, "damping": self._damping}
+
+    def _compute(self, global_step, params, batch_loss):
+        factor_lists = []
+        for index, param in enumerate(params):
+            factors = getattr(param, self._curvature, None)
+            if factors is None:
+                raise RuntimeError(
+                    f"KFACTrace: BackPACK stored no '{self._curvature}' factors on parameter "
+                    f"#{index} (shape {list(param.shape)}); extend the model and the loss "
+                    "function with backpack.extend and call backward inside the cockpit context"
+                )
+            factor_lists.append([f.detach() for f in factors])
+        traces = [kron_trace(factors) for factors in factor_lists]
+        norms = [kron_frobenius(factors) for factors in factor_lists]
+        value = {
+            "trace": traces,
+            "trace_total": math.fsum(traces),
+            "frobenius": norms,
+            "frobenius_total": math.sqrt(math.fsum(n * n for n in norms)),
+        }
+        if self._damping is not None:
+            logdets = [kron_logdet(factors, self._damping) for factors in factor_lists]
+            value["logdet"] = logdets
+            value["logdet_total"] = math.fsum(logdets)
+        return value
