@@ -1,6 +1,9 @@
 """All built-in quantities and the base classes to write your own."""
 
 from cockpit_like.quantities.byproducts import GradNorm, Loss, Parameters, Time
+from cockpit_like.quantities.curvature import HessTrace, TICDiag, TICTrace
+from cockpit_like.quantities.hess_max_ev import HessMaxEV
+from cockpit_like.quantities.kfac_trace import KFACTrace
 from cockpit_like.quantities.parameter_motion import Distance, UpdateSize
 from cockpit_like.quantities.quantity import (
     ByproductQuantity,
@@ -20,4 +23,9 @@ __all__ = [
     "GradNorm",
     "Distance",
     "UpdateSize",
+    "HessTrace",
+    "TICDiag",
+    "TICTrace",
+    "HessMaxEV",
+    "KFACTrace",
 ]
