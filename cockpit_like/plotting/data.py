@@ -1,0 +1,206 @@
+"""A read-only view of stored cockpit output for the instruments.
+
+The plotter reads ``{step: {name: value}}`` either from a live
+:class:`~cockpit_like.Cockpit` (``get_output()``) or from a log file
+(:func:`cockpit_like.read_log`). Values from a log come back as nested lists,
+live values may be numpy arrays; :class:`RunData` hides the difference, so
+both sources give the same picture.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RunData", "load_source", "smooth", "EPOCH_KEYS", "KNOWN_QUANTITIES"]
+
+#: Keys written by ``Cockpit.log(...)``.
+EPOCH_KEYS = (
+    "epoch_count",
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+)
+
+#: Quantities that have a dedicated instrument.
+KNOWN_QUANTITIES = (
+    "Loss",
+    "Time",
+    "Parameters",
+    "GradNorm",
+    "Distance",
+    "UpdateSize",
+    "Alpha",
+    "CABS",
+    "EarlyStopping",
+    "MeanGSNR",
+    "NormTest",
+    "InnerTest",
+    "OrthoTest",
+    "GradHist1d",
+    "GradHist2d",
+    "HessTrace",
+    "HessMaxEV",
+    "TICDiag",
+    "TICTrace",
+    "KFACTrace",
+)
+
+
+def _to_float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _norm_of_blocks(value: Any) -> float:
+    """``sqrt(sum_p v_p^2)`` of per-parameter L2 norms (the norm over all parameters)."""
+    blocks = np.asarray(value, dtype=float).ravel()
+    return float(np.sqrt(np.sum(blocks**2)))
+
+
+def _sum_of_blocks(value: Any) -> float:
+    return float(np.sum(np.asarray(value, dtype=float)))
+
+
+def smooth(values: np.ndarray, weight: float | None = None) -> np.ndarray:
+    """Debiased exponential moving average, ignoring NaNs.
+
+    ``weight`` defaults to ``1 - 1/w`` with a window ``w = max(2, n/15)``, so
+    the curve follows the trend over roughly a fifteenth of the run.
+    """
+    values = np.asarray(values, dtype=float)
+    n = len(values)
+    if n == 0:
+        return values
+    if weight is None:
+        weight = 1.0 - 1.0 / max(2.0, n / 15.0)
+    out = np.empty(n)
+    average, norm = 0.0, 0.0
+    for index, value in enumerate(values):
+        if math.isfinite(value):
+            average = weight * average + (1 - weight) * value
+            norm = weight * norm + (1 - weight)
+        out[index] = average / norm if norm > 0 else math.nan
+    return out
+
+
+class RunData:
+    """Stored output of one run, with typed accessors for the instruments.
+
+    Args:
+        output: ``{step: {name: value}}``; steps may be ints or strings.
+        discard: keep only steps ``<= discard`` (Cockpit's meaning: the
+            global step after which data is discarded); ``None`` keeps all.
+    """
+
+    def __init__(self, output: Mapping[Any, Mapping[str, Any]], discard: int | None = None):
+        steps: dict[int, Mapping[str, Any]] = {}
+        for step, values in output.items():
+            step = int(step)
+            if discard is not None and step > discard:
+                continue
+            if isinstance(values, Mapping):
+                steps[step] = values
+        self.steps: dict[int, Mapping[str, Any]] = dict(sorted(steps.items()))
+
+    # ---- what is there -------------------------------------------------------
+    def names(self) -> list[str]:
+        """Every key stored at any step, in first-seen order."""
+        seen: dict[str, None] = {}
+        for values in self.steps.values():
+            for name in values:
+                seen.setdefault(name, None)
+        return list(seen)
+
+    def has(self, name: str) -> bool:
+        return any(values.get(name) is not None for values in self.steps.values())
+
+    def values(self, name: str) -> tuple[list[int], list[Any]]:
+        """``(steps, raw values)`` of every step where ``name`` is stored and not None."""
+        steps, values = [], []
+        for step, stored in self.steps.items():
+            value = stored.get(name)
+            if value is not None:
+                steps.append(step)
+                values.append(value)
+        return steps, values
+
+    def last(self, name: str) -> tuple[int, Any] | None:
+        """``(step, value)`` of the last stored value of ``name``, or None."""
+        for step in reversed(self.steps):
+            value = self.steps[step].get(name)
+            if value is not None:
+                return step, value
+        return None
+
+    # ---- series -------------------------------------------------------------------
+    def series(self, name: str, reduce: Callable[[Any], float] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` as float arrays; ``reduce`` turns a stored value into a float."""
+        steps, raw = self.values(name)
+        convert = reduce or _to_float
+        values = []
+        for value in raw:
+            try:
+                values.append(convert(value))
+            except (TypeError, ValueError, KeyError):
+                values.append(math.nan)
+        return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+    def scalar(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """A quantity stored as one float per step."""
+        return self.series(name)
+
+    def block_norm(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-parameter L2 norms combined into the norm over all parameters."""
+        return self.series(name, _norm_of_blocks)
+
+    def block_sum(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per-parameter values summed over all parameters (e.g. traces)."""
+        return self.series(name, _sum_of_blocks)
+
+    def field(self, name: str, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """A float stored under ``key`` of a dict-valued quantity (e.g. KFACTrace)."""
+
+        def pick(value: Any) -> float:
+            if not isinstance(value, Mapping):
+                return math.nan
+            return _to_float(value.get(key))
+
+        return self.series(name, pick)
+
+    def custom_scalars(self) -> list[str]:
+        """Keys without a dedicated instrument whose values are plain numbers."""
+        names = []
+        for name in self.names():
+            if name in KNOWN_QUANTITIES or name in EPOCH_KEYS:
+                continue
+            _, raw = self.values(name)
+            if raw and all(isinstance(v, (int, float, np.floating, np.integer)) and not isinstance(v, bool) for v in raw):
+                names.append(name)
+        return names
+
+
+def load_source(source: Any, discard: int | None = None) -> tuple[RunData, str | None]:
+    """``(RunData, log path or None)`` from a live cockpit, a log path, or an output dict."""
+    if isinstance(source, (str, os.PathLike)):
+        from cockpit_like.logs import read_log
+
+        return RunData(read_log(source), discard), os.fspath(source)
+    if hasattr(source, "get_output"):
+        return RunData(source.get_output(), discard), None
+    if isinstance(source, Mapping):
+        return RunData(source, discard), None
+    raise TypeError(
+        f"CockpitPlotter.plot(source): expected a Cockpit, a path to a cockpit log, or an "
+        f"output dict, got {type(source).__name__}"
+    )

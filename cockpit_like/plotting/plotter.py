@@ -1,0 +1,274 @@
+"""The cockpit dashboard: :class:`CockpitPlotter` and :func:`save_dashboard`."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+from matplotlib.figure import Figure
+
+from cockpit_like.plotting.data import RunData, load_source
+from cockpit_like.plotting.instruments import DrawOptions
+from cockpit_like.plotting.layout import MAX_LAYER_PANELS, PRIMARY_SIZE, SECONDARY_SIZE, Layout, build_layout
+
+__all__ = ["CockpitPlotter", "save_dashboard", "interactive_backend"]
+
+_warned_headless = False
+
+
+def interactive_backend() -> bool:
+    """Whether matplotlib's current backend opens windows (False for Agg, PDF, ...)."""
+    backend = str(matplotlib.get_backend()).lower()
+    try:
+        from matplotlib.backends import BackendFilter, backend_registry
+
+        interactive = backend_registry.list_builtin(BackendFilter.INTERACTIVE)
+    except ImportError:  # matplotlib < 3.9
+        from matplotlib import rcsetup
+
+        interactive = rcsetup.interactive_bk
+    return backend in {name.lower() for name in interactive} or backend.startswith("module://ipympl")
+
+
+def _layer_panels(data: RunData) -> int:
+    last = data.last("GradHist2d")
+    if last is None or not isinstance(last[1], dict):
+        return 0
+    count = sum(1 for key in last[1] if key.startswith("param_") and key != "param_groups")
+    return min(count, MAX_LAYER_PANELS)
+
+
+class CockpitPlotter:
+    """Draws the cockpit dashboard from a live :class:`~cockpit_like.Cockpit` or a log file.
+
+    Args:
+        secondary_screen: also draw the secondary screen (MeanGSNR, CABS,
+            EarlyStopping, other scalar quantities and per-layer 2-D
+            histograms); the figure grows from 16 x 9 to 16 x 14 inches.
+        figsize: override the figure size in inches.
+
+    Attributes:
+        fig: the figure of the last :meth:`plot` call (reused by later calls).
+        axes: ``{instrument key: Axes}`` of that figure.
+        last_saved: the path written by the last ``save_plot=True`` call.
+        last_timing: seconds spent in the last call, split into ``read``,
+            ``draw`` (instruments) and ``render`` (canvas draw and save).
+
+    Example:
+        >>> plotter = CockpitPlotter()
+        >>> for step in range(steps):
+        ...     ...  # training with the cockpit
+        ...     if step % 50 == 0:
+        ...         plotter.plot(cockpit)                       # live window
+        >>> plotter.plot("logs/run", show_plot=False, save_plot=True, savedir="figs")
+    """
+
+    def __init__(self, secondary_screen: bool = False, figsize: tuple[float, float] | None = None):
+        self.secondary_screen = bool(secondary_screen)
+        self.figsize = tuple(figsize) if figsize is not None else (SECONDARY_SIZE if secondary_screen else PRIMARY_SIZE)
+        self.fig: Figure | None = None
+        self.axes: dict[str, Any] = {}
+        self.last_saved: Path | None = None
+        self.last_timing: dict[str, float] = {}
+        self._layout: Layout | None = None
+        self._windowed = False
+
+    # ---- figure management -------------------------------------------------------
+    def _figure(self, show_plot: bool) -> Figure:
+        if self.fig is not None:
+            if not self._windowed:
+                return self.fig
+            import matplotlib.pyplot as plt
+
+            if plt.fignum_exists(self.fig.number):
+                return self.fig
+            self.fig, self._layout = None, None  # the window was closed: open a new one
+        if show_plot and interactive_backend():
+            try:
+                import matplotlib.pyplot as plt
+
+                self.fig = plt.figure(figsize=self.figsize)
+                self._windowed = True
+                return self.fig
+            except Exception as error:  # e.g. a GUI backend without a display
+                warnings.warn(f"[cockpit_like] cannot open a plot window ({error}); drawing off-screen",
+                              RuntimeWarning, stacklevel=3)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        self.fig = Figure(figsize=self.figsize)
+        FigureCanvasAgg(self.fig)
+        self._windowed = False
+        return self.fig
+
+    def _ensure_layout(self, fig: Figure, data: RunData) -> Layout:
+        layers = _layer_panels(data) if self.secondary_screen else 0
+        if self._layout is None or self._layout.layer_panels != layers:
+            fig.clear()
+            fig.patches.clear()
+            self._layout = build_layout(fig, self.secondary_screen, layers)
+            self.axes = dict(self._layout.axes)
+        return self._layout
+
+    # ---- the public call -------------------------------------------------------------
+    def plot(
+        self,
+        source: Any,
+        show_plot: bool = True,
+        block: bool = False,
+        save_plot: bool = False,
+        savedir: str | os.PathLike | None = None,
+        savename: str = "cockpit",
+        savename_append: str | None = None,
+        savefig_kwargs: dict | None = None,
+        show_log_iter: bool = False,
+        discard: int | None = None,
+        plot_title: str | None = None,
+        debug: bool = False,
+    ) -> Figure:
+        """Draw (or redraw in place) the dashboard.
+
+        Args:
+            source: a :class:`~cockpit_like.Cockpit` (live), a path to a log
+                (``.json``/``.jsonl``, with or without the suffix), or an
+                output dict ``{step: {name: value}}``.
+            show_plot: show the window (updated in place on later calls). With
+                a non-interactive backend (Agg, no display) nothing is shown
+                and a one-time warning suggests ``save_plot=True``.
+            block: block until the window is closed (only with ``show_plot``).
+            save_plot: write the figure to ``savedir/savename[savename_append].<format>``.
+            savedir: folder for the file; default: the log's folder when
+                ``source`` is a path, else the current folder. Created if needed.
+            savename: file name without extension.
+            savename_append: text appended to ``savename`` (e.g. ``"__step_100"``).
+            savefig_kwargs: passed to ``Figure.savefig``; ``format`` picks the
+                file type and extension (default ``"png"``), e.g.
+                ``{"format": "pdf", "dpi": 150}``.
+            show_log_iter: logarithmic step axis in the time series.
+            discard: only use steps ``<= discard``.
+            plot_title: the figure title (default: the log name and the last step).
+            debug: print timings per instrument and re-raise drawing errors
+                (otherwise an instrument that fails shows the error in its panel).
+
+        Returns:
+            The matplotlib figure.
+        """
+        start = time.perf_counter()
+        data, logpath = load_source(source, discard)
+        read = time.perf_counter()
+        fig = self._figure(show_plot)
+        layout = self._ensure_layout(fig, data)
+        options = DrawOptions(log_iter=show_log_iter)
+        for key, instrument in layout.instruments.items():
+            ax = layout.axes[key]
+            began = time.perf_counter()
+            ax.cla()
+            try:
+                instrument.draw(ax, data, options)
+            except Exception as error:
+                if debug:
+                    raise
+                ax.cla()
+                ax.set_title(instrument.title, fontsize=10, fontweight="bold")
+                ax.text(0.5, 0.5, f"could not draw:\n{type(error).__name__}: {error}", transform=ax.transAxes,
+                        ha="center", va="center", fontsize=7, color="#b00000", wrap=True, gid="draw-error")
+            if debug:
+                print(f"[cockpit_like|plot] {key}: {1e3 * (time.perf_counter() - began):.1f} ms")
+        fig.suptitle(self._title(plot_title, data, logpath), fontsize=13, fontweight="bold", y=0.997, va="top")
+        drawn = time.perf_counter()
+
+        if save_plot:
+            self.last_saved = self._save(fig, logpath, savedir, savename, savename_append, savefig_kwargs)
+            if debug:
+                print(f"[cockpit_like|plot] saved {self.last_saved}")
+        if show_plot:
+            self._show(fig, block)
+        end = time.perf_counter()
+        self.last_timing = {"read": read - start, "draw": drawn - read, "render": end - drawn, "total": end - start}
+        if debug:
+            print(
+                "[cockpit_like|plot] "
+                + ", ".join(f"{name} {1e3 * value:.0f} ms" for name, value in self.last_timing.items())
+            )
+        return fig
+
+    # ---- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _title(plot_title: str | None, data: RunData, logpath: str | None) -> str:
+        if plot_title is not None:
+            return plot_title
+        name = Path(logpath).name if logpath else "live run"
+        last = max(data.steps) if data.steps else None
+        return f"Cockpit: {name}" + (f" (step {last})" if last is not None else " (no data yet)")
+
+    @staticmethod
+    def _save(fig: Figure, logpath, savedir, savename: str, savename_append, savefig_kwargs) -> Path:
+        kwargs = dict(savefig_kwargs or {})
+        fmt = str(kwargs.pop("format", "png")).lower()
+        if savedir is None:
+            savedir = Path(logpath).parent if logpath else Path.cwd()
+        folder = Path(savedir)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{savename}{savename_append or ''}.{fmt}"
+        kwargs.setdefault("facecolor", "white")
+        fig.savefig(path, format=fmt, **kwargs)
+        return path
+
+    def _show(self, fig: Figure, block: bool) -> None:
+        global _warned_headless
+        if not self._windowed:
+            if not _warned_headless:
+                _warned_headless = True
+                warnings.warn(
+                    "[cockpit_like] no interactive matplotlib backend (headless run); the cockpit is "
+                    "drawn but not shown. Use plot(..., save_plot=True) to write it to a file.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return
+        import matplotlib.pyplot as plt
+
+        if block:
+            plt.show(block=True)
+            return
+        if not getattr(fig, "_cockpit_like_shown", False):
+            fig._cockpit_like_shown = True
+            plt.show(block=False)
+        fig.canvas.draw_idle()
+        fig.canvas.flush_events()
+
+
+def save_dashboard(
+    logpath: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    secondary_screen: bool = False,
+    plot_title: str | None = None,
+    **savefig_kwargs: Any,
+) -> Path:
+    """Render a saved run to an image file and return its path.
+
+    Args:
+        logpath: the log (``.json``/``.jsonl``, with or without the suffix).
+        output: where to write; default: next to the log, with the log's
+            name and ``.png`` (``runs/mlp.json`` -> ``runs/mlp.png``). The
+            suffix picks the format (``.pdf``, ``.svg``, ...).
+        secondary_screen: include the secondary screen.
+        plot_title: figure title (default: the log name and last step).
+        **savefig_kwargs: passed to ``Figure.savefig`` (e.g. ``dpi=150``).
+    """
+    from cockpit_like.logs import _resolve
+
+    resolved = _resolve(logpath)
+    target = Path(output) if output is not None else resolved.with_suffix(".png")
+    fmt = target.suffix.lstrip(".").lower() or "png"
+    if not target.suffix:
+        target = target.with_name(target.name + ".png")
+    plotter = CockpitPlotter(secondary_screen=secondary_screen)
+    plotter.plot(
+        resolved, show_plot=False, save_plot=True, savedir=target.parent, savename=target.stem,
+        savefig_kwargs={"format": fmt, **savefig_kwargs}, plot_title=plot_title,
+    )
+    return plotter.last_saved
