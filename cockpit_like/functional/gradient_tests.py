@@ -1,0 +1,96 @@
+"""Gradient tests and gradient-noise statistics from reduced per-sample gradients.
+
+Notation (mean loss over ``B`` samples): ``g_i`` is sample ``i``'s gradient,
+``gbar = (1/B) sum_i g_i``, BackPACK's ``grad_batch[i] = g_i / B``.
+Inputs are the reductions of :mod:`cockpit_like.backends.per_sample_stats`:
+
+- ``gram``: ``B x B``, ``gram[i, k] = <grad_batch[i], grad_batch[k]> = g_i^T g_k / B^2``;
+- ``sum_sq``: per entry ``s_j = sum_i grad_batch[i, j]^2 = (1/B^2) sum_i g_ij^2``;
+- ``grad_sq_norm``: ``||gbar||^2`` (from ``p.grad``), ``grad``: ``gbar`` flattened.
+
+All functions return 0-d tensors in the input dtype (EarlyStopping: a float),
+evaluated in the same order as Cockpit so that float32 results agree.
+
+Example (two samples with gradients (1, 0) and (0, 1), so gbar = (.5, .5)):
+    >>> gram = torch.tensor([[1.0, 0.0], [0.0, 1.0]]) / 4
+    >>> norm_test(gram, torch.tensor(0.5))  # sqrt(sum_i ||g_i - gbar||^2 / (1 * 2 * .5))
+    tensor(1.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["norm_test", "inner_test", "ortho_test", "mean_gsnr", "cabs", "early_stopping"]
+
+
+def norm_test(gram: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
+    """Norm test (Byrd et al. 2012): the largest test constant that passes,
+
+    ``sqrt( sum_i ||g_i - gbar||^2 / ((B-1) B ||gbar||^2) )``, evaluated as
+    ``(B^2 tr(gram) - B ||gbar||^2) / (B-1) / B / ||gbar||^2``.
+    """
+    B = gram.shape[0]
+    sum_sq_norms = B**2 * torch.trace(gram)
+    variance = (sum_sq_norms - B * grad_sq_norm) / (B - 1)
+    return (variance / B / grad_sq_norm).sqrt()
+
+
+def inner_test(gram: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
+    """Inner product test (Bollapragada et al. 2017),
+
+    ``sqrt( sum_i (pi_i - ||gbar||^2)^2 / ((B-1) B ||gbar||^4) )`` with
+    ``pi_i = g_i^T gbar = B sum_k gram[i, k]``; the variance is evaluated as
+    ``(sum_i pi_i^2 - B ||gbar||^4) / (B - 1)``.
+    """
+    B = gram.shape[0]
+    projections = B * gram.sum(1)
+    variance = ((projections**2).sum() - B * grad_sq_norm**2) / (B - 1)
+    return (variance / B / grad_sq_norm**2).sqrt()
+
+
+def ortho_test(gram: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
+    """Orthogonality test (Bollapragada et al. 2017),
+
+    ``sqrt( sum_i ||g_i - (pi_i/||gbar||^2) gbar||^2 / ((B-1) B ||gbar||^2) )``, the
+    numerator evaluated as ``B^2 tr(gram) - sum_i pi_i^2 / ||gbar||^2``.
+    """
+    B = gram.shape[0]
+    projections = B * gram.sum(1)
+    sum_sq_norms = B**2 * torch.trace(gram)
+    variance = (sum_sq_norms - (projections**2).sum() / grad_sq_norm) / (B - 1)
+    return (variance / B / grad_sq_norm).sqrt()
+
+
+def mean_gsnr(sum_sq: torch.Tensor, grad: torch.Tensor, batch_size: int, epsilon: float = 1e-5) -> torch.Tensor:
+    """Mean gradient signal-to-noise ratio (Liu et al. 2020),
+
+    ``mean_j gbar_j^2 / (B s_j - gbar_j^2 + eps)``, where ``B s_j - gbar_j^2 =
+    (1/B) sum_i g_ij^2 - gbar_j^2`` is the *biased* per-entry variance.
+    """
+    return (grad**2 / (batch_size * sum_sq - grad**2 + epsilon)).mean()
+
+
+def cabs(sum_sq: torch.Tensor, grad: torch.Tensor, batch_size: int, lr: float, loss: torch.Tensor) -> torch.Tensor:
+    """CABS suggested batch size (Balles et al. 2017),
+
+    ``lr * sum_j sum_i (g_ij - gbar_j)^2 / (B L)``, i.e. ``lr`` times the biased
+    trace of the gradient covariance over the loss ``L``, evaluated as
+    ``lr * sum_j (B^2 s_j - B gbar_j^2) / (B L)``.
+    """
+    B = batch_size
+    trace = (B**2 * sum_sq - B * grad**2).sum()
+    return lr * trace / (B * loss)
+
+
+def early_stopping(sum_sq: torch.Tensor, grad: torch.Tensor, batch_size: int, epsilon: float = 1e-5) -> float:
+    """Evidence-based early-stopping criterion (Mahsereci et al. 2017); stop once > 0,
+
+    ``1 - B mean_j gbar_j^2 / (v_j + eps)`` with the *unbiased* per-entry
+    variance ``v_j = (B^2 s_j - B gbar_j^2) / (B - 1)``. ``1 - B x`` runs in
+    Python double, as in Cockpit.
+    """
+    B = batch_size
+    variance = (B**2 * sum_sq - B * grad**2) / (B - 1)
+    ratio = (grad**2 / (variance + epsilon)).mean().item()
+    return 1.0 - B * ratio

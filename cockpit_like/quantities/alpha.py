@@ -1,0 +1,257 @@
+"""Alpha: the normalized step length of the update ``theta_t -> theta_{t+1}``.
+
+The fit itself (Cockpit paper, Schneider et al. 2021) is the pure function
+:func:`cockpit_like.functional.alpha.alpha_from_observations`. This module
+gathers its inputs at two consecutive steps for *any* ``torch.optim.Optimizer``
+without keeping per-sample gradients from one step to the next:
+
+- **Start step t** (after backward): the direction ``d`` of the coming update
+  is not known yet. Alpha predicts it by a *look-ahead*: it runs
+  ``optimizer.step()`` on the live parameters and optimizer state and then
+  restores parameters, gradients, state, param groups and the RNG exactly
+  (:func:`lookahead_update`). With the per-sample gradients of this step
+  (kept only until the end of this step) it reduces the slopes
+  ``u_{0,i} = g_{t,i}^T d / ||d||`` to their mean and unbiased variance. Kept
+  until step t+1: ``theta_t``, the predicted ``d``, ``sum_i grad_batch_i`` and a
+  few floats, i.e. O(D) memory, nothing per sample.
+- **End step t+1**: the actual ``d = theta_{t+1} - theta_t`` is known when the
+  step begins, so the slopes ``u_{1,i} = g_{t+1,i}^T d / ||d||`` are reduced
+  layer by layer in the backward pass
+  (:class:`~cockpit_like.backends.per_sample_stats.DirectionalDots`). The
+  prediction is verified: if the actual update has the predicted *direction*
+  (slopes depend only on the direction) the result is exact. Otherwise (the
+  gradients were changed between backward and ``step()``, e.g. clipping with
+  an adaptive optimizer, or no ``info["optimizer"]`` for a non-SGD optimizer)
+  Alpha warns; the start slope mean stays exact (from ``sum_i grad_batch_i``),
+  only its variance is taken along the predicted direction.
+
+Scaling: mean loss, ``grad_batch[i] = g_i / B``; ``u_{k,i} = B grad_batch_{k,i}^T d / tau``
+with ``B = info["batch_size"]``. Stored under the start step (``SAVE_SHIFT = 1``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from cockpit_like import context
+from cockpit_like.backends.per_sample_stats import DirectionalDots, RetainedGradBatch
+from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
+from cockpit_like.quantities.quantity import TwoStepQuantity
+
+__all__ = ["Alpha", "lookahead_update"]
+
+_IMMUTABLE = (bool, int, float, str, type(None), tuple)
+
+
+def lookahead_update(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The update ``optimizer.step()`` would make now, without making it.
+
+    Runs ``optimizer.step()`` and restores, in place, every parameter of the
+    optimizer, its gradient, the optimizer's per-parameter state (tensors are
+    copied back into the same objects; entries created by the step are
+    removed), its param groups, its plain attributes, and torch's CPU RNG.
+
+    Returns:
+        ``[theta_p(after) - theta_p(before) for p in params]`` (zeros for
+        tensors the optimizer does not update).
+    """
+    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+    with torch.no_grad():
+        values = {p: p.detach().clone() for p in opt_params}
+        grads = {p: (p.grad, None if p.grad is None else p.grad.detach().clone()) for p in opt_params}
+        states = {}
+        for p in opt_params:
+            if p in optimizer.state:
+                state = optimizer.state[p]
+                items = dict(state)
+                clones = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in items.items()}
+                states[p] = (state, items, clones)
+        groups = [(group, dict(group)) for group in optimizer.param_groups]
+        attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
+        rng = torch.get_rng_state()
+        try:
+            optimizer.step()
+            return [
+                (p.detach() - values[p]) if p in values else torch.zeros_like(p) for p in params
+            ]
+        finally:
+            torch.set_rng_state(rng)
+            for p in opt_params:
+                p.copy_(values[p])
+                original, saved = grads[p]
+                if original is not None:
+                    original.copy_(saved)
+                p.grad = original
+                if p in states:
+                    state, items, clones = states[p]
+                    for key, value in items.items():
+                        if isinstance(value, torch.Tensor):
+                            value.copy_(clones[key])
+                    state.clear()
+                    state.update(items)
+                    optimizer.state[p] = state
+                else:
+                    optimizer.state.pop(p, None)
+            for group, saved in groups:
+                group.clear()
+                group.update(saved)
+            for key, value in attributes.items():
+                setattr(optimizer, key, value)
+
+
+def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.sqrt(sum((t**2).sum() for t in tensors))
+
+
+def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    return sum((x * y).sum() for x, y in zip(a, b))
+
+
+class Alpha(TwoStepQuantity):
+    """Normalized step length from a noise-aware quadratic fit along the update.
+
+    ``alpha = tau / x* - 1`` where ``tau = ||theta_{t+1} - theta_t||`` and ``x*``
+    is the minimum of the quadratic fitted to the losses, the slopes and their
+    single-sample variances at both ends (see :mod:`cockpit_like.functional.alpha`):
+    0 = the step lands on the minimum, 1 = on the mirrored point, < 0 undershoot,
+    > 0 overshoot, -1 for a concave fit (or no step). Stored under the start step t
+    once the cockpit is entered at t+1 (which need not be scheduled).
+
+    Needs ``info["batch_size"]``, ``info["individual_losses"]`` and ``info["loss"]``
+    at both steps, and ``info["optimizer"]`` (any ``torch.optim.Optimizer``) at
+    the start step; without it the update direction is assumed to be the
+    negative gradient (exact for plain SGD) and checked at the end step.
+    Memory kept between the steps is O(D) (see the module docstring).
+    """
+
+    SAVE_SHIFT = 1
+    _INFO = {"batch_size", "individual_losses", "loss"}
+
+    def __init__(self, track_schedule, verbose: bool = False):
+        super().__init__(track_schedule, verbose=verbose)
+        self._end_direction: tuple[int, list[torch.Tensor]] | None = None
+        self._tracked_params: list[torch.Tensor] = []
+
+    def required_info(self, global_step: int) -> set[str]:
+        return set(self._INFO) if self.is_active(global_step) else set()
+
+    def _dots_key(self, global_step: int) -> str:
+        return f"Alpha-{id(self)}-step{global_step}"
+
+    def per_sample_stats(self, global_step: int) -> list:
+        stats = []
+        if self.is_start(global_step):
+            stats.append(RetainedGradBatch())
+        start = global_step - self.SAVE_SHIFT
+        self._end_direction = None
+        if self.is_end(global_step) and self.is_cached(start, "params"):
+            reference = self.load_from_cache(start, "params")
+            # the cockpit's params (the same list at every step) were saved at the start step
+            direction = [p.detach() - r for p, r in zip(self._tracked_params, reference)]
+            self._end_direction = (global_step, direction)
+            stats.append(DirectionalDots(self._dots_key(global_step), tuple(direction)))
+        return stats
+
+    # ---- start step ----------------------------------------------------------
+    def _compute_start(self, global_step, params, batch_loss):
+        record = context.get_record(global_step)
+        batch_size = record.require("batch_size", "Alpha")
+        retained = record.stat(RetainedGradBatch())
+        try:
+            if any(gb is None for gb in retained):
+                missing = [i for i, gb in enumerate(retained) if gb is None]
+                raise RuntimeError(f"Alpha: BackPACK computed no per-sample gradients for parameters {missing}")
+            grad_sum = [gb.sum(0) for gb in retained]
+            predicted = self._predict_update(global_step, record, params, grad_sum)
+            slopes = self._slopes(retained, predicted, batch_size)
+        finally:
+            retained.clear()  # nothing per-sample survives this step
+        f0, var_f0 = self._loss_moments(record)
+        self._tracked_params = list(params)
+        keep = lambda step, t=global_step: step <= t  # noqa: E731
+        self.save_to_cache(global_step, "params", [p.detach().clone() for p in params], keep)
+        self.save_to_cache(global_step, "predicted_update", predicted, keep)
+        self.save_to_cache(global_step, "grad_batch_sum", grad_sum, keep)
+        mean_u, var_u = sample_mean_and_variance(slopes)
+        self.save_to_cache(global_step, "observations", (f0, var_f0, mean_u, var_u), keep)
+
+    def _predict_update(self, global_step, record, params, grad_sum):
+        optimizer = record.info.get("optimizer")
+        if optimizer is None:
+            warnings.warn(
+                f"Alpha: no info['optimizer'] at step {global_step}; assuming the update points "
+                "along the negative gradient (exact for plain SGD; checked at the next step)",
+                UserWarning,
+                stacklevel=4,
+            )
+            return [-g for g in grad_sum]
+        try:
+            return lookahead_update(optimizer, params)
+        except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
+            warnings.warn(
+                f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
+                f"{global_step} ({type(error).__name__}: {error}); assuming the update points along "
+                "the negative gradient (checked at the next step)",
+                UserWarning,
+                stacklevel=4,
+            )
+            return [-g for g in grad_sum]
+
+    @staticmethod
+    def _slopes(grad_batch: list[torch.Tensor], direction: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+        """``u_i = B grad_batch_i^T d / ||d||`` (zeros for d = 0)."""
+        norm = _norm(direction)
+        dots = sum(gb.reshape(gb.shape[0], -1) @ d.reshape(-1).to(gb.dtype) for gb, d in zip(grad_batch, direction))
+        if norm == 0:
+            return torch.zeros_like(dots)
+        return batch_size * dots / norm
+
+    @staticmethod
+    def _loss_moments(record) -> tuple[float, float]:
+        loss = record.require("loss", "Alpha")
+        losses = record.require("individual_losses", "Alpha")
+        value = loss.item() if isinstance(loss, torch.Tensor) else float(loss)
+        _, variance = sample_mean_and_variance(torch.as_tensor(losses))
+        return value, variance
+
+    # ---- end step ------------------------------------------------------------
+    def _compute_end(self, global_step, params, batch_loss):
+        start = global_step - self.SAVE_SHIFT
+        if not self.is_cached(start, "params") or self._end_direction is None:
+            return None
+        _, direction = self._end_direction
+        self._end_direction = None
+        record = context.get_record(global_step)
+        batch_size = record.require("batch_size", "Alpha")
+        tau = _norm(direction).item()
+        f0, var_f0, mean_u0, var_u0 = self.load_from_cache(start, "observations")
+        f1, var_f1 = self._loss_moments(record)
+        if tau == 0:
+            return -1  # no step (Cockpit divides by zero here)
+        dots = record.stat(DirectionalDots(self._dots_key(global_step)))
+        mean_u1, var_u1 = sample_mean_and_variance(batch_size * dots / tau)
+        predicted = self.load_from_cache(start, "predicted_update")
+        if not self._same_direction(direction, predicted):
+            grad_sum = self.load_from_cache(start, "grad_batch_sum")
+            mean_u0 = (_dot(grad_sum, direction) / tau).item()
+            warnings.warn(
+                f"Alpha: the update from step {start} to {global_step} differs in direction from "
+                "the optimizer's look-ahead (gradients or parameters changed between backward and "
+                "optimizer.step(), or info['optimizer'] is missing/does not do the update). The "
+                "start slope's variance is measured along the predicted direction, so alpha at "
+                f"step {start} is approximate.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+
+    @staticmethod
+    def _same_direction(actual: list[torch.Tensor], predicted: list[torch.Tensor]) -> bool:
+        norm_actual, norm_predicted = _norm(actual), _norm(predicted)
+        if norm_predicted == 0:
+            return False
+        eps = torch.finfo(actual[0].dtype).eps
+        gap = _norm([a / norm_actual - p / norm_predicted for a, p in zip(actual, predicted)])
+        return bool(gap <= 1000 * eps)

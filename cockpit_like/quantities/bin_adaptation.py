@@ -1,0 +1,88 @@
+"""Bin adaptation for the gradient histograms: GradAbsMax and ParamAbsMax.
+
+An adapter has its own schedule. It runs inside its host histogram's
+tracking at every step the cockpit is entered, *after* that step's histogram,
+so a new range applies from the next histogram on. When its schedule holds it
+sets the range to ``(-e, e)`` with ``e = (1 + padding) * max(min_size / 2, m)``:
+
+- :class:`GradAbsMax`: ``m = B * max_{p,i,j} |grad_batch_{i,p,j}| = max |g_{i,p,j}|``
+  (``B`` = ``grad_batch``'s leading dimension; needs per-sample gradients at
+  its steps);
+- :class:`ParamAbsMax`: ``m = max_{p,j} |theta_{p,j}|``.
+
+Example:
+    >>> from cockpit_like.quantities import GradHist1d
+    >>> from cockpit_like.utils.schedules import linear
+    >>> hist = GradHist1d(linear(10), adapt=GradAbsMax(linear(100), padding=0.1))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from cockpit_like.backends.per_sample_stats import AbsMax
+from cockpit_like.utils.schedules import check_schedule
+
+__all__ = ["BinAdaptation", "GradAbsMax", "ParamAbsMax"]
+
+
+class BinAdaptation:
+    """Base class: a schedule and a rule ``m`` for the new symmetric range."""
+
+    def __init__(
+        self,
+        track_schedule: Callable[[int], bool],
+        verbose: bool = False,
+        padding: float = 0.0,
+        min_size: float = 1e-6,
+    ):
+        check_schedule(track_schedule, type(self).__name__)
+        if padding < 0 or min_size < 0:
+            raise ValueError(f"{type(self).__name__}: padding and min_size must be >= 0")
+        self._track_schedule = track_schedule
+        self._verbose = verbose
+        self._padding = padding
+        self._min_size = min_size
+
+    def should_compute(self, global_step: int) -> bool:
+        return bool(self._track_schedule(global_step))
+
+    def per_sample_stats(self, global_step: int) -> list:
+        return []
+
+    def settings(self) -> dict:
+        return {"class": type(self).__name__, "padding": self._padding, "min_size": self._min_size}
+
+    def _abs_max(self, record, params: list[torch.Tensor]) -> float:
+        raise NotImplementedError
+
+    def new_range(self, global_step: int, record, params: list[torch.Tensor]) -> tuple[float, float]:
+        """The range ``(-e, e)`` to use from the next histogram on."""
+        extent = (1.0 + self._padding) * max(self._min_size / 2, self._abs_max(record, params))
+        if self._verbose:
+            print(f"[Step {global_step}] {type(self).__name__}: new range (-{extent}, {extent})")
+        return (-extent, extent)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(padding={self._padding}, min_size={self._min_size})"
+
+
+class GradAbsMax(BinAdaptation):
+    """Range from the largest absolute per-sample gradient entry ``B * max |grad_batch|``."""
+
+    def per_sample_stats(self, global_step: int) -> list:
+        return [AbsMax()] if self.should_compute(global_step) else []
+
+    def _abs_max(self, record, params):
+        value, batch = record.stat(AbsMax())
+        return batch * value.item()
+
+
+class ParamAbsMax(BinAdaptation):
+    """Range from the largest absolute parameter entry ``max |theta|``."""
+
+    def _abs_max(self, record, params):
+        return max(p.detach().abs().max().item() for p in params)
+

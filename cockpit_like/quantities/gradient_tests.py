@@ -1,0 +1,61 @@
+"""The gradient tests: NormTest, InnerTest, OrthoTest (as used by Cockpit).
+
+All three share one statistic, the ``B x B`` Gram matrix of the per-sample
+gradients (:class:`~cockpit_like.backends.per_sample_stats.BatchGram`),
+reduced layer by layer in the backward pass and computed once per step for
+all three. ``B`` is ``grad_batch``'s leading dimension; ``||gbar||^2`` is
+``sum_p ||p.grad||^2``. Scaling: mean loss, ``grad_batch[i] = g_i / B``.
+The math lives in :mod:`cockpit_like.functional.gradient_tests`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cockpit_like import context
+from cockpit_like.backends.per_sample_stats import BatchGram
+from cockpit_like.functional import gradient_tests as F
+from cockpit_like.quantities.byproducts import gradients_of
+from cockpit_like.quantities.quantity import SingleStepQuantity
+
+__all__ = ["NormTest", "InnerTest", "OrthoTest"]
+
+
+class _GramTest(SingleStepQuantity):
+    _test = None
+
+    def per_sample_stats(self, global_step: int) -> list:
+        return [BatchGram()] if self.should_compute(global_step) else []
+
+    def _compute(self, global_step, params, batch_loss):
+        gram = context.get_record(global_step).stat(BatchGram())
+        grads = gradients_of(params, type(self).__name__)
+        grad_sq_norm = sum((g.detach() ** 2).sum() for g in grads)
+        return type(self)._test(gram, grad_sq_norm)
+
+
+class NormTest(_GramTest):
+    """Norm test (Byrd et al. 2012): ``sqrt(sum_i ||g_i - gbar||^2 / ((B-1) B ||gbar||^2))``.
+
+    The largest test constant for which the test passes; large values ask for
+    a larger batch. Stored as a float.
+    """
+
+    _test = staticmethod(F.norm_test)
+
+
+class InnerTest(_GramTest):
+    """Inner product test (Bollapragada et al. 2017):
+    ``sqrt(sum_i (g_i^T gbar - ||gbar||^2)^2 / ((B-1) B ||gbar||^4))``. Stored as a float.
+    """
+
+    _test = staticmethod(F.inner_test)
+
+
+class OrthoTest(_GramTest):
+    """Orthogonality test (Bollapragada et al. 2017):
+    ``sqrt(sum_i ||g_i - (g_i^T gbar / ||gbar||^2) gbar||^2 / ((B-1) B ||gbar||^2))``.
+    Stored as a float.
+    """
+
+    _test = staticmethod(F.ortho_test)

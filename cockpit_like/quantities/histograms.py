@@ -1,0 +1,173 @@
+"""Histograms of per-sample gradient entries: GradHist1d and GradHist2d.
+
+Counting happens inside the backward pass, parameter by parameter
+(:class:`~cockpit_like.backends.per_sample_stats.Histogram1dCounts` /
+``Histogram2dCounts``), so the per-sample gradients of the whole network are
+never materialised at once. The entries counted are the per-sample gradients
+``g_{i,p,j} = B * grad_batch_{i,p,j}`` (mean loss; ``B`` = ``grad_batch``'s
+leading dimension). Binning rules: :mod:`cockpit_like.functional.histograms`.
+
+Ranges can follow the data with :mod:`cockpit_like.quantities.bin_adaptation`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cockpit_like import context
+from cockpit_like.backends.per_sample_stats import Histogram1dCounts, Histogram2dCounts
+from cockpit_like.functional.histograms import hist_edges
+from cockpit_like.quantities.quantity import SingleStepQuantity
+
+__all__ = ["GradHist1d", "GradHist2d"]
+
+
+def _check_range(range_: tuple, owner: str, axis: str = "") -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in range_)
+    except (TypeError, ValueError):
+        raise ValueError(f"{owner}: range{axis} must be a pair (lo, hi) of numbers, got {range_!r}") from None
+    if not lo < hi:
+        raise ValueError(f"{owner}: range{axis} needs lo < hi, got {range_!r}")
+    return (lo, hi)
+
+
+def _check_bins(bins, owner: str, axis: str = "") -> int:
+    if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+        raise ValueError(f"{owner}: bins{axis} must be a positive int, got {bins!r}")
+    return bins
+
+
+class _AdaptiveHistogram(SingleStepQuantity):
+    """Shared logic: active at histogram steps and at the adapters' steps."""
+
+    def _adapters(self) -> list:
+        raise NotImplementedError
+
+    def is_active(self, global_step: int) -> bool:
+        return self.should_compute(global_step) or any(a.should_compute(global_step) for a in self._adapters())
+
+    def per_sample_stats(self, global_step: int) -> list:
+        stats = [self._counts_stat()] if self.should_compute(global_step) else []
+        for adapter in self._adapters():
+            if adapter.should_compute(global_step):
+                stats.extend(adapter.per_sample_stats(global_step))
+        return stats
+
+    def track(self, global_step, params, batch_loss):
+        super().track(global_step, params, batch_loss)  # this step's histogram first
+        self._adapt(global_step, context.get_record(global_step), params)
+
+
+class GradHist1d(_AdaptiveHistogram):
+    """Histogram of all per-sample gradient entries ``g_{i,p,j} = B * grad_batch_{i,p,j}``.
+
+    Values are clamped to ``range`` (outliers land in the end bins) and counted
+    with ``torch.histc``; counts are summed over parameters (total ``B * D``).
+    Stored: ``{"hist": float ndarray[bins] (gradient dtype), "edges":
+    float32 ndarray[bins + 1]}``.
+
+    Args:
+        bins: number of bins.
+        range: ``(lo, hi)``.
+        adapt: a :mod:`~cockpit_like.quantities.bin_adaptation` instance that
+            updates ``range`` on its own schedule (after the step's histogram).
+    """
+
+    def __init__(self, track_schedule, verbose: bool = False, bins: int = 100, range=(-2, 2), adapt=None):
+        super().__init__(track_schedule, verbose=verbose)
+        self._bins = _check_bins(bins, "GradHist1d")
+        self._range = _check_range(range, "GradHist1d")
+        self._adapt_rule = adapt
+
+    def _adapters(self):
+        return [] if self._adapt_rule is None else [self._adapt_rule]
+
+    def _counts_stat(self):
+        return Histogram1dCounts(self._bins, self._range)
+
+    def settings(self):
+        adapt = None if self._adapt_rule is None else self._adapt_rule.settings()
+        return {"bins": self._bins, "range": list(self._range), "adapt": adapt}
+
+    def _compute(self, global_step, params, batch_loss):
+        counts = context.get_record(global_step).stat(self._counts_stat())
+        return {"hist": counts, "edges": hist_edges(self._bins, self._range)}
+
+    def _adapt(self, global_step, record, params):
+        if self._adapt_rule is not None and self._adapt_rule.should_compute(global_step):
+            self._range = self._adapt_rule.new_range(global_step, record, params)
+
+
+class GradHist2d(_AdaptiveHistogram):
+    """2-D histogram of pairs (per-sample gradient entry, parameter value).
+
+    Entry ``j`` of block ``p`` contributes the ``B`` pairs
+    ``(g_{i,p,j} = B * grad_batch_{i,p,j}, theta_{p,j})``. Per axis, with bin
+    width ``w = (hi - lo) / bins``, values are clamped to ``[lo + w/2, hi - w/2]``
+    (outliers sit in the end bins' centres) and binned by ``trunc((v - lo) / w)``.
+    Stored: ``{"hist": int64 ndarray[xbins, ybins], "edges": (x edges, y edges)}``
+    (float32), and with ``keep_individual`` also ``"param_groups"`` (the number
+    of parameter tensors) and ``"param_{i}"`` (each tensor's own hist/edges).
+
+    Args:
+        bins: ``(xbins, ybins)``.
+        range: ``((xlo, xhi), (ylo, yhi))``; x = gradient, y = parameter.
+        adapt: ``(x adapter or None, y adapter or None)``.
+        keep_individual: also store one histogram per parameter tensor.
+    """
+
+    def __init__(
+        self,
+        track_schedule,
+        verbose: bool = False,
+        bins=(40, 50),
+        range=((-1, 1), (-2, 2)),
+        adapt=(None, None),
+        keep_individual: bool = False,
+    ):
+        super().__init__(track_schedule, verbose=verbose)
+        if not isinstance(bins, (tuple, list)) or len(bins) != 2:
+            raise ValueError(f"GradHist2d: bins must be a pair (xbins, ybins), got {bins!r}")
+        self._bins = (_check_bins(bins[0], "GradHist2d", "[0]"), _check_bins(bins[1], "GradHist2d", "[1]"))
+        if not isinstance(range, (tuple, list)) or len(range) != 2:
+            raise ValueError(f"GradHist2d: range must be ((xlo, xhi), (ylo, yhi)), got {range!r}")
+        self._range = (_check_range(range[0], "GradHist2d", "[0]"), _check_range(range[1], "GradHist2d", "[1]"))
+        if adapt is None:
+            adapt = (None, None)
+        if not isinstance(adapt, (tuple, list)) or len(adapt) != 2:
+            raise ValueError(f"GradHist2d: adapt must be a pair (x adapter, y adapter), got {adapt!r}")
+        self._adapt_rules = tuple(adapt)
+        self._keep_individual = bool(keep_individual)
+
+    def _adapters(self):
+        return [a for a in self._adapt_rules if a is not None]
+
+    def _counts_stat(self):
+        return Histogram2dCounts(self._bins, self._range)
+
+    def settings(self):
+        return {
+            "bins": list(self._bins),
+            "range": [list(r) for r in self._range],
+            "adapt": [None if a is None else a.settings() for a in self._adapt_rules],
+            "keep_individual": self._keep_individual,
+        }
+
+    def _compute(self, global_step, params, batch_loss):
+        per_param = context.get_record(global_step).stat(self._counts_stat())
+        edges = (hist_edges(self._bins[0], self._range[0]), hist_edges(self._bins[1], self._range[1]))
+        reached = [h for h in per_param if h is not None]
+        result = {"hist": sum(reached[1:], reached[0].clone()), "edges": edges}
+        if self._keep_individual:
+            result["param_groups"] = len(params)
+            for index, hist in enumerate(per_param):
+                result[f"param_{index}"] = {"hist": hist, "edges": edges}
+        return result
+
+    def _adapt(self, global_step, record, params):
+        new = list(self._range)
+        for axis, rule in enumerate(self._adapt_rules):
+            if rule is not None and rule.should_compute(global_step):
+                new[axis] = rule.new_range(global_step, record, params)
+        self._range = tuple(new)
