@@ -1,6 +1,11 @@
 """All built-in quantities and the base classes to write your own."""
 
+from cockpit_like.quantities import bin_adaptation
+from cockpit_like.quantities.alpha import Alpha
 from cockpit_like.quantities.byproducts import GradNorm, Loss, Parameters, Time
+from cockpit_like.quantities.gradient_noise import CABS, EarlyStopping, MeanGSNR
+from cockpit_like.quantities.gradient_tests import InnerTest, NormTest, OrthoTest
+from cockpit_like.quantities.histograms import GradHist1d, GradHist2d
 from cockpit_like.quantities.curvature import HessTrace, TICDiag, TICTrace
 from cockpit_like.quantities.hess_max_ev import HessMaxEV
 from cockpit_like.quantities.kfac_trace import KFACTrace
@@ -23,6 +28,15 @@ __all__ = [
     "GradNorm",
     "Distance",
     "UpdateSize",
+    "Alpha",
+    "CABS",
+    "EarlyStopping",
+    "MeanGSNR",
+    "NormTest",
+    "InnerTest",
+    "OrthoTest",
+    "GradHist1d",
+    "GradHist2d",
     "HessTrace",
     "TICDiag",
     "TICTrace",
