@@ -1,0 +1,176 @@
+"""HessMaxEV and the eigen solvers against torch.linalg.eigvalsh (float64)."""
+
+import pytest
+import torch
+
+from cockpit_like import Cockpit
+from cockpit_like.functional.eigen import lanczos, power_iteration
+from cockpit_like.quantities import HessMaxEV, HessTrace
+from cockpit_like.quantities.hess_max_ev import MissingGraphError
+from cockpit_like.utils import schedules
+from tests.helpers import dense_hessian, make_batch, make_problem, train
+
+
+def random_symmetric(eigenvalues, seed=0, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(seed)
+    n = len(eigenvalues)
+    q, _ = torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))
+    return (q @ torch.diag(torch.tensor(eigenvalues, dtype=torch.float64)) @ q.T).to(dtype)
+
+
+# ---- solvers ---------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_power_iteration_top_magnitude_any_dtype(dtype):
+    """Cockpit's power iteration crashes on float64; ours works in both dtypes."""
+    matrix = random_symmetric([5.0, 2.0, 1.0, -1.0, 0.5, 0.1], seed=1, dtype=dtype)
+    start = torch.rand(6, generator=torch.Generator().manual_seed(2), dtype=dtype)
+    result = power_iteration(lambda v: matrix @ v, start)
+    assert result.converged and result.vector.dtype == dtype
+    assert result.value == pytest.approx(5.0, rel=2e-3)
+    assert result.num_matvecs >= 2
+
+
+def test_power_iteration_finds_largest_magnitude_and_warm_start_is_cheaper():
+    matrix = random_symmetric([3.0, 1.0, 0.2, -6.0], seed=3)
+    start = torch.ones(4, dtype=torch.float64)
+    cold = power_iteration(lambda v: matrix @ v, start, rtol=1e-10, atol=0, max_iter=1000)
+    assert cold.value == pytest.approx(-6.0, rel=1e-8)
+    warm = power_iteration(lambda v: matrix @ v, cold.vector, rtol=1e-10, atol=0)
+    assert warm.num_matvecs == 2 < cold.num_matvecs
+
+
+def test_power_iteration_stop_rule_and_max_iter_warning():
+    matrix = random_symmetric([1.0, 0.999, 0.5], seed=4)
+    calls = []
+
+    def matvec(v):
+        calls.append(1)
+        return matrix @ v
+
+    with pytest.warns(RuntimeWarning, match="did not converge in 3"):
+        result = power_iteration(matvec, torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64), rtol=0, atol=0, max_iter=3)
+    assert not result.converged and result.num_matvecs == len(calls) == 3
+    zero = power_iteration(lambda v: torch.zeros_like(v), torch.ones(3, dtype=torch.float64))
+    assert zero.value == 0.0 and zero.converged
+    with pytest.raises(ValueError, match="non-zero"):
+        power_iteration(lambda v: v, torch.zeros(3))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lanczos_largest_algebraic(seed):
+    generator = torch.Generator().manual_seed(seed)
+    n = 40
+    matrix = torch.randn(n, n, generator=generator, dtype=torch.float64)
+    matrix = matrix + matrix.T
+    exact = torch.linalg.eigvalsh(matrix)
+    result = lanczos(lambda v: matrix @ v, torch.rand(n, generator=generator, dtype=torch.float64), rtol=1e-10)
+    assert result.converged
+    assert result.value == pytest.approx(exact[-1].item(), rel=1e-9)
+    residual = matrix @ result.vector - result.value * result.vector
+    assert residual.norm() <= 1e-8 * abs(result.value)
+    # warm start from the answer converges at once
+    again = lanczos(lambda v: matrix @ v, result.vector, rtol=1e-8)
+    assert again.num_matvecs < result.num_matvecs and again.value == pytest.approx(result.value, rel=1e-9)
+
+
+def test_lanczos_negative_dominant_and_small_space():
+    matrix = torch.diag(torch.tensor([2.0, -9.0, 1.0], dtype=torch.float64))
+    result = lanczos(lambda v: matrix @ v, torch.ones(3, dtype=torch.float64))
+    assert result.value == pytest.approx(2.0, rel=1e-12)  # "LA", not largest magnitude
+    assert result.num_matvecs <= 3
+
+
+# ---- the quantity -----------------------------------------------------------------
+CASES = [("mlp", True, 5), ("mlp", False, 3), ("cnn", True, 4), ("cnn", False, 6)]
+
+
+@pytest.mark.parametrize("problem,bias,batch_size", CASES)
+def test_against_dense_hessian(problem, bias, batch_size):
+    model, lossfunc, individual = make_problem(problem, bias=bias)
+    power = HessMaxEV(schedules.linear(1))
+    krylov = HessMaxEV(schedules.linear(1), use_power=False, rtol=1e-10)
+    cockpit = Cockpit(model.parameters(), quantities=[power, krylov])
+    refs = {}
+
+    def record(step, model, inputs, labels):
+        refs[step] = torch.linalg.eigvalsh(dense_hessian(model, inputs, labels))
+
+    torch.manual_seed(0)
+    train(model, lossfunc, individual, cockpit, problem, steps=3, batch_size=batch_size, record=record)
+    for step, eigenvalues in refs.items():
+        largest = eigenvalues[-1].item()
+        largest_magnitude = eigenvalues[eigenvalues.abs().argmax()].item()
+        value = power.get_output()[step]
+        assert isinstance(value, float)
+        # the power iteration's own accuracy (stop rule rtol=1e-3); Cockpit allows 2e-2
+        assert value == pytest.approx(largest_magnitude, rel=2e-2)
+        assert krylov.get_output()[step] == pytest.approx(largest, rel=1e-9)
+    assert sorted(power.hvp_counts) == sorted(krylov.hvp_counts) == [0, 1, 2]
+    assert all(power.converged.values()) and all(krylov.converged.values())
+
+
+def test_warm_start_cuts_hessian_vector_products():
+    counts = {}
+    values = {}
+    for warm in (True, False):
+        model, lossfunc, individual = make_problem("mlp")
+        quantity = HessMaxEV(schedules.linear(1), warm_start=warm)
+        cockpit = Cockpit(model.parameters(), quantities=[quantity])
+        torch.manual_seed(0)
+        train(model, lossfunc, individual, cockpit, "mlp", steps=8, batch_size=8,
+              optimizer=torch.optim.SGD(model.parameters(), lr=0.02))
+        counts[warm] = quantity.hvp_counts
+        values[warm] = quantity.get_output()
+    assert counts[True][0] == counts[False][0]  # same random start at the first step
+    assert values[True][0] == values[False][0]
+    after_first = [s for s in counts[True] if s > 0]
+    assert sum(counts[True][s] for s in after_first) < sum(counts[False][s] for s in after_first)
+    for step in values[True]:
+        assert values[True][step] == pytest.approx(values[False][step], rel=2e-2)
+
+
+def test_declares_graph_only_at_its_steps_and_no_special_case():
+    schedule = schedules.linear(2)
+    quantity = HessMaxEV(schedule)
+    assert quantity.create_graph(0) and not quantity.create_graph(1)
+    assert quantity.extensions(0) == []
+    model, _, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[HessTrace(schedules.linear(1)), quantity])
+    assert [cockpit.create_graph(s) for s in range(4)] == [True, False, True, False]
+
+    class SubclassedEV(HessMaxEV):
+        """A plugin subclass works the same: the graph comes from create_graph()."""
+
+    sub = SubclassedEV(schedules.linear(1), use_power=False)
+    assert Cockpit(model.parameters(), quantities=[sub]).create_graph(5)
+
+
+def test_missing_graph_is_a_clear_error():
+    model, lossfunc, _ = make_problem("mlp")
+    inputs, labels = make_batch("mlp", 4, seed=0)
+    cockpit = Cockpit(model.parameters(), quantities=[HessMaxEV(schedules.linear(1))])
+    loss = lossfunc(model(inputs), labels)
+    with pytest.raises(MissingGraphError, match="create_graph=cockpit.create_graph"):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()  # create_graph forgotten
+
+
+@pytest.mark.parametrize("kwargs,match", [({"max_iter": 0}, "max_iter"), ({"rtol": 0.0}, "rtol")])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        HessMaxEV(schedules.linear(1), **kwargs)
+
+
+def test_settings_and_float32_model():
+    quantity = HessMaxEV(schedules.linear(1), use_power=False)
+    assert quantity.settings() == {"use_power": False, "warm_start": True, "max_iter": 100, "rtol": 1e-6, "atol": 1e-6}
+    model, lossfunc, individual = make_problem("mlp")
+    model = model.float()
+    cockpit = Cockpit(model.parameters(), quantities=[HessMaxEV(schedules.linear(1))])
+    inputs, labels = make_batch("mlp", 4, seed=0)
+    loss = lossfunc(model(inputs.float()), labels)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    exact = torch.linalg.eigvalsh(dense_hessian(model.double(), inputs, labels))
+    largest_magnitude = exact[exact.abs().argmax()].item()
+    assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(largest_magnitude, rel=2e-2)
