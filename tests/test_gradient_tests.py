@@ -1,0 +1,88 @@
+"""NormTest, InnerTest, OrthoTest against float64 brute force (per-sample gradients from torch.func)."""
+
+import warnings
+
+import pytest
+import torch
+from tests.helpers import make_problem, per_sample_grads, train
+
+from cockpit_like import Cockpit
+from cockpit_like.functional import gradient_tests as F
+from cockpit_like.quantities import InnerTest, NormTest, OrthoTest
+from cockpit_like.utils.schedules import linear, logarithmic
+
+
+def reference_tests(grads):
+    """Definitions (not Cockpit's evaluation order): g_i flattened per sample."""
+    g = torch.cat([x.reshape(x.shape[0], -1) for x in grads], dim=1)
+    B = g.shape[0]
+    mean = g.mean(0)
+    sq = mean @ mean
+    pi = g @ mean
+    norm = ((g - mean) ** 2).sum() / ((B - 1) * B * sq)
+    inner = ((pi - sq) ** 2).sum() / ((B - 1) * B * sq**2)
+    ortho = ((g - (pi / sq)[:, None] * mean) ** 2).sum() / ((B - 1) * B * sq)
+    return {"NormTest": norm.sqrt().item(), "InnerTest": inner.sqrt().item(), "OrthoTest": ortho.sqrt().item()}
+
+
+def run(problem, bias, batch_size, optimizer, schedule, steps=4, extra=()):
+    model, lossfunc, individual = make_problem(problem, bias=bias)
+    quantities = [NormTest(schedule), InnerTest(schedule), OrthoTest(schedule), *extra]
+    cockpit = Cockpit(model.parameters(), quantities=quantities)
+    refs = {}
+
+    def record(step, model, inputs, labels):
+        refs[step] = reference_tests(per_sample_grads(model, inputs, labels))
+
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.2)
+        if optimizer == "sgd"
+        else torch.optim.Adam(model.parameters(), lr=0.01)
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook")
+        train(model, lossfunc, individual, cockpit, problem, steps, batch_size, opt, record)
+    return cockpit, refs
+
+
+@pytest.mark.parametrize("problem", ["mlp", "cnn"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch_size,optimizer", [(3, "sgd"), (8, "adam"), (5, "sgd")])
+def test_matches_brute_force(problem, bias, batch_size, optimizer):
+    cockpit, refs = run(problem, bias, batch_size, optimizer, linear(1))
+    out = cockpit.get_output()
+    assert sorted(out) == [0, 1, 2, 3]
+    for step, values in out.items():
+        for name in ("NormTest", "InnerTest", "OrthoTest"):
+            assert isinstance(values[name], float)
+            assert values[name] == pytest.approx(refs[step][name], rel=1e-10)
+
+
+@pytest.mark.parametrize("schedule,steps", [(linear(2, offset=1), [1, 3]), (logarithmic(0, 1, 3), [0, 1, 3])])
+def test_schedules(schedule, steps):
+    cockpit, refs = run("mlp", True, 6, "sgd", schedule, steps=5)
+    out = cockpit.get_output()
+    assert sorted(out) == steps
+    for step in steps:
+        assert out[step]["NormTest"] == pytest.approx(refs[step]["NormTest"], rel=1e-10)
+
+
+def test_gram_statistic_shared_once():
+    schedule = linear(1)
+    needs = [q.per_sample_stats(0) for q in (NormTest(schedule), InnerTest(schedule), OrthoTest(schedule))]
+    assert needs[0] == needs[1] == needs[2] and len(needs[0]) == 1
+    assert len({s for n in needs for s in n}) == 1
+
+
+def test_functional_scaling_invariance():
+    """The tests are invariant to scaling all gradients (scaled loss)."""
+    torch.manual_seed(0)
+    gb = torch.randn(6, 20, dtype=torch.float64) / 6
+    gram, sq = gb @ gb.T, gb.sum(0) @ gb.sum(0)
+    for fn in (F.norm_test, F.inner_test, F.ortho_test):
+        assert fn(9 * gram, 9 * sq).item() == pytest.approx(fn(gram, sq).item(), rel=1e-12)
+    # permuting the batch changes nothing
+    perm = torch.randperm(6)
+    gbp = gb[perm]
+    for fn in (F.norm_test, F.inner_test, F.ortho_test):
+        assert fn(gbp @ gbp.T, sq).item() == pytest.approx(fn(gram, sq).item(), rel=1e-12)
