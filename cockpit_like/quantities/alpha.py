@@ -233,7 +233,8 @@ class Alpha(TwoStepQuantity):
         dots = record.stat(DirectionalDots(self._dots_key(global_step)))
         mean_u1, var_u1 = sample_mean_and_variance(batch_size * dots / tau)
         predicted = self.load_from_cache(start, "predicted_update")
-        if not self._same_direction(direction, predicted):
+        reference = self.load_from_cache(start, "params")
+        if not self._same_direction(direction, predicted, _norm(reference).item() / tau):
             grad_sum = self.load_from_cache(start, "grad_batch_sum")
             mean_u0 = (_dot(grad_sum, direction) / tau).item()
             warnings.warn(
@@ -248,10 +249,16 @@ class Alpha(TwoStepQuantity):
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
 
     @staticmethod
-    def _same_direction(actual: list[torch.Tensor], predicted: list[torch.Tensor]) -> bool:
+    def _same_direction(actual: list[torch.Tensor], predicted: list[torch.Tensor], relative_size: float) -> bool:
+        """Whether the unit vectors agree up to rounding.
+
+        ``theta_{t+1} - theta_t`` carries a rounding error of about ``eps ||theta||``,
+        i.e. ``eps * relative_size`` (``relative_size = ||theta_t|| / tau``) relative to
+        the step, so a tiny step next to large parameters gets a wider tolerance.
+        """
         norm_actual, norm_predicted = _norm(actual), _norm(predicted)
         if norm_predicted == 0:
             return False
         eps = torch.finfo(actual[0].dtype).eps
         gap = _norm([a / norm_actual - p / norm_predicted for a, p in zip(actual, predicted)])
-        return bool(gap <= 1000 * eps)
+        return bool(gap <= eps * (1000 + 20 * relative_size))
