@@ -176,10 +176,7 @@ def _per_sample_sized(batch_size, shapes):
     found = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        objects = gc.get_objects()
-    for obj in objects:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
             try:
                 if isinstance(obj, torch.Tensor) and tuple(obj.shape) in targets:
                     found.append(tuple(obj.shape))
