@@ -72,26 +72,27 @@ def _sum_of_blocks(value: Any) -> float:
     return float(np.sum(np.asarray(value, dtype=float)))
 
 
-def smooth(values: np.ndarray, weight: float | None = None) -> np.ndarray:
-    """Debiased exponential moving average, ignoring NaNs.
+def smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
+    """Centred moving average that ignores NaNs (no lag, unlike an exponential average).
 
-    ``weight`` defaults to ``1 - 1/w`` with a window ``w = max(2, n/15)``, so
-    the curve follows the trend over roughly a fifteenth of the run.
+    ``window`` defaults to about a fifteenth of the points (odd, at least 3);
+    near the ends the window shrinks to the points available.
     """
     values = np.asarray(values, dtype=float)
     n = len(values)
     if n == 0:
         return values
-    if weight is None:
-        weight = 1.0 - 1.0 / max(2.0, n / 15.0)
-    out = np.empty(n)
-    average, norm = 0.0, 0.0
-    for index, value in enumerate(values):
-        if math.isfinite(value):
-            average = weight * average + (1 - weight) * value
-            norm = weight * norm + (1 - weight)
-        out[index] = average / norm if norm > 0 else math.nan
-    return out
+    if window is None:
+        window = max(3, (n // 15) | 1)
+    half = window // 2
+    finite = np.isfinite(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(finite)])
+    index = np.arange(n)
+    low, high = np.clip(index - half, 0, n), np.clip(index + half + 1, 0, n)
+    number = counts[high] - counts[low]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(number > 0, (sums[high] - sums[low]) / np.maximum(number, 1), np.nan)
 
 
 class RunData:

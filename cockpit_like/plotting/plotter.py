@@ -166,6 +166,9 @@ class CockpitPlotter:
             ax = layout.axes[key]
             began = time.perf_counter()
             ax.cla()
+            ax.set_facecolor("white")  # cla() keeps a blank panel's grey
+            for spine in ax.spines.values():
+                spine.set_color("black")
             try:
                 instrument.draw(ax, data, options)
             except Exception as error:
@@ -246,6 +249,7 @@ def save_dashboard(
     output: str | os.PathLike | None = None,
     secondary_screen: bool = False,
     plot_title: str | None = None,
+    show_log_iter: bool = False,
     **savefig_kwargs: Any,
 ) -> Path:
     """Render a saved run to an image file and return its path.
@@ -257,6 +261,7 @@ def save_dashboard(
             suffix picks the format (``.pdf``, ``.svg``, ...).
         secondary_screen: include the secondary screen.
         plot_title: figure title (default: the log name and last step).
+        show_log_iter: logarithmic step axis.
         **savefig_kwargs: passed to ``Figure.savefig`` (e.g. ``dpi=150``).
     """
     from cockpit_like.logs import _resolve
@@ -270,5 +275,6 @@ def save_dashboard(
     plotter.plot(
         resolved, show_plot=False, save_plot=True, savedir=target.parent, savename=target.stem,
         savefig_kwargs={"format": fmt, **savefig_kwargs}, plot_title=plot_title,
+        show_log_iter=show_log_iter,
     )
     return plotter.last_saved

@@ -1,0 +1,7 @@
+"""``python -m cockpit_like ...`` runs the ``cockpit-like`` command line tool."""
+
+import sys
+
+from cockpit_like.cli import main
+
+sys.exit(main())

@@ -1,0 +1,162 @@
+"""The ``cockpit-like`` command line tool.
+
+Usage::
+
+    cockpit-like plot LOG [-o FILE] [--secondary] [--title TEXT] [--dpi N] [--log-iter]
+    cockpit-like summary LOG
+
+``plot`` renders a saved run (``.json``, ``.jsonl`` or a Cockpit log) to an
+image (default: next to the log, same name, ``.png``; the suffix of ``-o``
+picks the format). ``summary`` prints the last value of every tracked
+quantity. Also runs as ``python -m cockpit_like.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["main", "summarize", "summary_rows"]
+
+
+def _number(value: float) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "nan"
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value))
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return str(int(value))
+    value = float(value)
+    if value == 0 or 1e-3 <= abs(value) < 1e5:
+        return f"{value:.4g}"
+    return f"{value:.3e}"
+
+
+def summarize(value: Any) -> str:
+    """A one-line description of a stored value.
+
+    Numbers as they are; per-parameter lists as ``sum`` and ``mean`` over the
+    blocks; histograms as their total count and shape; other dicts by their
+    scalar fields (e.g. KFACTrace's ``trace_total``).
+    """
+    if value is None:
+        return "None"
+    if isinstance(value, (int, float, np.integer, np.floating, bool)):
+        return _number(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping):
+        if "hist" in value:
+            hist = np.asarray(value["hist"], dtype=float)
+            shape = "x".join(str(n) for n in hist.shape)
+            text = f"histogram {shape} bins, {int(round(hist.sum()))} counts"
+            blocks = sum(1 for key in value if str(key).startswith("param_") and key != "param_groups")
+            if blocks:
+                text += f", {blocks} per-layer"
+            return text
+        scalars = [
+            f"{key}={_number(item)}" for key, item in value.items()
+            if isinstance(item, (int, float, np.integer, np.floating)) and not isinstance(item, bool)
+        ]
+        return ", ".join(scalars) if scalars else f"dict with keys {sorted(map(str, value))}"
+    try:
+        array = np.asarray(value, dtype=float)
+    except (TypeError, ValueError):
+        if isinstance(value, (list, tuple)):  # ragged, e.g. Parameters (one nested list per block)
+            sizes = [int(np.asarray(v, dtype=float).size) for v in value]
+            return f"{len(value)} blocks, {sum(sizes)} entries"
+        return type(value).__name__
+    if array.ndim == 1:
+        return f"sum {_number(float(array.sum()))}, mean {_number(float(array.mean()))} over {array.size} params"
+    return f"array {array.shape}, mean {_number(float(array.mean()))}"
+
+
+def summary_rows(steps: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, int, int, str]]:
+    """``(name, tracked steps, last step, last value)`` for every stored key."""
+    last: dict[str, tuple[int, Any]] = {}
+    counts: dict[str, int] = {}
+    for step in sorted(steps):
+        for name, value in steps[step].items():
+            if value is None:
+                continue
+            counts[name] = counts.get(name, 0) + 1
+            last[name] = (step, value)
+    return [(name, counts[name], last[name][0], summarize(last[name][1])) for name in last]
+
+
+def _print_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> None:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(str(h).ljust(w) for h, w in zip(header, widths))
+    print(line)
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+def _cmd_summary(args: argparse.Namespace) -> int:
+    from cockpit_like.logs import _resolve, read_log_with_metadata
+
+    path = _resolve(args.log)
+    metadata, steps = read_log_with_metadata(path)
+    rows = summary_rows(steps)
+    first, final = (min(steps), max(steps)) if steps else (None, None)
+    library = metadata.get("library", "?")
+    print(f"{path}: {len(steps)} steps ({first} .. {final}), written by {library} {metadata.get('version', '')}".rstrip())
+    if not rows:
+        print("(nothing tracked)")
+        return 0
+    _print_table([(n, str(c), str(s), v) for n, c, s, v in rows], ("quantity", "tracked", "last step", "last value"))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from cockpit_like.plotting import save_dashboard
+
+    kwargs = {} if args.dpi is None else {"dpi": args.dpi}
+    if args.log_iter:
+        kwargs["show_log_iter"] = True
+    path = save_dashboard(args.log, args.output, secondary_screen=args.secondary, plot_title=args.title, **kwargs)
+    print(f"wrote {path}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cockpit-like", description="Inspect cockpit_like (and Cockpit) training logs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plot = commands.add_parser("plot", help="render a saved run as a cockpit dashboard image")
+    plot.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    plot.add_argument("-o", "--output", metavar="FILE",
+                      help="image to write; its suffix picks the format (default: LOG's name with .png)")
+    plot.add_argument("--secondary", action="store_true", help="include the secondary screen")
+    plot.add_argument("--title", help="figure title (default: the log name and last step)")
+    plot.add_argument("--dpi", type=float, help="resolution (default: matplotlib's, 100)")
+    plot.add_argument("--log-iter", action="store_true", help="logarithmic step axis")
+    plot.set_defaults(handler=_cmd_plot)
+    summary = commands.add_parser("summary", help="print the last value of every tracked quantity")
+    summary.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    summary.set_defaults(handler=_cmd_summary)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``cockpit-like``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"cockpit-like {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

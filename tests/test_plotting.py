@@ -1,0 +1,349 @@
+"""The cockpit dashboard, rendered headless (Agg) and checked by content."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import subprocess
+import sys
+import warnings
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from tests.helpers import make_problem, train  # noqa: E402
+
+from cockpit_like import Cockpit, CockpitPlotter, quantities  # noqa: E402
+from cockpit_like.plotting import RunData, save_dashboard  # noqa: E402
+from cockpit_like.plotting.data import smooth  # noqa: E402
+from cockpit_like.plotting.instruments import PRIMARY, SECONDARY  # noqa: E402
+from cockpit_like.utils.configuration import PRESETS, configuration  # noqa: E402
+from cockpit_like.utils.schedules import linear  # noqa: E402
+
+STEPS = 6
+PRIMARY_TITLES = {instrument.title for instrument in PRIMARY.values()}
+
+
+# ---- helpers to read a figure -------------------------------------------------------------
+def raw_points(ax, name: str) -> int:
+    lines = [line for line in ax.get_lines() if line.get_gid() == f"raw:{name}"]
+    assert len(lines) == 1, f"expected one raw series {name!r}, found {len(lines)}"
+    return len(lines[0].get_xdata())
+
+
+def raw_data(ax) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    return {
+        line.get_gid(): (np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float))
+        for line in ax.get_lines()
+        if (line.get_gid() or "").startswith(("raw:", "smooth:"))
+    }
+
+
+def blank(ax) -> bool:
+    return any(text.get_gid() == "not-tracked" for text in ax.texts)
+
+
+def blank_keys(plotter) -> set[str]:
+    return {key for key, ax in plotter.axes.items() if blank(ax)}
+
+
+def run_cockpit(quantity_list, steps=STEPS, problem="mlp", log=True, stream_to=None):
+    model, lossfunc, individual = make_problem(problem)
+    cockpit = Cockpit(model.parameters(), quantities=quantity_list, stream_to=stream_to)
+    train(model, lossfunc, individual, cockpit, problem, steps=steps)
+    if log:
+        cockpit.log(steps - 1, epoch_count=0, train_loss=0.5, learning_rate=0.1)
+    return cockpit
+
+
+def stored_steps(cockpit, name: str) -> int:
+    return sum(1 for values in cockpit.get_output().values() if values.get(name) is not None)
+
+
+def expected_blanks(names: set[str], logged: bool) -> set[str]:
+    instruments = {**PRIMARY}
+    blanks = set()
+    for key, instrument in instruments.items():
+        if key in ("learning_rate", "loss", "accuracy"):
+            continue
+        if not any(name in names for name in instrument.quantities):
+            blanks.add(key)
+    if not logged:
+        blanks.add("learning_rate")
+    if not logged and "Loss" not in names:
+        blanks.add("loss")
+    blanks.add("accuracy")  # the runs here never log accuracies
+    return blanks
+
+
+# ---- every configuration, live and from the log -------------------------------------------------
+@pytest.mark.parametrize("label", sorted(PRESETS))
+def test_every_configuration_live_and_from_log(label, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantity_list = configuration(label)
+    cockpit = run_cockpit(quantity_list, stream_to=tmp_path / "run")
+    names = {name for values in cockpit.get_output().values() for name in values}
+    logpath = cockpit.write(tmp_path / "run")
+    cockpit.close()
+
+    live = CockpitPlotter()
+    fig = live.plot(cockpit, show_plot=False)
+    assert {ax.get_title() for ax in fig.axes} >= PRIMARY_TITLES - {"Gradient element histogram", "Gradient × parameter"}
+    assert set(live.axes) == set(PRIMARY)
+    assert blank_keys(live) == expected_blanks(names, logged=True)
+
+    # one raw point per tracked step
+    axes = live.axes
+    for key, name in (("grad_norm", "GradNorm"), ("loss", "Loss"), ("distance", "Distance"),
+                      ("distance", "UpdateSize"), ("grad_tests", "NormTest"), ("grad_tests", "InnerTest"),
+                      ("grad_tests", "OrthoTest"), ("hess_trace", "HessTrace"), ("tic", "TICDiag"),
+                      ("hess_max_ev", "HessMaxEV")):
+        if name in names:
+            assert raw_points(axes[key], name) == stored_steps(cockpit, name)
+    assert stored_steps(cockpit, "UpdateSize") == STEPS - 1
+    assert "fits" in axes["alpha"].get_legend().get_title().get_text()
+    assert f"{stored_steps(cockpit, 'Alpha')} fits" in axes["alpha"].get_legend().get_title().get_text()
+    assert raw_points(axes["learning_rate"], "learning_rate") == 1
+
+    # the log (full and streaming form) gives the same picture
+    for source in (logpath, str(tmp_path / "run"), cockpit.stream_path):
+        other = CockpitPlotter()
+        other.plot(source, show_plot=False)
+        assert blank_keys(other) == blank_keys(live)
+        for key in PRIMARY:
+            ours, theirs = raw_data(live.axes[key]), raw_data(other.axes[key])
+            assert ours.keys() == theirs.keys(), key
+            for gid in ours:
+                np.testing.assert_allclose(theirs[gid][0], ours[gid][0])
+                np.testing.assert_allclose(theirs[gid][1], ours[gid][1], rtol=1e-6, equal_nan=True)
+        if "GradHist1d" in names:
+            mesh_live = live.axes["hist_1d"].patches[0].get_path().vertices
+            mesh_file = other.axes["hist_1d"].patches[0].get_path().vertices
+            np.testing.assert_allclose(mesh_file, mesh_live, rtol=1e-6)
+
+
+def test_only_some_quantities(tmp_path):
+    cockpit = run_cockpit([quantities.Loss(linear(2)), quantities.GradNorm(linear(3))], log=False)
+    plotter = CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False)
+    assert raw_points(plotter.axes["loss"], "Loss") == 3  # steps 0, 2, 4
+    assert raw_points(plotter.axes["grad_norm"], "GradNorm") == 2  # steps 0, 3
+    assert blank_keys(plotter) == set(PRIMARY) - {"loss", "grad_norm"}
+    for key in blank_keys(plotter):
+        texts = [t.get_text() for t in plotter.axes[key].texts]
+        assert "not tracked" in texts
+    assert "add Alpha to track it" in [t.get_text() for t in plotter.axes["alpha"].texts]
+
+
+def test_grad_norm_is_norm_over_all_parameters():
+    cockpit = run_cockpit([quantities.GradNorm(linear(1))], log=False)
+    plotter = CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False)
+    (steps, values), = [v for k, v in raw_data(plotter.axes["grad_norm"]).items() if k.startswith("raw:")]
+    expected = [math.sqrt(sum(n**2 for n in out["GradNorm"])) for out in cockpit.get_output().values()]
+    np.testing.assert_allclose(values, expected)
+    np.testing.assert_array_equal(steps, np.arange(STEPS))
+
+
+# ---- synthetic data: secondary screen, KFAC, odd values ---------------------------------------------
+def synthetic(steps: int = 30, blocks: int = 3) -> dict:
+    rng = np.random.default_rng(0)
+    edges2 = [np.linspace(-1, 1, 5).tolist(), np.linspace(-2, 2, 4).tolist()]
+    out = {}
+    for t in range(steps):
+        out[t] = {
+            "Loss": float(2 - t / steps),
+            "MeanGSNR": float(rng.random()),
+            "CABS": float(10 + t),
+            "EarlyStopping": float(-1 + t / steps),
+            "MyQuantity": float(t),
+            "KFACTrace": {"trace": [1.0] * blocks, "trace_total": float(blocks), "frobenius": [0.5] * blocks,
+                          "frobenius_total": 0.5 * blocks},
+            "GradHist2d": {
+                "hist": np.ones((4, 3)).tolist(), "edges": edges2, "param_groups": blocks,
+                **{f"param_{i}": {"hist": (np.ones((4, 3)) * i).tolist(), "edges": edges2} for i in range(blocks)},
+            },
+        }
+    out[steps - 1]["Alpha"] = math.nan
+    return out
+
+
+def test_secondary_screen():
+    data = synthetic()
+    plotter = CockpitPlotter(secondary_screen=True)
+    fig = plotter.plot(data, show_plot=False)
+    assert tuple(fig.get_size_inches()) == (16.0, 14.0)
+    titles = {ax.get_title() for ax in fig.axes}
+    assert {instrument.title for instrument in SECONDARY.values()} <= titles
+    assert {f"Layer {i}: grad × param" for i in range(3)} <= titles
+    axes = plotter.axes
+    for key, name in (("mean_gsnr", "MeanGSNR"), ("cabs", "CABS"), ("early_stopping", "EarlyStopping"),
+                      ("custom", "MyQuantity"), ("kfac_trace", "KFACTrace")):
+        assert raw_points(axes[key], name) == 30
+    # per-layer histograms show each block's own counts
+    mesh = [c for c in axes["layer_hist_2"].collections if c.get_gid() == "hist2d:param_2"][0]
+    np.testing.assert_allclose(np.ravel(mesh.get_array()), np.log10(1 + 2 * np.ones(12)))
+    assert not blank(axes["hist_2d"])
+    # the primary figure has no secondary panels
+    primary = CockpitPlotter()
+    primary.plot(data, show_plot=False)
+    assert set(primary.axes) == set(PRIMARY)
+    assert tuple(primary.fig.get_size_inches()) == (16.0, 9.0)
+
+
+def test_secondary_screen_not_tracked():
+    plotter = CockpitPlotter(secondary_screen=True)
+    plotter.plot({0: {"Loss": 1.0}}, show_plot=False)
+    assert {"mean_gsnr", "cabs", "early_stopping", "custom"} <= blank_keys(plotter)
+    assert not any(key.startswith("layer_hist") for key in plotter.axes)
+
+
+def test_empty_and_nan_data():
+    plotter = CockpitPlotter()
+    plotter.plot({}, show_plot=False)
+    assert blank_keys(plotter) == set(PRIMARY)
+    assert "no data yet" in plotter.fig._suptitle.get_text()
+    data = {0: {"Alpha": math.nan, "Loss": math.nan}, 1: {"Alpha": -1, "Loss": 1.0}, 2: {"Alpha": 50.0}}
+    plotter.plot(data, show_plot=False)
+    legend = plotter.axes["alpha"].get_legend().get_title().get_text()
+    assert "3 fits" in legend and "1 NaN" in legend and "1 beyond" in legend
+    assert raw_points(plotter.axes["loss"], "Loss") == 2
+
+
+def test_alpha_histogram_counts_every_value():
+    values = [-0.5, -0.4, 0.1, 0.2, 0.3, 0.9, 1.2, -1.0, 0.0, 0.05]
+    plotter = CockpitPlotter()
+    plotter.plot({t: {"Alpha": v} for t, v in enumerate(values)}, show_plot=False)
+    ax = plotter.axes["alpha"]
+    stairs = {p.get_gid(): p for p in ax.patches if (p.get_gid() or "").startswith("alpha:")}
+    assert set(stairs) == {"alpha:all", "alpha:last"}
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[0] == f"all: median {np.median(values):+.2f}"
+    assert labels[1] == f"last 1: median {values[-1]:+.2f}"
+    texts = " ".join(t.get_text() for t in ax.texts)
+    assert "undershoot" in texts and "overshoot" in texts
+
+
+def test_repeated_calls_update_one_figure():
+    data = {t: {"Loss": 1.0 / (t + 1)} for t in range(5)}
+    plotter = CockpitPlotter()
+    fig = plotter.plot(data, show_plot=False)
+    count = len(fig.axes)
+    data.update({t: {"Loss": 1.0 / (t + 1)} for t in range(5, 9)})
+    assert plotter.plot(data, show_plot=False) is fig
+    assert len(fig.axes) == count
+    assert raw_points(plotter.axes["loss"], "Loss") == 9
+    assert len([line for line in plotter.axes["loss"].get_lines() if line.get_gid() == "raw:Loss"]) == 1
+
+
+def test_discard_and_log_iter():
+    data = {t: {"Loss": 1.0 / (t + 1)} for t in range(10)}
+    plotter = CockpitPlotter()
+    plotter.plot(data, show_plot=False, discard=3, show_log_iter=True)
+    assert raw_points(plotter.axes["loss"], "Loss") == 4
+    assert plotter.axes["loss"].get_xscale() == "symlog"
+    assert plotter.fig._suptitle.get_text() == "Cockpit: live run (step 3)"
+    plotter.plot(data, show_plot=False, plot_title="my run")
+    assert plotter.fig._suptitle.get_text() == "my run"
+    assert plotter.axes["loss"].get_xscale() == "linear"
+
+
+def test_headless_show_falls_back(tmp_path):
+    import cockpit_like.plotting.plotter as module
+
+    module._warned_headless = False
+    plotter = CockpitPlotter()
+    with pytest.warns(UserWarning, match="save_plot=True"):
+        plotter.plot({0: {"Loss": 1.0}}, show_plot=True, block=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned only once
+        plotter.plot({0: {"Loss": 1.0}}, show_plot=True)
+
+
+def test_saving(tmp_path):
+    data = {0: {"Loss": 1.0}, 1: {"Loss": 0.5}}
+    plotter = CockpitPlotter()
+    plotter.plot(data, show_plot=False, save_plot=True, savedir=tmp_path / "figs")
+    assert plotter.last_saved == tmp_path / "figs" / "cockpit.png"
+    assert plotter.last_saved.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plotter.plot(data, show_plot=False, save_plot=True, savedir=tmp_path, savename="run",
+                 savename_append="__step_1", savefig_kwargs={"format": "pdf", "dpi": 50})
+    assert plotter.last_saved == tmp_path / "run__step_1.pdf"
+    assert plotter.last_saved.read_bytes()[:4] == b"%PDF"
+    plotter.plot(data, show_plot=False, save_plot=True, savedir=tmp_path, savefig_kwargs={"format": "svg"})
+    assert "<svg" in (tmp_path / "cockpit.svg").read_text()[:1000]
+
+
+def test_saving_next_to_the_log(tmp_path):
+    cockpit = run_cockpit([quantities.Loss(linear(1))], steps=3, log=False)
+    cockpit.write(tmp_path / "logs" / "run")
+    plotter = CockpitPlotter()
+    plotter.plot(str(tmp_path / "logs" / "run"), show_plot=False, save_plot=True)
+    assert plotter.last_saved == tmp_path / "logs" / "cockpit.png"
+    path = save_dashboard(tmp_path / "logs" / "run.json")
+    assert path == tmp_path / "logs" / "run.png" and path.is_file()
+    path = save_dashboard(tmp_path / "logs" / "run", tmp_path / "other" / "dash.pdf", secondary_screen=True)
+    assert path == tmp_path / "other" / "dash.pdf" and path.read_bytes()[:4] == b"%PDF"
+
+
+def test_cockpit_format_log(tmp_path):
+    """A log in Cockpit's own format (json_tricks arrays) plots like ours."""
+    hist = {"__ndarray__": [1.0, 5.0, 2.0], "dtype": "float32", "shape": [3]}
+    edges = {"__ndarray__": [-1.0, 0.0, 0.5, 1.0], "dtype": "float32", "shape": [4]}
+    log = {str(t): {"Loss": 1.0 - t / 10, "GradNorm": [0.1, 0.2], "GradHist1d": {"hist": hist, "edges": edges}}
+           for t in range(4)}
+    (tmp_path / "cockpit_log.json").write_text(json.dumps(log))
+    plotter = CockpitPlotter()
+    plotter.plot(tmp_path / "cockpit_log", show_plot=False)
+    assert raw_points(plotter.axes["loss"], "Loss") == 4
+    assert not blank(plotter.axes["hist_1d"])
+    heights = plotter.axes["hist_1d"].patches[0].get_path().vertices[:, 1]
+    assert heights.max() == pytest.approx(5.0)
+
+
+def test_draw_errors_are_shown_not_raised():
+    data = {0: {"GradHist1d": {"hist": [1.0, 2.0], "edges": "broken"}, "Loss": 1.0}}
+    plotter = CockpitPlotter()
+    plotter.plot(data, show_plot=False)
+    assert any(t.get_gid() == "draw-error" for t in plotter.axes["hist_1d"].texts)
+    assert raw_points(plotter.axes["loss"], "Loss") == 1
+    with pytest.raises(ValueError):
+        CockpitPlotter().plot(data, show_plot=False, debug=True)
+
+
+def test_instruments_do_not_mutate_data():
+    data = synthetic()
+    before = copy.deepcopy(data)
+    plotter = CockpitPlotter(secondary_screen=True)
+    plotter.plot(data, show_plot=False)
+    assert json.dumps(data, sort_keys=True, default=str) == json.dumps(before, sort_keys=True, default=str)
+
+
+def test_bad_source():
+    with pytest.raises(TypeError, match="a Cockpit, a path to a cockpit log"):
+        CockpitPlotter().plot(42, show_plot=False)
+    with pytest.raises(FileNotFoundError, match="no cockpit log"):
+        CockpitPlotter().plot("/nonexistent/run", show_plot=False)
+
+
+def test_run_data_and_smoothing():
+    data = RunData({"3": {"A": 1.0}, "1": {"A": None, "B": [3.0, 4.0]}, 2: {"A": 2.0}}, discard=2)
+    assert list(data.steps) == [1, 2]
+    steps, values = data.scalar("A")
+    np.testing.assert_array_equal(steps, [2]) and np.testing.assert_array_equal(values, [2.0])
+    np.testing.assert_allclose(data.block_norm("B")[1], [5.0])
+    np.testing.assert_allclose(data.block_sum("B")[1], [7.0])
+    np.testing.assert_allclose(smooth(np.array([1.0, 2.0, np.nan, 4.0]), 3), [1.5, 1.5, 3.0, 4.0])
+    flat = smooth(np.full(50, 2.0))
+    np.testing.assert_allclose(flat, 2.0)
+
+
+def test_package_import_does_not_load_matplotlib():
+    code = "import sys, cockpit_like; print('matplotlib' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
