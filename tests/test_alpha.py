@@ -233,7 +233,9 @@ def test_lookahead_restores_everything(optimizer):
         before_params = [p.detach().clone() for p in params]
         before_grads = [p.grad.clone() for p in params]
         before_state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()} for p in params if p in opt.state}
+        versions = [p._version for p in params]
         predicted = lookahead_update(opt, params)
+        assert [p._version for p in params] == versions  # real params never written
         assert all(torch.equal(a, p) for a, p in zip(before_params, params))
         assert all(torch.equal(a, p.grad) for a, p in zip(before_grads, params))
         assert {id(p) for p in params if p in opt.state} == set(before_state)
