@@ -212,7 +212,7 @@ def _make(name, schedule):
         "TICDiag": lambda: TICDiag(schedule),
         "TICTrace": lambda: TICTrace(schedule, curvature="diag_ggn_exact"),
         "HessMaxEV": lambda: HessMaxEV(schedule),
-        "HessMaxEVLanczos": lambda: HessMaxEV(schedule, use_power=False),
+        "HessMaxEVLanczos": lambda: HessMaxEV(schedule, use_power=False, rtol=1e-9),
         "KFACTrace": lambda: KFACTrace(schedule, curvature="kflr", damping=1e-2),
     }[name]()
 
