@@ -174,3 +174,22 @@ def test_settings_and_float32_model():
     exact = torch.linalg.eigvalsh(dense_hessian(model.double(), inputs, labels))
     largest_magnitude = exact[exact.abs().argmax()].item()
     assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(largest_magnitude, rel=2e-2)
+
+
+def test_in_place_change_before_tracking_is_a_clear_error():
+    from cockpit_like.quantities.quantity import SingleStepQuantity
+
+    class Meddler(SingleStepQuantity):
+        def _compute(self, global_step, params, batch_loss):
+            with torch.no_grad():
+                for p in params:
+                    p.add_(0.0)
+            return 0.0
+
+    model, lossfunc, _ = make_problem("mlp")
+    inputs, labels = make_batch("mlp", 4, seed=0)
+    cockpit = Cockpit(model.parameters(), quantities=[Meddler(schedules.linear(1)), HessMaxEV(schedules.linear(1))])
+    loss = lossfunc(model(inputs), labels)
+    with pytest.raises(RuntimeError, match="modified in place after backward"):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward(create_graph=cockpit.create_graph(0))

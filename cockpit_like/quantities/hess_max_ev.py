@@ -160,13 +160,23 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV")
             # BackPACK's (inactive) module hooks fire during double backprop and
             # torch warns that no module input requires a gradient: harmless here.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            products = torch.autograd.grad(
-                [grads[i] for i in live],
-                params,
-                grad_outputs=[pieces[i].reshape(params[i].shape) for i in live],
-                retain_graph=True,
-                allow_unused=True,
-            )
+            try:
+                products = torch.autograd.grad(
+                    [grads[i] for i in live],
+                    params,
+                    grad_outputs=[pieces[i].reshape(params[i].shape) for i in live],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            except RuntimeError as error:
+                if "modified by an inplace operation" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"{owner}: the graph of p.grad is invalid because parameters or gradients "
+                    "were modified in place after backward (by code or a quantity that runs "
+                    f"before {owner} at this step). Hessian-vector products need them unchanged "
+                    f"until {owner} is tracked. Original error: {error}"
+                ) from error
         return torch.cat(
             [
                 (torch.zeros_like(p) if hv is None else hv.detach()).reshape(-1)
