@@ -336,8 +336,8 @@ def draw_kfac_trace(ax, data: RunData, options: DrawOptions) -> None:
     _series_panel(
         ax, data, options, "KFAC trace",
         [
-            ("KFACTrace", *data.field("KFACTrace", "trace_total"), COLORS["purple"], "tr(A⊗G)"),
-            ("KFACTrace.frobenius", *data.field("KFACTrace", "frobenius_total"), COLORS["grey"], "‖A⊗G‖F"),
+            ("KFACTrace", *data.field("KFACTrace", "trace_total"), COLORS["purple"], "tr(G⊗A)"),
+            ("KFACTrace.frobenius", *data.field("KFACTrace", "frobenius_total"), COLORS["grey"], "‖G⊗A‖F"),
         ],
         ["KFACTrace"], "value",
     )
