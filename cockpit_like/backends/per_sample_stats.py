@@ -125,8 +125,8 @@ class Histogram2dCounts(PerSampleStat):
         return [None] * len(params)
 
     def accumulate(self, state, index, param, grad_batch):
-        values = param.detach().unsqueeze(0).expand_as(grad_batch)
-        state[index] = hist2d_counts(grad_batch.shape[0] * grad_batch.detach(), values, self.bins, self.range)
+        # theta_p broadcasts over the batch dimension: binned once, not B times
+        state[index] = hist2d_counts(grad_batch.shape[0] * grad_batch.detach(), param.detach(), self.bins, self.range)
         return state
 
 

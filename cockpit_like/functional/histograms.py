@@ -31,13 +31,19 @@ def hist2d_counts(
     bins: tuple[int, int],
     range: tuple[tuple[float, float], tuple[float, float]],
 ) -> torch.Tensor:
-    """int64 ``[xbins, ybins]`` counts of the pairs ``(x.flatten()[k], y.flatten()[k])``."""
+    """int64 ``[xbins, ybins]`` counts of the pairs ``(x[k], y[k])``.
+
+    ``y`` may have fewer dimensions than ``x`` if it broadcasts against it
+    (e.g. parameter values ``theta_p`` against per-sample gradients
+    ``[B, *theta_p.shape]``); it is then binned once, not ``B`` times.
+    """
     xbins, ybins = int(bins[0]), int(bins[1])
     (xlo, xhi), (ylo, yhi) = (float(r) for r in range[0]), (float(r) for r in range[1])
     xw, yw = (xhi - xlo) / xbins, (yhi - ylo) / ybins
-    a = ((x.clamp(xlo + xw / 2, xhi - xw / 2) - xlo) / xw).long().reshape(-1)
-    b = ((y.clamp(ylo + yw / 2, yhi - yw / 2) - ylo) / yw).long().reshape(-1)
-    return torch.bincount(a * ybins + b, minlength=xbins * ybins).reshape(xbins, ybins)
+    a = x.clamp(xlo + xw / 2, xhi - xw / 2).sub_(xlo).div_(xw).long()  # clamp copies; in place after
+    b = ((y.clamp(ylo + yw / 2, yhi - yw / 2) - ylo) / yw).long()
+    a.mul_(ybins).add_(b)
+    return torch.bincount(a.reshape(-1), minlength=xbins * ybins).reshape(xbins, ybins)
 
 
 def hist_edges(bins: int, range: tuple[float, float]) -> torch.Tensor:
