@@ -277,7 +277,7 @@ def _draw_hist_2d(ax, value: dict, title: str, step: int, gid: str) -> None:
     x_edges, y_edges = (np.asarray(e, dtype=float) for e in value["edges"])
     ax.set_title(title, **_TITLE)
     _step_note(ax, step, color="#333333")
-    ax.pcolormesh(x_edges, y_edges, np.log10(1.0 + hist.T), cmap="magma_r", shading="flat", gid=gid,
+    ax.pcolormesh(x_edges, y_edges, np.ma.masked_equal(np.log10(1.0 + hist.T), 0.0), cmap="magma_r", shading="flat", gid=gid,
                   rasterized=True)
     ax.axvline(0, color="#999999", linewidth=0.6)
     ax.set_xlabel("per-sample gradient element", fontsize=8, labelpad=1)
