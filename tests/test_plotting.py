@@ -81,6 +81,7 @@ def expected_blanks(names: set[str], logged: bool) -> set[str]:
 
 
 # ---- every configuration, live and from the log -------------------------------------------------
+@pytest.mark.filterwarnings("ignore:Using backward")
 @pytest.mark.parametrize("label", sorted(PRESETS))
 def test_every_configuration_live_and_from_log(label, tmp_path):
     with warnings.catch_warnings():
