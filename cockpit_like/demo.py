@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     written = {"log": cockpit.write(args.out), "stream": cockpit.stream_path}
     cockpit.close()
     if plotter is not None:
-        directory, name = os.path.split(args.out)
-        plotter.plot(args.out + ".json", show_plot=False, save_plot=True, savedir=directory or ".", savename=name)
-        written["dashboard"] = str(Path(directory or ".") / f"{name}.png")
+        from cockpit_like.plotting import save_dashboard
+
+        written["dashboard"] = str(save_dashboard(written["log"]))
     for what, path in written.items():
         print(f"[demo] {what}: {path}")
     return written
