@@ -110,9 +110,12 @@ def test_nan_loss_warns_and_stores_nan_for_quantities_that_fail():
     fragile, norm = Fragile(linear(1)), quantities.GradNorm(linear(1))
     cockpit = Cockpit([param], quantities=[fragile, norm, quantities.Loss(linear(1))])
     loss = (param * float("nan")).sum()
-    with pytest.warns(RuntimeWarning, match="the loss is nan"):
+    with pytest.warns(RuntimeWarning) as caught:
         with cockpit(0, info={"loss": loss}):
             loss.backward()
+    messages = [str(w.message) for w in caught]
+    assert any("step 0: the loss is nan" in m for m in messages)
+    assert any("Fragile failed on the non-finite loss (FloatingPointError: cannot work on a NaN loss); storing NaN" in m for m in messages)
     output = cockpit.get_output()[0]
     assert output["Fragile"] != output["Fragile"]  # NaN
     assert all(v != v for v in output["GradNorm"]) and output["Loss"] != output["Loss"]
