@@ -1,0 +1,562 @@
+#!/usr/bin/env python
+"""Overhead benchmark: time and memory of a cockpit relative to plain training.
+
+For each problem (synthetic data, made here; nothing is downloaded) the script
+measures the time per training step (``zero_grad``, forward, backward,
+``optimizer.step()``; SGD with lr 0.01) of
+
+- ``plain``: the model is *not* extended and there is no cockpit (what a user
+  runs without us),
+- ``nothing``: model and loss extended, a cockpit with the economy
+  configuration whose schedule fires only at step 0, timed at later steps
+  (the per-step price of leaving a cockpit in the loop),
+- ``economy`` / ``business`` / ``full``: the presets tracking every step,
+- ``full_every10``: the full preset tracking every 10th step; the *mean* over
+  a multiple of 10 steps (amortised),
+- ``q:<Name>``: every quantity of ``cockpit_like.quantities.__all__`` (not the
+  base classes) alone, default arguments, tracking every step.
+
+Every configuration runs in its own process (this script, called with
+``--child``), with one thread (``torch.set_num_threads(1)``,
+``OMP_NUM_THREADS=1``). Configurations are interleaved, in a shuffled order,
+over several rounds; each round runs ``plain`` once per problem, and every
+ratio is taken to the ``plain`` time of the same round and problem; the
+reported ratio is the median over rounds. Memory: each child reports its
+peak resident set size (``ru_maxrss``); a configuration's added memory is
+its peak minus the peak of the ``plain`` process of the same round (all
+children import the same modules, so the baseline cancels).
+
+Usage::
+
+    python benchmarks/overhead.py            # full run, updates docs/performance.md
+    python benchmarks/overhead.py --quick    # about a minute, MLP only, prints the table
+
+Results: ``benchmarks/results/overhead.json`` (``overhead_quick.json`` with
+``--quick``) and a markdown table (also in ``docs/performance.md`` between
+the ``BEGIN/END overhead table`` markers unless ``--quick``/``--no-docs``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_JSON = ROOT / "benchmarks" / "results" / "overhead.json"
+QUICK_JSON = ROOT / "benchmarks" / "results" / "overhead_quick.json"
+DOC = ROOT / "docs" / "performance.md"
+BEGIN, END = "<!-- BEGIN overhead table -->", "<!-- END overhead table -->"
+
+PROBLEMS = ("mlp", "3c3d", "2c2d")
+MAIN_CONFIGS = ("nothing", "economy", "business", "full", "full_every10")
+QUICK_QUANTITIES = ("NormTest", "GradHist1d", "HessTrace")
+BASE_CLASSES = {"Quantity", "SingleStepQuantity", "TwoStepQuantity", "ByproductQuantity"}
+
+#: Targets of issue 6 (ratio to plain training); None: no target.
+TARGETS = {
+    "3c3d": {"nothing": 1.05, "economy": 2.5, "business": 4.0, "full": 10.0, "full_every10": 1.5},
+    "mlp": {"nothing": 1.3, "economy": 30.0, "business": 35.0, "full": 80.0, "full_every10": 8.0},
+}
+#: Memory target: added peak memory <= this fraction of B x D x 4 bytes.
+MEMORY_TARGET = {"economy": 0.5, "business": 0.5}
+
+ROW_TITLES = {
+    "nothing": "nothing scheduled at the step",
+    "economy": "economy, every step",
+    "business": "business, every step",
+    "full": "full, every step",
+    "full_every10": "full every 10th step (amortised)",
+}
+
+
+# ---------------------------------------------------------------------------
+# child: one configuration on one problem, in its own process
+# ---------------------------------------------------------------------------
+def build_problem(name: str, batch_size: int):
+    """``(model, input_shape)`` of a problem; weights from a fixed seed."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = nn.Sequential(
+            nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
+        )
+        shape = (1, 28, 28)
+    elif name == "3c3d":
+        # DeepOBS net_cifar10_3c3d. DeepOBS pools with TensorFlow 'same'
+        # padding (asymmetric: 0 before, 1 after); MaxPool2d(3, 2, padding=1)
+        # pads 1 on both sides and gives the same shapes (28->14, 12->6, 6->3),
+        # and BackPACK supports it.
+        model = nn.Sequential(
+            nn.Conv2d(3, 64, 5), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+            nn.Conv2d(64, 96, 3), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+            nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+            nn.Flatten(),
+            nn.Linear(3 * 3 * 128, 512), nn.ReLU(),
+            nn.Linear(512, 256), nn.ReLU(),
+            nn.Linear(256, 10),
+        )  # fmt: skip
+        shape = (3, 32, 32)
+    elif name == "2c2d":
+        # DeepOBS net_fmnist_2c2d ('same' convolutions, 2x2 pooling).
+        model = nn.Sequential(
+            nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
+            nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
+            nn.Flatten(),
+            nn.Linear(7 * 7 * 64, 1024), nn.ReLU(),
+            nn.Linear(1024, 10),
+        )  # fmt: skip
+        shape = (1, 28, 28)
+    else:
+        raise ValueError(f"unknown problem {name!r}; choose from {PROBLEMS}")
+    return model, shape
+
+
+def num_params(name: str) -> int:
+    model, _ = build_problem(name, 1)
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_quantities(config: str):
+    """``(quantities, first_timed_step_multiple)`` of a configuration (None for plain)."""
+    from cockpit_like import quantities as q
+    from cockpit_like.utils.configuration import configuration
+    from cockpit_like.utils.schedules import linear
+
+    if config == "plain":
+        return None
+    if config == "nothing":
+
+        def never(step: int) -> bool:
+            return False
+
+        never.description = "never"
+        return configuration("economy", track_schedule=never)
+    if config in ("economy", "business", "full"):
+        return configuration(config, track_schedule=linear(1))
+    if config == "full_every10":
+        return configuration("full", track_schedule=linear(10))
+    if config.startswith("q:"):
+        name = config[2:]
+        if name in BASE_CLASSES or name not in q.__all__:
+            raise ValueError(f"unknown quantity {name!r}")
+        return [getattr(q, name)(track_schedule=linear(1))]
+    raise ValueError(f"unknown configuration {config!r}")
+
+
+def run_child(args) -> dict:
+    """Train ``warmup + steps`` steps and return per-step times and peak memory."""
+    import torch
+    from backpack import extend
+    from torch import nn
+
+    from cockpit_like import Cockpit
+
+    torch.set_num_threads(1)
+    model, shape = build_problem(args.problem, args.batch_size)
+    quantities = make_quantities(args.config)
+    warmup, steps = args.warmup, args.steps
+    if args.config == "full_every10":
+        # amortised: start timing at a tracked step, time whole periods of 10
+        warmup = max(10, -(-warmup // 10) * 10)
+        steps = max(10, -(-steps // 10) * 10)
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(args.batch_size, *shape, generator=generator),
+         torch.randint(0, 10, (args.batch_size,), generator=generator))
+        for _ in range(4)
+    ]  # fmt: skip
+    lossfunc = nn.CrossEntropyLoss()
+    individual = nn.CrossEntropyLoss(reduction="none")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cockpit = None
+    if quantities is not None:
+        model, lossfunc = extend(model), extend(lossfunc)
+        cockpit = Cockpit(model.parameters(), quantities=quantities)
+
+    times = []
+    spent = 0.0
+    period = 10 if args.config == "full_every10" else 1
+    step = 0
+    while True:
+        if step >= warmup and len(times) % period == 0:
+            if len(times) >= args.min_steps and spent > args.budget:
+                break  # slow configuration: enough steps for a median within the time budget
+            if len(times) >= steps and (spent >= args.min_time or len(times) >= args.max_steps):
+                break  # fast configurations run more steps, for at least --min-time seconds
+        inputs, labels = batches[step % len(batches)]
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        if cockpit is None:
+            loss.backward()
+        else:
+            info = {
+                "batch_size": args.batch_size,
+                "individual_losses": individual(outputs, labels),
+                "loss": loss,
+                "optimizer": optimizer,
+            }
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        elapsed = time.perf_counter() - start
+        if step >= warmup:
+            times.append(elapsed)
+            spent += elapsed
+        elif step == 0 and elapsed > args.budget / 4 and period == 1:
+            warmup = 1  # very slow steps: one warm-up step is enough
+        step += 1
+    return {
+        "problem": args.problem,
+        "config": args.config,
+        "times": times,
+        "median_s": statistics.median(times),
+        "mean_s": statistics.fmean(times),
+        "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# parent: schedule children, aggregate, write JSON and tables
+# ---------------------------------------------------------------------------
+def all_quantity_configs() -> list[str]:
+    from cockpit_like import quantities as q
+
+    return [f"q:{name}" for name in q.__all__ if name not in BASE_CLASSES]
+
+
+def child_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def spawn(problem: str, config: str, steps: int, warmup: int, args) -> dict:
+    command = [
+        sys.executable, str(Path(__file__).resolve()), "--child",
+        "--problem", problem, "--config", config,
+        "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(args.batch_size),
+        "--budget", str(args.budget), "--min-steps", str(min(args.min_steps, steps)),
+        "--min-time", str(args.min_time), "--max-steps", str(args.max_steps),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"problem": problem, "config": config, "error": f"timed out after {args.timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+    return {"problem": problem, "config": config, "error": " | ".join(tail) or f"exit {done.returncode}"}
+
+
+def aggregate(runs: list[dict], problems: list[str], batch_size: int) -> dict:
+    """Per problem and configuration: median time, ratios and added memory from same-round plain runs."""
+    results = {}
+    for problem in problems:
+        per_round_plain = {
+            r["round"]: r for r in runs if r["problem"] == problem and r["config"] == "plain" and "error" not in r
+        }
+        configs = []
+        for r in runs:
+            if r["problem"] == problem and r["config"] not in configs:
+                configs.append(r["config"])
+        entries = {}
+        for config in configs:
+            mine = [r for r in runs if r["problem"] == problem and r["config"] == config]
+            errors = [r["error"] for r in mine if "error" in r]
+            ok = [r for r in mine if "error" not in r]
+            key = "mean_s" if config == "full_every10" else "median_s"
+            entry: dict = {"rounds": len(ok), "statistic": "mean" if key == "mean_s" else "median"}
+            if errors:
+                entry["errors"] = errors
+            if ok:
+                entry["time_s"] = statistics.median(r[key] for r in ok)
+                ratios = [r[key] / per_round_plain[r["round"]]["median_s"] for r in ok if r["round"] in per_round_plain]
+                added = [r["maxrss_mb"] - per_round_plain[r["round"]]["maxrss_mb"] for r in ok if r["round"] in per_round_plain]
+                if ratios:
+                    entry["ratio"] = statistics.median(ratios)
+                    entry["ratio_min"], entry["ratio_max"] = min(ratios), max(ratios)
+                    entry["added_memory_mb"] = statistics.median(added)
+                entry["maxrss_mb"] = statistics.median(r["maxrss_mb"] for r in ok)
+            entries[config] = entry
+        d = num_params(problem)
+        results[problem] = {
+            "num_params": d,
+            "batch_size": batch_size,
+            "per_sample_grads_mb": batch_size * d * 4 / 2**20,
+            "configs": entries,
+        }
+    return results
+
+
+def _fmt_ratio(entry: dict | None) -> str:
+    if not entry or "ratio" not in entry:
+        return "error" if entry and entry.get("errors") else "-"
+    text = f"{entry['ratio']:.2f}"
+    if entry["rounds"] > 1:
+        text += f" ({entry['ratio_min']:.2f}-{entry['ratio_max']:.2f})"
+    return text
+
+
+def _verdict(value: float | None, target: float | None) -> str:
+    if target is None or value is None:
+        return ""
+    return "met" if value <= target else "**missed**"
+
+
+def markdown(results: dict, meta: dict) -> str:
+    """The markdown tables: main configurations, then each quantity alone."""
+    problems = list(results)
+    lines = [
+        f"Measured {meta['date']} on {meta['machine']}, torch {meta['torch']}, one thread per process; "
+        f"{meta['rounds']} round(s) of {meta['steps']} timed steps (quantities alone: "
+        f"{meta['quantity_rounds']} round(s) of {meta['quantity_steps']} steps), batch {meta['batch_size']}. "
+        "Ratio: time per step over plain training's in the same round, median over rounds "
+        "(min-max over rounds in brackets).",
+        "",
+        "| problem | D | plain step (ms) | B x D x 4 bytes (MB) |",
+        "|---|---|---|---|",
+    ]
+    for p in problems:
+        plain = results[p]["configs"].get("plain", {})
+        ms = f"{1000 * plain['time_s']:.1f}" if "time_s" in plain else "-"
+        lines.append(f"| {p} | {results[p]['num_params']:,} | {ms} | {results[p]['per_sample_grads_mb']:.0f} |")
+    lines += ["", "Time per step, ratio to plain training (target from issue 6 in the next column):", ""]
+    header = "| configuration |" + "".join(f" {p} | {p} target |" for p in problems)
+    lines += [header, "|---|" + "---|---|" * len(problems)]
+    for config in MAIN_CONFIGS:
+        if not any(config in results[p]["configs"] for p in problems):
+            continue
+        row = f"| {ROW_TITLES[config]} |"
+        for p in problems:
+            entry = results[p]["configs"].get(config)
+            target = TARGETS.get(p, {}).get(config)
+            verdict = _verdict(entry.get("ratio") if entry else None, target)
+            row += f" {_fmt_ratio(entry)} | {'<= %g %s' % (target, verdict) if target else '-'} |"
+        lines.append(row)
+    lines += ["", "Peak memory added over plain training (MB; max RSS of the process minus plain's):", ""]
+    lines += ["| configuration |" + "".join(f" {p} |" for p in problems), "|---|" + "---|" * len(problems)]
+    for config in MAIN_CONFIGS:
+        if not any(config in results[p]["configs"] for p in problems):
+            continue
+        row = f"| {ROW_TITLES[config]} |"
+        for p in problems:
+            entry = results[p]["configs"].get(config) or {}
+            if "added_memory_mb" not in entry:
+                row += " - |"
+                continue
+            frac = entry["added_memory_mb"] / results[p]["per_sample_grads_mb"]
+            text = f"{entry['added_memory_mb']:.0f} ({100 * frac:.0f}% of B x D x 4"
+            if config in MEMORY_TARGET:
+                text += f"; target <= {100 * MEMORY_TARGET[config]:.0f}%: {_verdict(frac, MEMORY_TARGET[config])}"
+            row += f" {text}) |"
+        lines.append(row)
+    quantity_configs = []
+    for p in problems:
+        quantity_configs += [c for c in results[p]["configs"] if c.startswith("q:") and c not in quantity_configs]
+    if quantity_configs:
+        lines += ["", "Each quantity alone, tracking every step (ratio to plain; added peak memory in MB):", ""]
+        lines += ["| quantity |" + "".join(f" {p} | {p} MB |" for p in problems)]
+        lines += ["|---|" + "---|---|" * len(problems)]
+        for config in quantity_configs:
+            row = f"| {config[2:]} |"
+            for p in problems:
+                entry = results[p]["configs"].get(config)
+                mem = f"{entry['added_memory_mb']:.0f}" if entry and "added_memory_mb" in entry else "-"
+                row += f" {_fmt_ratio(entry)} | {mem} |"
+            lines.append(row)
+    errors = [
+        f"- {p} / {c}: {e['errors'][0]}"
+        for p in problems
+        for c, e in results[p]["configs"].items()
+        if e.get("errors")
+    ]
+    if errors:
+        lines += ["", "Failed runs:", ""] + errors
+    return "\n".join(lines) + "\n"
+
+
+def update_doc(table: str, path: Path = DOC) -> bool:
+    """Replace the text between the table markers of ``path``; False if the markers are missing."""
+    if not path.exists():
+        return False
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        return False
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
+    return True
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute: MLP, few steps, 1 round")
+    parser.add_argument("--problems", default=None, help=f"comma-separated subset of {','.join(PROBLEMS)}")
+    parser.add_argument(
+        "--configs", default=None,
+        help="comma-separated main configurations (plain is always run) out of "
+        f"{','.join(MAIN_CONFIGS)}; 'none' for no main configuration",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantities", default=None,
+        help="comma-separated quantity names to time alone ('all' = every quantity, 'none')",
+    )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=None, help="rounds of the main configurations")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
+    parser.add_argument("--quantity-rounds", type=int, default=None, help="rounds of the quantities alone")
+    parser.add_argument("--quantity-steps", type=int, default=None, help="timed steps of the quantities alone")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument(
+        "--budget", type=float, default=None,
+        help="seconds of timed steps per process: a slow configuration stops after --min-steps "
+        "steps once over budget (not full_every10, which times whole periods)",
+    )  # fmt: skip
+    parser.add_argument("--min-steps", type=int, default=3, help="timed steps at least (see --budget)")
+    parser.add_argument(
+        "--min-time", type=float, default=None,
+        help="fast configurations time more than --steps steps, until this many seconds (at most --max-steps)",
+    )  # fmt: skip
+    parser.add_argument("--max-steps", type=int, default=1000, help="timed steps at most (see --min-time)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per child process")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/overhead[_quick].json)")
+    parser.add_argument("--table", default=None, help="also write the markdown table to this path")
+    parser.add_argument("--no-docs", action="store_true", help="do not update docs/performance.md")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shuffled order")
+    # child mode (internal)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--problem", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        args.steps = args.steps or 10
+        args.warmup = 2 if args.warmup is None else args.warmup
+        args.budget = 10.0 if args.budget is None else args.budget
+        args.min_time = 0.0 if args.min_time is None else args.min_time
+        print(json.dumps(run_child(args)))
+        return 0
+
+    quick = args.quick
+    problems = args.problems.split(",") if args.problems else (["mlp"] if quick else list(PROBLEMS))
+    for p in problems:
+        if p not in PROBLEMS:
+            raise SystemExit(f"unknown problem {p!r}; choose from {','.join(PROBLEMS)}")
+    if args.configs is None:
+        configs = list(MAIN_CONFIGS)
+    elif args.configs == "none":
+        configs = []
+    else:
+        configs = [c for c in args.configs.split(",") if c != "plain"]
+        for c in configs:
+            if c not in MAIN_CONFIGS:
+                raise SystemExit(f"unknown configuration {c!r}; choose from {','.join(MAIN_CONFIGS)}")
+    known = all_quantity_configs()
+    if args.quantities in (None, "all"):
+        qconfigs = known
+    elif args.quantities == "none":
+        qconfigs = []
+    else:
+        qconfigs = [f"q:{name}" for name in args.quantities.split(",")]
+        for c in qconfigs:
+            if c not in known:
+                raise SystemExit(f"unknown quantity {c[2:]!r}; choose from {[k[2:] for k in known]}")
+    rounds = args.rounds or (1 if quick else 3)
+    steps = args.steps or (5 if quick else 10)
+    warmup = args.warmup if args.warmup is not None else 2
+    qrounds = min(args.quantity_rounds or 1, rounds)
+    qsteps = args.quantity_steps or (3 if quick else 5)
+    if args.budget is None:
+        args.budget = 3.0 if quick else 8.0
+    if args.min_time is None:
+        args.min_time = 0.5 if quick else 1.0
+    if quick and args.quantities is None:
+        qconfigs = [f"q:{name}" for name in QUICK_QUANTITIES if f"q:{name}" in known]
+
+    import torch
+
+    rng = random.Random(args.seed)
+    runs = []
+    started = time.time()
+    plan = []
+    for rnd in range(rounds):
+        jobs = [(p, c, steps) for p in problems for c in configs]
+        if rnd < qrounds:
+            jobs += [(p, c, qsteps) for p in problems for c in qconfigs]
+        rng.shuffle(jobs)
+        # plain first of each problem's share, the rest interleaved
+        plan.append([(p, "plain", steps) for p in problems] + jobs)
+    total = sum(len(jobs) for jobs in plan)
+    done = 0
+    for rnd, jobs in enumerate(plan):
+        for problem, config, n in jobs:
+            result = spawn(problem, config, n, warmup, args)
+            result["round"] = rnd
+            runs.append(result)
+            done += 1
+            key = "mean_s" if config == "full_every10" else "median_s"
+            shown = (
+                f"{1000 * result[key]:.1f} ms ({len(result['times'])} steps)"
+                if key in result
+                else result["error"][:120]
+            )
+            print(f"[{done}/{total} {time.time() - started:.0f}s] round {rnd} {problem} {config}: {shown}", flush=True)
+            if "times" in result:
+                result["steps"] = len(result.pop("times"))
+
+    results = aggregate(runs, problems, args.batch_size)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".replace("  ", " "),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "rounds": rounds,
+        "steps": steps,
+        "warmup": warmup,
+        "quantity_rounds": qrounds if qconfigs else 0,
+        "quantity_steps": qsteps,
+        "batch_size": args.batch_size,
+        "budget_s": args.budget,
+        "quick": quick,
+        "seconds": round(time.time() - started, 1),
+        "command": " ".join(["benchmarks/overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
+    }
+    table = markdown(results, meta)
+    out = Path(args.out) if args.out else (QUICK_JSON if quick else DEFAULT_JSON)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "targets": TARGETS, "results": results, "runs": runs}, indent=1))
+    if args.table:
+        Path(args.table).write_text(table)
+    print()
+    print(table)
+    print(f"wrote {out}")
+    if not quick and not args.no_docs:
+        if update_doc(table):
+            print(f"updated the table in {DOC}")
+        else:
+            print(f"{DOC} has no {BEGIN} ... {END} markers; table not inserted")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
