@@ -3,32 +3,63 @@
 A :class:`PerSampleStat` is a frozen dataclass: equal statistics (same type,
 same fields) are one need, computed once per step however many quantities
 ask for it. During BackPACK's backward pass, after a module's per-sample
-gradients are computed, :class:`PerSampleReducer` hands each parameter's
-``grad_batch`` to every requested statistic and then frees it (unless a
-quantity or the user asked for the raw ``grad_batch``), so the ``N x D``
-per-sample gradient of the whole network never exists at once.
+information is computed, :class:`PerSampleReducer` (BackPACK's extension
+hook) hands it to every requested statistic and then frees it, so the
+``N x D`` per-sample gradient of the whole network never exists at once.
+
+A module's per-sample information comes in one of two forms:
+
+- **factors** (``nn.Linear`` with 2-D input, offered by
+  :class:`~cockpit_like.backends.per_sample_extension.PerSampleStatistics`):
+  the per-sample gradient of the weight is the outer product
+  ``grad_batch[i] = delta_i x_i^T`` (``x = module.input0`` ``[B, in]``,
+  ``delta`` the output gradient ``[B, out]``), that of the bias is
+  ``delta_i``. Statistics with a factor form
+  (:attr:`PerSampleStat.factor_form`) reduce ``(x, delta)`` directly,
+  without any ``[B, out, in]`` tensor; the others get ``grad_batch``
+  materialised once per parameter and shared between them.
+- **grad_batch** (every other layer, or BackPACK's ``BatchGrad`` when a
+  quantity or the user asked for the raw ``grad_batch``): ``[B, *param.shape]``.
 
 Scaling: the loss is the *mean* over the batch of ``B`` samples, so
 BackPACK's ``grad_batch[i] = g_i / B`` where ``g_i`` is the gradient of the
-``i``-th sample's loss.
+``i``-th sample's loss (``delta`` already carries the ``1/B``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["PerSampleStat", "PerSampleReducer"]
+__all__ = ["PerSampleStat", "PerSampleReducer", "materialize_linear"]
+
+
+def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
+    """``grad_batch`` of a linear layer's ``"weight"`` (``delta_i x_i^T``) or ``"bias"`` (``delta_i``).
+
+    Every entry is one product, so this is bitwise what BackPACK's ``BatchGrad`` computes.
+    """
+    if kind == "bias":
+        return delta
+    return delta.unsqueeze(2) * x.unsqueeze(1)
 
 
 @dataclass(frozen=True)
 class PerSampleStat:
     """Base class: a reduction of per-sample gradients to a small result.
 
-    Subclasses implement :meth:`init`, :meth:`accumulate` and :meth:`finalize`.
+    Subclasses implement :meth:`init`, :meth:`accumulate` and :meth:`finalize`,
+    and, where the statistic has a closed form for outer-product per-sample
+    gradients, :meth:`accumulate_factors` with ``factor_form = True``.
     """
+
+    #: whether :meth:`accumulate_factors` works on the factors without materialising ``grad_batch``
+    factor_form: ClassVar[bool] = False
+    #: with a factor form that still visits every entry (histograms): use ``grad_batch``
+    #: instead when another statistic materialises it anyway
+    reuses_grad_batch: ClassVar[bool] = False
 
     def init(self, params: list[torch.Tensor]) -> Any:
         """Fresh accumulator state for one step."""
@@ -38,6 +69,17 @@ class PerSampleStat:
         """Fold in parameter ``index``'s ``grad_batch`` ``[B, *param.shape]``; return the state."""
         raise NotImplementedError
 
+    def accumulate_factors(
+        self, state: Any, index: int, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor
+    ) -> Any:
+        """Fold in a linear layer's parameter given as factors; return the state.
+
+        ``kind == "weight"``: ``grad_batch[i] = delta[i] x[i]^T`` (``delta`` ``[B, out]``,
+        ``x`` ``[B, in]``); ``kind == "bias"``: ``grad_batch[i] = delta[i]`` (``x`` is None).
+        The default materialises ``grad_batch`` and calls :meth:`accumulate`.
+        """
+        return self.accumulate(state, index, param, materialize_linear(kind, x, delta))
+
     def finalize(self, state: Any) -> Any:
         """The result quantities read with ``record.stat(self)``."""
         return state
@@ -45,6 +87,11 @@ class PerSampleStat:
 
 class PerSampleReducer:
     """The BackPACK extension hook that feeds per-sample gradients to statistics.
+
+    Per-sample information reaches it either from
+    :class:`~cockpit_like.backends.per_sample_extension.PerSampleStatistics`
+    (``offer_factors`` / ``offer_grad_batch``, nothing stored on the
+    parameters) or, with BackPACK's ``BatchGrad``, as ``param.grad_batch``.
 
     Args:
         stats: distinct statistics to compute.
@@ -57,19 +104,62 @@ class PerSampleReducer:
         self.keep_grad_batch = keep_grad_batch
         self._index = {id(p): i for i, p in enumerate(params)}
         self._states = [stat.init(params) for stat in stats]
+        self._pending: dict[int, tuple] = {}
         self.seen: set[int] = set()
 
+    def __repr__(self) -> str:
+        return f"PerSampleReducer({len(self.stats)} statistics)"
+
+    # ---- offered by the extension during a module's backward ---------------------
+    def tracks(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is one of the tracked parameters."""
+        return id(param) in self._index
+
+    def offer_factors(self, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> None:
+        """A linear layer's parameter as factors (see :meth:`PerSampleStat.accumulate_factors`)."""
+        self._pending[id(param)] = (kind, x, delta, None)
+
+    def offer_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
+        """A parameter's ``grad_batch`` ``[B, *param.shape]``."""
+        self._pending[id(param)] = (None, None, None, grad_batch)
+
+    # ---- the extension hook ------------------------------------------------------
     def __call__(self, module: torch.nn.Module) -> None:
         for param in module.parameters(recurse=False):
             index = self._index.get(id(param))
+            if index is None:
+                continue
+            pending = self._pending.pop(id(param), None)
+            if pending is not None:
+                kind, x, delta, grad_batch = pending
+                self.seen.add(index)
+                if kind is None:
+                    self._reduce(index, param, grad_batch)
+                else:
+                    self._reduce_factors(index, param, kind, x, delta)
+                continue
             grad_batch = getattr(param, "grad_batch", None)
-            if index is None or grad_batch is None:
+            if grad_batch is None:
                 continue
             self.seen.add(index)
-            for k, stat in enumerate(self.stats):
-                self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+            self._reduce(index, param, grad_batch)
             if not self.keep_grad_batch:
                 del param.grad_batch
+
+    def _reduce(self, index: int, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
+        for k, stat in enumerate(self.stats):
+            self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+
+    def _reduce_factors(self, index, param, kind, x, delta) -> None:
+        # materialised at most once, and only if a statistic has no factor form
+        grad_batch = None
+        if not all(stat.factor_form for stat in self.stats):
+            grad_batch = materialize_linear(kind, x, delta)
+        for k, stat in enumerate(self.stats):
+            if stat.factor_form and (grad_batch is None or not stat.reuses_grad_batch):
+                self._states[k] = stat.accumulate_factors(self._states[k], index, param, kind, x, delta)
+            else:
+                self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
 
     def results(self) -> dict[PerSampleStat, Any]:
         return {stat: stat.finalize(state) for stat, state in zip(self.stats, self._states)}

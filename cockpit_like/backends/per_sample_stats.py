@@ -21,6 +21,18 @@ statistic                   result                                          used
 Scaling: the loss is the *mean* over ``B`` samples, so BackPACK's
 ``gb_p[i] = grad_batch[i] = g_{i,p} / B`` with ``g_{i,p}`` the gradient of
 sample ``i``'s loss. ``B`` here is always ``grad_batch``'s leading dimension.
+
+Factor forms (``nn.Linear`` with 2-D input, ``gb[i] = delta_i x_i^T`` for the
+weight, ``delta_i`` for the bias, see :mod:`cockpit_like.backends.per_sample`):
+
+- BatchGram: ``(Delta Delta^T) * (X X^T)`` (weight), ``Delta Delta^T`` (bias);
+- SumOfSquares: ``(delta^2)^T (x^2)`` (weight), ``sum_i delta_i^2`` (bias);
+- AbsMax: ``max_i max|delta_i| * max|x_i|`` (exact: rounding is monotone);
+- DirectionalDots: ``sum_{a,b} delta_ia D_ab x_ib`` per sample;
+- histograms: ``delta_i x_i^T`` for a few samples at a time, counted in
+  chunks (:mod:`cockpit_like.backends.fast_histograms`), bin for bin as before;
+- RetainedGradBatch has none: its ``grad_batch`` is materialised (once per
+  parameter, shared with the histograms).
 """
 
 from __future__ import annotations
@@ -30,8 +42,8 @@ from typing import Any
 
 import torch
 
+from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
 from cockpit_like.backends.per_sample import PerSampleStat
-from cockpit_like.functional.histograms import hist1d_counts, hist2d_counts
 
 __all__ = [
     "BatchGram",
@@ -59,10 +71,18 @@ class BatchGram(PerSampleStat):
     def init(self, params):
         return None
 
+    factor_form = True
+
     def accumulate(self, state, index, param, grad_batch):
-        flat = _flat(grad_batch)
+        flat = _flat(grad_batch.detach())
         gram = flat @ flat.T
         return gram if state is None else state + gram
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        gram = delta @ delta.T
+        if kind == "weight":
+            gram.mul_(x @ x.T)
+        return gram if state is None else state.add_(gram)
 
 
 @dataclass(frozen=True)
@@ -72,8 +92,15 @@ class SumOfSquares(PerSampleStat):
     def init(self, params):
         return [None] * len(params)
 
+    factor_form = True
+
     def accumulate(self, state, index, param, grad_batch):
-        state[index] = (grad_batch**2).sum(0)
+        state[index] = (grad_batch.detach() ** 2).sum(0)
+        return state
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        squared = delta * delta
+        state[index] = squared.sum(0) if kind == "bias" else squared.T @ (x * x)
         return state
 
 
@@ -84,10 +111,21 @@ class AbsMax(PerSampleStat):
     def init(self, params):
         return None
 
+    factor_form = True
+
     def accumulate(self, state, index, param, grad_batch):
-        current = grad_batch.detach().abs().max()
+        return self._fold(state, grad_batch.detach().abs().max(), grad_batch.shape[0])
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        largest = delta.abs().amax(1)
+        if kind == "weight":
+            largest = largest * x.abs().amax(1)  # max |delta_i x_i^T| = max|delta_i| max|x_i|
+        return self._fold(state, largest.max(), delta.shape[0])
+
+    @staticmethod
+    def _fold(state, current, batch):
         if state is None:
-            return (current, grad_batch.shape[0])
+            return (current, batch)
         return (torch.maximum(state[0], current), state[1])
 
 
@@ -102,12 +140,35 @@ class Histogram1dCounts(PerSampleStat):
     bins: int
     range: tuple[float, float]
 
+    factor_form = True
+    reuses_grad_batch = True
+
     def init(self, params):
-        return None
+        return None  # (counter, int64 counts, dtype) once the first parameter arrives
+
+    def _state(self, state, like):
+        if state is None:
+            counter = Hist1dCounter(self.bins, self.range, like.dtype)
+            state = (counter, counter.new_counts(like.device), like.dtype)
+        return state
 
     def accumulate(self, state, index, param, grad_batch):
-        counts = hist1d_counts(grad_batch.shape[0] * grad_batch.detach(), self.bins, self.range)
-        return counts if state is None else state + counts
+        state = self._state(state, grad_batch)
+        state[0].count_grad_batch(state[1], grad_batch)
+        return state
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        state = self._state(state, delta)
+        if kind == "bias":
+            state[0].count_grad_batch(state[1], delta)
+        else:
+            state[0].count_outer(state[1], x, delta)
+        return state
+
+    def finalize(self, state):
+        if state is None:
+            return None
+        return Hist1dCounter.finish(state[1], self.bins, state[2])
 
 
 @dataclass(frozen=True)
@@ -121,12 +182,27 @@ class Histogram2dCounts(PerSampleStat):
     bins: tuple[int, int]
     range: tuple[tuple[float, float], tuple[float, float]]
 
+    factor_form = True
+    reuses_grad_batch = True
+
     def init(self, params):
         return [None] * len(params)
 
     def accumulate(self, state, index, param, grad_batch):
         # theta_p broadcasts over the batch dimension: binned once, not B times
-        state[index] = hist2d_counts(grad_batch.shape[0] * grad_batch.detach(), param.detach(), self.bins, self.range)
+        counter = Hist2dCounter(self.bins, self.range)
+        counts = counter.new_counts(grad_batch.device)
+        counter.count_grad_batch(counts, grad_batch, param)
+        state[index] = counter.finish(counts)
+        return state
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        if kind == "bias":
+            return self.accumulate(state, index, param, delta)
+        counter = Hist2dCounter(self.bins, self.range)
+        counts = counter.new_counts(delta.device)
+        counter.count_outer(counts, x, delta, param)
+        state[index] = counter.finish(counts)
         return state
 
 
@@ -145,9 +221,19 @@ class DirectionalDots(PerSampleStat):
     def init(self, params):
         return None
 
+    factor_form = True
+
     def accumulate(self, state, index, param, grad_batch):
-        dots = _flat(grad_batch) @ self.direction[index].reshape(-1).to(grad_batch.dtype)
+        dots = _flat(grad_batch.detach()) @ self.direction[index].reshape(-1).to(grad_batch.dtype)
         return dots if state is None else state + dots
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        d = self.direction[index].to(delta.dtype)
+        if kind == "bias":
+            dots = delta @ d
+        else:
+            dots = ((delta @ d.reshape(delta.shape[1], x.shape[1])) * x).sum(1)
+        return dots if state is None else state.add_(dots)
 
 
 @dataclass(frozen=True)
