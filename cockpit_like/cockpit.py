@@ -255,8 +255,11 @@ class _TrackedStep:
             hooks.extend(quantity.extension_hooks(step))
             stats.extend(s for s in quantity.per_sample_stats(step) if s not in stats)
         if stats:
-            requests.append(("per-sample statistics", BatchGrad()))
-            self._reducer = PerSampleReducer(stats, cockpit.params, keep_grad_batch=raw_batch_grad)
+            # the statistics backend picks BatchGrad (raw grad_batch wanted) or the linear fast path
+            from cockpit_like.backends.per_sample_extension import statistics_backend
+
+            extension, self._reducer = statistics_backend(stats, cockpit.params, raw_batch_grad)
+            requests.append(("per-sample statistics", extension))
             hooks.insert(0, self._reducer)
         self._extensions = merge_extensions(requests)
 
