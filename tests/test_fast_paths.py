@@ -30,6 +30,8 @@ from cockpit_like.backends.per_sample_stats import (
     DirectionalDots,
     Histogram1dCounts,
     Histogram2dCounts,
+    RetainedDense,
+    RetainedFactors,
     RetainedGradBatch,
     SumOfSquares,
 )
@@ -115,10 +117,19 @@ def test_retained_grad_batch_shared_with_histograms_on_the_fast_path():
     stats = [RetainedGradBatch(), Histogram1dCounts(11, (-0.1, 0.1)), BatchGram()]
     fast = _reduce(model, lossfunc, inputs, labels, stats, "factors")
     slow = _reduce(model, lossfunc, inputs, labels, stats, "batch_grad")
-    for stat in stats:
+    for stat in stats[1:]:
         _assert_equal(fast[stat], slow[stat])
-    for kept, g in zip(fast[RetainedGradBatch()], per_sample_grads(model, inputs, labels)):
-        torch.testing.assert_close(kept, g / 5, rtol=1e-10, atol=1e-15)
+    # Linear layers are retained as factors on the fast path, as grad_batch otherwise;
+    # both give the batch sum and the per-sample dots of the brute-force gradients.
+    assert all(isinstance(kept, RetainedFactors) for kept in fast[RetainedGradBatch()])
+    assert all(isinstance(kept, RetainedDense) for kept in slow[RetainedGradBatch()])
+    generator = torch.Generator().manual_seed(3)
+    for fast_kept, slow_kept, g in zip(fast[RetainedGradBatch()], slow[RetainedGradBatch()], per_sample_grads(model, inputs, labels)):
+        direction = torch.randn(g.shape[1:], generator=generator, dtype=g.dtype)
+        expected_dots = (g / 5).flatten(1) @ direction.reshape(-1)
+        for kept in (fast_kept, slow_kept):
+            torch.testing.assert_close(kept.batch_sum(), g.sum(0) / 5, rtol=1e-10, atol=1e-15)
+            torch.testing.assert_close(kept.dots(direction), expected_dots, rtol=1e-10, atol=1e-15)
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -236,19 +236,65 @@ class DirectionalDots(PerSampleStat):
         return dots if state is None else state.add_(dots)
 
 
+class RetainedDense:
+    """A parameter's per-sample gradients kept as ``grad_batch`` ``[B, *param.shape]``."""
+
+    __slots__ = ("grad_batch",)
+
+    def __init__(self, grad_batch: torch.Tensor):
+        self.grad_batch = grad_batch
+
+    def batch_sum(self) -> torch.Tensor:
+        """``sum_i grad_batch[i]``."""
+        return self.grad_batch.sum(0)
+
+    def dots(self, direction: torch.Tensor) -> torch.Tensor:
+        """``[<grad_batch[i], direction> for i]``."""
+        return _flat(self.grad_batch) @ direction.reshape(-1).to(self.grad_batch.dtype)
+
+
+class RetainedFactors:
+    """A linear layer's per-sample gradients kept as factors (``B x (in + out)`` numbers).
+
+    ``kind == "weight"``: ``grad_batch[i] = delta[i] x[i]^T``; ``"bias"``: ``grad_batch[i] = delta[i]``.
+    """
+
+    __slots__ = ("kind", "x", "delta")
+
+    def __init__(self, kind: str, x: torch.Tensor | None, delta: torch.Tensor):
+        self.kind, self.x, self.delta = kind, x, delta
+
+    def batch_sum(self) -> torch.Tensor:
+        return self.delta.sum(0) if self.kind == "bias" else self.delta.T @ self.x
+
+    def dots(self, direction: torch.Tensor) -> torch.Tensor:
+        d = direction.to(self.delta.dtype)
+        if self.kind == "bias":
+            return self.delta @ d
+        return ((self.delta @ d.reshape(self.delta.shape[1], self.x.shape[1])) * self.x).sum(1)
+
+
 @dataclass(frozen=True)
 class RetainedGradBatch(PerSampleStat):
-    """Keeps ``grad_batch`` of every parameter until the step's quantities ran.
+    """Keeps every parameter's per-sample gradients until the step's quantities ran.
 
     Needed only where a per-sample reduction depends on something known after
-    the backward pass (Alpha's look-ahead direction at its start step). The
-    reader must ``clear()`` the returned list when done, so that nothing
-    per-sample survives the step.
+    the backward pass (Alpha's look-ahead direction at its start step). Linear
+    layers are kept as their factors (:class:`RetainedFactors`, no ``[B, out, in]``
+    tensor), other layers as ``grad_batch`` (:class:`RetainedDense`); both offer
+    ``batch_sum()`` and ``dots(direction)``. The reader must ``clear()`` the
+    returned list when done, so that nothing per-sample survives the step.
     """
+
+    factor_form = True
 
     def init(self, params):
         return [None] * len(params)
 
     def accumulate(self, state, index, param, grad_batch):
-        state[index] = grad_batch.detach()
+        state[index] = RetainedDense(grad_batch.detach())
+        return state
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        state[index] = RetainedFactors(kind, None if x is None else x.detach(), delta.detach())
         return state

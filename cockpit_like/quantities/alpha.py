@@ -161,7 +161,7 @@ class Alpha(TwoStepQuantity):
             if any(gb is None for gb in retained):
                 missing = [i for i, gb in enumerate(retained) if gb is None]
                 raise RuntimeError(f"Alpha: BackPACK computed no per-sample gradients for parameters {missing}")
-            grad_sum = [gb.sum(0) for gb in retained]
+            grad_sum = [kept.batch_sum() for kept in retained]
             predicted = self._predict_update(global_step, record, params, grad_sum)
             slopes = self._slopes(retained, predicted, batch_size)
         finally:
@@ -198,10 +198,10 @@ class Alpha(TwoStepQuantity):
             return [-g for g in grad_sum]
 
     @staticmethod
-    def _slopes(grad_batch: list[torch.Tensor], direction: list[torch.Tensor], batch_size: int) -> torch.Tensor:
-        """``u_i = B grad_batch_i^T d / ||d||`` (zeros for d = 0)."""
+    def _slopes(retained: list, direction: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+        """``u_i = B grad_batch_i^T d / ||d||`` (zeros for d = 0), from the retained per-sample gradients."""
         norm = _norm(direction)
-        dots = sum(gb.reshape(gb.shape[0], -1) @ d.reshape(-1).to(gb.dtype) for gb, d in zip(grad_batch, direction))
+        dots = sum(kept.dots(d) for kept, d in zip(retained, direction))
         if norm == 0:
             return torch.zeros_like(dots)
         return batch_size * dots / norm
