@@ -19,8 +19,9 @@ measures the time per training step (``zero_grad``, forward, backward,
 Every configuration runs in its own process (this script, called with
 ``--child``), with one thread (``torch.set_num_threads(1)``,
 ``OMP_NUM_THREADS=1``). Configurations are interleaved, in a shuffled order,
-over several rounds; each round runs ``plain`` once per problem, and every
-ratio is taken to the ``plain`` time of the same round and problem; the
+over several rounds; each round runs ``plain`` for every problem at its start
+and at its end, and every ratio is taken to the mean of these two ``plain``
+times of the same round and problem; the
 reported ratio is the median over rounds. Memory: each child reports its
 peak resident set size (``ru_maxrss``); a configuration's added memory is
 its peak minus the peak of the ``plain`` process of the same round (all
@@ -269,9 +270,15 @@ def aggregate(runs: list[dict], problems: list[str], batch_size: int) -> dict:
     """Per problem and configuration: median time, ratios and added memory from same-round plain runs."""
     results = {}
     for problem in problems:
-        per_round_plain = {
-            r["round"]: r for r in runs if r["problem"] == problem and r["config"] == "plain" and "error" not in r
-        }
+        per_round_plain: dict[int, dict] = {}  # plain ran at the start and at the end of a round
+        for rnd in sorted({r["round"] for r in runs}):
+            plains = [r for r in runs if r["round"] == rnd and r["problem"] == problem and r["config"] == "plain"]
+            plains = [r for r in plains if "error" not in r]
+            if plains:
+                per_round_plain[rnd] = {
+                    "median_s": statistics.fmean(r["median_s"] for r in plains),
+                    "maxrss_mb": min(r["maxrss_mb"] for r in plains),
+                }
         configs = []
         for r in runs:
             if r["problem"] == problem and r["config"] not in configs:
@@ -504,8 +511,9 @@ def main(argv=None) -> int:
         if rnd < qrounds:
             jobs += [(p, c, qsteps) for p in problems for c in qconfigs]
         rng.shuffle(jobs)
-        # plain first of each problem's share, the rest interleaved
-        plan.append([(p, "plain", steps) for p in problems] + jobs)
+        # plain at the start and at the end of the round, the rest interleaved in between
+        plain = [(p, "plain", steps) for p in problems]
+        plan.append(plain + jobs + (plain[::-1] if jobs else []))
     total = sum(len(jobs) for jobs in plan)
     done = 0
     for rnd, jobs in enumerate(plan):
