@@ -17,6 +17,22 @@ scale/clamp/shift/scale pass in place, one float->int64 truncation, one
 a linear layer, from its factors (``delta_i x_i^T`` for a few samples at a
 time, each entry a single product and hence bitwise equal to BackPACK's
 ``grad_batch``), so no ``[B, out, in]`` tensor is needed.
+
+Sparse factors (ReLU networks): a product ``delta_ia x_ib`` with a zero
+factor is exactly ``+-0`` (finite factors), and ``+0``/``-0`` share one bin
+under both rules. So :meth:`Hist1dCounter.count_outer` and
+:meth:`Hist2dCounter.count_outer` enumerate only, per sample, the nonzero
+entries of ``delta_i`` times the nonzero entries of ``x_i`` (moved to the
+front of each row by a stable sort, padded with zeros to the largest count
+of the few samples of a chunk), and add every other entry to the bin of
+``0`` analytically: the bin of a zero passed through the same binning code;
+in 2-D the zero products of position ``(a, b)`` number
+``B - (M_delta^T M_x)[a, b]`` (``M`` the 0/1 masks of enumerated positions)
+and go to the column of ``theta_ab``. Counts are identical to the dense
+path; 1-D uses it when all factors are finite, the layer has at least
+:data:`SPARSE_MIN_ENTRIES` entries and the padded products are fewer than
+:data:`SPARSE_SHARE` of all entries (2-D only on request, see
+:meth:`Hist2dCounter.count_outer`).
 """
 
 from __future__ import annotations
@@ -25,10 +41,16 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["CHUNK", "Hist1dCounter", "Hist2dCounter"]
+__all__ = ["CHUNK", "SPARSE_SHARE", "SPARSE_MIN_ENTRIES", "Hist1dCounter", "Hist2dCounter"]
 
 #: entries per chunk (float + int64 buffers of this size stay in cache)
 CHUNK = 1 << 16
+
+#: the sparse path runs if (max nnz of delta_i) * (max nnz of x_i) < SPARSE_SHARE * out * in
+SPARSE_SHARE = 0.75
+
+#: ... and the layer has at least this many per-sample gradient entries (B * out * in)
+SPARSE_MIN_ENTRIES = 4 * CHUNK
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -73,6 +95,68 @@ def _outer_chunks(x: torch.Tensor, delta: torch.Tensor, chunk: int, buffers: _Bu
         yield values.view(d.shape[0], out * width)
 
 
+class _SparseFactors:
+    """Per sample, the nonzero entries of ``delta_i`` and ``x_i`` moved to the front of their rows.
+
+    ``d[i, :nd[i]]`` are ``delta_i``'s nonzero entries in order, ``od[i]`` their
+    positions; later columns hold zeros of ``delta_i`` (values ``+-0``) and
+    their positions. Likewise ``xv``, ``ox``, ``nx`` for ``x``.
+    """
+
+    def __init__(self, x: torch.Tensor, delta: torch.Tensor):
+        self.d, self.od, self.nd = self._compact(delta)
+        self.xv, self.ox, self.nx = self._compact(x)
+        self.batch, self.out = delta.shape
+        self.width = x.shape[1]
+
+    @staticmethod
+    def _compact(v: torch.Tensor):
+        nonzero = v != 0
+        counts = nonzero.sum(1)
+        width = int(counts.max()) if v.shape[0] else 0
+        order = torch.sort((~nonzero).to(torch.uint8), dim=1, stable=True).indices[:, :width]
+        return v.gather(1, order), order, counts.tolist()
+
+    @staticmethod
+    def plan(x: torch.Tensor, delta: torch.Tensor, share: float):
+        """The compacted factors, or ``None`` where the dense path is due (non-finite, too dense)."""
+        if delta.dim() != 2 or x.dim() != 2 or delta.shape[0] == 0 or delta.numel() == 0 or x.numel() == 0:
+            return None
+        if delta.numel() * x.shape[1] < SPARSE_MIN_ENTRIES:
+            return None  # sort/gather overhead exceeds the saving on small layers
+        if not (bool(torch.isfinite(delta).all()) and bool(torch.isfinite(x).all())):
+            return None
+        pd = int((delta != 0).sum(1).max())
+        px = int((x != 0).sum(1).max())
+        if pd * px >= share * delta.shape[1] * x.shape[1]:
+            return None
+        return _SparseFactors(x, delta)
+
+    def chunks(self, chunk: int):
+        """``(start, stop, pd, px)``: samples ``start:stop`` padded to their largest nonzero counts."""
+        start = 0
+        while start < self.batch:
+            pd, px = max(self.nd[start], 0), max(self.nx[start], 0)
+            stop = start + 1
+            while stop < self.batch:
+                npd, npx = max(pd, self.nd[stop]), max(px, self.nx[stop])
+                if (stop + 1 - start) * npd * npx > chunk:
+                    break
+                pd, px, stop = npd, npx, stop + 1
+            yield start, stop, pd, px
+            start = stop
+
+    def products(self, start, stop, pd, px, buffers: "_Buffers") -> torch.Tensor:
+        """``[rows, pd * px]`` products ``d[i, p] * xv[i, q]`` in ``buffers.values``."""
+        d, xs = self.d[start:stop, :pd], self.xv[start:stop, :px]
+        values, _ = buffers.take((d.shape[0], pd, px))
+        torch.mul(d.unsqueeze(2), xs.unsqueeze(1), out=values)
+        return values.view(d.shape[0], pd * px)
+
+    def buffer_size(self, chunk: int) -> int:
+        return max(1, min(max(chunk, max(a * b for a, b in zip(self.nd, self.nx))), self.batch * self.d.shape[1] * self.xv.shape[1]))
+
+
 class Hist1dCounter:
     """Counts of ``scale * v`` over chunks ``v``, with ``torch.histc``'s bin rule (clamped data).
 
@@ -97,10 +181,20 @@ class Hist1dCounter:
         """Count ``scale * chunk`` into ``counts`` (``chunk`` may be ``buffers.values`` itself)."""
         values, index = buffers.take(tuple(chunk.shape))
         torch.mul(chunk, scale, out=values)
+        self._index(values, index)
+        buffers.count(counts, index)
+
+    def _index(self, values: torch.Tensor, index: torch.Tensor) -> None:
         values.clamp_(self.lo, self.hi).sub_(self.edge).mul_(self.bins).div_(self.width)
         values.nan_to_num_(nan=float(self.bins + 1))
         index.copy_(values)
-        buffers.count(counts, index)
+
+    def zero_bin(self, scale: float, dtype: torch.dtype, device) -> int:
+        """The counts slot of ``scale * 0`` by the same code as every value."""
+        values = torch.zeros(1, dtype=dtype, device=device)
+        index = torch.empty(1, dtype=torch.int64, device=device)
+        self._index(values.mul_(scale), index)
+        return int(index[0])
 
     @staticmethod
     def finish(counts: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
@@ -116,8 +210,31 @@ class Hist1dCounter:
         for part in _chunks_of_grad_batch(grad_batch, chunk):
             self.add(counts, part, scale, buffers)
 
-    def count_outer(self, counts: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, chunk: int = CHUNK) -> None:
-        """Count ``B * delta_i x_i^T`` over all samples without a ``[B, out, in]`` tensor."""
+    def count_outer(
+        self, counts: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, chunk: int = CHUNK, sparse: float | None = SPARSE_SHARE
+    ) -> None:
+        """Count ``B * delta_i x_i^T`` over all samples without a ``[B, out, in]`` tensor.
+
+        ``sparse``: share of padded nonzero products below which only those are
+        enumerated (module docstring); ``None``: always the dense path.
+        """
+        factors = None if sparse is None else _SparseFactors.plan(x, delta, sparse)
+        if factors is not None:
+            return self._count_sparse(counts, factors, chunk, delta.dtype, delta.device)
+        self.count_outer_dense(counts, x, delta, chunk)
+
+    def _count_sparse(self, counts, factors: _SparseFactors, chunk: int, dtype, device) -> None:
+        scale = factors.batch
+        buffers = _Buffers(factors.buffer_size(chunk), dtype, device)
+        enumerated = 0
+        for start, stop, pd, px in factors.chunks(chunk):
+            enumerated += (stop - start) * pd * px
+            if pd * px:
+                self.add(counts, factors.products(start, stop, pd, px, buffers), scale, buffers)
+        counts[self.zero_bin(scale, dtype, device)] += factors.batch * factors.out * factors.width - enumerated
+
+    def count_outer_dense(self, counts: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, chunk: int = CHUNK) -> None:
+        """:meth:`count_outer` enumerating every product."""
         scale = delta.shape[0]
         size = max(1, chunk // (delta.shape[1] * x.shape[1])) * delta.shape[1] * x.shape[1]
         buffers = _Buffers(min(size, delta.numel() * x.shape[1]), delta.dtype, delta.device)
@@ -155,10 +272,13 @@ class Hist2dCounter:
         """Count pairs of ``scale * chunk`` (``[rows, P]``) with ``theta_index`` (``[P]``)."""
         values, index = buffers.take(tuple(chunk.shape))
         torch.mul(chunk, scale, out=values)
-        values.clamp_(self.xmin, self.xmax).sub_(self.xlo).div_(self.xw)
-        index.copy_(values)
+        self._xindex(values, index)
         index.mul_(self.ybins).add_(theta_index)
         buffers.count(counts, index)
+
+    def _xindex(self, values: torch.Tensor, index: torch.Tensor) -> None:
+        values.clamp_(self.xmin, self.xmax).sub_(self.xlo).div_(self.xw)
+        index.copy_(values)
 
     def finish(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.view(self.xbins, self.ybins)
@@ -170,7 +290,39 @@ class Hist2dCounter:
         for part in _chunks_of_grad_batch(grad_batch, chunk):
             self.add(counts, part, scale, theta_index, buffers)
 
-    def count_outer(self, counts, x, delta, theta, chunk: int = CHUNK) -> None:
+    def count_outer(self, counts, x, delta, theta, chunk: int = CHUNK, sparse: float | None = None) -> None:
+        """Count pairs ``(B * delta_i x_i^T, theta)``; ``sparse`` as :meth:`Hist1dCounter.count_outer`.
+
+        Dense by default: the sparse enumeration is exact, but on CPU gathering
+        ``theta``'s bin per enumerated pair costs more than it saves (784x128
+        layer, batch 128: 65 ms sparse vs 44 ms dense).
+        """
+        factors = None if sparse is None else _SparseFactors.plan(x, delta, sparse)
+        if factors is None:
+            return self.count_outer_dense(counts, x, delta, theta, chunk)
+        scale = factors.batch
+        theta_index = self.theta_index(theta)
+        grid = theta_index.view(factors.out, factors.width)
+        buffers = _Buffers(factors.buffer_size(chunk), delta.dtype, delta.device)
+        mask_d = torch.zeros(factors.batch, factors.out, dtype=torch.float64, device=delta.device)
+        mask_x = torch.zeros(factors.batch, factors.width, dtype=torch.float64, device=delta.device)
+        for start, stop, pd, px in factors.chunks(chunk):
+            od, ox = factors.od[start:stop, :pd], factors.ox[start:stop, :px]
+            mask_d[start:stop].scatter_(1, od, 1.0)
+            mask_x[start:stop].scatter_(1, ox, 1.0)
+            if pd * px:
+                pairs = grid[od.unsqueeze(2), ox.unsqueeze(1)].view(stop - start, pd * px)
+                self.add(counts, factors.products(start, stop, pd, px, buffers), scale, pairs, buffers)
+        # positions (a, b) of sample i not enumerated hold exact zeros, paired with theta_ab
+        zeros = (factors.batch - mask_d.t() @ mask_x).round_().long().reshape(-1)
+        value = torch.zeros(1, dtype=delta.dtype, device=delta.device).mul_(scale)
+        index = torch.empty(1, dtype=torch.int64, device=delta.device)
+        self._xindex(value, index)
+        start = int(index[0]) * self.ybins
+        counts[start : start + self.ybins].scatter_add_(0, theta_index, zeros)
+
+    def count_outer_dense(self, counts, x, delta, theta, chunk: int = CHUNK) -> None:
+        """:meth:`count_outer` enumerating every product."""
         scale = delta.shape[0]
         theta_index = self.theta_index(theta)
         size = max(1, chunk // (delta.shape[1] * x.shape[1])) * delta.shape[1] * x.shape[1]
