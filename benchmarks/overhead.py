@@ -377,6 +377,8 @@ def markdown(results: dict, meta: dict) -> str:
     quantity_configs = []
     for p in problems:
         quantity_configs += [c for c in results[p]["configs"] if c.startswith("q:") and c not in quantity_configs]
+    order = meta.get("quantity_order") or []
+    quantity_configs.sort(key=lambda c: (order.index(c) if c in order else len(order), c))
     if quantity_configs:
         lines += ["", "Each quantity alone, tracking every step (ratio to plain; added peak memory in MB):", ""]
         lines += ["| quantity |" + "".join(f" {p} | {p} MB |" for p in problems)]
@@ -447,6 +449,10 @@ def parse_args(argv=None):
     parser.add_argument("--table", default=None, help="also write the markdown table to this path")
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/performance.md")
     parser.add_argument("--seed", type=int, default=0, help="seed of the shuffled order")
+    parser.add_argument(
+        "--from-json", default=None,
+        help="measure nothing: rebuild the table (and docs, unless --no-docs) from a results JSON",
+    )  # fmt: skip
     # child mode (internal)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--problem", default=None, help=argparse.SUPPRESS)
@@ -462,6 +468,17 @@ def main(argv=None) -> int:
         args.budget = 10.0 if args.budget is None else args.budget
         args.min_time = 0.0 if args.min_time is None else args.min_time
         print(json.dumps(run_child(args)))
+        return 0
+
+    if args.from_json:
+        data = json.loads(Path(args.from_json).read_text())
+        data["meta"].setdefault("quantity_order", all_quantity_configs())
+        table = markdown(data["results"], data["meta"])
+        if args.table:
+            Path(args.table).write_text(table)
+        print(table)
+        if not args.no_docs and not data["meta"].get("quick"):
+            print(f"updated the table in {DOC}" if update_doc(table) else f"{DOC}: no table markers")
         return 0
 
     quick = args.quick
@@ -547,6 +564,7 @@ def main(argv=None) -> int:
         "budget_s": args.budget,
         "quick": quick,
         "seconds": round(time.time() - started, 1),
+        "quantity_order": known,
         "command": " ".join(["benchmarks/overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
     }
     table = markdown(results, meta)
