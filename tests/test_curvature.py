@@ -9,6 +9,8 @@ cross-entropy Hessian of the mean loss, per-sample gradients from
 import math
 
 import pytest
+
+from cockpit_like.backends.per_sample_stats import SumOfSquares
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev
@@ -191,7 +193,8 @@ def test_needs_declared_only_at_scheduled_steps():
     tic = TICDiag(schedule, curvature="diag_ggn_exact")
     assert tic.extensions(0) == [] and tic.required_info(0) == set()
     names = sorted(type(e).__name__ for e in tic.extensions(4))
-    assert names == ["DiagGGNExact", "SumGradSquared"]
+    assert names == ["DiagGGNExact"]
+    assert tic.per_sample_stats(0) == [] and tic.per_sample_stats(4) == [SumOfSquares()]
     assert tic.required_info(4) == {"batch_size"}
     assert [type(e).__name__ for e in HessTrace(schedule).extensions(1)] == ["DiagHessian"]
     assert HessTrace(schedule, curvature="diag_ggn_mc").extensions(1)[0].get_num_mc_samples() == 1

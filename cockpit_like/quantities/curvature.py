@@ -12,8 +12,10 @@ All three quantities read a BackPACK diagonal ``c`` of the curvature of the
   uses the torch RNG during backward).
 
 TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
-(BackPACK's :class:`~backpack.extensions.SumGradSquared`; ``grad_batch[i] =
-g_i / B`` for a mean loss) and ``B = info["batch_size"]``.
+(``grad_batch[i] = g_i / B`` for a mean loss), read from the shared
+per-sample statistic :class:`~cockpit_like.backends.per_sample_stats.SumOfSquares`
+(the one MeanGSNR, CABS and EarlyStopping use, computed once per step, from
+the outer-product factors on linear layers), and ``B = info["batch_size"]``.
 
 Difference to Cockpit: an unknown ``curvature`` fails when the quantity is
 constructed (a :class:`UnknownCurvatureError`, both a ``ValueError`` and a
@@ -23,7 +25,9 @@ constructed (a :class:`UnknownCurvatureError`, both a ``ValueError`` and a
 from __future__ import annotations
 
 import torch
-from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian, SumGradSquared
+from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
+
+from cockpit_like.backends.per_sample_stats import SumOfSquares
 
 from cockpit_like.context import get_record
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -112,9 +116,8 @@ class _TIC(_DiagCurvatureQuantity):
         super().__init__(track_schedule, verbose=verbose, curvature=curvature)
         self._epsilon = epsilon
 
-    def extensions(self, global_step: int) -> list:
-        extensions = super().extensions(global_step)
-        return extensions + [SumGradSquared()] if extensions else []
+    def per_sample_stats(self, global_step: int) -> list:
+        return [SumOfSquares()] if self.should_compute(global_step) else []
 
     def required_info(self, global_step: int) -> set[str]:
         return {"batch_size"} if self.should_compute(global_step) else set()
@@ -125,7 +128,7 @@ class _TIC(_DiagCurvatureQuantity):
     def _inputs(self, global_step, params):
         name = type(self).__name__
         batch_size = get_record(global_step).require("batch_size", name)
-        squares = _diagonals(params, "sum_grad_squared", name)
+        squares = get_record(global_step).stat(SumOfSquares())
         return batch_size, squares, self._curvature_diagonals(params)
 
 
@@ -137,7 +140,7 @@ class TICDiag(_TIC):
     over all entries ``j`` of all parameters: the *uncentered* second moment
     of the per-sample gradients ``g_i`` against the curvature diagonal ``c``
     (see the module docstring). ``B = info["batch_size"]``, ``s_j`` from
-    BackPACK's SumGradSquared. Stored as a float. Entries with ``c_j ≈ 0``
+    the shared ``SumOfSquares`` statistic. Stored as a float. Entries with ``c_j ≈ 0``
     dominate; ``"diag_h"`` may even have ``c_j + epsilon <= 0``, as in Cockpit.
     """
 
