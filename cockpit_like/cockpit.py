@@ -25,21 +25,10 @@ from backpack.extensions import BatchGrad
 from cockpit_like import context
 from cockpit_like.backends.extensions import describe, merge_extensions
 from cockpit_like.backends.per_sample import PerSampleReducer
-from cockpit_like.logs import StreamWriter, run_metadata, write_log
+from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError"]
-
-_EPOCH_KEYS = (
-    "epoch_count",
-    "train_loss",
-    "valid_loss",
-    "test_loss",
-    "train_accuracy",
-    "valid_accuracy",
-    "test_accuracy",
-    "learning_rate",
-)
 
 
 class NotExtendedError(RuntimeError):
@@ -192,7 +181,7 @@ class Cockpit:
     ) -> None:
         """Store epoch-level figures under ``global_step`` (values as given)."""
         given = locals()
-        values = {key: given[key] for key in _EPOCH_KEYS}
+        values = {key: given[key] for key in EPOCH_KEYS}
         self._epoch_logs.setdefault(global_step, {}).update(values)
         if self._stream is not None:
             self._stream.write_step(global_step, values)

@@ -37,9 +37,21 @@ from typing import IO, Any
 
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "read_log", "read_log_with_metadata", "write_log", "StreamWriter", "encode", "decode"]
+__all__ = ["SCHEMA_VERSION", "EPOCH_KEYS", "read_log", "read_log_with_metadata", "write_log", "StreamWriter", "encode", "decode"]
 
 SCHEMA_VERSION = 1
+
+#: Keys stored by ``Cockpit.log(...)`` (epoch-level figures), in signature order.
+EPOCH_KEYS = (
+    "epoch_count",
+    "train_loss",
+    "valid_loss",
+    "test_loss",
+    "train_accuracy",
+    "valid_accuracy",
+    "test_accuracy",
+    "learning_rate",
+)
 _FULL = "cockpit_like.log"
 _STREAM = "cockpit_like.stream"
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}

@@ -16,19 +16,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RunData", "load_source", "smooth", "EPOCH_KEYS", "KNOWN_QUANTITIES"]
+from cockpit_like.logs import EPOCH_KEYS
 
-#: Keys written by ``Cockpit.log(...)``.
-EPOCH_KEYS = (
-    "epoch_count",
-    "train_loss",
-    "valid_loss",
-    "test_loss",
-    "train_accuracy",
-    "valid_accuracy",
-    "test_accuracy",
-    "learning_rate",
-)
+__all__ = ["RunData", "load_source", "smooth", "EPOCH_KEYS", "KNOWN_QUANTITIES"]
 
 #: Quantities that have a dedicated instrument.
 KNOWN_QUANTITIES = (
