@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 from backpack import extend
 
 from cockpit_like import Cockpit, CockpitPlotter, quantities
+from cockpit_like.demo import accuracy, load_digits_tensors
 from cockpit_like.quantities.quantity import ByproductQuantity
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from basic_digits import accuracy, load_digits_split  # noqa: E402
 
 
 class ParameterNorm(ByproductQuantity):
@@ -68,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    train_x, train_y, test_x, test_y = load_digits_split(args.seed)
+    train_x, train_y, test_x, test_y = load_digits_tensors(args.seed)
     model = extend(torch.nn.Sequential(torch.nn.Linear(64, 24), torch.nn.Tanh(), torch.nn.Linear(24, 10)))
     lossfunc = extend(torch.nn.CrossEntropyLoss())
     individual_lossfunc = torch.nn.CrossEntropyLoss(reduction="none")

@@ -28,24 +28,8 @@ import torch
 from backpack import extend
 
 from cockpit_like import Cockpit, CockpitPlotter
+from cockpit_like.demo import accuracy, load_digits_tensors
 from cockpit_like.utils.configuration import configuration
-
-
-def load_digits_split(seed: int = 0):
-    """``(train_x, train_y, test_x, test_y)``: digits scaled to [0, 1], an 80/20 split."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    inputs = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    split = int(0.8 * len(labels))
-    return inputs[order[:split]], labels[order[:split]], inputs[order[split:]], labels[order[split:]]
-
-
-def accuracy(model, inputs, labels) -> float:
-    with torch.no_grad():
-        return (model(inputs).argmax(1) == labels).float().mean().item()
 
 
 def main(argv: list[str] | None = None) -> dict[str, str]:
@@ -60,7 +44,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    train_x, train_y, test_x, test_y = load_digits_split(args.seed)
+    train_x, train_y, test_x, test_y = load_digits_tensors(args.seed)
     model = extend(torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10)))
     lossfunc = extend(torch.nn.CrossEntropyLoss())
     individual_lossfunc = torch.nn.CrossEntropyLoss(reduction="none")
