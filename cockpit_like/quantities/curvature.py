@@ -25,8 +25,8 @@ constructed (a :class:`UnknownCurvatureError`, both a ``ValueError`` and a
 from __future__ import annotations
 
 import torch
-from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
 
+from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 
 from cockpit_like.context import get_record
@@ -36,9 +36,9 @@ __all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATU
 
 #: curvature name -> BackPACK extension factory (its savefield is the name)
 CURVATURES = {
-    "diag_h": DiagHessian,
-    "diag_ggn_exact": DiagGGNExact,
-    "diag_ggn_mc": lambda: DiagGGNMC(mc_samples=1),
+    "diag_h": diag_hessian,
+    "diag_ggn_exact": diag_ggn_exact,
+    "diag_ggn_mc": lambda: diag_ggn_mc(mc_samples=1),
 }
 
 

@@ -1,0 +1,167 @@
+"""Chunked, memory-bounded weight diagonals of ``nn.Conv2d`` for BackPACK's curvature extensions.
+
+BackPACK's ``DiagHessian``, ``DiagGGNExact`` and ``DiagGGNMC`` backpropagate
+symmetric factors ``S`` (``[V, B, C_out, H_out, W_out]``; ``V`` columns per
+sample, e.g. the number of classes for cross-entropy) of the curvature of the
+**mean** loss, so the ``1/B`` is already inside ``S`` (``S ∝ 1/sqrt(B)``).
+With the unfolded input ``X_b`` (``[C_in * kh * kw, L]``, ``L = H_out * W_out``)
+and ``S_vb`` reshaped to ``[C_out, L]``, the diagonal of a convolution's weight
+block is
+
+    diag_W = sum_{v, b} (S_vb X_b^T) ** 2          (elementwise square)
+
+summed over all backpropagated factors, each with its sign for DiagHessian's
+residual terms (``+1`` / ``-1`` for the positive and negative parts of the
+activations' second derivatives). BackPACK evaluates this with one einsum
+that allocates the whole ``[V, B, C_out, C_in * kh * kw]`` product (570 MB on
+the third convolution of DeepOBS' cifar10_3c3d at batch 128). Here the
+products are formed by ``torch.bmm`` over chunks of the ``(v, b)`` columns,
+each chunk's product around :data:`CHUNK_BYTES`, squared and summed as they come.
+
+Only the weight diagonal of a plain ``nn.Conv2d`` (``groups == 1``,
+``padding_mode == "zeros"``; anything :func:`unfold_conv2d_input` supports,
+including ``padding="same"``, which BackPACK's own unfold rejects) takes this
+path. The bias diagonal (``sum_{v,b} (sum_l S_vb[:, l]) ** 2``, already cheap),
+the backpropagation through the layer, every other layer and every other
+convolution stay BackPACK's own code: the module extensions below subclass
+BackPACK's and call it for everything else.
+
+The factories :func:`diag_hessian`, :func:`diag_ggn_exact` and
+:func:`diag_ggn_mc` return *plain* BackPACK extension objects (exact types
+``DiagHessian`` etc., same savefields and hyperparameters) whose ``Conv2d``
+entry is replaced through BackPACK's public ``set_module_extension``. Keeping
+the type means that the cockpit's merging by type and hyperparameters still
+sees one need when a user passes BackPACK's own ``DiagHessian()`` in ``*exts``
+(only one of the two runs, and the user's buffers are kept), and logs show
+``DiagHessian()``.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
+from backpack.extensions.secondorder.diag_ggn.conv2d import DiagGGNConv2d
+from backpack.extensions.secondorder.diag_ggn import DiagGGN
+from backpack.extensions.secondorder.diag_hessian.conv2d import DiagHConv2d
+from torch.nn import Conv2d
+
+from cockpit_like.backends.conv_unfold import unfold_conv2d_input
+
+__all__ = [
+    "CHUNK_BYTES",
+    "ChunkedDiagHConv2d",
+    "ChunkedDiagGGNConv2d",
+    "conv2d_weight_diagonal",
+    "use_chunked_conv2d",
+    "diag_hessian",
+    "diag_ggn_exact",
+    "diag_ggn_mc",
+]
+
+#: target size of one chunk's ``[chunk, C_out, C_in * kh * kw]`` product (and of the input copy it needs)
+CHUNK_BYTES = 24 * 2**20
+
+
+def conv2d_weight_diagonal(
+    unfolded: torch.Tensor,
+    factors: list[torch.Tensor],
+    signs: list[float],
+    out_channels: int,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> torch.Tensor:
+    """``sum_k sign_k sum_{v,b} (S^k_vb X_b^T) ** 2``, shape ``[C_out, C_in * kh * kw]``.
+
+    Args:
+        unfolded: ``X``, the unfolded input, ``[B, C_in * kh * kw, L]``.
+        factors: backpropagated factors ``S^k``, each ``[V_k, B, C_out, *spatial]`` with ``prod(spatial) = L``.
+        signs: one sign per factor.
+        out_channels: ``C_out``.
+        chunk_bytes: bound on the size of one chunk's product.
+    """
+    batch, features, positions = unfolded.shape
+    unfolded_t = unfolded.transpose(1, 2)  # [B, L, F], a view: bmm reads it transposed
+    itemsize = unfolded.element_size()
+    per_sample = max(1, chunk_bytes // (out_channels * features * itemsize))
+    # whole sqrt columns v at once when a full batch fits (matmul then repeats the input per v)
+    per_v = chunk_bytes // (batch * (out_channels + positions) * features * itemsize)
+    result = unfolded.new_zeros(out_channels, features)
+    for factor, sign in zip(factors, signs):
+        factor = factor.flatten(start_dim=3)  # [V, B, C_out, L]
+        num_v = factor.shape[0]
+        group = max(1, min(num_v, per_v)) if per_sample >= batch else 1
+        for v0 in range(0, num_v, group):
+            if group > 1:
+                squares = torch.matmul(factor[v0 : v0 + group], unfolded_t).pow_(2).sum((0, 1))
+                result.add_(squares, alpha=sign)
+                continue
+            for b0 in range(0, batch, per_sample):
+                chunk = slice(b0, b0 + per_sample)
+                result.add_(torch.bmm(factor[v0, chunk], unfolded_t[chunk]).pow_(2).sum(0), alpha=sign)
+    return result
+
+
+def _unfold(module: Conv2d) -> torch.Tensor | None:
+    """The unfolded input, or ``None`` where BackPACK's own code must run.
+
+    Non-zero padding modes stay with BackPACK although the unfolding handles
+    them: BackPACK backpropagates through such layers as if zero-padded, and
+    both extensions must give the same numbers.
+    """
+    if module.padding_mode != "zeros":
+        return None
+    return unfold_conv2d_input(module, module.input0)
+
+
+class ChunkedDiagHConv2d(DiagHConv2d):
+    """BackPACK's ``DiagHConv2d`` with the weight diagonal of :func:`conv2d_weight_diagonal`."""
+
+    def weight(self, ext, module, g_inp, g_out, backproped):
+        unfolded = _unfold(module)
+        if unfolded is None:
+            return super().weight(ext, module, g_inp, g_out, backproped)
+        diagonal = conv2d_weight_diagonal(
+            unfolded, backproped["matrices"], backproped["signs"], module.out_channels
+        )
+        return diagonal.reshape(module.weight.shape)
+
+
+class ChunkedDiagGGNConv2d(DiagGGNConv2d):
+    """BackPACK's ``DiagGGNConv2d`` with the weight diagonal of :func:`conv2d_weight_diagonal`."""
+
+    def weight(self, ext, module, grad_inp, grad_out, backproped):
+        unfolded = _unfold(module)
+        if unfolded is None:
+            return super().weight(ext, module, grad_inp, grad_out, backproped)
+        return conv2d_weight_diagonal(unfolded, [backproped], [1.0], module.out_channels).reshape(module.weight.shape)
+
+
+Extension = TypeVar("Extension", DiagHessian, DiagGGN)
+
+
+def use_chunked_conv2d(extension: Extension) -> Extension:
+    """Replace the ``Conv2d`` module extension of a ``DiagHessian`` or ``DiagGGN*`` object (in place; returned)."""
+    if isinstance(extension, DiagHessian):
+        chunked = ChunkedDiagHConv2d()
+    elif isinstance(extension, DiagGGN):
+        chunked = ChunkedDiagGGNConv2d()
+    else:
+        raise TypeError(f"use_chunked_conv2d: expected DiagHessian, DiagGGNExact or DiagGGNMC, got {type(extension).__name__}")
+    extension.set_module_extension(Conv2d, chunked, overwrite=True)
+    return extension
+
+
+def diag_hessian() -> DiagHessian:
+    """BackPACK's ``DiagHessian()`` (savefield ``diag_h``) with the chunked ``Conv2d`` weight diagonal."""
+    return use_chunked_conv2d(DiagHessian())
+
+
+def diag_ggn_exact() -> DiagGGNExact:
+    """BackPACK's ``DiagGGNExact()`` (savefield ``diag_ggn_exact``) with the chunked ``Conv2d`` weight diagonal."""
+    return use_chunked_conv2d(DiagGGNExact())
+
+
+def diag_ggn_mc(mc_samples: int = 1) -> DiagGGNMC:
+    """BackPACK's ``DiagGGNMC(mc_samples)`` (savefield ``diag_ggn_mc``) with the chunked ``Conv2d`` weight diagonal."""
+    return use_chunked_conv2d(DiagGGNMC(mc_samples=mc_samples))
