@@ -110,6 +110,77 @@ def test_fast_path_equals_generic_path(problem, bias, batch_size):
     assert fast[Histogram1dCounts(30, (-0.3, 0.25))].dtype == torch.float64
 
 
+def _conv_net(first: dict, second: dict, bias: bool, size: int = 9) -> torch.nn.Sequential:
+    """Two convolutions of a given geometry, ReLU, then a linear layer (float64)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, bias=bias, **first),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(3, 4, bias=bias, **second),
+        torch.nn.Flatten(),
+    )
+    net.append(torch.nn.Linear(net(torch.zeros(1, 2, size, size)).shape[1], 3))
+    return net.double()
+
+
+_CONV_GEOMETRIES = [
+    (dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2)),
+    (dict(kernel_size=3, padding="same", dilation=2), dict(kernel_size=(2, 3), padding="same")),
+    (dict(kernel_size=(3, 1), stride=(1, 2), padding=(2, 0)), dict(kernel_size=3, padding="valid", dilation=(2, 1))),
+    (dict(kernel_size=1), dict(kernel_size=3, padding=1, padding_mode="reflect")),
+    (dict(kernel_size=3, padding=(2, 1), padding_mode="circular"), dict(kernel_size=2, padding="same", padding_mode="replicate")),
+    (dict(kernel_size=3, padding=1), dict(kernel_size=3, groups=1)),
+]
+
+
+@pytest.mark.parametrize("geometry", range(len(_CONV_GEOMETRIES)))
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv2d_unfold_path_equals_batch_grad_and_torch_func(geometry, bias):
+    """The Conv2d unfold + bmm grad_batch: every statistic as with BatchGrad and as from torch.func."""
+    from backpack import extend
+
+    model = extend(_conv_net(*_CONV_GEOMETRIES[geometry], bias=bias))
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    gen = torch.Generator().manual_seed(geometry)
+    inputs = torch.randn(6, 2, 9, 9, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 3, (6,), generator=gen)
+    params = list(model.parameters())
+    fast = _reduce(model, lossfunc, inputs, labels, _stats(params), "factors")
+    if not any(conv.get("padding") == "same" or "padding_mode" in conv for conv in _CONV_GEOMETRIES[geometry]):
+        # (BackPACK's BatchGrad raises for padding="same" and ignores padding modes; the unfold path handles both)
+        slow = _reduce(model, lossfunc, inputs, labels, _stats(params), "batch_grad")
+        for stat in _stats(params):
+            _assert_equal(fast[stat], slow[stat])
+    grads = [g / 6 for g in per_sample_grads(model, inputs, labels)]
+    for s, g in zip(fast[SumOfSquares()], grads):
+        torch.testing.assert_close(s, g.pow(2).sum(0), rtol=1e-10, atol=1e-15)
+    flat = torch.cat([g.reshape(6, -1) for g in grads], 1)
+    torch.testing.assert_close(fast[BatchGram()], flat @ flat.T, rtol=1e-10, atol=1e-15)
+
+
+def test_conv2d_with_groups_falls_back_to_batch_grad(monkeypatch):
+    from backpack import extend
+
+    from cockpit_like.backends import per_sample_extension
+
+    calls = []
+    original = per_sample_extension.conv2d_weight_grad_batch
+    monkeypatch.setattr(per_sample_extension, "conv2d_weight_grad_batch", lambda *a: calls.append(1) or original(*a))
+    torch.manual_seed(1)
+    model = extend(torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten(), torch.nn.Linear(4 * 25, 3)).double())
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    inputs, labels = torch.randn(5, 2, 7, 7, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
+    params = list(model.parameters())
+    fast = _reduce(model, lossfunc, inputs, labels, [SumOfSquares(), BatchGram()], "factors")
+    assert not calls  # groups=2 is not unfolded
+    grads = [g / 5 for g in per_sample_grads(model, inputs, labels)]
+    for s, g in zip(fast[SumOfSquares()], grads):
+        torch.testing.assert_close(s, g.pow(2).sum(0), rtol=1e-10, atol=1e-15)
+    model2 = extend(_conv_net(dict(kernel_size=3), dict(kernel_size=3), bias=True))
+    _reduce(model2, lossfunc, torch.randn(2, 2, 9, 9, dtype=torch.float64), torch.tensor([0, 2]), [SumOfSquares()], "factors")
+    assert len(calls) == 2  # ... while groups=1 convolutions are
+
+
 def test_retained_grad_batch_shared_with_histograms_on_the_fast_path():
     model, lossfunc, _ = make_problem("mlp")
     inputs, labels = make_batch("mlp", 5, 1)
@@ -294,3 +365,38 @@ def test_hist2d_counter_equals_reference_at_edges():
     counts = counter.new_counts("cpu")
     counter.count_grad_batch(counts, values, theta, chunk=333)
     np.testing.assert_array_equal(counter.finish(counts).numpy(), hist2d_counts(4 * values, theta, (12, 6), ranges).numpy())
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        dict(kernel_size=3),
+        dict(kernel_size=(2, 3), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+        dict(kernel_size=3, padding="same", dilation=2, padding_mode="reflect"),
+        dict(kernel_size=(4, 1), padding="same", padding_mode="circular"),
+        dict(kernel_size=1, stride=3),
+    ],
+)
+def test_unfold_conv2d_input_reproduces_the_convolution(conv):
+    """weight @ unfold(x) + bias is the module's output; per-sample weight gradients match autograd."""
+    from cockpit_like.backends.conv_unfold import conv2d_weight_grad_batch, unfold_conv2d_input
+
+    torch.manual_seed(0)
+    module = torch.nn.Conv2d(3, 5, **conv).double()
+    x = torch.randn(4, 3, 11, 9, dtype=torch.float64)
+    out = module(x)
+    unfolded = unfold_conv2d_input(module, x)
+    rebuilt = (module.weight.reshape(5, -1) @ unfolded).reshape(out.shape) + module.bias[:, None, None]
+    torch.testing.assert_close(rebuilt, out, rtol=1e-12, atol=1e-12)
+    delta = torch.randn_like(out)
+    expected = torch.stack(
+        [torch.autograd.grad((module(x[i : i + 1]) * delta[i : i + 1]).sum(), module.weight)[0] for i in range(4)]
+    )
+    torch.testing.assert_close(conv2d_weight_grad_batch(module, unfolded, delta), expected, rtol=1e-12, atol=1e-12)
+    if module.padding_mode == "zeros" and conv.get("padding") != "same":
+        torch.testing.assert_close(
+            unfolded,
+            torch.nn.functional.unfold(x, module.kernel_size, module.dilation, module.padding, module.stride),
+            rtol=0,
+            atol=0,
+        )

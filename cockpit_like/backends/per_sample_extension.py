@@ -9,6 +9,9 @@ statistics are needed but nobody asked for the raw ``grad_batch``:
   the ``1/B``). The factors ``(x, delta)`` go to the
   :class:`~cockpit_like.backends.per_sample.PerSampleReducer`; statistics
   with a factor form never see a ``[B, out, in]`` tensor.
+- ``nn.Conv2d`` (groups 1, zero padding): ``grad_batch`` from the unfolded
+  input and one batched matmul (:mod:`cockpit_like.backends.conv_unfold`),
+  several times faster than ``BatchGrad``'s and without its large intermediate.
 - every other layer BackPACK's ``BatchGrad`` supports (convolutions,
   batch norm, RNNs, embeddings, linear layers with extra input dimensions):
   BatchGrad's own per-module computation, handed to the reducer as
@@ -20,11 +23,16 @@ hook, run right after this extension on each module) reduces and frees.
 
 from __future__ import annotations
 
-from torch.nn import Linear, Module
+from torch.nn import Conv2d, Linear, Module
 
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension, FirstOrderModuleExtension
 
+from cockpit_like.backends.conv_unfold import (
+    conv2d_bias_grad_batch,
+    conv2d_weight_grad_batch,
+    unfold_conv2d_input,
+)
 from cockpit_like.backends.per_sample import PerSampleReducer
 
 __all__ = ["PerSampleStatistics"]
@@ -78,13 +86,42 @@ class _LinearFactors(_GradBatchToReducer):
             reducer.offer_factors(bias, "bias", None, delta)
 
 
+class _Conv2dUnfold(_GradBatchToReducer):
+    """``nn.Conv2d``: ``grad_batch`` by unfolding the input and one ``bmm`` (:mod:`~cockpit_like.backends.conv_unfold`).
+
+    Falls back to BatchGrad's computation for what the unfold does not cover
+    (groups, padding modes, subsampling).
+    """
+
+    def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        reducer = extension.reducer
+        weight, bias = module.weight, module.bias
+        want_weight = weight.requires_grad and reducer.tracks(weight)
+        want_bias = bias is not None and bias.requires_grad and reducer.tracks(bias)
+        if not (want_weight or want_bias):
+            return
+        unfolded = None
+        if want_weight:
+            unfolded = unfold_conv2d_input(module, module.input0.detach())
+        if extension.get_subsampling() is not None or (want_weight and unfolded is None):
+            super().__call__(extension, module, g_inp, g_out)
+            return
+        delta = g_out[0].detach()
+        if want_weight:
+            reducer.offer_grad_batch(weight, conv2d_weight_grad_batch(module, unfolded, delta))
+            del unfolded
+        if want_bias:
+            reducer.offer_grad_batch(bias, conv2d_bias_grad_batch(delta))
+
+
 class PerSampleStatistics(FirstOrderBackpropExtension):
     """Per-sample information for a :class:`PerSampleReducer`, layer by layer.
 
     Args:
         reducer: receives the factors / ``grad_batch`` (it must also be the
             extension hook of the same ``backpack(...)`` context).
-        factors: use the outer-product fast path for ``nn.Linear`` (``False``:
+        factors: use the fast paths, outer-product factors for ``nn.Linear`` and the
+            unfold + ``bmm`` ``grad_batch`` for ``nn.Conv2d`` (``False``: BatchGrad's own
             ``grad_batch`` for every layer, e.g. to compare both paths).
     """
 
@@ -92,6 +129,7 @@ class PerSampleStatistics(FirstOrderBackpropExtension):
         module_exts = {cls: _GradBatchToReducer(ext) for cls, ext in _batch_grad_module_extensions().items()}
         if factors:
             module_exts[Linear] = _LinearFactors(module_exts[Linear]._inner)
+            module_exts[Conv2d] = _Conv2dUnfold(module_exts[Conv2d]._inner)
         # savefield "grad_batch": the engine checks coverage via reducer.seen; nothing is ever stored
         super().__init__(savefield="grad_batch", module_exts=module_exts)
         self.reducer = reducer
