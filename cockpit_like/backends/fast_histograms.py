@@ -95,6 +95,11 @@ def _outer_chunks(x: torch.Tensor, delta: torch.Tensor, chunk: int, buffers: _Bu
         yield values.view(d.shape[0], out * width)
 
 
+def _truncate(values: torch.Tensor, index: torch.Tensor) -> None:
+    """``index = trunc(values)`` (values clamped to a few bins), through int32: about 2x faster on CPU."""
+    index.copy_(values.to(torch.int32))
+
+
 class _SparseFactors:
     """Per sample, the nonzero entries of ``delta_i`` and ``x_i`` moved to the front of their rows.
 
@@ -187,7 +192,7 @@ class Hist1dCounter:
     def _index(self, values: torch.Tensor, index: torch.Tensor) -> None:
         values.clamp_(self.lo, self.hi).sub_(self.edge).mul_(self.bins).div_(self.width)
         values.nan_to_num_(nan=float(self.bins + 1))
-        index.copy_(values)
+        _truncate(values, index)
 
     def zero_bin(self, scale: float, dtype: torch.dtype, device) -> int:
         """The counts slot of ``scale * 0`` by the same code as every value."""
@@ -278,7 +283,7 @@ class Hist2dCounter:
 
     def _xindex(self, values: torch.Tensor, index: torch.Tensor) -> None:
         values.clamp_(self.xmin, self.xmax).sub_(self.xlo).div_(self.xw)
-        index.copy_(values)
+        _truncate(values, index)
 
     def finish(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.view(self.xbins, self.ybins)
