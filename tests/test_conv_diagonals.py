@@ -21,8 +21,6 @@ from torch.func import functional_call, hessian, jacrev
 from cockpit_like import Cockpit
 from cockpit_like.backends import conv_diagonals
 from cockpit_like.backends.conv_diagonals import (
-    ChunkedDiagGGNConv2d,
-    ChunkedDiagHConv2d,
     conv2d_weight_diagonal,
     diag_ggn_exact,
     diag_ggn_mc,
@@ -240,12 +238,20 @@ def test_factories_keep_backpack_types_settings_and_other_layers():
     assert [describe(factory()) for factory in CURVATURES.values()] == [
         describe(DiagHessian()), describe(DiagGGNExact()), describe(DiagGGNMC(mc_samples=1))
     ]
-    # a fresh BackPACK object is untouched (the replacement is per object)
-    plain = DiagHessian()
+
+
+def test_only_the_returned_object_is_changed(monkeypatch):
+    """use_chunked_conv2d replaces the Conv2d entry of one object, not of BackPACK's class."""
+    spy = _Spy(monkeypatch)
+    model, shape = _net("stride")
+    inputs, targets = _data(shape, 2, "ce")
     use_chunked_conv2d(DiagHessian())
-    assert not isinstance(plain._BackpropExtension__module_extensions[nn.Conv2d], ChunkedDiagHConv2d)
-    assert isinstance(diag_hessian()._BackpropExtension__module_extensions[nn.Conv2d], ChunkedDiagHConv2d)
-    assert isinstance(diag_ggn_mc()._BackpropExtension__module_extensions[nn.Conv2d], ChunkedDiagGGNConv2d)
+    for extension in (DiagHessian(), DiagGGNExact(), DiagGGNMC()):
+        _backpack_diagonals(model, inputs, targets, "ce", extension)
+    assert spy.calls == 0
+    for extension in (diag_hessian(), diag_ggn_exact(), diag_ggn_mc(), use_chunked_conv2d(DiagGGNMC(2))):
+        _backpack_diagonals(model, inputs, targets, "ce", extension)
+    assert spy.calls == 4 * 2  # two Conv2d layers
 
 
 def test_use_chunked_conv2d_rejects_other_extensions():
