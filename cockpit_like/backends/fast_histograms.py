@@ -12,7 +12,7 @@ The counts are exactly those of :mod:`cockpit_like.functional.histograms`
 Instead of ``histc`` (slow on CPU) or whole-tensor temporaries (a large
 allocation is paid in page faults), values are processed in chunks of about
 :data:`CHUNK` entries through two reused buffers: one fused
-scale/clamp/shift/scale pass in place, one float->int64 truncation, one
+scale/clamp/shift/scale pass in place, one truncation (through int32), one
 ``scatter_add_`` of ones into the int64 counts. Chunks come either from a ``grad_batch`` tensor or, for
 a linear layer, from its factors (``delta_i x_i^T`` for a few samples at a
 time, each entry a single product and hence bitwise equal to BackPACK's

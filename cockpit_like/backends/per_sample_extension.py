@@ -31,6 +31,7 @@ from backpack.extensions.firstorder.base import FirstOrderBackpropExtension, Fir
 from cockpit_like.backends.conv_unfold import (
     conv2d_bias_grad_batch,
     conv2d_weight_grad_batch,
+    supports_unfold,
     unfold_conv2d_input,
 )
 from cockpit_like.backends.per_sample import PerSampleReducer
@@ -90,27 +91,20 @@ class _Conv2dUnfold(_GradBatchToReducer):
     """``nn.Conv2d``: ``grad_batch`` by unfolding the input and one ``bmm`` (:mod:`~cockpit_like.backends.conv_unfold`).
 
     Falls back to BatchGrad's computation for what the unfold does not cover
-    (groups, padding modes, subsampling).
+    (grouped convolutions, subsampling).
     """
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
-        reducer = extension.reducer
-        weight, bias = module.weight, module.bias
-        want_weight = weight.requires_grad and reducer.tracks(weight)
-        want_bias = bias is not None and bias.requires_grad and reducer.tracks(bias)
-        if not (want_weight or want_bias):
-            return
-        unfolded = None
-        if want_weight:
-            unfolded = unfold_conv2d_input(module, module.input0.detach())
-        if extension.get_subsampling() is not None or (want_weight and unfolded is None):
+        x = module.input0
+        if extension.get_subsampling() is not None or not supports_unfold(module, x):
             super().__call__(extension, module, g_inp, g_out)
             return
-        delta = g_out[0].detach()
-        if want_weight:
+        reducer, delta = extension.reducer, g_out[0].detach()
+        weight, bias = module.weight, module.bias
+        if weight.requires_grad and reducer.tracks(weight):
+            unfolded = unfold_conv2d_input(module, x.detach())
             reducer.offer_grad_batch(weight, conv2d_weight_grad_batch(module, unfolded, delta))
-            del unfolded
-        if want_bias:
+        if bias is not None and bias.requires_grad and reducer.tracks(bias):
             reducer.offer_grad_batch(bias, conv2d_bias_grad_batch(delta))
 
 
