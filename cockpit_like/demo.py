@@ -64,6 +64,23 @@ def make_quantities(every: int = 1, curvature_every: int = 5) -> list:
     return made
 
 
+def minibatches(inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, steps: int):
+    """``steps`` shuffled mini-batches, a new permutation (``torch.randperm``) every epoch.
+
+    Yields:
+        ``(step, epoch, epoch_end, batch_inputs, batch_labels)``; ``epoch_end``
+        is true at an epoch's last step and at the very last step.
+    """
+    per_epoch = len(labels) // batch_size
+    for step in range(steps):
+        position = step % per_epoch
+        if position == 0:
+            order = torch.randperm(len(labels))
+        batch = order[position * batch_size : (position + 1) * batch_size]
+        epoch_end = position == per_epoch - 1 or step == steps - 1
+        yield step, step // per_epoch, epoch_end, inputs[batch], labels[batch]
+
+
 def accuracy(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> float:
     with torch.no_grad():
         return (model(inputs).argmax(1) == labels).float().mean().item()
@@ -98,15 +115,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
 
     names = [cockpit.name_of(q) for q in cockpit.quantities]
     print(f"[demo] training an MLP on digits for {args.steps} steps, tracking: {', '.join(names)}")
-    steps_per_epoch = len(train_y) // args.batch_size
     start = time.perf_counter()
-    for step in range(args.steps):
-        position = step % steps_per_epoch
-        if position == 0:
-            order = torch.randperm(len(train_y))
-        batch = order[position * args.batch_size : (position + 1) * args.batch_size]
-        inputs, labels = train_x[batch], train_y[batch]
-
+    for step, epoch, epoch_end, inputs, labels in minibatches(train_x, train_y, args.batch_size, args.steps):
         optimizer.zero_grad()
         outputs = model(inputs)
         loss = lossfunc(outputs, labels)
@@ -116,10 +126,10 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
 
-        if position == steps_per_epoch - 1 or step == args.steps - 1:
+        if epoch_end:
             cockpit.log(
                 step,
-                epoch_count=step // steps_per_epoch,
+                epoch_count=epoch,
                 train_loss=loss.item(),
                 train_accuracy=accuracy(model, train_x, train_y),
                 test_accuracy=accuracy(model, test_x, test_y),

@@ -28,7 +28,7 @@ import torch
 from backpack import extend
 
 from cockpit_like import Cockpit, CockpitPlotter
-from cockpit_like.demo import accuracy, load_digits_tensors
+from cockpit_like.demo import accuracy, load_digits_tensors, minibatches
 from cockpit_like.utils.configuration import configuration
 
 
@@ -54,15 +54,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     plotter = CockpitPlotter()
     show = not args.no_show
 
-    steps_per_epoch = len(train_y) // args.batch_size
     plot_seconds = []
-    for step in range(args.steps):
-        position = step % steps_per_epoch
-        if position == 0:
-            order = torch.randperm(len(train_y))
-        batch = order[position * args.batch_size : (position + 1) * args.batch_size]
-        inputs, labels = train_x[batch], train_y[batch]
-
+    for step, epoch, epoch_end, inputs, labels in minibatches(train_x, train_y, args.batch_size, args.steps):
         optimizer.zero_grad()
         outputs = model(inputs)
         loss = lossfunc(outputs, labels)
@@ -76,10 +69,10 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
 
-        if position == steps_per_epoch - 1 or step == args.steps - 1:
+        if epoch_end:
             cockpit.log(
                 step,
-                epoch_count=step // steps_per_epoch,
+                epoch_count=epoch,
                 train_loss=loss.item(),
                 train_accuracy=accuracy(model, train_x, train_y),
                 test_accuracy=accuracy(model, test_x, test_y),
