@@ -11,13 +11,19 @@ from backpack.extensions import BatchGrad
 
 from cockpit_like import Cockpit, quantities
 from cockpit_like.backends.per_sample import PerSampleReducer
-from cockpit_like.backends.per_sample_stats import AbsMax, BatchGram, DirectionalDots, SumOfSquares
+from cockpit_like.backends.per_sample_stats import AbsMax, GramSummary, DirectionalDots, SumOfSquares
 from cockpit_like.quantities.bin_adaptation import GradAbsMax, ParamAbsMax
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear, logarithmic
 from tests.helpers import make_batch, make_problem, per_sample_grads, train
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
+
+
+def _assert_summary(summary, gram, **tol):
+    """``GramSummary``'s ``(diag, row_sums)`` against a brute-force Gram matrix."""
+    torch.testing.assert_close(summary[0], torch.diagonal(gram), **tol)
+    torch.testing.assert_close(summary[1], gram.sum(1), **tol)
 
 
 @pytest.mark.parametrize("problem", ["mlp", "cnn"])
@@ -28,14 +34,14 @@ def test_reductions_match_brute_force(problem, bias):
     inputs, labels = make_batch(problem, 6, 3)
     grads = per_sample_grads(model, inputs, labels)
     direction = tuple(torch.randn_like(p) for p in params)
-    stats = [BatchGram(), SumOfSquares(), AbsMax(), DirectionalDots("d", direction)]
+    stats = [GramSummary(), SumOfSquares(), AbsMax(), DirectionalDots("d", direction)]
     reducer = PerSampleReducer(stats, params, keep_grad_batch=False)
     with backpack(BatchGrad(), extension_hook=reducer):
         lossfunc(model(inputs), labels).backward()
     assert not any(hasattr(p, "grad_batch") for p in params)  # freed layer by layer
     result = reducer.results()
     flat = torch.cat([g.reshape(6, -1) for g in grads], 1) / 6  # grad_batch = g_i / B
-    torch.testing.assert_close(result[BatchGram()], flat @ flat.T, rtol=1e-12, atol=1e-15)
+    _assert_summary(result[GramSummary()], flat @ flat.T, rtol=1e-12, atol=1e-15)
     for s, g in zip(result[SumOfSquares()], grads):
         torch.testing.assert_close(s, (g / 6).pow(2).sum(0), rtol=1e-12, atol=1e-15)
     value, batch = result[AbsMax()]
@@ -45,7 +51,7 @@ def test_reductions_match_brute_force(problem, bias):
 
 
 def test_stats_merge_by_value():
-    assert BatchGram() == BatchGram() and len({SumOfSquares(), SumOfSquares()}) == 1
+    assert GramSummary() == GramSummary() and len({SumOfSquares(), SumOfSquares()}) == 1
     assert DirectionalDots("a", (torch.ones(1),)) == DirectionalDots("a", (torch.zeros(1),))
     assert DirectionalDots("a") != DirectionalDots("b")
     # MeanGSNR, CABS and EarlyStopping need one statistic between them
@@ -126,3 +132,20 @@ def test_economy_configuration_short_run(tmp_path):
     assert all(isinstance(out[s]["Alpha"], float) for s in range(4))
     path = cockpit.write(tmp_path / "economy")
     assert path.endswith(".json")
+
+
+@pytest.mark.parametrize("batch,inp,out", [(4, 30, 20), (64, 3, 2), (7, 1, 1)])
+def test_gram_summary_factor_routes_match_dense(batch, inp, out):
+    """Both factor routes (the small Gram matrix when ``B (in + out) <= 2 in out``, else
+    ``Delta^T X``) give the diagonal and row sums of the dense per-sample Gram matrix."""
+    generator = torch.Generator().manual_seed(batch + inp)
+    x = torch.randn(batch, inp, generator=generator, dtype=torch.float64)
+    delta = torch.randn(batch, out, generator=generator, dtype=torch.float64)
+    param = torch.zeros(out, inp, dtype=torch.float64)
+    stat = GramSummary()
+    dense = (delta.unsqueeze(2) * x.unsqueeze(1)).reshape(batch, -1)
+    summary = stat.accumulate_factors(None, 0, param, "weight", x, delta)
+    _assert_summary(summary, dense @ dense.T, rtol=1e-12, atol=1e-14)
+    # accumulating a bias on top adds its Gram matrix
+    summary = stat.accumulate_factors(summary, 1, param[:, 0], "bias", None, delta)
+    _assert_summary(summary, dense @ dense.T + delta @ delta.T, rtol=1e-12, atol=1e-14)

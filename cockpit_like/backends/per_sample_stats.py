@@ -8,7 +8,8 @@ inside BackPACK's backward pass, parameter by parameter, while
 ==========================  ==============================================  =====================================
 statistic                   result                                          used by
 ==========================  ==============================================  =====================================
-:class:`BatchGram`          ``G[i, k] = sum_p <gb_p[i], gb_p[k]>``  (B x B)  NormTest, InnerTest, OrthoTest
+:class:`GramSummary`        ``(diag(G), G.sum(1))`` of the Gram matrix      NormTest, InnerTest, OrthoTest
+                            ``G[i, k] = sum_p <gb_p[i], gb_p[k]>`` (2 x B)
 :class:`SumOfSquares`       ``[s_p = sum_i gb_p[i]**2 for p]`` (O(D))       MeanGSNR, CABS, EarlyStopping
 :class:`AbsMax`             ``(max_{p,i,j} |gb_p[i, j]|, B)``               bin_adaptation.GradAbsMax
 :class:`Histogram1dCounts`  counts of ``B * gb`` entries                    GradHist1d
@@ -25,7 +26,7 @@ sample ``i``'s loss. ``B`` here is always ``grad_batch``'s leading dimension.
 Factor forms (``nn.Linear`` with 2-D input, ``gb[i] = delta_i x_i^T`` for the
 weight, ``delta_i`` for the bias, see :mod:`cockpit_like.backends.per_sample`):
 
-- BatchGram: ``(Delta Delta^T) * (X X^T)`` (weight), ``Delta Delta^T`` (bias);
+- GramSummary: diagonal and row sums of ``(Delta Delta^T) * (X X^T)`` (weight);
 - SumOfSquares: ``(delta^2)^T (x^2)`` (weight), ``sum_i delta_i^2`` (bias);
 - AbsMax: ``max_i max|delta_i| * max|x_i|`` (exact: rounding is monotone);
 - DirectionalDots: ``sum_{a,b} delta_ia D_ab x_ib`` per sample;
@@ -46,7 +47,7 @@ from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
 from cockpit_like.backends.per_sample import PerSampleStat
 
 __all__ = [
-    "BatchGram",
+    "GramSummary",
     "SumOfSquares",
     "AbsMax",
     "Histogram1dCounts",
@@ -61,11 +62,19 @@ def _flat(grad_batch: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class BatchGram(PerSampleStat):
-    """The ``B x B`` Gram matrix ``G[i, k] = sum_p <grad_batch_p[i], grad_batch_p[k]>``.
+class GramSummary(PerSampleStat):
+    """The diagonal and the row sums of the ``B x B`` Gram matrix of ``grad_batch``.
 
-    ``G = (1/B^2) [g_i^T g_k]``; its trace is ``(1/B^2) sum_i ||g_i||^2`` and
-    ``B * G.sum(1)`` are the projections ``pi_i = g_i^T gbar``.
+    With ``G[i, k] = sum_p <grad_batch_p[i], grad_batch_p[k]> = g_i^T g_k / B^2``
+    the result is ``(diag, row_sums)``, two ``[B]`` tensors:
+    ``diag[i] = G[i, i] = ||g_i||^2 / B^2`` and
+    ``row_sums[i] = sum_k G[i, k] = g_i^T gbar / B`` (so ``pi_i = B * row_sums[i]``).
+    This is all the gradient tests read, and it costs ``O(B D)`` instead of the
+    ``O(B^2 D)`` of the whole matrix: per parameter, one squared norm per
+    sample and one matrix-vector product with ``sum_k grad_batch_p[k]``.
+    Linear layers given as factors build their (small) Gram matrix
+    ``(Delta Delta^T) * (X X^T)`` in ``O(B^2 (in + out))`` when that is cheaper
+    than forming ``Delta^T X``.
     """
 
     def init(self, params):
@@ -75,14 +84,27 @@ class BatchGram(PerSampleStat):
 
     def accumulate(self, state, index, param, grad_batch):
         flat = _flat(grad_batch.detach())
-        gram = flat @ flat.T
-        return gram if state is None else state + gram
+        diag = torch.linalg.vector_norm(flat, dim=1).square_()
+        row_sums = flat @ flat.sum(0)
+        return self._fold(state, diag, row_sums)
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
-        gram = delta @ delta.T
-        if kind == "weight":
-            gram.mul_(x @ x.T)
-        return gram if state is None else state.add_(gram)
+        batch, out = delta.shape
+        if kind == "bias":
+            return self.accumulate(state, index, param, delta)
+        inp = x.shape[1]
+        if batch * (inp + out) <= 2 * inp * out:
+            gram = (delta @ delta.T).mul_(x @ x.T)
+            return self._fold(state, torch.diagonal(gram).clone(), gram.sum(1))
+        diag = (delta * delta).sum(1).mul_((x * x).sum(1))
+        row_sums = ((delta @ (delta.T @ x)) * x).sum(1)  # delta_i^T (sum_k delta_k x_k^T) x_i
+        return self._fold(state, diag, row_sums)
+
+    @staticmethod
+    def _fold(state, diag, row_sums):
+        if state is None:
+            return (diag, row_sums)
+        return (state[0].add_(diag), state[1].add_(row_sums))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ Notation (mean loss over ``B`` samples): ``g_i`` is sample ``i``'s gradient,
 ``gbar = (1/B) sum_i g_i``, BackPACK's ``grad_batch[i] = g_i / B``.
 Inputs are the reductions of :mod:`cockpit_like.backends.per_sample_stats`:
 
-- ``gram``: ``B x B``, ``gram[i, k] = <grad_batch[i], grad_batch[k]> = g_i^T g_k / B^2``;
+- ``diag``, ``row_sums``: the diagonal and the row sums of the ``B x B`` Gram
+  matrix ``gram[i, k] = <grad_batch[i], grad_batch[k]> = g_i^T g_k / B^2``
+  (``diag[i] = ||g_i||^2 / B^2``, ``row_sums[i] = g_i^T gbar / B``), which is all
+  the gradient tests need (:func:`gram_summary` gives both from a whole matrix);
 - ``sum_sq``: per entry ``s_j = sum_i grad_batch[i, j]^2 = (1/B^2) sum_i g_ij^2``;
 - ``grad_sq_norm``: ``||gbar||^2`` (from ``p.grad``), ``grad``: ``gbar`` flattened.
 
@@ -13,7 +16,7 @@ evaluated in the same order as Cockpit so that float32 results agree.
 
 Example (two samples with gradients (1, 0) and (0, 1), so gbar = (.5, .5)):
     >>> gram = torch.tensor([[1.0, 0.0], [0.0, 1.0]]) / 4
-    >>> norm_test(gram, torch.tensor(0.5))  # sqrt(sum_i ||g_i - gbar||^2 / (1 * 2 * .5))
+    >>> norm_test(*gram_summary(gram), torch.tensor(0.5))  # sqrt(sum_i ||g_i - gbar||^2 / (1 * 2 * .5))
     tensor(1.)
 """
 
@@ -21,43 +24,48 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["norm_test", "inner_test", "ortho_test", "mean_gsnr", "cabs", "early_stopping"]
+__all__ = ["gram_summary", "norm_test", "inner_test", "ortho_test", "mean_gsnr", "cabs", "early_stopping"]
 
 
-def norm_test(gram: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
+def gram_summary(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(diag, row_sums)`` of a ``B x B`` Gram matrix, the inputs of the gradient tests."""
+    return torch.diagonal(gram), gram.sum(1)
+
+
+def norm_test(diag: torch.Tensor, row_sums: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
     """Norm test (Byrd et al. 2012): the largest test constant that passes,
 
     ``sqrt( sum_i ||g_i - gbar||^2 / ((B-1) B ||gbar||^2) )``, evaluated as
     ``(B^2 tr(gram) - B ||gbar||^2) / (B-1) / B / ||gbar||^2``.
     """
-    B = gram.shape[0]
-    sum_sq_norms = B**2 * torch.trace(gram)
+    B = diag.shape[0]
+    sum_sq_norms = B**2 * diag.sum()
     variance = (sum_sq_norms - B * grad_sq_norm) / (B - 1)
     return (variance / B / grad_sq_norm).sqrt()
 
 
-def inner_test(gram: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
+def inner_test(diag: torch.Tensor, row_sums: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
     """Inner product test (Bollapragada et al. 2017),
 
     ``sqrt( sum_i (pi_i - ||gbar||^2)^2 / ((B-1) B ||gbar||^4) )`` with
     ``pi_i = g_i^T gbar = B sum_k gram[i, k]``; the variance is evaluated as
     ``(sum_i pi_i^2 - B ||gbar||^4) / (B - 1)``.
     """
-    B = gram.shape[0]
-    projections = B * gram.sum(1)
+    B = row_sums.shape[0]
+    projections = B * row_sums
     variance = ((projections**2).sum() - B * grad_sq_norm**2) / (B - 1)
     return (variance / B / grad_sq_norm**2).sqrt()
 
 
-def ortho_test(gram: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
+def ortho_test(diag: torch.Tensor, row_sums: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:
     """Orthogonality test (Bollapragada et al. 2017),
 
     ``sqrt( sum_i ||g_i - (pi_i/||gbar||^2) gbar||^2 / ((B-1) B ||gbar||^2) )``, the
     numerator evaluated as ``B^2 tr(gram) - sum_i pi_i^2 / ||gbar||^2``.
     """
-    B = gram.shape[0]
-    projections = B * gram.sum(1)
-    sum_sq_norms = B**2 * torch.trace(gram)
+    B = diag.shape[0]
+    projections = B * row_sums
+    sum_sq_norms = B**2 * diag.sum()
     variance = (sum_sq_norms - (projections**2).sum() / grad_sq_norm) / (B - 1)
     return (variance / B / grad_sq_norm).sqrt()
 

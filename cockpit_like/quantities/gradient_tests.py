@@ -1,7 +1,8 @@
 """The gradient tests: NormTest, InnerTest, OrthoTest (as used by Cockpit).
 
-All three share one statistic, the ``B x B`` Gram matrix of the per-sample
-gradients (:class:`~cockpit_like.backends.per_sample_stats.BatchGram`),
+All three share one statistic, the diagonal and the row sums of the ``B x B``
+Gram matrix of the per-sample gradients
+(:class:`~cockpit_like.backends.per_sample_stats.GramSummary`, ``O(B D)``),
 reduced layer by layer in the backward pass and computed once per step for
 all three. ``B`` is ``grad_batch``'s leading dimension; ``||gbar||^2`` is
 ``sum_p ||p.grad||^2``. Scaling: mean loss, ``grad_batch[i] = g_i / B``.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.per_sample_stats import BatchGram
+from cockpit_like.backends.per_sample_stats import GramSummary
 from cockpit_like.functional import gradient_tests as F
 from cockpit_like.quantities.byproducts import gradients_of
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -25,13 +26,13 @@ class _GramTest(SingleStepQuantity):
     _test = None
 
     def per_sample_stats(self, global_step: int) -> list:
-        return [BatchGram()] if self.should_compute(global_step) else []
+        return [GramSummary()] if self.should_compute(global_step) else []
 
     def _compute(self, global_step, params, batch_loss):
-        gram = context.get_record(global_step).stat(BatchGram())
+        diag, row_sums = context.get_record(global_step).stat(GramSummary())
         grads = gradients_of(params, type(self).__name__)
         grad_sq_norm = sum((g.detach() ** 2).sum() for g in grads)
-        return type(self)._test(gram, grad_sq_norm)
+        return type(self)._test(diag, row_sums, grad_sq_norm)
 
 
 class NormTest(_GramTest):
