@@ -26,7 +26,7 @@ from cockpit_like.backends.per_sample import PerSampleReducer
 from cockpit_like.backends.per_sample_extension import PerSampleStatistics, statistics_backend
 from cockpit_like.backends.per_sample_stats import (
     AbsMax,
-    BatchGram,
+    GramSummary,
     DirectionalDots,
     Histogram1dCounts,
     Histogram2dCounts,
@@ -42,11 +42,17 @@ from tests.helpers import make_batch, make_problem, per_sample_grads, train
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
 
 
+def _assert_summary(summary, gram, **tol):
+    """``GramSummary``'s ``(diag, row_sums)`` against a brute-force Gram matrix."""
+    torch.testing.assert_close(summary[0], torch.diagonal(gram), **tol)
+    torch.testing.assert_close(summary[1], gram.sum(1), **tol)
+
+
 def _stats(params, seed=0):
     gen = torch.Generator().manual_seed(seed)
     direction = tuple(torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in params)
     return [
-        BatchGram(),
+        GramSummary(),
         SumOfSquares(),
         AbsMax(),
         DirectionalDots("d", direction),
@@ -99,7 +105,7 @@ def test_fast_path_equals_generic_path(problem, bias, batch_size):
     grads = [g / batch_size for g in per_sample_grads(model, inputs, labels)]
     flat = torch.cat([g.reshape(batch_size, -1) for g in grads], 1)
     fast = results["factors"]
-    torch.testing.assert_close(fast[BatchGram()], flat @ flat.T, rtol=1e-10, atol=1e-15)
+    _assert_summary(fast[GramSummary()], flat @ flat.T, rtol=1e-10, atol=1e-15)
     for s, g in zip(fast[SumOfSquares()], grads):
         torch.testing.assert_close(s, g.pow(2).sum(0), rtol=1e-10, atol=1e-15)
     value, batch = fast[AbsMax()]
@@ -155,7 +161,7 @@ def test_conv2d_unfold_path_equals_batch_grad_and_torch_func(geometry, bias):
     for s, g in zip(fast[SumOfSquares()], grads):
         torch.testing.assert_close(s, g.pow(2).sum(0), rtol=1e-10, atol=1e-15)
     flat = torch.cat([g.reshape(6, -1) for g in grads], 1)
-    torch.testing.assert_close(fast[BatchGram()], flat @ flat.T, rtol=1e-10, atol=1e-15)
+    _assert_summary(fast[GramSummary()], flat @ flat.T, rtol=1e-10, atol=1e-15)
 
 
 def test_conv2d_with_groups_falls_back_to_batch_grad(monkeypatch):
@@ -171,7 +177,7 @@ def test_conv2d_with_groups_falls_back_to_batch_grad(monkeypatch):
     lossfunc = extend(torch.nn.CrossEntropyLoss())
     inputs, labels = torch.randn(5, 2, 7, 7, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1])
     params = list(model.parameters())
-    fast = _reduce(model, lossfunc, inputs, labels, [SumOfSquares(), BatchGram()], "factors")
+    fast = _reduce(model, lossfunc, inputs, labels, [SumOfSquares(), GramSummary()], "factors")
     assert not calls  # groups=2 is not unfolded
     grads = [g / 5 for g in per_sample_grads(model, inputs, labels)]
     for s, g in zip(fast[SumOfSquares()], grads):
@@ -185,7 +191,7 @@ def test_retained_grad_batch_shared_with_histograms_on_the_fast_path():
     model, lossfunc, _ = make_problem("mlp")
     inputs, labels = make_batch("mlp", 5, 1)
     params = list(model.parameters())
-    stats = [RetainedGradBatch(), Histogram1dCounts(11, (-0.1, 0.1)), BatchGram()]
+    stats = [RetainedGradBatch(), Histogram1dCounts(11, (-0.1, 0.1)), GramSummary()]
     fast = _reduce(model, lossfunc, inputs, labels, stats, "factors")
     slow = _reduce(model, lossfunc, inputs, labels, stats, "batch_grad")
     for stat in stats[1:]:
@@ -239,9 +245,9 @@ def test_mlp_fast_path_never_materialises_per_sample_gradients(bias, monkeypatch
 def test_raw_batch_grad_request_keeps_current_behaviour():
     model, lossfunc, _ = make_problem("mlp")
     params = list(model.parameters())
-    extension, reducer = statistics_backend([BatchGram()], params, raw_batch_grad=True)
+    extension, reducer = statistics_backend([GramSummary()], params, raw_batch_grad=True)
     assert isinstance(extension, BatchGrad) and reducer.keep_grad_batch
-    extension, reducer = statistics_backend([BatchGram()], params, raw_batch_grad=False)
+    extension, reducer = statistics_backend([GramSummary()], params, raw_batch_grad=False)
     assert isinstance(extension, PerSampleStatistics) and extension.reducer is reducer
     # through the cockpit: the user's BatchGrad is kept, statistics are equal
     inputs, labels = make_batch("mlp", 4, 2)
@@ -392,7 +398,10 @@ def test_unfold_conv2d_input_reproduces_the_convolution(conv):
     expected = torch.stack(
         [torch.autograd.grad((module(x[i : i + 1]) * delta[i : i + 1]).sum(), module.weight)[0] for i in range(4)]
     )
-    torch.testing.assert_close(conv2d_weight_grad_batch(module, unfolded, delta), expected, rtol=1e-12, atol=1e-12)
+    # in one chunk, one sample per chunk, and chunks that do not divide the batch (3 + 1)
+    for chunk_bytes in (1 << 30, 1, 3 * unfolded[0].numel() * 8):
+        grad_batch = conv2d_weight_grad_batch(module, x, delta, chunk_bytes=chunk_bytes)
+        torch.testing.assert_close(grad_batch, expected, rtol=1e-12, atol=1e-12)
     if module.padding_mode == "zeros" and conv.get("padding") != "same":
         torch.testing.assert_close(
             unfolded,

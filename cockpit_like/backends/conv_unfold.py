@@ -27,7 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Conv2d, Module
 
-__all__ = ["supports_unfold", "unfold_conv2d_input", "conv2d_weight_grad_batch", "conv2d_bias_grad_batch"]
+__all__ = [
+    "supports_unfold",
+    "conv2d_input_windows",
+    "unfold_conv2d_input",
+    "conv2d_weight_grad_batch",
+    "conv2d_bias_grad_batch",
+]
 
 
 def supports_unfold(module: Module, x: torch.Tensor) -> bool:
@@ -49,11 +55,12 @@ def _padding(module: Conv2d) -> tuple[int, int, int, int]:
     return (pw, pw, ph, ph)
 
 
-def unfold_conv2d_input(module: Module, x: torch.Tensor) -> torch.Tensor | None:
-    """``[B, C_in * kh * kw, L]``: the input unfolded as the convolution sees it, or ``None`` if unsupported.
+def conv2d_input_windows(module: Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``[B, C_in, kh, kw, H_out, W_out]``: a strided view of the (padded) input, or ``None`` if unsupported.
 
-    Equal to ``F.unfold`` but built as one copy of a strided view of the
-    (padded) input, which is 1.3-20x faster than ``F.unfold`` on CPU.
+    Entry ``[b, c, i, j, r, s]`` is the input value that kernel tap ``(i, j)`` of
+    channel ``c`` meets at output position ``(r, s)``. Nothing is copied except
+    the padded input when the convolution pads.
     """
     if not supports_unfold(module, x):
         return None
@@ -66,19 +73,56 @@ def unfold_conv2d_input(module: Module, x: torch.Tensor) -> torch.Tensor | None:
     out_h = (height - dh * (kh - 1) - 1) // sh + 1
     out_w = (width - dw * (kw - 1) - 1) // sw + 1
     s0, s1, s2, s3 = x.stride()
-    windows = x.as_strided(
+    return x.as_strided(
         (batch, channels, kh, kw, out_h, out_w),
         (s0, s1, s2 * dh, s3 * dw, s2 * sh, s3 * sw),
         x.storage_offset(),
     )
+
+
+def unfold_conv2d_input(module: Module, x: torch.Tensor) -> torch.Tensor | None:
+    """``[B, C_in * kh * kw, L]``: the input unfolded as the convolution sees it, or ``None`` if unsupported.
+
+    Equal to ``F.unfold`` but built as one copy of a strided view of the
+    (padded) input (:func:`conv2d_input_windows`), which is 1.3-20x faster
+    than ``F.unfold`` on CPU.
+    """
+    windows = conv2d_input_windows(module, x)
+    if windows is None:
+        return None
+    batch, channels, kh, kw, out_h, out_w = windows.shape
     return windows.reshape(batch, channels * kh * kw, out_h * out_w)
 
 
-def conv2d_weight_grad_batch(module: Conv2d, unfolded: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``grad_batch`` of the weight, ``[B, *weight.shape]``, from the unfolded input and the output gradient."""
-    batch = delta.shape[0]
-    delta = delta.reshape(batch, delta.shape[1], -1)
-    return torch.bmm(delta, unfolded.transpose(1, 2)).reshape(batch, *module.weight.shape)
+#: bytes of unfolded input per chunk of samples in :func:`conv2d_weight_grad_batch`
+UNFOLD_CHUNK_BYTES = 4 << 20
+
+
+def conv2d_weight_grad_batch(
+    module: Conv2d, x: torch.Tensor, delta: torch.Tensor, chunk_bytes: int = UNFOLD_CHUNK_BYTES
+) -> torch.Tensor:
+    """``grad_batch`` of the weight, ``[B, *weight.shape]``, from the layer input and the output gradient.
+
+    The input is unfolded a few samples at a time into one small reused
+    buffer (about ``chunk_bytes``), each chunk followed by its ``bmm`` into
+    the result: the whole ``[B, C_in * kh * kw, L]`` unfolded input, often
+    larger than the result, is never allocated (a fresh allocation of tens of
+    MB costs about as much in page faults as the copy itself).
+    """
+    windows = conv2d_input_windows(module, x)
+    batch, channels, kh, kw, out_h, out_w = windows.shape
+    rows, positions = channels * kh * kw, out_h * out_w
+    delta = delta.reshape(batch, delta.shape[1], positions)
+    result = torch.empty(batch, delta.shape[1], rows, dtype=delta.dtype, device=delta.device)
+    per_sample = max(1, rows * positions * windows.element_size())
+    step = max(1, min(batch, chunk_bytes // per_sample))
+    buffer = torch.empty((step, channels, kh, kw, out_h, out_w), dtype=windows.dtype, device=windows.device)
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        chunk = buffer[: stop - start]
+        chunk.copy_(windows[start:stop])
+        torch.bmm(delta[start:stop], chunk.view(stop - start, rows, positions).transpose(1, 2), out=result[start:stop])
+    return result.view(batch, *module.weight.shape)
 
 
 def conv2d_bias_grad_batch(delta: torch.Tensor) -> torch.Tensor:

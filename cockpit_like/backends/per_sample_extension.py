@@ -32,7 +32,6 @@ from cockpit_like.backends.conv_unfold import (
     conv2d_bias_grad_batch,
     conv2d_weight_grad_batch,
     supports_unfold,
-    unfold_conv2d_input,
 )
 from cockpit_like.backends.per_sample import PerSampleReducer
 
@@ -102,8 +101,7 @@ class _Conv2dUnfold(_GradBatchToReducer):
         reducer, delta = extension.reducer, g_out[0].detach()
         weight, bias = module.weight, module.bias
         if weight.requires_grad and reducer.tracks(weight):
-            unfolded = unfold_conv2d_input(module, x.detach())
-            reducer.offer_grad_batch(weight, conv2d_weight_grad_batch(module, unfolded, delta))
+            reducer.offer_grad_batch(weight, conv2d_weight_grad_batch(module, x.detach(), delta))
         if bias is not None and bias.requires_grad and reducer.tracks(bias):
             reducer.offer_grad_batch(bias, conv2d_bias_grad_batch(delta))
 
