@@ -309,3 +309,32 @@ def test_small_chunks_inside_the_extension(monkeypatch, chunk_bytes, net, loss):
     for ours, theirs in [(diag_hessian, DiagHessian), (diag_ggn_exact, DiagGGNExact)]:
         mine = _backpack_diagonals(model, inputs, targets, loss, ours())
         _assert_all_close(mine, _backpack_diagonals(model, inputs, targets, loss, theirs()))
+
+
+def test_broadcast_elementwise_jac_t_is_bitwise_backpacks(monkeypatch):
+    """The activations' ``jac_t`` as ``mat * df`` gives BackPACK's einsum results bit for bit (float32).
+
+    Every elementwise activation in the net must take the broadcast path, and
+    BackPACK's own extension objects must not.
+    """
+    calls = []
+    original = conv_diagonals._BroadcastJacT._jac_t_mat_prod
+    monkeypatch.setattr(
+        conv_diagonals._BroadcastJacT, "_jac_t_mat_prod", lambda self, *a, **k: calls.append(type(self).__name__) or original(self, *a, **k)
+    )
+    torch.manual_seed(2)
+    activations = [nn.ReLU(), nn.Tanh(), nn.Sigmoid(), nn.LeakyReLU(0.2), nn.ELU(), nn.SELU()]
+    layers = [nn.Flatten(), nn.Linear(12, 8)]
+    for act in activations:
+        layers += [act, nn.Linear(8, 8)]
+    model = nn.Sequential(*layers, nn.Linear(8, CLASSES))
+    inputs, targets = torch.randn(6, 3, 4), torch.randint(0, CLASSES, (6,))
+    for ours, theirs in [(diag_hessian, DiagHessian), (diag_ggn_exact, DiagGGNExact)]:
+        calls.clear()
+        expected = _backpack_diagonals(model, inputs, targets, "ce", theirs())
+        assert calls == []
+        actual = _backpack_diagonals(model, inputs, targets, "ce", ours())
+        assert len(calls) >= len(activations)
+        assert {f"Broadcast{type(act).__name__}Derivatives" for act in activations} <= set(calls)
+        for a, e in zip(actual, expected):
+            assert torch.equal(a, e)

@@ -50,9 +50,11 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from typing import TypeVar
 
 import torch
+from backpack.core.derivatives.elementwise import ElementwiseDerivatives
 from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
 from backpack.extensions.secondorder.diag_ggn import DiagGGN
 from backpack.extensions.secondorder.diag_ggn.conv2d import DiagGGNConv2d
@@ -68,6 +70,7 @@ __all__ = [
     "ChunkedDiagGGNConv2d",
     "conv2d_weight_diagonal",
     "use_chunked_conv2d",
+    "use_broadcast_elementwise",
     "diag_hessian",
     "diag_ggn_exact",
     "diag_ggn_mc",
@@ -178,16 +181,66 @@ def use_chunked_conv2d(extension: Extension) -> Extension:
     return extension
 
 
+class _BroadcastJacT:
+    """Mixin: an elementwise activation's transposed Jacobian as one broadcast multiply.
+
+    BackPACK's ``ElementwiseDerivatives._jac_t_mat_prod`` multiplies the
+    ``[V, B, ...]`` factors by the derivative ``[B, ...]`` through
+    ``einsum("...,v...->v...")``, which on the CPU is ~7x slower than the
+    same product written as ``mat * df`` (0.45 s of a 2.1 s 3c3d DiagHessian
+    step, for the ReLUs' ``[10, 128, 64, 28, 28]`` factors). Every entry is
+    the same single product, so the results are bitwise equal.
+    """
+
+    def _jac_t_mat_prod(self, module, g_inp, g_out, mat, subsampling=None):
+        return mat * self.df(module, g_inp, g_out, subsampling=subsampling)
+
+
+_BROADCAST_CLASSES: dict[type, type] = {}
+
+
+def _broadcast_derivatives(derivatives: ElementwiseDerivatives) -> ElementwiseDerivatives:
+    """A copy of ``derivatives`` whose class also has :class:`_BroadcastJacT` (first in the MRO)."""
+    cls = type(derivatives)
+    if cls not in _BROADCAST_CLASSES:
+        _BROADCAST_CLASSES[cls] = type(f"Broadcast{cls.__name__}", (_BroadcastJacT, cls), {})
+    fast = object.__new__(_BROADCAST_CLASSES[cls])
+    fast.__dict__.update(vars(derivatives))
+    return fast
+
+
+def use_broadcast_elementwise(extension: Extension) -> Extension:
+    """Give every elementwise activation (ReLU, Tanh, Sigmoid, ...) of ``extension`` the broadcast ``jac_t``.
+
+    Each module extension whose ``derivatives`` are BackPACK
+    ``ElementwiseDerivatives`` is replaced by a shallow copy holding
+    :func:`_broadcast_derivatives`; the extension object is changed in place
+    and returned, BackPACK's classes are untouched.
+    """
+    module_extensions = getattr(extension, "_BackpropExtension__module_extensions")
+    for module_cls, module_extension in list(module_extensions.items()):
+        derivatives = getattr(module_extension, "derivatives", None)
+        if isinstance(derivatives, ElementwiseDerivatives) and not isinstance(derivatives, _BroadcastJacT):
+            fast = copy.copy(module_extension)
+            fast.derivatives = _broadcast_derivatives(derivatives)
+            extension.set_module_extension(module_cls, fast, overwrite=True)
+    return extension
+
+
+def _fast(extension: Extension) -> Extension:
+    return use_broadcast_elementwise(use_chunked_conv2d(extension))
+
+
 def diag_hessian() -> DiagHessian:
-    """BackPACK's ``DiagHessian()`` (savefield ``diag_h``) with the chunked ``Conv2d`` weight diagonal."""
-    return use_chunked_conv2d(DiagHessian())
+    """BackPACK's ``DiagHessian()`` (savefield ``diag_h``), chunked ``Conv2d`` weight diagonal, broadcast activations."""
+    return _fast(DiagHessian())
 
 
 def diag_ggn_exact() -> DiagGGNExact:
-    """BackPACK's ``DiagGGNExact()`` (savefield ``diag_ggn_exact``), chunked ``Conv2d`` weight diagonal."""
-    return use_chunked_conv2d(DiagGGNExact())
+    """BackPACK's ``DiagGGNExact()`` (savefield ``diag_ggn_exact``), chunked Conv2d, broadcast activations."""
+    return _fast(DiagGGNExact())
 
 
 def diag_ggn_mc(mc_samples: int = 1) -> DiagGGNMC:
-    """BackPACK's ``DiagGGNMC(mc_samples)`` (savefield ``diag_ggn_mc``), chunked Conv2d weight diagonal."""
-    return use_chunked_conv2d(DiagGGNMC(mc_samples=mc_samples))
+    """BackPACK's ``DiagGGNMC(mc_samples)`` (savefield ``diag_ggn_mc``), chunked Conv2d, broadcast activations."""
+    return _fast(DiagGGNMC(mc_samples=mc_samples))
