@@ -260,7 +260,13 @@ class _TrackedStep:
                 f"create_graph: {cockpit.create_graph(step)}"
             )
         if self._extensions or hooks:
-            self._backpack = backpack(*self._extensions, extension_hook=_chain(hooks))
+            exts, hook = self._extensions, _chain(hooks)
+            if cockpit.create_graph(step):
+                # backward(create_graph=True) would record everything the hooks compute (Finding 9)
+                from cockpit_like.backends.no_grad import hook_without_autograd, without_autograd
+
+                exts, hook = [without_autograd(ext) for ext in exts], hook_without_autograd(hook)
+            self._backpack = backpack(*exts, extension_hook=hook)
             self._backpack.__enter__()
         return self
 

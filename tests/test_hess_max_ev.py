@@ -193,3 +193,41 @@ def test_in_place_change_before_tracking_is_a_clear_error():
     with pytest.raises(RuntimeError, match="modified in place after backward"):
         with cockpit(0, info={"loss": loss}):
             loss.backward(create_graph=cockpit.create_graph(0))
+
+
+def test_create_graph_steps_record_no_graph_for_the_extensions():
+    """At a HessMaxEV step (backward with create_graph=True) the BackPACK extensions and the
+    per-sample statistics run under no_grad: the user's buffers carry no graph and every value
+    equals the one computed at the same step without HessMaxEV."""
+    from backpack.extensions import BatchGrad, DiagHessian
+
+    from cockpit_like.quantities import GradHist1d, NormTest
+
+    results = {}
+    for with_ev in (False, True):
+        model, lossfunc, individual = make_problem("cnn")
+        quantities = [HessTrace(schedules.linear(1)), NormTest(schedules.linear(1)), GradHist1d(schedules.linear(1))]
+        if with_ev:
+            quantities.append(HessMaxEV(schedules.linear(1)))
+        cockpit = Cockpit(model.parameters(), quantities=quantities)
+        inputs, labels = make_batch("cnn", 6, seed=5)
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        user_exts = (BatchGrad(), DiagHessian())
+        info = {"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss}
+        assert cockpit.create_graph(0) is with_ev
+        with cockpit(0, *user_exts, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))
+        assert [type(ext) for ext in user_exts] == [BatchGrad, DiagHessian]  # the user's objects are untouched
+        buffers = [(p.grad_batch, p.diag_h) for p in model.parameters()]
+        for grad_batch, diag_h in buffers:  # no graph hangs on them (a bias's grad_batch may be
+            assert grad_batch.grad_fn is None and diag_h.grad_fn is None  # autograd's own leaf)
+        results[with_ev] = (buffers, cockpit.get_output()[0])
+    for (gb0, dh0), (gb1, dh1) in zip(results[False][0], results[True][0]):
+        torch.testing.assert_close(gb1, gb0, rtol=0, atol=0)
+        torch.testing.assert_close(dh1, dh0, rtol=0, atol=0)
+    without, with_ev = results[False][1], results[True][1]
+    assert with_ev["NormTest"] == without["NormTest"]
+    for a, b in zip(with_ev["HessTrace"], without["HessTrace"]):
+        assert a == b
+    assert "HessMaxEV" in with_ev
