@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from cockpit_like import Cockpit
-from cockpit_like.functional.eigen import lanczos, power_iteration
+from cockpit_like.functional.eigen import accelerated_power_iteration, lanczos, power_iteration
 from cockpit_like.quantities import HessMaxEV, HessTrace
 from cockpit_like.quantities.hess_max_ev import MissingGraphError
 from cockpit_like.utils import schedules
@@ -54,6 +54,62 @@ def test_power_iteration_stop_rule_and_max_iter_warning():
     assert zero.value == 0.0 and zero.converged
     with pytest.raises(ValueError, match="non-zero"):
         power_iteration(lambda v: v, torch.zeros(3))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+@pytest.mark.parametrize("spectrum", [[5.0, 4.9, 4.7, 2.0, 1.0, 0.3, -0.5], [3.0, 1.0, 0.2, -5.8, -5.9, 0.1, 2.9]])
+def test_accelerated_power_iteration_never_behind_power_iteration(seed, spectrum):
+    """After the same number of products the Ritz estimate is at least as close to the eigenvalue
+    of largest magnitude (the second spectrum's is negative) as the power iteration's."""
+    matrix = random_symmetric(spectrum, seed=seed)
+    target = max(spectrum, key=abs)
+    start = torch.rand(len(spectrum), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    for k in range(1, 7):
+        plain = power_iteration(lambda v: matrix @ v, start, max_iter=k, rtol=0, atol=0, warn=False)
+        fast = accelerated_power_iteration(lambda v: matrix @ v, start, max_iter=k, rtol=0, atol=0, warn=False)
+        assert plain.num_matvecs == fast.num_matvecs == k
+        assert abs(fast.value - target) <= abs(plain.value - target) + 1e-12
+    # with the stop rule: converged, correct and cheaper than the plain iteration
+    plain = power_iteration(lambda v: matrix @ v, start, rtol=1e-6, atol=0, max_iter=500)
+    fast = accelerated_power_iteration(lambda v: matrix @ v, start, rtol=1e-6, atol=0)
+    assert fast.converged and fast.value == pytest.approx(target, rel=1e-6)
+    assert fast.num_matvecs < plain.num_matvecs
+    assert abs(float(fast.vector @ matrix @ fast.vector) - target) < 1e-5  # its Ritz vector
+    torch.testing.assert_close(fast.vector.norm(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_accelerated_power_iteration_edge_cases():
+    zero = accelerated_power_iteration(lambda v: torch.zeros_like(v), torch.ones(3, dtype=torch.float64))
+    assert zero.value == 0.0 and zero.converged and zero.num_matvecs == 1
+    matrix = random_symmetric([1.0, 0.999, 0.5, 0.2], seed=4)
+    with pytest.warns(RuntimeWarning, match="did not converge in 2"):
+        result = accelerated_power_iteration(lambda v: matrix @ v, torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64),
+                                             rtol=0, atol=0, max_iter=2)
+    assert not result.converged
+    # the whole space spanned: exact, and stops
+    full = accelerated_power_iteration(lambda v: matrix @ v, torch.ones(4, dtype=torch.float64), rtol=0, atol=0)
+    assert full.converged and full.num_matvecs <= 4 and full.value == pytest.approx(1.0, rel=1e-10)
+    with pytest.raises(ValueError, match="max_iter"):
+        accelerated_power_iteration(lambda v: v, torch.ones(2), max_iter=0)
+
+
+def test_plain_power_option_is_cockpits_power_iteration():
+    """accelerate=False, warm_start=False: Cockpit's algorithm, i.e. power_iteration from
+    torch.rand_like per parameter, value for value."""
+    model, lossfunc, individual = make_problem("mlp")
+    quantity = HessMaxEV(schedules.linear(1), accelerate=False, warm_start=False)
+    cockpit = Cockpit(model.parameters(), quantities=[quantity])
+    inputs, labels = make_batch("mlp", 6, seed=0)
+    torch.manual_seed(3)
+    loss = lossfunc(model(inputs), labels)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    hessian = dense_hessian(model, inputs, labels)
+    torch.manual_seed(3)
+    start = torch.cat([torch.rand_like(p).reshape(-1) for p in model.parameters()])
+    expected = power_iteration(lambda v: hessian @ v, start)
+    assert quantity.hvp_counts[0] == expected.num_matvecs
+    assert quantity.get_output()[0] == pytest.approx(expected.value, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -163,7 +219,9 @@ def test_bad_arguments(kwargs, match):
 
 def test_settings_and_float32_model():
     quantity = HessMaxEV(schedules.linear(1), use_power=False)
-    assert quantity.settings() == {"use_power": False, "warm_start": True, "max_iter": 100, "rtol": 1e-4, "atol": 1e-6}
+    assert quantity.settings() == {
+        "use_power": False, "warm_start": True, "accelerate": True, "max_iter": 100, "rtol": 1e-4, "atol": 1e-6
+    }
     model, lossfunc, individual = make_problem("mlp")
     model = model.float()
     cockpit = Cockpit(model.parameters(), quantities=[HessMaxEV(schedules.linear(1))])

@@ -9,6 +9,10 @@ the cost and warm-start the next solve from ``result.vector``.
 - :func:`power_iteration`: Cockpit's power iteration. It converges to the
   eigenvalue of largest *magnitude* and stops when two consecutive Rayleigh
   quotients agree, ``|lambda_prev - lambda| <= atol + rtol * |lambda|``.
+- :func:`accelerated_power_iteration`: the same target and stop rule, but
+  each estimate is the Ritz value of largest magnitude on the Krylov space of
+  all products so far (never worse than the power iteration's after as many
+  products, and typically done in far fewer).
 - :func:`lanczos`: Lanczos with full re-orthogonalisation, giving the
   largest *algebraic* eigenvalue (like ``scipy.sparse.linalg.eigsh(k=1,
   which="LA")``). It stops when the Ritz residual
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["EigenResult", "power_iteration", "lanczos"]
+__all__ = ["EigenResult", "power_iteration", "accelerated_power_iteration", "lanczos"]
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
 
@@ -114,31 +118,13 @@ def power_iteration(
     return EigenResult(value, v, max_iter, False)
 
 
-def lanczos(
-    matvec: MatVec,
-    v0: torch.Tensor,
-    max_iter: int = 100,
-    rtol: float = 1e-4,
-    warn: bool = True,
-) -> EigenResult:
-    """Largest algebraic eigenvalue by Lanczos with full re-orthogonalisation.
+def _krylov(matvec: MatVec, v0: torch.Tensor, max_iter: int, stop: Callable, pick: Callable):
+    """Lanczos with full re-orthogonalisation; the Ritz pair ``pick(evals)`` is checked by ``stop``.
 
-    Builds an orthonormal Krylov basis ``Q_k`` of ``span{v0, A v0, ...}`` and
-    the tridiagonal ``T_k = Q_k^T A Q_k``; the top Ritz pair ``(theta, Q_k s)``
-    of ``T_k`` estimates the top eigenpair. Stops when the residual
-    ``||A x - theta x|| = beta_k |s_k|`` is at most ``rtol * |theta|`` (then
-    ``|lambda_max - theta| <= rtol * |theta|``; the error is typically of the
-    order ``residual^2 / gap``, far less), when
-    the Krylov space is invariant (``beta_k`` ~ 0), or when it spans the
-    whole space. The small eigenproblems are solved in float64.
-
-    Args:
-        matvec: ``v -> A v`` for symmetric ``A``.
-        v0: start vector; a good guess (the previous solve's vector) makes it
-            converge in few products.
-        max_iter: most products (capped at the dimension).
-        rtol: relative residual tolerance.
-        warn: warn when ``max_iter`` is reached without convergence.
+    ``stop(count, theta, residual, invariant)`` decides after each product;
+    ``invariant`` is true when the Krylov space cannot grow (``beta ~ 0`` or
+    the whole space is spanned). Returns ``(theta, vector, count, converged)``.
+    The small eigenproblems are solved in float64.
     """
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
@@ -165,21 +151,102 @@ def lanczos(
             off = torch.tensor(betas, dtype=torch.float64)
             T = T + torch.diag(off, 1) + torch.diag(off, -1)
         evals, evecs = torch.linalg.eigh(T)
-        theta, ritz = float(evals[-1]), evecs[:, -1]
+        index = pick(evals)
+        theta, ritz = float(evals[index]), evecs[:, index]
         residual = beta * abs(float(ritz[-1]))
-        scale = max(abs(theta), float(evals.abs().max()))
-        if residual <= rtol * abs(theta) or beta <= 10 * eps * max(scale, 1e-300) or count == dim:
+        scale = float(evals.abs().max())
+        invariant = beta <= 10 * eps * max(scale, 1e-300) or count == dim
+        if stop(count, theta, residual, invariant):
             converged = True
             break
         if count < steps:
             betas.append(beta)
             basis[count] = w / beta
     vector = basis[: len(alphas)].T @ ritz.to(q.dtype)
-    vector = vector / vector.norm()
+    return theta, vector / vector.norm(), count, converged
+
+
+def lanczos(
+    matvec: MatVec,
+    v0: torch.Tensor,
+    max_iter: int = 100,
+    rtol: float = 1e-4,
+    warn: bool = True,
+) -> EigenResult:
+    """Largest algebraic eigenvalue by Lanczos with full re-orthogonalisation.
+
+    Builds an orthonormal Krylov basis ``Q_k`` of ``span{v0, A v0, ...}`` and
+    the tridiagonal ``T_k = Q_k^T A Q_k``; the top Ritz pair ``(theta, Q_k s)``
+    of ``T_k`` estimates the top eigenpair. Stops when the residual
+    ``||A x - theta x|| = beta_k |s_k|`` is at most ``rtol * |theta|`` (then
+    ``|lambda_max - theta| <= rtol * |theta|``; the error is typically of the
+    order ``residual^2 / gap``, far less), when
+    the Krylov space is invariant (``beta_k`` ~ 0), or when it spans the
+    whole space. The small eigenproblems are solved in float64.
+
+    Args:
+        matvec: ``v -> A v`` for symmetric ``A``.
+        v0: start vector; a good guess (the previous solve's vector) makes it
+            converge in few products.
+        max_iter: most products (capped at the dimension).
+        rtol: relative residual tolerance.
+        warn: warn when ``max_iter`` is reached without convergence.
+    """
+
+    def stop(count, theta, residual, invariant):
+        return residual <= rtol * abs(theta) or invariant
+
+    theta, vector, count, converged = _krylov(matvec, v0, max_iter, stop, pick=lambda evals: -1)
     if not converged and warn:
         warnings.warn(
             f"Lanczos did not reach rtol={rtol:g} in {count} iterations; returning the last "
             f"estimate {theta:g}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return EigenResult(theta, vector, count, converged)
+
+
+def accelerated_power_iteration(
+    matvec: MatVec,
+    v0: torch.Tensor,
+    max_iter: int = 100,
+    rtol: float = 1e-3,
+    atol: float = 1e-6,
+    warn: bool = True,
+) -> EigenResult:
+    """The power iteration's target and stop rule, with Rayleigh-Ritz acceleration.
+
+    After ``k`` products the power iteration knows ``A`` on the Krylov space
+    ``span{v0, A v0, ..., A^(k-1) v0}`` but estimates with the Rayleigh
+    quotient of its last vector only. Here the estimate is the Ritz value of
+    largest magnitude on that whole space (Lanczos with full
+    re-orthogonalisation, so ``k`` stored vectors). The power iterate lies in
+    the same space, so after the same number of products this estimate is
+    never further from the eigenvalue of largest magnitude than the power
+    iteration's, and it converges several times faster on clustered spectra.
+    Like :func:`power_iteration` it stops when two consecutive estimates
+    agree, ``|lambda_prev - lambda| <= atol + rtol * |lambda|`` (or when the
+    Krylov space is invariant), so it uses at least two products.
+
+    Args: as :func:`power_iteration`.
+    """
+
+    previous = [math.inf]
+
+    def stop(count, theta, residual, invariant):
+        done = invariant or abs(previous[0] - theta) <= atol + rtol * abs(theta)
+        previous[0] = theta
+        return done
+
+    def largest_magnitude(evals):
+        return -1 if abs(float(evals[-1])) >= abs(float(evals[0])) else 0
+
+    theta, vector, count, converged = _krylov(matvec, v0, max_iter, stop, pick=largest_magnitude)
+    if not converged and warn:
+        warnings.warn(
+            f"accelerated power iteration did not converge in {max_iter} iterations; returning "
+            f"the last estimate {theta:g}",
             RuntimeWarning,
             stacklevel=2,
         )
