@@ -118,20 +118,27 @@ def power_iteration(
     return EigenResult(value, v, max_iter, False)
 
 
-def _krylov(matvec: MatVec, v0: torch.Tensor, max_iter: int, stop: Callable, pick: Callable):
+def _krylov(
+    matvec: MatVec, v0: torch.Tensor, max_iter: int, stop: Callable, pick: Callable, passes: int = 2
+):
     """Lanczos with full re-orthogonalisation; the Ritz pair ``pick(evals)`` is checked by ``stop``.
 
     ``stop(count, theta, residual, invariant)`` decides after each product;
     ``invariant`` is true when the Krylov space cannot grow (``beta ~ 0`` or
-    the whole space is spanned). Returns ``(theta, vector, count, converged)``.
-    The small eigenproblems are solved in float64.
+    the whole space is spanned). Each new vector is orthogonalised against
+    the whole basis ``passes`` times (two keep the basis orthonormal to
+    working precision; one is enough for a few significant digits of the
+    extreme eigenvalue). The basis grows by doubling, so a solve that stops
+    after ``k`` products holds at most ``2k`` vectors. Returns
+    ``(theta, vector, count, converged)``. The small eigenproblems are solved
+    in float64.
     """
     if max_iter < 1:
         raise ValueError(f"max_iter must be >= 1, got {max_iter}")
     q = _unit(v0)
     dim = q.numel()
     steps = min(max_iter, dim)
-    basis = q.new_empty(steps, dim)  # rows: orthonormal Krylov basis
+    basis = q.new_empty(min(steps, 8), dim)  # rows: orthonormal Krylov basis
     basis[0] = q
     alphas: list[float] = []
     betas: list[float] = []
@@ -143,8 +150,8 @@ def _krylov(matvec: MatVec, v0: torch.Tensor, max_iter: int, stop: Callable, pic
         w = matvec(basis[count - 1])
         alphas.append(float(torch.dot(basis[count - 1], w)))
         Q = basis[:count]
-        for _ in range(2):  # full re-orthogonalisation, twice is enough
-            w = w - Q.T @ (Q @ w)
+        for _ in range(passes):  # full re-orthogonalisation, twice is enough
+            w = torch.addmv(w, Q.T, torch.mv(Q, w), alpha=-1)
         beta = float(w.norm())
         T = torch.diag(torch.tensor(alphas, dtype=torch.float64))
         if betas:
@@ -161,7 +168,11 @@ def _krylov(matvec: MatVec, v0: torch.Tensor, max_iter: int, stop: Callable, pic
             break
         if count < steps:
             betas.append(beta)
-            basis[count] = w / beta
+            if count == basis.shape[0]:
+                grown = q.new_empty(min(steps, 2 * count), dim)
+                grown[:count] = basis
+                basis = grown
+            torch.div(w, beta, out=basis[count])
     vector = basis[: len(alphas)].T @ ritz.to(q.dtype)
     return theta, vector / vector.norm(), count, converged
 
@@ -242,7 +253,7 @@ def accelerated_power_iteration(
     def largest_magnitude(evals):
         return -1 if abs(float(evals[-1])) >= abs(float(evals[0])) else 0
 
-    theta, vector, count, converged = _krylov(matvec, v0, max_iter, stop, pick=largest_magnitude)
+    theta, vector, count, converged = _krylov(matvec, v0, max_iter, stop, pick=largest_magnitude, passes=1)
     if not converged and warn:
         warnings.warn(
             f"accelerated power iteration did not converge in {max_iter} iterations; returning "
