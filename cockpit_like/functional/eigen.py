@@ -232,10 +232,11 @@ def accelerated_power_iteration(
     ``span{v0, A v0, ..., A^(k-1) v0}`` but estimates with the Rayleigh
     quotient of its last vector only. Here the estimate is the Ritz value of
     largest magnitude on that whole space (Lanczos with full
-    re-orthogonalisation, so ``k`` stored vectors). The power iterate lies in
+    re-orthogonalisation, one pass, so up to ``2k`` stored vectors). The power iterate lies in
     the same space, so after the same number of products this estimate is
     never further from the eigenvalue of largest magnitude than the power
-    iteration's, and it converges several times faster on clustered spectra.
+    iteration's, and it stops after fewer products (16 -> 11 cold, 11 -> 7
+    warm on the benchmark's MLP).
     Like :func:`power_iteration` it stops when two consecutive estimates
     agree, ``|lambda_prev - lambda| <= atol + rtol * |lambda|`` (or when the
     Krylov space is invariant), so it uses at least two products.
