@@ -65,6 +65,13 @@ def _unit(v0: torch.Tensor) -> torch.Tensor:
     return v0 / norm
 
 
+def _finish(value: float, vector: torch.Tensor, count: int, converged: bool, warn: bool, failure: str) -> EigenResult:
+    """The solver's result; unconverged (and ``warn``): a RuntimeWarning ``failure`` at the solver's caller."""
+    if not converged and warn:
+        warnings.warn(f"{failure}; returning the last estimate {value:g}", RuntimeWarning, stacklevel=3)
+    return EigenResult(value, vector, count, converged)
+
+
 def power_iteration(
     matvec: MatVec,
     v0: torch.Tensor,
@@ -108,14 +115,7 @@ def power_iteration(
         if abs(previous - value) <= atol + rtol * abs(value):
             return EigenResult(value, v, count, True)
         previous = value
-    if warn:
-        warnings.warn(
-            f"power iteration did not converge in {max_iter} iterations; returning the last "
-            f"estimate {value:g}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return EigenResult(value, v, max_iter, False)
+    return _finish(value, v, max_iter, False, warn, f"power iteration did not converge in {max_iter} iterations")
 
 
 def _krylov(
@@ -208,14 +208,7 @@ def lanczos(
         return residual <= rtol * abs(theta) or invariant
 
     theta, vector, count, converged = _krylov(matvec, v0, max_iter, stop, pick=lambda evals: -1)
-    if not converged and warn:
-        warnings.warn(
-            f"Lanczos did not reach rtol={rtol:g} in {count} iterations; returning the last "
-            f"estimate {theta:g}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return EigenResult(theta, vector, count, converged)
+    return _finish(theta, vector, count, converged, warn, f"Lanczos did not reach rtol={rtol:g} in {count} iterations")
 
 
 def accelerated_power_iteration(
@@ -255,11 +248,6 @@ def accelerated_power_iteration(
         return -1 if abs(float(evals[-1])) >= abs(float(evals[0])) else 0
 
     theta, vector, count, converged = _krylov(matvec, v0, max_iter, stop, pick=largest_magnitude, passes=1)
-    if not converged and warn:
-        warnings.warn(
-            f"accelerated power iteration did not converge in {max_iter} iterations; returning "
-            f"the last estimate {theta:g}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return EigenResult(theta, vector, count, converged)
+    return _finish(
+        theta, vector, count, converged, warn, f"accelerated power iteration did not converge in {max_iter} iterations"
+    )

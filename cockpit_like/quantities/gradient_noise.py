@@ -80,13 +80,8 @@ class _SumOfSquaresQuantity(SingleStepQuantity):
         return record, flat_sq, flat_grad, batch_size
 
 
-class MeanGSNR(_SumOfSquaresQuantity):
-    """Mean gradient signal-to-noise ratio (Liu et al. 2020),
-
-    ``mean_j gbar_j^2 / (B s_j - gbar_j^2 + epsilon)`` over all D entries, with
-    the biased variance ``B s_j - gbar_j^2 = (1/B) sum_i g_ij^2 - gbar_j^2``.
-    Needs ``info["batch_size"]``. Stored as a float.
-    """
+class _WithEpsilon(_SumOfSquaresQuantity):
+    """A sum-of-squares quantity with an ``epsilon`` added to its variance denominator."""
 
     def __init__(self, track_schedule, verbose: bool = False, epsilon: float = 1e-5):
         super().__init__(track_schedule, verbose=verbose)
@@ -94,6 +89,15 @@ class MeanGSNR(_SumOfSquaresQuantity):
 
     def settings(self):
         return {"epsilon": self._epsilon}
+
+
+class MeanGSNR(_WithEpsilon):
+    """Mean gradient signal-to-noise ratio (Liu et al. 2020),
+
+    ``mean_j gbar_j^2 / (B s_j - gbar_j^2 + epsilon)`` over all D entries, with
+    the biased variance ``B s_j - gbar_j^2 = (1/B) sum_i g_ij^2 - gbar_j^2``.
+    Needs ``info["batch_size"]``. Stored as a float.
+    """
 
     def _compute(self, global_step, params, batch_loss):
         _, flat_sq, flat_grad, batch_size = self._flat_moments(global_step, params)
@@ -119,7 +123,7 @@ class CABS(_SumOfSquaresQuantity):
         return F.cabs(flat_sq, flat_grad, batch_size, lr, loss)
 
 
-class EarlyStopping(_SumOfSquaresQuantity):
+class EarlyStopping(_WithEpsilon):
     """Evidence-based early-stopping criterion (Mahsereci et al. 2017); stop once > 0,
 
     ``1 - B mean_j gbar_j^2 / (v_j + epsilon)``, ``v_j = (B^2 s_j - B gbar_j^2) / (B - 1)``
@@ -128,13 +132,6 @@ class EarlyStopping(_SumOfSquaresQuantity):
     """
 
     _info = {"batch_size", "optimizer"}
-
-    def __init__(self, track_schedule, verbose: bool = False, epsilon: float = 1e-5):
-        super().__init__(track_schedule, verbose=verbose)
-        self._epsilon = epsilon
-
-    def settings(self):
-        return {"epsilon": self._epsilon}
 
     def _compute(self, global_step, params, batch_loss):
         record, flat_sq, flat_grad, batch_size = self._flat_moments(global_step, params)
