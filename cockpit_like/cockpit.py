@@ -24,6 +24,7 @@ from backpack.extensions import BatchGrad
 
 from cockpit_like import context
 from cockpit_like.backends.extensions import describe, merge_extensions
+from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.per_sample import PerSampleReducer
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
@@ -78,8 +79,11 @@ class Cockpit:
         params: Iterable[torch.Tensor],
         quantities: list[Quantity] | None = None,
         stream_to: str | os.PathLike | None = None,
+        *,
+        lean_hooks: bool = True,
     ):
         self.params = _check_params(params)
+        self._module_collector = ModuleCollector() if lean_hooks else None
         if quantities is not None and not isinstance(quantities, (list, tuple)):
             raise ValueError(
                 f"Cockpit(quantities=...) takes a list of Quantity instances, got "
@@ -260,6 +264,8 @@ class _TrackedStep:
                 f"create_graph: {cockpit.create_graph(step)}"
             )
         if self._extensions or hooks:
+            if cockpit._module_collector is not None:
+                hooks.append(cockpit._module_collector)
             exts, hook = self._extensions, _chain(hooks)
             if cockpit.create_graph(step):
                 # backward(create_graph=True) would record everything the hooks compute (Finding 9)
@@ -291,6 +297,11 @@ class _TrackedStep:
     def __exit__(self, exc_type, exc, traceback) -> bool:
         if self._backpack is not None:
             self._backpack.__exit__(exc_type, exc, traceback)
+            collector = self.cockpit._module_collector
+            if collector is not None and exc_type is None:
+                collector.make_lean()
+            elif collector is not None:
+                collector.forget()
         if exc_type is not None:
             self._free_buffers()
             if isinstance(exc, NotImplementedError) and not isinstance(exc, UnsupportedLayerError):
