@@ -8,8 +8,9 @@ measures the time per training step (``zero_grad``, forward, backward,
 - ``plain``: the model is *not* extended and there is no cockpit (what a user
   runs without us),
 - ``nothing``: model and loss extended, a cockpit with the economy
-  configuration whose schedule fires only at step 0, timed at later steps
-  (the per-step price of leaving a cockpit in the loop),
+  configuration whose schedule fires only at step 0 (a warm-up step), timed
+  at later steps: the per-step price of leaving a cockpit in the loop
+  between tracked steps,
 - ``economy`` / ``business`` / ``full``: the presets tracking every step,
 - ``full_every10``: the full preset tracking every 10th step; the *mean* over
   a multiple of 10 steps (amortised),
@@ -138,11 +139,11 @@ def make_quantities(config: str):
         return None
     if config == "nothing":
 
-        def never(step: int) -> bool:
-            return False
+        def first_only(step: int) -> bool:
+            return step == 0  # an untimed warm-up step; every timed step has nothing scheduled
 
-        never.description = "never"
-        return configuration("economy", track_schedule=never)
+        first_only.description = "step 0 only"
+        return configuration("economy", track_schedule=first_only)
     if config in ("economy", "business", "full"):
         return configuration(config, track_schedule=linear(1))
     if config == "full_every10":
@@ -171,6 +172,8 @@ def run_child(args) -> dict:
         # amortised: start timing at a tracked step, time whole periods of 10
         warmup = max(10, -(-warmup // 10) * 10)
         steps = max(10, -(-steps // 10) * 10)
+    if args.config == "nothing":
+        warmup = max(warmup, 1)  # step 0, the only tracked one, is never timed
 
     generator = torch.Generator().manual_seed(1)
     batches = [
