@@ -21,6 +21,8 @@ from torch.func import functional_call, hessian, jacrev
 from cockpit_like import Cockpit
 from cockpit_like.backends import conv_diagonals
 from cockpit_like.backends.conv_diagonals import (
+    ChunkedDiagHConv2d,
+    _ReducedCrossEntropyDerivatives,
     conv2d_weight_diagonal,
     diag_ggn_exact,
     diag_ggn_mc,
@@ -329,12 +331,55 @@ def test_broadcast_elementwise_jac_t_is_bitwise_backpacks(monkeypatch):
         layers += [act, nn.Linear(8, 8)]
     model = nn.Sequential(*layers, nn.Linear(8, CLASSES))
     inputs, targets = torch.randn(6, 3, 4), torch.randint(0, CLASSES, (6,))
-    for ours, theirs in [(diag_hessian, DiagHessian), (diag_ggn_exact, DiagGGNExact)]:
+    for theirs in (DiagHessian, DiagGGNExact):
         calls.clear()
         expected = _backpack_diagonals(model, inputs, targets, "ce", theirs())
         assert calls == []
-        actual = _backpack_diagonals(model, inputs, targets, "ce", ours())
+        # alone: the factories' C - 1 column loss factor changes the last bits (tested below)
+        actual = _backpack_diagonals(model, inputs, targets, "ce", conv_diagonals.use_broadcast_elementwise(theirs()))
         assert len(calls) >= len(activations)
         assert {f"Broadcast{type(act).__name__}Derivatives" for act in activations} <= set(calls)
         for a, e in zip(actual, expected):
             assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("classes", [2, 3, 10])
+def test_reduced_cross_entropy_factor_has_c_minus_1_columns_and_the_same_hessian(classes):
+    """``reduced_sqrt_hessian``: ``[C - 1, N, C]`` with ``R R^T = diag(p) - p p^T`` (mean: ``/ N``).
+
+    Rows include a nearly one-hot softmax (a probability near 1, where the
+    reflection must not pick that class) and a uniform one.
+    """
+    generator = torch.Generator().manual_seed(classes)
+    logits = 3 * torch.randn(6, classes, generator=generator, dtype=torch.float64)
+    logits[0] = 0.0
+    logits[1, 0] = 40.0
+    loss = nn.CrossEntropyLoss()
+    loss.input0 = logits
+    factor = _ReducedCrossEntropyDerivatives()._sqrt_hessian(loss, None, None)
+    assert factor.shape == (classes - 1, 6, classes)
+    probs = torch.softmax(logits, dim=1)
+    hessian = (torch.diag_embed(probs) - probs.unsqueeze(2) * probs.unsqueeze(1)) / 6
+    torch.testing.assert_close(torch.einsum("vnc,vnd->ncd", factor, factor), hessian, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+def test_factories_use_the_reduced_factor_and_match_backpack(loss):
+    """The factories' DiagHessian / DiagGGNExact backpropagate ``C - 1`` columns from a cross-entropy
+    (``C`` from MSE, whose factor is full rank) and give BackPACK's diagonals (float64)."""
+    model, shape = _net("dilated_pool")
+    inputs, targets = _data(shape, 5, loss)
+    seen = []
+    original = ChunkedDiagHConv2d.weight
+
+    def spy(self, ext, module, g_inp, g_out, backproped):
+        seen.append(backproped["matrices"][0].shape[0])
+        return original(self, ext, module, g_inp, g_out, backproped)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChunkedDiagHConv2d, "weight", spy)
+        mine = _backpack_diagonals(model, inputs, targets, loss, diag_hessian())
+    assert seen and set(seen) == {CLASSES - 1 if loss == "ce" else CLASSES}
+    _assert_all_close(mine, _backpack_diagonals(model, inputs, targets, loss, DiagHessian()))
+    mine = _backpack_diagonals(model, inputs, targets, loss, diag_ggn_exact())
+    _assert_all_close(mine, _backpack_diagonals(model, inputs, targets, loss, DiagGGNExact()))

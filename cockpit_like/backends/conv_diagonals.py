@@ -59,7 +59,8 @@ from backpack.extensions import DiagGGNExact, DiagGGNMC, DiagHessian
 from backpack.extensions.secondorder.diag_ggn import DiagGGN
 from backpack.extensions.secondorder.diag_ggn.conv2d import DiagGGNConv2d
 from backpack.extensions.secondorder.diag_hessian.conv2d import DiagHConv2d
-from torch.nn import Conv2d
+from backpack.core.derivatives.crossentropyloss import CrossEntropyLossDerivatives
+from torch.nn import Conv2d, CrossEntropyLoss
 
 from cockpit_like.backends.conv_unfold import unfold_conv2d_input
 
@@ -71,6 +72,8 @@ __all__ = [
     "conv2d_weight_diagonal",
     "use_chunked_conv2d",
     "use_broadcast_elementwise",
+    "use_reduced_cross_entropy",
+    "reduced_sqrt_hessian",
     "diag_hessian",
     "diag_ggn_exact",
     "diag_ggn_mc",
@@ -227,8 +230,65 @@ def use_broadcast_elementwise(extension: Extension) -> Extension:
     return extension
 
 
+def reduced_sqrt_hessian(sqrt_h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy factor ``[C, N, C]`` with ``C - 1`` columns per sample: ``[C - 1, N, C]``.
+
+    BackPACK factors the Hessian of the cross-entropy in the logits,
+    ``H = diag(p) - p p^T``, as ``H = F F^T`` with ``F = diag(tau) - p tau^T``,
+    ``tau = sqrt(p)``: ``C`` columns per sample. ``H`` has rank ``C - 1``
+    (``H 1 = 0``), and ``F tau = 0``. With the Householder reflection ``Q``
+    that swaps ``e_k`` and ``tau`` (``u = tau - e_k``), ``F Q e_k = F tau = 0``,
+    so the other ``C - 1`` columns of ``F Q`` factor ``H`` alone:
+
+        (F Q)_v = F_v + F_k tau_v / (1 - tau_k),    v != k.
+
+    ``k`` is the class of smallest probability (``tau_k <= 1/sqrt(C)``, so
+    ``1 - tau_k`` stays away from 0). Every curvature factor backpropagated
+    from the loss is then ``(C - 1) / C`` of BackPACK's size, and so is the
+    work on it: the same diagonal, up to rounding.
+    """
+    classes, batch = sqrt_h.shape[0], sqrt_h.shape[1]
+    tau = probs.sqrt()
+    k = probs.argmin(dim=1)  # [N]
+    rows = torch.arange(batch, device=sqrt_h.device)
+    per_sample = sqrt_h.permute(1, 0, 2)  # [N, V, C], a view
+    column_k = per_sample[rows, k]  # [N, C]: F_k
+    coefficient = tau / (1.0 - tau[rows, k]).unsqueeze(1)  # [N, V]
+    keep = torch.ones(batch, classes, dtype=torch.bool, device=sqrt_h.device)
+    keep[rows, k] = False
+    kept = per_sample[keep].view(batch, classes - 1, classes)
+    kept.add_(coefficient[keep].view(batch, classes - 1, 1) * column_k.unsqueeze(1))
+    return kept.permute(1, 0, 2).contiguous()
+
+
+class _ReducedCrossEntropyDerivatives(CrossEntropyLossDerivatives):
+    """BackPACK's cross-entropy derivatives whose ``sqrt_hessian`` has ``C - 1`` columns (2-D inputs)."""
+
+    def _sqrt_hessian(self, module, g_inp, g_out, subsampling=None):
+        sqrt_h = super()._sqrt_hessian(module, g_inp, g_out, subsampling=subsampling)
+        if module.input0.dim() != 2 or sqrt_h.shape[0] < 2:
+            return sqrt_h  # extra axes (BackPACK expands the factor over them) stay as they are
+        return reduced_sqrt_hessian(sqrt_h, self._get_probs(module, subsampling=subsampling))
+
+
+def use_reduced_cross_entropy(extension: Extension) -> Extension:
+    """Give the ``CrossEntropyLoss`` entry of ``extension`` the ``C - 1``-column factor.
+
+    See :func:`reduced_sqrt_hessian`. Changed in place and returned; only an
+    entry whose derivatives are exactly BackPACK's ``CrossEntropyLossDerivatives``
+    is replaced (``DiagGGNMC`` samples its factor, which is unaffected).
+    """
+    module_extensions = getattr(extension, "_BackpropExtension__module_extensions")
+    module_extension = module_extensions.get(CrossEntropyLoss)
+    if module_extension is not None and type(getattr(module_extension, "derivatives", None)) is CrossEntropyLossDerivatives:
+        reduced = copy.copy(module_extension)
+        reduced.derivatives = _ReducedCrossEntropyDerivatives()
+        extension.set_module_extension(CrossEntropyLoss, reduced, overwrite=True)
+    return extension
+
+
 def _fast(extension: Extension) -> Extension:
-    return use_broadcast_elementwise(use_chunked_conv2d(extension))
+    return use_reduced_cross_entropy(use_broadcast_elementwise(use_chunked_conv2d(extension)))
 
 
 def diag_hessian() -> DiagHessian:
