@@ -7,7 +7,7 @@ hooks by wrapping the inputs and the output of every call in an extra
 autograd ``Function`` (``BackwardHook``), in the forward pass and again in the
 backward pass, whether or not any extension is active. On a small MLP that
 machinery is about a third of a plain training step: the price a cockpit
-would charge at every step where nothing is tracked (Finding 12 in
+would charge at every step where nothing is tracked (Finding 7 in
 ``docs/performance.md``).
 
 BackPACK's hook reads only the gradient of the module's *output*
