@@ -298,10 +298,11 @@ class _TrackedStep:
         if self._backpack is not None:
             self._backpack.__exit__(exc_type, exc, traceback)
             collector = self.cockpit._module_collector
-            if collector is not None and exc_type is None:
-                collector.make_lean()
-            elif collector is not None:
-                collector.forget()
+            if collector is not None:
+                if exc_type is None:
+                    collector.make_lean()
+                else:
+                    collector.forget()
         if exc_type is not None:
             self._free_buffers()
             if isinstance(exc, NotImplementedError) and not isinstance(exc, UnsupportedLayerError):

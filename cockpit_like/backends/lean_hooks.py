@@ -37,22 +37,19 @@ from __future__ import annotations
 
 import weakref
 from functools import partial
+
 import torch
+from backpack import hook_run_extensions, hook_store_io
+from backpack.context import CTX
 from torch import nn
 
 __all__ = ["make_lean", "restore", "is_lean", "can_make_lean", "ModuleCollector"]
 
 
-def _backpack_hooks():
-    from backpack import hook_run_extensions, hook_store_io
-
-    return hook_run_extensions, hook_store_io
-
-
 def _on_output_grad(module_ref: weakref.ref, grad: torch.Tensor) -> None:
     module = module_ref()
     if module is not None:
-        _backpack_hooks()[0](module, (None,), (grad,))
+        hook_run_extensions(module, (None,), (grad,))
 
 
 def _on_forward(module: nn.Module, _inputs, output) -> None:
@@ -69,23 +66,13 @@ def is_lean(module: nn.Module) -> bool:
 
 def can_make_lean(module: nn.Module) -> bool:
     """Whether the module carries BackPACK's hooks and nothing that a swap would change."""
-    run_extensions, store_io = _backpack_hooks()
     if isinstance(module, nn.RNNBase) or getattr(module, "inplace", False):
         return False
     if module._backward_pre_hooks or not module._backward_hooks:
         return False
-    if any(hook is not run_extensions for hook in module._backward_hooks.values()):
+    if any(hook is not hook_run_extensions for hook in module._backward_hooks.values()):
         return False
-    return any(hook is store_io for hook in module._forward_hooks.values()) and not is_lean(module)
-
-
-def _register_with_backpack(handle) -> None:
-    try:  # BackPACK's hook clean-up (CTX.remove_hooks) then removes it too
-        from backpack.context import CTX
-
-        CTX.add_hook_handle(handle)
-    except (ImportError, AttributeError):  # pragma: no cover - other BackPACK versions
-        pass
+    return any(hook is hook_store_io for hook in module._forward_hooks.values()) and not is_lean(module)
 
 
 def make_lean(module: nn.Module) -> bool:
@@ -99,10 +86,9 @@ def make_lean(module: nn.Module) -> bool:
         return True
     if not can_make_lean(module):
         return False
-    run_extensions, _ = _backpack_hooks()
-    for key in [k for k, hook in module._backward_hooks.items() if hook is run_extensions]:
+    for key in [k for k, hook in module._backward_hooks.items() if hook is hook_run_extensions]:
         del module._backward_hooks[key]
-    _register_with_backpack(module.register_forward_hook(_on_forward))
+    CTX.add_hook_handle(module.register_forward_hook(_on_forward))  # BackPACK's CTX.remove_hooks() drops it too
     return True
 
 
@@ -112,7 +98,7 @@ def restore(module: nn.Module) -> None:
         return
     for key in [k for k, hook in module._forward_hooks.items() if hook is _on_forward]:
         del module._forward_hooks[key]
-    _register_with_backpack(module.register_full_backward_hook(_backpack_hooks()[0]))
+    CTX.add_hook_handle(module.register_full_backward_hook(hook_run_extensions))
 
 
 class ModuleCollector:
