@@ -33,15 +33,32 @@ path; 1-D uses it when all factors are finite, the layer has at least
 :data:`SPARSE_MIN_ENTRIES` entries and the padded products are fewer than
 :data:`SPARSE_SHARE` of all entries (2-D only on request, see
 :meth:`Hist2dCounter.count_outer`).
+
+Sorted blocks (1-D, :class:`_SortedBlocks`): for a fixed finite ``delta_ia``
+the bin of ``B * delta_ia * x_ib`` is a monotone function of ``x_ib``:
+rounding to nearest is monotone, and so is every step of the bin rule
+(clamp, subtract, multiply and divide by positive numbers, truncate). With
+each ``x_i`` sorted, the row ``b -> bin`` is monotone, so a block of
+consecutive sorted entries whose first entry and the first entry after it
+fall into the same bin lies in that bin as a whole and is counted with one
+evaluation. Only blocks that straddle a bin edge are enumerated. Gradients
+are usually small against the histogram range, so a row of ``in`` products
+touches a few bins and costs about ``in / block`` evaluations instead of
+``in``. The block size follows the expected number of edges per row,
+estimated from ``|delta_ia| * (max x_i - min x_i)``, and the path is taken
+where its estimated cost beats the dense and sparse enumerations. Counts are
+identical to them.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
-__all__ = ["CHUNK", "SPARSE_SHARE", "SPARSE_MIN_ENTRIES", "Hist1dCounter", "Hist2dCounter"]
+__all__ = ["CHUNK", "SPARSE_SHARE", "SPARSE_MIN_ENTRIES", "SORTED_MIN_ENTRIES", "Hist1dCounter", "Hist2dCounter"]
 
 #: entries per chunk (float + int64 buffers of this size stay in cache)
 CHUNK = 1 << 16
@@ -51,6 +68,12 @@ SPARSE_SHARE = 0.75
 
 #: ... and the layer has at least this many per-sample gradient entries (B * out * in)
 SPARSE_MIN_ENTRIES = 4 * CHUNK
+
+#: the sorted-block path (1-D) is considered from this many per-sample gradient entries on
+SORTED_MIN_ENTRIES = 4 * CHUNK
+
+#: block sizes the automatic choice of the sorted-block path picks from
+BLOCK_RANGE = (4, 64)
 
 
 def _rounded(value: float, dtype: torch.dtype) -> float:
@@ -162,6 +185,132 @@ class _SparseFactors:
         return max(1, min(max(chunk, max(a * b for a, b in zip(self.nd, self.nx))), self.batch * self.d.shape[1] * self.xv.shape[1]))
 
 
+def _sorted_rows(values: torch.Tensor) -> torch.Tensor:
+    """Each row of a 2-D tensor sorted ascending (NumPy's vectorised sort on CPU: ~30x ``torch.sort``)."""
+    values = values.detach()
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(np.sort(values.contiguous().numpy(), axis=1))
+    return torch.sort(values, dim=1).values
+
+
+class _SortedBlocks:
+    """``x_i`` sorted and cut into blocks; ``delta_i``'s nonzero entries moved to the front.
+
+    ``blocks[i, j]`` are the sorted entries ``j * block ... (j + 1) * block - 1``
+    of ``x_i`` (the last block padded with copies of ``x_i``'s largest entry,
+    ``pad`` of them); ``points[i, j]`` is the first entry of block ``j`` and
+    ``points[i, nb]`` the largest entry, so block ``j`` lies in
+    ``[points[i, j], points[i, j + 1]]``. ``d[i]`` holds ``delta_i``'s nonzero
+    entries (any order: 1-D counts do not depend on positions), padded with
+    zeros to the largest count ``pd``.
+    """
+
+    def __init__(self, x: torch.Tensor, delta: torch.Tensor, block: int):
+        batch, width = x.shape
+        self.batch, self.out, self.width, self.block = batch, delta.shape[1], width, block
+        self.nb = -(-width // block)
+        self.pad = self.nb * block - width
+        xs = _sorted_rows(x)
+        if self.pad:
+            xs = torch.cat([xs, xs[:, width - 1 :].expand(batch, self.pad)], 1)
+        self.blocks = xs.view(batch * self.nb, block)
+        self.points = torch.cat([xs[:, 0:width:block], xs[:, width - 1 : width]], 1).contiguous()
+        self.lengths = torch.full((self.nb,), block, dtype=torch.int64, device=x.device)
+        self.lengths[-1] = width - (self.nb - 1) * block
+        nonzero = delta != 0
+        self.pd = int(nonzero.sum(1).max())
+        key = _sorted_rows(torch.where(nonzero, delta.detach(), float("inf")))[:, : self.pd]
+        self.d = torch.where(torch.isinf(key), 0.0, key).contiguous()  # inf only stands for a zero here
+
+    @staticmethod
+    def plan(counter: "Hist1dCounter", x: torch.Tensor, delta: torch.Tensor, block: int | None) -> "_SortedBlocks | None":
+        """The sorted blocks, or ``None`` where another path is due.
+
+        ``block``: ``None`` picks the block size and whether to sort at all
+        from a cost estimate; a positive int forces that block size.
+        """
+        if delta.dim() != 2 or x.dim() != 2 or delta.numel() == 0 or x.numel() == 0:
+            return None
+        if not delta.dtype.is_floating_point or delta.dtype != x.dtype:
+            return None
+        if block is None and (x.device.type != "cpu" or delta.numel() * x.shape[1] < SORTED_MIN_ENTRIES):
+            return None
+        if not (bool(torch.isfinite(delta).all()) and bool(torch.isfinite(x).all())):
+            return None  # monotonicity needs finite factors (inf * 0 is NaN)
+        if not bool((delta != 0).any()):
+            return None  # all products are zeros: the sparse path counts them in one addition
+        if block is None:
+            block = _SortedBlocks.choose_block(counter, x, delta)
+            if block is None:
+                return None
+        return _SortedBlocks(x, delta, int(block))
+
+    @staticmethod
+    def choose_block(counter: "Hist1dCounter", x: torch.Tensor, delta: torch.Tensor) -> int | None:
+        """The block size minimising the estimated cost, or ``None`` if enumerating is cheaper.
+
+        A row ``b -> B * delta_ia * x_ib`` spans ``|B delta_ia| (max x_i - min x_i)``
+        (at most the histogram range), crossing about ``span * bins / (hi - lo)``
+        bin edges; each costs at most one enumerated block. With ``c`` edges
+        per row and ``W`` entries, a row costs about ``2 (W / s + 1) + c s``
+        (two for an evaluated block end: binning plus the uniform test), least at
+        ``s = sqrt(2 W / c)``. Enumerating costs ``W`` per row for every nonzero
+        ``delta_ia`` (sparse, when ``x`` has zeros: the largest count of nonzero
+        ``x_i`` entries).
+        """
+        batch, width = x.shape
+        xd = x.detach().double()
+        span_x = xd.amax(1) - xd.amin(1)
+        dd = delta.detach().double().abs()
+        spans = (dd * span_x[:, None] * batch).clamp_(max=counter.hi - counter.lo)
+        nonzero = delta != 0
+        rows = batch * int(nonzero.sum(1).max())
+        # + 0.5: rows that reach 0 cross the edge there even when they span little
+        edges = float(spans.sum()) * counter.bins / (counter.hi - counter.lo) / rows + 0.5
+        lo, hi = BLOCK_RANGE
+        block = int(min(hi, max(lo, round(math.sqrt(2 * width / max(edges, 1e-9))))))
+        cost = rows * (2 * (width / block + 1) + edges * block)
+        enumerate_cost = rows * int((x != 0).sum(1).max())  # sparse (at most dense: rows <= B * out)
+        return block if cost < enumerate_cost else None
+
+    def count(self, counter: "Hist1dCounter", counts: torch.Tensor, scale: float, chunk: int) -> None:
+        pd, nb, block = self.pd, self.nb, self.block
+        per = max(1, chunk // (pd * (nb + 1)))  # samples per chunk of block ends
+        cap = max(1, chunk // block)  # straddling blocks enumerated at a time
+        buffers = _Buffers(max(per * pd * (nb + 1), cap * block), self.d.dtype, self.d.device)
+        # counts to add per block end: the block's length if uniform, else 0; 0 for the largest entry
+        weights = torch.zeros(per * pd * (nb + 1), dtype=torch.int64, device=self.d.device)
+        for start in range(0, self.batch, per):
+            stop = min(self.batch, start + per)
+            n = stop - start
+            values, index = buffers.take((n, pd, nb + 1))
+            torch.mul(self.d[start:stop, :, None], self.points[start:stop, None, :], out=values)
+            counter.index_scaled(values, scale, index)
+            first, after = index[:, :, :nb], index[:, :, 1:]
+            uniform = first == after
+            torch.mul(uniform, self.lengths, out=weights[: n * pd * (nb + 1)].view(n, pd, nb + 1)[:, :, :nb])
+            counts.scatter_add_(0, index.reshape(-1), weights[: n * pd * (nb + 1)])
+            straddling = (~uniform).view(n * pd, nb).nonzero()
+            if straddling.shape[0] == 0:
+                continue
+            rows, cols = straddling[:, 0], straddling[:, 1]
+            if self.pad:  # the padding copies of an enumerated last block are counted below: take them off
+                last = rows[cols == nb - 1]
+                top = index.view(n * pd, nb + 1)[last, nb]
+                counts.scatter_add_(0, top, torch.full_like(top, -self.pad))
+            factor = self.d.view(-1)[start * pd + rows]
+            block_rows = (start + rows // pd) * nb + cols
+            for k in range(0, rows.shape[0], cap):
+                f, b = factor[k : k + cap], block_rows[k : k + cap]
+                values, index = buffers.take((f.shape[0], block))
+                torch.mul(f.unsqueeze(1), self.blocks.index_select(0, b), out=values)
+                counter.index_scaled(values, scale, index)
+                buffers.count(counts, index)
+        zeros = self.batch * (self.out - pd) * self.width  # products with delta_ia = 0 not enumerated
+        if zeros:
+            counts[counter.zero_bin(scale, self.d.dtype, self.d.device)] += zeros
+
+
 class Hist1dCounter:
     """Counts of ``scale * v`` over chunks ``v``, with ``torch.histc``'s bin rule (clamped data).
 
@@ -188,6 +337,11 @@ class Hist1dCounter:
         torch.mul(chunk, scale, out=values)
         self._index(values, index)
         buffers.count(counts, index)
+
+    def index_scaled(self, values: torch.Tensor, scale: float, index: torch.Tensor) -> None:
+        """``index`` = counts slots of ``scale * values`` (``values`` is overwritten)."""
+        values.mul_(scale)
+        self._index(values, index)
 
     def _index(self, values: torch.Tensor, index: torch.Tensor) -> None:
         values.clamp_(self.lo, self.hi).sub_(self.edge).mul_(self.bins).div_(self.width)
@@ -216,13 +370,27 @@ class Hist1dCounter:
             self.add(counts, part, scale, buffers)
 
     def count_outer(
-        self, counts: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, chunk: int = CHUNK, sparse: float | None = SPARSE_SHARE
+        self,
+        counts: torch.Tensor,
+        x: torch.Tensor,
+        delta: torch.Tensor,
+        chunk: int = CHUNK,
+        sparse: float | None = SPARSE_SHARE,
+        block: int | None = None,
     ) -> None:
         """Count ``B * delta_i x_i^T`` over all samples without a ``[B, out, in]`` tensor.
 
         ``sparse``: share of padded nonzero products below which only those are
         enumerated (module docstring); ``None``: always the dense path.
+        ``block``: ``None`` lets a cost estimate pick the sorted-block path and
+        its block size (CPU, large layers), a positive int forces that block
+        size (finite factors), ``0`` turns the path off. ``sparse=None`` turns
+        it off too.
         """
+        if sparse is not None and block != 0:
+            blocks = _SortedBlocks.plan(self, x, delta, block)
+            if blocks is not None:
+                return blocks.count(self, counts, delta.shape[0], chunk)
         factors = None if sparse is None else _SparseFactors.plan(x, delta, sparse)
         if factors is not None:
             return self._count_sparse(counts, factors, chunk, delta.dtype, delta.device)
