@@ -510,7 +510,8 @@ class _Dominant2d:
         self.lengths = torch.stack([(first - zeros).clamp_(min=0), self.width - last], 2).reshape(-1)
 
     @staticmethod
-    def plan(counter: "Hist2dCounter", x, delta, theta, force: bool, share: float = DOMINANT_SHARE) -> "_Dominant2d | None":
+    def plan(counter: "Hist2dCounter", x, delta, theta, force: bool) -> "_Dominant2d | None":
+        """The listing plan, or ``None`` where it would not be exact or (unless forced) not pay."""
         if delta.dim() != 2 or x.dim() != 2 or delta.numel() == 0 or x.numel() == 0 or theta.numel() != delta.shape[1] * x.shape[1]:
             return None
         if not delta.dtype.is_floating_point or delta.dtype != x.dtype:
@@ -530,7 +531,7 @@ class _Dominant2d:
         if smallest_x.numel() and smallest_d.numel() and float(smallest_d.min()) * float(smallest_x.min()) < torch.finfo(delta.dtype).tiny:
             return None  # a product of nonzero factors could round to zero and change bins
         plan = _Dominant2d(counter, x, delta, (order, sorted_abs, zeros), *band)
-        if not force and int(plan.lengths.sum()) > share * delta.numel() * x.shape[1]:
+        if not force and int(plan.lengths.sum()) > DOMINANT_SHARE * delta.numel() * x.shape[1]:
             return None
         plan.theta_index = counter.theta_index(theta)
         return plan
