@@ -1,4 +1,4 @@
-"""Chunked histogram counting of per-sample gradients, bin for bin as the reference rules.
+"""Histogram counting of per-sample gradients, bin for bin as the reference rules.
 
 The counts are exactly those of :mod:`cockpit_like.functional.histograms`
 (QUANTITIES.md §6):
@@ -48,6 +48,24 @@ touches a few bins and costs about ``in / block`` evaluations instead of
 estimated from ``|delta_ia| * (max x_i - min x_i)``, and the path is taken
 where its estimated cost beats the dense and sparse enumerations. Counts are
 identical to them.
+
+Listing (2-D, :class:`_Dominant2d`): each position ``(a, b)`` has one
+y-bin, so the products that fall into the x-bins next to zero need not be
+enumerated: their number per y-bin follows from sign counts per position
+(two matrix products of the sign patterns of ``delta`` and ``x``). Only the
+products outside a band around zero (``|x_ib|`` beyond a cut per row, found
+by a search in the sorted ``|x_i|``) are enumerated. The band's ends are
+checked with the binning code itself, so the counts are identical too.
+
+Which path runs (all give the same counts):
+
+==========================  ==========================================================
+1-D ``count_outer``         sorted blocks (CPU, >= :data:`SORTED_MIN_ENTRIES`, cheaper
+                            by the estimate), else sparse (ReLU zeros), else dense
+2-D ``count_outer``         listing (CPU, >= :data:`DOMINANT_MIN_ENTRIES`, at most
+                            :data:`DOMINANT_SHARE` listed), else dense
+``count_grad_batch``        dense chunks (conv layers, biases)
+==========================  ==========================================================
 """
 
 from __future__ import annotations
