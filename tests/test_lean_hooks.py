@@ -143,6 +143,30 @@ def test_every_backpack_extension_gives_the_same_results(model_name, loss_name, 
     assert not hasattr(lean[1], "input0")
 
 
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_backward_without_extensions_frees_io_as_backpack(model_name):
+    """Outside ``with backpack(...)`` the lean hook only frees the stored input/output, as BackPACK's hook."""
+    full, lean = _build(model_name, "ce", lean=False), _build(model_name, "ce", lean=True)
+    for model, lossfunc, inputs, targets in (full, lean):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lossfunc(model(inputs), targets).backward()
+    pairs = list(zip([*full[0].modules(), full[1]], [*lean[0].modules(), lean[1]]))
+    for module_full, module_lean in pairs:
+        for attribute in ("output", "input0"):
+            assert hasattr(module_full, attribute) == hasattr(module_lean, attribute), (module_lean, attribute)
+    assert not hasattr(lean[1], "input0") and not hasattr(lean[0][-1], "output")
+    # an extension hook alone (no extension) still runs on every lean module, in BackPACK's order
+    seen = {"full": [], "lean": []}
+    for key, (model, lossfunc, inputs, targets) in zip(("full", "lean"), (full, lean)):
+        loss = lossfunc(model(inputs), targets)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with backpack(extension_hook=lambda module, key=key: seen[key].append(type(module).__name__)):
+                loss.backward()
+    assert seen["lean"] == seen["full"] and seen["lean"]
+
+
 def test_what_is_left_alone():
     extended = extend(nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.LSTM(3, 2)))
     linear, inplace_relu, lstm = extended

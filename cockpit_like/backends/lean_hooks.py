@@ -39,8 +39,9 @@ import weakref
 from functools import partial
 
 import torch
-from backpack import hook_run_extensions, hook_store_io
+from backpack import hook_run_extensions, hook_store_io, memory_cleanup
 from backpack.context import CTX
+from backpack.utils.hooks import no_op
 from torch import nn
 
 __all__ = ["make_lean", "restore", "is_lean", "can_make_lean", "ModuleCollector"]
@@ -48,8 +49,14 @@ __all__ = ["make_lean", "restore", "is_lean", "can_make_lean", "ModuleCollector"
 
 def _on_output_grad(module_ref: weakref.ref, grad: torch.Tensor) -> None:
     module = module_ref()
-    if module is not None:
-        hook_run_extensions(module, (None,), (grad,))
+    if module is None:
+        return
+    if not CTX.active_exts and CTX.extension_hook is no_op and not CTX.debug:
+        # outside ``with backpack(...)`` BackPACK's hook only frees the stored input/output
+        if not CTX.retain_graph:
+            memory_cleanup(module)
+        return
+    hook_run_extensions(module, (None,), (grad,))
 
 
 def _on_forward(module: nn.Module, _inputs, output) -> None:
