@@ -314,3 +314,25 @@ def test_2d_relu_mlp_per_sample_gradients(bias, monkeypatch):
         grads, params = refs[step]
         expected = sum(hist2d_counts(g, p.unsqueeze(0).expand_as(g), bins, ranges) for g, p in zip(grads, params))
         np.testing.assert_array_equal(value["hist"], expected.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_shortcuts_equal_enumeration(dtype):
+    """Half-precision factors take torch's sorts instead of NumPy's; counts still equal enumeration."""
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(16, 50, generator=gen) * 3).to(dtype)
+    delta = (torch.randn(16, 9, generator=gen) / 16).to(dtype)
+    theta = torch.randn(9, 50, generator=gen).to(dtype)
+    c1 = Hist1dCounter(13, (-0.3, 0.5), dtype)
+    expected = c1.new_counts("cpu")
+    c1.count_outer(expected, x, delta, block=0, sparse=None)
+    for block in (1, 3, 16):
+        counts = c1.new_counts("cpu")
+        c1.count_outer(counts, x, delta, block=block)
+        assert torch.equal(counts, expected)
+    c2 = Hist2dCounter((11, 5), ((-0.3, 0.5), (-1.0, 1.0)))
+    assert _Dominant2d.plan(c2, x, delta, theta, force=True) is not None
+    expected2, counts2 = c2.new_counts("cpu"), c2.new_counts("cpu")
+    c2.count_outer(expected2, x, delta, theta, dominant=False)
+    c2.count_outer(counts2, x, delta, theta, dominant=True)
+    assert torch.equal(counts2, expected2)
