@@ -293,8 +293,8 @@ class _SortedBlocks:
         ``x_i`` entries).
         """
         batch, width = x.shape
-        xd = x.detach().double()
-        span_x = xd.amax(1) - xd.amin(1)
+        xd = x.detach()
+        span_x = xd.amax(1).double() - xd.amin(1).double()  # max and min are exact in any dtype
         dd = delta.detach().double().abs()
         spans = (dd * span_x[:, None] * batch).clamp_(max=counter.hi - counter.lo)
         nonzero = delta != 0
