@@ -134,13 +134,13 @@ def test_automatic_choice():
     assert plan is not None and fast_histograms.BLOCK_RANGE[0] <= plan.block <= fast_histograms.BLOCK_RANGE[1]
     assert torch.equal(_counts(x, delta, 100, (-2.0, 2.0)), _reference(x, delta, 100, (-2.0, 2.0)))
     fine = Hist1dCounter(10000, (-1e-3, 1e-3), torch.float32)  # every row crosses hundreds of edges
-    assert _SortedBlocks.choose_block(fine, x, delta) is None
+    assert _SortedBlocks.choose_block(fine, x, delta, int((delta != 0).sum(1).max())) is None
     assert _SortedBlocks.plan(fine, x, delta, None) is None
     assert torch.equal(_counts(x, delta, 10000, (-1e-3, 1e-3)), _reference(x, delta, 10000, (-1e-3, 1e-3)))
     assert _SortedBlocks.plan(counter, x[:4, :10], delta[:4], None) is None  # below SORTED_MIN_ENTRIES
     # sparse x: enumerating the few nonzero entries beats sorting
     sparse_x = x * (torch.rand(x.shape, generator=gen) < 0.01)
-    assert _SortedBlocks.choose_block(counter, sparse_x, delta) is None
+    assert _SortedBlocks.choose_block(counter, sparse_x, delta, int((delta != 0).sum(1).max())) is None
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -219,6 +219,13 @@ class _SparseFactors:
         return max(1, min(max(chunk, max(a * b for a, b in zip(self.nd, self.nx))), self.batch * self.d.shape[1] * self.xv.shape[1]))
 
 
+def _plain_factors(x: torch.Tensor, delta: torch.Tensor) -> bool:
+    """Whether ``x`` (``[B, in]``) and ``delta`` (``[B, out]``) are nonempty 2-D floating factors of one dtype."""
+    return (
+        x.dim() == 2 and delta.dim() == 2 and x.numel() > 0 and delta.numel() > 0 and delta.dtype.is_floating_point and delta.dtype == x.dtype
+    )
+
+
 def _sorted_rows(values: torch.Tensor) -> torch.Tensor:
     """Each row of a 2-D tensor sorted ascending (NumPy's vectorised sort on CPU: ~30x ``torch.sort``)."""
     values = values.detach()
@@ -239,7 +246,7 @@ class _SortedBlocks:
     zeros to the largest count ``pd``.
     """
 
-    def __init__(self, x: torch.Tensor, delta: torch.Tensor, block: int):
+    def __init__(self, x: torch.Tensor, delta: torch.Tensor, block: int, nonzero: torch.Tensor, pd: int):
         batch, width = x.shape
         self.batch, self.out, self.width, self.block = batch, delta.shape[1], width, block
         self.nb = -(-width // block)
@@ -251,8 +258,7 @@ class _SortedBlocks:
         self.points = torch.cat([xs[:, 0:width:block], xs[:, width - 1 : width]], 1).contiguous()
         self.lengths = torch.full((self.nb,), block, dtype=torch.int64, device=x.device)
         self.lengths[-1] = width - (self.nb - 1) * block
-        nonzero = delta != 0
-        self.pd = int(nonzero.sum(1).max())
+        self.pd = pd
         key = _sorted_rows(torch.where(nonzero, delta.detach(), float("inf")))[:, : self.pd]
         self.d = torch.where(torch.isinf(key), 0.0, key).contiguous()  # inf only stands for a zero here
 
@@ -263,24 +269,24 @@ class _SortedBlocks:
         ``block``: ``None`` picks the block size and whether to sort at all
         from a cost estimate; a positive int forces that block size.
         """
-        if delta.dim() != 2 or x.dim() != 2 or delta.numel() == 0 or x.numel() == 0:
-            return None
-        if not delta.dtype.is_floating_point or delta.dtype != x.dtype:
+        if not _plain_factors(x, delta):
             return None
         if block is None and (x.device.type != "cpu" or delta.numel() * x.shape[1] < SORTED_MIN_ENTRIES):
             return None
         if not (bool(torch.isfinite(delta).all()) and bool(torch.isfinite(x).all())):
             return None  # monotonicity needs finite factors (inf * 0 is NaN)
-        if not bool((delta != 0).any()):
+        nonzero = delta != 0
+        pd = int(nonzero.sum(1).max())  # the most nonzero delta entries of a sample
+        if pd == 0:
             return None  # all products are zeros: the sparse path counts them in one addition
         if block is None:
-            block = _SortedBlocks.choose_block(counter, x, delta)
+            block = _SortedBlocks.choose_block(counter, x, delta, pd)
             if block is None:
                 return None
-        return _SortedBlocks(x, delta, int(block))
+        return _SortedBlocks(x, delta, int(block), nonzero, pd)
 
     @staticmethod
-    def choose_block(counter: "Hist1dCounter", x: torch.Tensor, delta: torch.Tensor) -> int | None:
+    def choose_block(counter: "Hist1dCounter", x: torch.Tensor, delta: torch.Tensor, pd: int) -> int | None:
         """The block size minimising the estimated cost, or ``None`` if enumerating is cheaper.
 
         A row ``b -> B * delta_ia * x_ib`` spans ``|B delta_ia| (max x_i - min x_i)``
@@ -297,8 +303,7 @@ class _SortedBlocks:
         span_x = xd.amax(1).double() - xd.amin(1).double()  # max and min are exact in any dtype
         dd = delta.detach().double().abs()
         spans = (dd * span_x[:, None] * batch).clamp_(max=counter.hi - counter.lo)
-        nonzero = delta != 0
-        rows = batch * int(nonzero.sum(1).max())
+        rows = batch * pd  # enumerated rows (i, a): the nonzero delta_ia, padded per sample
         # + 0.5: rows that reach 0 cross the edge there even when they span little
         edges = float(spans.sum()) * counter.bins / (counter.hi - counter.lo) / rows + 0.5
         lo, hi = BLOCK_RANGE
@@ -506,12 +511,12 @@ class _Dominant2d:
     that underflows to zero (checked).
     """
 
-    def __init__(self, counter: "Hist2dCounter", x, delta, sorted_x, bins: tuple[int, int, int], cuts: tuple[float, float]):
+    def __init__(self, counter: "Hist2dCounter", x, delta, theta, sorted_x, bins: tuple[int, int, int], cuts: tuple[float, float]):
         self.counter, (self.zn, self.z0, self.zp) = counter, bins
         self.batch, self.out = delta.shape
         self.width = x.shape[1]
         self.delta, self.x = delta.detach().contiguous(), x.detach().contiguous()
-        self.theta_index = None  # set by plan
+        self.theta = theta
         self.order, sorted_abs, zeros = sorted_x  # x_i by increasing |x_ib|; zero entries per row
         dd = self.delta.double().abs().mul_(self.batch)
         low, high = cuts
@@ -530,9 +535,7 @@ class _Dominant2d:
     @staticmethod
     def plan(counter: "Hist2dCounter", x, delta, theta, force: bool) -> "_Dominant2d | None":
         """The listing plan, or ``None`` where it would not be exact or (unless forced) not pay."""
-        if delta.dim() != 2 or x.dim() != 2 or delta.numel() == 0 or x.numel() == 0 or theta.numel() != delta.shape[1] * x.shape[1]:
-            return None
-        if not delta.dtype.is_floating_point or delta.dtype != x.dtype:
+        if not _plain_factors(x, delta) or theta.numel() != delta.shape[1] * x.shape[1]:
             return None
         if not force and (x.device.type != "cpu" or delta.numel() * x.shape[1] < DOMINANT_MIN_ENTRIES):
             return None
@@ -548,16 +551,16 @@ class _Dominant2d:
         smallest_d = delta.detach().abs()[delta != 0]
         if smallest_x.numel() and smallest_d.numel() and float(smallest_d.min()) * float(smallest_x.min()) < torch.finfo(delta.dtype).tiny:
             return None  # a product of nonzero factors could round to zero and change bins
-        plan = _Dominant2d(counter, x, delta, (order, sorted_abs, zeros), *band)
+        plan = _Dominant2d(counter, x, delta, theta, (order, sorted_abs, zeros), *band)
         if not force and int(plan.lengths.sum()) > DOMINANT_SHARE * delta.numel() * x.shape[1]:
             return None
-        plan.theta_index = counter.theta_index(theta)
         return plan
 
     def count(self, counts: torch.Tensor, chunk: int) -> None:
         counter, batch, out, width = self.counter, self.batch, self.out, self.width
         xbins, ybins = counter.xbins, counter.ybins
         device = counts.device
+        theta_index = counter.theta_index(self.theta)
         listed = counter.new_counts(device)
         negatives = torch.zeros(ybins, dtype=torch.int64, device=device)  # listed negative products per y-bin
         runs = self.lengths.nonzero().squeeze(1)  # run r: row (i, a) = r // 2, its small or its large entries
@@ -580,7 +583,6 @@ class _Dominant2d:
                 part = lengths[lo:hi]
                 begin = int(ends[lo - 1]) if lo else 0
                 size = int(ends[hi - 1]) - begin
-
                 run_of = torch.repeat_interleave(part, output_size=size)  # element -> run (lo-based)
 
                 def spread(per_run: torch.Tensor) -> torch.Tensor:
@@ -588,7 +590,7 @@ class _Dominant2d:
 
                 position = spread(first).add_(torch.arange(begin, begin + size, device=device))
                 b = order.index_select(0, position)
-                theta = self.theta_index.index_select(0, spread(theta_row).add_(b))
+                theta = theta_index.index_select(0, spread(theta_row).add_(b))
                 values, _ = buffers.take((size,))
                 torch.mul(spread(factor), x.index_select(0, spread(x_row).add_(b)), out=values)
                 negatives.scatter_add_(0, theta, (values < 0).long())
@@ -601,10 +603,10 @@ class _Dominant2d:
         def per_ybin(per_position: torch.Tensor) -> torch.Tensor:
             """Sums over the positions of each y-bin (float64: exact for integers up to 2**53)."""
             sums = torch.zeros(ybins, dtype=torch.float64, device=device)
-            return sums.index_add_(0, self.theta_index, per_position.reshape(-1).double()).round_().long()
+            return sums.index_add_(0, theta_index, per_position.reshape(-1).double()).round_().long()
 
         both, agree = per_ybin(both), per_ybin(agree)
-        positions = torch.bincount(self.theta_index, minlength=ybins)
+        positions = torch.bincount(theta_index, minlength=ybins)
         listed_y = listed.view(xbins, ybins).sum(0)  # listed products are never zero
         fill = torch.zeros(xbins, ybins, dtype=torch.int64, device=device)
         fill[self.zn] += (both - agree) // 2 - negatives
@@ -696,8 +698,9 @@ class Hist2dCounter:
         """Count pairs ``(B * delta_i x_i^T, theta)``; ``sparse`` as :meth:`Hist1dCounter.count_outer`.
 
         ``dominant``: ``None`` lists only the products outside the bins around
-        zero (:class:`_Dominant2d`) where that is at most a quarter of them (CPU,
-        large layers), ``True`` forces it where it is exact, ``False`` turns it off.
+        zero (:class:`_Dominant2d`) on large CPU layers where that is at most
+        :data:`DOMINANT_SHARE` of them, ``True`` forces it where it is exact,
+        ``False`` turns it off.
         Otherwise dense by default: the sparse enumeration is exact, but on CPU
         gathering ``theta``'s bin per enumerated pair costs more than it saves
         (784x128 layer, batch 128: 65 ms sparse vs 44 ms dense).
