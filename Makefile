@@ -1,4 +1,4 @@
-# Every install goes through constraints.txt (torch 2.13.0 CPU wheel, torchvision 0.28.0).
+# Every install goes through constraints.txt (torch 2.13.0 CPU wheel; no torchvision, see there).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,10 +7,14 @@ export MPLBACKEND ?= Agg
 
 .PHONY: demo test install benchmark benchmark-quick clean
 
-$(VENV)/.installed: setup.py constraints.txt
+$(VENV)/.installed: setup.py constraints.txt requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,examples]'
+	$(PY) -m pip install --quiet -c constraints.txt -r requirements.txt
+	# BackPACK without its torchvision requirement (it only imports it in backpack.utils.examples)
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps backpack-for-pytorch
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps -e .
+	$(PY) -c "import importlib.util as u, sys; sys.exit('torchvision must not be installed (see constraints.txt)' if u.find_spec('torchvision') else 0)"
 	touch $@
 
 install: $(VENV)/.installed

@@ -19,25 +19,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from backpack import backpack
 from backpack.extensions import BatchGrad
 
 from cockpit_like import context
-from cockpit_like.backends.extensions import describe, merge_extensions
+from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
 from cockpit_like.backends.lean_hooks import ModuleCollector
-from cockpit_like.backends.per_sample import PerSampleReducer
+from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 
-__all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError"]
-
-
-class NotExtendedError(RuntimeError):
-    """BackPACK computed nothing: the model or loss was not ``extend``-ed."""
-
-
-class UnsupportedLayerError(NotImplementedError):
-    """BackPACK has no extension for a layer of the model."""
+__all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
 
 
 def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -72,6 +63,14 @@ class Cockpit:
             ``stream_to + ".jsonl"`` as soon as it is computed, so a crash
             loses nothing already tracked (read it back with
             :func:`cockpit_like.read_log`).
+        model: the ``nn.Module`` that owns ``params`` (optional). Any model
+            works without ``backpack.extend``: modules BackPACK cannot handle
+            get their per-sample gradients from module hooks
+            (:mod:`cockpit_like.backends.hooks`). Without ``model`` the
+            cockpit finds the model at its first forward pass after the
+            cockpit was created (PyTorch's global module hooks).
+        lean_hooks: swap BackPACK's full backward hooks for cheap tensor hooks
+            after the first tracked step (see :mod:`cockpit_like.backends.lean_hooks`).
     """
 
     def __init__(
@@ -80,10 +79,19 @@ class Cockpit:
         quantities: list[Quantity] | None = None,
         stream_to: str | os.PathLike | None = None,
         *,
+        model: torch.nn.Module | None = None,
         lean_hooks: bool = True,
     ):
         self.params = _check_params(params)
         self._module_collector = ModuleCollector() if lean_hooks else None
+        self._next_step = 0
+        self._tracer = ModelTracer(self.params, wants_graph=lambda: self.create_graph(self._next_step))
+        if model is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise ValueError(f"Cockpit(model=...) takes the nn.Module that owns params, got {type(model).__name__}")
+            self._tracer.attach(model)
+        self._tracer.discover()
+        self._param_names: dict[int, str] = {}
         if quantities is not None and not isinstance(quantities, (list, tuple)):
             raise ValueError(
                 f"Cockpit(quantities=...) takes a list of Quantity instances, got "
@@ -143,6 +151,16 @@ class Cockpit:
         meta["num_params"] = len(self.params)
         meta["param_shapes"] = [list(p.shape) for p in self.params]
         return meta
+
+    def _names_of_params(self) -> dict[int, str]:
+        """``id(param) -> "module.path.weight"`` for the models the cockpit knows (for messages)."""
+        if not self._param_names:
+            for ref in self._tracer.roots:
+                root = ref()
+                if root is not None:
+                    for name, param in root.named_parameters():
+                        self._param_names.setdefault(id(param), name)
+        return self._param_names
 
     # ---- per step ------------------------------------------------------------
     def create_graph(self, global_step: int) -> bool:
@@ -217,16 +235,16 @@ class _TrackedStep:
         self.info = info
         self.debug = debug
         self.active: list[Quantity] = []
-        self._backpack: backpack | None = None
-        self._extensions: list[Any] = []
-        self._reducer: PerSampleReducer | None = None
+        self._execution: StepExecution | None = None
         self._loss_is_finite = True
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> _TrackedStep:
         cockpit, step = self.cockpit, self.step
+        cockpit._next_step = step + 1
         self.active = [q for q in cockpit.quantities if q.is_active(step)]
         if not self.active and not self.user_exts:
+            cockpit._tracer.take_calls()  # nothing tracked: drop what the forward pass noted
             if self.debug:
                 print(f"[cockpit_like|step {step}] nothing scheduled")
             return self
@@ -247,33 +265,30 @@ class _TrackedStep:
                 raw_batch_grad |= isinstance(ext, BatchGrad)
             hooks.extend(quantity.extension_hooks(step))
             stats.extend(s for s in quantity.per_sample_stats(step) if s not in stats)
-        if stats:
-            # the statistics backend picks BatchGrad (raw grad_batch wanted) or the linear fast path
-            from cockpit_like.backends.per_sample_extension import statistics_backend
-
-            extension, self._reducer = statistics_backend(stats, cockpit.params, raw_batch_grad)
-            requests.append(("per-sample statistics", extension))
-            hooks.insert(0, self._reducer)
-        self._extensions = merge_extensions(requests)
-
+        try:
+            self._execution = StepExecution(
+                step,
+                cockpit.params,
+                requests,
+                stats,
+                hooks,
+                raw_batch_grad,
+                cockpit.create_graph(step),
+                cockpit._tracer,
+                cockpit._module_collector,
+                self.info.get("batch_size"),
+                cockpit._names_of_params(),
+            )
+        except BaseException:
+            cockpit._tracer.take_calls()
+            raise
         if self.debug:
             print(
                 f"[cockpit_like|step {step}] quantities: "
-                f"{[cockpit.name_of(q) for q in self.active]}; extensions: "
-                f"{[describe(e) for e in self._extensions]}; per-sample statistics: {stats}; "
-                f"create_graph: {cockpit.create_graph(step)}"
+                f"{[cockpit.name_of(q) for q in self.active]}; {self._execution.describe()}; "
+                f"per-sample statistics: {stats}; create_graph: {cockpit.create_graph(step)}"
             )
-        if self._extensions or hooks:
-            if cockpit._module_collector is not None:
-                hooks.append(cockpit._module_collector)
-            exts, hook = self._extensions, _chain(hooks)
-            if cockpit.create_graph(step):
-                # backward(create_graph=True) would record everything the hooks compute (Finding 9)
-                from cockpit_like.backends.no_grad import hook_without_autograd, without_autograd
-
-                exts, hook = [without_autograd(ext) for ext in exts], hook_without_autograd(hook)
-            self._backpack = backpack(*exts, extension_hook=hook)
-            self._backpack.__enter__()
+        self._execution.enter()
         return self
 
     def _check_loss(self) -> None:
@@ -295,33 +310,27 @@ class _TrackedStep:
 
     # ---- exit: compute, store, free ---------------------------------------------
     def __exit__(self, exc_type, exc, traceback) -> bool:
-        if self._backpack is not None:
-            self._backpack.__exit__(exc_type, exc, traceback)
-            collector = self.cockpit._module_collector
-            if collector is not None:
-                if exc_type is None:
-                    collector.make_lean()
-                else:
-                    collector.forget()
+        execution = self._execution
+        if execution is None:
+            return False
+        user_types = {type(ext) for ext in self.user_exts}
+        try:
+            execution.exit(exc_type, exc, traceback)
+        except BaseException:
+            execution.free(user_types)
+            raise
         if exc_type is not None:
-            self._free_buffers()
-            if isinstance(exc, NotImplementedError) and not isinstance(exc, UnsupportedLayerError):
-                raise UnsupportedLayerError(
-                    f"BackPACK cannot run the extensions needed at step {self.step} "
-                    f"({[describe(e) for e in self._extensions]}) on this model: {exc}. "
-                    "Replace the layer with a supported one, or track the quantities that need "
-                    "these extensions less often / leave them out."
-                ) from exc
+            execution.free(user_types)
             return False
         if not self.active:
             return False
         try:
-            self._check_buffers()
+            execution.check()
             record = context.StepRecord(
                 global_step=self.step,
                 info=self.info,
                 params=self.cockpit.params,
-                stats=self._reducer.results() if self._reducer is not None else {},
+                stats=execution.results(),
                 loss_is_finite=self._loss_is_finite,
             )
             context._activate(record)
@@ -330,7 +339,7 @@ class _TrackedStep:
                 self._track(quantity, new_values)
         finally:
             context._activate(None)
-            self._free_buffers()
+            execution.free(user_types)
         stream = self.cockpit._stream
         if stream is not None:
             for step, values in sorted(new_values.items()):
@@ -356,39 +365,6 @@ class _TrackedStep:
             if before.get(step, _MISSING) is not value:
                 new_values.setdefault(step, {})[name] = value
 
-    def _check_buffers(self) -> None:
-        params = self.cockpit.params
-        for ext in self._extensions:
-            field = getattr(ext, "savefield", None)
-            if field is None:
-                continue
-            missing = [i for i, p in enumerate(params) if not hasattr(p, field)]
-            if field == "grad_batch" and self._reducer is not None and not self._reducer.keep_grad_batch:
-                missing = [i for i in range(len(params)) if i not in self._reducer.seen]
-            if len(missing) == len(params):
-                raise NotExtendedError(
-                    f"step {self.step}: BackPACK computed no {describe(ext)} ('{field}') for any "
-                    "parameter. The model (and, for curvature, the loss function) must be "
-                    "extended: `model = backpack.extend(model)`, `lossfunc = "
-                    "backpack.extend(lossfunc)`, and the forward pass must run after that."
-                )
-            if missing:
-                shown = ", ".join(f"#{i} {list(params[i].shape)}" for i in missing[:5])
-                raise NotExtendedError(
-                    f"step {self.step}: BackPACK computed no {describe(ext)} for parameters "
-                    f"{shown}{' ...' if len(missing) > 5 else ''}. Their module is not extended "
-                    "with backpack.extend, or they are not used in the loss; extend every module "
-                    "that holds tracked parameters, or pass only those to Cockpit(params)."
-                )
-
-    def _free_buffers(self) -> None:
-        keep = {type(ext) for ext in self.user_exts}
-        fields = {ext.savefield for ext in self._extensions if type(ext) not in keep and hasattr(ext, "savefield")}
-        for param in self.cockpit.params:
-            for field in fields:
-                if hasattr(param, field):
-                    delattr(param, field)
-
 
 _MISSING = object()
 
@@ -401,14 +377,3 @@ def _last_items(output: dict, count: int) -> list[tuple[int, Any]]:
         if len(items) == count:
             break
     return items
-
-
-def _chain(hooks: list):
-    if len(hooks) == 1:
-        return hooks[0]
-
-    def run_all(module: torch.nn.Module) -> None:
-        for hook in hooks:
-            hook(module)
-
-    return run_all

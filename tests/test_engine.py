@@ -149,7 +149,7 @@ def test_parameters_of_a_module_that_is_not_extended():
     first, second = extend(torch.nn.Linear(3, 4)), torch.nn.Linear(4, 2)  # second not extended
     cockpit = Cockpit([*first.parameters(), *second.parameters()], quantities=[NeedsExtension(linear(1), BatchGrad(), "grad_batch")])
     loss = second(first(torch.randn(5, 3))).pow(2).mean()
-    with pytest.raises(NotExtendedError, match=r"parameters #2 \[2, 4\], #3 \[2\]"):
+    with pytest.raises(NotExtendedError, match=r"parameters #2 weight \[2, 4\], #3 bias \[2\]"):
         with cockpit(0, info={"loss": loss}):
             loss.backward()
 
@@ -200,7 +200,7 @@ def test_user_extensions_run_on_unscheduled_steps():
 
 
 def test_nothing_scheduled_enters_no_backpack_context(monkeypatch):
-    import cockpit_like.cockpit as engine
+    import cockpit_like.backends.step as engine
 
     entered = []
     monkeypatch.setattr(engine, "backpack", lambda *a, **k: entered.append(a))

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["PerSampleStat", "PerSampleReducer", "materialize_linear"]
+__all__ = ["PerSampleStat", "PerSampleReducer", "materialize_linear", "materialize_sequence"]
 
 
 def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,11 @@ def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -
     if kind == "bias":
         return delta
     return delta.unsqueeze(2) * x.unsqueeze(1)
+
+
+def materialize_sequence(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` (``a`` ``[B, T, R]``, ``b`` ``[B, T, C]``), reshaped to ``[B, *shape]``."""
+    return torch.bmm(a.transpose(1, 2), b).reshape(a.shape[0], *shape)
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,21 @@ class PerSampleStat:
         The default materialises ``grad_batch`` and calls :meth:`accumulate`.
         """
         return self.accumulate(state, index, param, materialize_linear(kind, x, delta))
+
+    #: whether :meth:`accumulate_sequence` works on sequence factors without materialising ``grad_batch``
+    sequence_form: ClassVar[bool] = False
+
+    def accumulate_sequence(
+        self, state: Any, index: int, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+    ) -> Any:
+        """Fold in a parameter whose per-sample gradient is a sum of outer products over positions.
+
+        ``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` reshaped to ``param.shape``
+        (``a`` ``[B, T, R]``, ``b`` ``[B, T, C]``, ``R * C = param.numel()``):
+        a linear layer applied to every token of a sequence, a convolution on
+        its unfolded input. The default materialises ``grad_batch``.
+        """
+        return self.accumulate(state, index, param, materialize_sequence(a, b, param.shape))
 
     def finalize(self, state: Any) -> Any:
         """The result quantities read with ``record.stat(self)``."""
@@ -158,6 +178,41 @@ class PerSampleReducer:
         for k, stat in enumerate(self.stats):
             if stat.factor_form and (grad_batch is None or not stat.reuses_grad_batch):
                 self._states[k] = stat.accumulate_factors(self._states[k], index, param, kind, x, delta)
+            else:
+                self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+
+    # ---- offered by the hook backend: reduced at once ------------------------------
+    def reduce_factors(self, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> None:
+        """Reduce a parameter given as 2-D factors now (see :meth:`offer_factors`)."""
+        index = self._index[id(param)]
+        self.seen.add(index)
+        if self.keep_grad_batch:
+            param.grad_batch = materialize_linear(kind, x, delta)
+        self._reduce_factors(index, param, kind, x, delta)
+
+    def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
+        """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now."""
+        index = self._index[id(param)]
+        self.seen.add(index)
+        if self.keep_grad_batch:
+            param.grad_batch = grad_batch
+        self._reduce(index, param, grad_batch)
+
+    def reduce_sequence(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Reduce ``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` now (see :meth:`PerSampleStat.accumulate_sequence`)."""
+        if a.shape[1] == 1 and param.dim() == 2 and not self.keep_grad_batch:
+            self.reduce_factors(param, "weight", b[:, 0], a[:, 0])  # one position: the 2-D factor form
+            return
+        index = self._index[id(param)]
+        self.seen.add(index)
+        grad_batch = None
+        if self.keep_grad_batch or not all(stat.sequence_form for stat in self.stats):
+            grad_batch = materialize_sequence(a, b, param.shape)
+            if self.keep_grad_batch:
+                param.grad_batch = grad_batch
+        for k, stat in enumerate(self.stats):
+            if stat.sequence_form and grad_batch is None:
+                self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b)
             else:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
 

@@ -32,8 +32,19 @@ weight, ``delta_i`` for the bias, see :mod:`cockpit_like.backends.per_sample`):
 - DirectionalDots: ``sum_{a,b} delta_ia D_ab x_ib`` per sample;
 - histograms: ``delta_i x_i^T`` for a few samples at a time, counted in
   chunks (:mod:`cockpit_like.backends.fast_histograms`), bin for bin as before;
-- RetainedGradBatch has none: its ``grad_batch`` is materialised (once per
-  parameter, shared with the histograms).
+- RetainedGradBatch keeps the factors.
+
+Sequence factors (a linear layer applied to every position of a sequence, a
+convolution on its unfolded input: ``gb[i] = sum_t a_it b_it^T``, ``a``
+``[B, T, R]``, ``b`` ``[B, T, C]``, from the hook backend,
+:mod:`cockpit_like.backends.hooks`):
+
+- GramSummary: ``||gb_i||^2 = sum_{t,s} (a_it . a_is)(b_it . b_is)`` from two
+  ``T x T`` Gram matrices when ``T (R + C) < R C``, else from ``gb``;
+  row sums ``<gb_i, S>`` with ``S = sum_k gb_k`` as ``sum_t a_it^T S b_it``;
+- DirectionalDots: ``sum_t a_it^T D b_it``;
+- RetainedGradBatch keeps ``(a, b)``;
+- the others materialise ``gb`` once per parameter (one layer at a time).
 """
 
 from __future__ import annotations
@@ -98,6 +109,19 @@ class GramSummary(PerSampleStat):
             return self._fold(state, torch.diagonal(gram).clone(), gram.sum(1))
         diag = (delta * delta).sum(1).mul_((x * x).sum(1))
         row_sums = ((delta @ (delta.T @ x)) * x).sum(1)  # delta_i^T (sum_k delta_k x_k^T) x_i
+        return self._fold(state, diag, row_sums)
+
+    sequence_form = True
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        a, b = a.detach(), b.detach()
+        positions, rows, cols = a.shape[1], a.shape[2], b.shape[2]
+        total = torch.einsum("btr,btc->rc", a, b)  # sum_k gb_k as an R x C matrix
+        row_sums = ((a @ total) * b).sum((1, 2))
+        if positions * (rows + cols) < rows * cols:
+            diag = ((a @ a.transpose(1, 2)) * (b @ b.transpose(1, 2))).sum((1, 2))
+        else:
+            diag = torch.bmm(a.transpose(1, 2), b).square().sum((1, 2))
         return self._fold(state, diag, row_sums)
 
     @staticmethod
@@ -257,6 +281,13 @@ class DirectionalDots(PerSampleStat):
             dots = ((delta @ d.reshape(delta.shape[1], x.shape[1])) * x).sum(1)
         return dots if state is None else state.add_(dots)
 
+    sequence_form = True
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        d = self.direction[index].to(a.dtype).reshape(a.shape[2], b.shape[2])
+        dots = ((a.detach() @ d) * b.detach()).sum((1, 2))
+        return dots if state is None else state.add_(dots)
+
 
 class RetainedDense:
     """A parameter's per-sample gradients kept as ``grad_batch`` ``[B, *param.shape]``."""
@@ -296,6 +327,22 @@ class RetainedFactors:
         return ((self.delta @ d.reshape(self.delta.shape[1], self.x.shape[1])) * self.x).sum(1)
 
 
+class RetainedSequence:
+    """Per-sample gradients kept as sequence factors: ``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` (reshaped)."""
+
+    __slots__ = ("a", "b", "shape")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, shape: torch.Size):
+        self.a, self.b, self.shape = a, b, shape
+
+    def batch_sum(self) -> torch.Tensor:
+        return torch.einsum("btr,btc->rc", self.a, self.b).reshape(self.shape)
+
+    def dots(self, direction: torch.Tensor) -> torch.Tensor:
+        d = direction.to(self.a.dtype).reshape(self.a.shape[2], self.b.shape[2])
+        return ((self.a @ d) * self.b).sum((1, 2))
+
+
 @dataclass(frozen=True)
 class RetainedGradBatch(PerSampleStat):
     """Keeps every parameter's per-sample gradients until the step's quantities ran.
@@ -319,4 +366,10 @@ class RetainedGradBatch(PerSampleStat):
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
         state[index] = RetainedFactors(kind, None if x is None else x.detach(), delta.detach())
+        return state
+
+    sequence_form = True
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        state[index] = RetainedSequence(a.detach(), b.detach(), param.shape)
         return state

@@ -1,0 +1,517 @@
+"""The hook backend: per-sample gradients of any module, without BackPACK.
+
+Two pieces:
+
+- :class:`ModelTracer`, installed once on the model (``Cockpit(model=...)``,
+  or found at the model's first forward pass with PyTorch's global module
+  hooks). During *every* forward pass with gradients enabled it notes the
+  calls of modules that own tracked parameters (and of batch norms, which
+  couple the samples): one ``list.append`` per call. The list is handed over
+  or dropped whenever the cockpit is entered, so a step that tracks nothing
+  costs that append and nothing else. On steps that need the graph (e.g.
+  Hessian-vector products) the model's forward runs with PyTorch's math
+  attention kernel, whose backward is twice differentiable.
+- :class:`HookBackend`, built for one tracked step from the noted calls. It
+  registers a pre-hook on the autograd node of each call's outputs, so it
+  receives the gradient of the loss w.r.t. the outputs during the backward
+  pass, and turns (inputs, output gradients) into per-sample gradients:
+  by a per-layer rule (:mod:`cockpit_like.backends.module_rules`) while the
+  backward pass runs, layer by layer, or, for any other module that owns
+  parameters, by ``torch.func`` (``functional_call`` + ``vmap`` of ``vjp``,
+  one sample per row; a loop over samples where ``vmap`` cannot run, e.g.
+  recurrent layers) right after the backward pass. The results go to the
+  same :class:`~cockpit_like.backends.per_sample.PerSampleReducer` that
+  BackPACK's path feeds, so every statistic is written once.
+
+A parameter used by several calls (weight tying: GPT-2's input embedding is
+its output layer; a module applied twice) gets the sum of its calls'
+per-sample gradients, reduced once the last call's gradient has arrived.
+A parameter whose own module never runs (``nn.MultiheadAttention`` calls
+``out_proj``'s weight directly) is handled by the nearest calling ancestor's
+fallback.
+
+A sample is one row of the batch (one sequence for language models): every
+tensor argument whose leading dimension is the batch size is split along it
+(``nn.RNNBase`` without ``batch_first``: along dimension 1, and its hidden
+state always along dimension 1).
+
+May import torch and :mod:`cockpit_like.backends` only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from collections import defaultdict
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten
+
+from cockpit_like.backends.module_rules import Dense, rule_for
+
+__all__ = [
+    "ModelTracer",
+    "HookBackend",
+    "BatchNormInTrainingError",
+    "UncoveredParameterError",
+    "couples_samples",
+]
+
+
+class BatchNormInTrainingError(RuntimeError):
+    """A batch norm in training mode mixes the samples: per-sample quantities are undefined."""
+
+
+class UncoveredParameterError(RuntimeError):
+    """A tracked parameter got no per-sample gradient from any backend."""
+
+
+def couples_samples(module: nn.Module) -> bool:
+    """Whether ``module`` normalises with statistics of the current batch (batch norm in training mode)."""
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return False
+    return module.training or not module.track_running_stats
+
+
+# ---- the tracer ---------------------------------------------------------------------
+_TRACERS: "weakref.WeakValueDictionary[int, ModelTracer]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def _record(tracer_id: int, module, args, kwargs, output) -> None:
+    # a module-level function bound by functools.partial to an int: a deep copy or a pickled
+    # model carries no tracer (the copy's hooks find no tracer and do nothing)
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is None or tracer.paused or not torch.is_grad_enabled():
+        return
+    calls = tracer.calls
+    if len(calls) >= tracer.MAX_CALLS:  # forward passes never backpropagated inside the cockpit
+        calls.clear()
+    node = output.grad_fn if isinstance(output, torch.Tensor) else None
+    calls.append(Call(module, args, kwargs, output, node))
+
+
+def _before_root(tracer_id: int, module, args) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is not None and not tracer.paused:
+        tracer.enter_forward()
+
+
+def _after_root(tracer_id: int, module, args, output) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is not None:
+        tracer.exit_forward()
+
+
+class Call:
+    """One recorded forward call of a module."""
+
+    __slots__ = ("module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done")
+
+    def __init__(self, module, args, kwargs, output, node):
+        self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor | None] = []
+        self.waiting = 0
+        self.entries: list[torch.Tensor] = []
+        self.want: list[int] = []
+        self.done = False
+
+    def release(self) -> None:
+        """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
+        self.args = self.kwargs = self.output = self.node = None
+        self.entries, self.grads = [], []
+
+
+class ModelTracer:
+    """Notes the forward calls the hook backend needs (see the module docstring).
+
+    Args:
+        params: the tracked parameters.
+        wants_graph: ``() -> bool``, whether the coming backward pass will need
+            the graph (then the forward pass uses the math attention kernel).
+    """
+
+    #: calls kept at most between two cockpit steps (older ones are dropped)
+    MAX_CALLS = 200_000
+
+    def __init__(self, params: list[torch.Tensor], wants_graph=lambda: False):
+        self.id = next(_IDS)
+        _TRACERS[self.id] = self
+        self._tracked = {id(p) for p in params}
+        self._wants_graph = wants_graph
+        self.calls: list[Call] = []
+        self.paused = False
+        self.roots: list[weakref.ref] = []
+        self._covered: set[int] = set()
+        self._handles: list[Any] = []
+        self._global_handle = None
+        self._kernel_stack: list[contextlib.AbstractContextManager] = []
+
+    # ---- installing ---------------------------------------------------------------
+    def attach(self, root: nn.Module) -> None:
+        """Install the recording hooks on ``root`` and its submodules."""
+        if any(ref() is root for ref in self.roots):
+            return
+        if not isinstance(root, nn.Module):
+            raise TypeError(f"Cockpit(model=...) takes an nn.Module, got {type(root).__name__}")
+        for module in root.modules():
+            own = any(id(p) in self._tracked for p in module.parameters(recurse=False))
+            if own or isinstance(module, nn.modules.batchnorm._BatchNorm):
+                self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
+        self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id)))
+        self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
+        self._covered |= {id(p) for p in root.parameters()}
+        self.roots.append(weakref.ref(root))
+
+    def discover(self) -> None:
+        """Attach to the model at its first forward pass (PyTorch's global module pre-hook)."""
+        if self._global_handle is None and not self.covers_all():
+            self._global_handle = nn.modules.module.register_module_forward_pre_hook(partial(_discover, self.id))
+
+    def covers_all(self) -> bool:
+        return self._tracked <= self._covered
+
+    def _found(self, module: nn.Module) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        if not any(id(p) in self._tracked and id(p) not in self._covered for p in module.parameters()):
+            return
+        self.attach(module)
+        self.enter_forward()  # this call's pre-hook was registered too late for this call
+        if self.covers_all() and self._global_handle is not None:
+            self._global_handle.remove()
+            self._global_handle = None
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._global_handle is not None:
+            self._global_handle.remove()
+            self._global_handle = None
+
+    # ---- the attention kernel on graph steps -----------------------------------------
+    def enter_forward(self) -> None:
+        if not self._wants_graph():
+            self._kernel_stack.append(contextlib.nullcontext())
+            return
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        context = sdpa_kernel([SDPBackend.MATH])
+        context.__enter__()
+        self._kernel_stack.append(context)
+
+    def exit_forward(self) -> None:
+        if self._kernel_stack:
+            self._kernel_stack.pop().__exit__(None, None, None)
+
+    # ---- per step -----------------------------------------------------------------------
+    def take_calls(self) -> list[Call]:
+        """The calls noted since the last step (the list is emptied)."""
+        calls, self.calls = self.calls, []
+        return calls
+
+    @contextlib.contextmanager
+    def pause(self):
+        """No recording (the fallback re-runs modules)."""
+        previous, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = previous
+
+
+def _discover(tracer_id: int, module, args) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is not None:
+        tracer._found(module)
+
+
+# ---- the backend of one step ------------------------------------------------------------
+def _flat_outputs(output) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(output)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+class HookBackend:
+    """Per-sample gradients of the recorded calls for one step (see the module docstring).
+
+    Args:
+        calls: the tracer's calls of this step's forward pass.
+        params: the tracked parameters.
+        reducer: receives every per-sample gradient.
+        handled_elsewhere: ``module -> bool``, whether another backend (BackPACK)
+            computes this module's per-sample gradients.
+        tracer: paused while the fallback re-runs modules.
+        batch_size: rows of the batch (``info["batch_size"]``), or ``None`` to take
+            the leading dimension of each call's first input.
+        names: ``id(param) -> name`` for messages.
+    """
+
+    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, names=None):
+        self.reducer = reducer
+        self.tracer = tracer
+        self.batch_size = batch_size
+        self.names = names or {}
+        self._handles: list[Any] = []
+        self._deferred: list[Call] = []
+        self._uses: dict[int, int] = defaultdict(int)
+        self._partial: dict[int, list] = {}
+        self._params = {id(p): p for p in params}
+        self.calls = self._assign(calls, handled_elsewhere)
+
+    # ---- which call computes which parameter -------------------------------------------
+    def _assign(self, calls: list[Call], handled_elsewhere) -> list[Call]:
+        tracked = self._params
+        called = {id(call.module) for call in calls}
+        assigned = []
+        for call in calls:
+            module = call.module
+            if couples_samples(module):
+                raise BatchNormInTrainingError(
+                    f"{type(module).__name__} layer {self._module_name(module)} is in training mode: it "
+                    "normalises with statistics of the whole batch, so every sample's gradient depends "
+                    "on the other samples and per-sample quantities (gradient tests, histograms, Alpha, "
+                    "TIC, ...) are undefined. Fixes: call model.eval() on the batch norms during the "
+                    "cockpit's steps (running statistics), replace them by nn.GroupNorm / nn.LayerNorm, "
+                    "or track only quantities without per-sample statistics (Loss, GradNorm, Distance, "
+                    "UpdateSize, HessMaxEV)."
+                )
+            if handled_elsewhere(module):
+                continue
+            params = [p for p in module.parameters(recurse=False) if id(p) in tracked]
+            if rule_for(module) is None:
+                # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj)
+                for child in module.modules():
+                    if child is module or id(child) in called or handled_elsewhere(child):
+                        continue
+                    params += [p for p in child.parameters(recurse=False) if id(p) in tracked]
+            seen: set[int] = set()
+            call.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+            if not call.params:
+                continue
+            for param in call.params:
+                self._uses[id(param)] += 1
+            assigned.append(call)
+        return assigned
+
+    def covered(self) -> set[int]:
+        """``id`` of every parameter some call computes."""
+        return set(self._uses)
+
+    def _module_name(self, module: nn.Module) -> str:
+        for ref in self.tracer.roots:
+            root = ref()
+            if root is None:
+                continue
+            for name, candidate in root.named_modules():
+                if candidate is module:
+                    return f"'{name}'" if name else "(the model itself)"
+        return f"({type(module).__name__})"
+
+    # ---- the backward pass --------------------------------------------------------------
+    def enter(self) -> None:
+        """Register the output-gradient pre-hooks (before ``loss.backward()``)."""
+        for call in self.calls:
+            if call.node is not None:  # a tensor output: its node as the forward pass made it
+                flat, nodes = [call.output], [call.node]
+            else:
+                flat = _flat_outputs(call.output)
+                nodes = [t.grad_fn for t in flat]
+            want = [i for i, node in enumerate(nodes) if node is not None]
+            call.want = want
+            call.entries = [flat[i] for i in want]
+            call.grads = [None] * len(want)
+            call.waiting = len(want)
+            by_node: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+            for slot, i in enumerate(want):
+                by_node.setdefault(id(nodes[i]), (nodes[i], []))[1].append((flat[i].output_nr, slot))
+            for node, entries in by_node.values():
+                self._handles.append(node.register_prehook(partial(self._on_grads, call, entries)))
+
+    def _on_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
+        if call.waiting <= 0:
+            return
+        for nr, slot in entries:
+            grad = grad_outputs[nr]
+            if call.grads[slot] is None:
+                call.waiting -= 1
+                call.grads[slot] = None if grad is None else grad.detach()
+        if call.waiting == 0:
+            self._process(call)
+
+    def finish(self) -> None:
+        """After ``loss.backward()``: the calls still waiting (outputs that got no gradient) and the fallbacks."""
+        self.remove_hooks()
+        for call in self.calls:
+            if call.waiting >= 0 and not call.done:
+                self._process(call)
+        deferred, self._deferred = self._deferred, []
+        for call in deferred:
+            self._fallback(call)
+        for key in list(self._partial):  # a tied parameter whose other uses got no gradient
+            self._deliver_sum(key)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # ---- per call -------------------------------------------------------------------------
+    def _grads(self, call: Call) -> list[torch.Tensor]:
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(call.entries, call.grads)]
+
+    def _process(self, call: Call) -> None:
+        call.done, call.waiting = True, -1
+        rule = rule_for(call.module)
+        forms = None
+        if rule is not None and len(call.want) == 1 and call.want[0] == 0 and call.args:
+            x = call.args[0]
+            if isinstance(x, torch.Tensor):
+                with torch.no_grad():
+                    forms = rule(call.module, x.detach(), self._grads(call)[0])
+        if forms is None:
+            self._deferred.append(call)
+            return
+        by_name = dict(call.module.named_parameters(recurse=False))
+        for name, form in forms.items():
+            param = by_name.get(name)
+            if param is not None and any(param is p for p in call.params):
+                self._deliver(param, form)
+        call.release()
+
+    def _deliver(self, param: torch.Tensor, form) -> None:
+        key = id(param)
+        if self._uses[key] == 1 and key not in self._partial:
+            self._uses[key] = 0
+            form.feed(self.reducer, param)
+            return
+        dense = form.dense(param.shape)
+        if key in self._partial:
+            self._partial[key].add_(dense)
+        else:
+            self._partial[key] = dense.clone()
+        self._uses[key] -= 1
+        if self._uses[key] == 0:
+            self._deliver_sum(key)
+
+    def _deliver_sum(self, key: int) -> None:
+        self._uses[key] = 0
+        Dense(self._partial.pop(key)).feed(self.reducer, self._params[key])
+
+    # ---- the torch.func fallback ------------------------------------------------------------
+    def _fallback(self, call: Call) -> None:
+        batch = self._batch(call)
+        results = per_sample_grads(
+            call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer
+        )
+        for param, grad_batch in zip(call.params, results):
+            self._deliver(param, Dense(grad_batch))
+        call.release()
+
+    def _batch(self, call: Call) -> int:
+        if self.batch_size is not None:
+            return int(self.batch_size)
+        slots = list(enumerate(call.args)) + list((call.kwargs or {}).items())
+        for position, value in slots:
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return value.shape[_batch_dim(call.module, position, value)]
+        raise UncoveredParameterError(
+            f"cannot tell the batch size of a call of {type(call.module).__name__}: pass "
+            "info['batch_size'] to the cockpit"
+        )
+
+
+def _batch_dim(module: nn.Module, position: int | str, tensor: torch.Tensor) -> int:
+    """The dimension that indexes samples in an argument of ``module`` (0 but for recurrent layers)."""
+    if isinstance(module, nn.RNNBase):
+        if position in (0, "input"):
+            return 0 if module.batch_first else 1
+        return 1  # hidden states: [layers * directions, B, H]
+    return 0
+
+
+def _batched(module, position, tensor, batch) -> int | None:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+        return None
+    dim = _batch_dim(module, position, tensor)
+    if dim < tensor.dim() and tensor.shape[dim] == batch:
+        return dim
+    return None
+
+
+def per_sample_grads(module, params, args, kwargs, want, grads, batch, tracer) -> list[torch.Tensor]:
+    """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
+
+    ``out_k`` are the module's flattened tensor outputs at the indices ``want``
+    and ``grads`` their gradients. ``torch.func``: ``vmap`` over the rows of
+    ``vjp`` of ``functional_call`` (each row run as a batch of one); where
+    ``vmap`` cannot run the module (recurrent layers), a loop over the rows
+    with ``torch.autograd.grad``.
+    """
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters():
+        names.setdefault(id(p), name)
+    param_names = [names[id(p)] for p in params]
+    args, kwargs = list(args or ()), dict(kwargs or {})
+    slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
+    dims = [_batched(module, position, value, batch) for position, value in slots]
+    out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
+    if any(d is None for d in out_dims):
+        raise UncoveredParameterError(
+            f"{type(module).__name__}: an output has no batch dimension of size {batch}, so the "
+            "per-sample gradients of its parameters are undefined"
+        )
+    batched = [k for k, d in enumerate(dims) if d is not None]
+    values = [value.detach() if isinstance(value, torch.Tensor) else value for _, value in slots]
+
+    def run(p: dict, rows: list) -> tuple:
+        current = list(values)
+        for k, row in zip(batched, rows):
+            current[k] = row
+        call_args = current[: len(args)]
+        call_kwargs = dict(zip(kwargs, current[len(args):]))
+        out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
+        return tuple(out[i] for i in want)
+
+    with tracer.pause():
+        try:
+            detached = {name: p.detach() for name, p in zip(param_names, params)}
+            return _vmapped(run, detached, param_names, values, batched, dims, grads, out_dims)
+        except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd): loop
+            live = dict(zip(param_names, params))
+            return _looped(run, live, params, values, batched, dims, grads, out_dims, batch)
+
+
+def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
+    count = len(batched)
+
+    def one(*sample):
+        rows = [row.unsqueeze(dims[k]) for k, row in zip(batched, sample[:count])]
+        cotangents = tuple(g.unsqueeze(d) for g, d in zip(sample[count:], out_dims))
+        _, back = vjp(lambda p: run(p, rows), detached)
+        return back(cotangents)[0]
+
+    in_dims = tuple(dims[k] for k in batched) + tuple(out_dims)
+    with torch.enable_grad():
+        result = vmap(one, in_dims=in_dims)(*[values[k] for k in batched], *grads)
+    return [result[name].detach() for name in names]
+
+
+def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
+    per_param: list[list[torch.Tensor]] = [[] for _ in params]
+    for row in range(batch):
+        rows = [values[k].narrow(dims[k], row, 1) for k in batched]
+        cotangents = [g.narrow(d, row, 1) for g, d in zip(grads, out_dims)]
+        with torch.enable_grad():
+            results = torch.autograd.grad(run(live, rows), params, cotangents, allow_unused=True)
+        for k, (p, g) in enumerate(zip(params, results)):
+            per_param[k].append(torch.zeros_like(p) if g is None else g.detach())
+    return [torch.stack(rows) for rows in per_param]

@@ -1,0 +1,261 @@
+"""One tracked step's needs, met per module by BackPACK or by module hooks.
+
+The cockpit collects what the scheduled quantities need (BackPACK
+extensions, per-sample statistics, extension hooks, the graph) and hands it
+to :class:`StepExecution`, which decides per module how to meet it:
+
+- **BackPACK** for a module that was ``extend``-ed and whose class BackPACK's
+  ``BatchGrad`` supports (per-sample statistics), and for every BackPACK
+  extension a quantity or the user asked for (curvature diagonals, KFAC);
+- **hooks** (:mod:`cockpit_like.backends.hooks`) for every other module that
+  owns tracked parameters: per-layer rules, else ``torch.func``.
+
+Both feed one :class:`~cockpit_like.backends.per_sample.PerSampleReducer`.
+The cockpit calls :meth:`StepExecution.enter` before and
+:meth:`StepExecution.exit` after ``loss.backward()`` and never names a backend.
+
+May import torch, BackPACK and :mod:`cockpit_like.backends`.
+"""
+
+from __future__ import annotations
+
+import torch
+from backpack import backpack, hook_store_io
+from backpack.extensions import BatchGrad
+
+from cockpit_like.backends.extensions import describe, merge_extensions
+from cockpit_like.backends.hooks import HookBackend
+from cockpit_like.backends.lean_hooks import is_lean
+from cockpit_like.backends.per_sample import PerSampleReducer
+
+__all__ = ["StepExecution", "NotExtendedError", "UnsupportedLayerError", "is_extended"]
+
+
+class NotExtendedError(RuntimeError):
+    """A backend computed nothing for some parameters (BackPACK: the model or loss was not ``extend``-ed)."""
+
+
+class UnsupportedLayerError(NotImplementedError):
+    """BackPACK cannot run a needed extension on a layer of the model."""
+
+
+def is_extended(module: torch.nn.Module) -> bool:
+    """Whether ``backpack.extend`` gave ``module`` its hooks."""
+    return is_lean(module) or any(hook is hook_store_io for hook in module._forward_hooks.values())
+
+
+_BATCH_GRAD_CLASSES: frozenset | None = None
+
+
+def _batch_grad_classes() -> frozenset:
+    global _BATCH_GRAD_CLASSES
+    if _BATCH_GRAD_CLASSES is None:
+        _BATCH_GRAD_CLASSES = frozenset(getattr(BatchGrad(), "_BackpropExtension__module_extensions"))
+    return _BATCH_GRAD_CLASSES
+
+
+def backpack_computes_per_sample(module: torch.nn.Module) -> bool:
+    """Whether BackPACK computes ``module``'s per-sample gradients (extended, class supported)."""
+    return type(module) in _batch_grad_classes() and is_extended(module)
+
+
+class StepExecution:
+    """The backends of one tracked step.
+
+    Args:
+        step: the global step (for messages).
+        params: the tracked parameters.
+        requests: ``(requested_by, BackPACK extension)`` pairs.
+        stats: distinct per-sample statistics.
+        hooks: BackPACK extension hooks of quantities (``hook(module)``).
+        raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
+        create_graph: the backward pass keeps the graph.
+        tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer` (or ``None``).
+        collector: the lean-hooks collector (or ``None``).
+        batch_size: ``info["batch_size"]`` if given.
+        names: ``id(param) -> readable name``.
+    """
+
+    def __init__(self, step, params, requests, stats, hooks, raw_batch_grad, create_graph, tracer, collector, batch_size, names):
+        self.step = step
+        self.params = params
+        self.names = names
+        self.user_fields: set[str] = set()
+        self.reducer: PerSampleReducer | None = None
+        self.hook_backend: HookBackend | None = None
+        self._backpack = None
+        calls = tracer.take_calls() if tracer is not None else []
+        hooks = list(hooks)
+        if stats:
+            self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad)
+            use_backpack = self._backpack_per_sample(tracer, raw_batch_grad)
+            if use_backpack:
+                if raw_batch_grad:
+                    extension = BatchGrad()
+                else:
+                    from cockpit_like.backends.per_sample_extension import PerSampleStatistics
+
+                    extension = PerSampleStatistics(self.reducer)
+                requests = list(requests) + [("per-sample statistics", extension)]
+                hooks.insert(0, self.reducer)
+            handled = backpack_computes_per_sample if use_backpack else (lambda module: False)
+            if calls:
+                self.hook_backend = HookBackend(
+                    calls, params, self.reducer, handled, tracer, batch_size=batch_size, names=names
+                )
+        self.extensions = merge_extensions(requests)
+        self._create_graph = create_graph
+        self._hooks = hooks
+        self._collector = collector
+
+    @staticmethod
+    def _backpack_per_sample(tracer, raw_batch_grad: bool) -> bool:
+        """BackPACK's per-sample extension runs unless the known models have no extended module."""
+        if raw_batch_grad or tracer is None:
+            return True
+        roots = [ref() for ref in tracer.roots]
+        roots = [root for root in roots if root is not None]
+        if not roots or not tracer.covers_all():
+            return True
+        return any(is_extended(module) for root in roots for module in root.modules())
+
+    def describe(self) -> str:
+        shown = [describe(e) for e in self.extensions]
+        calls = 0 if self.hook_backend is None else len(self.hook_backend.calls)
+        return f"extensions: {shown}; module calls computed by hooks: {calls}"
+
+    # ---- around backward ---------------------------------------------------------------------
+    def enter(self) -> None:
+        if self.hook_backend is not None:
+            self.hook_backend.enter()
+        if self.extensions or self._hooks:
+            hooks = list(self._hooks)
+            if self._collector is not None:
+                hooks.append(self._collector)
+            exts, hook = self.extensions, _chain(hooks) if hooks else None
+            if self._create_graph:
+                # backward(create_graph=True) would record everything the hooks compute (Finding 9)
+                from cockpit_like.backends.no_grad import hook_without_autograd, without_autograd
+
+                exts = [without_autograd(ext) for ext in exts]
+                hook = None if hook is None else hook_without_autograd(hook)
+            self._backpack = backpack(*exts, extension_hook=hook)
+            self._backpack.__enter__()
+
+    def exit(self, exc_type, exc, traceback) -> None:
+        """Leave the backends; on an error in ``backward`` raise a clear one (BackPACK's explained)."""
+        if self._backpack is not None:
+            self._backpack.__exit__(exc_type, exc, traceback)
+            if self._collector is not None:
+                if exc_type is None:
+                    self._collector.make_lean()
+                else:
+                    self._collector.forget()
+        if exc_type is not None:
+            if self.hook_backend is not None:
+                self.hook_backend.remove_hooks()
+            if _from_backpack(exc) and not isinstance(exc, UnsupportedLayerError):
+                raise UnsupportedLayerError(
+                    f"BackPACK cannot run the extensions needed at step {self.step} "
+                    f"({[describe(e) for e in self.extensions]}) on this model "
+                    f"({type(exc).__name__}: {exc or 'an internal assertion failed'}). BackPACK's curvature "
+                    "extensions need a model built from supported layers in nn.Sequential containers (no "
+                    "skip connections, no custom modules). Fixes: pass curvature='auto' (or "
+                    "'hutchinson') to HessTrace / TICDiag / TICTrace, which uses Hessian-vector "
+                    "products on any model; leave out the quantities that need these extensions; or "
+                    "replace the layer with a supported one."
+                ) from exc
+            return
+        if self.hook_backend is not None:
+            self.hook_backend.finish()
+
+    # ---- after backward ---------------------------------------------------------------------
+    def results(self) -> dict:
+        return {} if self.reducer is None else self.reducer.results()
+
+    def check(self) -> None:
+        """Every tracked parameter got what was asked for, or a clear error."""
+        params = self.params
+        if self.reducer is not None:
+            missing = [i for i in range(len(params)) if i not in self.reducer.seen]
+            if missing:
+                raise NotExtendedError(self._uncovered_message(missing))
+        for ext in self.extensions:
+            field = getattr(ext, "savefield", None)
+            if field is None or (field == "grad_batch" and self.reducer is not None):
+                continue
+            missing = [i for i, p in enumerate(params) if not hasattr(p, field)]
+            if len(missing) == len(params):
+                raise NotExtendedError(
+                    f"step {self.step}: BackPACK computed no {describe(ext)} ('{field}') for any "
+                    "parameter. The model (and, for curvature, the loss function) must be "
+                    "extended: `model = backpack.extend(model)`, `lossfunc = "
+                    "backpack.extend(lossfunc)`, and the forward pass must run after that. Or use "
+                    "curvature='auto' / 'hutchinson', which needs no extend."
+                )
+            if missing:
+                shown = ", ".join(self._name(i) for i in missing[:5])
+                raise NotExtendedError(
+                    f"step {self.step}: BackPACK computed no {describe(ext)} for parameters "
+                    f"{shown}{' ...' if len(missing) > 5 else ''}. Their module is not extended "
+                    "with backpack.extend, BackPACK does not support it, or they are not used in the "
+                    "loss; extend every module that holds tracked parameters, use curvature='auto', "
+                    "or pass only those parameters to Cockpit(params)."
+                )
+
+    def _name(self, index: int) -> str:
+        param = self.params[index]
+        name = self.names.get(id(param))
+        return f"#{index} {name} {list(param.shape)}" if name else f"#{index} {list(param.shape)}"
+
+    def _uncovered_message(self, missing: list[int]) -> str:
+        shown = ", ".join(self._name(i) for i in missing[:5])
+        more = " ..." if len(missing) > 5 else ""
+        unused = [i for i in missing if self.params[i].grad is None]
+        if len(unused) == len(missing):
+            return (
+                f"step {self.step}: parameters {shown}{more} got no gradient in this backward pass, so "
+                "they have no per-sample gradients. Pass only parameters the loss depends on to "
+                "Cockpit(params), e.g. the trainable parameters of the model you train."
+            )
+        return (
+            f"step {self.step}: no per-sample gradients were computed for parameters {shown}{more}. The "
+            "cockpit sees a parameter through the forward call of its module: pass the model, "
+            "Cockpit(params, quantities, model=model), and run its forward pass (with gradients "
+            "enabled) after creating the cockpit; a parameter used outside its module's forward "
+            "(e.g. F.linear(x, self.layer.weight) in a parent that owns no parameters) cannot be "
+            "seen. Alternatively extend the model with backpack.extend."
+        )
+
+    def free(self, user_types: set[type]) -> None:
+        """Delete the BackPACK buffers nobody asked to keep."""
+        fields = {ext.savefield for ext in self.extensions if type(ext) not in user_types and hasattr(ext, "savefield")}
+        for param in self.params:
+            for field in fields:
+                if hasattr(param, field):
+                    delattr(param, field)
+
+
+def _from_backpack(exc: BaseException) -> bool:
+    if isinstance(exc, NotImplementedError):
+        return True
+    if not isinstance(exc, AssertionError):
+        return False
+    tb = exc.__traceback__
+    while tb is not None:
+        if "backpack" in tb.tb_frame.f_code.co_filename.replace("\\", "/").split("/site-packages/")[-1].split("/")[0]:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _chain(hooks: list):
+    if len(hooks) == 1:
+        return hooks[0]
+
+    def run_all(module: torch.nn.Module) -> None:
+        for hook in hooks:
+            hook(module)
+
+    return run_all
+
