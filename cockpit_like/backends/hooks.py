@@ -92,14 +92,24 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     calls = tracer.calls
     if len(calls) >= tracer.MAX_CALLS:  # forward passes never backpropagated inside the cockpit
         calls.clear()
-    node = output.grad_fn if isinstance(output, torch.Tensor) else None
+    replaced = None
+    if isinstance(output, torch.Tensor):
+        batch = tracer.batch
+        if batch > 1 and output.dim() > 0 and output.shape[0] == 1 and output.requires_grad:
+            # shared over the batch (e.g. position embeddings of position_ids [1, T]): an expanded
+            # view gives the same values downstream, and its gradient arrives per sample
+            output = replaced = output.expand(batch, *output.shape[1:])
+        node = output.grad_fn
+    else:
+        node = None
     calls.append(Call(module, args, kwargs, output, node))
+    return replaced
 
 
-def _before_root(tracer_id: int, module, args) -> None:
+def _before_root(tracer_id: int, module, args, kwargs) -> None:
     tracer = _TRACERS.get(tracer_id)
     if tracer is not None and not tracer.paused:
-        tracer.enter_forward()
+        tracer.enter_forward(args, kwargs)
 
 
 def _after_root(tracer_id: int, module, args, output) -> None:
@@ -152,6 +162,9 @@ class ModelTracer:
         self._handles: list[Any] = []
         self._global_handle = None
         self._kernel_stack: list[contextlib.AbstractContextManager] = []
+        self._batches: list[int] = []
+        #: rows of the model's current forward pass (0 outside one)
+        self.batch = 0
 
     # ---- installing ---------------------------------------------------------------
     def attach(self, root: nn.Module) -> None:
@@ -164,7 +177,7 @@ class ModelTracer:
             own = any(id(p) in self._tracked for p in module.parameters(recurse=False))
             if own or isinstance(module, nn.modules.batchnorm._BatchNorm):
                 self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
-        self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id)))
+        self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
         self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
         self._covered |= {id(p) for p in root.parameters()}
         self.roots.append(weakref.ref(root))
@@ -177,13 +190,13 @@ class ModelTracer:
     def covers_all(self) -> bool:
         return self._tracked <= self._covered
 
-    def _found(self, module: nn.Module) -> None:
+    def _found(self, module: nn.Module, args: tuple) -> None:
         if self.paused or not torch.is_grad_enabled():
             return
         if not any(id(p) in self._tracked and id(p) not in self._covered for p in module.parameters()):
             return
         self.attach(module)
-        self.enter_forward()  # this call's pre-hook was registered too late for this call
+        self.enter_forward(args, {})  # this call's pre-hook was registered too late for this call
         if self.covers_all() and self._global_handle is not None:
             self._global_handle.remove()
             self._global_handle = None
@@ -197,8 +210,15 @@ class ModelTracer:
             self._global_handle.remove()
             self._global_handle = None
 
-    # ---- the attention kernel on graph steps -----------------------------------------
-    def enter_forward(self) -> None:
+    # ---- the model's forward pass ------------------------------------------------------
+    def enter_forward(self, args: tuple, kwargs: dict) -> None:
+        """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
+        self._batches.append(self.batch)
+        self.batch = 0
+        for value in itertools.chain(args, (kwargs or {}).values()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                self.batch = value.shape[0]
+                break
         if not self._wants_graph():
             self._kernel_stack.append(contextlib.nullcontext())
             return
@@ -211,6 +231,8 @@ class ModelTracer:
     def exit_forward(self) -> None:
         if self._kernel_stack:
             self._kernel_stack.pop().__exit__(None, None, None)
+        if self._batches:
+            self.batch = self._batches.pop()
 
     # ---- per step -----------------------------------------------------------------------
     def take_calls(self) -> list[Call]:
@@ -231,7 +253,7 @@ class ModelTracer:
 def _discover(tracer_id: int, module, args) -> None:
     tracer = _TRACERS.get(tracer_id)
     if tracer is not None:
-        tracer._found(module)
+        tracer._found(module, args)
 
 
 # ---- the backend of one step ------------------------------------------------------------
@@ -351,8 +373,12 @@ class HookBackend:
         """After ``loss.backward()``: the calls still waiting (outputs that got no gradient) and the fallbacks."""
         self.remove_hooks()
         for call in self.calls:
-            if call.waiting >= 0 and not call.done:
+            if call.done:
+                continue
+            if call.waiting < len(call.want):  # part of this backward pass: missing gradients are zero
                 self._process(call)
+            else:  # no output got a gradient: a forward pass that this backward pass does not contain
+                call.release()
         deferred, self._deferred = self._deferred, []
         for call in deferred:
             self._fallback(call)
@@ -373,10 +399,12 @@ class HookBackend:
         rule = rule_for(call.module)
         forms = None
         if rule is not None and len(call.want) == 1 and call.want[0] == 0 and call.args:
-            x = call.args[0]
-            if isinstance(x, torch.Tensor):
+            x, grad = call.args[0], self._grads(call)[0]
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and grad.dim() > 0:
+                if x.shape[0] == 1 and grad.shape[0] > 1:  # an input shared by the batch
+                    x = x.expand(grad.shape[0], *x.shape[1:])
                 with torch.no_grad():
-                    forms = rule(call.module, x.detach(), self._grads(call)[0])
+                    forms = rule(call.module, x.detach(), grad)
         if forms is None:
             self._deferred.append(call)
             return
