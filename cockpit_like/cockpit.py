@@ -83,26 +83,28 @@ class Cockpit:
         lean_hooks: bool = True,
     ):
         self.params = _check_params(params)
-        self._module_collector = ModuleCollector() if lean_hooks else None
-        self._next_step = 0
-        self._tracer = ModelTracer(self.params, wants_graph=lambda: self.create_graph(self._next_step))
-        if model is not None:
-            if not isinstance(model, torch.nn.Module):
-                raise ValueError(f"Cockpit(model=...) takes the nn.Module that owns params, got {type(model).__name__}")
-            self._tracer.attach(model)
-        self._tracer.discover()
-        self._param_names: dict[int, str] = {}
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise ValueError(f"Cockpit(model=...) takes the nn.Module that owns params, got {type(model).__name__}")
         if quantities is not None and not isinstance(quantities, (list, tuple)):
             raise ValueError(
                 f"Cockpit(quantities=...) takes a list of Quantity instances, got "
                 f"{type(quantities).__name__}"
             )
+        self._module_collector = ModuleCollector() if lean_hooks else None
+        self._next_step = 0
+        self._param_names: dict[int, str] = {}
         self.quantities: list[Quantity] = []
         self._names: dict[int, str] = {}
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
+        self._tracer = ModelTracer(
+            self.params, wants_graph=lambda: self.create_graph(self._next_step), on_attach=self._adapt_quantities
+        )
         for quantity in quantities or []:
             self.add(quantity)
+        if model is not None:
+            self._tracer.attach(model)
+        self._tracer.discover()
         if stream_to is not None:
             self._stream = StreamWriter(stream_to, self.metadata())
 
@@ -128,6 +130,20 @@ class Cockpit:
             name, count = f"{base}_{count}", count + 1
         self.quantities.append(quantity)
         self._names[id(quantity)] = name
+        if self._tracer.roots:
+            quantity.adapt_to_models(self.models())
+
+    def models(self) -> list[torch.nn.Module]:
+        """The models that own the tracked parameters, as far as the cockpit knows them."""
+        return [root for root in (ref() for ref in self._tracer.roots) if root is not None]
+
+    def _adapt_quantities(self) -> None:
+        models = self.models()
+        before = [q.settings() for q in self.quantities]
+        for quantity in self.quantities:
+            quantity.adapt_to_models(models)
+        if self._stream is not None and before != [q.settings() for q in self.quantities]:
+            self._stream.write_metadata(self.metadata())
 
     def name_of(self, quantity: Quantity) -> str:
         """The key of ``quantity`` in :meth:`get_output` (its class name, or
@@ -256,7 +272,7 @@ class _TrackedStep:
         self._check_loss()
 
         requests = [("the user's *exts", ext) for ext in self.user_exts]
-        stats, hooks = [], []
+        stats, hooks, needs, owners = [], [], [], []
         raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in self.user_exts)
         for quantity in self.active:
             name = cockpit.name_of(quantity)
@@ -264,7 +280,11 @@ class _TrackedStep:
                 requests.append((name, ext))
                 raw_batch_grad |= isinstance(ext, BatchGrad)
             hooks.extend(quantity.extension_hooks(step))
-            stats.extend(s for s in quantity.per_sample_stats(step) if s not in stats)
+            asked = quantity.per_sample_stats(step)
+            if asked:
+                owners.append(name)
+            stats.extend(s for s in asked if s not in stats)
+            needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
         try:
             self._execution = StepExecution(
                 step,
@@ -278,6 +298,8 @@ class _TrackedStep:
                 cockpit._module_collector,
                 self.info.get("batch_size"),
                 cockpit._names_of_params(),
+                needs,
+                owners,
             )
         except BaseException:
             cockpit._tracer.take_calls()

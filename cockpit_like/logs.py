@@ -180,6 +180,10 @@ class StreamWriter:
         if self._fsync:
             os.fsync(self._handle.fileno())
 
+    def write_metadata(self, metadata: dict) -> None:
+        """Replace the metadata (e.g. once quantities chose how to compute for the model)."""
+        self._line({"metadata": metadata})
+
     def write_step(self, step: int, values: Mapping[str, Any]) -> None:
         if values:
             self._line({"step": int(step), "values": encode(values)})
@@ -205,6 +209,9 @@ def _read_stream(lines: list[str], path: Path) -> tuple[dict, dict[int, dict[str
         if "schema" in document:
             _check_version(document, path)
             metadata = document.get("metadata", {})
+            continue
+        if "step" not in document and "metadata" in document:  # updated metadata
+            metadata = document["metadata"]
             continue
         steps.setdefault(int(document["step"]), {}).update(decode(document["values"]))
     return metadata, steps

@@ -145,16 +145,18 @@ class ModelTracer:
         params: the tracked parameters.
         wants_graph: ``() -> bool``, whether the coming backward pass will need
             the graph (then the forward pass uses the math attention kernel).
+        on_attach: ``() -> None``, called after a model was attached.
     """
 
     #: calls kept at most between two cockpit steps (older ones are dropped)
     MAX_CALLS = 200_000
 
-    def __init__(self, params: list[torch.Tensor], wants_graph=lambda: False):
+    def __init__(self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None):
         self.id = next(_IDS)
         _TRACERS[self.id] = self
         self._tracked = {id(p) for p in params}
         self._wants_graph = wants_graph
+        self._on_attach = on_attach
         self.calls: list[Call] = []
         self.paused = False
         self.roots: list[weakref.ref] = []
@@ -181,6 +183,7 @@ class ModelTracer:
         self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
         self._covered |= {id(p) for p in root.parameters()}
         self.roots.append(weakref.ref(root))
+        self._on_attach()
 
     def discover(self) -> None:
         """Attach to the model at its first forward pass (PyTorch's global module pre-hook)."""
@@ -494,8 +497,10 @@ def per_sample_grads(module, params, args, kwargs, want, grads, batch, tracer) -
     out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
     if any(d is None for d in out_dims):
         raise UncoveredParameterError(
-            f"{type(module).__name__}: an output has no batch dimension of size {batch}, so the "
-            "per-sample gradients of its parameters are undefined"
+            f"{type(module).__name__}: an output has no batch dimension of size {batch} (shapes "
+            f"{[list(g.shape) for g in grads]}), so the cockpit cannot tell the rows' gradients apart. If "
+            "the output is shared by all rows (e.g. a table broadcast over the batch), return it with a "
+            "batch dimension (`table.expand(batch_size, *table.shape)`) or with a leading dimension of 1."
         )
     batched = [k for k, d in enumerate(dims) if d is not None]
     values = [value.detach() if isinstance(value, torch.Tensor) else value for _, value in slots]

@@ -24,11 +24,18 @@ from backpack import backpack, hook_store_io
 from backpack.extensions import BatchGrad
 
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import HookBackend
+from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import PerSampleReducer
 
-__all__ = ["StepExecution", "NotExtendedError", "UnsupportedLayerError", "is_extended"]
+__all__ = [
+    "StepExecution",
+    "NotExtendedError",
+    "UnsupportedLayerError",
+    "is_extended",
+    "backpack_computes_per_sample",
+    "backpack_curvature_compatible",
+]
 
 
 class NotExtendedError(RuntimeError):
@@ -59,6 +66,28 @@ def backpack_computes_per_sample(module: torch.nn.Module) -> bool:
     return type(module) in _batch_grad_classes() and is_extended(module)
 
 
+def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> bool:
+    """Whether BackPACK's second-order ``extension`` can run on every model of ``models``.
+
+    Conservative: every container is an ``nn.Sequential`` (BackPACK backpropagates
+    curvature through a chain of modules: no skip connections, no custom
+    ``forward``), every other module is extended and has a module extension of
+    ``extension``. The loss function must be extended too, which cannot be
+    checked here (BackPACK then computes nothing, and the cockpit says so).
+    """
+    if not models:
+        return False
+    supported = frozenset(getattr(extension, "_BackpropExtension__module_extensions"))
+    for root in models:
+        for module in root.modules():
+            if next(module.children(), None) is not None:
+                if type(module) is not torch.nn.Sequential:
+                    return False
+            elif type(module) not in supported or not is_extended(module):
+                return False
+    return True
+
+
 class StepExecution:
     """The backends of one tracked step.
 
@@ -71,13 +100,20 @@ class StepExecution:
         raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
         create_graph: the backward pass keeps the graph.
         tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer` (or ``None``).
+        needs: distinct step needs computed after the backward pass (``need.compute(params)``).
+        stat_owners: names of the quantities that asked for per-sample statistics (for messages).
         collector: the lean-hooks collector (or ``None``).
         batch_size: ``info["batch_size"]`` if given.
         names: ``id(param) -> readable name``.
     """
 
-    def __init__(self, step, params, requests, stats, hooks, raw_batch_grad, create_graph, tracer, collector, batch_size, names):
+    def __init__(
+        self, step, params, requests, stats, hooks, raw_batch_grad, create_graph, tracer, collector, batch_size, names,
+        needs=(), stat_owners=(),
+    ):
         self.step = step
+        self.stat_owners = list(stat_owners)
+        self.needs = list(needs)
         self.params = params
         self.names = names
         self.user_fields: set[str] = set()
@@ -167,11 +203,23 @@ class StepExecution:
                 ) from exc
             return
         if self.hook_backend is not None:
-            self.hook_backend.finish()
+            try:
+                self.hook_backend.finish()
+            except UncoveredParameterError as error:
+                raise UncoveredParameterError(
+                    f"step {self.step}: {error} Needed for the per-sample statistics of "
+                    f"{self.stat_owners}. Every module that owns tracked parameters must treat each row "
+                    "of the batch on its own; leave these quantities out, or leave this module's "
+                    "parameters out of Cockpit(params)."
+                ) from error
 
     # ---- after backward ---------------------------------------------------------------------
     def results(self) -> dict:
-        return {} if self.reducer is None else self.reducer.results()
+        """Per-sample statistics and step needs, keyed by themselves."""
+        results = {} if self.reducer is None else self.reducer.results()
+        for need in self.needs:
+            results[need] = need.compute(self.params)
+        return results
 
     def check(self) -> None:
         """Every tracked parameter got what was asked for, or a clear error."""

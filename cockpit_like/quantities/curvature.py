@@ -1,7 +1,9 @@
 """Curvature diagonals: Hessian trace and the Takeuchi information criterion.
 
-All three quantities read a BackPACK diagonal ``c`` of the curvature of the
-**mean** loss ``L = (1/B) sum_i l_i``, chosen by ``curvature``:
+All three quantities read a diagonal ``c`` of the curvature of the
+**mean** loss ``L = (1/B) sum_i l_i``, chosen by ``curvature``. From BackPACK
+(the model and the loss extended, built of supported layers in
+``nn.Sequential`` containers):
 
 - ``"diag_h"``: :class:`backpack.extensions.DiagHessian`, the exact
   ``diag(∇²L)`` (may have negative entries; used as they are);
@@ -10,6 +12,21 @@ All three quantities read a BackPACK diagonal ``c`` of the curvature of the
 - ``"diag_ggn_mc"``: :class:`backpack.extensions.DiagGGNMC` with one sample,
   the same with ``∇²_f l_i`` replaced by a Monte-Carlo estimate (random: it
   uses the torch RNG during backward).
+
+On any model (no BackPACK needed):
+
+- ``"hutchinson"``: Hutchinson's estimate ``(1/m) sum_k v_k * (H v_k)`` of
+  ``diag(∇²L)`` from ``m = hutchinson_samples`` Hessian-vector products with
+  Rademacher vectors (unbiased, random: torch RNG; noisy per entry, so
+  ``TICDiag`` with it can be far off, while traces average the noise out);
+  needs ``loss.backward(create_graph=cockpit.create_graph(step))``, and the
+  quantities of one step share one estimate
+  (:class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`);
+- ``"auto"`` (what the presets use): ``"diag_h"`` where BackPACK can compute
+  it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
+  else ``"hutchinson"``; decided when the cockpit learns the model, and
+  written to the log metadata (``settings()["computed_with"]``). Without a
+  known model, ``"diag_h"``.
 
 TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
 (``grad_batch[i] = g_i / B`` for a mean loss), read from the shared
@@ -27,12 +44,13 @@ from __future__ import annotations
 import torch
 
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
+from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 
 from cockpit_like.context import get_record
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
-__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES"]
+__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES", "ESTIMATORS"]
 
 #: curvature name -> BackPACK extension factory (its savefield is the name)
 CURVATURES = {
@@ -40,6 +58,10 @@ CURVATURES = {
     "diag_ggn_exact": diag_ggn_exact,
     "diag_ggn_mc": lambda: diag_ggn_mc(mc_samples=1),
 }
+
+
+#: curvature choices that need no BackPACK extension
+ESTIMATORS = ("hutchinson", "auto")
 
 
 class UnknownCurvatureError(ValueError, KeyError):
@@ -50,10 +72,12 @@ class UnknownCurvatureError(ValueError, KeyError):
 
 
 def _check_curvature(curvature: str, owner: str) -> str:
-    if curvature not in CURVATURES:
+    if curvature not in CURVATURES and curvature not in ESTIMATORS:
         raise UnknownCurvatureError(
             f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
-            f"{list(CURVATURES)} (Hessian diagonal, exact GGN diagonal, Monte-Carlo GGN diagonal)"
+            f"{list(CURVATURES) + list(ESTIMATORS)} (BackPACK's Hessian diagonal, exact GGN diagonal, "
+            "Monte-Carlo GGN diagonal; Hutchinson's estimate from Hessian-vector products on any "
+            "model; 'auto': the exact Hessian diagonal where BackPACK can, else Hutchinson)"
         )
     return curvature
 
@@ -75,24 +99,59 @@ def _diagonals(params: list[torch.Tensor], field: str, owner: str) -> list[torch
 class _DiagCurvatureQuantity(SingleStepQuantity):
     """Shared glue: the ``curvature`` argument and reading its diagonal."""
 
-    def __init__(self, track_schedule, verbose: bool = False, curvature: str = "diag_h"):
+    def __init__(
+        self, track_schedule, verbose: bool = False, curvature: str = "diag_h", hutchinson_samples: int = 4
+    ):
         super().__init__(track_schedule, verbose=verbose)
         self._curvature = _check_curvature(curvature, type(self).__name__)
+        if isinstance(hutchinson_samples, bool) or not isinstance(hutchinson_samples, int) or hutchinson_samples < 1:
+            raise ValueError(
+                f"{type(self).__name__}(hutchinson_samples=...) needs a positive int, got {hutchinson_samples!r}"
+            )
+        self._samples = hutchinson_samples
+        self._method: str | None = None if curvature == "auto" else curvature
 
     @property
     def curvature(self) -> str:
         return self._curvature
 
+    @property
+    def method(self) -> str:
+        """How the diagonal is computed: a BackPACK field name or ``"hutchinson"``."""
+        return self._method or "diag_h"
+
+    def adapt_to_models(self, models: list) -> None:
+        if self._curvature == "auto":
+            from cockpit_like.backends.step import backpack_curvature_compatible
+
+            compatible = backpack_curvature_compatible(models, CURVATURES["diag_h"]())
+            self._method = "diag_h" if compatible else "hutchinson"
+
     def extensions(self, global_step: int) -> list:
-        if not self.should_compute(global_step):
+        if not self.should_compute(global_step) or self.method not in CURVATURES:
             return []
-        return [CURVATURES[self._curvature]()]
+        return [CURVATURES[self.method]()]
+
+    def curvature_needs(self, global_step: int) -> list:
+        if not self.should_compute(global_step) or self.method != "hutchinson":
+            return []
+        return [HutchinsonDiagonal(self._samples)]
+
+    def create_graph(self, global_step: int) -> bool:
+        return self.method == "hutchinson" and self.should_compute(global_step)
 
     def settings(self) -> dict:
-        return {"curvature": self._curvature}
+        settings = {"curvature": self._curvature}
+        if self._curvature in ESTIMATORS:
+            settings["computed_with"] = self.method
+            if self.method == "hutchinson":
+                settings["hutchinson_samples"] = self._samples
+        return settings
 
-    def _curvature_diagonals(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        return _diagonals(params, self._curvature, type(self).__name__)
+    def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.method == "hutchinson":
+            return get_record(global_step).stat(HutchinsonDiagonal(self._samples))
+        return _diagonals(params, self.method, type(self).__name__)
 
 
 class HessTrace(_DiagCurvatureQuantity):
@@ -108,12 +167,19 @@ class HessTrace(_DiagCurvatureQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        return [float(c.sum()) for c in self._curvature_diagonals(params)]
+        return [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
 
 
 class _TIC(_DiagCurvatureQuantity):
-    def __init__(self, track_schedule, verbose: bool = False, curvature: str = "diag_h", epsilon: float = 1e-7):
-        super().__init__(track_schedule, verbose=verbose, curvature=curvature)
+    def __init__(
+        self,
+        track_schedule,
+        verbose: bool = False,
+        curvature: str = "diag_h",
+        epsilon: float = 1e-7,
+        hutchinson_samples: int = 4,
+    ):
+        super().__init__(track_schedule, verbose=verbose, curvature=curvature, hutchinson_samples=hutchinson_samples)
         self._epsilon = epsilon
 
     def per_sample_stats(self, global_step: int) -> list:
@@ -123,13 +189,13 @@ class _TIC(_DiagCurvatureQuantity):
         return {"batch_size"} if self.should_compute(global_step) else set()
 
     def settings(self) -> dict:
-        return {"curvature": self._curvature, "epsilon": self._epsilon}
+        return {**super().settings(), "epsilon": self._epsilon}
 
     def _inputs(self, global_step, params):
         name = type(self).__name__
         batch_size = get_record(global_step).require("batch_size", name)
         squares = get_record(global_step).stat(SumOfSquares())
-        return batch_size, squares, self._curvature_diagonals(params)
+        return batch_size, squares, self._curvature_diagonals(global_step, params)
 
 
 class TICDiag(_TIC):

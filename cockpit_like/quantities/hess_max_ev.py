@@ -6,14 +6,11 @@ import warnings
 
 import torch
 
+from cockpit_like.backends.hvp import MissingGraphError, hessian_vector_product
 from cockpit_like.functional.eigen import EigenResult, accelerated_power_iteration, lanczos, power_iteration
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["HessMaxEV", "MissingGraphError"]
-
-
-class MissingGraphError(RuntimeError):
-    """The gradients carry no graph, so no Hessian-vector product can be formed."""
 
 
 class HessMaxEV(SingleStepQuantity):
@@ -145,59 +142,3 @@ class HessMaxEV(SingleStepQuantity):
         ):
             return previous.to(params[0].device)
         return torch.cat([torch.rand_like(p).reshape(-1) for p in params])
-
-
-def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV"):
-    """``v -> H v`` (flat, params order) by double backprop through ``p.grad``.
-
-    Raises:
-        MissingGraphError: no ``p.grad`` carries a graph (backward ran without
-            ``create_graph=True``).
-    """
-    grads = [p.grad for p in params]
-    missing = [i for i, g in enumerate(grads) if g is None]
-    if missing:
-        raise RuntimeError(
-            f"{owner}: parameters {missing} have no gradient after backward; pass only "
-            "parameters that the loss depends on to Cockpit(params)"
-        )
-    live = [i for i, g in enumerate(grads) if g.requires_grad]
-    if not live:
-        raise MissingGraphError(
-            f"{owner} needs Hessian-vector products, but the gradients carry no graph. Call "
-            "`loss.backward(create_graph=cockpit.create_graph(global_step))` inside the "
-            "cockpit context."
-        )
-    sizes = [p.numel() for p in params]
-
-    def matvec(vector: torch.Tensor) -> torch.Tensor:
-        pieces = vector.split(sizes)
-        with warnings.catch_warnings():
-            # BackPACK's (inactive) module hooks fire during double backprop and
-            # torch warns that no module input requires a gradient: harmless here.
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            try:
-                products = torch.autograd.grad(
-                    [grads[i] for i in live],
-                    params,
-                    grad_outputs=[pieces[i].reshape(params[i].shape) for i in live],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            except RuntimeError as error:
-                if "modified by an inplace operation" not in str(error):
-                    raise
-                raise RuntimeError(
-                    f"{owner}: the graph of p.grad is invalid because parameters or gradients "
-                    "were modified in place after backward (by code or a quantity that runs "
-                    f"before {owner} at this step). Hessian-vector products need them unchanged "
-                    f"until {owner} is tracked. Original error: {error}"
-                ) from error
-        return torch.cat(
-            [
-                (torch.zeros_like(p) if hv is None else hv.detach()).reshape(-1)
-                for p, hv in zip(params, products)
-            ]
-        )
-
-    return matvec

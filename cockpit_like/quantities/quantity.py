@@ -109,6 +109,17 @@ class Quantity:
         """
         return []
 
+    def curvature_needs(self, global_step: int) -> list:
+        """Step needs computed once after the backward pass (e.g. :class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`).
+
+        Merged by value between quantities and read back with
+        :meth:`cockpit_like.context.StepRecord.stat`, like per-sample statistics.
+        """
+        return []
+
+    def adapt_to_models(self, models: list) -> None:
+        """Called when the cockpit learns the models that own its parameters (choose how to compute)."""
+
     def required_info(self, global_step: int) -> set[str]:
         """Keys of the cockpit's ``info`` dict needed at ``global_step``.
 

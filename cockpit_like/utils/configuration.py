@@ -5,7 +5,11 @@
 - business: economy + TICDiag, HessTrace
 - full: business + HessMaxEV, GradHist2d
 
-Every quantity of a preset uses its default arguments and the same schedule.
+Every quantity of a preset uses its default arguments and the same schedule,
+except the curvature diagonals (HessTrace, TICDiag), which use
+``curvature="auto"``: BackPACK's exact Hessian diagonal where BackPACK can
+compute it on the model, else Hutchinson's estimate from Hessian-vector
+products (any model); the log metadata says which.
 """
 
 from __future__ import annotations
@@ -54,4 +58,12 @@ def configuration(
     from cockpit_like.utils.schedules import linear
 
     schedule = linear(1) if track_schedule is None else track_schedule
-    return [cls(track_schedule=schedule, verbose=verbose) for cls in quantities_cls_for_configuration(label)]
+    made = []
+    for cls in quantities_cls_for_configuration(label):
+        extra = {"curvature": "auto"} if cls.__name__ in _AUTO_CURVATURE else {}
+        made.append(cls(track_schedule=schedule, verbose=verbose, **extra))
+    return made
+
+
+#: preset quantities that pick their curvature for the model
+_AUTO_CURVATURE = ("HessTrace", "TICDiag", "TICTrace")

@@ -1,0 +1,119 @@
+"""Hessian-vector products through the graph of ``p.grad``, and the estimators built on them.
+
+After ``loss.backward(create_graph=True)`` each ``p.grad`` carries its graph,
+so ``H v = grad_theta <grad_theta L, v>`` is one more backward pass through
+it (:func:`hessian_vector_product`). This works on any model, with no BackPACK
+extension: the curvature of models BackPACK cannot handle comes from here.
+
+:class:`HutchinsonDiagonal` is a step need (merged by value like the
+per-sample statistics, computed once per step after the backward pass, read
+with ``record.stat(need)``): Hutchinson's estimate of the Hessian diagonal,
+
+    d = (1/m) sum_k v_k * (H v_k),     v_k i.i.d. Rademacher (entries +-1),
+
+unbiased for ``diag(H)``; summed over a parameter's entries it is
+Hutchinson's unbiased estimate of the trace of that parameter's Hessian
+block, ``E[v^T H_pp v] = tr H_pp``. Its variance per entry ``j`` is
+``(1/m) sum_{k != j} H_jk^2``. The vectors come from the torch RNG.
+
+May import torch only.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MissingGraphError", "hessian_vector_product", "HutchinsonDiagonal"]
+
+
+class MissingGraphError(RuntimeError):
+    """The gradients carry no graph, so no Hessian-vector product can be formed."""
+
+
+def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV"):
+    """``v -> H v`` (flat, params order) by double backprop through ``p.grad``.
+
+    Raises:
+        MissingGraphError: no ``p.grad`` carries a graph (backward ran without
+            ``create_graph=True``).
+    """
+    grads = [p.grad for p in params]
+    missing = [i for i, g in enumerate(grads) if g is None]
+    if missing:
+        raise RuntimeError(
+            f"{owner}: parameters {missing} have no gradient after backward; pass only "
+            "parameters that the loss depends on to Cockpit(params)"
+        )
+    live = [i for i, g in enumerate(grads) if g.requires_grad]
+    if not live:
+        raise MissingGraphError(
+            f"{owner} needs Hessian-vector products, but the gradients carry no graph. Call "
+            "`loss.backward(create_graph=cockpit.create_graph(global_step))` inside the "
+            "cockpit context."
+        )
+    sizes = [p.numel() for p in params]
+
+    def matvec(vector: torch.Tensor) -> torch.Tensor:
+        pieces = vector.split(sizes)
+        with warnings.catch_warnings():
+            # BackPACK's (inactive) module hooks fire during double backprop and
+            # torch warns that no module input requires a gradient: harmless here.
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            try:
+                products = torch.autograd.grad(
+                    [grads[i] for i in live],
+                    params,
+                    grad_outputs=[pieces[i].reshape(params[i].shape) for i in live],
+                    retain_graph=True,
+                    allow_unused=True,
+                )
+            except RuntimeError as error:
+                if "derivative for" in str(error) and "not implemented" in str(error):
+                    raise RuntimeError(
+                        f"{owner}: an operation of this step's forward pass has no second derivative "
+                        f"({error}). For attention the cockpit runs the forward pass of steps that need "
+                        "the graph with PyTorch's math attention kernel, which has one: pass "
+                        "Cockpit(..., model=model), create the cockpit before the first forward pass and "
+                        "number the steps 0, 1, 2, ... (the cockpit expects step s + 1 after step s). "
+                        "Or wrap the forward pass in `torch.nn.attention.sdpa_kernel("
+                        "torch.nn.attention.SDPBackend.MATH)` yourself."
+                    ) from error
+                if "modified by an inplace operation" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"{owner}: the graph of p.grad is invalid because parameters or gradients "
+                    "were modified in place after backward (by code or a quantity that runs "
+                    f"before {owner} at this step). Hessian-vector products need them unchanged "
+                    f"until {owner} is tracked. Original error: {error}"
+                ) from error
+        return torch.cat(
+            [
+                (torch.zeros_like(p) if hv is None else hv.detach()).reshape(-1)
+                for p, hv in zip(params, products)
+            ]
+        )
+
+    return matvec
+
+
+@dataclass(frozen=True)
+class HutchinsonDiagonal:
+    """Need: Hutchinson's estimate of the Hessian diagonal of the mean loss from ``samples`` products.
+
+    Result: one tensor per tracked parameter, shaped like it (see the module docstring).
+    """
+
+    samples: int = 4
+
+    def compute(self, params: list[torch.Tensor], owner: str = "Hutchinson's estimator") -> list[torch.Tensor]:
+        matvec = hessian_vector_product(params, owner)
+        size = sum(p.numel() for p in params)
+        total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+        for _ in range(self.samples):
+            v = torch.randint(0, 2, (size,), device=total.device).to(total.dtype).mul_(2).sub_(1)
+            total.add_(v * matvec(v))
+        total.div_(self.samples)
+        return [piece.view_as(p) for piece, p in zip(total.split([p.numel() for p in params]), params)]

@@ -1,0 +1,196 @@
+"""Curvature on any model: Hutchinson's diagonal (HessTrace / TICDiag / TICTrace) against a dense Hessian twin.
+
+The dense twin is reverse-over-reverse (``torch.autograd.functional.hessian``):
+in torch 2.13 ``torch.func.hessian`` (forward-over-reverse) is wrong for
+models with ``LayerNorm`` (an asymmetric result, 0.67 off a finite-difference
+Hessian-vector product on ``layernorm_mlp``), see
+:func:`test_the_twin_agrees_with_finite_differences`.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from cockpit_like import Cockpit
+from cockpit_like.backends.hvp import HutchinsonDiagonal
+from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+from tests.helpers import make_batch, make_problem, per_sample_grads
+from tests.zoo import ZOO, per_sample_grads_loop
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook", "ignore:Using backward")
+
+SMALL = ["layernorm_mlp", "custom", "resnet_groupnorm", "gru"]
+
+
+def _mean_loss(problem, inputs, targets):
+    """``(flat parameters, f)`` with ``f(flat)`` the mean loss, through ``functional_call``."""
+    model = problem.model
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for _, p in model.named_parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def loss(vector):
+        pieces = vector.split([math.prod(s) for s in shapes])
+        params = {n: piece.reshape(s) for n, piece, s in zip(names, pieces, shapes)}
+        outputs = functional_call(model, params, (inputs,))
+        return problem.sample_losses(outputs, targets).mean()
+
+    return flat, loss
+
+
+def _dense_hessian(problem, inputs, targets) -> torch.Tensor:
+    flat, loss = _mean_loss(problem, inputs, targets)
+    return torch.autograd.functional.hessian(loss, flat)
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_the_twin_agrees_with_finite_differences(name):
+    problem = ZOO[name](0)
+    inputs, targets = problem.batch(4, 3)
+    flat, loss = _mean_loss(problem, inputs, targets)
+    dense = _dense_hessian(problem, inputs, targets)
+    v = torch.randn(flat.shape, dtype=flat.dtype, generator=torch.Generator().manual_seed(1))
+
+    def gradient(vector):
+        vector = vector.clone().requires_grad_()
+        return torch.autograd.grad(loss(vector), vector)[0]
+
+    eps = 1e-6
+    finite = (gradient(flat + eps * v) - gradient(flat - eps * v)) / (2 * eps)
+    torch.testing.assert_close(dense @ v, finite, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(dense, dense.T, rtol=1e-10, atol=1e-12)
+
+
+def _twin_diagonal(dense: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
+    """The estimator with the same Rademacher draws, from the dense Hessian."""
+    torch.manual_seed(seed)
+    total = torch.zeros(dense.shape[0], dtype=dense.dtype)
+    for _ in range(samples):
+        v = torch.randint(0, 2, (dense.shape[0],)).to(dense.dtype) * 2 - 1
+        total += v * (dense @ v)
+    return total / samples
+
+
+@pytest.mark.parametrize("name", SMALL)
+def test_hutchinson_quantities_match_the_dense_twin(name):
+    problem = ZOO[name](0)
+    model = problem.model
+    params = list(model.parameters())
+    inputs, targets = problem.batch(4, 3)
+    samples, batch = 3, 4
+    quantities = [
+        HessTrace(linear(1), curvature="hutchinson", hutchinson_samples=samples),
+        TICDiag(linear(1), curvature="hutchinson", hutchinson_samples=samples),
+        TICTrace(linear(1), curvature="hutchinson", hutchinson_samples=samples),
+    ]
+    cockpit = Cockpit(params, quantities=quantities, model=model)
+    dense = _dense_hessian(problem, inputs, targets)
+    grads = per_sample_grads_loop(problem, inputs, targets, params)
+    outputs = problem.forward(model, inputs)
+    loss = problem.sample_losses(outputs, targets).mean()
+    torch.manual_seed(7)  # the estimator draws after the backward pass, from this state
+    with cockpit(0, info={"batch_size": batch, "loss": loss}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    diagonal = _twin_diagonal(dense, samples, seed=7)
+    sizes = [p.numel() for p in params]
+    blocks = diagonal.split(sizes)
+    output = cockpit.get_output()[0]
+    assert output["HessTrace"] == pytest.approx([float(b.sum()) for b in blocks], rel=1e-9, abs=1e-12)
+    second_moment = torch.cat([(g**2).mean(0).reshape(-1) for g in grads])  # (1/B) sum_i g_i^2
+    assert output["TICDiag"] == pytest.approx(float((second_moment / (diagonal + 1e-7)).sum()), rel=1e-8)
+    assert output["TICTrace"] == pytest.approx(float(second_moment.sum() / (diagonal.sum() + 1e-7)), rel=1e-8)
+
+
+def test_one_estimate_per_step_is_shared():
+    problem = ZOO["custom"](0)
+    model = problem.model
+    cockpit = Cockpit(
+        model.parameters(),
+        quantities=[HessTrace(linear(1), curvature="hutchinson"), TICDiag(linear(1), curvature="hutchinson")],
+        model=model,
+    )
+    calls = []
+    original = HutchinsonDiagonal.compute
+
+    def counted(self, params, owner="x"):
+        calls.append(self)
+        return original(self, params)
+
+    inputs, targets = problem.batch(4, 0)
+    loss = problem.sample_losses(model(inputs), targets).mean()
+    try:
+        HutchinsonDiagonal.compute = counted
+        with cockpit(0, info={"batch_size": 4, "loss": loss}):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    finally:
+        HutchinsonDiagonal.compute = original
+    assert calls == [HutchinsonDiagonal(4)]
+
+
+def test_the_estimator_is_unbiased_over_all_sign_vectors():
+    """Averaged over every Rademacher vector, v * (H v) is exactly diag(H)."""
+    torch.manual_seed(0)
+    dense = torch.randn(5, 5, dtype=torch.float64)
+    dense = dense + dense.T
+    signs = torch.tensor([[1 - 2 * ((k >> j) & 1) for j in range(5)] for k in range(32)], dtype=torch.float64)
+    mean = (signs * (signs @ dense.T)).mean(0)
+    torch.testing.assert_close(mean, torch.diagonal(dense), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("problem", ["mlp", "cnn"])
+def test_auto_is_the_exact_diagonal_on_backpack_models(problem):
+    """On extended nn.Sequential models, the presets' 'auto' curvature is BackPACK's DiagHessian (Cockpit's numbers)."""
+    model, lossfunc, individual = make_problem(problem)
+    auto = configuration("business")
+    exact = [HessTrace(linear(1)), TICDiag(linear(1))]
+    cockpit = Cockpit(model.parameters(), quantities=auto + exact)
+    inputs, labels = make_batch(problem, 6, 1)
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    info = {"batch_size": 6, "loss": loss, "individual_losses": individual(outputs, labels),
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    output = cockpit.get_output()[0]
+    assert output["HessTrace"] == output["HessTrace_1"]
+    assert output["TICDiag"] == output["TICDiag_1"]
+    settings = {q["name"]: q["settings"] for q in cockpit.metadata()["quantities"]}
+    assert settings["HessTrace"]["computed_with"] == "diag_h"
+    assert not cockpit.create_graph(1) or any(q["class"] == "HessMaxEV" for q in cockpit.metadata()["quantities"])
+
+
+def test_the_stream_records_what_auto_picked(tmp_path):
+    from cockpit_like.logs import read_log_with_metadata
+
+    problem = ZOO["custom"](0)
+    model = problem.model
+    cockpit = Cockpit(model.parameters(), quantities=configuration("business"), stream_to=tmp_path / "run")
+    inputs, targets = problem.batch(4, 0)
+    outputs = model(inputs)  # the cockpit finds the model here and picks Hutchinson
+    losses = problem.sample_losses(outputs, targets)
+    loss = losses.mean()
+    info = {"batch_size": 4, "loss": loss, "individual_losses": losses.detach(),
+            "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    metadata, steps = read_log_with_metadata(tmp_path / "run.jsonl")
+    settings = {q["name"]: q["settings"] for q in metadata["quantities"]}
+    assert settings["HessTrace"]["computed_with"] == "hutchinson"
+    assert math.isfinite(sum(steps[0]["HessTrace"]))
+
+
+def test_unknown_curvature_lists_the_estimators():
+    with pytest.raises(ValueError, match="hutchinson"):
+        HessTrace(linear(1), curvature="exact")
+    with pytest.raises(ValueError, match="hutchinson_samples"):
+        TICDiag(linear(1), curvature="hutchinson", hutchinson_samples=0)

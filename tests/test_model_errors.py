@@ -1,0 +1,188 @@
+"""Bad models and bad settings on the any-model path: each gets a clear error that says what to do."""
+
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.cockpit import BatchNormInTrainingError, NotExtendedError, UnsupportedLayerError
+from cockpit_like.quantities import GradNorm, HessMaxEV, HessTrace, NormTest
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+from tests.zoo import resnet_batchnorm_eval
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
+
+
+def _step(cockpit, model, inputs, labels, step=0, lossfunc=None):
+    lossfunc = lossfunc or nn.CrossEntropyLoss()
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    losses = nn.functional.cross_entropy(outputs, labels, reduction="none")
+    info = {"batch_size": len(labels), "loss": loss, "individual_losses": losses.detach()}
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+
+
+def _data(shape=(2, 5, 5), classes=3, batch=4):
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(batch, *shape, generator=generator, dtype=torch.float64)
+    return inputs, torch.randint(0, classes, (batch,), generator=generator)
+
+
+@pytest.mark.parametrize("extended", [False, True])
+def test_batch_norm_in_training_mode_names_the_layer_and_the_fixes(extended):
+    model = resnet_batchnorm_eval().model.train()
+    if extended:
+        model = extend(model)
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    with pytest.raises(BatchNormInTrainingError) as error:
+        _step(cockpit, model, *_data())
+    message = str(error.value)
+    assert "'blocks.0.norm1'" in message and "training mode" in message
+    for fix in ("model.eval()", "nn.GroupNorm", "HessMaxEV"):
+        assert fix in message
+    # eval mode: the same model works, and quantities without per-sample statistics work in training mode
+    model.eval()
+    _step(cockpit, model, *_data(), step=1)
+    model.train()
+    plain = Cockpit(model.parameters(), quantities=[GradNorm(linear(1))], model=model)
+    _step(plain, model, *_data())
+    assert 0 in plain.get_output()
+
+
+def test_backpack_assertion_becomes_an_explained_error():
+    # BackPACK asserts on average pooling without count_include_pad inside its curvature extensions
+    model = extend(nn.Sequential(nn.Conv2d(2, 3, 3), nn.AvgPool2d(2, count_include_pad=False), nn.Flatten(), nn.Linear(3, 3)).double())
+    cockpit = Cockpit(model.parameters(), quantities=[HessTrace(linear(1))])
+    with pytest.raises(UnsupportedLayerError) as error:
+        _step(cockpit, model, *_data(), lossfunc=extend(nn.CrossEntropyLoss()))
+    message = str(error.value)
+    assert "AssertionError" in message and "DiagHessian()" in message
+    assert "curvature='auto'" in message
+    assert isinstance(error.value.__cause__, AssertionError)
+
+
+def test_auto_curvature_avoids_backpack_on_a_model_it_cannot_handle():
+    model = extend(nn.Sequential(nn.Linear(4, 5), nn.GELU(), nn.Linear(5, 3)).double())  # no DiagHessian for GELU
+    quantity = HessTrace(linear(1), curvature="auto")
+    cockpit = Cockpit(model.parameters(), quantities=[quantity], model=model)
+    assert quantity.method == "hutchinson" and cockpit.create_graph(0)
+    assert quantity.settings() == {"curvature": "auto", "computed_with": "hutchinson", "hutchinson_samples": 4}
+    _step(cockpit, model, *_data((4,)), lossfunc=extend(nn.CrossEntropyLoss()))
+    assert len(cockpit.get_output()[0]["HessTrace"]) == 4
+    # the explicit exact diagonal on the same model: BackPACK's failure, explained
+    explicit = Cockpit(model.parameters(), quantities=[HessTrace(linear(1), curvature="diag_h")], model=model)
+    with pytest.raises(UnsupportedLayerError, match="curvature='auto'"):
+        _step(explicit, model, *_data((4,)), lossfunc=extend(nn.CrossEntropyLoss()))
+
+
+class _Table(nn.Module):
+    """Returns a learned ``[T, d]`` table without a batch dimension (broadcast over the rows later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.table * 1.0
+
+
+class _WithTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positions = _Table()
+        self.head = nn.Linear(20, 3).double()
+
+    def forward(self, x):
+        return self.head((x + self.positions(x)).flatten(1))
+
+
+def test_a_module_output_without_batch_dimension_is_named_with_the_quantities():
+    model = _WithTable()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    with pytest.raises(RuntimeError) as error:
+        _step(cockpit, model, *_data((5, 4)))
+    message = str(error.value)
+    assert "_Table" in message and "no batch dimension" in message and "'NormTest'" in message
+    assert "expand" in message
+
+
+class _Outside(nn.Module):
+    """Uses a child's weight without calling the child (and owns no parameter itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.inner.weight, self.inner.bias)
+
+
+def test_a_parameter_used_outside_its_module_is_named():
+    model = _Outside().double()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    with pytest.raises(NotExtendedError) as error:
+        _step(cockpit, model, *_data((4,)))
+    message = str(error.value)
+    assert "inner.weight" in message and "cannot be seen" in message
+
+
+def test_parameters_the_loss_does_not_use():
+    model = nn.Sequential(nn.Linear(4, 3)).double()
+    unused = nn.Linear(2, 2).double()
+    cockpit = Cockpit([*model.parameters(), *unused.parameters()], quantities=[NormTest(linear(1))], model=model)
+    with pytest.raises(NotExtendedError, match="got no gradient in this backward pass"):
+        _step(cockpit, model, *_data((4,)))
+
+
+def test_hessian_vector_products_need_the_math_attention_kernel():
+    """Steps out of order: the forward pass of a HessMaxEV step ran the fused attention kernel."""
+    from tests.zoo import gpt2
+
+    problem = gpt2()
+    model = problem.model
+    cockpit = Cockpit(model.parameters(), quantities=[HessMaxEV(lambda step: step == 5)], model=model)
+    for step in (0, 5):  # the cockpit expects step 1 after step 0, so the forward of step 5 is not prepared
+        tokens, targets = problem.batch(3, step)
+        outputs = model(tokens)
+        loss = problem.sample_losses(outputs, targets).mean()
+        if step == 5:
+            with pytest.raises(RuntimeError, match="no second derivative") as error:
+                with cockpit(step, info={"loss": loss}):
+                    loss.backward(create_graph=cockpit.create_graph(step))
+            assert "sdpa_kernel" in str(error.value) and "model=model" in str(error.value)
+        else:
+            with cockpit(step, info={"loss": loss}):
+                loss.backward()
+
+
+def test_model_argument_must_be_a_module():
+    with pytest.raises(ValueError, match="model=...") as error:
+        Cockpit([torch.ones(1, requires_grad=True)], model="not a model")
+    assert "nn.Module" in str(error.value)
+
+
+def test_graph_steps_use_the_math_attention_kernel():
+    """The fused CPU attention kernel has no double backward; on HessMaxEV steps the cockpit avoids it."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double()
+    model = nn.Sequential(layer, nn.Flatten(), nn.Linear(8 * 5, 3)).double()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("full", linear(2)), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(3):
+        inputs, labels = _data((5, 8))
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = nn.functional.cross_entropy(outputs, labels)
+        info = {"batch_size": 4, "loss": loss, "individual_losses": nn.functional.cross_entropy(outputs, labels, reduction="none"), "optimizer": optimizer}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    output = cockpit.get_output()
+    assert isinstance(output[0]["HessMaxEV"], float) and isinstance(output[2]["HessMaxEV"], float)
