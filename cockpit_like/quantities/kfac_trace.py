@@ -6,12 +6,14 @@ import math
 
 from backpack.extensions import KFAC, KFLR
 
+from cockpit_like.backends.per_sample_stats import KroneckerFactors
+from cockpit_like.context import get_record
 from cockpit_like.functional.kronecker import kron_frobenius, kron_logdet, kron_trace
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["KFACTrace"]
 
-_CHOICES = ("kfac", "kflr")
+_CHOICES = ("kfac", "kflr", "empirical")
 
 
 class KFACTrace(SingleStepQuantity):
@@ -34,7 +36,15 @@ class KFACTrace(SingleStepQuantity):
     - ``"kflr"``: :class:`backpack.extensions.KFLR`, the exact loss Hessian
       is backpropagated (exact for a single linear layer with MSE loss);
     - ``"kfac"``: :class:`backpack.extensions.KFAC`, a Monte-Carlo estimate
-      with ``mc_samples`` sampled labels (random: uses the torch RNG).
+      with ``mc_samples`` sampled labels (random: uses the torch RNG);
+    - ``"empirical"`` (any model, no BackPACK): the empirical Fisher in
+      Kronecker form from the statistics of the same backward pass, the
+      output-gradient covariance ``G = B sum delta delta^T`` and the input
+      covariance ``A = (1/M) sum x x^T`` over the ``M = B T`` positions of
+      the batch ("expand" convention for layers applied to every token);
+      parameters without that structure get their exact empirical block if
+      small, else ``None`` in every list (see
+      :class:`~cockpit_like.backends.per_sample_stats.KroneckerFactors`).
 
     Scaling (BackPACK's, for a **mean** loss over ``B`` samples): for a linear
     layer with inputs ``a_n`` and output loss-Hessian square roots ``S_n``,
@@ -77,7 +87,8 @@ class KFACTrace(SingleStepQuantity):
         if curvature not in _CHOICES:
             raise ValueError(
                 f"KFACTrace(curvature={curvature!r}): unknown curvature; choose one of "
-                f"{list(_CHOICES)} (Monte-Carlo KFAC or exact-loss-Hessian KFLR)"
+                f"{list(_CHOICES)} (BackPACK's Monte-Carlo KFAC or exact-loss-Hessian KFLR, or the "
+                "empirical Fisher in Kronecker form from module hooks, on any model)"
             )
         if isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1:
             raise ValueError(f"KFACTrace(mc_samples=...) needs a positive int, got {mc_samples!r}")
@@ -88,14 +99,21 @@ class KFACTrace(SingleStepQuantity):
         self._damping = None if damping is None else float(damping)
 
     def extensions(self, global_step: int) -> list:
-        if not self.should_compute(global_step):
+        if not self.should_compute(global_step) or self._curvature == "empirical":
             return []
         return [KFAC(mc_samples=self._mc_samples) if self._curvature == "kfac" else KFLR()]
+
+    def per_sample_stats(self, global_step: int) -> list:
+        if not self.should_compute(global_step) or self._curvature != "empirical":
+            return []
+        return [KroneckerFactors()]
 
     def settings(self) -> dict:
         return {"curvature": self._curvature, "mc_samples": self._mc_samples, "damping": self._damping}
 
     def _compute(self, global_step, params, batch_loss):
+        if self._curvature == "empirical":
+            return self._summaries(get_record(global_step).stat(KroneckerFactors()))
         factor_lists = []
         for index, param in enumerate(params):
             factors = getattr(param, self._curvature, None)
@@ -106,16 +124,24 @@ class KFACTrace(SingleStepQuantity):
                     "function with backpack.extend and call backward inside the cockpit context"
                 )
             factor_lists.append([f.detach() for f in factors])
-        traces = [kron_trace(factors) for factors in factor_lists]
-        norms = [kron_frobenius(factors) for factors in factor_lists]
+        return self._summaries(factor_lists)
+
+    def _summaries(self, factor_lists: list) -> dict:
+        """Per-parameter and total summaries; ``None`` entries (no block) are skipped in the totals."""
+
+        def each(function):
+            return [None if factors is None else function(factors) for factors in factor_lists]
+
+        traces = each(kron_trace)
+        norms = each(kron_frobenius)
         value = {
             "trace": traces,
-            "trace_total": math.fsum(traces),
+            "trace_total": math.fsum(t for t in traces if t is not None),
             "frobenius": norms,
-            "frobenius_total": math.sqrt(math.fsum(n * n for n in norms)),
+            "frobenius_total": math.sqrt(math.fsum(n * n for n in norms if n is not None)),
         }
         if self._damping is not None:
-            logdets = [kron_logdet(factors, self._damping) for factors in factor_lists]
+            logdets = each(lambda factors: kron_logdet(factors, self._damping))
             value["logdet"] = logdets
-            value["logdet_total"] = math.fsum(logdets)
+            value["logdet_total"] = math.fsum(d for d in logdets if d is not None)
         return value
