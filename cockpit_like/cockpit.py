@@ -300,6 +300,7 @@ class _TrackedStep:
                 cockpit._names_of_params(),
                 needs,
                 owners,
+                self.info,
             )
         except BaseException:
             cockpit._tracer.take_calls()

@@ -29,6 +29,8 @@ INFO_KEYS = {
     "individual_losses": "1-D tensor of the per-sample losses",
     "loss": "the mini-batch loss tensor (mean reduction)",
     "optimizer": "the torch.optim.Optimizer that updates the parameters",
+    "outputs": "the tensor the cross-entropy loss is computed from (logits, classes in the last "
+    "dimension, with the graph), e.g. outputs.logits[:, :-1] for a causal language model",
 }
 
 

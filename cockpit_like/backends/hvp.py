@@ -108,8 +108,10 @@ class HutchinsonDiagonal:
 
     samples: int = 4
 
-    def compute(self, params: list[torch.Tensor], owner: str = "Hutchinson's estimator") -> list[torch.Tensor]:
-        matvec = hessian_vector_product(params, owner)
+    def compute(self, execution) -> list[torch.Tensor]:
+        """The estimate for the tracked parameters of ``execution`` (a :class:`~cockpit_like.backends.step.StepExecution`)."""
+        params = execution.params
+        matvec = hessian_vector_product(params, "Hutchinson's estimator (curvature='hutchinson')")
         size = sum(p.numel() for p in params)
         total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
         for _ in range(self.samples):

@@ -24,7 +24,7 @@ from backpack import backpack, hook_store_io
 from backpack.extensions import BatchGrad
 
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError
+from cockpit_like.backends.hooks import Call, HookBackend, UncoveredParameterError
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import PerSampleReducer
 
@@ -100,7 +100,7 @@ class StepExecution:
         raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
         create_graph: the backward pass keeps the graph.
         tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer` (or ``None``).
-        needs: distinct step needs computed after the backward pass (``need.compute(params)``).
+        needs: distinct step needs computed after the backward pass (``need.compute(self)``).
         stat_owners: names of the quantities that asked for per-sample statistics (for messages).
         collector: the lean-hooks collector (or ``None``).
         batch_size: ``info["batch_size"]`` if given.
@@ -109,9 +109,10 @@ class StepExecution:
 
     def __init__(
         self, step, params, requests, stats, hooks, raw_batch_grad, create_graph, tracer, collector, batch_size, names,
-        needs=(), stat_owners=(),
+        needs=(), stat_owners=(), info=None,
     ):
         self.step = step
+        self.info = info or {}
         self.stat_owners = list(stat_owners)
         self.needs = list(needs)
         self.params = params
@@ -121,6 +122,9 @@ class StepExecution:
         self.hook_backend: HookBackend | None = None
         self._backpack = None
         calls = tracer.take_calls() if tracer is not None else []
+        self._tracer, self._batch_size = tracer, batch_size
+        # a fresh copy of the calls for needs that run a backward pass of their own
+        self._calls = [Call(c.module, c.args, c.kwargs, c.output, c.node) for c in calls] if needs else []
         hooks = list(hooks)
         if stats:
             self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad)
@@ -218,8 +222,35 @@ class StepExecution:
         """Per-sample statistics and step needs, keyed by themselves."""
         results = {} if self.reducer is None else self.reducer.results()
         for need in self.needs:
-            results[need] = need.compute(self.params)
+            results[need] = need.compute(self)
         return results
+
+    def per_sample_pass(self, loss: torch.Tensor, stats: list) -> dict:
+        """Per-sample statistics of the gradient of another ``loss`` on this step's graph (module hooks only).
+
+        The graph of the step's forward pass must still exist (the backward
+        pass kept it: ``create_graph=True``). ``p.grad`` is not touched.
+        """
+        if not self._calls:
+            raise UncoveredParameterError(
+                f"step {self.step}: a second backward pass needs the model's forward calls; pass "
+                "Cockpit(..., model=model) and run the forward pass after creating the cockpit"
+            )
+        reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False)
+        calls = [Call(c.module, c.args, c.kwargs, c.output, c.node) for c in self._calls]
+        backend = HookBackend(
+            calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size, self.names
+        )
+        backend.enter()
+        try:
+            torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
+        finally:
+            backend.remove_hooks()
+        backend.finish()
+        missing = [i for i in range(len(self.params)) if i not in reducer.seen]
+        if missing:
+            raise NotExtendedError(self._uncovered_message(missing))
+        return reducer.results()
 
     def check(self) -> None:
         """Every tracked parameter got what was asked for, or a clear error."""

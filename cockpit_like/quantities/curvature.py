@@ -22,6 +22,13 @@ On any model (no BackPACK needed):
   needs ``loss.backward(create_graph=cockpit.create_graph(step))``, and the
   quantities of one step share one estimate
   (:class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`);
+- ``"diag_ggn_mc"`` on a model BackPACK cannot handle: the same one-sample
+  Monte-Carlo GGN diagonal from labels sampled from the model's predictions
+  (:class:`~cockpit_like.backends.sampled.SampledGGNDiagonal`), by a second
+  backward pass through the step's graph; needs ``info["outputs"]`` (the
+  logits of the mean cross-entropy loss, classes last) and
+  ``create_graph=cockpit.create_graph(step)``; logged as
+  ``computed_with: "sampled_ggn_mc"``;
 - ``"auto"`` (what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
   else ``"hutchinson"``; decided when the cockpit learns the model, and
@@ -46,6 +53,7 @@ import torch
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
+from cockpit_like.backends.sampled import SampledGGNDiagonal
 
 from cockpit_like.context import get_record
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -121,11 +129,26 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return self._method or "diag_h"
 
     def adapt_to_models(self, models: list) -> None:
-        if self._curvature == "auto":
-            from cockpit_like.backends.step import backpack_curvature_compatible
+        from cockpit_like.backends.step import backpack_curvature_compatible
 
+        if self._curvature == "auto":
             compatible = backpack_curvature_compatible(models, CURVATURES["diag_h"]())
             self._method = "diag_h" if compatible else "hutchinson"
+        elif self._curvature == "diag_ggn_mc":
+            compatible = backpack_curvature_compatible(models, CURVATURES["diag_ggn_mc"]())
+            self._method = "diag_ggn_mc" if compatible else "sampled_ggn_mc"
+
+    def _need(self):
+        if self.method == "hutchinson":
+            return HutchinsonDiagonal(self._samples)
+        if self.method == "sampled_ggn_mc":
+            return SampledGGNDiagonal(1)
+        return None
+
+    def required_info(self, global_step: int) -> set[str]:
+        if self.method == "sampled_ggn_mc" and self.should_compute(global_step):
+            return {"outputs"}
+        return set()
 
     def extensions(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self.method not in CURVATURES:
@@ -133,24 +156,24 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return [CURVATURES[self.method]()]
 
     def curvature_needs(self, global_step: int) -> list:
-        if not self.should_compute(global_step) or self.method != "hutchinson":
-            return []
-        return [HutchinsonDiagonal(self._samples)]
+        need = self._need()
+        return [need] if need is not None and self.should_compute(global_step) else []
 
     def create_graph(self, global_step: int) -> bool:
-        return self.method == "hutchinson" and self.should_compute(global_step)
+        return self._need() is not None and self.should_compute(global_step)
 
     def settings(self) -> dict:
         settings = {"curvature": self._curvature}
-        if self._curvature in ESTIMATORS:
+        if self._curvature in ESTIMATORS or self.method != self._curvature:
             settings["computed_with"] = self.method
             if self.method == "hutchinson":
                 settings["hutchinson_samples"] = self._samples
         return settings
 
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.method == "hutchinson":
-            return get_record(global_step).stat(HutchinsonDiagonal(self._samples))
+        need = self._need()
+        if need is not None:
+            return get_record(global_step).stat(need)
         return _diagonals(params, self.method, type(self).__name__)
 
 
@@ -186,7 +209,8 @@ class _TIC(_DiagCurvatureQuantity):
         return [SumOfSquares()] if self.should_compute(global_step) else []
 
     def required_info(self, global_step: int) -> set[str]:
-        return {"batch_size"} if self.should_compute(global_step) else set()
+        own = {"batch_size"} if self.should_compute(global_step) else set()
+        return own | super().required_info(global_step)
 
     def settings(self) -> dict:
         return {**super().settings(), "epsilon": self._epsilon}

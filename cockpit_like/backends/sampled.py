@@ -1,0 +1,59 @@
+"""The Monte-Carlo GGN diagonal on any model, from labels sampled from the model's predictions.
+
+For a cross-entropy loss that is the mean over ``N`` positions (rows, or
+rows times tokens), ``L = (1/N) sum_n CE(f_n, y_n)``, the generalized
+Gauss-Newton matrix is ``G = (1/N) sum_n J_n^T (diag(p_n) - p_n p_n^T) J_n``
+with ``p_n = softmax(f_n)``. With labels ``ŷ_n`` drawn from ``p_n`` (torch
+RNG), ``s_n = p_n - e_ŷn`` has ``E[s_n s_n^T] = diag(p_n) - p_n p_n^T``, so for
+the sampled loss ``L~ = (1/N) sum_n CE(f_n, ŷ_n)`` and its per-row gradients
+``gb_i`` (rows ``i``, each summing its positions, ``gb_i = (1/N) sum_t J_it^T s_it``),
+
+    E[ N sum_i gb_i ** 2 ] = diag(G)
+
+(the cross terms between positions of a row vanish in expectation: their
+labels are drawn independently). :class:`SampledGGNDiagonal` computes
+``N sum_i gb_i ** 2``, averaged over ``samples`` draws, with a second
+backward pass through the step's graph in which the hook backend reduces
+the per-row gradients to their sum of squares. It reads ``info["outputs"]``
+(the logits the loss is computed from, classes in the last dimension).
+
+May import torch and :mod:`cockpit_like.backends`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cockpit_like.backends.per_sample_stats import SumOfSquares
+
+__all__ = ["SampledGGNDiagonal"]
+
+
+@dataclass(frozen=True)
+class SampledGGNDiagonal:
+    """Need: the one-sample (``samples``-sample) Monte-Carlo GGN diagonal of a mean cross-entropy loss."""
+
+    samples: int = 1
+
+    def compute(self, execution) -> list[torch.Tensor]:
+        outputs = execution.info.get("outputs")
+        if not isinstance(outputs, torch.Tensor) or outputs.dim() < 2 or not outputs.requires_grad:
+            raise ValueError(
+                "curvature='diag_ggn_mc' on a model BackPACK cannot handle needs info['outputs']: the "
+                "logits the cross-entropy loss is computed from, with their graph, classes in the last "
+                f"dimension (got {type(outputs).__name__}"
+                f"{'' if not isinstance(outputs, torch.Tensor) else ' of shape ' + str(list(outputs.shape))})"
+            )
+        classes = outputs.shape[-1]
+        logits = outputs.reshape(-1, classes)
+        positions = logits.shape[0]
+        total = None
+        for _ in range(self.samples):
+            with torch.no_grad():
+                labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1).squeeze(1)
+            sampled = torch.nn.functional.cross_entropy(logits, labels)
+            squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
+            total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
+        return [t.mul_(positions / self.samples) for t in total]
