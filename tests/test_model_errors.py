@@ -186,3 +186,26 @@ def test_graph_steps_use_the_math_attention_kernel():
         optimizer.step()
     output = cockpit.get_output()
     assert isinstance(output[0]["HessMaxEV"], float) and isinstance(output[2]["HessMaxEV"], float)
+
+
+def test_dropout_inside_a_recomputed_module_is_refused():
+    """MultiheadAttention has no per-layer rule; with attention dropout its recomputation would differ."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, dropout=0.2, batch_first=True).double()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.head = attention, nn.Linear(8, 3).double()
+
+        def forward(self, x):
+            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+    model = Model()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    with pytest.raises(RuntimeError, match=r"dropout=0.2") as error:
+        _step(cockpit, model, *_data((5, 8)))
+    assert "'attention'" in str(error.value) and ".eval()" in str(error.value)
+    attention.eval()  # no dropout: works
+    _step(cockpit, model, *_data((5, 8)), step=1)
+    assert 1 in cockpit.get_output()

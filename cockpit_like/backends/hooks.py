@@ -439,6 +439,17 @@ class HookBackend:
 
     # ---- the torch.func fallback ------------------------------------------------------------
     def _fallback(self, call: Call) -> None:
+        random = _random_submodule(call.module)
+        if random is not None:
+            raise UncoveredParameterError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)} has no per-layer rule, "
+                "so its per-sample gradients are recomputed row by row, but it draws random numbers in "
+                f"training mode ({random}): the recomputation would use other dropout masks than the "
+                "training step. Set its dropout to 0 (nn.TransformerEncoderLayer / DecoderLayer: "
+                "`layer.self_attn.dropout = 0.0` keeps the other dropouts), or call .eval() on it during "
+                "the cockpit's steps. Hugging Face attention layers are not affected (their projections "
+                "have per-layer rules)."
+            )
         batch = self._batch(call)
         results = per_sample_grads(
             call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer
@@ -458,6 +469,19 @@ class HookBackend:
             f"cannot tell the batch size of a call of {type(call.module).__name__}: pass "
             "info['batch_size'] to the cockpit"
         )
+
+
+def _random_submodule(module: nn.Module) -> str | None:
+    """A description of dropout that ``module`` would apply in its forward pass (training mode), else ``None``."""
+    for name, child in module.named_modules():
+        if not child.training:
+            continue
+        where = f"'{name}'" if name else "itself"
+        if isinstance(child, nn.modules.dropout._DropoutNd) and child.p > 0:
+            return f"{type(child).__name__}(p={child.p}) {where}"
+        if isinstance(child, (nn.MultiheadAttention, nn.RNNBase)) and getattr(child, "dropout", 0) > 0:
+            return f"{type(child).__name__}(dropout={child.dropout}) {where}"
+    return None
 
 
 def _batch_dim(module: nn.Module, position: int | str, tensor: torch.Tensor) -> int:
