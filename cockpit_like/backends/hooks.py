@@ -52,7 +52,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten
 
-from cockpit_like.backends.module_rules import Dense, rule_for
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, rule_for
 
 __all__ = [
     "ModelTracer",
@@ -450,6 +450,18 @@ class HookBackend:
                 "the cockpit's steps. Hugging Face attention layers are not affected (their projections "
                 "have per-layer rules)."
             )
+        recompute = RECOMPUTE_RULES.get(type(call.module))
+        if recompute is not None:
+            with torch.no_grad(), self.tracer.pause():
+                forms = recompute(call.module, call.args, call.kwargs, call.output, self._grads(call))
+            if forms is not None:
+                owned = {id(p) for p in call.params}
+                for name, form in forms.items():
+                    param = call.module.get_parameter(name)
+                    if id(param) in owned:
+                        self._deliver(param, form)
+                call.release()
+                return
         batch = self._batch(call)
         results = per_sample_grads(
             call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer

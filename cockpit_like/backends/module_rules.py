@@ -31,6 +31,15 @@ Anything else (and unsupported settings, e.g. grouped convolutions or
 ``Embedding(max_norm=...)``) returns ``None`` and goes to the ``torch.func``
 fallback of the hook backend.
 
+Recompute rules (:data:`RECOMPUTE_RULES`) need all inputs of a call, not only
+the first: ``nn.MultiheadAttention`` recomputes its attention core once for
+the whole batch to get the gradients at the projected queries, keys and
+values and at the context, then its projections are sequence factors
+(``in_proj_weight``: ``sum_t [dq; dk; dv]_t x_t^T``; ``out_proj.weight``:
+``sum_t delta_t c_t^T``). The rule checks that its recomputed output equals
+the recorded one and otherwise returns ``None`` (options it does not
+reproduce: ``bias_k``, ``add_zero_attn``, separate key/value dimensions).
+
 May import torch and :mod:`cockpit_like.backends` helpers only.
 """
 
@@ -45,7 +54,7 @@ from torch import nn
 from cockpit_like.backends.conv_unfold import conv2d_weight_grad_batch, supports_unfold
 from cockpit_like.backends.per_sample import materialize_linear, materialize_sequence
 
-__all__ = ["Factors", "Sequence", "Dense", "rule_for", "RULES", "is_hf_conv1d"]
+__all__ = ["Factors", "Sequence", "Dense", "rule_for", "RULES", "RECOMPUTE_RULES", "is_hf_conv1d"]
 
 
 class Factors:
@@ -210,3 +219,80 @@ def rule_for(module: nn.Module) -> Rule | None:
     if is_hf_conv1d(module):
         return _hf_conv1d
     return None
+
+
+def _multihead_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict, output, grads: list):
+    """Per-sample gradients of the four projection parameters (see the module docstring), or ``None``."""
+    if module.bias_k is not None or module.add_zero_attn or not module._qkv_same_embed_dim or module.dropout:
+        return None
+    names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
+    given = dict(zip(names, args))
+    given.update(kwargs or {})
+    query, key, value = given.get("query"), given.get("key"), given.get("value")
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (query, key, value)) or not grads:
+        return None
+    self_attention = query is key and key is value
+    if not module.batch_first:
+        query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+    delta = grads[0] if module.batch_first else grads[0].transpose(0, 1)
+    recorded = output[0] if isinstance(output, tuple) else output
+    if not module.batch_first:
+        recorded = recorded.transpose(0, 1)
+    embed, heads = module.embed_dim, module.num_heads
+    w_q, w_k, w_v = module.in_proj_weight.detach().chunk(3)
+    b_q, b_k, b_v = (None, None, None) if module.in_proj_bias is None else module.in_proj_bias.detach().chunk(3)
+    with torch.enable_grad():
+        q = F.linear(query.detach(), w_q, b_q).requires_grad_()
+        k = F.linear(key.detach(), w_k, b_k).requires_grad_()
+        v = F.linear(value.detach(), w_v, b_v).requires_grad_()
+        batch, length, source = q.shape[0], q.shape[1], k.shape[1]
+
+        def split(t, n):
+            return t.reshape(batch, n, heads, embed // heads).transpose(1, 2)
+
+        mask = _attention_mask(given, batch, heads, length, source, q.dtype)
+        context = F.scaled_dot_product_attention(
+            split(q, length), split(k, source), split(v, source), attn_mask=mask,
+            is_causal=bool(given.get("is_causal")) and mask is None,
+        ).transpose(1, 2).reshape(batch, length, embed)
+        out = F.linear(context, module.out_proj.weight.detach(), None if module.out_proj.bias is None else module.out_proj.bias.detach())
+        if not torch.allclose(out.detach() - (0 if module.out_proj.bias is None else module.out_proj.bias), recorded.detach() - (0 if module.out_proj.bias is None else module.out_proj.bias), rtol=1e-4, atol=1e-6 * (1 + float(recorded.abs().max()))):
+            return None
+        d_q, d_k, d_v = torch.autograd.grad(out, (q, k, v), delta)
+    context = context.detach()
+    if self_attention:
+        a, b = torch.cat((d_q, d_k, d_v), dim=2), query.detach()
+    else:
+        zeros = [torch.zeros_like(d) for d in (d_q, d_k, d_v)]
+        a = torch.cat(
+            (torch.cat((d_q, zeros[1], zeros[2]), 2), torch.cat((zeros[0], d_k, zeros[2]), 2), torch.cat((zeros[0], zeros[1], d_v), 2)),
+            dim=1,
+        )
+        b = torch.cat((query.detach(), key.detach(), value.detach()), dim=1)
+    forms = {"in_proj_weight": Sequence(a, b), "out_proj.weight": Sequence(delta, context)}
+    if module.in_proj_bias is not None:
+        forms["in_proj_bias"] = Dense(a.sum(1))
+    if module.out_proj.bias is not None:
+        forms["out_proj.bias"] = Dense(delta.sum(1))
+    return forms
+
+
+def _attention_mask(given: dict, batch: int, heads: int, length: int, source: int, dtype) -> torch.Tensor | None:
+    """``attn_mask`` and ``key_padding_mask`` merged into one additive ``[B, H, L, S]`` mask (``None`` if neither)."""
+    mask = None
+    attn_mask, padding = given.get("attn_mask"), given.get("key_padding_mask")
+    for is_padding, part in ((False, attn_mask), (True, padding)):
+        if part is None:
+            continue
+        part = part.detach()
+        additive = torch.zeros(part.shape, dtype=dtype).masked_fill_(part, float("-inf")) if part.dtype == torch.bool else part.to(dtype)
+        if is_padding:
+            additive = additive.view(batch, 1, 1, source)
+        elif additive.dim() == 3:
+            additive = additive.view(batch, heads, length, source)
+        mask = additive if mask is None else mask + additive
+    return None if mask is None else mask.expand(batch, heads, length, source)
+
+
+#: module class -> ``rule(module, args, kwargs, output, output_grads) -> {param name: form} | None``
+RECOMPUTE_RULES: dict[type, Callable] = {nn.MultiheadAttention: _multihead_attention}
