@@ -84,8 +84,9 @@ _IDS = itertools.count()
 
 
 def _record(tracer_id: int, module, args, kwargs, output) -> None:
-    # a module-level function bound by functools.partial to an int: a deep copy or a pickled
-    # model carries no tracer (the copy's hooks find no tracer and do nothing)
+    # a module-level function bound by functools.partial to an int: a pickled model carries no
+    # tracer; a deep copy's hooks report to the same tracer, whose step ignores calls that are not
+    # part of its backward pass
     tracer = _TRACERS.get(tracer_id)
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
@@ -167,6 +168,8 @@ class ModelTracer:
         self._batches: list[int] = []
         #: rows of the model's current forward pass (0 outside one)
         self.batch = 0
+        #: forward passes of the models since the calls were last taken
+        self.passes = 0
 
     # ---- installing ---------------------------------------------------------------
     def attach(self, root: nn.Module) -> None:
@@ -176,8 +179,11 @@ class ModelTracer:
         if not isinstance(root, nn.Module):
             raise TypeError(f"Cockpit(model=...) takes an nn.Module, got {type(root).__name__}")
         for module in root.modules():
-            own = any(id(p) in self._tracked for p in module.parameters(recurse=False))
-            if own or isinstance(module, nn.modules.batchnorm._BatchNorm):
+            direct = list(module.parameters(recurse=False))
+            own = any(id(p) in self._tracked for p in direct)
+            # a module with parameters of its own may use its children's directly (MultiheadAttention's out_proj)
+            uses_children = bool(direct) and any(id(p) in self._tracked for p in module.parameters())
+            if own or uses_children or isinstance(module, nn.modules.batchnorm._BatchNorm):
                 self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
         self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
         self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
@@ -216,6 +222,8 @@ class ModelTracer:
     # ---- the model's forward pass ------------------------------------------------------
     def enter_forward(self, args: tuple, kwargs: dict) -> None:
         """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
+        if not self._batches:
+            self.passes += 1
         self._batches.append(self.batch)
         self.batch = 0
         for value in itertools.chain(args, (kwargs or {}).values()):
@@ -238,9 +246,17 @@ class ModelTracer:
             self.batch = self._batches.pop()
 
     # ---- per step -----------------------------------------------------------------------
-    def take_calls(self) -> list[Call]:
-        """The calls noted since the last step (the list is emptied)."""
-        calls, self.calls = self.calls, []
+    def take_calls(self, loss: torch.Tensor | None = None) -> list[Call]:
+        """The calls noted since the last step (the list is emptied).
+
+        With several forward passes since then and the step's ``loss``, only
+        the calls whose outputs the loss depends on (graph reachability).
+        """
+        calls, passes = self.calls, self.passes
+        self.calls, self.passes = [], 0
+        if passes > 1 and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            reachable = _graph_nodes(loss.grad_fn)
+            calls = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
         return calls
 
     @contextlib.contextmanager
@@ -251,6 +267,23 @@ class ModelTracer:
             yield
         finally:
             self.paused = previous
+
+
+def _graph_nodes(root) -> set[int]:
+    """``id`` of every autograd node the backward pass from ``root`` visits."""
+    seen, stack = {id(root)}, [root]
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return seen
+
+
+def _call_nodes(call: "Call") -> list:
+    if call.node is not None:
+        return [call.node]
+    return [t.grad_fn for t in _flat_outputs(call.output) if t.grad_fn is not None]
 
 
 def _discover(tracer_id: int, module, args) -> None:

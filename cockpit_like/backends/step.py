@@ -121,7 +121,7 @@ class StepExecution:
         self.reducer: PerSampleReducer | None = None
         self.hook_backend: HookBackend | None = None
         self._backpack = None
-        calls = tracer.take_calls() if tracer is not None else []
+        calls = tracer.take_calls(self.info.get("loss")) if tracer is not None else []
         self._tracer, self._batch_size = tracer, batch_size
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [Call(c.module, c.args, c.kwargs, c.output, c.node) for c in calls] if needs else []
