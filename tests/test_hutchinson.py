@@ -1,10 +1,10 @@
 """Curvature on any model: Hutchinson's diagonal (HessTrace / TICDiag / TICTrace) against a dense Hessian twin.
 
-The dense twin is reverse-over-reverse (``torch.autograd.functional.hessian``):
-in torch 2.13 ``torch.func.hessian`` (forward-over-reverse) is wrong for
-models with ``LayerNorm`` (an asymmetric result, 0.67 off a finite-difference
-Hessian-vector product on ``layernorm_mlp``), see
-:func:`test_the_twin_agrees_with_finite_differences`.
+The dense twin is ``torch.autograd.functional.hessian`` (plain autograd,
+reverse over reverse): in torch 2.13 the ``torch.func`` compositions
+(``hessian``, and ``jacrev(jacrev(f))`` too) are wrong through ``LayerNorm``
+(asymmetric, 0.67 off a finite-difference Hessian-vector product on
+``layernorm_mlp``), see :func:`test_the_twin_agrees_with_finite_differences`.
 """
 
 import math
