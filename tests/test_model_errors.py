@@ -209,3 +209,93 @@ def test_dropout_inside_a_recomputed_module_is_refused():
     attention.eval()  # no dropout: works
     _step(cockpit, model, *_data((5, 8)), step=1)
     assert 1 in cockpit.get_output()
+
+
+# ---- regressions: silent wrong numbers found by reproduction --------------------------------------------
+def _sum_of_squares_against_loop(model, inputs, labels, batch_size=None, call=lambda model, x: model(x)):
+    """``cockpit / brute force`` of each parameter's summed per-sample squared gradient."""
+    from cockpit_like.backends.per_sample_stats import SumOfSquares
+    from cockpit_like.context import get_record
+    from cockpit_like.quantities.quantity import SingleStepQuantity
+
+    class Probe(SingleStepQuantity):
+        def per_sample_stats(self, step):
+            return [SumOfSquares()]
+
+        def _compute(self, step, params, loss):
+            return [s.clone() for s in get_record(step).stat(SumOfSquares())]
+
+    params = list(model.parameters())
+    probe = Probe(linear(1))
+    cockpit = Cockpit(params, [probe])  # discovery
+    loss = nn.functional.cross_entropy(call(model, inputs), labels)
+    info = {"loss": loss} if batch_size is None else {"loss": loss, "batch_size": batch_size}
+    with cockpit(0, info=info):
+        loss.backward()
+    batch = len(labels)
+    reference = [torch.zeros_like(p) for p in params]
+    for i in range(batch):
+        rows = torch.autograd.grad(nn.functional.cross_entropy(call(model, inputs[i : i + 1]), labels[i : i + 1]) / batch, params)
+        for r, g in zip(reference, rows):
+            r += g**2
+    return [float(got.sum() / want.sum()) for got, want in zip(probe.output[0], reference)]
+
+
+class _TinyViT(nn.Module):
+    """A class token owned by the model itself (its fallback) around an encoder whose attention has a rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 8, dtype=torch.float64))
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True, dtype=torch.float64)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.head(self.encoder(torch.cat([self.cls.expand(len(x), 1, 8), x], 1))[:, 0])
+
+
+def test_a_child_weight_is_claimed_once():
+    """The attention rule claims out_proj; the model's own fallback must not claim it again."""
+    torch.manual_seed(0)
+    ratios = _sum_of_squares_against_loop(_TinyViT(), *_data((5, 8)))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
+
+
+class _KeywordModel(nn.Module):
+    """Called with keyword inputs only, positions of shape [1, T] (as Hugging Face models are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(7, 4).double(), nn.Embedding(6, 4).double()
+        self.head = nn.Linear(4, 3).double()
+
+    def forward(self, input_ids=None):
+        positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
+        return self.head((self.tokens(input_ids) + self.positions(positions)).mean(1))
+
+
+def test_discovery_knows_the_batch_of_a_keyword_only_call():
+    torch.manual_seed(0)
+    model = _KeywordModel()
+    tokens = torch.randint(0, 7, (4, 6))
+    labels = torch.randint(0, 3, (4,))
+    # found by PyTorch's global pre-hook, which sees no keyword inputs
+    ratios = _sum_of_squares_against_loop(model, tokens, labels, call=lambda m, x: m(input_ids=x))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
+
+
+class _Unbatched(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.positions = nn.Embedding(6, 4).double()
+        self.head = nn.Linear(4, 3).double()
+
+    def forward(self, x):
+        return self.head((x + self.positions(torch.arange(x.shape[1]))).mean(1))
+
+
+def test_an_output_without_batch_dimension_is_an_error_not_a_wrong_number():
+    torch.manual_seed(0)
+    with pytest.raises(RuntimeError, match=r"'positions'.*no batch dimension of size 4"):
+        _sum_of_squares_against_loop(_Unbatched(), *_data((6, 4)))

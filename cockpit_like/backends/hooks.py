@@ -94,6 +94,8 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     if len(calls) >= tracer.MAX_CALLS:  # forward passes never backpropagated inside the cockpit
         calls.clear()
     replaced = None
+    if tracer.batch == 0 and tracer.in_forward():  # found by the global hook, which sees no keyword inputs
+        tracer.batch = _leading_dim(args, kwargs)
     if isinstance(output, torch.Tensor):
         batch = tracer.batch
         if batch > 1 and output.dim() > 0 and output.shape[0] == 1 and output.requires_grad:
@@ -103,8 +105,17 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         node = output.grad_fn
     else:
         node = None
-    calls.append(Call(module, args, kwargs, output, node))
+    call = Call(module, args, kwargs, output, node)
+    call.batch = tracer.batch
+    calls.append(call)
     return replaced
+
+
+def _leading_dim(args, kwargs) -> int:
+    for value in itertools.chain(args, (kwargs or {}).values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return 0
 
 
 def _before_root(tracer_id: int, module, args, kwargs) -> None:
@@ -122,7 +133,9 @@ def _after_root(tracer_id: int, module, args, output) -> None:
 class Call:
     """One recorded forward call of a module."""
 
-    __slots__ = ("module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done")
+    __slots__ = (
+        "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch"
+    )
 
     def __init__(self, module, args, kwargs, output, node):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
@@ -132,6 +145,8 @@ class Call:
         self.entries: list[torch.Tensor] = []
         self.want: list[int] = []
         self.done = False
+        #: rows of the forward pass that made the call (0: unknown)
+        self.batch = 0
 
     def release(self) -> None:
         """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
@@ -225,11 +240,7 @@ class ModelTracer:
         if not self._batches:
             self.passes += 1
         self._batches.append(self.batch)
-        self.batch = 0
-        for value in itertools.chain(args, (kwargs or {}).values()):
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                self.batch = value.shape[0]
-                break
+        self.batch = _leading_dim(args, kwargs)
         if not self._wants_graph():
             self._kernel_stack.append(contextlib.nullcontext())
             return
@@ -238,6 +249,9 @@ class ModelTracer:
         context = sdpa_kernel([SDPBackend.MATH])
         context.__enter__()
         self._kernel_stack.append(context)
+
+    def in_forward(self) -> bool:
+        return bool(self._batches)
 
     def exit_forward(self) -> None:
         if self._kernel_stack:
@@ -267,6 +281,16 @@ class ModelTracer:
             yield
         finally:
             self.paused = previous
+
+
+def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> list[torch.Tensor]:
+    found = []
+    for child in module.children():
+        if id(child) in called or handled_elsewhere(child):
+            continue
+        found += [p for p in child.parameters(recurse=False) if id(p) in tracked]
+        found += _uncalled_descendant_params(child, called, handled_elsewhere, tracked)
+    return found
 
 
 def _graph_nodes(root) -> set[int]:
@@ -346,11 +370,9 @@ class HookBackend:
                 continue
             params = [p for p in module.parameters(recurse=False) if id(p) in tracked]
             if rule_for(module) is None:
-                # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj)
-                for child in module.modules():
-                    if child is module or id(child) in called or handled_elsewhere(child):
-                        continue
-                    params += [p for p in child.parameters(recurse=False) if id(p) in tracked]
+                # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj),
+                # down to (not into) the submodules that ran: those claim their own subtrees
+                params += _uncalled_descendant_params(module, called, handled_elsewhere, tracked)
             seen: set[int] = set()
             call.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
             if not call.params:
@@ -436,6 +458,7 @@ class HookBackend:
         forms = None
         if rule is not None and len(call.want) == 1 and call.want[0] == 0 and call.args:
             x, grad = call.args[0], self._grads(call)[0]
+            self._check_rows(call, grad)
             if isinstance(x, torch.Tensor) and x.dim() > 0 and grad.dim() > 0:
                 if x.shape[0] == 1 and grad.shape[0] > 1:  # an input shared by the batch
                     x = x.expand(grad.shape[0], *x.shape[1:])
@@ -450,6 +473,17 @@ class HookBackend:
             if param is not None and any(param is p for p in call.params):
                 self._deliver(param, form)
         call.release()
+
+    def _check_rows(self, call: Call, grad: torch.Tensor) -> None:
+        batch = int(self.batch_size) if self.batch_size is not None else call.batch
+        if batch and (grad.dim() == 0 or grad.shape[0] != batch):
+            raise UncoveredParameterError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)}: its output (shape "
+                f"{list(grad.shape)}) has no batch dimension of size {batch}, so the cockpit cannot tell the "
+                "rows' gradients apart (an output shared by all rows, e.g. embeddings of torch.arange(T)). "
+                "Give it a batch dimension of 1 or of the batch size (e.g. positions of shape [1, T], or "
+                "`.expand(batch_size, ...)` of the input)."
+            )
 
     def _deliver(self, param: torch.Tensor, form) -> None:
         key = id(param)
@@ -481,7 +515,8 @@ class HookBackend:
                 "training step. Set its dropout to 0 (nn.TransformerEncoderLayer / DecoderLayer: "
                 "`layer.self_attn.dropout = 0.0` keeps the other dropouts), or call .eval() on it during "
                 "the cockpit's steps. Hugging Face attention layers are not affected (their projections "
-                "have per-layer rules)."
+                "have per-layer rules). If the module is the model itself because it owns a parameter "
+                "(e.g. a class token), move that parameter into a small submodule of its own."
             )
         recompute = RECOMPUTE_RULES.get(type(call.module))
         if recompute is not None:

@@ -203,7 +203,8 @@ class StepExecution:
                     "skip connections, no custom modules). Fixes: pass curvature='auto' (or "
                     "'hutchinson') to HessTrace / TICDiag / TICTrace, which uses Hessian-vector "
                     "products on any model; leave out the quantities that need these extensions; or "
-                    "replace the layer with a supported one."
+                    "replace the layer with a supported one. BackPACK's curvature extensions also need the "
+                    "loss function extended (`lossfunc = backpack.extend(lossfunc)`), which 'auto' cannot check."
                 ) from exc
             return
         if self.hook_backend is not None:
