@@ -50,3 +50,24 @@ def test_advanced_digits(tmp_path):
     assert sorted(k for k, v in steps.items() if "ParameterNorm" in v) == [0, 2, 4]
     assert "param_1" in steps[4]["GradHist2d"]  # per-layer histograms for the secondary screen
     assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_transformer_digits(tmp_path, capsys):
+    """A transformer that is not extended, with the full configuration: per-sample quantities from
+    module hooks, curvature from Hessian-vector products (recorded in the metadata)."""
+    from cockpit_like.logs import read_log_with_metadata
+
+    written = load("transformer_digits").main(["--steps", "6", "--every", "2", "--plot-every", "4",
+                                                "--out", str(tmp_path / "transformer"), "--no-show",
+                                                "--batch-size", "16"])
+    metadata, steps = read_log_with_metadata(written["log"])
+    assert sorted(steps) == [0, 2, 4, 5]  # tracked steps (Alpha stored under its start step) and the last log
+    assert "test_accuracy" in steps[5]
+    for step in (0, 2, 4):
+        assert {"NormTest", "GradHist2d", "HessMaxEV", "HessTrace", "TICDiag"} <= set(steps[step])
+    assert len(steps[4]["HessTrace"]) == len(metadata["param_shapes"])
+    picked = {q["name"]: q["settings"].get("computed_with") for q in metadata["quantities"]}
+    assert picked["HessTrace"] == picked["TICDiag"] == "hutchinson"
+    assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "HessTrace -> hutchinson" in capsys.readouterr().out
