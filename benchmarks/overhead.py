@@ -7,15 +7,24 @@ measures the time per training step (``zero_grad``, forward, backward,
 
 - ``plain``: the model is *not* extended and there is no cockpit (what a user
   runs without us),
-- ``nothing``: model and loss extended, a cockpit with the economy
-  configuration whose schedule fires only at step 0 (a warm-up step), timed
-  at later steps: the per-step price of leaving a cockpit in the loop
-  between tracked steps,
+- ``nothing``: model and loss extended (on the hook-backend problems
+  ``gpt`` and ``resnet``: not extended, ``Cockpit(..., model=model)``), a
+  cockpit with the economy configuration whose schedule fires only at step 0
+  (a warm-up step), timed at later steps: the per-step price of leaving a
+  cockpit in the loop between tracked steps,
 - ``economy`` / ``business`` / ``full``: the presets tracking every step,
 - ``full_every10``: the full preset tracking every 10th step; the *mean* over
   a multiple of 10 steps (amortised),
 - ``q:<Name>``: every quantity of ``cockpit_like.quantities.__all__`` (not the
   base classes) alone, default arguments, tracking every step.
+
+Problems: ``mlp``, ``3c3d``, ``2c2d`` (DeepOBS-like networks, extended with
+``backpack.extend``: BackPACK computes their per-sample gradients and
+curvature), and ``gpt`` (a Hugging Face GPT-2 causal language model, batch
+16 sequences of 64 tokens) and ``resnet`` (a ResNet with GroupNorm on
+3x32x32 images, batch 128), which are *not* extended: the cockpit gets
+``model=model`` and computes everything with its hook backend (module hooks
+and ``torch.func``). A sample is one row of the batch (one sequence).
 
 Every configuration runs in its own process (this script, called with
 ``--child``), with one thread (``torch.set_num_threads(1)``,
@@ -32,6 +41,8 @@ Usage::
 
     python benchmarks/overhead.py            # full run, updates docs/performance.md
     python benchmarks/overhead.py --quick    # about a minute, MLP only, prints the table
+    python benchmarks/overhead.py --problems gpt,resnet --merge benchmarks/results/overhead.json
+        # measure two problems, keep the others' figures from the previous run
 
 Results: ``benchmarks/results/overhead.json`` (``overhead_quick.json`` with
 ``--quick``) and a markdown table (also in ``docs/performance.md`` between
@@ -58,7 +69,12 @@ QUICK_JSON = ROOT / "benchmarks" / "results" / "overhead_quick.json"
 DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- BEGIN overhead table -->", "<!-- END overhead table -->"
 
-PROBLEMS = ("mlp", "3c3d", "2c2d")
+PROBLEMS = ("mlp", "3c3d", "2c2d", "gpt", "resnet")
+#: problems whose model is not extended: ``Cockpit(..., model=model)``, the hook backend
+HOOK_PROBLEMS = ("gpt", "resnet")
+#: batch size of a problem unless ``--batch-size`` is given (128 for the others)
+BATCH_SIZES = {"gpt": 16}
+DEFAULT_BATCH_SIZE = 128
 MAIN_CONFIGS = ("nothing", "economy", "business", "full", "full_every10")
 QUICK_QUANTITIES = ("NormTest", "GradHist1d", "HessTrace")
 BASE_CLASSES = {"Quantity", "SingleStepQuantity", "TwoStepQuantity", "ByproductQuantity"}
@@ -67,9 +83,23 @@ BASE_CLASSES = {"Quantity", "SingleStepQuantity", "TwoStepQuantity", "ByproductQ
 TARGETS = {
     "3c3d": {"nothing": 1.05, "economy": 2.5, "business": 4.0, "full": 10.0, "full_every10": 1.5},
     "mlp": {"nothing": 1.3, "economy": 30.0, "business": 35.0, "full": 80.0, "full_every10": 8.0},
+    "gpt": {"nothing": 1.05, "economy": 2.5, "full_every10": 3.0},
+    "resnet": {"nothing": 1.05, "economy": 2.5, "full_every10": 3.0},
 }
 #: Memory target: added peak memory <= this fraction of B x D x 4 bytes.
 MEMORY_TARGET = {"economy": 0.5, "business": 0.5}
+#: On the hook-backend problems: in every main configuration that tracks (the peak of
+#: ``nothing`` is its tracked step 0, an economy step).
+HOOK_MEMORY_TARGET = {"economy": 0.5, "business": 0.5, "full": 0.5, "full_every10": 0.5}
+
+
+def memory_targets(problem: str) -> dict:
+    return HOOK_MEMORY_TARGET if problem in HOOK_PROBLEMS else MEMORY_TARGET
+
+
+def batch_size_of(problem: str, given: int | None) -> int:
+    """``--batch-size`` if given, else the problem's own batch size."""
+    return given if given is not None else BATCH_SIZES.get(problem, DEFAULT_BATCH_SIZE)
 
 ROW_TITLES = {
     "nothing": "nothing scheduled at the step",
@@ -83,12 +113,74 @@ ROW_TITLES = {
 # ---------------------------------------------------------------------------
 # child: one configuration on one problem, in its own process
 # ---------------------------------------------------------------------------
-def build_problem(name: str, batch_size: int):
-    """``(model, input_shape)`` of a problem; weights from a fixed seed."""
+def _gpt(small: bool = False):
+    """A GPT-2 causal LM (Hugging Face, tied input/output embedding, no dropout), built from a config."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, width, heads, length, vocab = (2, 32, 2, 16, 64) if small else (4, 128, 4, 64, 512)
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=length, n_embd=width, n_layer=layers, n_head=heads,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = GPT2LMHeadModel(config).train()
+    return model, (length,)
+
+
+def _resnet(small: bool = False):
+    """A CIFAR-style ResNet with GroupNorm: stem, 3 stages of 2 basic blocks (16/32/64 channels), 10 classes."""
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin: int, cout: int, stride: int, groups: int):
+            super().__init__()
+            self.conv1 = nn.Conv2d(cin, cout, 3, stride, padding=1, bias=False)
+            self.norm1 = nn.GroupNorm(groups, cout)
+            self.conv2 = nn.Conv2d(cout, cout, 3, 1, padding=1, bias=False)
+            self.norm2 = nn.GroupNorm(groups, cout)
+            self.relu = nn.ReLU()
+            self.shortcut = nn.Identity()
+            if stride != 1 or cin != cout:
+                self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(groups, cout))
+
+        def forward(self, x):
+            out = self.relu(self.norm1(self.conv1(x)))
+            return self.relu(self.norm2(self.conv2(out)) + self.shortcut(x))
+
+    class ResNet(nn.Module):
+        def __init__(self, widths, blocks: int, groups: int, classes: int = 10):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, padding=1, bias=False), nn.GroupNorm(groups, widths[0]), nn.ReLU())
+            stages, cin = [], widths[0]
+            for k, width in enumerate(widths):
+                for b in range(blocks):
+                    stages.append(Block(cin, width, 2 if (k > 0 and b == 0) else 1, groups))
+                    cin = width
+            self.stages = nn.Sequential(*stages)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.head = nn.Linear(cin, classes)
+
+        def forward(self, x):
+            return self.head(self.pool(self.stages(self.stem(x))).flatten(1))
+
+    if small:
+        return ResNet((4, 8, 8), 1, 2), (3, 8, 8)
+    return ResNet((16, 32, 64), 2, 8), (3, 32, 32)
+
+
+def build_problem(name: str, batch_size: int, small: bool = False):
+    """``(model, input_shape)`` of a problem; weights from a fixed seed.
+
+    ``gpt``'s input shape is ``(sequence length,)`` (token ids). ``small``:
+    tiny versions of ``gpt`` and ``resnet`` (for tests).
+    """
     import torch
     from torch import nn
 
     torch.manual_seed(0)
+    if name == "gpt":
+        return _gpt(small)
+    if name == "resnet":
+        return _resnet(small)
     if name == "mlp":
         model = nn.Sequential(
             nn.Flatten(), nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 10)
@@ -124,9 +216,35 @@ def build_problem(name: str, batch_size: int):
     return model, shape
 
 
-def num_params(name: str) -> int:
-    model, _ = build_problem(name, 1)
+def num_params(name: str, small: bool = False) -> int:
+    model, _ = build_problem(name, 1, small)
     return sum(p.numel() for p in model.parameters())
+
+
+def make_batches(name: str, model, shape: tuple, batch_size: int, count: int = 4) -> list[tuple]:
+    """``count`` fixed synthetic batches ``(inputs, targets)`` (random token ids for ``gpt``)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    if name == "gpt":
+        vocab = model.config.vocab_size
+        batches = []
+        for _ in range(count):
+            tokens = torch.randint(0, vocab, (batch_size, *shape), generator=generator)
+            batches.append((tokens, tokens))
+        return batches
+    return [
+        (torch.randn(batch_size, *shape, generator=generator),
+         torch.randint(0, 10, (batch_size,), generator=generator))
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def token_losses(logits, tokens):
+    """Next-token cross-entropy ``[B, T - 1]`` of a causal LM (logits at ``t`` predict token ``t + 1``)."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
 
 
 def make_quantities(config: str):
@@ -165,7 +283,7 @@ def run_child(args) -> dict:
     from cockpit_like import Cockpit
 
     torch.set_num_threads(1)
-    model, shape = build_problem(args.problem, args.batch_size)
+    model, shape = build_problem(args.problem, args.batch_size, args.small)
     quantities = make_quantities(args.config)
     warmup, steps = args.warmup, args.steps
     if args.config == "full_every10":
@@ -175,19 +293,18 @@ def run_child(args) -> dict:
     if args.config == "nothing":
         warmup = max(warmup, 1)  # step 0, the only tracked one, is never timed
 
-    generator = torch.Generator().manual_seed(1)
-    batches = [
-        (torch.randn(args.batch_size, *shape, generator=generator),
-         torch.randint(0, 10, (args.batch_size,), generator=generator))
-        for _ in range(4)
-    ]  # fmt: skip
+    batches = make_batches(args.problem, model, shape, args.batch_size)
     lossfunc = nn.CrossEntropyLoss()
     individual = nn.CrossEntropyLoss(reduction="none")
+    language_model = args.problem == "gpt"
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     cockpit = None
     if quantities is not None:
-        model, lossfunc = extend(model), extend(lossfunc)
-        cockpit = Cockpit(model.parameters(), quantities=quantities)
+        if args.problem in HOOK_PROBLEMS:  # not extended: the hook backend
+            cockpit = Cockpit(model.parameters(), quantities=quantities, model=model)
+        else:
+            model, lossfunc = extend(model), extend(lossfunc)
+            cockpit = Cockpit(model.parameters(), quantities=quantities)
 
     times = []
     spent = 0.0
@@ -203,13 +320,19 @@ def run_child(args) -> dict:
         start = time.perf_counter()
         optimizer.zero_grad()
         outputs = model(inputs)
-        loss = lossfunc(outputs, labels)
+        if language_model:  # mean token cross-entropy; a sample is a sequence
+            per_token = token_losses(outputs.logits, labels)
+            loss = per_token.mean()
+        else:
+            loss = lossfunc(outputs, labels)
         if cockpit is None:
             loss.backward()
         else:
             info = {
                 "batch_size": args.batch_size,
-                "individual_losses": individual(outputs, labels),
+                "individual_losses": (
+                    per_token.detach().mean(1) if language_model else individual(outputs, labels)
+                ),
                 "loss": loss,
                 "optimizer": optimizer,
             }
@@ -226,6 +349,7 @@ def run_child(args) -> dict:
     return {
         "problem": args.problem,
         "config": args.config,
+        "batch_size": args.batch_size,
         "times": times,
         "median_s": statistics.median(times),
         "mean_s": statistics.fmean(times),
@@ -254,10 +378,13 @@ def spawn(problem: str, config: str, steps: int, warmup: int, args) -> dict:
     command = [
         sys.executable, str(Path(__file__).resolve()), "--child",
         "--problem", problem, "--config", config,
-        "--steps", str(steps), "--warmup", str(warmup), "--batch-size", str(args.batch_size),
+        "--steps", str(steps), "--warmup", str(warmup),
+        "--batch-size", str(batch_size_of(problem, args.batch_size)),
         "--budget", str(args.budget), "--min-steps", str(min(args.min_steps, steps)),
         "--min-time", str(args.min_time), "--max-steps", str(args.max_steps),
     ]  # fmt: skip
+    if args.small:
+        command.append("--small")
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -269,7 +396,7 @@ def spawn(problem: str, config: str, steps: int, warmup: int, args) -> dict:
     return {"problem": problem, "config": config, "error": " | ".join(tail) or f"exit {done.returncode}"}
 
 
-def aggregate(runs: list[dict], problems: list[str], batch_size: int) -> dict:
+def aggregate(runs: list[dict], problems: list[str], batch_size: int | None, small: bool = False) -> dict:
     """Per problem and configuration: median time, ratios and added memory from same-round plain runs."""
     results = {}
     for problem in problems:
@@ -305,11 +432,12 @@ def aggregate(runs: list[dict], problems: list[str], batch_size: int) -> dict:
                     entry["added_memory_mb"] = statistics.median(added)
                 entry["maxrss_mb"] = statistics.median(r["maxrss_mb"] for r in ok)
             entries[config] = entry
-        d = num_params(problem)
+        d, b = num_params(problem, small), batch_size_of(problem, batch_size)
         results[problem] = {
             "num_params": d,
-            "batch_size": batch_size,
-            "per_sample_grads_mb": batch_size * d * 4 / 2**20,
+            "batch_size": b,
+            "backend": "hooks (model=model, not extended)" if problem in HOOK_PROBLEMS else "BackPACK (extend)",
+            "per_sample_grads_mb": b * d * 4 / 2**20,
             "configs": entries,
         }
     return results
@@ -330,24 +458,14 @@ def _verdict(value: float | None, target: float | None) -> str:
     return "met" if value <= target else "**missed**"
 
 
-def markdown(results: dict, meta: dict) -> str:
-    """The markdown tables: main configurations, then each quantity alone."""
-    problems = list(results)
-    lines = [
-        f"Measured {meta['date']} on {meta['machine']}, torch {meta['torch']}, one thread per process; "
-        f"{meta['rounds']} round(s) of {meta['steps']} timed steps (quantities alone: "
-        f"{meta['quantity_rounds']} round(s) of {meta['quantity_steps']} steps), batch {meta['batch_size']}. "
-        "Ratio: time per step over plain training's in the same round, median over rounds "
-        "(min-max over rounds in brackets).",
-        "",
-        "| problem | D | plain step (ms) | B x D x 4 bytes (MB) |",
-        "|---|---|---|---|",
-    ]
-    for p in problems:
-        plain = results[p]["configs"].get("plain", {})
-        ms = f"{1000 * plain['time_s']:.1f}" if "time_s" in plain else "-"
-        lines.append(f"| {p} | {results[p]['num_params']:,} | {ms} | {results[p]['per_sample_grads_mb']:.0f} |")
-    lines += ["", "Time per step, ratio to plain training (target from issue 6 in the next column):", ""]
+def _measured(result: dict, meta: dict) -> dict:
+    """When and how a problem's figures were measured (its own entry for figures merged from an older run)."""
+    return result.get("measured") or {k: meta.get(k) for k in ("date", "rounds", "steps", "commit")}
+
+
+def _ratio_and_memory_tables(results: dict, problems: list[str], title: str, source: str) -> list[str]:
+    time_title = f"{title}time per step" if title else "Time per step"
+    lines = ["", f"{time_title}, ratio to plain training (target from {source} in the next column):", ""]
     header = "| configuration |" + "".join(f" {p} | {p} target |" for p in problems)
     lines += [header, "|---|" + "---|---|" * len(problems)]
     for config in MAIN_CONFIGS:
@@ -360,7 +478,8 @@ def markdown(results: dict, meta: dict) -> str:
             verdict = _verdict(entry.get("ratio") if entry else None, target)
             row += f" {_fmt_ratio(entry)} | {'<= %g %s' % (target, verdict) if target else '-'} |"
         lines.append(row)
-    lines += ["", "Peak memory added over plain training (MB; max RSS of the process minus plain's):", ""]
+    memory_title = f"{title}peak memory" if title else "Peak memory"
+    lines += ["", f"{memory_title} added over plain training (MB; max RSS of the process minus plain's):", ""]
     lines += ["| configuration |" + "".join(f" {p} |" for p in problems), "|---|" + "---|" * len(problems)]
     for config in MAIN_CONFIGS:
         if not any(config in results[p]["configs"] for p in problems):
@@ -369,26 +488,68 @@ def markdown(results: dict, meta: dict) -> str:
         for p in problems:
             entry = results[p]["configs"].get(config) or {}
             if "added_memory_mb" not in entry:
-                row += " - |"
+                row += " error |" if entry.get("errors") else " - |"
                 continue
             frac = entry["added_memory_mb"] / results[p]["per_sample_grads_mb"]
             text = f"{entry['added_memory_mb']:.0f} ({100 * frac:.0f}% of B x D x 4"
-            if config in MEMORY_TARGET:
-                text += f"; target <= {100 * MEMORY_TARGET[config]:.0f}%: {_verdict(frac, MEMORY_TARGET[config])}"
+            target = memory_targets(p).get(config)
+            if target is not None:
+                text += f"; target <= {100 * target:.0f}%: {_verdict(frac, target)}"
             row += f" {text}) |"
         lines.append(row)
+    return lines
+
+
+def markdown(results: dict, meta: dict) -> str:
+    """The markdown tables: main configurations (BackPACK problems, then hook-backend problems), then each quantity alone."""
+    problems = list(results)
+    when = {p: _measured(results[p], meta) for p in problems}
+    merged = len({(w.get("date"), w.get("commit"), w.get("rounds")) for w in when.values()}) > 1
+    batches = sorted({results[p].get("batch_size", meta.get("batch_size")) for p in problems})
+    lines = [
+        f"Measured {meta['date']} on {meta['machine']}, torch {meta['torch']}, one thread per process; "
+        f"{meta['rounds']} round(s) of {meta['steps']} timed steps (quantities alone: "
+        f"{meta['quantity_rounds']} round(s) of {meta['quantity_steps']} steps), "
+        + (f"batch {batches[0]}. " if len(batches) == 1 else "batch size B per problem below. ")
+        + ("Figures of some problems come from an earlier run (column 'measured'). " if merged else "")
+        + "Ratio: time per step over plain training's in the same round, median over rounds "
+        "(min-max over rounds in brackets).",
+        "",
+        "| problem | per-sample backend | D | B | plain step (ms) | B x D x 4 bytes (MB) |" + (" measured |" if merged else ""),
+        "|---|---|---|---|---|---|" + ("---|" if merged else ""),
+    ]
+    for p in problems:
+        plain = results[p]["configs"].get("plain", {})
+        ms = f"{1000 * plain['time_s']:.1f}" if "time_s" in plain else "-"
+        backend = results[p].get("backend") or ("hooks" if p in HOOK_PROBLEMS else "BackPACK (extend)")
+        row = (
+            f"| {p} | {backend} | {results[p]['num_params']:,} | {results[p].get('batch_size', meta.get('batch_size'))} "
+            f"| {ms} | {results[p]['per_sample_grads_mb']:.0f} |"
+        )
+        if merged:
+            w = when[p]
+            row += f" {w.get('date')}, {w.get('rounds')} round(s){', ' + w['commit'] if w.get('commit') else ''} |"
+        lines.append(row)
+    groups = [
+        ([p for p in problems if p not in HOOK_PROBLEMS], "", "issue 6"),
+        ([p for p in problems if p in HOOK_PROBLEMS], "Any model (hook backend, not extended): ", "issue 13"),
+    ]
+    for group, title, source in groups:
+        if group:
+            lines += _ratio_and_memory_tables(results, group, title, source)
     quantity_configs = []
     for p in problems:
         quantity_configs += [c for c in results[p]["configs"] if c.startswith("q:") and c not in quantity_configs]
     order = meta.get("quantity_order") or []
     quantity_configs.sort(key=lambda c: (order.index(c) if c in order else len(order), c))
     if quantity_configs:
+        qproblems = [p for p in problems if any(c.startswith("q:") for c in results[p]["configs"])]
         lines += ["", "Each quantity alone, tracking every step (ratio to plain; added peak memory in MB):", ""]
-        lines += ["| quantity |" + "".join(f" {p} | {p} MB |" for p in problems)]
-        lines += ["|---|" + "---|---|" * len(problems)]
+        lines += ["| quantity |" + "".join(f" {p} | {p} MB |" for p in qproblems)]
+        lines += ["|---|" + "---|---|" * len(qproblems)]
         for config in quantity_configs:
             row = f"| {config[2:]} |"
-            for p in problems:
+            for p in qproblems:
                 entry = results[p]["configs"].get(config)
                 mem = f"{entry['added_memory_mb']:.0f}" if entry and "added_memory_mb" in entry else "-"
                 row += f" {_fmt_ratio(entry)} | {mem} |"
@@ -402,6 +563,38 @@ def markdown(results: dict, meta: dict) -> str:
     if errors:
         lines += ["", "Failed runs:", ""] + errors
     return "\n".join(lines) + "\n"
+
+
+def git_commit() -> str | None:
+    """The short hash of the checked-out commit (``+dirty`` with local changes), or None."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=ROOT, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def merge_earlier(path: Path, results: dict, runs: list[dict]) -> tuple[dict, list[dict]]:
+    """Add the problems of an earlier results JSON that this run did not measure (results and raw runs)."""
+    if not path.exists():
+        print(f"--merge: {path} does not exist; nothing merged")
+        return results, runs
+    earlier = json.loads(path.read_text())
+    old_meta = earlier.get("meta", {})
+    merged = {}
+    for problem, result in earlier.get("results", {}).items():
+        if problem in results:
+            continue
+        result = dict(result)
+        result["measured"] = _measured(result, old_meta)
+        merged[problem] = result
+    kept = [dict(run, merged_from=str(path.name)) for run in earlier.get("runs", []) if run.get("problem") in merged]
+    order = [p for p in PROBLEMS if p in merged or p in results] + [p for p in merged if p not in PROBLEMS]
+    combined = {p: (results[p] if p in results else merged[p]) for p in order}
+    return combined, kept + runs
 
 
 def update_doc(table: str, path: Path = DOC) -> bool:
@@ -435,7 +628,17 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first")
     parser.add_argument("--quantity-rounds", type=int, default=None, help="rounds of the quantities alone")
     parser.add_argument("--quantity-steps", type=int, default=None, help="timed steps of the quantities alone")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument(
+        "--batch-size", type=int, default=None,
+        help=f"batch size of every problem (default: {DEFAULT_BATCH_SIZE}; "
+        + ", ".join(f"{p} {b}" for p, b in BATCH_SIZES.items()) + ")",
+    )  # fmt: skip
+    parser.add_argument("--small", action="store_true", help="tiny gpt/resnet models (for tests)")
+    parser.add_argument(
+        "--merge", default=None,
+        help="a results JSON of an earlier run: its problems not measured now are kept "
+        "(in the JSON and the table), e.g. benchmarks/results/overhead.json",
+    )  # fmt: skip
     parser.add_argument(
         "--budget", type=float, default=None,
         help="seconds of timed steps per process: a slow configuration stops after --min-steps "
@@ -466,6 +669,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
+        args.batch_size = batch_size_of(args.problem, args.batch_size)
         args.steps = args.steps or 10
         args.warmup = 2 if args.warmup is None else args.warmup
         args.budget = 10.0 if args.budget is None else args.budget
@@ -552,7 +756,7 @@ def main(argv=None) -> int:
             if "times" in result:
                 result["steps"] = len(result.pop("times"))
 
-    results = aggregate(runs, problems, args.batch_size)
+    results = aggregate(runs, problems, args.batch_size, args.small)
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".replace("  ", " "),
@@ -563,13 +767,20 @@ def main(argv=None) -> int:
         "warmup": warmup,
         "quantity_rounds": qrounds if qconfigs else 0,
         "quantity_steps": qsteps,
-        "batch_size": args.batch_size,
+        "batch_size": args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE,
+        "batch_sizes": {p: batch_size_of(p, args.batch_size) for p in problems},
+        "small": args.small,
+        "commit": git_commit(),
         "budget_s": args.budget,
         "quick": quick,
         "seconds": round(time.time() - started, 1),
         "quantity_order": known,
         "command": " ".join(["benchmarks/overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
     }
+    for p in problems:
+        results[p]["measured"] = {k: meta[k] for k in ("date", "rounds", "steps", "commit")}
+    if args.merge:
+        results, runs = merge_earlier(Path(args.merge), results, runs)
     table = markdown(results, meta)
     out = Path(args.out) if args.out else (QUICK_JSON if quick else DEFAULT_JSON)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -109,9 +109,121 @@ def test_problems_build_and_run_with_backpack(problem, shape):
 
 
 def test_unknown_names_are_rejected(tmp_path):
-    for flag, value in (("--problems", "resnet"), ("--configs", "premium"), ("--quantities", "Nope")):
+    for flag, value in (("--problems", "vgg"), ("--configs", "premium"), ("--quantities", "Nope")):
         done = subprocess.run(
             [sys.executable, str(SCRIPT), flag, value, "--no-docs", "--out", str(tmp_path / "x.json")],
             capture_output=True, text=True, timeout=120, cwd=ROOT,
         )  # fmt: skip
         assert done.returncode != 0 and "unknown" in done.stderr
+
+
+@pytest.mark.parametrize("problem", overhead.HOOK_PROBLEMS)
+def test_hook_problems_build_and_run_one_step(problem):
+    """gpt and resnet (small sizes) train one economy step with Cockpit(model=model), not extended."""
+    import torch
+
+    from cockpit_like import Cockpit
+    from cockpit_like.backends.step import is_extended
+    from cockpit_like.utils.configuration import configuration
+    from cockpit_like.utils.schedules import linear
+
+    model, shape = overhead.build_problem(problem, 4, small=True)
+    assert not any(is_extended(module) for module in model.modules())
+    (inputs, targets), *_ = overhead.make_batches(problem, model, shape, 4, count=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    cockpit = Cockpit(model.parameters(), configuration("economy", linear(1)), model=model)
+    outputs = model(inputs)
+    if problem == "gpt":
+        assert model.lm_head.weight is model.transformer.wte.weight  # tied embeddings
+        per_token = overhead.token_losses(outputs.logits, targets)
+        assert per_token.shape == (4, shape[0] - 1)
+        loss, individual = per_token.mean(), per_token.detach().mean(1)
+    else:
+        loss = torch.nn.functional.cross_entropy(outputs, targets)
+        individual = torch.nn.functional.cross_entropy(outputs, targets, reduction="none")
+    assert torch.allclose(individual.mean(), loss)
+    info = {"batch_size": 4, "individual_losses": individual, "loss": loss, "optimizer": optimizer}
+    with cockpit(0, info=info):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    optimizer.step()
+    output = cockpit.get_output()[0]
+    assert {"NormTest", "GradHist1d", "GradNorm"} <= set(output)
+
+
+def test_full_size_hook_problems():
+    """The documented sizes: GPT-2 with 4 layers, width 128, 4 heads, 64 tokens, vocabulary 512; the ResNet."""
+    model, shape = overhead.build_problem("gpt", 16)
+    config = model.config
+    assert (config.n_layer, config.n_embd, config.n_head, config.vocab_size, shape) == (4, 128, 4, 512, (64,))
+    assert (config.attn_pdrop, config.resid_pdrop, config.embd_pdrop) == (0, 0, 0)
+    assert overhead.batch_size_of("gpt", None) == 16 and overhead.batch_size_of("gpt", 8) == 8
+    model, shape = overhead.build_problem("resnet", 128)
+    assert shape == (3, 32, 32)
+    norms = [m for m in model.modules() if isinstance(m, torch_nn().GroupNorm)]
+    assert norms and not any(isinstance(m, torch_nn().modules.batchnorm._BatchNorm) for m in model.modules())
+    assert overhead.batch_size_of("resnet", None) == 128
+
+
+def torch_nn():
+    from torch import nn
+
+    return nn
+
+
+@pytest.mark.parametrize("problem", overhead.HOOK_PROBLEMS)
+@pytest.mark.parametrize("config", ["plain", "nothing", "economy"])
+def test_hook_problem_child_loop(problem, config):
+    """The child's training loop (in this process) on the small models: one timed step."""
+    import torch
+
+    threads = torch.get_num_threads()
+    args = overhead.parse_args(
+        ["--child", "--problem", problem, "--config", config, "--small", "--steps", "1", "--warmup", "1",
+         "--batch-size", "4", "--budget", "10", "--min-time", "0", "--min-steps", "1", "--max-steps", "1"]
+    )  # fmt: skip
+    try:
+        result = overhead.run_child(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert (result["problem"], result["config"], result["batch_size"]) == (problem, config, 4)
+    assert len(result["times"]) == 1 and result["median_s"] > 0
+
+
+def test_hook_problem_child_process(tmp_path):
+    """The script end to end on the small resnet: JSON and table of the hook-backend problems."""
+    command = [
+        sys.executable, str(SCRIPT), "--problems", "resnet", "--small", "--configs", "economy",
+        "--quantities", "none", "--rounds", "1", "--steps", "1", "--warmup", "1", "--min-time", "0",
+        "--out", str(tmp_path / "resnet.json"), "--table", str(tmp_path / "resnet.md"), "--no-docs",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "resnet.json").read_text())
+    resnet = data["results"]["resnet"]
+    assert resnet["batch_size"] == 128 and data["meta"]["small"]
+    assert resnet["num_params"] == overhead.num_params("resnet", small=True)
+    assert resnet["per_sample_grads_mb"] == pytest.approx(128 * resnet["num_params"] * 4 / 2**20)
+    for name in ("plain", "economy"):
+        assert "errors" not in resnet["configs"][name], resnet["configs"][name]
+        assert resnet["configs"][name]["ratio"] > 0
+    table = (tmp_path / "resnet.md").read_text()
+    assert "Any model (hook backend, not extended)" in table
+    assert "<= 2.5" in table  # the economy target of the hook-backend problems
+    assert "target <= 50%" in table
+
+
+def test_merge_keeps_earlier_problems(tmp_path):
+    earlier = {
+        "meta": {"date": "2000-01-01", "rounds": 2, "steps": 10},
+        "results": {"mlp": {"num_params": 1, "batch_size": 128, "per_sample_grads_mb": 1.0, "configs": {}},
+                    "gpt": {"num_params": 2, "batch_size": 16, "per_sample_grads_mb": 1.0, "configs": {}}},
+        "runs": [{"problem": "mlp", "config": "plain"}, {"problem": "gpt", "config": "plain"}],
+    }  # fmt: skip
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    now = {"gpt": {"num_params": 3, "batch_size": 16, "per_sample_grads_mb": 1.0, "configs": {}}}
+    results, runs = overhead.merge_earlier(path, now, [{"problem": "gpt", "config": "economy"}])
+    assert list(results) == ["mlp", "gpt"] and results["gpt"]["num_params"] == 3
+    assert results["mlp"]["measured"]["date"] == "2000-01-01"
+    assert [(r["problem"], r["config"]) for r in runs] == [("mlp", "plain"), ("gpt", "economy")]

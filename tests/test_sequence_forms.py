@@ -1,0 +1,70 @@
+"""Statistics of per-sample gradients given as sequence factors ``gb_i = sum_t a_it b_it^T``, against ``gb`` itself."""
+
+import pytest
+import torch
+
+from cockpit_like.backends.per_sample import PerSampleReducer, materialize_sequence
+from cockpit_like.backends.per_sample_stats import (
+    AbsMax,
+    DirectionalDots,
+    GramSummary,
+    Histogram1dCounts,
+    KroneckerFactors,
+    RetainedFactors,
+    RetainedGradBatch,
+    RetainedSequence,
+    SumOfSquares,
+)
+
+
+def _factors(batch, positions, rows, cols, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, positions, rows, generator=generator, dtype=torch.float64)
+    b = torch.randn(batch, positions, cols, generator=generator, dtype=torch.float64)
+    return a, b
+
+
+def _dense(a, b, shape):
+    return torch.einsum("btr,btc->brc", a, b).reshape(a.shape[0], *shape)
+
+
+@pytest.mark.parametrize("positions,rows,cols", [(2, 6, 5), (9, 3, 4), (1, 4, 4)])  # both Gram branches, T = 1
+def test_sequence_forms_equal_the_dense_path(positions, rows, cols):
+    a, b = _factors(5, positions, rows, cols)
+    param = torch.nn.Parameter(torch.randn(rows, cols, dtype=torch.float64))
+    gb = _dense(a, b, param.shape)
+    torch.testing.assert_close(materialize_sequence(a, b, param.shape), gb)
+    direction = (torch.randn(rows, cols, dtype=torch.float64),)
+    for stat in (GramSummary(), DirectionalDots("d", direction), KroneckerFactors()):
+        assert stat.sequence_form
+        by_factors = stat.finalize(stat.accumulate_sequence(stat.init([param]), 0, param, a, b))
+        if isinstance(stat, KroneckerFactors):  # not gb's own function: check the defining sums instead
+            factor_a, factor_b = by_factors[0]
+            torch.testing.assert_close(factor_a, 5 * torch.einsum("btr,bts->rs", a, a))
+            torch.testing.assert_close(factor_b, torch.einsum("btc,btd->cd", b, b) / (5 * positions))
+            continue
+        dense = stat.finalize(stat.accumulate(stat.init([param]), 0, param, gb))
+        for x, y in zip(by_factors if isinstance(by_factors, tuple) else (by_factors,), dense if isinstance(dense, tuple) else (dense,)):
+            torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    kept = RetainedGradBatch().accumulate_sequence([None], 0, param, a, b)[0]
+    assert isinstance(kept, RetainedSequence)
+    torch.testing.assert_close(kept.batch_sum(), gb.sum(0))
+    torch.testing.assert_close(kept.dots(direction[0]), gb.reshape(5, -1) @ direction[0].reshape(-1))
+
+
+def test_the_reducer_keeps_factors_next_to_a_statistic_that_needs_grad_batch():
+    """Alpha's retained gradients stay factors when a histogram materialises grad_batch (memory)."""
+    a, b = _factors(3, 4, 5, 2)
+    param = torch.nn.Parameter(torch.zeros(5, 2, dtype=torch.float64))
+    stats = [RetainedGradBatch(), Histogram1dCounts(bins=8, range=(-2.0, 2.0)), SumOfSquares(), AbsMax()]
+    reducer = PerSampleReducer(stats, [param], keep_grad_batch=False)
+    reducer.reduce_sequence(param, a, b)
+    results = reducer.results()
+    assert isinstance(results[RetainedGradBatch()][0], RetainedSequence)
+    gb = _dense(a, b, param.shape)
+    torch.testing.assert_close(results[SumOfSquares()][0], (gb**2).sum(0))
+    assert float(results[AbsMax()][0]) == pytest.approx(float(gb.abs().max()))
+    # one position: the 2-D factor form, as for BackPACK's linear path
+    reducer = PerSampleReducer([RetainedGradBatch()], [param], keep_grad_batch=False)
+    reducer.reduce_sequence(param, a[:, :1], b[:, :1])
+    assert isinstance(reducer.results()[RetainedGradBatch()][0], RetainedFactors)
