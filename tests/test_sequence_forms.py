@@ -10,6 +10,7 @@ from cockpit_like.backends.per_sample_stats import (
     GramSummary,
     Histogram1dCounts,
     KroneckerFactors,
+    RetainedDense,
     RetainedFactors,
     RetainedGradBatch,
     RetainedSequence,
@@ -52,18 +53,30 @@ def test_sequence_forms_equal_the_dense_path(positions, rows, cols):
     torch.testing.assert_close(kept.dots(direction[0]), gb.reshape(5, -1) @ direction[0].reshape(-1))
 
 
-def test_the_reducer_keeps_factors_next_to_a_statistic_that_needs_grad_batch():
-    """Alpha's retained gradients stay factors when a histogram materialises grad_batch (memory)."""
+def test_the_reducer_materialises_once_and_keeps_factors_where_it_did_not():
+    """Statistics with a sequence form keep using it next to one that materialises grad_batch; the
+    retained gradients reuse the materialised tensor (cheaper dots), else they stay factors (memory)."""
     a, b = _factors(3, 4, 5, 2)
     param = torch.nn.Parameter(torch.zeros(5, 2, dtype=torch.float64))
-    stats = [RetainedGradBatch(), Histogram1dCounts(bins=8, range=(-2.0, 2.0)), SumOfSquares(), AbsMax()]
-    reducer = PerSampleReducer(stats, [param], keep_grad_batch=False)
-    reducer.reduce_sequence(param, a, b)
-    results = reducer.results()
-    assert isinstance(results[RetainedGradBatch()][0], RetainedSequence)
     gb = _dense(a, b, param.shape)
+    stats = [RetainedGradBatch(), GramSummary(), Histogram1dCounts(bins=8, range=(-2.0, 2.0)), SumOfSquares(), AbsMax()]
+    calls = []
+    original = GramSummary.accumulate_sequence
+    GramSummary.accumulate_sequence = lambda self, *args: calls.append("sequence") or original(self, *args)
+    try:
+        reducer = PerSampleReducer(stats, [param], keep_grad_batch=False)
+        reducer.reduce_sequence(param, a, b)
+    finally:
+        GramSummary.accumulate_sequence = original
+    results = reducer.results()
+    assert calls == ["sequence"]
+    assert isinstance(results[RetainedGradBatch()][0], RetainedDense)
+    torch.testing.assert_close(results[RetainedGradBatch()][0].grad_batch, gb)
     torch.testing.assert_close(results[SumOfSquares()][0], (gb**2).sum(0))
     assert float(results[AbsMax()][0]) == pytest.approx(float(gb.abs().max()))
+    reducer = PerSampleReducer([RetainedGradBatch(), GramSummary()], [param], keep_grad_batch=False)
+    reducer.reduce_sequence(param, a, b)
+    assert isinstance(reducer.results()[RetainedGradBatch()][0], RetainedSequence)
     # one position: the 2-D factor form, as for BackPACK's linear path
     reducer = PerSampleReducer([RetainedGradBatch()], [param], keep_grad_batch=False)
     reducer.reduce_sequence(param, a[:, :1], b[:, :1])

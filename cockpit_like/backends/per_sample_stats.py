@@ -357,6 +357,10 @@ class RetainedGradBatch(PerSampleStat):
     """
 
     factor_form = True
+    #: when another statistic (a histogram) materialises ``grad_batch`` anyway, keep that tensor:
+    #: Alpha's dots and sums on it cost ``T`` times less than on sequence factors (gpt economy
+    #: step 385 -> 345 ms in one process), at more memory (gpt economy 69% -> 84% of B x D x 4)
+    reuses_grad_batch = True
 
     def init(self, params):
         return [None] * len(params)
