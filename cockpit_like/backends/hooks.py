@@ -10,7 +10,8 @@ Two pieces:
   or dropped whenever the cockpit is entered, so a step that tracks nothing
   costs that append and nothing else. On steps that need the graph (e.g.
   Hessian-vector products) the model's forward runs with PyTorch's math
-  attention kernel, whose backward is twice differentiable.
+  attention kernel and without cuDNN (whose recurrent layers have no double
+  backward), so that the backward pass is twice differentiable.
 - :class:`HookBackend`, built for one tracked step from the noted calls. It
   registers a pre-hook on the autograd node of each call's outputs, so it
   receives the gradient of the loss w.r.t. the outputs during the backward
@@ -246,8 +247,10 @@ class ModelTracer:
             return
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        context = sdpa_kernel([SDPBackend.MATH])
-        context.__enter__()
+        # kernels without a second derivative: fused attention, cuDNN's recurrent layers
+        context = contextlib.ExitStack()
+        context.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        context.enter_context(torch.backends.cudnn.flags(enabled=False))
         self._kernel_stack.append(context)
 
     def in_forward(self) -> bool:
@@ -293,13 +296,18 @@ def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> l
     return found
 
 
-def _graph_nodes(root) -> set[int]:
-    """``id`` of every autograd node the backward pass from ``root`` visits."""
-    seen, stack = {id(root)}, [root]
+def _graph_nodes(root) -> dict[int, object]:
+    """``{id: node}`` of every autograd node the backward pass from ``root`` visits.
+
+    The nodes are kept (the values): autograd's Python objects for graph nodes
+    exist only while referenced, and a freed one's ``id`` can be reused by the
+    object of another node, which would then look visited.
+    """
+    seen, stack = {id(root): root}, [root]
     while stack:
         for child, _ in stack.pop().next_functions:
             if child is not None and id(child) not in seen:
-                seen.add(id(child))
+                seen[id(child)] = child
                 stack.append(child)
     return seen
 

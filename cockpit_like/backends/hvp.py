@@ -75,11 +75,13 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV")
                     raise RuntimeError(
                         f"{owner}: an operation of this step's forward pass has no second derivative "
                         f"({error}). For attention the cockpit runs the forward pass of steps that need "
-                        "the graph with PyTorch's math attention kernel, which has one: pass "
+                        "the graph with PyTorch's math attention kernel and without cuDNN (recurrent "
+                        "layers), which have one: pass "
                         "Cockpit(..., model=model), create the cockpit before the first forward pass and "
                         "number the steps 0, 1, 2, ... (the cockpit expects step s + 1 after step s). "
                         "Or wrap the forward pass in `torch.nn.attention.sdpa_kernel("
-                        "torch.nn.attention.SDPBackend.MATH)` yourself."
+                        "torch.nn.attention.SDPBackend.MATH)` (and `torch.backends.cudnn.flags(enabled=False)` "
+                        "for recurrent layers on a GPU) yourself."
                     ) from error
                 if "modified by an inplace operation" not in str(error):
                     raise

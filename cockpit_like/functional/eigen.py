@@ -173,7 +173,8 @@ def _krylov(
                 grown[:count] = basis
                 basis = grown
             torch.div(w, beta, out=basis[count])
-    vector = basis[: len(alphas)].T @ ritz.to(q.dtype)
+    # the small tridiagonal problem is solved on the CPU; the Ritz vector lives with the basis
+    vector = basis[: len(alphas)].T @ ritz.to(device=q.device, dtype=q.dtype)
     return theta, vector / vector.norm(), count, converged
 
 
