@@ -27,6 +27,7 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
+from cockpit_like.quantities.utils_transforms import merge_transform_hooks, split_transform_hooks
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
 
@@ -272,19 +273,24 @@ class _TrackedStep:
         self._check_loss()
 
         requests = [("the user's *exts", ext) for ext in self.user_exts]
-        stats, hooks, needs, owners = [], [], [], []
+        stats, hooks, needs, owners, transform_hooks = [], [], [], [], []
         raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in self.user_exts)
         for quantity in self.active:
             name = cockpit.name_of(quantity)
             for ext in quantity.extensions(step):
                 requests.append((name, ext))
                 raw_batch_grad |= isinstance(ext, BatchGrad)
-            hooks.extend(quantity.extension_hooks(step))
+            # BatchGradTransformsHooks become one per-sample statistic (utils_transforms)
+            other_hooks, transforms = split_transform_hooks(quantity.extension_hooks(step))
+            hooks.extend(other_hooks)
+            transform_hooks.extend(transforms)
             asked = quantity.per_sample_stats(step)
-            if asked:
+            if asked or transforms:
                 owners.append(name)
             stats.extend(s for s in asked if s not in stats)
             needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
+        if transform_hooks:
+            stats.append(merge_transform_hooks(transform_hooks))
         try:
             self._execution = StepExecution(
                 step,

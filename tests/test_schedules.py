@@ -44,7 +44,7 @@ def test_logarithmic_truncates_exponents_and_single_step():
     [
         (lambda: schedules.linear(0), "positive int"),
         (lambda: schedules.linear(2.5), "positive int"),
-        (lambda: schedules.linear(1, offset=-1), "non-negative int"),
+        (lambda: schedules.linear(1, offset=1.5), "needs an int"),
         (lambda: schedules.logarithmic(0, 2, steps=0), "positive int"),
     ],
 )

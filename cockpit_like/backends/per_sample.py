@@ -65,6 +65,9 @@ class PerSampleStat:
     #: with a factor form that still visits every entry (histograms): use ``grad_batch``
     #: instead when another statistic materialises it anyway
     reuses_grad_batch: ClassVar[bool] = False
+    #: attributes the statistic sets on the parameters (e.g. ``grad_batch_transforms``);
+    #: the cockpit deletes them once the step's quantities have run
+    param_fields: ClassVar[tuple[str, ...]] = ()
 
     def init(self, params: list[torch.Tensor]) -> Any:
         """Fresh accumulator state for one step."""

@@ -310,6 +310,8 @@ class StepExecution:
     def free(self, user_types: set[type]) -> None:
         """Delete the BackPACK buffers nobody asked to keep."""
         fields = {ext.savefield for ext in self.extensions if type(ext) not in user_types and hasattr(ext, "savefield")}
+        if self.reducer is not None:
+            fields.update(field for stat in self.reducer.stats for field in stat.param_fields)
         for param in self.params:
             for field in fields:
                 if hasattr(param, field):

@@ -272,12 +272,18 @@ def draw_hist_1d(ax, data: RunData, options: DrawOptions) -> None:
                 ha="right", va="top", fontsize=_SMALL, color="#555555")
 
 
-def _draw_hist_2d(ax, value: dict, title: str, step: int, gid: str) -> None:
+def _log_counts(hist: np.ndarray) -> np.ndarray:
+    return np.log10(1.0 + hist)
+
+
+def _draw_hist_2d(ax, value: dict, title: str, step: int, gid: str, transform: Callable | None = None) -> None:
+    """``transform(counts)`` (default ``log10(1 + counts)``) as colours; empty bins left blank."""
     hist = np.asarray(value["hist"], dtype=float)
     x_edges, y_edges = (np.asarray(e, dtype=float) for e in value["edges"])
+    shown = np.asarray((transform or _log_counts)(hist), dtype=float)
     ax.set_title(title, **_TITLE)
     _step_note(ax, step, color="#333333")
-    ax.pcolormesh(x_edges, y_edges, np.ma.masked_equal(np.log10(1.0 + hist.T), 0.0), cmap="magma_r", shading="flat", gid=gid,
+    ax.pcolormesh(x_edges, y_edges, np.ma.masked_where(hist.T == 0, shown.T), cmap="magma_r", shading="flat", gid=gid,
                   rasterized=True)
     ax.axvline(0, color="#999999", linewidth=0.6)
     ax.set_xlabel("per-sample gradient element", fontsize=8, labelpad=1)

@@ -54,6 +54,10 @@ class CockpitPlotter:
     Attributes:
         fig: the figure of the last :meth:`plot` call (reused by later calls).
         axes: ``{instrument key: Axes}`` of that figure.
+        data: the :class:`~cockpit_like.plotting.data.RunData` read by the last
+            :meth:`plot` or :meth:`read` call (what the gauges of
+            :mod:`cockpit_like.instruments` draw).
+        show_log_iter: the ``show_log_iter`` of the last :meth:`plot` call.
         last_saved: the path written by the last ``save_plot=True`` call.
         last_timing: seconds spent in the last call, split into ``read``,
             ``draw`` (instruments) and ``render`` (canvas draw and save).
@@ -74,6 +78,9 @@ class CockpitPlotter:
         self.axes: dict[str, Any] = {}
         self.last_saved: Path | None = None
         self.last_timing: dict[str, float] = {}
+        self.data: RunData | None = None
+        self.show_log_iter = False
+        self.debug = False
         self._layout: Layout | None = None
         self._windowed = False
 
@@ -112,6 +119,22 @@ class CockpitPlotter:
             self._layout = build_layout(fig, self.secondary_screen, layers)
             self.axes = dict(self._layout.axes)
         return self._layout
+
+    # ---- reading -----------------------------------------------------------------------
+    def read(self, source: Any, discard: int | None = None) -> RunData:
+        """Read ``source`` (as in :meth:`plot`) into :attr:`data` without drawing; return it.
+
+        For dashboards of your own, built from :mod:`cockpit_like.instruments`::
+
+            plotter.read("logs/run")
+            alpha_gauge(plotter, fig, grid[0, 0])
+        """
+        self.data, _ = load_source(source, discard)
+        return self.data
+
+    def _read_tracking_results(self, source: Any, discard: int | None = None) -> None:
+        """Cockpit's name for :meth:`read`."""
+        self.read(source, discard)
 
     # ---- the public call -------------------------------------------------------------
     def plot(
@@ -158,6 +181,7 @@ class CockpitPlotter:
         """
         start = time.perf_counter()
         data, logpath = load_source(source, discard)
+        self.data, self.show_log_iter, self.debug = data, bool(show_log_iter), bool(debug)
         read = time.perf_counter()
         fig = self._figure(show_plot)
         layout = self._ensure_layout(fig, data)

@@ -8,7 +8,9 @@ without keeping per-sample gradients from one step to the next:
 - **Start step t** (after backward): the direction ``d`` of the coming update
   is not known yet. Alpha predicts it by a *look-ahead*: it runs
   ``optimizer.step()`` on shadow copies of the parameters, gradients and
-  optimizer state, leaving the real ones untouched (:func:`lookahead_update`). With the per-sample gradients of this step
+  optimizer state, leaving the real ones untouched
+  (:func:`cockpit_like.utils.optim.lookahead_update`, shared with
+  :class:`~cockpit_like.utils.optim.ComputeStep`). With the per-sample gradients of this step
   (kept only until the end of this step) it reduces the slopes
   ``u_{0,i} = g_{t,i}^T d / ||d||`` to their mean and unbiased variance. Kept
   until step t+1: ``theta_t``, the predicted ``d``, ``sum_i grad_batch_i`` and a
@@ -30,7 +32,6 @@ with ``B = info["batch_size"]``. Stored under the start step (``SAVE_SHIFT = 1``
 
 from __future__ import annotations
 
-import copy
 import warnings
 
 import torch
@@ -39,64 +40,9 @@ from cockpit_like import context
 from cockpit_like.backends.per_sample_stats import DirectionalDots, RetainedGradBatch
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity
+from cockpit_like.utils.optim import lookahead_update
 
-__all__ = ["Alpha", "lookahead_update"]
-
-_IMMUTABLE = (bool, int, float, str, type(None), tuple)
-
-
-def lookahead_update(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The update ``optimizer.step()`` would make now, without making it.
-
-    The step runs on *shadow* parameters: detached copies of every parameter
-    of the optimizer with copies of their gradients and of their optimizer
-    state, swapped into the param groups for the duration of the call. The
-    real parameters, gradients and state are never written (not even their
-    autograd version counters change, so a graph kept for later
-    Hessian-vector products stays valid). Afterwards the param groups (with
-    their hyperparameters), the optimizer's plain attributes and torch's CPU
-    RNG are restored.
-
-    Works for any optimizer whose ``step()`` reads the parameters from
-    ``param_groups`` and their state from ``optimizer.state`` (all of
-    ``torch.optim`` and the usual custom subclasses).
-
-    Returns:
-        ``[theta_p(after) - theta_p(before) for p in params]`` (zeros for
-        tensors the optimizer does not update).
-    """
-    groups = [(group, dict(group)) for group in optimizer.param_groups]
-    attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
-    rng = torch.get_rng_state()
-    shadows: dict[torch.Tensor, torch.Tensor] = {}
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                shadow = p.detach().clone().requires_grad_(p.requires_grad)
-                shadow.grad = None if p.grad is None else p.grad.detach().clone()
-                shadows[p] = shadow
-        try:
-            for p, shadow in shadows.items():
-                if p in optimizer.state:
-                    optimizer.state[shadow] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                        for k, v in optimizer.state[p].items()
-                    }
-            for group in optimizer.param_groups:
-                group["params"] = [shadows[p] for p in group["params"]]
-            optimizer.step()
-            return [
-                (shadows[p].detach() - p.detach()) if p in shadows else torch.zeros_like(p) for p in params
-            ]
-        finally:
-            for shadow in shadows.values():
-                optimizer.state.pop(shadow, None)
-            for group, saved in groups:
-                group.clear()
-                group.update(saved)
-            for key, value in attributes.items():
-                setattr(optimizer, key, value)
-            torch.set_rng_state(rng)
+__all__ = ["Alpha", "lookahead_update"]  # lookahead_update: re-exported from cockpit_like.utils.optim
 
 
 def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -10,6 +10,10 @@ sets the range to ``(-e, e)`` with ``e = (1 + padding) * max(min_size / 2, m)``:
   its steps);
 - :class:`ParamAbsMax`: ``m = max_{p,j} |theta_{p,j}|``.
 
+:class:`NoAdaptation` (never scheduled) stands for "no adaptation": a
+histogram built without ``adapt`` holds one, as in Cockpit, so code that
+calls ``hist._adapt.should_compute(step)`` works either way.
+
 Example:
     >>> from cockpit_like.quantities import GradHist1d
     >>> from cockpit_like.utils.schedules import linear
@@ -22,10 +26,11 @@ from collections.abc import Callable
 
 import torch
 
+from cockpit_like import context
 from cockpit_like.backends.per_sample_stats import AbsMax
 from cockpit_like.utils.schedules import check_schedule
 
-__all__ = ["BinAdaptation", "GradAbsMax", "ParamAbsMax"]
+__all__ = ["BinAdaptation", "NoAdaptation", "GradAbsMax", "ParamAbsMax"]
 
 
 class BinAdaptation:
@@ -50,6 +55,15 @@ class BinAdaptation:
         return bool(self._track_schedule(global_step))
 
     def per_sample_stats(self, global_step: int) -> list:
+        """Per-sample statistics needed at ``global_step`` (requested through the host histogram)."""
+        return []
+
+    def extensions(self, global_step: int) -> list:
+        """BackPACK extensions needed (none: what an adapter needs is a per-sample statistic)."""
+        return []
+
+    def extension_hooks(self, global_step: int) -> list:
+        """BackPACK extension hooks needed (none, see :meth:`extensions`)."""
         return []
 
     def settings(self) -> dict:
@@ -65,8 +79,47 @@ class BinAdaptation:
             print(f"[Step {global_step}] {type(self).__name__}: new range (-{extent}, {extent})")
         return (-extent, extent)
 
+    def compute(self, global_step: int, params: list[torch.Tensor], batch_loss, range) -> tuple[float, float]:
+        """Cockpit's call: the new range ``(-e, e)``, while the cockpit tracks ``global_step``.
+
+        ``batch_loss`` and the current ``range`` are not used; the statistics
+        are read from the step record (:func:`cockpit_like.context.get_record`),
+        so this works inside a histogram's ``track``, as in Cockpit.
+        """
+        return self.new_range(global_step, context.get_record(global_step), params)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(padding={self._padding}, min_size={self._min_size})"
+
+
+class NoAdaptation(BinAdaptation):
+    """Leave the range as it is: a schedule that never holds.
+
+    What a histogram holds in ``_adapt`` when it was built without ``adapt``.
+    """
+
+    def __init__(self, verbose: bool = False):
+        super().__init__(_never, verbose=verbose)
+
+    def settings(self) -> dict:
+        return {"class": "NoAdaptation"}
+
+    def compute(self, global_step, params, batch_loss, range):
+        """The given ``range``, unchanged."""
+        return tuple(range)
+
+    def _abs_max(self, record, params):
+        raise RuntimeError("NoAdaptation never computes a range (its schedule never holds)")
+
+    def __repr__(self) -> str:
+        return "NoAdaptation()"
+
+
+def _never(global_step: int) -> bool:
+    return False
+
+
+_never.description = "never"
 
 
 class GradAbsMax(BinAdaptation):

@@ -18,7 +18,7 @@ from cockpit_like.functional import gradient_tests as F
 from cockpit_like.quantities.byproducts import gradients_of
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
-__all__ = ["MeanGSNR", "CABS", "EarlyStopping", "plain_sgd_learning_rate"]
+__all__ = ["MeanGSNR", "CABS", "EarlyStopping", "plain_sgd_learning_rate", "unique_learning_rate"]
 
 
 def plain_sgd_learning_rate(optimizer, owner: str) -> float:
@@ -51,6 +51,15 @@ def plain_sgd_learning_rate(optimizer, owner: str) -> float:
                 f"{owner} only supports SGD with zero momentum and no weight decay; param group "
                 f"{index} has {', '.join(bad)}"
             )
+    return unique_learning_rate(optimizer, owner)
+
+
+def unique_learning_rate(optimizer, owner: str) -> float:
+    """The learning rate shared by all param groups of ``optimizer``.
+
+    Raises:
+        ValueError: the groups use different learning rates.
+    """
     rates = {group["lr"] for group in optimizer.param_groups}
     if len(rates) != 1:
         raise ValueError(
@@ -115,9 +124,15 @@ class CABS(_SumOfSquaresQuantity):
 
     _info = {"batch_size", "loss", "optimizer"}
 
+    def get_lr(self, optimizer) -> float:
+        """The learning rate of ``optimizer`` (one for all param groups, else ValueError), as in Cockpit."""
+        return unique_learning_rate(optimizer, type(self).__name__)
+
     def _compute(self, global_step, params, batch_loss):
         record, flat_sq, flat_grad, batch_size = self._flat_moments(global_step, params)
-        lr = plain_sgd_learning_rate(record.require("optimizer", "CABS"), "CABS")
+        optimizer = record.require("optimizer", "CABS")
+        plain_sgd_learning_rate(optimizer, "CABS")
+        lr = self.get_lr(optimizer)
         loss = record.require("loss", "CABS")
         loss = loss.detach() if isinstance(loss, torch.Tensor) else loss
         return F.cabs(flat_sq, flat_grad, batch_size, lr, loss)

@@ -8,6 +8,12 @@ never materialised at once. The entries counted are the per-sample gradients
 leading dimension). Binning rules: :mod:`cockpit_like.functional.histograms`.
 
 Ranges can follow the data with :mod:`cockpit_like.quantities.bin_adaptation`.
+
+Names that subclasses use, as in Cockpit: ``self._bins``, ``self._range``
+(GradHist2d: a list ``[x range, y range]``) and ``self._adapt``, the bin
+adaptation (GradHist1d) or the list of the two (GradHist2d); where none was
+given it is a :class:`~cockpit_like.quantities.bin_adaptation.NoAdaptation`,
+whose ``should_compute`` is always False.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable
 
 from cockpit_like import context
 from cockpit_like.backends.per_sample_stats import Histogram1dCounts, Histogram2dCounts
+from cockpit_like.quantities.bin_adaptation import NoAdaptation
 from cockpit_like.functional.histograms import hist_edges
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
@@ -42,7 +49,10 @@ class _AdaptiveHistogram(SingleStepQuantity):
     """Shared logic: active at histogram steps and at the adapters' steps."""
 
     def _adapters(self) -> list:
-        raise NotImplementedError
+        """The bin adaptations in ``self._adapt`` (without ``None``)."""
+        adapt = self._adapt
+        adapt = list(adapt) if isinstance(adapt, (list, tuple)) else [adapt]
+        return [a for a in adapt if a is not None]
 
     def is_active(self, global_step: int) -> bool:
         return self.should_compute(global_step) or any(a.should_compute(global_step) for a in self._adapters())
@@ -56,7 +66,11 @@ class _AdaptiveHistogram(SingleStepQuantity):
 
     def track(self, global_step, params, batch_loss):
         super().track(global_step, params, batch_loss)  # this step's histogram first
-        self._adapt(global_step, context.get_record(global_step), params)
+        self._update_range(global_step, context.get_record(global_step), params)
+
+    def _update_range(self, global_step, record, params) -> None:
+        """Set the range from the adaptations scheduled at ``global_step``."""
+        raise NotImplementedError
 
 
 class GradHist1d(_AdaptiveHistogram):
@@ -72,31 +86,30 @@ class GradHist1d(_AdaptiveHistogram):
         range: ``(lo, hi)``.
         adapt: a :mod:`~cockpit_like.quantities.bin_adaptation` instance that
             updates ``range`` on its own schedule (after the step's histogram).
+            Kept as ``self._adapt`` (a ``NoAdaptation`` when ``None``).
     """
 
     def __init__(self, track_schedule, verbose: bool = False, bins: int = 100, range=(-2, 2), adapt=None):
         super().__init__(track_schedule, verbose=verbose)
         self._bins = _check_bins(bins, "GradHist1d")
         self._range = _check_range(range, "GradHist1d")
-        self._adapt_rule = adapt
-
-    def _adapters(self):
-        return [] if self._adapt_rule is None else [self._adapt_rule]
+        self._adapt = NoAdaptation(verbose=verbose) if adapt is None else adapt
 
     def _counts_stat(self):
-        return Histogram1dCounts(self._bins, self._range)
+        return Histogram1dCounts(self._bins, tuple(float(v) for v in self._range))
 
     def settings(self):
-        adapt = None if self._adapt_rule is None else self._adapt_rule.settings()
+        adapt = self._adapt
+        adapt = None if adapt is None or isinstance(adapt, NoAdaptation) else adapt.settings()
         return {"bins": self._bins, "range": list(self._range), "adapt": adapt}
 
     def _compute(self, global_step, params, batch_loss):
         counts = context.get_record(global_step).stat(self._counts_stat())
         return {"hist": counts, "edges": hist_edges(self._bins, self._range)}
 
-    def _adapt(self, global_step, record, params):
-        if self._adapt_rule is not None and self._adapt_rule.should_compute(global_step):
-            self._range = self._adapt_rule.new_range(global_step, record, params)
+    def _update_range(self, global_step, record, params):
+        if self._adapt is not None and self._adapt.should_compute(global_step):
+            self._range = self._adapt.new_range(global_step, record, params)
 
 
 class GradHist2d(_AdaptiveHistogram):
@@ -113,7 +126,8 @@ class GradHist2d(_AdaptiveHistogram):
     Args:
         bins: ``(xbins, ybins)``.
         range: ``((xlo, xhi), (ylo, yhi))``; x = gradient, y = parameter.
-        adapt: ``(x adapter or None, y adapter or None)``.
+        adapt: ``(x adapter or None, y adapter or None)``; kept as the list
+            ``self._adapt`` (``NoAdaptation`` for ``None``).
         keep_individual: also store one histogram per parameter tensor.
     """
 
@@ -132,25 +146,22 @@ class GradHist2d(_AdaptiveHistogram):
         self._bins = (_check_bins(bins[0], "GradHist2d", "[0]"), _check_bins(bins[1], "GradHist2d", "[1]"))
         if not isinstance(range, (tuple, list)) or len(range) != 2:
             raise ValueError(f"GradHist2d: range must be ((xlo, xhi), (ylo, yhi)), got {range!r}")
-        self._range = (_check_range(range[0], "GradHist2d", "[0]"), _check_range(range[1], "GradHist2d", "[1]"))
+        self._range = [_check_range(range[0], "GradHist2d", "[0]"), _check_range(range[1], "GradHist2d", "[1]")]
         if adapt is None:
             adapt = (None, None)
         if not isinstance(adapt, (tuple, list)) or len(adapt) != 2:
             raise ValueError(f"GradHist2d: adapt must be a pair (x adapter, y adapter), got {adapt!r}")
-        self._adapt_rules = tuple(adapt)
+        self._adapt = [NoAdaptation(verbose=verbose) if a is None else a for a in adapt]
         self._keep_individual = bool(keep_individual)
 
-    def _adapters(self):
-        return [a for a in self._adapt_rules if a is not None]
-
     def _counts_stat(self):
-        return Histogram2dCounts(self._bins, self._range)
+        return Histogram2dCounts(self._bins, tuple(tuple(float(v) for v in r) for r in self._range))
 
     def settings(self):
         return {
             "bins": list(self._bins),
             "range": [list(r) for r in self._range],
-            "adapt": [None if a is None else a.settings() for a in self._adapt_rules],
+            "adapt": [None if a is None or isinstance(a, NoAdaptation) else a.settings() for a in self._adapt],
             "keep_individual": self._keep_individual,
         }
 
@@ -165,9 +176,9 @@ class GradHist2d(_AdaptiveHistogram):
                 result[f"param_{index}"] = {"hist": hist, "edges": edges}
         return result
 
-    def _adapt(self, global_step, record, params):
+    def _update_range(self, global_step, record, params):
         new = list(self._range)
-        for axis, rule in enumerate(self._adapt_rules):
+        for axis, rule in enumerate(self._adapt):
             if rule is not None and rule.should_compute(global_step):
                 new[axis] = rule.new_range(global_step, record, params)
-        self._range = tuple(new)
+        self._range = new

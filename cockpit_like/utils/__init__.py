@@ -1,5 +1,5 @@
-"""Schedules and preset configurations."""
+"""Schedules, preset configurations and optimizer helpers."""
 
-from cockpit_like.utils import configuration, schedules
+from cockpit_like.utils import configuration, optim, schedules
 
-__all__ = ["configuration", "schedules"]
+__all__ = ["configuration", "optim", "schedules"]

@@ -13,19 +13,27 @@ __all__ = ["linear", "logarithmic", "check_schedule"]
 
 
 def linear(interval: int, offset: int = 0) -> Callable[[int], bool]:
-    """Track at ``offset, offset + interval, offset + 2 * interval, ...``.
+    """Track at the non-negative steps among ``offset + n * interval`` (``n`` any integer >= 0).
+
+    ``offset`` may be negative, as in Cockpit: ``linear(10, -1)`` tracks
+    9, 19, 29, ... (the steps ``t >= 0`` with ``(t - offset) % interval == 0``
+    and ``t >= offset``).
 
     Example:
         >>> s = linear(3, offset=1)
         >>> [t for t in range(10) if s(t)]
         [1, 4, 7]
+        >>> s = linear(10, offset=-1)
+        >>> [t for t in range(30) if s(t)]
+        [9, 19, 29]
     """
     if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
         raise ValueError(f"linear(interval=...) needs a positive int, got {interval!r}")
-    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"linear(offset=...) needs a non-negative int, got {offset!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise ValueError(f"linear(offset=...) needs an int, got {offset!r}")
 
     def schedule(global_step: int) -> bool:
+        # Python's % is non-negative for a positive interval, so negative offsets work too
         return global_step >= offset and (global_step - offset) % interval == 0
 
     schedule.description = f"linear(interval={interval}, offset={offset})"

@@ -1,0 +1,172 @@
+"""What an optimizer is about to do: its next update, computed without taking it.
+
+- :func:`lookahead_update`: the update ``optimizer.step()`` would make now, for
+  any ``torch.optim.Optimizer``, run on shadow copies (Alpha predicts its
+  direction with it).
+- :class:`ComputeStep`: Cockpit's helper for quantities that need the update
+  (``compute_update_step``) or are defined only for plain SGD
+  (``is_sgd_default_kwargs``, used by CABS-style quantities). Its updates come
+  from :func:`lookahead_update`.
+
+May import torch only.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+import torch
+
+__all__ = ["lookahead_update", "ComputeStep"]
+
+_IMMUTABLE = (bool, int, float, str, type(None), tuple)
+
+
+def lookahead_update(
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    gradients: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """The update ``optimizer.step()`` would make now, without making it.
+
+    The step runs on *shadow* parameters: detached copies of every parameter
+    of the optimizer with copies of their gradients and of their optimizer
+    state, swapped into the param groups for the duration of the call. The
+    real parameters, gradients and state are never written (not even their
+    autograd version counters change, so a graph kept for later
+    Hessian-vector products stays valid). Afterwards the param groups (with
+    their hyperparameters), the optimizer's plain attributes and torch's CPU
+    RNG are restored.
+
+    Works for any optimizer whose ``step()`` reads the parameters from
+    ``param_groups`` and their state from ``optimizer.state`` (all of
+    ``torch.optim`` and the usual custom subclasses).
+
+    Args:
+        optimizer: the optimizer.
+        params: the parameters whose update is returned.
+        gradients: optional ``{param: gradient}`` used instead of ``param.grad``
+            for the parameters it contains (e.g. ``grad_batch.sum(0)`` while
+            ``param.grad`` is not written yet).
+
+    Returns:
+        ``[theta_p(after) - theta_p(before) for p in params]`` (zeros for
+        tensors the optimizer does not update).
+
+    Example:
+        >>> opt = torch.optim.SGD([w], lr=0.1)      # w.grad = g
+        >>> lookahead_update(opt, [w])              # [-0.1 * g]
+    """
+    gradients = {} if gradients is None else gradients
+    groups = [(group, dict(group)) for group in optimizer.param_groups]
+    attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
+    rng = torch.get_rng_state()
+    shadows: dict[torch.Tensor, torch.Tensor] = {}
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                shadow = p.detach().clone().requires_grad_(p.requires_grad)
+                grad = gradients[p] if p in gradients else p.grad
+                shadow.grad = None if grad is None else grad.detach().clone()
+                shadows[p] = shadow
+        try:
+            for p, shadow in shadows.items():
+                if p in optimizer.state:
+                    optimizer.state[shadow] = {
+                        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                        for k, v in optimizer.state[p].items()
+                    }
+            for group in optimizer.param_groups:
+                group["params"] = [shadows[p] for p in group["params"]]
+            optimizer.step()
+            return [
+                (shadows[p].detach() - p.detach()) if p in shadows else torch.zeros_like(p) for p in params
+            ]
+        finally:
+            for shadow in shadows.values():
+                optimizer.state.pop(shadow, None)
+            for group, saved in groups:
+                group.clear()
+                group.update(saved)
+            for key, value in attributes.items():
+                setattr(optimizer, key, value)
+            torch.set_rng_state(rng)
+
+
+class ComputeStep:
+    """An optimizer's update step, for quantities that need it (Cockpit's ``cockpit.utils.optim.ComputeStep``).
+
+    The update comes from :func:`lookahead_update`, so it is exact for every
+    ``torch.optim`` optimizer (Cockpit computes it for plain SGD only and
+    raises ``NotImplementedError`` otherwise). The gradient that the step
+    reads is ``param.grad_batch.sum(0)`` where the parameter carries
+    BackPACK's ``grad_batch`` (as in Cockpit: inside a backward hook
+    ``param.grad`` is not written yet), else ``param.grad``. For a mean loss
+    both are the mini-batch gradient.
+
+    Example:
+        >>> if not ComputeStep.is_sgd_default_kwargs(optimizer):
+        ...     raise ValueError("only for plain SGD")
+        >>> updates = ComputeStep.compute_update_step(optimizer, [id(p) for p in params])
+        >>> updates[id(params[0])]                 # -lr * grad for plain SGD
+    """
+
+    @staticmethod
+    def compute_update_step(
+        optimizer: torch.optim.Optimizer, parameter_ids: Iterable[int]
+    ) -> dict[int, torch.Tensor]:
+        """``{id(p): update of p}`` for the optimizer's parameters whose ids are in ``parameter_ids``.
+
+        Raises:
+            ValueError: an id is not one of the optimizer's parameters.
+        """
+        wanted = set(parameter_ids)
+        params = [p for group in optimizer.param_groups for p in group["params"] if id(p) in wanted]
+        params = list({id(p): p for p in params}.values())
+        if len(params) != len(wanted):
+            found = {id(p) for p in params}
+            raise ValueError(
+                f"ComputeStep: {len(wanted - found)} of the requested parameter ids are not parameters of "
+                f"this {type(optimizer).__name__}; pass ids of tensors in optimizer.param_groups"
+            )
+        gradients = {
+            p: p.grad_batch.detach().sum(0) for group in optimizer.param_groups for p in group["params"]
+            if isinstance(getattr(p, "grad_batch", None), torch.Tensor)
+        }
+        updates = lookahead_update(optimizer, params, gradients)
+        return {id(p): update.detach() for p, update in zip(params, updates)}
+
+    @staticmethod
+    def is_sgd_default_kwargs(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is ``torch.optim.SGD`` without momentum, dampening, weight decay or Nesterov.
+
+        As in Cockpit: every param group has ``weight_decay``, ``momentum`` and
+        ``dampening`` close to 0 (``numpy.isclose``) and ``nesterov`` False.
+        """
+        if not isinstance(optimizer, torch.optim.SGD):
+            return False
+        for group in optimizer.param_groups:
+            for key in ("weight_decay", "momentum", "dampening"):
+                if not np.isclose(group.get(key, 0.0), 0.0):
+                    return False
+            if group.get("nesterov", False) is not False:
+                return False
+        return True
+
+    @staticmethod
+    def update_sgd_default_kwargs(
+        optimizer: torch.optim.Optimizer, parameter_ids: Iterable[int]
+    ) -> dict[int, torch.Tensor]:
+        """:meth:`compute_update_step` for plain SGD (``-lr * gradient``).
+
+        Raises:
+            ValueError: ``optimizer`` is not plain SGD (:meth:`is_sgd_default_kwargs`).
+        """
+        if not ComputeStep.is_sgd_default_kwargs(optimizer):
+            raise ValueError(
+                f"update_sgd_default_kwargs needs torch.optim.SGD without momentum, dampening, weight decay "
+                f"or Nesterov, got {type(optimizer).__name__}; use compute_update_step for any optimizer"
+            )
+        return ComputeStep.compute_update_step(optimizer, parameter_ids)
