@@ -120,13 +120,20 @@ class PerSampleReducer:
         stats: distinct statistics to compute.
         params: the tracked parameters (others are ignored).
         keep_grad_batch: leave ``grad_batch`` on the parameters (someone asked for it).
+        info: the step's ``info`` dict, for statistics that define ``init_for_step``.
     """
 
-    def __init__(self, stats: list[PerSampleStat], params: list[torch.Tensor], keep_grad_batch: bool):
+    def __init__(
+        self, stats: list[PerSampleStat], params: list[torch.Tensor], keep_grad_batch: bool, info: dict | None = None
+    ):
         self.stats = stats
         self.keep_grad_batch = keep_grad_batch
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._states = [stat.init(params) for stat in stats]
+        # a statistic with ``init_for_step(params, info)`` reads the step's info (e.g. the optimizer)
+        self._states = [
+            stat.init_for_step(params, info or {}) if hasattr(stat, "init_for_step") else stat.init(params)
+            for stat in stats
+        ]
         self._pending: dict[int, tuple] = {}
         self.seen: set[int] = set()
 

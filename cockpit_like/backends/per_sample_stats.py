@@ -66,6 +66,7 @@ __all__ = [
     "DirectionalDots",
     "RetainedGradBatch",
     "KroneckerFactors",
+    "PredictedSlopes",
 ]
 
 
@@ -431,3 +432,86 @@ class KroneckerFactors(PerSampleStat):
     def _kronecker(state, index, a, b, batch, positions):
         state[index] = [batch * (a.T @ a), (b.T @ b) / positions]
         return state
+
+
+@dataclass(frozen=True)
+class PredictedSlopes(PerSampleStat):
+    """Alpha's start step: per-sample dot products with the optimizer's coming update, layer by layer.
+
+    With an element-wise optimizer in ``info["optimizer"]``
+    (:func:`cockpit_like.utils.optim.is_elementwise`: the update of a
+    parameter reads only that parameter, its gradient and its state), the
+    update ``d_p`` of each parameter is predicted as soon as its per-sample
+    gradients arrive, from their sum ``g_p = sum_i grad_batch_p[i]`` (the
+    mini-batch gradient of a mean loss;
+    :func:`~cockpit_like.utils.optim.lookahead_parameter`), and only
+    ``dots[i] = sum_p <grad_batch_p[i], d_p>`` is kept: ``O(B + D)`` memory
+    instead of every per-sample gradient until the backward pass ends.
+
+    Result: ``{"mode": "predicted", "dots": [B], "direction": [d_p], "grad_sum": [g_p]}``;
+    with another optimizer (or none) ``{"mode": "retained", "retained": [...]}``
+    with :class:`RetainedGradBatch`'s per-parameter entries (the reader must
+    ``clear()`` that list). Equality is by ``key`` (one per requester and step).
+    """
+
+    key: str
+
+    factor_form = True
+    sequence_form = True
+    reuses_grad_batch = True
+
+    def init(self, params):
+        return self.init_for_step(params, {})
+
+    def init_for_step(self, params, info):
+        from cockpit_like.utils.optim import is_elementwise
+
+        optimizer = info.get("optimizer")
+        if optimizer is not None and is_elementwise(optimizer):
+            return {"mode": "predicted", "optimizer": optimizer, "dots": None,
+                    "direction": [None] * len(params), "grad_sum": [None] * len(params)}  # fmt: skip
+        return {"mode": "retained", "retained": RetainedGradBatch().init(params)}
+
+    def _predict(self, state, index, param, grad_sum):
+        from cockpit_like.utils.optim import lookahead_parameter
+
+        grad_sum = grad_sum.reshape(param.shape)
+        direction = lookahead_parameter(state["optimizer"], param, grad_sum)
+        state["direction"][index], state["grad_sum"][index] = direction, grad_sum
+        return direction
+
+    def _add(self, state, dots):
+        state["dots"] = dots if state["dots"] is None else state["dots"].add_(dots)
+        return state
+
+    def accumulate(self, state, index, param, grad_batch):
+        if state["mode"] == "retained":
+            RetainedGradBatch().accumulate(state["retained"], index, param, grad_batch)
+            return state
+        grad_batch = grad_batch.detach()
+        direction = self._predict(state, index, param, grad_batch.sum(0))
+        return self._add(state, _flat(grad_batch) @ direction.reshape(-1).to(grad_batch.dtype))
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        if state["mode"] == "retained":
+            RetainedGradBatch().accumulate_factors(state["retained"], index, param, kind, x, delta)
+            return state
+        delta = delta.detach()
+        if kind == "bias":
+            return self.accumulate(state, index, param, delta)
+        x = x.detach()
+        direction = self._predict(state, index, param, delta.T @ x)
+        return self._add(state, ((delta @ direction.reshape(delta.shape[1], x.shape[1])) * x).sum(1))
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        if state["mode"] == "retained":
+            RetainedGradBatch().accumulate_sequence(state["retained"], index, param, a, b)
+            return state
+        a, b = a.detach(), b.detach()
+        direction = self._predict(state, index, param, torch.einsum("btr,btc->rc", a, b))
+        return self._add(state, ((a @ direction.reshape(a.shape[2], b.shape[2])) * b).sum((1, 2)))
+
+    def finalize(self, state):
+        if state["mode"] == "retained":
+            return {"mode": "retained", "retained": state["retained"]}
+        return {"mode": "predicted", "dots": state["dots"], "direction": state["direction"], "grad_sum": state["grad_sum"]}

@@ -127,7 +127,7 @@ class StepExecution:
         self._calls = [Call(c.module, c.args, c.kwargs, c.output, c.node) for c in calls] if needs else []
         hooks = list(hooks)
         if stats:
-            self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad)
+            self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad, info=self.info)
             use_backpack = self._backpack_per_sample(tracer, raw_batch_grad)
             if use_backpack:
                 if raw_batch_grad:

@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.per_sample_stats import DirectionalDots, RetainedGradBatch
+from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity
 from cockpit_like.utils.optim import lookahead_update
@@ -84,10 +84,13 @@ class Alpha(TwoStepQuantity):
     def _dots_key(self, global_step: int) -> str:
         return f"Alpha-{id(self)}-step{global_step}"
 
+    def _slopes_key(self, global_step: int) -> str:
+        return f"Alpha-{id(self)}-start{global_step}"
+
     def per_sample_stats(self, global_step: int) -> list:
         stats = []
         if self.is_start(global_step):
-            stats.append(RetainedGradBatch())
+            stats.append(PredictedSlopes(self._slopes_key(global_step)))
         start = global_step - self.SAVE_SHIFT
         self._end_direction = None
         if self.is_end(global_step) and self.is_cached(start, "params"):
@@ -102,16 +105,20 @@ class Alpha(TwoStepQuantity):
     def _compute_start(self, global_step, params, batch_loss):
         record = context.get_record(global_step)
         batch_size = record.require("batch_size", "Alpha")
-        retained = record.stat(RetainedGradBatch())
-        try:
-            if any(gb is None for gb in retained):
-                missing = [i for i, gb in enumerate(retained) if gb is None]
-                raise RuntimeError(f"Alpha: BackPACK computed no per-sample gradients for parameters {missing}")
-            grad_sum = [kept.batch_sum() for kept in retained]
-            predicted = self._predict_update(global_step, record, params, grad_sum)
-            slopes = self._slopes(retained, predicted, batch_size)
-        finally:
-            retained.clear()  # nothing per-sample survives this step
+        result = record.stat(PredictedSlopes(self._slopes_key(global_step)))
+        if result["mode"] == "predicted":
+            grad_sum, predicted, slopes = self._predicted_slopes(global_step, record, params, result, batch_size)
+        else:
+            retained = result["retained"]
+            try:
+                if any(gb is None for gb in retained):
+                    missing = [i for i, gb in enumerate(retained) if gb is None]
+                    raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
+                grad_sum = [kept.batch_sum() for kept in retained]
+                predicted = self._predict_update(global_step, record, params, grad_sum)
+                slopes = self._slopes(retained, predicted, batch_size)
+            finally:
+                retained.clear()  # nothing per-sample survives this step
         f0, var_f0 = self._loss_moments(record)
         self._tracked_params = list(params)
         keep = lambda step, t=global_step: step <= t  # noqa: E731
@@ -142,6 +149,27 @@ class Alpha(TwoStepQuantity):
                 stacklevel=4,
             )
             return [-g for g in grad_sum]
+
+    def _predicted_slopes(self, global_step, record, params, result, batch_size):
+        """Slopes from the dots reduced during backward along the per-layer predicted update (element-wise optimizers)."""
+        missing = [i for i, d in enumerate(result["direction"]) if d is None]
+        if missing:
+            raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
+        predicted, grad_sum, dots = result["direction"], result["grad_sum"], result["dots"]
+        full = self._predict_update(global_step, record, params, grad_sum)
+        reference = _norm(params).item()
+        if not self._same_direction(full, predicted, reference / max(_norm(full).item(), 1e-300)):
+            warnings.warn(
+                f"Alpha: at step {global_step} the update predicted layer by layer from the per-sample "
+                "gradients differs from the optimizer's look-ahead with p.grad (gradients accumulated over "
+                "several backward passes, or changed before optimizer.step(), e.g. clipped). The slopes are "
+                "measured along the layer-by-layer prediction, so alpha is approximate.",
+                UserWarning,
+                stacklevel=4,
+            )
+        norm = _norm(predicted)
+        slopes = torch.zeros_like(dots) if norm == 0 else batch_size * dots / norm
+        return grad_sum, predicted, slopes
 
     @staticmethod
     def _slopes(retained: list, direction: list[torch.Tensor], batch_size: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-__all__ = ["lookahead_update", "ComputeStep"]
+__all__ = ["lookahead_update", "lookahead_parameter", "is_elementwise", "ComputeStep"]
 
 _IMMUTABLE = (bool, int, float, str, type(None), tuple)
 
@@ -90,6 +90,53 @@ def lookahead_update(
             for group, saved in groups:
                 group.clear()
                 group.update(saved)
+            for key, value in attributes.items():
+                setattr(optimizer, key, value)
+            torch.set_rng_state(rng)
+
+
+#: optimizers whose update of a parameter reads only that parameter, its gradient and its state
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop")
+    if hasattr(torch.optim, name)
+)
+
+
+def is_elementwise(optimizer) -> bool:
+    """Whether ``optimizer`` is one of :data:`ELEMENTWISE` (exact type: a subclass may couple parameters)."""
+    return type(optimizer) in ELEMENTWISE
+
+
+def lookahead_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
+    """The update ``optimizer.step()`` would make to ``param`` if its gradient were ``gradient``.
+
+    Only ``param`` is shadowed and stepped (its group's hyperparameters, a copy
+    of its state), so this costs ``O(param.numel())``: for an element-wise
+    optimizer (:func:`is_elementwise`) it equals the parameter's part of
+    :func:`lookahead_update`, and it can run during the backward pass, layer by
+    layer. A parameter the optimizer does not hold gets a zero update.
+    """
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
+    if group is None:
+        return torch.zeros_like(param)
+    saved_groups = optimizer.param_groups
+    attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
+    rng = torch.get_rng_state()
+    with torch.no_grad():
+        shadow = param.detach().clone().requires_grad_(param.requires_grad)
+        shadow.grad = gradient.detach().to(param.dtype).reshape(param.shape).clone()
+        if param in optimizer.state:
+            optimizer.state[shadow] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in optimizer.state[param].items()
+            }
+        try:
+            optimizer.param_groups = [dict(group, params=[shadow])]
+            optimizer.step()
+            return shadow.detach() - param.detach()
+        finally:
+            optimizer.state.pop(shadow, None)
+            optimizer.param_groups = saved_groups
             for key, value in attributes.items():
                 setattr(optimizer, key, value)
             torch.set_rng_state(rng)

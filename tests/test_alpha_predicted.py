@@ -1,0 +1,111 @@
+"""Alpha's start step layer by layer: per-sample dots with the per-parameter predicted update (element-wise optimizers)."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cockpit_like.utils.optim as optim_utils
+from cockpit_like import Cockpit
+from cockpit_like.backends.per_sample_stats import PredictedSlopes, RetainedDense, RetainedFactors, RetainedSequence
+from cockpit_like.quantities import Alpha
+from cockpit_like.utils.schedules import linear
+from tests.zoo import ZOO
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
+
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+}
+
+
+def _run(name, optimizer_name, steps=4):
+    problem = ZOO[name](0)
+    model = problem.model
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    alpha = Alpha(linear(1))
+    cockpit = Cockpit(model.parameters(), quantities=[alpha], model=model)
+    for step in range(steps):
+        inputs, targets = problem.batch(5, step)
+        optimizer.zero_grad()
+        losses = problem.sample_losses(problem.forward(model, inputs), targets)
+        loss = losses.mean()
+        with cockpit(step, info={"batch_size": 5, "loss": loss, "individual_losses": losses.detach(), "optimizer": optimizer}):
+            loss.backward()
+        optimizer.step()
+    return alpha.get_output()
+
+
+@pytest.mark.parametrize("name", ["layernorm_mlp", "encoder", "resnet_groupnorm", "custom"])
+@pytest.mark.parametrize("optimizer_name", list(OPTIMIZERS))
+def test_layer_by_layer_equals_retaining_everything(monkeypatch, name, optimizer_name):
+    predicted = _run(name, optimizer_name)
+    monkeypatch.setattr(optim_utils, "is_elementwise", lambda optimizer: False)  # the retaining path
+    retained = _run(name, optimizer_name)
+    assert list(predicted) == list(retained) == [0, 1, 2]
+    assert list(predicted.values()) == pytest.approx(list(retained.values()), rel=1e-9, abs=1e-12)
+
+
+def test_nothing_per_sample_is_kept_with_an_elementwise_optimizer():
+    problem = ZOO["encoder"](0)
+    model = problem.model
+    params = list(model.parameters())
+    from cockpit_like.backends.per_sample import PerSampleReducer
+    from cockpit_like.backends.step import StepExecution
+
+    seen = []
+    original = PerSampleReducer.results
+
+    def spy(self):
+        results = original(self)
+        seen.extend(v for k, v in results.items() if isinstance(k, PredictedSlopes))
+        return results
+
+    PerSampleReducer.results = spy
+    try:
+        optimizer = torch.optim.Adam(params, lr=1e-2)
+        cockpit = Cockpit(params, quantities=[Alpha(linear(1))], model=model)
+        inputs, targets = problem.batch(5, 0)
+        losses = problem.sample_losses(model(inputs), targets)
+        with cockpit(0, info={"batch_size": 5, "loss": losses.mean(), "individual_losses": losses.detach(), "optimizer": optimizer}):
+            losses.mean().backward()
+    finally:
+        PerSampleReducer.results = original
+    (result,) = seen
+    assert result["mode"] == "predicted" and result["dots"].shape == (5,)
+    assert all(d.shape == p.shape for d, p in zip(result["direction"], params))
+    assert not any(isinstance(v, (RetainedDense, RetainedFactors, RetainedSequence)) for v in result.values())
+    assert StepExecution  # imported for the reader: the statistic runs inside the step's reducer
+
+
+class _CustomSGD(torch.optim.SGD):
+    """A subclass may couple parameters in its step: not treated as element-wise."""
+
+
+def test_other_optimizers_retain_and_agree():
+    assert optim_utils.is_elementwise(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    assert not optim_utils.is_elementwise(_CustomSGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+    assert not optim_utils.is_elementwise(torch.optim.LBFGS([nn.Parameter(torch.zeros(1))]))
+    state = PredictedSlopes("k").init_for_step([nn.Parameter(torch.zeros(2))], {"optimizer": _CustomSGD([nn.Parameter(torch.zeros(1))], lr=0.1)})
+    assert state["mode"] == "retained"
+    assert PredictedSlopes("k").init_for_step([nn.Parameter(torch.zeros(2))], {})["mode"] == "retained"
+
+
+def test_accumulated_gradients_are_flagged():
+    """p.grad holds two backward passes, the per-sample gradients one: the layer-by-layer prediction differs."""
+    problem = ZOO["layernorm_mlp"](0)
+    model = problem.model
+    # with weight decay the update's direction depends on the gradient's size, not only its direction
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.5)
+    cockpit = Cockpit(model.parameters(), quantities=[Alpha(linear(2))], model=model)
+    inputs, targets = problem.batch(5, 0)
+    problem.sample_losses(model(inputs), targets).mean().backward()  # not zeroed before the step
+    losses = problem.sample_losses(model(inputs), targets)
+    with pytest.warns(UserWarning, match="layer by layer"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook")
+            with cockpit(0, info={"batch_size": 5, "loss": losses.mean(), "individual_losses": losses.detach(), "optimizer": optimizer}):
+                losses.mean().backward()
