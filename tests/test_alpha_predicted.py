@@ -109,3 +109,58 @@ def test_accumulated_gradients_are_flagged():
             warnings.filterwarnings("ignore", message="Full backward hook")
             with cockpit(0, info={"batch_size": 5, "loss": losses.mean(), "individual_losses": losses.detach(), "optimizer": optimizer}):
                 losses.mean().backward()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=True),
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+        lambda p: torch.optim.Adagrad(p, lr=0.1),
+    ],
+)
+def test_lookahead_of_some_parameters_equals_the_full_lookahead(make):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3, 2, dtype=torch.float64)), nn.Parameter(torch.randn(4, dtype=torch.float64))]
+    optimizer = make([{"params": params[:1]}, {"params": params[1:], "lr": 0.03}])
+    for _ in range(2):  # some optimizer state
+        for p in params:
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in params]
+    full = optim_utils.lookahead_update(optimizer, params)
+    some = optim_utils.lookahead_parameters(optimizer, {params[1]: params[1].grad})
+    each = optim_utils.lookahead_parameters(optimizer, {p: p.grad for p in params})
+    torch.testing.assert_close(some[params[1]], full[1], rtol=0, atol=0)
+    for p, f in zip(params, full):
+        torch.testing.assert_close(each[p], f, rtol=0, atol=0)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing was stepped
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 40])
+def test_the_chunk_budget_does_not_change_the_dots(budget):
+    """Flushing after every layer or once at the end gives the same dots (and the dense twin's)."""
+    from cockpit_like.backends.per_sample import PerSampleReducer
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3, dtype=torch.float64)), nn.Parameter(torch.randn(4, dtype=torch.float64)), nn.Parameter(torch.randn(5, 2, dtype=torch.float64))]
+    optimizer = torch.optim.Adam(params, lr=0.01)
+    x, delta = torch.randn(6, 3, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    a, b = torch.randn(6, 7, 5, dtype=torch.float64), torch.randn(6, 7, 2, dtype=torch.float64)
+    stat = PredictedSlopes("k", budget_bytes=budget)
+    reducer = PerSampleReducer([stat], params, keep_grad_batch=False, info={"optimizer": optimizer})
+    reducer.reduce_factors(params[0], "weight", x, delta)
+    reducer.reduce_factors(params[1], "bias", None, delta)
+    reducer.reduce_sequence(params[2], a, b)
+    result = reducer.results()[stat]
+    dense = [delta.unsqueeze(2) * x.unsqueeze(1), delta, torch.einsum("btr,btc->brc", a, b)]
+    sums = {p: g.sum(0) for p, g in zip(params, dense)}
+    updates = optim_utils.lookahead_parameters(optimizer, sums)
+    expected = sum(g.reshape(6, -1) @ updates[p].reshape(-1) for p, g in zip(params, dense))
+    torch.testing.assert_close(result["dots"], expected, rtol=1e-12, atol=1e-14)
+    for p, d in zip(params, result["direction"]):
+        torch.testing.assert_close(d, updates[p])

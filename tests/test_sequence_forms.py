@@ -54,8 +54,8 @@ def test_sequence_forms_equal_the_dense_path(positions, rows, cols):
 
 
 def test_the_reducer_materialises_once_and_keeps_factors_where_it_did_not():
-    """Statistics with a sequence form keep using it next to one that materialises grad_batch; the
-    retained gradients reuse the materialised tensor (cheaper dots), else they stay factors (memory)."""
+    """With a statistic that needs grad_batch (a histogram) every statistic reads the materialised tensor
+    (T times cheaper sums and dots); without one, the sequence forms run and Alpha keeps factors."""
     a, b = _factors(3, 4, 5, 2)
     param = torch.nn.Parameter(torch.zeros(5, 2, dtype=torch.float64))
     gb = _dense(a, b, param.shape)
@@ -66,17 +66,18 @@ def test_the_reducer_materialises_once_and_keeps_factors_where_it_did_not():
     try:
         reducer = PerSampleReducer(stats, [param], keep_grad_batch=False)
         reducer.reduce_sequence(param, a, b)
+        results = reducer.results()
+        assert calls == []
+        assert isinstance(results[RetainedGradBatch()][0], RetainedDense)
+        torch.testing.assert_close(results[RetainedGradBatch()][0].grad_batch, gb)
+        torch.testing.assert_close(results[SumOfSquares()][0], (gb**2).sum(0))
+        assert float(results[AbsMax()][0]) == pytest.approx(float(gb.abs().max()))
+        reducer = PerSampleReducer([RetainedGradBatch(), GramSummary()], [param], keep_grad_batch=False)
+        reducer.reduce_sequence(param, a, b)
+        assert calls == ["sequence"]
+        assert isinstance(reducer.results()[RetainedGradBatch()][0], RetainedSequence)
     finally:
         GramSummary.accumulate_sequence = original
-    results = reducer.results()
-    assert calls == ["sequence"]
-    assert isinstance(results[RetainedGradBatch()][0], RetainedDense)
-    torch.testing.assert_close(results[RetainedGradBatch()][0].grad_batch, gb)
-    torch.testing.assert_close(results[SumOfSquares()][0], (gb**2).sum(0))
-    assert float(results[AbsMax()][0]) == pytest.approx(float(gb.abs().max()))
-    reducer = PerSampleReducer([RetainedGradBatch(), GramSummary()], [param], keep_grad_batch=False)
-    reducer.reduce_sequence(param, a, b)
-    assert isinstance(reducer.results()[RetainedGradBatch()][0], RetainedSequence)
     # one position: the 2-D factor form, as for BackPACK's linear path
     reducer = PerSampleReducer([RetainedGradBatch()], [param], keep_grad_batch=False)
     reducer.reduce_sequence(param, a[:, :1], b[:, :1])

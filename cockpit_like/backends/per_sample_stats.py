@@ -359,8 +359,9 @@ class RetainedGradBatch(PerSampleStat):
 
     factor_form = True
     #: when another statistic (a histogram) materialises ``grad_batch`` anyway, keep that tensor:
-    #: Alpha's dots and sums on it cost ``T`` times less than on sequence factors (gpt economy
-    #: step 385 -> 345 ms in one process), at more memory (gpt economy 69% -> 84% of B x D x 4)
+    #: dots and sums on it cost ``T`` times less than on sequence factors (gpt economy step
+    #: 385 -> 345 ms in one process). Alpha with an element-wise optimizer keeps nothing per
+    #: sample at all (:class:`PredictedSlopes`).
     reuses_grad_batch = True
 
     def init(self, params):
@@ -436,17 +437,21 @@ class KroneckerFactors(PerSampleStat):
 
 @dataclass(frozen=True)
 class PredictedSlopes(PerSampleStat):
-    """Alpha's start step: per-sample dot products with the optimizer's coming update, layer by layer.
+    """Alpha's start step: per-sample dot products with the optimizer's coming update, a few layers at a time.
 
     With an element-wise optimizer in ``info["optimizer"]``
     (:func:`cockpit_like.utils.optim.is_elementwise`: the update of a
     parameter reads only that parameter, its gradient and its state), the
-    update ``d_p`` of each parameter is predicted as soon as its per-sample
-    gradients arrive, from their sum ``g_p = sum_i grad_batch_p[i]`` (the
-    mini-batch gradient of a mean loss;
-    :func:`~cockpit_like.utils.optim.lookahead_parameter`), and only
-    ``dots[i] = sum_p <grad_batch_p[i], d_p>`` is kept: ``O(B + D)`` memory
-    instead of every per-sample gradient until the backward pass ends.
+    per-sample gradients of the layers that arrive are held (as
+    :class:`RetainedDense` / :class:`RetainedFactors` / :class:`RetainedSequence`,
+    usually a tensor that a histogram materialised anyway) only until they
+    exceed :attr:`budget_bytes`; then one look-ahead predicts the updates
+    ``d_p`` of those parameters from their summed per-sample gradients
+    ``g_p = sum_i grad_batch_p[i]`` (the mini-batch gradient of a mean loss;
+    :func:`~cockpit_like.utils.optim.lookahead_parameters`), their
+    ``dots[i] += <grad_batch_p[i], d_p>`` are reduced and they are dropped.
+    Memory: ``O(B + D)`` plus the budget, instead of every per-sample gradient
+    until the backward pass ends; a few optimizer steps per backward pass.
 
     Result: ``{"mode": "predicted", "dots": [B], "direction": [d_p], "grad_sum": [g_p]}``;
     with another optimizer (or none) ``{"mode": "retained", "retained": [...]}``
@@ -455,6 +460,7 @@ class PredictedSlopes(PerSampleStat):
     """
 
     key: str
+    budget_bytes: int = field(default=8 << 20, compare=False)
 
     factor_form = True
     sequence_form = True
@@ -468,50 +474,56 @@ class PredictedSlopes(PerSampleStat):
 
         optimizer = info.get("optimizer")
         if optimizer is not None and is_elementwise(optimizer):
-            return {"mode": "predicted", "optimizer": optimizer, "dots": None,
+            return {"mode": "predicted", "optimizer": optimizer, "dots": None, "pending": [], "bytes": 0,
                     "direction": [None] * len(params), "grad_sum": [None] * len(params)}  # fmt: skip
         return {"mode": "retained", "retained": RetainedGradBatch().init(params)}
 
-    def _predict(self, state, index, param, grad_sum):
-        from cockpit_like.utils.optim import lookahead_parameter
-
-        grad_sum = grad_sum.reshape(param.shape)
-        direction = lookahead_parameter(state["optimizer"], param, grad_sum)
-        state["direction"][index], state["grad_sum"][index] = direction, grad_sum
-        return direction
-
-    def _add(self, state, dots):
-        state["dots"] = dots if state["dots"] is None else state["dots"].add_(dots)
+    def _hold(self, state, index, param, kept, size):
+        state["pending"].append((index, param, kept))
+        state["bytes"] += size
+        if state["bytes"] > self.budget_bytes:
+            self._flush(state)
         return state
+
+    @staticmethod
+    def _flush(state):
+        from cockpit_like.utils.optim import lookahead_parameters
+
+        pending, state["pending"], state["bytes"] = state["pending"], [], 0
+        if not pending:
+            return
+        sums = {param: kept.batch_sum().reshape(param.shape) for _, param, kept in pending}
+        updates = lookahead_parameters(state["optimizer"], sums)
+        for index, param, kept in pending:
+            direction = updates[param]
+            state["direction"][index], state["grad_sum"][index] = direction, sums[param]
+            dots = kept.dots(direction)
+            state["dots"] = dots if state["dots"] is None else state["dots"].add_(dots)
 
     def accumulate(self, state, index, param, grad_batch):
         if state["mode"] == "retained":
             RetainedGradBatch().accumulate(state["retained"], index, param, grad_batch)
             return state
         grad_batch = grad_batch.detach()
-        direction = self._predict(state, index, param, grad_batch.sum(0))
-        return self._add(state, _flat(grad_batch) @ direction.reshape(-1).to(grad_batch.dtype))
+        return self._hold(state, index, param, RetainedDense(grad_batch), grad_batch.numel() * grad_batch.element_size())
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
         if state["mode"] == "retained":
             RetainedGradBatch().accumulate_factors(state["retained"], index, param, kind, x, delta)
             return state
-        delta = delta.detach()
-        if kind == "bias":
-            return self.accumulate(state, index, param, delta)
-        x = x.detach()
-        direction = self._predict(state, index, param, delta.T @ x)
-        return self._add(state, ((delta @ direction.reshape(delta.shape[1], x.shape[1])) * x).sum(1))
+        kept = RetainedFactors(kind, None if x is None else x.detach(), delta.detach())
+        size = delta.numel() * delta.element_size() + (0 if x is None else x.numel() * x.element_size())
+        return self._hold(state, index, param, kept, size)
 
     def accumulate_sequence(self, state, index, param, a, b):
         if state["mode"] == "retained":
             RetainedGradBatch().accumulate_sequence(state["retained"], index, param, a, b)
             return state
-        a, b = a.detach(), b.detach()
-        direction = self._predict(state, index, param, torch.einsum("btr,btc->rc", a, b))
-        return self._add(state, ((a @ direction.reshape(a.shape[2], b.shape[2])) * b).sum((1, 2)))
+        kept = RetainedSequence(a.detach(), b.detach(), param.shape)
+        return self._hold(state, index, param, kept, (a.numel() + b.numel()) * a.element_size())
 
     def finalize(self, state):
         if state["mode"] == "retained":
             return {"mode": "retained", "retained": state["retained"]}
+        self._flush(state)
         return {"mode": "predicted", "dots": state["dots"], "direction": state["direction"], "grad_sum": state["grad_sum"]}

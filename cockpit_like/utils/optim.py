@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-__all__ = ["lookahead_update", "lookahead_parameter", "is_elementwise", "ComputeStep"]
+__all__ = ["lookahead_update", "lookahead_parameters", "is_elementwise", "ComputeStep"]
 
 _IMMUTABLE = (bool, int, float, str, type(None), tuple)
 
@@ -108,34 +108,52 @@ def is_elementwise(optimizer) -> bool:
     return type(optimizer) in ELEMENTWISE
 
 
-def lookahead_parameter(optimizer: torch.optim.Optimizer, param: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
-    """The update ``optimizer.step()`` would make to ``param`` if its gradient were ``gradient``.
+def lookahead_parameters(
+    optimizer: torch.optim.Optimizer, gradients: Mapping[torch.Tensor, torch.Tensor]
+) -> dict[torch.Tensor, torch.Tensor]:
+    """``{param: update}``: what ``optimizer.step()`` would do to each ``param`` if its gradient were ``gradients[param]``.
 
-    Only ``param`` is shadowed and stepped (its group's hyperparameters, a copy
-    of its state), so this costs ``O(param.numel())``: for an element-wise
-    optimizer (:func:`is_elementwise`) it equals the parameter's part of
-    :func:`lookahead_update`, and it can run during the backward pass, layer by
-    layer. A parameter the optimizer does not hold gets a zero update.
+    Only these parameters are shadowed and stepped (their groups'
+    hyperparameters, copies of their state), so this costs
+    ``O(sum of their sizes)``: for an element-wise optimizer
+    (:func:`is_elementwise`) it equals their part of :func:`lookahead_update`,
+    and it can run during the backward pass, a few layers at a time. A
+    parameter the optimizer does not hold gets a zero update.
     """
-    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)
-    if group is None:
-        return torch.zeros_like(param)
     saved_groups = optimizer.param_groups
     attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
     rng = torch.get_rng_state()
+    wanted = {id(p): p for p in gradients}
+    shadows: dict[int, torch.Tensor] = {}
+    groups = []
     with torch.no_grad():
-        shadow = param.detach().clone().requires_grad_(param.requires_grad)
-        shadow.grad = gradient.detach().to(param.dtype).reshape(param.shape).clone()
-        if param in optimizer.state:
-            optimizer.state[shadow] = {
-                k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in optimizer.state[param].items()
-            }
+        for group in saved_groups:
+            members = [p for p in group["params"] if id(p) in wanted]
+            if not members:
+                continue
+            shadowed = []
+            for param in members:
+                shadow = param.detach().clone().requires_grad_(param.requires_grad)
+                shadow.grad = gradients[param].detach().to(param.dtype).reshape(param.shape).clone()
+                if param in optimizer.state:
+                    optimizer.state[shadow] = {
+                        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                        for k, v in optimizer.state[param].items()
+                    }
+                shadows[id(param)] = shadow
+                shadowed.append(shadow)
+            groups.append(dict(group, params=shadowed))
         try:
-            optimizer.param_groups = [dict(group, params=[shadow])]
-            optimizer.step()
-            return shadow.detach() - param.detach()
+            if groups:
+                optimizer.param_groups = groups
+                optimizer.step()
+            return {
+                p: (shadows[id(p)].detach() - p.detach()) if id(p) in shadows else torch.zeros_like(p)
+                for p in gradients
+            }
         finally:
-            optimizer.state.pop(shadow, None)
+            for shadow in shadows.values():
+                optimizer.state.pop(shadow, None)
             optimizer.param_groups = saved_groups
             for key, value in attributes.items():
                 setattr(optimizer, key, value)
