@@ -33,7 +33,8 @@ def lookahead_update(
 
     The step runs on *shadow* parameters: detached copies of every parameter
     of the optimizer with copies of their gradients and of their optimizer
-    state, swapped into the param groups for the duration of the call. The
+    state, in new param groups with the same hyperparameters, swapped in for
+    the duration of the call. The
     real parameters, gradients and state are never written (not even their
     autograd version counters change, so a graph kept for later
     Hessian-vector products stays valid). Afterwards the param groups (with
@@ -59,37 +60,53 @@ def lookahead_update(
         >>> opt = torch.optim.SGD([w], lr=0.1)      # w.grad = g
         >>> lookahead_update(opt, [w])              # [-0.1 * g]
     """
-    gradients = {} if gradients is None else gradients
-    groups = [(group, dict(group)) for group in optimizer.param_groups]
+    updates = _shadow_step(optimizer, {} if gradients is None else gradients)
+    return [updates[id(p)] if id(p) in updates else torch.zeros_like(p) for p in params]
+
+
+def _shadow_step(
+    optimizer: torch.optim.Optimizer, gradients: Mapping[torch.Tensor, torch.Tensor], only: set[int] | None = None
+) -> dict[int, torch.Tensor]:
+    """``{id(param): update}`` of one ``optimizer.step()`` on shadow copies (all parameters, or those in ``only``).
+
+    Each shadow gets ``gradients[param]`` (else ``param.grad``) and a copy of the
+    parameter's state; the step runs on new group dicts (same hyperparameters)
+    holding the shadows. The real parameters, gradients, state and groups are
+    never written; the optimizer's plain attributes and torch's CPU RNG are restored.
+    """
+    saved_groups = optimizer.param_groups
     attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
     rng = torch.get_rng_state()
-    shadows: dict[torch.Tensor, torch.Tensor] = {}
+    shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     with torch.no_grad():
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                shadow = p.detach().clone().requires_grad_(p.requires_grad)
-                grad = gradients[p] if p in gradients else p.grad
-                shadow.grad = None if grad is None else grad.detach().clone()
-                shadows[p] = shadow
         try:
-            for p, shadow in shadows.items():
-                if p in optimizer.state:
-                    optimizer.state[shadow] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                        for k, v in optimizer.state[p].items()
-                    }
-            for group in optimizer.param_groups:
-                group["params"] = [shadows[p] for p in group["params"]]
-            optimizer.step()
-            return [
-                (shadows[p].detach() - p.detach()) if p in shadows else torch.zeros_like(p) for p in params
-            ]
+            groups = []
+            for group in saved_groups:
+                shadowed = []
+                for param in group["params"]:
+                    if only is not None and id(param) not in only:
+                        continue
+                    shadow = param.detach().clone().requires_grad_(param.requires_grad)
+                    grad = gradients[param] if param in gradients else param.grad
+                    if grad is not None:
+                        shadow.grad = grad.detach().to(param.dtype).reshape(param.shape).clone()
+                    if param in optimizer.state:
+                        optimizer.state[shadow] = {
+                            k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
+                            for k, v in optimizer.state[param].items()
+                        }
+                    shadows[id(param)] = (param, shadow)
+                    shadowed.append(shadow)
+                if shadowed:
+                    groups.append(dict(group, params=shadowed))
+            if groups:
+                optimizer.param_groups = groups
+                optimizer.step()
+            return {key: shadow.detach() - param.detach() for key, (param, shadow) in shadows.items()}
         finally:
-            for shadow in shadows.values():
+            for _, shadow in shadows.values():
                 optimizer.state.pop(shadow, None)
-            for group, saved in groups:
-                group.clear()
-                group.update(saved)
+            optimizer.param_groups = saved_groups
             for key, value in attributes.items():
                 setattr(optimizer, key, value)
             torch.set_rng_state(rng)
@@ -120,44 +137,8 @@ def lookahead_parameters(
     and it can run during the backward pass, a few layers at a time. A
     parameter the optimizer does not hold gets a zero update.
     """
-    saved_groups = optimizer.param_groups
-    attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
-    rng = torch.get_rng_state()
-    wanted = {id(p): p for p in gradients}
-    shadows: dict[int, torch.Tensor] = {}
-    groups = []
-    with torch.no_grad():
-        for group in saved_groups:
-            members = [p for p in group["params"] if id(p) in wanted]
-            if not members:
-                continue
-            shadowed = []
-            for param in members:
-                shadow = param.detach().clone().requires_grad_(param.requires_grad)
-                shadow.grad = gradients[param].detach().to(param.dtype).reshape(param.shape).clone()
-                if param in optimizer.state:
-                    optimizer.state[shadow] = {
-                        k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
-                        for k, v in optimizer.state[param].items()
-                    }
-                shadows[id(param)] = shadow
-                shadowed.append(shadow)
-            groups.append(dict(group, params=shadowed))
-        try:
-            if groups:
-                optimizer.param_groups = groups
-                optimizer.step()
-            return {
-                p: (shadows[id(p)].detach() - p.detach()) if id(p) in shadows else torch.zeros_like(p)
-                for p in gradients
-            }
-        finally:
-            for shadow in shadows.values():
-                optimizer.state.pop(shadow, None)
-            optimizer.param_groups = saved_groups
-            for key, value in attributes.items():
-                setattr(optimizer, key, value)
-            torch.set_rng_state(rng)
+    updates = _shadow_step(optimizer, gradients, only={id(p) for p in gradients})
+    return {p: updates[id(p)] if id(p) in updates else torch.zeros_like(p) for p in gradients}
 
 
 class ComputeStep:
