@@ -139,6 +139,7 @@ class Cockpit:
         return [root for root in (ref() for ref in self._tracer.roots) if root is not None]
 
     def _adapt_quantities(self) -> None:
+        self._param_names = {}  # a new model: names again from all of them
         models = self.models()
         before = [q.settings() for q in self.quantities]
         for quantity in self.quantities:
@@ -261,7 +262,7 @@ class _TrackedStep:
         cockpit._next_step = step + 1
         self.active = [q for q in cockpit.quantities if q.is_active(step)]
         if not self.active and not self.user_exts:
-            cockpit._tracer.take_calls()  # nothing tracked: drop what the forward pass noted
+            cockpit._tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
             if self.debug:
                 print(f"[cockpit_like|step {step}] nothing scheduled")
             return self
@@ -309,7 +310,7 @@ class _TrackedStep:
                 self.info,
             )
         except BaseException:
-            cockpit._tracer.take_calls()
+            cockpit._tracer.drop_calls()
             raise
         if self.debug:
             print(

@@ -106,9 +106,7 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         node = output.grad_fn
     else:
         node = None
-    call = Call(module, args, kwargs, output, node)
-    call.batch = tracer.batch
-    calls.append(call)
+    calls.append((module, args, kwargs, output, node, tracer.batch))  # a Call only at tracked steps
     return replaced
 
 
@@ -138,16 +136,20 @@ class Call:
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch"
     )
 
-    def __init__(self, module, args, kwargs, output, node):
+    def __init__(self, module, args, kwargs, output, node, batch: int = 0):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        #: rows of the forward pass that made the call (0: unknown)
+        self.batch = batch
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor | None] = []
         self.waiting = 0
         self.entries: list[torch.Tensor] = []
         self.want: list[int] = []
         self.done = False
-        #: rows of the forward pass that made the call (0: unknown)
-        self.batch = 0
+
+    def fresh(self) -> "Call":
+        """The same recorded call with no backward state (for another backward pass)."""
+        return Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch)
 
     def release(self) -> None:
         """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
@@ -174,13 +176,14 @@ class ModelTracer:
         self._tracked = {id(p) for p in params}
         self._wants_graph = wants_graph
         self._on_attach = on_attach
-        self.calls: list[Call] = []
+        #: ``(module, args, kwargs, output, node, batch)`` of each noted call since the last step
+        self.calls: list[tuple] = []
         self.paused = False
         self.roots: list[weakref.ref] = []
         self._covered: set[int] = set()
         self._handles: list[Any] = []
         self._global_handle = None
-        self._kernel_stack: list[contextlib.AbstractContextManager] = []
+        self._kernel_stack: list[contextlib.ExitStack | None] = []
         self._batches: list[int] = []
         #: rows of the model's current forward pass (0 outside one)
         self.batch = 0
@@ -243,7 +246,7 @@ class ModelTracer:
         self._batches.append(self.batch)
         self.batch = _leading_dim(args, kwargs)
         if not self._wants_graph():
-            self._kernel_stack.append(contextlib.nullcontext())
+            self._kernel_stack.append(None)
             return
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -258,7 +261,9 @@ class ModelTracer:
 
     def exit_forward(self) -> None:
         if self._kernel_stack:
-            self._kernel_stack.pop().__exit__(None, None, None)
+            context = self._kernel_stack.pop()
+            if context is not None:
+                context.close()
         if self._batches:
             self.batch = self._batches.pop()
 
@@ -269,12 +274,16 @@ class ModelTracer:
         With several forward passes since then and the step's ``loss``, only
         the calls whose outputs the loss depends on (graph reachability).
         """
-        calls, passes = self.calls, self.passes
-        self.calls, self.passes = [], 0
+        calls, passes = [Call(*noted) for noted in self.calls], self.passes
+        self.drop_calls()
         if passes > 1 and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             reachable = _graph_nodes(loss.grad_fn)
             calls = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
         return calls
+
+    def drop_calls(self) -> None:
+        """Forget the calls noted since the last step (a step that tracks nothing)."""
+        self.calls, self.passes = [], 0
 
     @contextlib.contextmanager
     def pause(self):
@@ -342,18 +351,16 @@ class HookBackend:
         tracer: paused while the fallback re-runs modules.
         batch_size: rows of the batch (``info["batch_size"]``), or ``None`` to take
             the leading dimension of each call's first input.
-        names: ``id(param) -> name`` for messages.
     """
 
-    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, names=None):
+    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None):
         self.reducer = reducer
         self.tracer = tracer
         self.batch_size = batch_size
-        self.names = names or {}
         self._handles: list[Any] = []
         self._deferred: list[Call] = []
         self._uses: dict[int, int] = defaultdict(int)
-        self._partial: dict[int, list] = {}
+        self._partial: dict[int, torch.Tensor] = {}
         self._params = {id(p): p for p in params}
         self.calls = self._assign(calls, handled_elsewhere)
 
@@ -389,10 +396,6 @@ class HookBackend:
                 self._uses[id(param)] += 1
             assigned.append(call)
         return assigned
-
-    def covered(self) -> set[int]:
-        """``id`` of every parameter some call computes."""
-        return set(self._uses)
 
     def _module_name(self, module: nn.Module) -> str:
         for ref in self.tracer.roots:
@@ -475,10 +478,15 @@ class HookBackend:
         if forms is None:
             self._deferred.append(call)
             return
-        by_name = dict(call.module.named_parameters(recurse=False))
+        self._deliver_forms(call, forms)
+
+    def _deliver_forms(self, call: Call, forms: dict) -> None:
+        """Deliver a rule's ``{parameter name: form}`` for the parameters this call computes, then free the call."""
+        owned = {id(p) for p in call.params}
+        named = dict(call.module.named_parameters())  # a rule may name a parameter the layer lacks (bias=False)
         for name, form in forms.items():
-            param = by_name.get(name)
-            if param is not None and any(param is p for p in call.params):
+            param = named.get(name)
+            if param is not None and id(param) in owned:
                 self._deliver(param, form)
         call.release()
 
@@ -531,12 +539,7 @@ class HookBackend:
             with torch.no_grad(), self.tracer.pause():
                 forms = recompute(call.module, call.args, call.kwargs, call.output, self._grads(call))
             if forms is not None:
-                owned = {id(p) for p in call.params}
-                for name, form in forms.items():
-                    param = call.module.get_parameter(name)
-                    if id(param) in owned:
-                        self._deliver(param, form)
-                call.release()
+                self._deliver_forms(call, forms)
                 return
         batch = self._batch(call)
         results = per_sample_grads(

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cockpit_like.backends.conv_unfold import conv2d_weight_grad_batch, supports_unfold
+from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, conv2d_weight_grad_batch, supports_unfold
 from cockpit_like.backends.per_sample import materialize_linear, materialize_sequence
 
 __all__ = ["Factors", "Sequence", "Dense", "rule_for", "RULES", "RECOMPUTE_RULES", "is_hf_conv1d"]
@@ -131,10 +131,7 @@ def _hf_conv1d(module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> dict[
 def _conv2d(module: nn.Conv2d, x: torch.Tensor, delta: torch.Tensor) -> dict[str, Form] | None:
     if not supports_unfold(module, x):
         return None
-    return {
-        "weight": Dense(conv2d_weight_grad_batch(module, x, delta)),
-        "bias": Dense(delta.reshape(delta.shape[0], delta.shape[1], -1).sum(2)),
-    }
+    return {"weight": Dense(conv2d_weight_grad_batch(module, x, delta)), "bias": Dense(conv2d_bias_grad_batch(delta))}
 
 
 def _conv1d(module: nn.Conv1d, x: torch.Tensor, delta: torch.Tensor) -> dict[str, Form] | None:
@@ -143,7 +140,7 @@ def _conv1d(module: nn.Conv1d, x: torch.Tensor, delta: torch.Tensor) -> dict[str
     (k,), (d,), (s,), (p,) = module.kernel_size, module.dilation, module.stride, module.padding
     patches = F.unfold(x.unsqueeze(2), (1, k), dilation=(1, d), padding=(0, p), stride=(1, s))  # [B, C*k, L]
     weight = torch.bmm(delta, patches.transpose(1, 2))  # [B, C_out, C_in * k]
-    return {"weight": Dense(weight.reshape(x.shape[0], *module.weight.shape)), "bias": Dense(delta.sum(2))}
+    return {"weight": Dense(weight.reshape(x.shape[0], *module.weight.shape)), "bias": Dense(conv2d_bias_grad_batch(delta))}
 
 
 def _embedding(module: nn.Embedding, tokens: torch.Tensor, delta: torch.Tensor) -> dict[str, Form] | None:

@@ -24,7 +24,7 @@ from backpack import backpack, hook_store_io
 from backpack.extensions import BatchGrad
 
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import Call, HookBackend, UncoveredParameterError
+from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import PerSampleReducer
 
@@ -117,18 +117,22 @@ class StepExecution:
         self.needs = list(needs)
         self.params = params
         self.names = names
-        self.user_fields: set[str] = set()
         self.reducer: PerSampleReducer | None = None
         self.hook_backend: HookBackend | None = None
         self._backpack = None
-        calls = tracer.take_calls(self.info.get("loss")) if tracer is not None else []
+        calls = []
+        if tracer is not None:
+            if stats or needs:
+                calls = tracer.take_calls(self.info.get("loss"))
+            else:  # nothing here reads the forward calls
+                tracer.drop_calls()
         self._tracer, self._batch_size = tracer, batch_size
         # a fresh copy of the calls for needs that run a backward pass of their own
-        self._calls = [Call(c.module, c.args, c.kwargs, c.output, c.node) for c in calls] if needs else []
+        self._calls = [call.fresh() for call in calls] if needs else []
         hooks = list(hooks)
         if stats:
             self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad, info=self.info)
-            use_backpack = self._backpack_per_sample(tracer, raw_batch_grad)
+            use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad)
             if use_backpack:
                 if raw_batch_grad:
                     extension = BatchGrad()
@@ -140,24 +144,19 @@ class StepExecution:
                 hooks.insert(0, self.reducer)
             handled = backpack_computes_per_sample if use_backpack else (lambda module: False)
             if calls:
-                self.hook_backend = HookBackend(
-                    calls, params, self.reducer, handled, tracer, batch_size=batch_size, names=names
-                )
+                self.hook_backend = HookBackend(calls, params, self.reducer, handled, tracer, batch_size=batch_size)
         self.extensions = merge_extensions(requests)
         self._create_graph = create_graph
         self._hooks = hooks
         self._collector = collector
 
     @staticmethod
-    def _backpack_per_sample(tracer, raw_batch_grad: bool) -> bool:
-        """BackPACK's per-sample extension runs unless the known models have no extended module."""
-        if raw_batch_grad or tracer is None:
+    def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool) -> bool:
+        """Whether BackPACK's per-sample extension runs: unless the step's calls (every module that owns
+        tracked parameters and ran) show that BackPACK computes none of them."""
+        if raw_batch_grad or tracer is None or not calls or not tracer.covers_all():
             return True
-        roots = [ref() for ref in tracer.roots]
-        roots = [root for root in roots if root is not None]
-        if not roots or not tracer.covers_all():
-            return True
-        return any(is_extended(module) for root in roots for module in root.modules())
+        return any(backpack_computes_per_sample(call.module) for call in calls)
 
     def describe(self) -> str:
         shown = [describe(e) for e in self.extensions]
@@ -238,10 +237,8 @@ class StepExecution:
                 "Cockpit(..., model=model) and run the forward pass after creating the cockpit"
             )
         reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False)
-        calls = [Call(c.module, c.args, c.kwargs, c.output, c.node) for c in self._calls]
-        backend = HookBackend(
-            calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size, self.names
-        )
+        calls = [call.fresh() for call in self._calls]
+        backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size)
         backend.enter()
         try:
             torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
