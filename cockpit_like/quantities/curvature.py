@@ -125,18 +125,19 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
 
     @property
     def method(self) -> str:
-        """How the diagonal is computed: a BackPACK field name or ``"hutchinson"``."""
+        """How the diagonal is computed: a BackPACK field name, ``"hutchinson"`` or ``"sampled_ggn_mc"``."""
         return self._method or "diag_h"
+
+    #: curvature -> (BackPACK's field where the models allow it, the estimator on any other model)
+    _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutchinson"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
 
     def adapt_to_models(self, models: list) -> None:
         from cockpit_like.backends.step import backpack_curvature_compatible
 
-        if self._curvature == "auto":
-            compatible = backpack_curvature_compatible(models, CURVATURES["diag_h"]())
-            self._method = "diag_h" if compatible else "hutchinson"
-        elif self._curvature == "diag_ggn_mc":
-            compatible = backpack_curvature_compatible(models, CURVATURES["diag_ggn_mc"]())
-            self._method = "diag_ggn_mc" if compatible else "sampled_ggn_mc"
+        choice = self._CHOICE_BY_MODEL.get(self._curvature)
+        if choice is not None:
+            exact, estimator = choice
+            self._method = exact if backpack_curvature_compatible(models, CURVATURES[exact]()) else estimator
 
     def _need(self):
         if self.method == "hutchinson":
