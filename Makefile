@@ -11,8 +11,9 @@ $(VENV)/.installed: setup.py constraints.txt requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -r requirements.txt
-	# BackPACK without its torchvision requirement (it only imports it in backpack.utils.examples)
-	$(PY) -m pip install --quiet -c constraints.txt --no-deps backpack-for-pytorch
+	# BackPACK (and curvlinops, a test oracle that requires BackPACK) without the torchvision
+	# requirement: BackPACK only imports it in backpack.utils.examples
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps backpack-for-pytorch curvlinops-for-pytorch
 	$(PY) -m pip install --quiet -c constraints.txt --no-deps -e .
 	$(PY) -c "import importlib.util as u, sys; sys.exit('torchvision must not be installed (see constraints.txt)' if u.find_spec('torchvision') else 0)"
 	touch $@
