@@ -8,6 +8,10 @@ Usage::
         with cockpit(step, info={"batch_size": len(x), "loss": loss, ...}):
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
+
+Frameworks that own the backward pass use the same step as two calls,
+``cockpit.begin(step, info=...)`` before ``loss.backward()`` and
+``cockpit.end()`` after it; the ``with`` form is built on them.
 """
 
 from __future__ import annotations
@@ -98,6 +102,7 @@ class Cockpit:
         self._names: dict[int, str] = {}
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
+        self._open_step: _TrackedStep | None = None
         self._tracer = ModelTracer(
             self.params, wants_graph=lambda: self.create_graph(self._next_step), on_attach=self._adapt_quantities
         )
@@ -188,12 +193,51 @@ class Cockpit:
         )
 
     def __call__(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False):
-        """The context manager around ``loss.backward()`` for ``global_step``."""
-        if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
-            raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
-        if info is not None and not isinstance(info, dict):
-            raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
-        return _TrackedStep(self, global_step, exts, info or {}, debug)
+        """The context manager around ``loss.backward()`` for ``global_step``
+        (:meth:`begin` on entry, :meth:`end` on exit)."""
+        _check_step_arguments(global_step, info)
+        return _StepContext(self, global_step, exts, info or {}, debug)
+
+    def begin(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False) -> None:
+        """Open ``global_step``: call before ``loss.backward()``, then :meth:`end`.
+
+        The two-call form of ``with cockpit(global_step, *exts, info=info,
+        debug=debug):`` for frameworks that own the backward pass (Lightning,
+        the Hugging Face ``Trainer``). Only one step is open at a time.
+        """
+        _check_step_arguments(global_step, info)
+        if self._open_step is not None:
+            raise RuntimeError(
+                f"cockpit.begin({global_step}): step {self._open_step.step} is still open. "
+                "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
+                "before beginning the next one."
+            )
+        tracked = _TrackedStep(self, global_step, exts, info or {}, debug)
+        tracked.__enter__()  # raises before the step counts as open
+        self._open_step = tracked
+
+    def end(self, error: BaseException | None = None) -> None:
+        """Close the step opened by :meth:`begin`: compute and store its quantities.
+
+        Pass the exception that interrupted the step as ``error`` (then the
+        cockpit only frees its buffers and stores nothing for that step).
+        """
+        tracked = self._open_step
+        if tracked is None:
+            raise RuntimeError(
+                "cockpit.end() without an open step: call cockpit.begin(global_step, info=...) "
+                "before loss.backward(), and cockpit.end() once after it."
+            )
+        self._open_step = None
+        if error is None:
+            tracked.__exit__(None, None, None)
+        else:
+            tracked.__exit__(type(error), error, error.__traceback__)
+
+    @property
+    def open_step(self) -> int | None:
+        """The step opened by :meth:`begin` (or a ``with`` block) and not yet ended."""
+        return None if self._open_step is None else self._open_step.step
 
     # ---- output ----------------------------------------------------------------
     def get_output(self) -> dict[int, dict[str, Any]]:
@@ -243,8 +287,34 @@ class Cockpit:
             self._stream.close()
 
 
+def _check_step_arguments(global_step: Any, info: Any) -> None:
+    if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+        raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
+    if info is not None and not isinstance(info, dict):
+        raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
+
+
+class _StepContext:
+    """What ``cockpit(step, ...)`` returns: ``with`` calls ``begin`` and ``end``."""
+
+    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool):
+        self.cockpit = cockpit
+        self.step = global_step
+        self.exts = exts
+        self.info = info
+        self.debug = debug
+
+    def __enter__(self) -> _StepContext:
+        self.cockpit.begin(self.step, *self.exts, info=self.info, debug=self.debug)
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> bool:
+        self.cockpit.end(exc)
+        return False
+
+
 class _TrackedStep:
-    """One use of ``with cockpit(step, ...)``."""
+    """One tracked step, from :meth:`Cockpit.begin` to :meth:`Cockpit.end`."""
 
     def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool):
         self.cockpit = cockpit
