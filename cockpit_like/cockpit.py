@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -103,6 +103,7 @@ class Cockpit:
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
         self._open_step: _TrackedStep | None = None
+        self._listeners: list[Callable[[int, dict[str, Any]], None]] = []
         self._tracer = ModelTracer(
             self.params, wants_graph=lambda: self.create_graph(self._next_step), on_attach=self._adapt_quantities
         )
@@ -269,6 +270,7 @@ class Cockpit:
         self._epoch_logs.setdefault(global_step, {}).update(values)
         if self._stream is not None:
             self._stream.write_step(global_step, values)
+        self._notify(global_step, values)
 
     def write(self, logpath: str | os.PathLike) -> str:
         """Write everything to ``logpath + ".json"`` (folders are created); return the path."""
@@ -280,6 +282,23 @@ class Cockpit:
     def stream_path(self) -> str | None:
         """The streaming log's path, if streaming."""
         return None if self._stream is None else str(self._stream.path)
+
+    def add_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        """Call ``listener(step, values)`` with what each tracked step (and each
+        :meth:`log`) stores, as it is stored: the same pieces the streaming log
+        gets (a two-step quantity's value for step ``k`` arrives one step later).
+        Exporters (:mod:`cockpit_like.integrations.exporters`) attach this way."""
+        if not callable(listener):
+            raise ValueError(f"Cockpit.add_listener: {listener!r} is not callable")
+        self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
+        """Stop calling ``listener`` (no error if it was not attached)."""
+        self._listeners = [known for known in self._listeners if known is not listener]
+
+    def _notify(self, step: int, values: dict[str, Any]) -> None:
+        for listener in list(self._listeners):
+            listener(step, values)
 
     def close(self) -> None:
         """Close the streaming log (nothing is lost if you never call this)."""
@@ -444,6 +463,8 @@ class _TrackedStep:
         if stream is not None:
             for step, values in sorted(new_values.items()):
                 stream.write_step(step, values)
+        for step, values in sorted(new_values.items()):
+            self.cockpit._notify(step, values)
         return False
 
     def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]]) -> None:
