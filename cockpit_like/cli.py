@@ -4,11 +4,15 @@ Usage::
 
     cockpit-like plot LOG [-o FILE] [--secondary] [--title TEXT] [--dpi N] [--log-iter]
     cockpit-like summary LOG
+    cockpit-like export LOG --to tensorboard|wandb|mlflow DIR [--image-every N]
+    cockpit-like watch LOG [--interval S] [--once] [-o FILE]
 
 ``plot`` renders a saved run (``.json``, ``.jsonl`` or a Cockpit log) to an
 image (default: next to the log, same name, ``.png``; the suffix of ``-o``
 picks the format). ``summary`` prints the last value of every tracked
-quantity. Also runs as ``python -m cockpit_like.cli``.
+quantity. ``export`` writes a saved run to TensorBoard, W&B or MLflow
+(:mod:`cockpit_like.integrations.exporters`); ``watch`` follows a growing log
+and redraws its dashboard (:mod:`cockpit_like.watch`). Also runs as ``python -m cockpit_like.cli``.
 """
 
 from __future__ import annotations
@@ -128,6 +132,30 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from cockpit_like.integrations.exporters import export_log
+
+    exporter = export_log(args.log, args.to, args.directory, image_every=args.image_every,
+                          progress=None if not args.no_progress else False)
+    where = {"tensorboard": "log_dir", "wandb": "run_dir", "mlflow": "run_id"}[args.to]
+    print(f"exported {args.log} to {args.to}: {where} {getattr(exporter, where)}")
+    return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from cockpit_like.watch import watch
+
+    if args.once:
+        import matplotlib
+
+        matplotlib.use("Agg")
+    written = watch(args.log, interval=args.interval, once=args.once, output=args.output,
+                    secondary_screen=args.secondary, stop_after=args.stop_after, wait=args.wait)
+    if written is not None:
+        print(f"wrote {written}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cockpit-like", description="Inspect cockpit_like (and Cockpit) training logs."
@@ -145,6 +173,26 @@ def _parser() -> argparse.ArgumentParser:
     summary = commands.add_parser("summary", help="print the last value of every tracked quantity")
     summary.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
     summary.set_defaults(handler=_cmd_summary)
+    export = commands.add_parser("export", help="write a saved run to TensorBoard, Weights & Biases or MLflow")
+    export.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    export.add_argument("--to", required=True, choices=("tensorboard", "wandb", "mlflow"), help="where to")
+    export.add_argument("directory", metavar="DIR",
+                        help="TensorBoard log dir / W&B run folder's parent / MLflow file store")
+    export.add_argument("--image-every", type=int, default=0, metavar="N",
+                        help="also store the dashboard image every N steps (default 0: none)")
+    export.add_argument("--no-progress", action="store_true", help="no progress bar")
+    export.set_defaults(handler=_cmd_export)
+    watch = commands.add_parser("watch", help="follow a growing log and redraw its dashboard")
+    watch.add_argument("log", metavar="LOG", help="the streaming log (.jsonl) or a full log")
+    watch.add_argument("--interval", type=float, default=2.0, help="seconds between looks (default 2)")
+    watch.add_argument("--once", action="store_true", help="render the current state to an image and exit")
+    watch.add_argument("-o", "--output", metavar="FILE",
+                       help="image to (re)write (default: LOG's name with .png; windowed backends: a window)")
+    watch.add_argument("--secondary", action="store_true", help="include the secondary screen")
+    watch.add_argument("--stop-after", type=float, metavar="SECONDS", help="stop after this long")
+    watch.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                       help="wait this long for LOG to appear (default 0)")
+    watch.set_defaults(handler=_cmd_watch)
     return parser
 
 
