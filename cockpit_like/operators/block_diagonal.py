@@ -240,13 +240,11 @@ class ScaledIdentity(LinearOperator):
             )
         return ScaledIdentity(self._size, 1.0 / (self.scale + damping), self._dtype, self._device)
 
-    def to(self, *args, **kwargs) -> ScaledIdentity:
-        probe = torch.empty(0, dtype=self._dtype, device=self._device).to(*args, **kwargs)
-        return ScaledIdentity(self._size, self.scale, probe.dtype, probe.device)
-
     def _state(self) -> dict:
-        return {"size": self._size, "scale": self.scale, "dtype": str(self._dtype).replace("torch.", "")}
+        # the scale as a 0-dim tensor carries the dtype and device (and follows op.to(...))
+        return {"size": self._size, "scale": self._scalar(self.scale)}
 
     @classmethod
     def _from_state(cls, state: dict) -> ScaledIdentity:
-        return cls(state["size"], state["scale"], getattr(torch, state["dtype"]))
+        scale = state["scale"]
+        return cls(state["size"], float(scale), scale.dtype, scale.device)

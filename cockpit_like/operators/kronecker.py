@@ -55,7 +55,7 @@ class KroneckerProduct(LinearOperator):
     Example:
         >>> K = KroneckerProduct([2 * torch.eye(2), torch.eye(3)])
         >>> float(K.trace()), float(K.logdet()), K.shape
-        (12.0, 4.1588830833596715, (6, 6))
+        (12.0, 4.15888..., (6, 6))
     """
 
     def __init__(self, factors: Sequence[torch.Tensor]):
@@ -117,9 +117,9 @@ class KroneckerProduct(LinearOperator):
         return values.sort().values
 
     def to_dense(self) -> torch.Tensor:
-        dense = self.factors[0]
+        dense = self.factors[0].contiguous()
         for factor in self.factors[1:]:
-            dense = torch.kron(dense, factor)
+            dense = torch.kron(dense, factor.contiguous())  # torch.kron fails on some transposed views
         return dense.clone()
 
     def inverse(self, damping: float = 0.0, strategy: str = "exact") -> LinearOperator:
