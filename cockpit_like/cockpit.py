@@ -144,12 +144,46 @@ class Cockpit:
         """The models that own the tracked parameters, as far as the cockpit knows them."""
         return [root for root in (ref() for ref in self._tracer.roots) if root is not None]
 
+    def curvature(self, kind: str | None = None, damping: float | None = None, layers=None, quantity=None):
+        """The curvature of the last tracked step as an operator (docs/curvature_statistics.md).
+
+        Asks the quantities that hold logged curvature statistics (those with a
+        ``curvature_operator`` method, e.g. ``SelfInfluence``) and takes the one
+        that tracked last (or ``quantity``: an instance or its name).
+
+        Args:
+            kind: ``"kfac"`` or ``"ekfac"`` (default: what the statistics allow, EK-FAC if logged).
+            damping: ``None``, or ``λ >= 0`` for ``F + λI``.
+            layers: names of logged layers to keep (default: all).
+
+        Returns:
+            A named :class:`~cockpit_like.operators.BlockDiagonal`, one block per
+            covered parameter (``"<layer>.weight"``, ``"<layer>.bias"``) in the
+            order of the cockpit's parameters.
+        """
+        holders = [q for q in self.quantities if callable(getattr(q, "curvature_operator", None))]
+        if quantity is not None:
+            holders = [q for q in holders if q is quantity or self.name_of(q) == quantity]
+        tracked = [q for q in holders if getattr(q, "last_step", None) is not None]
+        if not tracked:
+            raise RuntimeError(
+                "cockpit.curvature(): no quantity holds logged curvature statistics of a tracked step"
+                + (f" (quantity={quantity!r} not found among them)" if quantity is not None and not holders else "")
+                + ". Track one (e.g. CurvatureStatistics, SelfInfluence, PreconditionedGradNorm, EKFACSpectrum) "
+                "and call curvature() after one of its steps."
+            )
+        holder = max(tracked, key=lambda q: q.last_step)
+        kind = holder.curvature_kind() if kind is None else kind
+        return holder.curvature_operator(self.params, kind=kind, damping=damping, layers=layers)[0]
+
     def _adapt_quantities(self) -> None:
         self._param_names = {}  # a new model: names again from all of them
         models = self.models()
         before = [q.settings() for q in self.quantities]
         for quantity in self.quantities:
             quantity.adapt_to_models(models)
+        if self._ranks is not None:
+            self._ranks.watch(models, lambda: self.create_graph(self._next_step))
         if self._stream is not None and before != [q.settings() for q in self.quantities]:
             self._stream.write_metadata(self.metadata())
 

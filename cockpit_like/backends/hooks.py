@@ -475,6 +475,8 @@ class HookBackend:
                     x = x.expand(grad.shape[0], *x.shape[1:])
                 with torch.no_grad():
                     forms = rule(call.module, x.detach(), grad)
+                    if forms is not None and getattr(self.reducer, "module_stats", None):
+                        self.reducer.observe_module(call.module, x.detach(), grad)
         if forms is None:
             self._deferred.append(call)
             return

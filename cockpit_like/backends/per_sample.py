@@ -103,9 +103,35 @@ class PerSampleStat:
         """
         return self.accumulate(state, index, param, materialize_sequence(a, b, param.shape))
 
+    #: whether :meth:`accumulate_module` wants each layer call's input and output gradient (hook backend)
+    module_form: ClassVar[bool] = False
+
+    def accumulate_module(self, state: Any, module: torch.nn.Module, x: torch.Tensor, delta: torch.Tensor) -> Any:
+        """Fold in one call of ``module`` that a per-layer rule handled: its first input ``x`` and the
+        gradient ``delta`` of the mean loss w.r.t. its output (before the call's parameters arrive).
+        Only statistics with ``module_form = True`` are asked (the curvature logs of
+        :mod:`cockpit_like.statistics`)."""
+        return state
+
     def finalize(self, state: Any) -> Any:
         """The result quantities read with ``record.stat(self)``."""
         return state
+
+    # ---- under DistributedDataParallel (cockpit_like.backends.distributed) -------------
+    def for_ranks(self) -> "PerSampleStat":
+        """The statistic each rank computes under DDP (equal to ``self``; default: ``self``).
+
+        A statistic whose reduction needs the *global* mean gradient returns a
+        form that keeps what it needs until ``finalize``, when ``p.grad`` is
+        synchronised (fields with ``compare=False``, so it is still found
+        under the requested statistic).
+        """
+        return self
+
+    # A statistic used under DDP also defines ``across_ranks(result, reduction) -> () -> result``:
+    # it registers its local result's parts with ``reduction`` (``sum``, ``cat``, ``max``, ``mean``;
+    # :class:`cockpit_like.backends.distributed.RankReduction`) and returns the function that builds
+    # the global batch's result after the step's one all-reduce.
 
 
 class PerSampleReducer:
@@ -136,6 +162,8 @@ class PerSampleReducer:
         ]
         self._pending: dict[int, tuple] = {}
         self.seen: set[int] = set()
+        #: indices of the statistics that read layer inputs and output gradients (:meth:`observe_module`)
+        self.module_stats = [k for k, stat in enumerate(stats) if stat.module_form]
 
     def __repr__(self) -> str:
         return f"PerSampleReducer({len(self.stats)} statistics)"
@@ -192,6 +220,11 @@ class PerSampleReducer:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
 
     # ---- offered by the hook backend: reduced at once ------------------------------
+    def observe_module(self, module: torch.nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
+        """A layer call's input and output gradient for the statistics with a module form."""
+        for k in self.module_stats:
+            self._states[k] = self.stats[k].accumulate_module(self._states[k], module, x, delta)
+
     def reduce_factors(self, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> None:
         """Reduce a parameter given as 2-D factors now (see :meth:`offer_factors`)."""
         index = self._index[id(param)]

@@ -9,6 +9,12 @@ from cockpit_like.quantities.histograms import GradHist1d, GradHist2d
 from cockpit_like.quantities.curvature import HessTrace, TICDiag, TICTrace
 from cockpit_like.quantities.hess_max_ev import HessMaxEV
 from cockpit_like.quantities.kfac_trace import KFACTrace
+from cockpit_like.quantities.curvature_statistics import (
+    CurvatureStatistics,
+    EKFACSpectrum,
+    PreconditionedGradNorm,
+    SelfInfluence,
+)
 from cockpit_like.quantities.parameter_motion import Distance, UpdateSize
 from cockpit_like.quantities.quantity import (
     ByproductQuantity,
@@ -42,4 +48,8 @@ __all__ = [
     "TICTrace",
     "HessMaxEV",
     "KFACTrace",
+    "CurvatureStatistics",
+    "EKFACSpectrum",
+    "PreconditionedGradNorm",
+    "SelfInfluence",
 ]

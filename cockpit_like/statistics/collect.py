@@ -1,0 +1,286 @@
+"""Filling the logs during the cockpit's backward pass, and merging steps into running statistics.
+
+:class:`LayerLogs` is a per-sample statistic
+(:class:`~cockpit_like.backends.per_sample.PerSampleStat`) of the existing
+reducer: the hook backend hands it each call of a logged layer (its input
+and output gradient, :meth:`LayerLogs.accumulate_module`) and, like every
+per-sample statistic, each parameter's per-sample gradient in whatever form
+it comes (factors, sequence factors, ``grad_batch``). Nothing is kept per
+sample beyond one layer. :class:`StatisticsPlan` holds what a requester logs
+and its running (merged) state, which is plain dicts of tensors and ints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cockpit_like.backends.per_sample import PerSampleStat, materialize_linear, materialize_sequence
+from cockpit_like.functional.ekfac import ekfac_eigenvalues, ekfac_eigenvalues_sequence
+from cockpit_like.statistics.base import Covariance, Statistic
+from cockpit_like.statistics.logs import LOGS, LayerSpec, empty_states, find_layers, layer_rows, parse_statistics
+
+__all__ = ["StatisticsPlan", "LayerLogs", "merge_logs", "finalize_logs"]
+
+
+def merge_logs(stats: dict[str, tuple[Statistic, ...]], running: dict, step: dict) -> dict:
+    """Running logs merged with one step's (``{"layers": {name: {log: {stat: state}}}, "grad": {param: {stat: state}}}``)."""
+    merged = {
+        "layers": dict(running.get("layers", {})),
+        "grad": dict(running.get("grad", {})),
+        "bases": {**running.get("bases", {}), **step.get("bases", {})},  # EK-FAC's: the latest
+    }
+    for name, logs in step.get("layers", {}).items():
+        before = merged["layers"].get(name)
+        merged["layers"][name] = logs if before is None else {
+            log: {s.name: s.merge(before[log][s.name], logs[log][s.name]) for s in stats[log]} for log in ("forward", "backward")
+        }
+    for name, states in step.get("grad", {}).items():
+        before = merged["grad"].get(name)
+        merged["grad"][name] = states if before is None else {s.name: s.merge(before[s.name], states[s.name]) for s in stats["grad"]}
+    return merged
+
+
+def finalize_logs(stats: dict[str, tuple[Statistic, ...]], logs: dict) -> dict:
+    """``{"layers": {name: {log: {stat: value}}}, "grad": {param: {stat: value}}}``."""
+    return {
+        "layers": {
+            name: {log: {s.name: s.finalize(states[log][s.name]) for s in stats[log]} for log in ("forward", "backward")}
+            for name, states in logs.get("layers", {}).items()
+        },
+        "grad": {name: {s.name: s.finalize(states[s.name]) for s in stats["grad"]} for name, states in logs.get("grad", {}).items()},
+    }
+
+
+class StatisticsPlan:
+    """What one requester logs (parsed configuration, the logged layers) and its running logs.
+
+    Args:
+        config: ``"kfac"``, ``"ekfac"`` or ``{"forward": [...], "backward": [...], "grad": [...]}``
+            (:func:`~cockpit_like.statistics.logs.parse_statistics`).
+
+    Attributes:
+        running: the merged logs of all steps so far (plain dicts; see :func:`merge_logs`).
+    """
+
+    def __init__(self, config: str | dict = "kfac", window: str = "run"):
+        if window not in ("run", "step"):
+            raise ValueError(f"window={window!r}: 'run' (running statistics over the tracked steps) or 'step'")
+        self.stats = parse_statistics(config)
+        self.window = window
+        self.layers: dict[int, LayerSpec] = {}
+        self.param_names: dict[int, str] = {}
+        #: ids of logged layers' parameters that other modules use too (tied weights): not covered
+        self.shared: set[int] = set()
+        self.running: dict = {"layers": {}, "grad": {}, "bases": {}}
+
+    def absorb(self, step: dict) -> None:
+        """Merge one step's logs into :attr:`running` (``window="step"``: replace them)."""
+        empty = {"layers": {}, "grad": {}, "bases": {}}
+        self.running = merge_logs(self.stats, empty if self.window == "step" else self.running, step)
+
+    def state_dict(self) -> dict:
+        """The running logs (plain dicts of tensors and ints), for resuming a run."""
+        return {"running": self.running}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.running = state["running"]
+
+    def set_models(self, models: list[torch.nn.Module]) -> None:
+        """Find the logged layers and name the parameters (``layer.weight``; others by their model path)."""
+        self.layers = find_layers(models)
+        names: dict[int, str] = {}
+        for spec in self.layers.values():
+            names[id(spec.weight)] = f"{spec.name}.weight"
+            if spec.bias is not None:
+                names[id(spec.bias)] = f"{spec.name}.bias"
+        for position, model in enumerate(models):
+            for name, param in model.named_parameters():
+                names.setdefault(id(param), name if len(models) == 1 else f"{position}.{name}")
+        self.param_names = names
+        owners: dict[int, int] = {}
+        for model in models:
+            for module in model.modules():
+                for param in module.parameters(recurse=False):
+                    owners[id(param)] = owners.get(id(param), 0) + 1
+        self.shared = {key for key, count in owners.items() if count > 1}
+        self._roles = {}
+        for spec in self.layers.values():
+            self._roles[id(spec.weight)] = (spec, "weight")
+            if spec.bias is not None:
+                self._roles[id(spec.bias)] = (spec, "bias")
+
+    def role(self, param: torch.Tensor) -> tuple[LayerSpec, str] | None:
+        """``(layer, "weight" | "bias")`` of a logged layer's parameter, else ``None``."""
+        return getattr(self, "_roles", {}).get(id(param))
+
+    @property
+    def wants_grads(self) -> bool:
+        return bool(self.stats["grad"])
+
+    def covariance(self, log: str) -> Statistic:
+        """The ``Covariance`` statistic of ``log`` (KFAC's factor), or a clear error."""
+        for stat in self.stats[log]:
+            if isinstance(stat, Covariance):
+                return stat
+        raise ValueError(f"the statistics log no Covariance in {log!r}: KFAC needs it in 'forward' and 'backward'")
+
+    def finalized(self, logs: dict | None = None) -> dict:
+        return finalize_logs(self.stats, self.running if logs is None else logs)
+
+
+class _Step:
+    """One step's logs while the backward pass runs."""
+
+    __slots__ = ("plan", "layers", "grad", "bases", "names")
+
+    def __init__(self, plan: StatisticsPlan, params: list[torch.Tensor]):
+        self.plan = plan
+        self.layers: dict[str, dict] = {}
+        self.grad: dict[str, dict] = {}
+        self.bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.names = {index: plan.param_names.get(id(p), f"param{index}") for index, p in enumerate(params)}
+
+    # ---- forward and backward logs ------------------------------------------------------
+    def observe(self, module, x: torch.Tensor, delta: torch.Tensor) -> None:
+        spec = self.plan.layers.get(id(module))
+        if spec is None:
+            return
+        stats = self.plan.stats
+        logs = self.layers.get(spec.name)
+        if logs is None:
+            logs = self.layers[spec.name] = {"forward": empty_states(stats["forward"]), "backward": empty_states(stats["backward"])}
+        inputs, grads, batch = layer_rows(spec, x.detach(), delta.detach())
+        for stat in stats["forward"]:
+            logs["forward"][stat.name] = stat.update(logs["forward"][stat.name], inputs, inputs.shape[0])
+        for stat in stats["backward"]:
+            logs["backward"][stat.name] = stat.update(logs["backward"][stat.name], grads, batch)
+
+    # ---- grad log -------------------------------------------------------------------------
+    def basis(self, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q_G, Q_A)``: eigenvectors of the layer's factors, accumulated up to and including this step."""
+        if spec.name not in self.bases:
+            if spec.name not in self.layers:
+                raise RuntimeError(
+                    f"EK-FAC: the gradient of layer '{spec.name}' arrived before its inputs and output "
+                    "gradients were logged (the layer was not computed by the hook backend)"
+                )
+            vectors = []
+            for log in ("backward", "forward"):
+                stat = self.plan.covariance(log)
+                state = self.layers[spec.name][log][stat.name]
+                before = self.plan.running["layers"].get(spec.name) if self.plan.window == "run" else None
+                if before is not None:
+                    state = stat.merge(before[log][stat.name], state)
+                vectors.append(torch.linalg.eigh(stat.finalize(state))[1])
+            self.bases[spec.name] = (vectors[0], vectors[1])
+        return self.bases[spec.name]
+
+    def per_sample(self, index: int, param: torch.Tensor, dense=None, factors=None, sequence=None) -> None:
+        stats = self.plan.stats["grad"]
+        if not stats:
+            return
+        role = self.plan.role(param)
+        stats = [s for s in stats if role is not None or not getattr(s, "eigenbasis", False)]
+        if not stats:
+            return
+        name = self.names[index]
+        states = self.grad.get(name)
+        if states is None:
+            states = self.grad[name] = empty_states(self.plan.stats["grad"])
+        flat = None
+        for stat in stats:
+            if getattr(stat, "eigenbasis", False):
+                summed, batch = self._rotated_squares(role, dense, factors, sequence)
+                states[stat.name] = stat.add_sum(states[stat.name], summed, batch)
+                continue
+            if flat is None:
+                flat = self._dense(param, dense, factors, sequence)
+            states[stat.name] = stat.update(states[stat.name], flat, flat.shape[0])
+
+    @staticmethod
+    def _dense(param, dense, factors, sequence) -> torch.Tensor:
+        """Per-sample gradients of the per-sample losses, ``[B, D]`` (``B`` times ``grad_batch``)."""
+        if factors is not None:
+            grad_batch = materialize_linear(*factors)
+        elif sequence is not None:
+            grad_batch = materialize_sequence(sequence[0], sequence[1], param.shape)
+        else:
+            grad_batch = dense
+        grad_batch = grad_batch.detach()
+        return grad_batch.reshape(grad_batch.shape[0], -1) * grad_batch.shape[0]
+
+    def _rotated_squares(self, role, dense, factors, sequence) -> tuple[torch.Tensor, int]:
+        """``sum_n (Q_G^T g_n Q_A)^2`` (``[out, in]``; a bias ``sum_n (Q_G^T g_n)^2``) and ``B``.
+
+        ``g_n = B grad_batch[n]``: :mod:`cockpit_like.functional.ekfac` with ``scale = B^2`` (a sum).
+        """
+        spec, kind = role
+        q_g, q_a = self.basis(spec)
+        if kind == "bias":
+            grads = factors[2] if factors is not None else dense
+            if grads is None:
+                raise RuntimeError(f"EK-FAC: the bias of '{spec.name}' came as sequence factors")
+            grads = grads.detach().reshape(grads.shape[0], -1, 1)
+            batch = grads.shape[0]
+            one = torch.ones(1, 1, dtype=q_g.dtype, device=q_g.device)
+            return ekfac_eigenvalues(grads, q_g, one, scale=batch * batch)[:, 0], batch
+        if factors is not None:  # weight[i] = delta_i x_i^T
+            _, x, delta = factors
+            if spec.kind == "hf_conv1d":  # its factors come with the roles swapped (weight [in, out])
+                x, delta = delta, x
+            batch = delta.shape[0]
+            return ekfac_eigenvalues_sequence(delta.detach(), x.detach(), q_g, q_a, scale=batch * batch), batch
+        if sequence is not None:  # weight[i] = sum_t a_it b_it^T: rows a on G's side unless HF Conv1D
+            a, b = sequence
+            if spec.kind == "hf_conv1d":
+                a, b = b, a
+            batch = a.shape[0]
+            return ekfac_eigenvalues_sequence(a.detach(), b.detach(), q_g, q_a, scale=batch * batch), batch
+        matrices = spec.weight_matrix(dense.detach())
+        batch = matrices.shape[0]
+        return ekfac_eigenvalues(matrices, q_g, q_a, scale=batch * batch), batch
+
+    def result(self) -> dict:
+        return {"layers": self.layers, "grad": self.grad, "bases": self.bases}
+
+
+@dataclass(frozen=True)
+class LayerLogs(PerSampleStat):
+    """The per-sample statistic that fills a :class:`StatisticsPlan`'s logs for one step.
+
+    Equality is by ``key`` (one per requester); the result of a step is
+    ``{"layers": {name: {"forward": {stat: state}, "backward": {...}}}, "grad": {param: {stat: state}}}``
+    (states, not values: the requester merges them into its running logs).
+    """
+
+    key: str
+    plan: StatisticsPlan = field(compare=False, hash=False, repr=False, default=None)
+
+    factor_form = True
+    sequence_form = True
+    module_form = True
+
+    def init(self, params):
+        return _Step(self.plan, params)
+
+    def accumulate_module(self, state, module, x, delta):
+        state.observe(module, x, delta)
+        return state
+
+    def accumulate(self, state, index, param, grad_batch):
+        state.per_sample(index, param, dense=grad_batch)
+        return state
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        state.per_sample(index, param, factors=(kind, x, delta))
+        return state
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        state.per_sample(index, param, sequence=(a, b))
+        return state
+
+    def finalize(self, state) -> dict[str, Any]:
+        return state.result()
