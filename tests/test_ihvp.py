@@ -11,20 +11,8 @@ from cockpit_like.ihvp import InverseProduct, ihvp_ekfac, ihvp_kfac
 from cockpit_like.ihvp import products as products_module
 from cockpit_like.operators import LayerCurvature, ekfac_operator, kfac_operator
 
-DT = torch.float64
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def spd(n, seed):
-    m = torch.randn(n, n + 1, dtype=DT, generator=_gen(seed))
-    return m @ m.T / (n + 1) + 0.05 * torch.eye(n, dtype=DT)
-
-
-def param(*shape, seed=0):
-    return torch.nn.Parameter(torch.randn(*shape, dtype=DT, generator=_gen(seed)))
+from tests.operator_helpers import DT, param, spd
+from tests.operator_helpers import gen as _gen
 
 
 def make_layers(ekfac=True):

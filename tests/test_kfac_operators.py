@@ -19,24 +19,8 @@ from cockpit_like.functional.ekfac import ekfac_eigenvalues, ekfac_eigenvalues_s
 from cockpit_like.operators import BlockDiagonal, LayerCurvature, ScaledIdentity, ekfac_operator, kfac_operator
 from cockpit_like.operators import kfac as kfac_module
 
-DT = torch.float64
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-def spd(n, seed):
-    m = torch.randn(n, n + 1, dtype=DT, generator=_gen(seed))
-    return m @ m.T / (n + 1) + 0.05 * torch.eye(n, dtype=DT)
-
-
-def orthogonal(n, seed):
-    return torch.linalg.qr(torch.randn(n, n, dtype=DT, generator=_gen(seed)))[0]
-
-
-def param(*shape, seed=0):
-    return torch.nn.Parameter(torch.randn(*shape, dtype=DT, generator=_gen(seed)))
+from tests.operator_helpers import DT, orthogonal, param, spd
+from tests.operator_helpers import gen as _gen
 
 
 class Model:
