@@ -1,0 +1,289 @@
+"""The neutral record of one step, built from a :class:`~.tape.Tape`.
+
+:class:`Record` holds a JSON-ready dictionary (``record.data``: the
+operations with their modules, phases, arguments and the summary values of
+every value; notes; the first non-finite value; findings) and, in memory,
+the tensors a replay needs (``record.tensors``: the external inputs of the
+forward pass and the loss, outputs of random operations, and the outputs a
+replay must reproduce). Exporters (:mod:`.program`) read only these two.
+
+Layout of ``record.data``::
+
+    {"schema": "cockpit_like.record", "schema_version": 1, "step": 12,
+     "trigger": "on demand" | "non-finite loss" | "non-finite gradient",
+     "notes": [...],
+     "ops": [{"index": 0, "op": "aten.addmm.default", "phase": "forward",
+              "module": "fc1", "module_type": "Linear",
+              "args": [{"t": 2}, {"t": 0}, {"t": 1}], "kwargs": {},
+              "inputs": [2, 0, 1], "outputs": [3], "single": true}, ...],
+     "values": {"3": {"shape": [8, 16], "dtype": "float32", "device": "cpu",
+                      "min": -2.1, "max": 3.4, "nonfinite": 0, "nan": 0,
+                      "op": 0, "source": null}, ...},
+     "outputs": {"output": [17], "loss": 25},
+     "first_nonfinite": {...} or null, "findings": [...]}
+
+May import torch, :mod:`cockpit_like.logs`, :mod:`cockpit_like.diagnosis.findings`
+and :mod:`cockpit_like.diagnosis.recorder`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cockpit_like.diagnosis.findings import Finding
+from cockpit_like.diagnosis.recorder.tape import Tape
+from cockpit_like.logs import decode, encode
+
+__all__ = ["Record", "read_record", "CONTROL_FLOW_NOTE", "SCHEMA"]
+
+SCHEMA = "cockpit_like.record"
+SCHEMA_VERSION = 1
+
+CONTROL_FLOW_NOTE = (
+    "The record holds the operations this step executed: the path the model's Python code took "
+    "for this step's data. A forward pass that branches on tensor values (if/while on a tensor, "
+    ".item(), data-dependent shapes) may take another path on other data."
+)
+
+#: what usually makes an operation produce its first non-finite value, and what to do
+_HINTS = {
+    "exp": "exp overflows to inf for inputs above ~88 (float32) / ~709 (float64): bound its input "
+    "(clamp, a smaller scale) or work in log space (logsumexp, log_softmax)",
+    "log": "log gives -inf at 0 and NaN below 0: clamp its input to a small positive minimum "
+    "(x.clamp_min(eps)) or use a log-space formulation (log_softmax, logsigmoid)",
+    "div": "division by zero (or 0/0): add an epsilon to the denominator or mask the zero entries",
+    "sqrt": "sqrt is NaN below 0 and its gradient infinite at 0: clamp its input to a small positive minimum",
+    "rsqrt": "rsqrt is inf at 0: add an epsilon to its input",
+    "pow": "pow overflows for large bases or exponents (or gives NaN for negative bases with "
+    "fractional exponents): bound its input",
+    "reciprocal": "reciprocal is inf at 0: add an epsilon",
+    "_softmax": "softmax gets NaN when a whole row is -inf (every position masked): keep one position unmasked",
+    "_log_softmax": "log_softmax gets NaN when a whole row is -inf or inf: bound the logits",
+}
+
+
+class Record:
+    """The record of one step (see the module docstring)."""
+
+    def __init__(self, data: dict[str, Any], tensors: dict[int, torch.Tensor] | None = None):
+        self.data = data
+        #: value id -> tensor (in memory, or loaded from the ``.pt`` file)
+        self.tensors = tensors or {}
+
+    # ---- building -----------------------------------------------------------------------
+    @classmethod
+    def from_tape(
+        cls, tape: Tape, step: int, trigger: str, loss: torch.Tensor | None = None, notes: list[str] | None = None
+    ) -> Record:
+        """Finish a tape into a record: outputs, notes, the first non-finite value, findings."""
+        loss_id = tape.id_of(loss) if isinstance(loss, torch.Tensor) else None
+        if loss_id is not None:
+            tape.mark_expected([loss_id])
+        all_notes = [CONTROL_FLOW_NOTE]
+        if tape.data_dependent:
+            shown = ", ".join(
+                f"{tape.ops[i]['op']} in {_where(tape.ops[i])} (op {i})" for i in tape.data_dependent[:5]
+            )
+            all_notes.append(
+                f"Data-dependent control flow is likely: the forward pass or the loss read tensor values "
+                f"into Python or made data-dependent shapes ({shown}). The record is the path taken at "
+                f"step {step}; a replay runs that path, whatever the data."
+            )
+        if tape.dropped:
+            all_notes.append(
+                f"{tape.dropped} operations beyond max_ops={tape.max_ops} were run but not recorded."
+            )
+        if tape.not_replayable:
+            ops = sorted({tape.ops[i]["op"] for i in tape.not_replayable})
+            all_notes.append(f"Operations outside aten or with arguments that cannot be written back: {ops}.")
+        all_notes += notes or []
+        data: dict[str, Any] = {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "step": int(step),
+            "trigger": trigger,
+            "notes": all_notes,
+            "phases": sorted({op["phase"] for op in tape.ops}, key=_PHASE_ORDER.index),
+            "ops": tape.ops,
+            "values": {str(k): v for k, v in tape.values.items()},
+            "outputs": {"output": list(tape.root_outputs), "loss": loss_id},
+            "saved": sorted(tape.tensors),
+            "dropped_ops": tape.dropped,
+            "not_replayable": list(tape.not_replayable),
+        }
+        record = cls(data, dict(tape.tensors))
+        data["first_nonfinite"] = record._find_first_nonfinite()
+        data["findings"] = [finding.to_dict() for finding in record._findings()]
+        return record
+
+    # ---- reading ------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.data["step"]
+
+    @property
+    def ops(self) -> list[dict[str, Any]]:
+        return self.data["ops"]
+
+    def value(self, value_id: int) -> dict[str, Any]:
+        return self.data["values"][str(value_id)]
+
+    @property
+    def first_nonfinite(self) -> dict[str, Any] | None:
+        """Where the first non-finite value came from (``None`` if every value is finite)."""
+        return self.data.get("first_nonfinite")
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [Finding.from_dict(f) for f in self.data.get("findings", [])]
+
+    @property
+    def notes(self) -> list[str]:
+        return self.data["notes"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready record (no tensors)."""
+        return self.data
+
+    def summary(self) -> str:
+        """A few lines for people: step, trigger, counts per phase, the first non-finite value."""
+        counts: dict[str, int] = {}
+        for op in self.ops:
+            counts[op["phase"]] = counts.get(op["phase"], 0) + 1
+        lines = [f"record of step {self.step} ({self.data['trigger']}): " + ", ".join(f"{n} {p}" for p, n in counts.items())]
+        origin = self.first_nonfinite
+        lines.append("first non-finite value: " + (origin["message"] if origin else "none (every value is finite)"))
+        return "\n".join(lines)
+
+    def _nonfinite(self, value_id: int | None) -> bool:
+        if value_id is None:
+            return False
+        return self.value(value_id).get("nonfinite", 0) > 0
+
+    def _find_first_nonfinite(self) -> dict[str, Any] | None:
+        for op in self.ops:
+            bad = [v for v in op["outputs"] if self._nonfinite(v)]
+            if not bad:
+                continue
+            bad_inputs = [v for v in op["inputs"] if self._nonfinite(v)]
+            inputs = [_range_of(v, self.value(v)) for v in op["inputs"]]
+            outputs = [_range_of(v, self.value(v)) for v in bad]
+            if bad_inputs:  # finite outputs so far: a non-finite value came in from outside (a parameter, the batch)
+                source = self.value(bad_inputs[0]).get("source") or "an input"
+                message = (
+                    f"the value {source} (v{bad_inputs[0]}) was already non-finite when {op['op']} in "
+                    f"{_where(op)} read it (op {op['index']}, {op['phase']} pass): the step received it"
+                )
+                kind = "input"
+            else:
+                shown = "; ".join(_describe_range(r) for r in inputs if "min" in r or "nonfinite" in r)
+                produced = "; ".join(_describe_range(r) for r in outputs)
+                message = (
+                    f"{op['op']} in {_where(op)} (op {op['index']}, {op['phase']} pass) produced the first "
+                    f"non-finite value ({produced}) from finite inputs ({shown or 'no tensor inputs'})"
+                )
+                kind = "operation"
+            return {
+                "kind": kind,
+                "op_index": op["index"],
+                "op": op["op"],
+                "phase": op["phase"],
+                "module": op["module"],
+                "module_type": op["module_type"],
+                "inputs": inputs,
+                "outputs": outputs,
+                "message": message,
+            }
+        return None
+
+    def _findings(self) -> list[Finding]:
+        origin = self.first_nonfinite
+        if origin is None:
+            return []
+        base = origin["op"].split(".")[1] if origin["op"].count(".") >= 2 else origin["op"]
+        if origin["kind"] == "input":
+            fix = (
+                "the step started from non-finite parameters or data: find the earlier step that made "
+                "them (record it with cockpit.record(step)) or check the batch"
+            )
+        else:
+            fix = _HINTS.get(base, "look at the input ranges of this operation and bound them")
+        return [
+            Finding(
+                rule="nonfinite-origin",
+                severity="error",
+                step=self.step,
+                message=f"step {self.step}: {origin['message']}",
+                fix=fix,
+                layer=origin["module"] or None,
+                evidence={k: origin[k] for k in ("op_index", "op", "phase", "module", "module_type", "inputs", "outputs")},
+            )
+        ]
+
+    # ---- files ----------------------------------------------------------------------------
+    def save(self, folder: str | os.PathLike, program: bool = True) -> dict[str, Path]:
+        """Write ``step_<N>.record.json`` into ``folder`` (created), and with ``program``
+        the replay ``step_<N>.py`` with its tensors ``step_<N>.pt`` (:func:`.program.export_program`).
+        Returns the paths by kind (``"record"``, ``"program"``, ``"tensors"``)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"step_{self.step}.record.json"
+        temporary = path.with_name(path.name + ".tmp")
+        with open(temporary, "w") as handle:
+            json.dump(encode(self.data), handle, allow_nan=False)
+        os.replace(temporary, path)
+        paths = {"record": path}
+        if program:
+            from cockpit_like.diagnosis.recorder.program import export_program
+
+            paths.update(export_program(self, folder))
+        return paths
+
+
+def read_record(path: str | os.PathLike) -> Record:
+    """Load a record written by :meth:`Record.save` (with its tensors if the ``.pt`` file is next to it)."""
+    path = Path(path)
+    data = decode(json.loads(path.read_text()))
+    if data.get("schema") != SCHEMA:
+        raise ValueError(f"{path} is not a cockpit_like record (schema {data.get('schema')!r})")
+    tensors = {}
+    pt = path.with_name(f"step_{data['step']}.pt")
+    if pt.is_file():
+        tensors = {int(k[1:]): v for k, v in torch.load(pt, weights_only=True)["tensors"].items()}
+    return Record(data, tensors)
+
+
+_PHASE_ORDER = ["forward", "loss", "backward", "after-backward"]
+
+
+def _where(op: dict[str, Any]) -> str:
+    module = op.get("module")
+    if module and not module.startswith("<"):
+        return f"module '{module}' ({op.get('module_type')})"
+    if module:
+        return f"{module[1:-1]} (outside the model)"
+    if op.get("phase") == "forward":
+        return f"the model's own forward ({op.get('module_type')})"
+    return "code outside any module"
+
+
+def _range_of(value_id: int, info: dict[str, Any]) -> dict[str, Any]:
+    found = {"id": value_id, "shape": info.get("shape"), "dtype": info.get("dtype")}
+    for key in ("min", "max", "nonfinite", "nan", "source"):
+        if info.get(key) is not None:
+            found[key] = info[key]
+    return found
+
+
+def _describe_range(found: dict[str, Any]) -> str:
+    text = f"v{found['id']} {found.get('dtype')}{found.get('shape')}"
+    if "min" in found:
+        text += f" in [{found['min']:.4g}, {found['max']:.4g}]"
+    if found.get("nonfinite"):
+        text += f", {found['nonfinite']} non-finite ({found.get('nan', 0)} NaN)"
+    return text
