@@ -1,0 +1,290 @@
+"""Lightning: a cockpit around the backward pass that ``lightning.Trainer`` owns.
+
+::
+
+    import lightning as L
+    from cockpit_like import Cockpit
+    from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
+
+    class Net(CockpitModule, L.LightningModule):          # the mixin first
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            losses = F.cross_entropy(self.model(x), y, reduction="none")
+            return {"loss": losses.mean(), "individual_losses": losses}
+
+    net = Net()
+    cockpit = Cockpit(net.parameters(), quantities=configuration("full"), model=net)
+    trainer = L.Trainer(callbacks=[CockpitCallback(cockpit, logpath="runs/net")])
+
+How it works:
+
+- ``on_before_backward`` opens the step (``cockpit.begin(trainer.global_step,
+  info=...)``), ``on_after_backward`` closes it (``cockpit.end()``); an
+  exception in between closes it as failed (``on_exception``).
+- ``info``: ``"loss"`` (the tensor Lightning backpropagates), ``"optimizer"``
+  (the trainer's optimizer), ``"batch_size"`` (the length of
+  ``individual_losses``, else of the batch's first tensor), and every other
+  ``info`` key (``"individual_losses"``, ``"outputs"``) of the dict that
+  ``training_step`` returns. Lightning hands the callback only the loss, so
+  :class:`CockpitModule` notes the returned dict before Lightning sees it
+  (or call ``self.cockpit_info(individual_losses=...)`` inside
+  ``training_step``). Without the mixin, only quantities that need no
+  per-sample losses can be tracked (Loss, GradNorm, Distance, UpdateSize, ...).
+- ``create_graph``: Lightning calls ``LightningModule.backward(loss)``; the
+  mixin's ``backward`` adds ``create_graph=cockpit.create_graph(step)``. With a
+  ``backward`` of your own, pass it yourself. A step that needed the graph
+  and did not get it is an error that says so.
+- ``cockpit.log`` at the end of every validation epoch (not the sanity check)
+  with the figures found in ``trainer.callback_metrics`` (``val_loss`` /
+  ``valid_loss``, ``val_acc`` / ``val_accuracy``, ``train_loss``, ... see
+  ``CockpitCallback(metrics=...)``), the epoch and the learning rate, under the
+  last trained step.
+- Checkpoints: the cockpit's ``state_dict()`` is saved in every Lightning
+  checkpoint under ``"cockpit_like"`` and loaded back with
+  ``trainer.fit(..., ckpt_path=...)``.
+- ``logpath``: the log is written there at the end of ``fit``.
+
+Works with ``lightning`` (``lightning.Trainer``) and with the older package
+name ``pytorch_lightning``: ``CockpitCallback`` subclasses the ``Callback`` of
+each that is installed. Gradient accumulation (several backward passes per
+optimizer step) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from cockpit_like.context import MissingInfoError
+
+__all__ = ["CockpitCallback", "CockpitModule", "CHECKPOINT_KEY", "DEFAULT_METRICS"]
+
+#: The key of the cockpit's state in a Lightning checkpoint.
+CHECKPOINT_KEY = "cockpit_like"
+
+#: ``cockpit.log`` argument -> names looked up in ``trainer.callback_metrics`` (first found wins).
+DEFAULT_METRICS = {
+    "train_loss": ("train_loss", "train/loss"),
+    "valid_loss": ("val_loss", "valid_loss", "val/loss", "validation_loss"),
+    "test_loss": ("test_loss", "test/loss"),
+    "train_accuracy": ("train_acc", "train_accuracy", "train/acc"),
+    "valid_accuracy": ("val_acc", "val_accuracy", "valid_accuracy", "val/acc"),
+    "test_accuracy": ("test_acc", "test_accuracy", "test/acc"),
+}
+
+_INFO_KEYS = ("individual_losses", "outputs", "batch_size")
+
+
+def _find_callback(trainer: Any) -> Any:
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if isinstance(callback, _CockpitCallbackBase):
+            return callback
+    return None
+
+
+class CockpitModule:
+    """Mixin for a ``LightningModule`` (list it first among the bases).
+
+    - Notes the info keys (``"individual_losses"``, ``"outputs"``) of the dict
+      your ``training_step`` returns, for :class:`CockpitCallback`.
+    - ``backward`` passes ``create_graph`` when the cockpit needs the graph.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("training_step")
+        if step is None or getattr(step, "_cockpit_noted", False):
+            return
+
+        @functools.wraps(step)
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            output = step(self, *args, **kwargs)
+            self.cockpit_info(**{k: v for k, v in output.items() if k in _INFO_KEYS} if isinstance(output, Mapping) else {})
+            return output
+
+        training_step._cockpit_noted = True
+        cls.training_step = training_step
+
+    def cockpit_info(self, **info: Any) -> None:
+        """Give the cockpit ``info`` keys for the step being trained (e.g.
+        ``individual_losses=``) from inside ``training_step``."""
+        self.__dict__["_cockpit_pending_info"] = info
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        callback = _find_callback(getattr(self, "_trainer", None))
+        if callback is not None and "create_graph" not in kwargs:
+            kwargs["create_graph"] = callback.create_graph()
+        super().backward(loss, *args, **kwargs)
+
+
+def _batch_size(batch: Any) -> int | None:
+    if isinstance(batch, torch.Tensor):
+        return len(batch) if batch.dim() else None
+    if isinstance(batch, Mapping):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        for item in batch:
+            size = _batch_size(item)
+            if size is not None:
+                return size
+    return None
+
+
+class _CockpitCallbackBase:
+    """The callback's logic; :data:`CockpitCallback` adds the installed ``Callback`` bases."""
+
+    def __init__(
+        self,
+        cockpit: Any,
+        logpath: str | os.PathLike | None = None,
+        metrics: Mapping[str, str | tuple[str, ...]] | None = None,
+    ):
+        from cockpit_like import Cockpit
+
+        if not isinstance(cockpit, Cockpit):
+            raise ValueError(
+                f"CockpitCallback(cockpit): pass a cockpit_like.Cockpit built on the module's parameters, "
+                f"got {type(cockpit).__name__}"
+            )
+        super().__init__()
+        self.cockpit = cockpit
+        self.logpath = logpath
+        self.metrics = dict(DEFAULT_METRICS)
+        for key, names in (metrics or {}).items():
+            if key not in DEFAULT_METRICS:
+                raise ValueError(f"CockpitCallback(metrics=...): {key!r} is not a cockpit.log figure; "
+                                 f"use one of {', '.join(DEFAULT_METRICS)}")
+            self.metrics[key] = (names,) if isinstance(names, str) else tuple(names)
+        self._batch_size: int | None = None
+        self._step: int | None = None
+
+    # ---- the step -----------------------------------------------------------------------
+    def create_graph(self) -> bool:
+        """Whether the step being trained needs ``loss.backward(create_graph=True)``."""
+        return self._step is not None and self.cockpit.create_graph(self._step)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
+            raise ValueError(
+                f"CockpitCallback: accumulate_grad_batches={trainer.accumulate_grad_batches}; the cockpit tracks "
+                "one backward pass per optimizer step. Use accumulate_grad_batches=1 (and a larger batch)."
+            )
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._batch_size = _batch_size(batch)
+        self._step = trainer.global_step
+        pl_module.__dict__.pop("_cockpit_pending_info", None)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
+        step = self._step = trainer.global_step
+        info: dict[str, Any] = {"loss": loss}
+        if self._batch_size is not None:
+            info["batch_size"] = self._batch_size
+        if trainer.optimizers:
+            info["optimizer"] = trainer.optimizers[0]
+        info.update(pl_module.__dict__.pop("_cockpit_pending_info", None) or {})
+        losses = info.get("individual_losses")
+        if isinstance(losses, torch.Tensor) and losses.dim() == 1:
+            info["batch_size"] = len(losses)
+        try:
+            self.cockpit.begin(step, info=info)
+        except MissingInfoError as error:
+            raise ValueError(
+                f"CockpitCallback: {error}. With Lightning: return {{'loss': ..., '{error.key}': ...}} from "
+                "training_step and put the CockpitModule mixin first among your LightningModule's bases "
+                f"(or call self.cockpit_info({error.key}=...) in training_step)."
+            ) from error
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        step = self.cockpit.open_step
+        if step is None:
+            return
+        if self.cockpit.create_graph(step) and not any(
+            p.grad is not None and p.grad.requires_grad for p in self.cockpit.params
+        ):
+            error = RuntimeError(
+                f"CockpitCallback: step {step} needs loss.backward(create_graph=True) (a quantity uses the "
+                "graph) but Lightning's backward pass did not keep it. Put the CockpitModule mixin first "
+                "among your LightningModule's bases, or pass create_graph=callback.create_graph() in your "
+                "own backward()."
+            )
+            self.cockpit.end(error)
+            raise error
+        self.cockpit.end()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.cockpit.open_step is not None:
+            self.cockpit.end(exception)
+
+    # ---- epoch figures ---------------------------------------------------------------------
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.sanity_checking or trainer.global_step == 0:
+            return
+        found = {}
+        metrics = trainer.callback_metrics
+        for key, names in self.metrics.items():
+            for name in names:
+                if name in metrics:
+                    value = metrics[name]
+                    found[key] = float(value.item() if isinstance(value, torch.Tensor) else value)
+                    break
+        learning_rate = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        self.cockpit.log(trainer.global_step - 1, epoch_count=trainer.current_epoch, learning_rate=learning_rate, **found)
+
+    # ---- checkpoints and the end -----------------------------------------------------------
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        checkpoint[CHECKPOINT_KEY] = self.cockpit.state_dict()
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        if CHECKPOINT_KEY not in checkpoint:
+            raise ValueError(
+                f"CockpitCallback: the checkpoint has no {CHECKPOINT_KEY!r} entry (it was saved without a "
+                "CockpitCallback); resume without the callback, or from a checkpoint saved with it."
+            )
+        self.cockpit.load_state_dict(checkpoint[CHECKPOINT_KEY])
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.logpath is not None:
+            self.cockpit.write(self.logpath)
+
+
+def _callback_bases() -> tuple[type, ...]:
+    bases = []
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            module = __import__(package, fromlist=["Callback"])
+        except ImportError:
+            continue
+        bases.append(module.Callback)
+    if not bases:
+        raise ImportError("CockpitCallback needs Lightning: pip install cockpit_like[lightning]")
+    return tuple(bases)
+
+
+@functools.cache
+def _callback_class() -> type:
+    return type(
+        "CockpitCallback",
+        (_CockpitCallbackBase, *_callback_bases()),
+        {"__doc__": _CALLBACK_DOC, "__module__": __name__},
+    )
+
+
+_CALLBACK_DOC = """Tracks a cockpit around Lightning's backward pass (see the module docstring).
+
+    Args:
+        cockpit: the :class:`~cockpit_like.Cockpit` on the module's parameters.
+        logpath: write the log there (``logpath + ".json"``) when ``fit`` ends.
+        metrics: ``{cockpit.log figure: name or names in trainer.callback_metrics}``,
+            replacing entries of :data:`DEFAULT_METRICS`.
+    """
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CockpitCallback":  # built on first use: importing this module does not import Lightning
+        return _callback_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

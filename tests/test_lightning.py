@@ -1,0 +1,211 @@
+"""Lightning integration: a real Trainer gives the log of the same training as a plain loop.
+
+A tiny float64 MLP, 3 steps per epoch, every quantity of the "full"
+configuration (HessMaxEV needs ``create_graph``, passed by ``CockpitModule``),
+validation figures through ``cockpit.log``, a checkpoint and a resume.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from backpack import extend
+
+from cockpit_like import Cockpit, read_log
+from cockpit_like.utils.configuration import configuration
+
+LR = 0.3
+BATCH = 4
+
+
+def _data():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(12, 5, dtype=torch.float64, generator=generator), torch.randint(0, 3, (12,), generator=generator)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return extend(torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3)).double())
+
+
+def _net_class(package: str, mixin: bool = True):
+    import importlib
+
+    from cockpit_like.integrations.lightning import CockpitModule
+
+    L = importlib.import_module(package)
+    bases = (CockpitModule, L.LightningModule) if mixin else (L.LightningModule,)
+
+    class Net(*bases):
+        def __init__(self):
+            super().__init__()
+            self.model = _mlp()
+            self.lossfunc = extend(torch.nn.CrossEntropyLoss())
+
+        def training_step(self, batch, batch_idx):
+            torch.manual_seed(1000 + self.global_step)  # HessMaxEV's first start vector: the same draw as the loop's
+            x, y = batch
+            outputs = self.model(x)
+            return {"loss": self.lossfunc(outputs, y), "individual_losses": F.cross_entropy(outputs, y, reduction="none")}
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            outputs = self.model(x)
+            self.log("val_loss", F.cross_entropy(outputs, y))
+            self.log("val_acc", (outputs.argmax(1) == y).double().mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    return Net
+
+
+def _loaders():
+    x, y = _data()
+    dataset = torch.utils.data.TensorDataset(x, y)
+    train = torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=False)
+    valid = torch.utils.data.DataLoader(dataset, batch_size=len(x), shuffle=False)
+    return train, valid
+
+
+def _trainer(package, tmp_path, callback, epochs):
+    import importlib
+
+    L = importlib.import_module(package)
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0, precision="64-true", callbacks=[callback],
+    )
+
+
+def _fit(package, tmp_path, epochs, logpath=None, ckpt_path=None, mixin=True, tracked=None):
+    from cockpit_like.integrations.lightning import CockpitCallback
+
+    net = _net_class(package, mixin)()
+    cockpit = Cockpit(net.parameters(), quantities=tracked or configuration("full"), model=net.model)
+    callback = CockpitCallback(cockpit, logpath=logpath)
+    trainer = _trainer(package, tmp_path, callback, epochs)
+    train, valid = _loaders()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|create_graph=True|Full backward hook).*")
+        trainer.fit(net, train, valid, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    return cockpit, trainer
+
+
+def _plain_loop(epochs: int) -> dict:
+    """The same training without Lightning."""
+    model = _mlp()
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model)
+    x_all, y_all = _data()
+    step = 0
+    for epoch in range(epochs):
+        for start in range(0, len(x_all), BATCH):
+            x, y = x_all[start : start + BATCH], y_all[start : start + BATCH]
+            torch.manual_seed(1000 + step)
+            optimizer.zero_grad()
+            outputs = model(x)
+            loss = lossfunc(outputs, y)
+            info = {"batch_size": len(y), "loss": loss, "optimizer": optimizer,
+                    "individual_losses": F.cross_entropy(outputs, y, reduction="none")}
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+            optimizer.step()
+            step += 1
+        with torch.no_grad():
+            outputs = model(x_all)
+            cockpit.log(step - 1, epoch_count=epoch, valid_loss=F.cross_entropy(outputs, y_all).item(),
+                        valid_accuracy=(outputs.argmax(1) == y_all).double().mean().item(), learning_rate=LR)
+    return cockpit.get_output()
+
+
+def assert_same_log(got: dict, expected: dict, skip=("Time",), rtol=1e-9, atol=1e-12) -> None:
+    """Every step and quantity but ``skip`` equal (nested lists/dicts compared leaf by leaf)."""
+    assert sorted(got) == sorted(expected)
+    for step in expected:
+        names = set(expected[step]) - set(skip)
+        assert set(got[step]) - set(skip) == names, step
+        for name in names:
+            _assert_close(got[step][name], expected[step][name], f"step {step} {name}", rtol, atol)
+
+
+def _assert_close(a, b, where, rtol, atol):
+    if isinstance(b, dict):
+        assert isinstance(a, dict) and set(a) == set(b), where
+        for key in b:
+            _assert_close(a[key], b[key], f"{where}.{key}", rtol, atol)
+    elif b is None or isinstance(b, str):
+        assert a == b, where
+    elif isinstance(b, (list, tuple)) and b and not np.isscalar(b[0]):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_close(x, y, f"{where}[{i}]", rtol, atol)
+    else:
+        np.testing.assert_allclose(np.asarray(a, dtype=float), np.asarray(b, dtype=float), rtol=rtol, atol=atol, err_msg=where)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _plain_loop(epochs=2)
+
+
+def test_trainer_log_equals_plain_loop(tmp_path, reference):
+    cockpit, trainer = _fit("lightning.pytorch", tmp_path, epochs=2, logpath=tmp_path / "log")
+    assert trainer.global_step == 6
+    output = cockpit.get_output()
+    assert "HessMaxEV" in output[0] and "UpdateSize" in output[4] and output[5]["epoch_count"] == 1
+    assert_same_log(output, reference)
+    assert_same_log(read_log(tmp_path / "log.json"), reference)  # written at the end of fit
+    assert math.isclose(output[2]["valid_loss"], reference[2]["valid_loss"], rel_tol=1e-12)
+
+
+def test_pytorch_lightning_package_name(tmp_path, reference):
+    pytest.importorskip("pytorch_lightning")
+    cockpit, _ = _fit("pytorch_lightning", tmp_path, epochs=1)
+    assert_same_log(cockpit.get_output(), {s: v for s, v in reference.items() if s <= 2 and s != 2} | {2: _without_update(reference[2])})
+
+
+def _without_update(values):
+    """Step 2 of a 3-step run: UpdateSize and Alpha of the last step wait for a next step."""
+    return {k: v for k, v in values.items() if k not in ("UpdateSize", "Alpha")}
+
+
+def test_checkpoint_and_resume(tmp_path, reference):
+    cockpit, trainer = _fit("lightning.pytorch", tmp_path, epochs=1)
+    checkpoint = tmp_path / "epoch1.ckpt"
+    trainer.save_checkpoint(str(checkpoint))
+    saved = torch.load(checkpoint, weights_only=False)
+    assert saved["cockpit_like"]["next_step"] == 3
+    resumed, trainer = _fit("lightning.pytorch", tmp_path, epochs=2, ckpt_path=checkpoint)
+    assert trainer.global_step == 6
+    assert_same_log(resumed.get_output(), reference)  # Alpha and UpdateSize across the break included
+
+
+def test_without_the_mixin_clear_errors(tmp_path):
+    from cockpit_like.quantities import HessMaxEV, Loss
+    from cockpit_like.utils.schedules import linear
+
+    with pytest.raises(ValueError, match="Alpha needs info\\['individual_losses'\\].*CockpitModule mixin first"):
+        _fit("lightning.pytorch", tmp_path, epochs=1, mixin=False)
+    with pytest.raises(RuntimeError, match="needs loss.backward\\(create_graph=True\\).*CockpitModule mixin"):
+        _fit("lightning.pytorch", tmp_path, epochs=1, mixin=False, tracked=[Loss(linear(1)), HessMaxEV(linear(1))])
+    cockpit, _ = _fit("lightning.pytorch", tmp_path, epochs=1, mixin=False, tracked=[Loss(linear(1))])
+    assert sorted(cockpit.get_output()) == [0, 1, 2]  # no per-sample losses, no graph: fine without it
+
+
+def test_bad_arguments():
+    from cockpit_like.integrations.lightning import CockpitCallback
+
+    with pytest.raises(ValueError, match="pass a cockpit_like.Cockpit"):
+        CockpitCallback("not a cockpit")
+    model = _mlp()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    with pytest.raises(ValueError, match="'valid_los' is not a cockpit.log figure"):
+        CockpitCallback(cockpit, metrics={"valid_los": "val/loss"})
