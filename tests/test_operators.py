@@ -67,6 +67,8 @@ def check_against_dense(op: LinearOperator, dense: torch.Tensor, seed=0, symmetr
     torch.testing.assert_close(op @ x[:, 0], dense @ x[:, 0], rtol=1e-10, atol=1e-10)  # one vector
     torch.testing.assert_close(op.matvec(x[:, 1]), dense @ x[:, 1], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(op.T @ x, dense.T @ x, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.T @ op, x.T @ dense, rtol=1e-10, atol=1e-10)  # rows
+    torch.testing.assert_close(x[:, 0] @ op, x[:, 0] @ dense, rtol=1e-10, atol=1e-10)
     for value in (op.trace(), op.det(), op.logdet(), op.frobenius_norm()):
         assert isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == DT
     torch.testing.assert_close(op.trace(), dense.trace(), rtol=1e-10, atol=1e-10)
@@ -305,6 +307,7 @@ def test_save_load_round_trips(tmp_path):
     single = op.to(torch.float32)
     assert single.dtype == torch.float32
     torch.testing.assert_close(single.to_dense(), dense.float())
+    assert single.block("joined").permutation.dtype == torch.long  # index tensors keep their dtype
 
 
 # ----------------------------------------------------------------- errors

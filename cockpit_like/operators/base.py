@@ -114,6 +114,14 @@ class LinearOperator:
             return self._matmat(x.unsqueeze(1)).squeeze(1)
         return self._matmat(x)
 
+    def __rmatmul__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ op`` for rows: ``x [n]`` or ``[k, n]`` (``k`` vectors as rows), i.e. ``(op.T @ x.T).T``."""
+        if not isinstance(x, torch.Tensor):
+            return NotImplemented
+        if x.dim() == 2:
+            return (self.T @ x.T).T
+        return self.T @ x
+
     def matvec(self, x: torch.Tensor) -> torch.Tensor:
         """``self @ x`` (a vector ``[n]`` or columns ``[n, k]``)."""
         return self @ x
@@ -164,7 +172,14 @@ class LinearOperator:
 
     def to(self, *args, **kwargs) -> LinearOperator:
         """A copy with every tensor moved/converted by ``tensor.to(*args, **kwargs)``."""
-        return LinearOperator.from_state_dict(_map_tensors(self.state_dict(), lambda t: t.to(*args, **kwargs)))
+        probe = torch.empty(0, dtype=self._dtype, device=self._device).to(*args, **kwargs)
+
+        def convert(tensor: torch.Tensor) -> torch.Tensor:  # index tensors keep their integer dtype
+            if tensor.is_floating_point():
+                return tensor.to(device=probe.device, dtype=probe.dtype)
+            return tensor.to(device=probe.device)
+
+        return LinearOperator.from_state_dict(_map_tensors(self.state_dict(), convert))
 
     # ---------------------------------------------------------- serialisation
     def state_dict(self) -> dict:

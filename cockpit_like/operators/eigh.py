@@ -65,12 +65,15 @@ class Eigh(LinearOperator):
             )
         self.values = eigenvalues.detach()
         self.vectors = eigenvectors
+        self._vectors_t = None
         self._size, self._dtype, self._device = n, dtype, device
 
     def _apply_q(self, x: torch.Tensor, transposed: bool) -> torch.Tensor:
-        if isinstance(self.vectors, LinearOperator):
-            return (self.vectors.T if transposed else self.vectors) @ x
-        return (self.vectors.T if transposed else self.vectors) @ x
+        if not transposed:
+            return self.vectors @ x
+        if self._vectors_t is None:  # an operator's transpose is built once
+            self._vectors_t = self.vectors.T
+        return self._vectors_t @ x
 
     def _matmat(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_q(self.values.unsqueeze(1) * self._apply_q(x, transposed=True), transposed=False)
