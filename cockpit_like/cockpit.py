@@ -100,6 +100,7 @@ class Cockpit:
         self._param_names: dict[int, str] = {}
         self.quantities: list[Quantity] = []
         self._names: dict[int, str] = {}
+        self._initial_settings: dict[int, dict[str, Any]] = {}  # as added, to check a resumed state
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
         self._open_step: _TrackedStep | None = None
@@ -137,6 +138,7 @@ class Cockpit:
             name, count = f"{base}_{count}", count + 1
         self.quantities.append(quantity)
         self._names[id(quantity)] = name
+        self._initial_settings[id(quantity)] = quantity.settings()
         if self._tracer.roots:
             quantity.adapt_to_models(self.models())
 
@@ -333,6 +335,36 @@ class Cockpit:
     def _notify(self, step: int, values: dict[str, Any]) -> None:
         for listener in list(self._listeners):
             listener(step, values)
+
+    # ---- resuming a run (docs/resume.md) -------------------------------------------
+    def state_dict(self, with_output: bool | None = None) -> dict[str, Any]:
+        """Everything that carries across steps, for the user's checkpoint (plain tensors and values).
+
+        Call it between steps, next to ``model.state_dict()`` and
+        ``optimizer.state_dict()``; ``torch.load(..., weights_only=True)`` reads
+        it back. Holds each quantity's :meth:`~cockpit_like.quantities.quantity.Quantity.state_dict`
+        (caches, references, warm starts, adapted ranges, statistics), the next
+        step, and the output so far: in the state itself (``with_output=True``,
+        the default without ``stream_to``), or as a pointer to the streaming
+        log (the default with ``stream_to``: the checkpoint stays small).
+        """
+        from cockpit_like.resume import cockpit_state
+
+        return cockpit_state(self, with_output)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a run from :meth:`state_dict`: call on a new cockpit, before its first step.
+
+        The cockpit must have the same quantities (names, classes, arguments)
+        and parameter shapes as the saved one, else a
+        :class:`~cockpit_like.resume.StateMismatchError` says what differs. With
+        ``stream_to`` the file of the saved run is continued after the
+        checkpoint (what the interrupted run streamed after it is dropped, and
+        streamed again by this run); another file gets the output so far first.
+        """
+        from cockpit_like.resume import load_cockpit_state
+
+        load_cockpit_state(self, state)
 
     def close(self) -> None:
         """Close the streaming log (nothing is lost if you never call this)."""

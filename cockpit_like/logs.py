@@ -158,6 +158,11 @@ def write_log(logpath: str | os.PathLike, steps: Mapping[int, Mapping[str, Any]]
 class StreamWriter:
     """Appends one line per tracked step to ``logpath + ".jsonl"``.
 
+    The file is opened (and an existing one replaced) at the first step
+    line, not when the writer is made: until then the header and metadata
+    lines wait in memory, so that a resumed run can instead continue the
+    file at its checkpoint (:meth:`continue_at`) without losing it.
+
     Args:
         logpath: where to write (``.jsonl`` is appended if missing).
         metadata: written in the header line.
@@ -169,13 +174,63 @@ class StreamWriter:
         self.path = _json_path(logpath, ".jsonl")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
-        self._handle: IO[str] | None = open(self.path, "w")
-        self._line({"schema": _STREAM, "schema_version": SCHEMA_VERSION, "metadata": metadata})
+        self._handle: IO[bytes] | None = None
+        self._closed = False
+        self._waiting: list[dict] = [{"schema": _STREAM, "schema_version": SCHEMA_VERSION, "metadata": metadata}]
+        self._offset = 0  # bytes in the file
+        self._tail = b""  # the last line written
+
+    @property
+    def opened(self) -> bool:
+        """Whether the file was opened (it holds this writer's lines)."""
+        return self._handle is not None or self._closed
+
+    def position(self) -> tuple[int, str]:
+        """``(bytes written, last line)``: where a resumed run continues (see :meth:`continue_at`)."""
+        return self._offset, self._tail.decode()
+
+    def continue_at(self, offset: int, tail: str) -> None:
+        """Continue an existing stream: drop what follows byte ``offset`` and append from there.
+
+        ``tail`` is the line that ends at ``offset`` (from :meth:`position`); it
+        is checked so that a different file is never cut. Lines waiting to be
+        written (the header) are dropped: the file has its own.
+
+        Raises:
+            RuntimeError: this writer already wrote to its file.
+            ValueError: the file does not hold ``tail`` just before ``offset``.
+        """
+        if self.opened:
+            raise RuntimeError(f"the stream to {self.path} was already written; continue it before the first step")
+        if not stream_holds(self.path, offset, tail):
+            raise ValueError(f"{self.path} does not hold the line {tail[:80]!r} ending at byte {offset}")
+        handle = open(self.path, "r+b")
+        handle.truncate(offset)
+        handle.seek(offset)
+        self._handle, self._waiting, self._closed = handle, [], False
+        self._offset, self._tail = offset, tail.encode()
+
+    def _open(self) -> None:
+        self._handle = open(self.path, "wb")
+        waiting, self._waiting = self._waiting, []
+        for document in waiting:
+            self._write(document)
+
+    def _write(self, document: dict) -> None:
+        line = (json.dumps(document, allow_nan=False) + "\n").encode()
+        self._handle.write(line)
+        self._offset += len(line)
+        self._tail = line
 
     def _line(self, document: dict) -> None:
         if self._handle is None:
-            raise RuntimeError(f"the stream to {self.path} was closed")
-        self._handle.write(json.dumps(document, allow_nan=False) + "\n")
+            if self._closed:
+                raise RuntimeError(f"the stream to {self.path} was closed")
+            if "step" not in document:
+                self._waiting.append(document)  # header and metadata wait for the first step
+                return
+            self._open()
+        self._write(document)
         self._handle.flush()
         if self._fsync:
             os.fsync(self._handle.fileno())
@@ -189,9 +244,22 @@ class StreamWriter:
             self._line({"step": int(step), "values": encode(values)})
 
     def close(self) -> None:
+        if self._handle is None and not self._closed:
+            self._open()  # a run without steps still leaves its header
         if self._handle is not None:
             self._handle.close()
             self._handle = None
+        self._closed = True
+
+
+def stream_holds(path: str | os.PathLike, offset: int, tail: str) -> bool:
+    """Whether the file at ``path`` has the line ``tail`` ending at byte ``offset``."""
+    path, data = Path(path), tail.encode()
+    if not path.is_file() or path.stat().st_size < offset or len(data) > offset:
+        return False
+    with open(path, "rb") as handle:
+        handle.seek(offset - len(data))
+        return handle.read(len(data)) == data
 
 
 def _read_stream(lines: list[str], path: Path) -> tuple[dict, dict[int, dict[str, Any]]]:

@@ -132,7 +132,7 @@ class StepExecution:
         hooks = list(hooks)
         if stats:
             self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad, info=self.info)
-            use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad)
+            use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad, stats)
             if use_backpack:
                 if raw_batch_grad:
                     extension = BatchGrad()
@@ -151,11 +151,14 @@ class StepExecution:
         self._collector = collector
 
     @staticmethod
-    def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool) -> bool:
+    def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool, stats=()) -> bool:
         """Whether BackPACK's per-sample extension runs: unless the step's calls (every module that owns
-        tracked parameters and ran) show that BackPACK computes none of them."""
+        tracked parameters and ran) show that BackPACK computes none of them, or a statistic reads the
+        layers' inputs and output gradients (``module_form``: the curvature logs), which only the hooks see."""
         if raw_batch_grad or tracer is None or not calls or not tracer.covers_all():
             return True
+        if any(stat.module_form for stat in stats):
+            return False
         return any(backpack_computes_per_sample(call.module) for call in calls)
 
     def describe(self) -> str:

@@ -61,8 +61,9 @@ def _check_kind(owner: str, curvature: Any) -> str:
 class CurvatureStatistics(SingleStepQuantity):
     """Logs layer statistics (default KFAC's factors) and offers them as an operator.
 
-    Stored value: ``{"layers": {name: samples}}``, the samples each layer's
-    running statistics hold so far. The statistics themselves:
+    Stored value: ``{"layers": {name: {"forward": rows, "backward": samples}}}``,
+    what each layer's running statistics count so far (``forward`` counts
+    positions, ``B T``; ``backward`` samples, ``B``). The statistics themselves:
     :meth:`statistics` (values) and :attr:`plan` ``.running`` (sums and counts).
 
     Args:
@@ -107,8 +108,10 @@ class CurvatureStatistics(SingleStepQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         self._absorb(global_step)
-        return {"layers": {name: logs["backward"][self.plan.covariance("backward").name]["count"]
-                           for name, logs in self.plan.running["layers"].items()}}  # fmt: skip
+        counts = {}
+        for name, logs in self.plan.running["layers"].items():
+            counts[name] = {log: next(iter(states.values()))["count"] for log, states in logs.items() if states}
+        return {"layers": counts}
 
     def statistics(self) -> dict:
         """``{"layers": {name: {log: {stat: value}}}, "grad": {param: {stat: value}}}`` of the running logs."""

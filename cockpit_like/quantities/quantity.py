@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cockpit_like.resume import is_plain
 from cockpit_like.utils.schedules import check_schedule
 
 __all__ = [
@@ -31,6 +32,8 @@ __all__ = [
     "SingleStepQuantity",
     "ByproductQuantity",
     "TwoStepQuantity",
+    "KeepUntil",
+    "last_blocked_step",
     "to_output",
 ]
 
@@ -135,6 +138,41 @@ class Quantity:
         """JSON-safe description of the quantity's arguments (written to logs)."""
         return {}
 
+    # ---- resuming a run (docs/resume.md) --------------------------------------
+    #: attributes :meth:`state_dict` leaves out (the cockpit saves ``output`` itself)
+    _STATE_SKIP: tuple[str, ...] = ("output", "_track_schedule")
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the quantity carries from one step to the next, to resume a run.
+
+        The default saves every attribute that holds plain data (tensors,
+        numpy arrays, Python numbers, strings, ``None`` and lists, tuples, sets
+        and dicts of them: a reference, a warm start, an adapted range, running
+        statistics) and, for an attribute with ``state_dict`` /
+        ``load_state_dict`` methods (not a module or an optimizer: the user
+        saves those), what its ``state_dict()`` returns. Callables (the
+        schedule), other objects and the attributes in ``_STATE_SKIP`` are left
+        out, and so is ``output``: the cockpit saves it, or points to its
+        stream. Override this and :meth:`load_state_dict` for state kept in
+        anything else.
+        """
+        attributes, objects = {}, {}
+        for name, value in vars(self).items():
+            if name in self._STATE_SKIP or callable(value):
+                continue
+            if is_plain(value):
+                attributes[name] = value
+            elif _has_state(value):
+                objects[name] = value.state_dict()
+        return {"attributes": attributes, "objects": objects}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (of a quantity built with the same arguments)."""
+        for name, value in state.get("attributes", {}).items():
+            setattr(self, name, value)
+        for name, value in state.get("objects", {}).items():
+            getattr(self, name).load_state_dict(value)
+
     # ---- computing ---------------------------------------------------------
     def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
         """Compute and store the value if the schedule asks for it."""
@@ -161,6 +199,14 @@ class Quantity:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
         return f"{type(self).__name__}({args})"
+
+
+def _has_state(value: Any) -> bool:
+    return (
+        callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+        and not isinstance(value, (torch.nn.Module, torch.optim.Optimizer))
+    )
 
 
 class SingleStepQuantity(Quantity):
@@ -254,3 +300,72 @@ class TwoStepQuantity(Quantity):
                 del entries[key]
             if not entries:
                 del self._cache[step]
+
+    # ---- resuming a run ------------------------------------------------------
+    _STATE_SKIP = Quantity._STATE_SKIP + ("_cache",)
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`Quantity.state_dict` plus the live cache entries.
+
+        Each entry is saved with the last step its block function holds
+        (:func:`last_blocked_step`; ``None``: all steps) and comes back with a
+        :class:`KeepUntil` of that step.
+        """
+        state = super().state_dict()
+        state["cache"] = {
+            step: {key: (value, last_blocked_step(block, step)) for key, (value, block) in entries.items()}
+            for step, entries in self._cache.items()
+        }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._cache = {
+            step: {key: (value, KeepUntil(last)) for key, (value, last) in entries.items()}
+            for step, entries in state.get("cache", {}).items()
+        }
+
+
+class KeepUntil:
+    """A block function that can be saved: holds for ``step <= last`` (every step if ``last`` is None).
+
+    Example:
+        >>> self.save_to_cache(t, "params", snapshot, block_fn=KeepUntil(t))  # kept until the next step
+    """
+
+    def __init__(self, last: int | None):
+        self.last = last
+
+    def __call__(self, global_step: int) -> bool:
+        return self.last is None or global_step <= self.last
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeepUntil) and other.last == self.last
+
+    def __repr__(self) -> str:
+        return f"KeepUntil({self.last})"
+
+
+def last_blocked_step(block_fn: Callable[[int], bool], start: int, horizon: int = 2**62) -> int | None:
+    """The last step ``>= start`` at which ``block_fn`` holds (``start - 1`` if none, ``None`` if all).
+
+    Assumes the form of every block function in Cockpit and here: true up to
+    some step, false after it (``lambda step: step <= t``, ``lambda _: True``);
+    found by doubling then bisection, a few dozen calls. Steps beyond
+    ``start + horizon`` count as all.
+    """
+    if isinstance(block_fn, KeepUntil):
+        return block_fn.last
+    if not block_fn(start):
+        return start - 1
+    good, width = start, 1
+    while block_fn(start + width):
+        good = start + width
+        if width >= horizon:
+            return None
+        width *= 2
+    bad = start + width
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if block_fn(middle) else (good, middle)
+    return good

@@ -159,14 +159,12 @@ class _Step:
             logs["backward"][stat.name] = stat.update(logs["backward"][stat.name], grads, batch)
 
     # ---- grad log -------------------------------------------------------------------------
-    def basis(self, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(Q_G, Q_A)``: eigenvectors of the layer's factors, accumulated up to and including this step."""
+    def basis(self, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(Q_G, Q_A)``: eigenvectors of the layer's factors, accumulated up to and including this step
+        (``None`` if the layer's inputs and output gradients were not logged at this step)."""
         if spec.name not in self.bases:
-            if spec.name not in self.layers:
-                raise RuntimeError(
-                    f"EK-FAC: the gradient of layer '{spec.name}' arrived before its inputs and output "
-                    "gradients were logged (the layer was not computed by the hook backend)"
-                )
+            if spec.name not in self.layers:  # not seen by the hook backend (BackPACK's BatchGrad): not logged
+                return None
             vectors = []
             for log in ("backward", "forward"):
                 stat = self.plan.covariance(log)
@@ -183,6 +181,8 @@ class _Step:
         if not stats:
             return
         role = self.plan.role(param)
+        if role is not None and any(getattr(s, "eigenbasis", False) for s in stats) and self.basis(role[0]) is None:
+            role = None  # the layer was not logged at this step: no eigenbasis
         stats = [s for s in stats if role is not None or not getattr(s, "eigenbasis", False)]
         if not stats:
             return
