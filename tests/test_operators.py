@@ -344,6 +344,8 @@ def test_error_messages():
     blocks = BlockDiagonal([op, singular], ["fc1.weight", "fc2.weight"])
     with pytest.raises(KeyError, match=r"operator has blocks \['fc1.weight', 'fc2.weight'\]; layer 'fc3' was not logged"):
         blocks.block("fc3")
+    with pytest.raises(KeyError, match=r"layer 'fc1' has the blocks \['fc1.weight'\]: ask for one"):
+        blocks.block("fc1")
     with pytest.raises(ValueError, match="block 'fc2.weight': .*factor 1.*singular"):
         blocks.inverse()
     with pytest.raises(ValueError, match="names must be unique"):

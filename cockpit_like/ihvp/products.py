@@ -61,7 +61,9 @@ class InverseProduct:
             return self._flat(v)
         if isinstance(v, (list, tuple)):
             return self._listed(list(v))
-        raise TypeError(f"ihvp: v must be a tensor [D] / [k, D] or a list of per-parameter tensors, got {type(v).__name__}")
+        raise TypeError(
+            f"ihvp: v must be a tensor [D] / [k, D] or a list of per-parameter tensors, got {type(v).__name__}"
+        )
 
     def _flat(self, v: torch.Tensor) -> torch.Tensor:
         if v.dim() not in (1, 2) or v.shape[-1] != self.dimension:
@@ -75,7 +77,9 @@ class InverseProduct:
 
     def _listed(self, v: list) -> list:
         if len(v) != len(self.sizes):
-            raise ValueError(f"ihvp: got {len(v)} tensors for {len(self.sizes)} parameters {self.names}; give one per parameter")
+            raise ValueError(
+                f"ihvp: got {len(v)} tensors for {len(self.sizes)} parameters {self.names}; give one per parameter"
+            )
         batched = None
         columns = []
         for name, size, entry in zip(self.names, self.sizes, v):

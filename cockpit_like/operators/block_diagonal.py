@@ -77,6 +77,9 @@ class BlockDiagonal(LinearOperator):
         if self.names is None:
             raise KeyError(f"this BlockDiagonal has no block names; index its {len(self.blocks)} blocks by position")
         if name not in self.names:
+            parts = [block for block in self.names if block.startswith(f"{name}.")]
+            if parts:
+                raise KeyError(f"operator has blocks {self.names}; layer {name!r} has the blocks {parts}: ask for one")
             raise KeyError(f"operator has blocks {self.names}; layer {name!r} was not logged")
         return self.blocks[self.names.index(name)]
 

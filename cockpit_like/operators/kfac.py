@@ -109,7 +109,8 @@ class LayerCurvature:
                 f"got shape {list(self.eigenvalues.shape)}"
             )
         if self.bias_eigenvalues is not None and self.bias_eigenvalues.numel() != out:
-            raise ValueError(f"{where}: bias_eigenvalues must have {out} entries, got {list(self.bias_eigenvalues.shape)}")
+            shape = list(self.bias_eigenvalues.shape)
+            raise ValueError(f"{where}: bias_eigenvalues must have {out} entries, got shape {shape}")
 
     # --------------------------------------------------------------- layout
     @property
@@ -246,7 +247,8 @@ def _resolve(layers: Sequence[LayerCurvature], params) -> list[tuple[object, Lay
             by_id[id(tensor)] = (layer, role)
             by_name[f"{layer.name}.{role}"] = (layer, role)
     if params is None:
-        return [(tensor, layer, role) for layer in layers for role, tensor in zip(("weight", "bias"), layer.parameters())]
+        roles = ("weight", "bias")
+        return [(tensor, layer, role) for layer in layers for role, tensor in zip(roles, layer.parameters())]
     if isinstance(params, torch.Tensor):
         raise TypeError("params must be a list of parameters (or of names like 'fc1.weight'), not one tensor")
     resolved = []
