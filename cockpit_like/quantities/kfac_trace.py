@@ -1,14 +1,20 @@
-"""Trace, Frobenius norm and log-determinant of Kronecker-factored curvature (new)."""
+"""Trace, Frobenius norm and log-determinant of Kronecker-factored curvature (new).
+
+Each parameter's block is a :class:`~cockpit_like.operators.KroneckerProduct`
+of its factors; the summaries are the operator's (``trace()``,
+``frobenius_norm()``, eigenvalues for the damped log-determinant).
+"""
 
 from __future__ import annotations
 
 import math
 
+import torch
 from backpack.extensions import KFAC, KFLR
 
 from cockpit_like.backends.per_sample_stats import KroneckerFactors
 from cockpit_like.context import get_record
-from cockpit_like.functional.kronecker import kron_frobenius, kron_logdet, kron_trace
+from cockpit_like.operators import KroneckerProduct
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["KFACTrace"]
@@ -129,11 +135,13 @@ class KFACTrace(SingleStepQuantity):
     def _summaries(self, factor_lists: list) -> dict:
         """Per-parameter and total summaries; ``None`` entries (no block) are skipped in the totals."""
 
-        def each(function):
-            return [None if factors is None else function(factors) for factors in factor_lists]
+        operators = [None if factors is None else KroneckerProduct(factors) for factors in factor_lists]
 
-        traces = each(kron_trace)
-        norms = each(kron_frobenius)
+        def each(function):
+            return [None if op is None else float(function(op)) for op in operators]
+
+        traces = each(KroneckerProduct.trace)
+        norms = each(KroneckerProduct.frobenius_norm)
         value = {
             "trace": traces,
             "trace_total": math.fsum(t for t in traces if t is not None),
@@ -141,7 +149,8 @@ class KFACTrace(SingleStepQuantity):
             "frobenius_total": math.sqrt(math.fsum(n * n for n in norms if n is not None)),
         }
         if self._damping is not None:
-            logdets = each(lambda factors: kron_logdet(factors, self._damping))
+            # eigenvalues clamped at 0 (PSD by construction; round-off can make tiny ones negative)
+            logdets = each(lambda op: torch.log(op.eigenvalues().clamp(min=0) + self._damping).sum())
             value["logdet"] = logdets
             value["logdet_total"] = math.fsum(d for d in logdets if d is not None)
         return value
