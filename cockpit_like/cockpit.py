@@ -26,9 +26,12 @@ import torch
 from backpack.extensions import BatchGrad
 
 from cockpit_like import context
+from cockpit_like.backends.distributed import RankGroup
 from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
 from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
+from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
+from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quantities.utils_transforms import merge_transform_hooks, split_transform_hooks
@@ -76,6 +79,28 @@ class Cockpit:
             cockpit was created (PyTorch's global module hooks).
         lean_hooks: swap BackPACK's full backward hooks for cheap tensor hooks
             after the first tracked step (see :mod:`cockpit_like.backends.lean_hooks`).
+        log_rank: under ``torch.distributed`` (DistributedDataParallel, ``docs/distributed.md``),
+            the rank that keeps the output, streams, writes logs and notifies
+            listeners (``None``: every rank); every value describes the global
+            batch and is computed on every rank, other ranks keep nothing
+            (their :meth:`get_output` is ``{}``). Ignored in one process.
+        distributed_timeout: seconds a rank waits in one of the cockpit's own
+            collectives before it raises (default: torch's default for a new
+            process group).
+        diagnose: run diagnosis rules after each tracked step and each
+            :meth:`log` (``True``: every built-in rule; or a list of
+            :class:`~cockpit_like.diagnosis.Rule` instances); nothing runs on
+            untracked steps. Findings are stored under
+            ``get_output()[step]["findings"]`` (and streamed), once per rule
+            and layer until they clear (``docs/diagnosis.md``).
+        on_finding: ``callable(finding)`` called for each new finding, after
+            it and everything before it is stored and streamed; it may raise
+            (e.g. to stop the run).
+        record_nonfinite: record the first step whose loss (``info["loss"]``)
+            or gradient (checked on tracked steps) is not finite, once
+            (:meth:`record`, ``docs/recorder.md``).
+        record_dir: folder where each record is saved with its replay program;
+            ``None``: records stay in memory (:attr:`records`).
     """
 
     def __init__(
@@ -86,6 +111,12 @@ class Cockpit:
         *,
         model: torch.nn.Module | None = None,
         lean_hooks: bool = True,
+        log_rank: int | None = 0,
+        distributed_timeout: float | None = None,
+        diagnose: Any = False,
+        on_finding: Callable[[Finding], Any] | None = None,
+        record_nonfinite: bool = True,
+        record_dir: str | os.PathLike | None = None,
     ):
         self.params = _check_params(params)
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -96,6 +127,8 @@ class Cockpit:
                 f"{type(quantities).__name__}"
             )
         self._module_collector = ModuleCollector() if lean_hooks else None
+        #: the ranks of a DistributedDataParallel run (None in one process)
+        self._ranks = RankGroup.detect(log_rank, distributed_timeout)
         self._next_step = 0
         self._param_names: dict[int, str] = {}
         self.quantities: list[Quantity] = []
@@ -105,15 +138,27 @@ class Cockpit:
         self._stream: StreamWriter | None = None
         self._open_step: _TrackedStep | None = None
         self._listeners: list[Callable[[int, dict[str, Any]], None]] = []
+        self._findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        if on_finding is not None and not callable(on_finding):
+            raise ValueError(f"Cockpit(on_finding=...) takes a callable(finding), got {type(on_finding).__name__}")
+        self.on_finding = on_finding
+        #: the :class:`~cockpit_like.diagnosis.Diagnosis` run after tracked steps (None: off)
+        self.diagnosis: Diagnosis | None = _make_diagnosis(diagnose)
         self._tracer = ModelTracer(
-            self.params, wants_graph=lambda: self.create_graph(self._next_step), on_attach=self._adapt_quantities
+            self.params,
+            wants_graph=self._before_forward,
+            on_attach=self._adapt_quantities,
+            on_forward=lambda root, args, kwargs: self._recorder.forward_begins(root, args, kwargs, self._next_step),
+        )
+        self._recorder = Recorder(
+            self._tracer, self.params, auto=record_nonfinite, folder=record_dir, on_record=self._on_record
         )
         for quantity in quantities or []:
             self.add(quantity)
         if model is not None:
             self._tracer.attach(model)
         self._tracer.discover()
-        if stream_to is not None:
+        if stream_to is not None and self.keeps_output:
             self._stream = StreamWriter(stream_to, self.metadata())
 
     # ---- set up ------------------------------------------------------------
@@ -210,6 +255,7 @@ class Cockpit:
         meta = run_metadata(described)
         meta["num_params"] = len(self.params)
         meta["param_shapes"] = [list(p.shape) for p in self.params]
+        meta["param_names"] = self._param_name_list()
         return meta
 
     def _names_of_params(self) -> dict[int, str]:
@@ -250,7 +296,8 @@ class Cockpit:
                 "before beginning the next one."
             )
         tracked = _TrackedStep(self, global_step, exts, info or {}, debug)
-        tracked.__enter__()  # raises before the step counts as open
+        with self._recorder.beginning(global_step, tracked.info):  # the cockpit's own work is not recorded
+            tracked.__enter__()  # raises before the step counts as open
         self._open_step = tracked
 
     def end(self, error: BaseException | None = None) -> None:
@@ -266,15 +313,40 @@ class Cockpit:
                 "before loss.backward(), and cockpit.end() once after it."
             )
         self._open_step = None
+        self._recorder.step_ends(tracked.step, tracked.info, error)
         if error is None:
             tracked.__exit__(None, None, None)
         else:
             tracked.__exit__(type(error), error, error.__traceback__)
+        self._recorder.after_step(tracked.step, tracked.info, tracked=error is None and bool(tracked.active))
 
     @property
     def open_step(self) -> int | None:
         """The step opened by :meth:`begin` (or a ``with`` block) and not yet ended."""
         return None if self._open_step is None else self._open_step.step
+
+    # ---- the recorder (docs/recorder.md) ------------------------------------------
+    def record(self, global_step: int) -> None:
+        """Record the operations of ``global_step``: its forward pass, loss and backward pass.
+
+        Call before that step's forward pass. The record (:attr:`records`) is
+        stored in the output under ``"record"`` at that step, saved to
+        ``record_dir`` with a standalone replay program if one was given, and
+        a non-finite value gets a ``nonfinite-origin`` finding. Works whether
+        or not a quantity is tracked at that step.
+        """
+        self._recorder.arm(global_step, self._next_step)
+
+    @property
+    def records(self) -> dict[int, Record]:
+        """``{step: Record}`` of the steps recorded so far."""
+        return self._recorder.records
+
+    def _on_record(self, step: int, record: Record) -> None:
+        if self._stream is not None:
+            self._stream.write_step(step, {RECORD_KEY: record.to_dict()})
+        for finding in record.findings:
+            self.add_finding(finding)
 
     # ---- output ----------------------------------------------------------------
     def get_output(self) -> dict[int, dict[str, Any]]:
@@ -286,6 +358,10 @@ class Cockpit:
                 merged.setdefault(step, {})[name] = value
         for step, values in self._epoch_logs.items():
             merged.setdefault(step, {}).update(values)
+        for step, values in self._findings.items():
+            merged.setdefault(step, {}).update({key: list(found) for key, found in values.items()})
+        for step, record in self._recorder.records.items():
+            merged.setdefault(step, {})[RECORD_KEY] = record.to_dict()
         return dict(sorted(merged.items()))
 
     def log(
@@ -300,19 +376,42 @@ class Cockpit:
         test_accuracy: Any = None,
         learning_rate: Any = None,
     ) -> None:
-        """Store epoch-level figures under ``global_step`` (values as given)."""
+        """Store epoch-level figures under ``global_step`` (values as given; only on the log rank under DDP)."""
+        if not self.keeps_output:
+            return
         given = locals()
         values = {key: given[key] for key in EPOCH_KEYS}
         self._epoch_logs.setdefault(global_step, {}).update(values)
         if self._stream is not None:
             self._stream.write_step(global_step, values)
         self._notify(global_step, values)
+        self._diagnose({global_step: values})
 
     def write(self, logpath: str | os.PathLike) -> str:
-        """Write everything to ``logpath + ".json"`` (folders are created); return the path."""
+        """Write everything to ``logpath + ".json"`` (folders are created); return the path.
+
+        Under DDP only the log rank writes; other ranks return ``None``.
+        """
+        if not self.keeps_output:
+            return None
         path = write_log(logpath, self.get_output(), self.metadata())
         print(f"[cockpit_like] writing output to {path}")
         return str(path)
+
+    @property
+    def world_size(self) -> int:
+        """The number of ``torch.distributed`` ranks the cockpit spans (1 in one process)."""
+        return 1 if self._ranks is None else self._ranks.world
+
+    @property
+    def rank(self) -> int:
+        """This process's ``torch.distributed`` rank (0 in one process)."""
+        return 0 if self._ranks is None else self._ranks.rank
+
+    @property
+    def keeps_output(self) -> bool:
+        """Whether this rank keeps the output and writes logs (always in one process; ``log_rank`` under DDP)."""
+        return self._ranks is None or self._ranks.keeps_output
 
     @property
     def stream_path(self) -> str | None:
@@ -366,10 +465,94 @@ class Cockpit:
 
         load_cockpit_state(self, state)
 
+    # ---- diagnosis -------------------------------------------------------------------
+    @property
+    def findings(self) -> list[Finding]:
+        """Every finding stored so far (rules and :meth:`add_finding`), by step."""
+        return findings_in(self._findings)
+
+    def active_findings(self) -> list[Finding]:
+        """The stored findings not cleared since (what the dashboard lists)."""
+        return active_findings(self._findings)
+
+    def add_finding(self, finding: Finding) -> None:
+        """Store ``finding`` under its step (and stream it), then call ``on_finding``.
+
+        For producers of findings other than the rules (e.g. the recorder).
+        """
+        self._store_findings([finding], [])
+        if self.on_finding is not None:
+            self.on_finding(finding)
+
+    def _store_findings(self, found: list[Finding], cleared: list[dict[str, Any]]) -> None:
+        if not isinstance(found, list) or not all(isinstance(f, Finding) for f in found):
+            raise ValueError("Cockpit.add_finding takes a cockpit_like.diagnosis.Finding")
+        touched: dict[int, set[str]] = {}
+        for finding in found:
+            self._findings.setdefault(finding.step, {}).setdefault(FINDINGS_KEY, []).append(finding.to_dict())
+            touched.setdefault(finding.step, set()).add(FINDINGS_KEY)
+        for entry in cleared:
+            step = int(entry["step"])
+            record = {key: entry[key] for key in ("rule", "layer", "found_at")}
+            self._findings.setdefault(step, {}).setdefault(CLEARED_KEY, []).append(record)
+            touched.setdefault(step, set()).add(CLEARED_KEY)
+        if self._stream is not None:
+            for step, keys in sorted(touched.items()):  # the whole list: the reader keeps the last line's
+                self._stream.write_step(step, {key: self._findings[step][key] for key in sorted(keys)})
+
+    def _param_name_list(self) -> list[str]:
+        names = self._names_of_params()
+        return [names.get(id(param), f"param_{index}") for index, param in enumerate(self.params)]
+
+    def _diagnose(self, new_values: dict[int, dict[str, Any]]) -> None:
+        """Run the rules on newly stored values; store, stream, then call ``on_finding``."""
+        diagnosis = self.diagnosis
+        if diagnosis is None or not new_values:
+            return
+        added = [diagnosis.update(step, values) for step, values in sorted(new_values.items())]
+        if any(added):
+            names = self._param_name_list()
+            if diagnosis.history.metadata.get("param_names") != names:
+                diagnosis.history.metadata.update(
+                    param_names=names, param_shapes=[list(p.shape) for p in self.params]
+                )
+            found, cleared = diagnosis.run()
+            if found or cleared:
+                self._store_findings(found, cleared)
+            if self.on_finding is not None:
+                for finding in found:
+                    self.on_finding(finding)
+
+    def _before_forward(self) -> bool:
+        """The tracer's call at the start of each forward pass of a known model: quantities
+        active at the coming step prepare for it (:meth:`Quantity.prepare_forward`); returns
+        whether that step needs the graph."""
+        step, graph = self._next_step, False
+        for quantity in self.quantities:
+            if quantity.is_active(step):
+                quantity.prepare_forward(step)
+                graph = graph or quantity.create_graph(step)
+        return graph
+
     def close(self) -> None:
         """Close the streaming log (nothing is lost if you never call this)."""
         if self._stream is not None:
             self._stream.close()
+
+
+def _make_diagnosis(diagnose: Any) -> Diagnosis | None:
+    if diagnose is False or diagnose is None:
+        return None
+    if diagnose is True:
+        return Diagnosis()
+    if isinstance(diagnose, Diagnosis):
+        return diagnose
+    if isinstance(diagnose, Rule) or (isinstance(diagnose, (list, tuple)) and all(isinstance(r, Rule) for r in diagnose)):
+        return Diagnosis([diagnose] if isinstance(diagnose, Rule) else list(diagnose))
+    raise ValueError(
+        "Cockpit(diagnose=...) takes True (every built-in rule), a list of cockpit_like.diagnosis.Rule "
+        f"instances, or a Diagnosis; got {diagnose!r}"
+    )
 
 
 def _check_step_arguments(global_step: Any, info: Any) -> None:
@@ -427,6 +610,8 @@ class _TrackedStep:
                 if key not in self.info:
                     raise context.MissingInfoError(key, cockpit.name_of(quantity), step)
         self._check_loss()
+        if cockpit._ranks is not None and self.active:
+            cockpit._ranks.check_step(step, cockpit.models(), self.info, cockpit.create_graph(step))
 
         requests = [("the user's *exts", ext) for ext in self.user_exts]
         stats, hooks, needs, owners, transform_hooks = [], [], [], [], []
@@ -447,6 +632,8 @@ class _TrackedStep:
             needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
         if transform_hooks:
             stats.append(merge_transform_hooks(transform_hooks))
+        if cockpit._ranks is not None:  # the form each rank computes under DDP (equal to the requested one)
+            stats = [stat.for_ranks() for stat in stats]
         try:
             self._execution = StepExecution(
                 step,
@@ -499,31 +686,47 @@ class _TrackedStep:
         if execution is None:
             return False
         user_types = {type(ext) for ext in self.user_exts}
+        ranks = self.cockpit._ranks if self.active else None
         try:
             execution.exit(exc_type, exc, traceback)
         except BaseException:
+            if ranks is not None:  # tell the other ranks (backends/distributed.py)
+                ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
             execution.free(user_types)
             raise
         if exc_type is not None:
+            if ranks is not None:
+                ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
             execution.free(user_types)
             return False
         if not self.active:
             return False
         try:
-            execution.check()
+            if ranks is None:
+                execution.check()
+                stats, info = execution.results(), self.info
+            else:  # the global batch's statistics and info
+                stats, info = ranks.finish_step(self.step, execution, self.info)
             record = context.StepRecord(
                 global_step=self.step,
-                info=self.info,
+                info=info,
                 params=self.cockpit.params,
-                stats=execution.results(),
+                stats=stats,
                 loss_is_finite=self._loss_is_finite,
             )
             context._activate(record)
             new_values: dict[int, dict[str, Any]] = {}
             for quantity in self.active:
                 self._track(quantity, new_values)
+            if not self.cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
+                for quantity in self.active:
+                    for step in new_values:
+                        quantity.output.pop(step, None)
+                new_values = {}
         finally:
             context._activate(None)
+            if ranks is not None:
+                ranks.end_step()
             execution.free(user_types)
         stream = self.cockpit._stream
         if stream is not None:
@@ -531,6 +734,7 @@ class _TrackedStep:
                 stream.write_step(step, values)
         for step, values in sorted(new_values.items()):
             self.cockpit._notify(step, values)
+        self.cockpit._diagnose(new_values)
         return False
 
     def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]]) -> None:

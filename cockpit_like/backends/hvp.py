@@ -33,14 +33,23 @@ class MissingGraphError(RuntimeError):
     """The gradients carry no graph, so no Hessian-vector product can be formed."""
 
 
-def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV"):
+def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV", *, local: bool = False):
     """``v -> H v`` (flat, params order) by double backprop through ``p.grad``.
+
+    Under DistributedDataParallel (:mod:`cockpit_like.backends.distributed`)
+    ``H`` is the Hessian of the global batch's mean loss: each rank's product
+    through its local gradients' graph, averaged over the ranks (one
+    all-reduce per product; every rank must pass the same ``v``), unless
+    ``local`` (this rank's ``H_r v``, for estimators that combine their
+    results once, like :class:`HutchinsonDiagonal`).
 
     Raises:
         MissingGraphError: no ``p.grad`` carries a graph (backward ran without
             ``create_graph=True``).
     """
-    grads = [p.grad for p in params]
+    from cockpit_like.backends.distributed import global_product, graph_grads
+
+    grads = graph_grads(params)
     missing = [i for i, g in enumerate(grads) if g is None]
     if missing:
         raise RuntimeError(
@@ -91,12 +100,13 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV")
                     f"before {owner} at this step). Hessian-vector products need them unchanged "
                     f"until {owner} is tracked. Original error: {error}"
                 ) from error
-        return torch.cat(
+        product = torch.cat(
             [
                 (torch.zeros_like(p) if hv is None else hv.detach()).reshape(-1)
                 for p, hv in zip(params, products)
             ]
         )
+        return product if local else global_product(product)
 
     return matvec
 
@@ -113,7 +123,7 @@ class HutchinsonDiagonal:
     def compute(self, execution) -> list[torch.Tensor]:
         """The estimate for the tracked parameters of ``execution`` (a :class:`~cockpit_like.backends.step.StepExecution`)."""
         params = execution.params
-        matvec = hessian_vector_product(params, "Hutchinson's estimator (curvature='hutchinson')")
+        matvec = hessian_vector_product(params, "Hutchinson's estimator (curvature='hutchinson')", local=True)
         size = sum(p.numel() for p in params)
         total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
         for _ in range(self.samples):
@@ -121,3 +131,14 @@ class HutchinsonDiagonal:
             total.add_(v * matvec(v))
         total.div_(self.samples)
         return [piece.view_as(p) for piece, p in zip(total.split([p.numel() for p in params]), params)]
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the batch-weighted mean of the ranks' estimates (``v * (H v)`` is linear in ``H``).
+
+        With the torch RNG in the same state on every rank (the same seed) the
+        ranks draw the same ``v_k``, and the result is the estimate of one
+        process on the global batch with these ``v_k``; otherwise it is still
+        an unbiased estimate of the global diagonal.
+        """
+        parts = [reduction.mean(d) for d in result]
+        return lambda: [part() for part in parts]

@@ -88,20 +88,59 @@ class GramSummary(PerSampleStat):
     Linear layers given as factors build their (small) Gram matrix
     ``(Delta Delta^T) * (X X^T)`` in ``O(B^2 (in + out))`` when that is cheaper
     than forming ``Delta^T X``.
+
+    Under DDP (``synced``, :meth:`for_ranks`) the row sums need the *global*
+    mean gradient, which exists only once DDP has synchronised ``p.grad``:
+    each layer's per-sample gradients are kept (as factors where possible,
+    like :class:`RetainedGradBatch`) until ``finalize``, which takes
+    ``row_sums[i] = sum_p <grad_batch_p[i], p.grad>``; across ranks the
+    diagonals and row sums are concatenated (``diag * B_r^2 = ||g_i||^2``,
+    ``row_sums * B_r = g_i^T gbar``, divided by the global ``B^2`` and ``B``).
     """
 
+    synced: bool = field(default=False, compare=False, repr=False)
+
     def init(self, params):
-        return None
+        return {"gram": None, "kept": []} if self.synced else None
 
     factor_form = True
 
+    def for_ranks(self):
+        return GramSummary(synced=True)
+
+    def _keep(self, state, param, kept, plain):
+        state["kept"].append((param, kept))
+        state["gram"] = plain(state["gram"])
+        return state
+
+    def finalize(self, state):
+        if not self.synced:
+            return state
+        if state["gram"] is None:
+            return None
+        row_sums = sum(kept.dots(param.grad.detach()) for param, kept in state["kept"])
+        state["kept"].clear()
+        return (state["gram"][0], row_sums)
+
+    def across_ranks(self, result, reduction):
+        diag = reduction.cat(result[0] * reduction.local_batch**2)
+        projections = reduction.cat(result[1] * reduction.local_batch)
+        return lambda: (diag.value / reduction.batch**2, projections.value / reduction.batch)
+
     def accumulate(self, state, index, param, grad_batch):
+        if self.synced:
+            plain = lambda gram: _PLAIN_GRAM.accumulate(gram, index, param, grad_batch)  # noqa: E731
+            return self._keep(state, param, RetainedDense(grad_batch.detach()), plain)
         flat = _flat(grad_batch.detach())
         diag = torch.linalg.vector_norm(flat, dim=1).square_()
         row_sums = flat @ flat.sum(0)
         return self._fold(state, diag, row_sums)
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
+        if self.synced:
+            plain = lambda gram: _PLAIN_GRAM.accumulate_factors(gram, index, param, kind, x, delta)  # noqa: E731
+            kept = RetainedFactors(kind, None if x is None else x.detach(), delta.detach())
+            return self._keep(state, param, kept, plain)
         batch, out = delta.shape
         if kind == "bias":
             return self.accumulate(state, index, param, delta)
@@ -116,6 +155,9 @@ class GramSummary(PerSampleStat):
     sequence_form = True
 
     def accumulate_sequence(self, state, index, param, a, b):
+        if self.synced:
+            plain = lambda gram: _PLAIN_GRAM.accumulate_sequence(gram, index, param, a, b)  # noqa: E731
+            return self._keep(state, param, RetainedSequence(a.detach(), b.detach(), param.shape), plain)
         a, b = a.detach(), b.detach()
         positions, rows, cols = a.shape[1], a.shape[2], b.shape[2]
         total = torch.einsum("btr,btc->rc", a, b)  # sum_k gb_k as an R x C matrix
@@ -151,6 +193,11 @@ class SumOfSquares(PerSampleStat):
         state[index] = squared.sum(0) if kind == "bias" else squared.T @ (x * x)
         return state
 
+    def across_ranks(self, result, reduction):
+        # s_p * B_r^2 = sum_i g_ip^2 adds up over ranks
+        parts = [reduction.sum(s * reduction.local_batch**2) for s in result]
+        return lambda: [part.value / reduction.batch**2 for part in parts]
+
 
 @dataclass(frozen=True)
 class AbsMax(PerSampleStat):
@@ -175,6 +222,10 @@ class AbsMax(PerSampleStat):
         if state is None:
             return (current, batch)
         return (torch.maximum(state[0], current), state[1])
+
+    def across_ranks(self, result, reduction):
+        largest = reduction.max(result[0] * result[1])  # B_r max|grad_batch| = max |g_i|
+        return lambda: (largest.value / reduction.batch, reduction.batch)
 
 
 @dataclass(frozen=True)
@@ -218,6 +269,10 @@ class Histogram1dCounts(PerSampleStat):
             return None
         return Hist1dCounter.finish(state[1], self.bins, state[2])
 
+    def across_ranks(self, result, reduction):
+        counts = reduction.sum(result)  # entries B_r grad_batch = g_i on every rank: counts add up
+        return lambda: counts.value
+
 
 @dataclass(frozen=True)
 class Histogram2dCounts(PerSampleStat):
@@ -252,6 +307,10 @@ class Histogram2dCounts(PerSampleStat):
         counter.count_outer(counts, x, delta, param)
         state[index] = counter.finish(counts)
         return state
+
+    def across_ranks(self, result, reduction):
+        parts = [None if counts is None else reduction.sum(counts) for counts in result]
+        return lambda: [None if part is None else part.value for part in parts]
 
 
 @dataclass(frozen=True)
@@ -289,6 +348,9 @@ class DirectionalDots(PerSampleStat):
         d = self.direction[index].to(a.dtype).reshape(a.shape[2], b.shape[2])
         dots = ((a.detach() @ d) * b.detach()).sum((1, 2))
         return dots if state is None else state.add_(dots)
+
+    def across_ranks(self, result, reduction):
+        return _concatenated_dots(result, reduction)
 
 
 class RetainedDense:
@@ -381,6 +443,12 @@ class RetainedGradBatch(PerSampleStat):
         state[index] = RetainedSequence(a.detach(), b.detach(), param.shape)
         return state
 
+    def across_ranks(self, result, reduction):
+        raise NotImplementedError(
+            "RetainedGradBatch keeps per-sample gradients, which stay on their rank under "
+            "DistributedDataParallel; reduce them in a statistic with an across_ranks method instead"
+        )
+
 @dataclass(frozen=True)
 class KroneckerFactors(PerSampleStat):
     """Empirical-Fisher Kronecker factors per parameter, from the layer inputs and output gradients.
@@ -434,6 +502,11 @@ class KroneckerFactors(PerSampleStat):
         state[index] = [batch * (a.T @ a), (b.T @ b) / positions]
         return state
 
+    def across_ranks(self, result, reduction):
+        # both factors (and the dense blocks) are batch-weighted means over the ranks
+        parts = [None if factors is None else [reduction.mean(f) for f in factors] for factors in result]
+        return lambda: [None if part is None else [f() for f in part] for part in parts]
+
 
 @dataclass(frozen=True)
 class PredictedSlopes(PerSampleStat):
@@ -461,10 +534,22 @@ class PredictedSlopes(PerSampleStat):
 
     key: str
     budget_bytes: int = field(default=8 << 20, compare=False)
+    #: under DDP (:meth:`for_ranks`): keep every layer until ``finalize`` and predict the update
+    #: from the synchronised ``p.grad`` with one full look-ahead (any optimizer)
+    synced: bool = field(default=False, compare=False, repr=False)
 
     factor_form = True
     sequence_form = True
     reuses_grad_batch = True
+
+    def for_ranks(self):
+        return PredictedSlopes(self.key, self.budget_bytes, synced=True)
+
+    def across_ranks(self, result, reduction):
+        if result["mode"] != "predicted":
+            raise NotImplementedError("PredictedSlopes: only the predicted mode combines across ranks")
+        dots = _concatenated_dots(result["dots"], reduction)
+        return lambda: {**result, "dots": dots()}
 
     def init(self, params):
         return self.init_for_step(params, {})
@@ -473,6 +558,8 @@ class PredictedSlopes(PerSampleStat):
         from cockpit_like.utils.optim import is_elementwise
 
         optimizer = info.get("optimizer")
+        if self.synced:
+            return {"mode": "synced", "optimizer": optimizer, "params": list(params), "pending": [], "bytes": 0}
         if optimizer is not None and is_elementwise(optimizer):
             return {"mode": "predicted", "optimizer": optimizer, "dots": None, "pending": [], "bytes": 0,
                     "direction": [None] * len(params), "grad_sum": [None] * len(params)}  # fmt: skip
@@ -481,9 +568,22 @@ class PredictedSlopes(PerSampleStat):
     def _hold(self, state, index, param, kept, size):
         state["pending"].append((index, param, kept))
         state["bytes"] += size
-        if state["bytes"] > self.budget_bytes:
+        if state["bytes"] > self.budget_bytes and state["mode"] == "predicted":
             self._flush(state)
         return state
+
+    @staticmethod
+    def _finish_synced(state):
+        """The slopes along the update predicted from the synchronised gradients (DDP)."""
+        from cockpit_like.utils.optim import lookahead_update
+
+        params = state["params"]
+        grads = [p.grad.detach() for p in params]
+        optimizer = state["optimizer"]
+        direction = [-g for g in grads] if optimizer is None else lookahead_update(optimizer, params)
+        dots = sum(kept.dots(direction[index]) for index, _, kept in state["pending"])
+        state["pending"].clear()
+        return {"mode": "predicted", "dots": dots, "direction": direction, "grad_sum": grads}
 
     @staticmethod
     def _flush(state):
@@ -523,7 +623,18 @@ class PredictedSlopes(PerSampleStat):
         return self._hold(state, index, param, kept, (a.numel() + b.numel()) * a.element_size())
 
     def finalize(self, state):
+        if state["mode"] == "synced":
+            return self._finish_synced(state)
         if state["mode"] == "retained":
             return {"mode": "retained", "retained": state["retained"]}
         self._flush(state)
         return {"mode": "predicted", "dots": state["dots"], "direction": state["direction"], "grad_sum": state["grad_sum"]}
+
+
+_PLAIN_GRAM = GramSummary()
+
+
+def _concatenated_dots(dots: torch.Tensor, reduction):
+    """Per-sample ``dots[i] = <grad_batch_i, d>`` of every rank, concatenated, scaled to the global batch."""
+    part = reduction.cat(dots * reduction.local_batch)  # = g_i^T d
+    return lambda: part.value / reduction.batch

@@ -57,3 +57,9 @@ class SampledGGNDiagonal:
             squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
             total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
         return [t.mul_(positions / self.samples) for t in total]
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the batch-weighted mean of the ranks' estimates (each from its own sampled labels:
+        an unbiased estimate of the global batch's diagonal, not the one a single process would draw)."""
+        parts = [reduction.mean(d) for d in result]
+        return lambda: [part() for part in parts]

@@ -79,6 +79,8 @@ def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> b
         return False
     supported = frozenset(getattr(extension, "_BackpropExtension__module_extensions"))
     for root in models:
+        if isinstance(root, torch.nn.parallel.DistributedDataParallel):
+            root = root.module  # DDP's wrapper runs its module's forward (docs/distributed.md)
         for module in root.modules():
             if next(module.children(), None) is not None:
                 if type(module) is not torch.nn.Sequential:

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import MissingGraphError, hessian_vector_product
 from cockpit_like.functional.eigen import EigenResult, accelerated_power_iteration, lanczos, power_iteration
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -141,4 +142,5 @@ class HessMaxEV(SingleStepQuantity):
             and previous.norm() > 0
         ):
             return previous.to(params[0].device)
-        return torch.cat([torch.rand_like(p).reshape(-1) for p in params])
+        # under DDP every rank starts from rank 0's draw (cockpit_like.backends.distributed)
+        return same_on_all_ranks(torch.cat([torch.rand_like(p).reshape(-1) for p in params]))

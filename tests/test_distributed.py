@@ -1,0 +1,269 @@
+"""The cockpit under DistributedDataParallel: 2 gloo ranks on CPU against one process on the concatenated batch.
+
+Each test spawns one job of 2 processes (start-up is slow, so a job runs
+many checks) and compares, in float64, every quantity of the economy,
+business and full presets with a single process that trains on the
+concatenated batch (rank 0 gets its first half, rank 1 the second): the
+MLP and CNN of ``tests/helpers.py`` (BackPACK-extended) and the LayerNorm
+MLP of ``tests/zoo.py`` (hook backend, Hutchinson curvature from
+Hessian-vector products). With the torch RNG seeded alike on every rank
+and in the reference, the random draws agree (HessMaxEV's start vector is
+rank 0's, Hutchinson's vectors are the same on every rank), so every value
+matches to rounding (``rtol=1e-8``); see docs/distributed.md for what holds
+without equal seeds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from backpack import extend
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.quantities import GradNorm, HessTrace, Loss, NormTest
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+from tests import zoo
+from tests.helpers import make_batch, make_problem
+
+WORLD = 2
+GLOBAL_BATCH = 8
+STEPS = 3
+CASES = [
+    (problem, preset) for problem in ("mlp", "cnn", "layernorm_mlp") for preset in ("economy", "business", "full")
+]
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+# ---- the training run shared by the ranks and the reference -------------------------------------
+def _problem(name: str):
+    """``(model, batch(size, seed), mean loss(out, y), per-sample losses(out, y))``."""
+    if name in ("mlp", "cnn"):
+        model, lossfunc, individual = make_problem(name)
+        return model, (lambda size, seed: make_batch(name, size, seed)), lossfunc, individual
+    problem = getattr(zoo, name)(seed=0)
+    return problem.model, problem.batch, (lambda out, y: problem.sample_losses(out, y).mean()), problem.sample_losses
+
+
+def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, steps: int = STEPS) -> Cockpit:
+    model, batch, lossfunc, individual = _problem(problem)
+    net = model if wrap is None else wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {} if wrap is None else {"log_rank": log_rank}
+    cockpit = Cockpit(model.parameters(), configuration(preset, linear(1)), model=net, **extra)
+    torch.manual_seed(1234)  # the same draws on every rank and in the reference
+    for step in range(steps):
+        inputs, labels = batch(GLOBAL_BATCH, 1000 + step)
+        inputs, labels = inputs[rows], labels[rows]
+        optimizer.zero_grad()
+        outputs = net(inputs)
+        loss = lossfunc(outputs, labels)
+        info = {
+            "batch_size": len(labels),
+            "individual_losses": individual(outputs, labels),
+            "loss": loss,
+            "optimizer": optimizer,
+        }
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+def _rows(rank: int) -> slice:
+    local = GLOBAL_BATCH // WORLD
+    return slice(rank * local, (rank + 1) * local)
+
+
+def _ddp(model):
+    return nn.parallel.DistributedDataParallel(model)
+
+
+# ---- jobs: run on every rank, return what the test checks ------------------------------------------
+def _job_presets(rank: int) -> dict:
+    outputs = {}
+    for problem, preset in CASES:
+        cockpit = _train(problem, preset, _rows(rank), wrap=_ddp, log_rank=None)
+        outputs[(problem, preset)] = cockpit.get_output()
+    # default log_rank=0: only rank 0 keeps output and writes
+    with tempfile.TemporaryDirectory() as folder:
+        cockpit = _train("mlp", "economy", _rows(rank), wrap=_ddp, log_rank=0, steps=2)
+        written = cockpit.write(os.path.join(folder, f"log{rank}"))
+        kept = {
+            "output_steps": sorted(cockpit.get_output()),
+            "written": written is not None and os.path.exists(written),
+            "world_size": cockpit.world_size,
+        }
+    return {"outputs": outputs, "kept": kept}
+
+
+def _job_collectives(rank: int) -> dict:
+    """Count the collectives per step; economy every 3rd step, a no_sync step, an error on one rank."""
+    model, batch, lossfunc, individual = _problem("mlp")
+    net = _ddp(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), configuration("economy", linear(3)), model=net, distributed_timeout=30)
+    counts, calls = {}, []
+    original_reduce, original_broadcast = dist.all_reduce, dist.broadcast
+
+    def counting_reduce(*args, **kwargs):
+        calls.append("all_reduce")
+        return original_reduce(*args, **kwargs)
+
+    def counting_broadcast(*args, **kwargs):
+        calls.append("broadcast")
+        return original_broadcast(*args, **kwargs)
+
+    dist.all_reduce, dist.broadcast = counting_reduce, counting_broadcast
+    result = {}
+    try:
+        for step in range(6):
+            inputs, labels = batch(GLOBAL_BATCH, step)
+            inputs, labels = inputs[_rows(rank)], labels[_rows(rank)]
+            optimizer.zero_grad()
+            outputs = net(inputs)
+            loss = lossfunc(outputs, labels)
+            info = {"batch_size": 4, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+            before = len(calls)
+            with cockpit(step, info=info):
+                loss.backward()
+            counts[step] = len(calls) - before
+            optimizer.step()
+        result["counts"] = counts
+        # a tracked step inside no_sync(): a clear error on every rank, before the backward pass
+        with net.no_sync():
+            outputs = net(inputs)
+            loss = lossfunc(outputs, labels)
+            try:
+                with cockpit(6, info={"batch_size": 4, "individual_losses": individual(outputs, labels), "loss": loss,
+                                      "optimizer": optimizer}):  # fmt: skip
+                    loss.backward()
+                result["no_sync"] = "no error"
+            except RuntimeError as error:
+                result["no_sync"] = str(error)
+        # an untracked step inside no_sync() works and costs no collective
+        with net.no_sync():
+            before = len(calls)
+            outputs = net(inputs)
+            loss = lossfunc(outputs, labels)
+            with cockpit(8, info={"batch_size": 4}):
+                loss.backward()
+            result["no_sync_untracked"] = len(calls) - before
+        optimizer.zero_grad()
+        # rank 1 raises inside the context after its backward pass: every rank raises at once
+        outputs = net(inputs)
+        loss = lossfunc(outputs, labels)
+        info = {"batch_size": 4, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+        start = time.perf_counter()
+        try:
+            with cockpit(9, info=info):
+                loss.backward()
+                if rank == 1:
+                    raise ValueError("boom on rank 1")
+            result["error"] = "no error"
+        except Exception as error:  # noqa: BLE001
+            result["error"] = f"{type(error).__name__}: {error}"
+        result["error_seconds"] = time.perf_counter() - start
+    finally:
+        dist.all_reduce, dist.broadcast = original_reduce, original_broadcast
+    return result
+
+
+JOBS = {"presets": _job_presets, "collectives": _job_collectives}
+
+
+def _worker(rank: int, port: int, job: str, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        torch.save(JOBS[job](rank), os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(job: str, folder, timeout: float = 240) -> list:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context = torch.multiprocessing.start_processes(
+        _worker, args=(_free_port(), job, str(folder)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"job {job!r} did not finish within {timeout} s (a rank hangs)")
+    return [torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
+
+
+# ---- comparison ---------------------------------------------------------------------------------------
+def _assert_close(actual, expected, where: str, rtol: float = 1e-8, atol: float = 1e-11) -> None:
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
+        for key in expected:
+            _assert_close(actual[key], expected[key], f"{where}.{key}", rtol, atol)
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            _assert_close(a, e, f"{where}[{index}]", rtol, atol)
+    elif isinstance(expected, (float, int, np.ndarray, np.floating)):
+        np.testing.assert_allclose(np.asarray(actual, dtype=float), np.asarray(expected, dtype=float), rtol=rtol,
+                                   atol=atol, err_msg=where)  # fmt: skip
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+QUANTITY_NAMES = {
+    "economy": {"Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest", "OrthoTest", "UpdateSize"},
+}
+QUANTITY_NAMES["business"] = QUANTITY_NAMES["economy"] | {"TICDiag", "HessTrace"}
+QUANTITY_NAMES["full"] = QUANTITY_NAMES["business"] | {"HessMaxEV", "GradHist2d"}
+
+
+def test_presets_match_one_process_on_the_concatenated_batch(tmp_path):
+    ranks = _spawn("presets", tmp_path)
+    for problem, preset in CASES:
+        expected = _train(problem, preset, slice(None)).get_output()
+        names = {name for values in expected.values() for name in values}
+        assert names == QUANTITY_NAMES[preset], (problem, preset, names)
+        for rank, result in enumerate(ranks):
+            _assert_close(result["outputs"][(problem, preset)], expected, f"{problem}/{preset}/rank{rank}")
+        # the same value on every rank, bit for bit
+        _assert_close(ranks[1]["outputs"][(problem, preset)], ranks[0]["outputs"][(problem, preset)],
+                      f"{problem}/{preset} rank 1 vs rank 0", rtol=0, atol=0)  # fmt: skip
+    # the comparison can fail: rank 0's local batch alone gives other values
+    local = _train("mlp", "economy", _rows(0)).get_output()
+    assert not np.isclose(local[1]["NormTest"], ranks[0]["outputs"][("mlp", "economy")][1]["NormTest"])
+    assert ranks[0]["kept"] == {"output_steps": [0, 1], "written": True, "world_size": 2}
+    assert ranks[1]["kept"] == {"output_steps": [], "written": False, "world_size": 2}
+
+
+def test_collectives_no_sync_and_errors(tmp_path):
+    ranks = _spawn("collectives", tmp_path)
+    for rank, result in enumerate(ranks):
+        # economy every 3rd step: tracked at 0 and 3 (Alpha/UpdateSize end at 1 and 4): header + statistics;
+        # steps 2 and 5 track nothing and add no collective
+        assert result["counts"] == {0: 2, 1: 2, 2: 0, 3: 2, 4: 2, 5: 0}, result["counts"]
+        assert "no_sync()" in result["no_sync"], result["no_sync"]
+        assert result["no_sync_untracked"] == 0
+        assert result["error_seconds"] < 30
+    assert ranks[1]["error"] == "ValueError: boom on rank 1"
+    assert ranks[0]["error"].startswith("DistributedStepError") and "rank(s) [1]" in ranks[0]["error"], ranks[0]["error"]
