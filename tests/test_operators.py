@@ -138,6 +138,32 @@ def test_kronecker_logdet_sign_cases():
     assert float(mixed.slogdet()[0]) == -1.0 == float(torch.linalg.slogdet(dense_kron(mixed.factors))[0])
 
 
+def test_kronecker_rank_deficient_factors_exact_damping():
+    """Fewer samples than inputs: PSD factors with (round-off) zero eigenvalues; F + λI is invertible."""
+    x = torch.randn(3, 6, dtype=DT, generator=_gen(70))
+    d = torch.randn(3, 4, dtype=DT, generator=_gen(71))
+    factors = [d.T @ d, x.T @ x / 3]  # ranks 3 of 4 and 3 of 6
+    op = KroneckerProduct(factors)
+    dense = dense_kron(factors)
+    for damping in (1e-5, 1e-2):
+        inverse = op.inverse(damping)
+        x_in = vectors(24, 2, 72)
+        expected = torch.linalg.solve(dense + damping * eye(24), x_in)
+        torch.testing.assert_close(inverse @ x_in, expected, rtol=1e-7, atol=1e-9 * float(expected.abs().max()))
+        assert bool((inverse.values > 0).all())
+    with pytest.raises(ValueError, match=r"factor 0 \(shape \[4, 4\]\) is singular"):
+        op.inverse()
+    # float32, damping tiny relative to the scale: still an inverse, no error
+    single = KroneckerProduct([f.float() * 1e3 for f in factors]).inverse(1e-3)
+    assert bool(torch.isfinite(single.values).all()) and float(single.values.max()) <= 1e3 * (1 + 1e-5)
+    # an indefinite factor with damping = minus one of its eigenvalues
+    indefinite = KroneckerProduct([torch.diag(torch.tensor([-1.0, 2.0], dtype=DT)), eye(2)])
+    with pytest.raises(ValueError, match="eigenvalue -1.0 .*singular; choose another damping"):
+        indefinite.inverse(1.0)
+    zero_eigh = Eigh(torch.tensor([0.0, 2.0], dtype=DT), eye(2))
+    torch.testing.assert_close(zero_eigh.inverse(0.5).values, torch.tensor([2.0, 0.4], dtype=DT))
+
+
 def test_kronecker_nonsymmetric_factors_transpose_and_inverse():
     factors = [orthogonal(3, 1), torch.randn(2, 2, dtype=DT, generator=_gen(2)) + 3 * eye(2)]
     op = KroneckerProduct(factors)

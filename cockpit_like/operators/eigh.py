@@ -105,8 +105,10 @@ class Eigh(LinearOperator):
         """``Q diag(1 / (λ + damping)) Qᵀ`` (exact for either strategy); a zero ``λ + damping`` raises."""
         damping = check_damping(damping, strategy, "Eigh")
         shifted = self.values + damping
+        if damping > 0 and bool((self.values >= 0).all()):  # PSD plus damping: invertible
+            return Eigh(1.0 / shifted, self.vectors)
         scale = max(float(self.values.abs().max()), damping) if self._size else 0.0
-        tiny = shifted.abs() <= self._size * torch.finfo(self._dtype).eps * scale
+        tiny = shifted.abs() <= 10 * torch.finfo(self._dtype).eps * scale
         if self._size and (bool(tiny.any()) or scale == 0):
             index = int(torch.nonzero(tiny | (shifted == 0))[0])
             raise ValueError(

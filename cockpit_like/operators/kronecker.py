@@ -28,6 +28,12 @@ Damping (``inverse(damping > 0, strategy=...)``):
   KFAC choice, but not the inverse of ``F + λ I``: the damped product adds
   cross terms ``π√λ I ⊗ B + √λ/π A ⊗ I``. A factor with trace ``<= 0``
   makes every ``π_i = 1``.
+
+The eigenvalues of a factor that is positive semi-definite up to round-off
+(as KFAC factors are, also when they are rank-deficient: fewer samples than
+inputs) are clamped at 0 for the exact damping, so ``F + λ I`` with
+``λ > 0`` is always invertible; with indefinite factors an eigenvalue
+``-λ`` (up to round-off) is an error.
 """
 
 from __future__ import annotations
@@ -139,14 +145,16 @@ class KroneckerProduct(LinearOperator):
             return KroneckerProduct([torch.linalg.inv(f) for f in self.heuristic_damped_factors(damping)])
         from cockpit_like.operators.eigh import Eigh
 
-        values, vectors = self.eigendecomposition()
+        values, vectors = self.eigendecomposition(clamp_psd=True)
         shifted = values + damping
-        scale = float(values.abs().max()) if values.numel() else 0.0
-        if bool((shifted.abs() <= 10 * self._size * torch.finfo(self._dtype).eps * max(scale, damping)).any()):
-            raise ValueError(
-                f"KroneckerProduct.inverse(damping={damping}): the operator has the eigenvalue {-damping}, so "
-                "F + damping I is singular; choose another damping"
-            )
+        if bool((values < 0).any()):  # an indefinite factor: F + damping I may be singular
+            scale = max(float(values.abs().max()), damping)
+            tol = sum(self.sizes) * torch.finfo(self._dtype).eps * scale
+            if bool((shifted.abs() <= tol).any()):
+                raise ValueError(
+                    f"KroneckerProduct.inverse(damping={damping}): the operator has the eigenvalue {-damping} "
+                    "(up to round-off), so F + damping I is singular; choose another damping"
+                )
         return Eigh(1.0 / shifted, vectors)
 
     def heuristic_damped_factors(self, damping: float) -> list[torch.Tensor]:
@@ -162,12 +170,22 @@ class KroneckerProduct(LinearOperator):
         eye = [torch.eye(n, dtype=self._dtype, device=self._device) for n in self.sizes]
         return [f + pi * root * e for f, pi, e in zip(self.factors, pis, eye)]
 
-    def eigendecomposition(self) -> tuple[torch.Tensor, KroneckerProduct]:
-        """``(λ, Q)``: all eigenvalues (in Kronecker order, not sorted) and ``Q = ⊗ Q_i``."""
+    def eigendecomposition(self, clamp_psd: bool = False) -> tuple[torch.Tensor, KroneckerProduct]:
+        """``(λ, Q)``: all eigenvalues (in Kronecker order, not sorted) and ``Q = ⊗ Q_i``.
+
+        With ``clamp_psd``, the eigenvalues of a factor that is positive
+        semi-definite up to round-off (smallest eigenvalue ``>= -n eps
+        max|λ|``, as curvature factors are by construction) are clamped at 0,
+        so that ``λ + damping >= damping``.
+        """
         self._require_symmetric("eigendecomposition()")
         values, vectors = None, []
-        for factor in self.factors:
+        for factor, n in zip(self.factors, self.sizes):
             ev, q = torch.linalg.eigh(factor)
+            if clamp_psd and ev.numel():
+                tol = n * torch.finfo(ev.dtype).eps * float(ev.abs().max())
+                if float(ev.min()) >= -tol:
+                    ev = ev.clamp(min=0)
             vectors.append(q)
             values = ev if values is None else torch.outer(values, ev).reshape(-1)
         return values, KroneckerProduct(vectors)
