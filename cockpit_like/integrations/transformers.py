@@ -1,0 +1,265 @@
+"""Hugging Face: a cockpit around the backward pass that ``transformers.Trainer`` owns.
+
+::
+
+    from cockpit_like import Cockpit
+    from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
+
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    trainer = CockpitTrainer(model=model, args=args, train_dataset=train,
+                             callbacks=[CockpitCallback(cockpit, logpath="runs/hf")])
+    trainer.train()
+
+Why two pieces: the ``Trainer`` computes the loss and calls ``backward`` inside
+``Trainer.training_step``, and no ``TrainerCallback`` event sits between the
+loss and the backward pass (``on_step_begin`` comes before the forward pass,
+``on_pre_optimizer_step`` after gradient clipping). So
+:class:`CockpitTrainerMixin` (``CockpitTrainer`` is ``Trainer`` with it)
+overrides the two methods the ``Trainer`` documents for subclassing:
+
+- ``compute_loss`` (during ``training_step`` only): calls the ``Trainer``'s own
+  ``compute_loss`` for the loss and the outputs, computes the per-sample
+  losses from them (:func:`individual_losses`), and opens the step:
+  ``cockpit.begin(state.global_step, info={"loss", "individual_losses",
+  "batch_size", "optimizer"})``;
+- ``training_step``: runs the ``Trainer``'s step (forward, ``backward``) and
+  closes the step with ``cockpit.end()`` (``end(error)`` if it failed). When
+  the cockpit needs the graph at this step, the accelerator's ``backward`` is
+  given ``create_graph=True`` for the duration of the call.
+
+:class:`CockpitCallback` does the rest: ``cockpit.log`` with the evaluation
+figures (``eval_loss``, ``eval_accuracy``) under the last trained step;
+``cockpit_state.pt`` (the cockpit's ``state_dict()``) in every checkpoint
+folder; ``trainer.train(resume_from_checkpoint=...)`` (a folder or ``True``)
+restores it; the log is written to ``logpath`` when training ends.
+
+Per-sample losses (:func:`individual_losses`), from ``outputs.logits`` and
+``inputs["labels"]``, with the mean equal to the ``Trainer``'s loss (checked):
+
+- logits ``[B, C]`` (sequence classification): cross-entropy per row; one
+  output column: squared error (regression); float labels shaped like the
+  logits: binary cross-entropy, averaged per row (multi-label);
+- logits ``[B, T, V]`` (causal LM): the next-token losses of each row summed
+  over its counted tokens (labels shifted by one, ``-100`` ignored) and scaled
+  by ``B / N`` with ``N`` the counted tokens of the batch, as the ``Trainer``
+  counts them (``num_items_in_batch``).
+
+Anything else: pass ``CockpitCallback(individual_losses=fn)`` with
+``fn(outputs, inputs) -> [B]``. Gradient accumulation is refused (one
+backward pass per tracked step).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CockpitCallback", "CockpitTrainer", "CockpitTrainerMixin", "individual_losses", "STATE_FILE"]
+
+#: The cockpit's state in a ``Trainer`` checkpoint folder.
+STATE_FILE = "cockpit_state.pt"
+
+
+def individual_losses(outputs: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+    """One loss per row of the batch whose mean is the ``Trainer``'s loss (see the module docstring)."""
+    logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else getattr(outputs, "logits", None)
+    labels = inputs.get("labels")
+    if logits is None or labels is None:
+        raise ValueError(
+            "CockpitCallback: cannot compute per-sample losses without outputs.logits and inputs['labels']; "
+            "pass CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> one loss per row"
+        )
+    if logits.dim() == 2:
+        if labels.is_floating_point() and labels.shape == logits.shape:
+            return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
+        if logits.shape[1] == 1:
+            return (logits.squeeze(1) - labels.to(logits.dtype)) ** 2
+        return F.cross_entropy(logits, labels, reduction="none")
+    if logits.dim() == 3 and labels.dim() == 2:
+        shifted = labels[:, 1:]
+        per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=-100, reduction="none")
+        count = num_items_in_batch if num_items_in_batch is not None else (shifted != -100).sum()
+        count = torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device)
+        return per_token.sum(1) * (labels.shape[0] / count)
+    raise ValueError(
+        f"CockpitCallback: no per-sample loss rule for logits of shape {list(logits.shape)} with labels of shape "
+        f"{list(labels.shape)}; pass CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B]"
+    )
+
+
+class _CockpitCallbackBase:
+    """The callback's logic; :data:`CockpitCallback` adds ``transformers.TrainerCallback`` as a base."""
+
+    def __init__(
+        self,
+        cockpit: Any,
+        logpath: str | os.PathLike | None = None,
+        individual_losses: Callable[[Any, dict], torch.Tensor] | None = None,
+    ):
+        from cockpit_like import Cockpit
+
+        if not isinstance(cockpit, Cockpit):
+            raise ValueError(
+                f"CockpitCallback(cockpit): pass a cockpit_like.Cockpit built on the model's parameters, "
+                f"got {type(cockpit).__name__}"
+            )
+        self.cockpit = cockpit
+        self.logpath = logpath
+        self.individual_losses = individual_losses
+        self.trainer: Any = None  # set by CockpitTrainerMixin
+        self.resume_from: str | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is None:
+            raise RuntimeError(
+                "CockpitCallback needs a Trainer that opens the cockpit's step around its backward pass: use "
+                "cockpit_like.integrations.transformers.CockpitTrainer instead of Trainer, or put "
+                "CockpitTrainerMixin first among the bases of your Trainer subclass"
+            )
+        if args.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"CockpitCallback: gradient_accumulation_steps={args.gradient_accumulation_steps}; the cockpit tracks "
+                "one backward pass per optimizer step. Use gradient_accumulation_steps=1."
+            )
+        if self.resume_from is not None:
+            path = Path(self.resume_from) / STATE_FILE
+            if not path.is_file():
+                raise FileNotFoundError(
+                    f"CockpitCallback: {path} is missing: the checkpoint was saved without a CockpitCallback. "
+                    "Resume from a checkpoint saved with it, or train without the callback."
+                )
+            self.cockpit.load_state_dict(torch.load(path, weights_only=True))
+            self.resume_from = None
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
+        if not metrics or state.global_step == 0:
+            return
+        figures = {"valid_loss": metrics.get("eval_loss"), "valid_accuracy": metrics.get("eval_accuracy")}
+        optimizer = kwargs.get("optimizer")
+        learning_rate = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        self.cockpit.log(state.global_step - 1, epoch_count=state.epoch, learning_rate=learning_rate,
+                         **{k: float(v) for k, v in figures.items() if v is not None})
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(self.cockpit.state_dict(), folder / STATE_FILE)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.logpath is not None and state.is_world_process_zero:
+            self.cockpit.write(self.logpath)
+
+
+class CockpitTrainerMixin:
+    """Put first among the bases of a ``transformers.Trainer`` subclass (see the module docstring)."""
+
+    def _cockpit_callback(self) -> Any:
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, _CockpitCallbackBase):
+                return callback
+        return None
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        callback = self._cockpit_callback()
+        if callback is not None:
+            callback.trainer = self
+            path = resume_from_checkpoint
+            if path is True:
+                from transformers.trainer_utils import get_last_checkpoint
+
+                path = get_last_checkpoint(self.args.output_dir)
+            callback.resume_from = os.fspath(path) if path else None
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        callback = self._cockpit_callback()
+        if callback is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        cockpit = callback.cockpit
+        accelerator = self.accelerator
+        wrapped = cockpit.create_graph(self.state.global_step)
+        if wrapped:
+            backward = accelerator.backward
+
+            def backward_with_graph(loss: torch.Tensor, **backward_kwargs: Any) -> Any:
+                backward_kwargs.setdefault("create_graph", True)
+                return backward(loss, **backward_kwargs)
+
+            accelerator.backward = backward_with_graph
+        self._cockpit_training = True
+        try:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        except BaseException as error:
+            if cockpit.open_step is not None:
+                cockpit.end(error)
+            raise
+        finally:
+            self._cockpit_training = False
+            if wrapped:
+                del accelerator.backward  # the instance attribute; the class's method is back
+        if cockpit.open_step is not None:
+            cockpit.end()
+        return loss
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        callback = self._cockpit_callback()
+        if callback is None or not getattr(self, "_cockpit_training", False):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        seen = dict(inputs)  # the Trainer may pop "labels" from inputs
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        if callback.individual_losses is not None:
+            losses = callback.individual_losses(outputs, seen)
+        else:
+            losses = individual_losses(outputs, seen, num_items_in_batch)
+        mean = losses.detach().mean()
+        if not torch.isclose(mean.to(loss.dtype), loss.detach(), rtol=1e-5, atol=1e-7):
+            raise ValueError(
+                f"CockpitCallback: the per-sample losses average to {float(mean):.6g}, but the Trainer's loss is "
+                f"{float(loss):.6g}; the cockpit needs losses whose mean is the loss. Pass "
+                "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
+            )
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer}
+        callback.cockpit.begin(self.state.global_step, info=info)
+        return (loss, outputs) if return_outputs else loss
+
+
+@functools.cache
+def _classes() -> dict[str, type]:
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("the Hugging Face integration needs transformers: pip install cockpit_like[transformers]") from error
+    callback = type("CockpitCallback", (_CockpitCallbackBase, transformers.TrainerCallback), {
+        "__doc__": """Cockpit events of a ``transformers.Trainer`` run (see the module docstring).
+
+    Args:
+        cockpit: the :class:`~cockpit_like.Cockpit` on the model's parameters.
+        logpath: write the log there (``logpath + ".json"``) when training ends.
+        individual_losses: ``fn(outputs, inputs) -> [B]`` per-sample losses whose
+            mean is the loss (default: :func:`individual_losses`).
+    """,
+        "__module__": __name__,
+    })
+    trainer = type("CockpitTrainer", (CockpitTrainerMixin, transformers.Trainer), {
+        "__doc__": "``transformers.Trainer`` with :class:`CockpitTrainerMixin`.",
+        "__module__": __name__,
+    })
+    return {"CockpitCallback": callback, "CockpitTrainer": trainer}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("CockpitCallback", "CockpitTrainer"):  # built on first use: importing this module imports no transformers
+        return _classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

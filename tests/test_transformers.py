@@ -1,0 +1,209 @@
+"""Hugging Face integration: a real transformers.Trainer gives the log of the same training as a plain loop.
+
+Tiny float64 models built from configs: GPT-2 (causal LM, ``tests/zoo.py``)
+and a BERT sequence classifier. GPT-2's loss is computed in float32 by
+transformers (it upcasts the logits with ``.float()``), so logs are compared
+with a float32 tolerance; the classifier's loss stays in float64.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cockpit_like import Cockpit, quantities, read_log
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+
+from .test_lightning import assert_same_log
+from .zoo import gpt2
+
+pytest.importorskip("accelerate")
+LR = 0.1
+BATCH = 4
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, **columns):
+        self.columns = columns
+
+    def __len__(self):
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, index):
+        return {key: value[index] for key, value in self.columns.items()}
+
+
+def _gpt_data():
+    tokens = torch.randint(0, 40, (8, 6), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def _bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+                        max_position_embeddings=16, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config).double().train()
+
+
+def _bert_data():
+    generator = torch.Generator().manual_seed(4)
+    return {"input_ids": torch.randint(1, 30, (8, 5), generator=generator), "labels": torch.randint(0, 3, (8,), generator=generator)}
+
+
+def _tracked():
+    return configuration("economy") + [quantities.HessMaxEV(linear(1))]
+
+
+def _plain_loop(model, data, steps, eval_data=None) -> dict:
+    """The same training without the Trainer (the model's own loss, per-sample losses from the logits)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
+    rows = len(data["labels"])
+    for step in range(steps):
+        start = (step * BATCH) % rows
+        batch = {key: value[start : start + BATCH] for key, value in data.items()}
+        torch.manual_seed(1000 + step)
+        optimizer.zero_grad()
+        labels = batch["labels"]
+        if labels.dim() == 2:
+            # The Trainer's loss for GPT2LMHeadModel: transformers 5.23 counts all B x T labels as the
+            # loss's divisor (num_items_in_batch; the model's loss_type is None, so the Trainer does not
+            # know that the loss shifts the labels): (T-1)/T of the token mean. The loop trains the same loss.
+            count = (labels != -100).sum()
+            outputs = model(**batch, num_items_in_batch=count)
+            per_token = F.cross_entropy(outputs.logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
+            losses = per_token.sum(1) * (BATCH / count)
+        else:
+            outputs = model(**batch)
+            losses = F.cross_entropy(outputs.logits, labels, reduction="none")
+        info = {"batch_size": BATCH, "loss": outputs.loss, "individual_losses": losses, "optimizer": optimizer}
+        with cockpit(step, info=info):
+            outputs.loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        if eval_data is not None and (step + 1) % (rows // BATCH) == 0:
+            with torch.no_grad():
+                model.eval()
+                loss = model(**eval_data).loss.item()
+                model.train()
+            cockpit.log(step, epoch_count=(step + 1) // (rows // BATCH), valid_loss=loss, learning_rate=LR)
+    return cockpit.get_output()
+
+
+class _Seed:
+    """The same HessMaxEV start vector as the loop: reseed before each step's forward pass."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class Seed(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                torch.manual_seed(1000 + state.global_step)
+
+        return Seed()
+
+
+def _train(tmp_path, model, data, steps, logpath=None, save_steps=None, resume=None, eval_data=None, trainer_class=None):
+    from transformers import TrainingArguments
+
+    from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=len(data["labels"]), learning_rate=LR, lr_scheduler_type="constant",
+        max_grad_norm=0.0, report_to="none", logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
+        train_sampling_strategy="sequential", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        eval_strategy="epoch" if eval_data is not None else "no",
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
+    trainer = (trainer_class or CockpitTrainer)(
+        model=model, args=args, train_dataset=Rows(**data), optimizers=(optimizer, None),
+        eval_dataset=None if eval_data is None else Rows(**eval_data),
+        callbacks=[CockpitCallback(cockpit, logpath=logpath), _Seed()],
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(create_graph=True|Full backward hook).*")
+        trainer.train(resume_from_checkpoint=resume)
+    return cockpit
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _plain_loop(gpt2().model, _gpt_data(), 4)
+
+
+def test_causal_lm_trainer_equals_plain_loop(tmp_path, gpt_reference):
+    cockpit = _train(tmp_path, gpt2().model, _gpt_data(), 4, logpath=tmp_path / "log")
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1, 2, 3] and "HessMaxEV" in output[3] and "UpdateSize" in output[2]
+    assert_same_log(output, gpt_reference, rtol=1e-5, atol=1e-8)
+    assert_same_log(read_log(tmp_path / "log.json"), gpt_reference, rtol=1e-5, atol=1e-8)
+
+
+def test_classifier_trainer_equals_plain_loop(tmp_path):
+    eval_data = _bert_data()
+    reference = _plain_loop(_bert(), _bert_data(), 4, eval_data=eval_data)
+    output = _train(tmp_path, _bert(), _bert_data(), 4, eval_data=eval_data).get_output()
+    assert output[1]["epoch_count"] == 1.0 and output[3]["epoch_count"] == 2.0
+    assert_same_log(output, reference, rtol=1e-9, atol=1e-12)  # float64 throughout
+
+
+def test_checkpoint_and_resume(tmp_path, gpt_reference):
+    from cockpit_like.integrations.transformers import STATE_FILE
+
+    _train(tmp_path, gpt2().model, _gpt_data(), 4, save_steps=2)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert (checkpoint / STATE_FILE).is_file() and (tmp_path / "out" / "checkpoint-4" / STATE_FILE).is_file()
+    assert torch.load(checkpoint / STATE_FILE, weights_only=True)["next_step"] == 2
+    model = gpt2(seed=5).model  # other weights: the checkpoint's replace them
+    resumed = _train(tmp_path / "again", model, _gpt_data(), 4, resume=str(checkpoint))
+    assert_same_log(resumed.get_output(), gpt_reference, rtol=1e-5, atol=1e-8)
+
+
+def test_plain_trainer_and_bad_losses_are_errors(tmp_path):
+    from transformers import Trainer
+
+    with pytest.raises(RuntimeError, match="use cockpit_like.integrations.transformers.CockpitTrainer"):
+        _train(tmp_path, gpt2().model, _gpt_data(), 1, trainer_class=Trainer)
+
+    from cockpit_like.integrations.transformers import CockpitCallback
+
+    model = gpt2().model
+    with pytest.raises(ValueError, match="average to .* but the Trainer's loss is"):
+        cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
+        _train_with_callback(tmp_path, model, CockpitCallback(cockpit, individual_losses=lambda out, inp: torch.ones(BATCH)))
+
+
+def _train_with_callback(tmp_path, model, callback):
+    from transformers import TrainingArguments
+
+    from cockpit_like.integrations.transformers import CockpitTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path / "bad"), max_steps=1, per_device_train_batch_size=BATCH,
+                             report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True, use_cpu=True)
+    CockpitTrainer(model=model, args=args, train_dataset=Rows(**_gpt_data()), callbacks=[callback]).train()
+
+
+def test_individual_losses_rules():
+    from cockpit_like.integrations.transformers import individual_losses
+
+    logits = torch.randn(3, 4, 5, dtype=torch.float64)
+    labels = torch.tensor([[1, 2, 3, -100], [4, 0, -100, -100], [2, 2, 2, 2]])
+    losses = individual_losses({"logits": logits}, {"labels": labels})
+    tokens = [(b, t) for b in range(3) for t in range(3) if labels[b, t + 1] != -100]  # 3 + 1 + 3 counted tokens
+    total = {b: 0.0 for b in range(3)}
+    for b, t in tokens:
+        total[b] += -torch.log_softmax(logits[b, t], 0)[labels[b, t + 1]].item()
+    expected = torch.tensor([total[b] * 3 / len(tokens) for b in range(3)], dtype=torch.float64)
+    torch.testing.assert_close(losses, expected)
+    classifier = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(individual_losses({"logits": classifier}, {"labels": torch.tensor([0, 3, 1])}),
+                               torch.stack([-torch.log_softmax(classifier[i], 0)[c] for i, c in enumerate([0, 3, 1])]))
+    with pytest.raises(ValueError, match="without outputs.logits and inputs\\['labels'\\]"):
+        individual_losses({"logits": classifier}, {})
