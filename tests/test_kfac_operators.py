@@ -88,6 +88,11 @@ def dense_model_operator(model, weight_block, bias_block, joined_block):
 
 def test_kfac_operator_against_dense_assembly():
     model = Model()
+    assert repr(model.fc2) == (
+        "LayerCurvature(name='fc2', weight=[2, 3], bias=[2], A=[4, 4], G=[2, 2], join_bias=True, "
+        "corrected_eigenvalues=False)"
+    )
+    assert model.conv.in_features == 12 and model.conv.weight_shape == (2, 3, 2, 2) and model.conv.bias_shape is None
     op = kfac_operator(model.layers, model.params)
     assert isinstance(op, BlockDiagonal)
     assert op.names == ["fc2", "conv.weight", "fc1.bias", "fc1.weight"]

@@ -53,7 +53,7 @@ __all__ = ["LayerCurvature", "kfac_operator", "ekfac_operator", "MISSING"]
 MISSING = ("error", "identity", "zero")
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class LayerCurvature:
     """One layer's Kronecker factors (and, for EK-FAC, its corrected eigenvalues).
 
@@ -111,6 +111,14 @@ class LayerCurvature:
         if self.bias_eigenvalues is not None and self.bias_eigenvalues.numel() != out:
             shape = list(self.bias_eigenvalues.shape)
             raise ValueError(f"{where}: bias_eigenvalues must have {out} entries, got shape {shape}")
+
+    def __repr__(self) -> str:
+        bias = None if self.bias is None else list(self.bias.shape)
+        return (
+            f"LayerCurvature(name={self.name!r}, weight={list(self.weight.shape)}, bias={bias}, "
+            f"A={list(self.A.shape)}, G={list(self.G.shape)}, join_bias={self.join_bias}, "
+            f"corrected_eigenvalues={self.eigenvalues is not None})"
+        )
 
     # --------------------------------------------------------------- layout
     @property
