@@ -7,6 +7,7 @@ dashboard and the command line can all share it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 #: severities, least to most severe
@@ -45,3 +46,44 @@ class Finding:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Finding:
         return cls(**data)
+
+    @property
+    def key(self) -> tuple[str, str | None]:
+        """``(rule, layer)``: a finding is reported once per key until it clears."""
+        return (self.rule, self.layer)
+
+
+#: where findings are stored in the cockpit's output ``{step: {FINDINGS_KEY: [finding dicts]}}``
+FINDINGS_KEY = "findings"
+#: where clearings are stored: ``{step: {CLEARED_KEY: [{"rule", "layer", "found_at"}]}}``
+CLEARED_KEY = "findings_cleared"
+#: stored keys that are diagnosis output, not quantities
+DIAGNOSIS_KEYS = (FINDINGS_KEY, CLEARED_KEY)
+
+
+def severity_rank(severity: str) -> int:
+    """0 for ``"info"``, 1 for ``"warning"``, 2 for ``"error"``."""
+    return SEVERITIES.index(severity)
+
+
+def findings_in(steps: Mapping[Any, Mapping[str, Any]]) -> list[Finding]:
+    """Every finding stored in an output or log ``{step: {name: value}}``, by step.
+
+    Logs without findings (older ones, or Cockpit's) give ``[]``.
+    """
+    found = []
+    for step in sorted(steps, key=int):
+        values = steps[step]
+        for data in (values.get(FINDINGS_KEY) or []) if isinstance(values, Mapping) else []:
+            found.append(Finding.from_dict(dict(data)))
+    return found
+
+
+def active_findings(steps: Mapping[Any, Mapping[str, Any]]) -> list[Finding]:
+    """The stored findings that were not cleared later (what the dashboard lists)."""
+    cleared = set()
+    for values in steps.values():
+        if isinstance(values, Mapping):
+            for entry in values.get(CLEARED_KEY) or []:
+                cleared.add((entry.get("rule"), entry.get("layer"), entry.get("found_at")))
+    return [f for f in findings_in(steps) if (f.rule, f.layer, f.step) not in cleared]

@@ -6,7 +6,7 @@ Primary screen (16 x 9 inches)::
     |  Alpha               |  Gradient tests       | λmax     | tr H      |
     | distance | grad norm | hist 1-D | hist 2-D   | KFAC tr  | TIC       |
     +-- Hyperparameters ---+-- Performance ------------------------------+
-    | learning rate        |  loss                       | accuracy      |
+    | learning rate        |  loss          | accuracy | check engine   |
     +----------------------+---------------------------------------------+
 
 The secondary screen adds a band below (figure 16 x 14): MeanGSNR, CABS,
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from matplotlib.patches import FancyBboxPatch
 
+from cockpit_like.plotting.findings_panel import FINDINGS_INSTRUMENT
 from cockpit_like.plotting.instruments import PRIMARY, SECONDARY, Instrument, layer_histogram
 
 __all__ = ["Layout", "build_layout", "MAX_LAYER_PANELS", "PRIMARY_SIZE", "SECONDARY_SIZE"]
@@ -103,10 +104,11 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0) -> Layout:
         add(key, spec)
     grid = fig.add_gridspec(1, 1, **_group(fig, (0.0, primary_bottom, 0.25, split), "Hyperparameters"))
     add("learning_rate", grid[0, 0])
-    grid = fig.add_gridspec(1, 2, **_group(fig, (0.25, primary_bottom, 1.0, split), "Performance"), wspace=0.18,
-                            width_ratios=[1.7, 1])
+    grid = fig.add_gridspec(1, 3, **_group(fig, (0.25, primary_bottom, 1.0, split), "Performance"), wspace=0.18,
+                            width_ratios=[1.45, 0.85, 1.3])
     add("loss", grid[0, 0])
     add("accuracy", grid[0, 1])
+    add("findings", grid[0, 2], FINDINGS_INSTRUMENT)
 
     if secondary_screen:
         rows = 2 if layer_panels else 1

@@ -1,6 +1,7 @@
 """All built-in quantities and the base classes to write your own."""
 
 from cockpit_like.quantities import bin_adaptation
+from cockpit_like.quantities.activations import ActivationStats
 from cockpit_like.quantities.alpha import Alpha
 from cockpit_like.quantities.byproducts import GradNorm, Loss, Parameters, Time
 from cockpit_like.quantities.gradient_noise import CABS, EarlyStopping, MeanGSNR
@@ -16,6 +17,7 @@ from cockpit_like.quantities.curvature_statistics import (
     SelfInfluence,
 )
 from cockpit_like.quantities.parameter_motion import Distance, UpdateSize
+from cockpit_like.quantities.parameter_norm import ParamNorm
 from cockpit_like.quantities.quantity import (
     ByproductQuantity,
     Quantity,
@@ -52,4 +54,6 @@ __all__ = [
     "EKFACSpectrum",
     "PreconditionedGradNorm",
     "SelfInfluence",
+    "ParamNorm",
+    "ActivationStats",
 ]

@@ -1,0 +1,58 @@
+"""Findings as text: the table and the JSON of ``cockpit-like diagnose``."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from typing import Any
+
+from cockpit_like.diagnosis.engine import DiagnosisReport
+from cockpit_like.diagnosis.findings import Finding
+
+__all__ = ["format_table", "to_json", "exit_status"]
+
+_HEADER = ("severity", "step", "rule", "layer", "finding")
+
+
+def _rows(findings: list[Finding], width: int) -> list[tuple[str, ...]]:
+    rows = []
+    for finding in findings:
+        text = finding.message + (f" -- fix: {finding.fix}" if finding.fix else "")
+        lines = textwrap.wrap(text, width) or [""]
+        rows.append((finding.severity.upper(), str(finding.step), finding.rule, finding.layer or "-", lines[0]))
+        rows.extend(("", "", "", "", line) for line in lines[1:])
+    return rows
+
+
+def format_table(report: DiagnosisReport, path: str = "", width: int = 72, active_only: bool = False) -> str:
+    """The findings (or only the active ones) as an aligned table, then the notes of skipped rules."""
+    findings = report.active if active_only else report.findings
+    counts = {severity: sum(f.severity == severity for f in findings) for severity in ("error", "warning", "info")}
+    summary = ", ".join(f"{n} {severity}{'s' if n != 1 else ''}" for severity, n in counts.items())
+    lines = [f"{path + ': ' if path else ''}{len(findings)} finding{'s' if len(findings) != 1 else ''} ({summary})"]
+    if findings:
+        rows = _rows(findings, width)
+        widths = [max(len(row[i]) for row in [_HEADER, *rows]) for i in range(len(_HEADER) - 1)]
+        def line(row):
+            return "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths)) + "  " + row[-1]
+        lines.append(line(_HEADER))
+        lines.append("  ".join("-" * w for w in widths) + "  " + "-" * min(width, 40))
+        lines.extend(line(row).rstrip() for row in rows)
+    if report.notes:
+        lines.append("")
+        lines.extend(f"note: {note}" for note in report.notes.values())
+    return "\n".join(lines)
+
+
+def to_json(report: DiagnosisReport, path: str = "") -> str:
+    """``{"log", "findings", "active", "notes", "errors"}`` as JSON text (NaN and infinities
+    written as the strings ``"NaN"``, ``"Infinity"``, as in the logs)."""
+    from cockpit_like.logs import encode
+
+    document: dict[str, Any] = {"log": path, **report.to_dict(), "errors": report.has_errors}
+    return json.dumps(encode(document), indent=1, allow_nan=False)
+
+
+def exit_status(report: DiagnosisReport) -> int:
+    """1 when an ``error`` finding is present, else 0 (2, bad usage, is the command line's)."""
+    return 1 if report.has_errors else 0

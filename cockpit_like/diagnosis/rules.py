@@ -1,0 +1,821 @@
+"""The built-in diagnosis rules (one class each; ``docs/diagnosis.md`` lists them).
+
+Every rule reads stored values only (see :mod:`cockpit_like.diagnosis.rule`
+for the contract). Thresholds are constructor arguments; the defaults are
+chosen so that the demo run and other healthy runs raise nothing of severity
+``warning`` or above (``tests/test_diagnosis_runs.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from cockpit_like.diagnosis.findings import Finding
+from cockpit_like.diagnosis.history import RunHistory, block_values, to_float
+from cockpit_like.diagnosis.rule import Rule
+
+__all__ = [
+    "NonFiniteLoss",
+    "LossDiverging",
+    "LossNotDecreasing",
+    "ExplodingGradient",
+    "VanishingGradient",
+    "UpdateRatioTooSmall",
+    "UpdateRatioTooLarge",
+    "StepOvershoots",
+    "StepTooShort",
+    "SharpnessAboveStability",
+    "NoiseDominated",
+    "DeadUnits",
+    "SaturatedUnits",
+    "PoorInitialization",
+    "UnchangedParameters",
+    "Overfitting",
+    "default_rules",
+]
+
+
+def _g(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def _finite(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = np.isfinite(values)
+    return steps[keep], values[keep]
+
+
+def _total_norm(value: Any) -> float:
+    blocks = block_values(value)
+    return math.nan if blocks is None else float(np.sqrt(np.sum(blocks**2)))
+
+
+def _blocks(value: Any) -> np.ndarray | None:
+    return block_values(value)
+
+
+def _check_positive(name: str, value: float) -> float:
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _check_window(value: int, name: str = "window") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class _Persistent(Rule):
+    """A scalar quantity whose recent values stay on the wrong side of a threshold."""
+
+    quantity: str = ""
+
+    def __init__(self, threshold: float, window: int = 10, share: float = 0.8):
+        self.threshold = float(threshold)
+        self.window = _check_window(window)
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must lie in (0, 1], got {share!r}")
+        self.share = float(share)
+
+    def _beyond(self, values: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _recent(self, history: RunHistory) -> tuple[np.ndarray, np.ndarray] | None:
+        steps, values = _finite(*history.scalars(self.quantity))
+        if len(values) < self.window:
+            return None
+        steps, values = steps[-self.window :], values[-self.window :]
+        beyond = self._beyond(values)
+        if beyond.mean() >= self.share and self._beyond(np.asarray([np.median(values)]))[0]:
+            return steps, values
+        return None
+
+
+# ---- the loss -----------------------------------------------------------------------------
+class NonFiniteLoss(Rule):
+    """The mini-batch loss (``Loss``) became NaN or infinite."""
+
+    id = "nonfinite-loss"
+    severity = "error"
+    reads = ("Loss",)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = history.scalars("Loss")
+        bad = ~np.isfinite(values)
+        if not bad.any():
+            return []
+        first = int(np.argmax(bad))
+        step, value = int(steps[first]), float(values[first])
+        return [
+            self.finding(
+                step,
+                f"the loss is {value} at step {step} ({int(bad.sum())} of {len(values)} tracked steps "
+                "non-finite so far)",
+                fix="lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_); look for "
+                "log(0), division by zero or exp overflow in the model and loss (cockpit.record(step) "
+                "names the operation that made the first non-finite value)",
+                evidence={"first_step": step, "value": value, "nonfinite_steps": int(bad.sum())},
+            )
+        ]
+
+
+def _moving_median(values: np.ndarray, window: int) -> np.ndarray:
+    return np.median(np.lib.stride_tricks.sliding_window_view(values, window), axis=1)
+
+
+class LossDiverging(Rule):
+    """The loss grows: its recent median is ``factor`` x its initial median, or ``rise`` x its best.
+
+    Medians over ``window`` tracked steps (non-finite values left out); the
+    loss is assumed positive (cross-entropy, squared error).
+    """
+
+    id = "loss-diverging"
+    severity = "error"
+    reads = ("Loss",)
+
+    def __init__(self, window: int = 5, factor: float = 2.0, rise: float = 10.0):
+        self.window = _check_window(window)
+        self.factor = _check_positive("factor", factor)
+        self.rise = _check_positive("rise", rise)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = _finite(*history.scalars("Loss"))
+        if len(values) < 2 * self.window:
+            return []
+        medians = _moving_median(values, self.window)
+        initial, recent = float(medians[0]), float(medians[-1])
+        best_at = int(np.argmin(medians))
+        best = float(medians[best_at])
+        if not (initial > 0 and best > 0):
+            return []
+        grew = recent > self.factor * initial
+        rose = recent > self.rise * best
+        if not (grew or rose):
+            return []
+        step = int(steps[-1])
+        if grew:
+            what = f"{_g(recent / initial)}x its initial value {_g(initial)} (median of the first {self.window} tracked steps)"
+        else:
+            what = f"{_g(recent / best)}x its best value {_g(best)} (around step {int(steps[best_at + self.window - 1])})"
+        return [
+            self.finding(
+                step,
+                f"the loss is diverging: its median over the last {self.window} tracked steps is {_g(recent)}, "
+                f"{what}",
+                fix="lower the learning rate (e.g. by 10x), add warm-up or gradient clipping",
+                evidence={"recent": recent, "initial": initial, "best": best, "window": self.window,
+                          "steps": [int(steps[-self.window]), step]},
+            )
+        ]
+
+
+class LossNotDecreasing(Rule):
+    """The loss has not dropped by ``min_decrease`` (relative) after ``min_values`` tracked steps.
+
+    Compares the median of the last ``window`` tracked losses with the
+    median of the first ``window``. A loss that rose above ``1 + max_rise``
+    times its start is left to ``loss-diverging``.
+    """
+
+    id = "loss-not-decreasing"
+    severity = "warning"
+    reads = ("Loss",)
+
+    def __init__(self, window: int = 5, min_values: int = 20, min_decrease: float = 0.05, max_rise: float = 0.5):
+        self.window = _check_window(window)
+        self.min_values = _check_window(min_values, "min_values")
+        if not 0.0 <= min_decrease < 1.0:
+            raise ValueError(f"min_decrease must lie in [0, 1), got {min_decrease!r}")
+        self.min_decrease = float(min_decrease)
+        self.max_rise = _check_positive("max_rise", max_rise)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = _finite(*history.scalars("Loss"))
+        if len(values) < max(self.min_values, 2 * self.window):
+            return []
+        first, recent = float(np.median(values[: self.window])), float(np.median(values[-self.window :]))
+        if not first > 0 or not (1.0 - self.min_decrease) * first <= recent <= (1.0 + self.max_rise) * first:
+            return []
+        change = 100.0 * (first - recent) / first
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the loss is not decreasing: median {_g(first)} over the first {self.window} tracked steps, "
+                f"{_g(recent)} over the last {self.window} (steps {int(steps[0])}..{int(steps[-1])}, "
+                f"{_g(change)}% lower; expected at least {_g(100 * self.min_decrease)}%)",
+                fix="raise the learning rate (try 10x); check that the optimizer gets the model's parameters, "
+                "that the labels match the inputs and that no layer is frozen",
+                evidence={"first": first, "recent": recent, "steps": [int(steps[0]), int(steps[-1])],
+                          "tracked": int(len(values))},
+            )
+        ]
+
+
+# ---- gradients ------------------------------------------------------------------------------
+class ExplodingGradient(Rule):
+    """The total gradient norm (from ``GradNorm``) is ``factor`` x its initial median, or not finite."""
+
+    id = "exploding-gradient"
+    severity = "warning"
+    reads = ("GradNorm",)
+
+    def __init__(self, window: int = 5, factor: float = 100.0):
+        self.window = _check_window(window)
+        self.factor = _check_positive("factor", factor)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, totals = history.series("GradNorm", _total_norm)
+        if not totals:
+            return []
+        step, latest = steps[-1], totals[-1]
+        if not math.isfinite(latest):
+            return [
+                self.finding(
+                    step,
+                    f"the gradient norm is {latest} at step {step}",
+                    fix="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), look for "
+                    "log(0) or exp overflow",
+                    evidence={"step": step, "norm": latest},
+                    severity="error",
+                )
+            ]
+        if len(totals) <= self.window:
+            return []
+        initial = float(np.nanmedian(totals[: self.window]))
+        if not (initial > 0 and latest > self.factor * initial):
+            return []
+        return [
+            self.finding(
+                step,
+                f"the gradient norm is exploding: {_g(latest)} at step {step}, {_g(latest / initial)}x its "
+                f"initial median {_g(initial)}",
+                fix="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or normalize "
+                "activations (LayerNorm/BatchNorm)",
+                evidence={"step": step, "norm": latest, "initial": initial},
+            )
+        ]
+
+
+class VanishingGradient(Rule):
+    """A layer's gradient norm is below ``ratio`` x the largest layer's (median over ``window`` steps) or below ``floor``."""
+
+    id = "vanishing-gradient"
+    severity = "warning"
+    reads = ("GradNorm",)
+
+    def __init__(self, window: int = 3, ratio: float = 1e-4, floor: float = 1e-10):
+        self.window = _check_window(window)
+        self.ratio = _check_positive("ratio", ratio)
+        self.floor = float(floor)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        recent = history.last("GradNorm", self.window)
+        if len(recent) < self.window:
+            return []
+        rows = [_blocks(value) for _, value in recent]
+        if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
+            return []
+        norms = np.vstack(rows)
+        if not np.isfinite(norms).all():
+            return []
+        largest = norms.max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            relative = np.median(np.where(largest > 0, norms / largest, 1.0), axis=0)
+        median = np.median(norms, axis=0)
+        found = []
+        steps = [step for step, _ in recent]
+        for index in range(norms.shape[1]):
+            if relative[index] < self.ratio or median[index] < self.floor:
+                layer = history.param_name(index)
+                found.append(
+                    self.finding(
+                        steps[-1],
+                        f"the gradient of {layer} vanishes: norm {_g(median[index])} (median over steps "
+                        f"{steps[0]}..{steps[-1]}), {_g(relative[index])}x the largest layer's",
+                        fix="use an initialization scaled to the layer width (Kaiming/Xavier), ReLU-like "
+                        "activations instead of saturating tanh/sigmoid, normalization layers or residual "
+                        "connections",
+                        layer=layer,
+                        evidence={"norm": float(median[index]), "relative": float(relative[index]),
+                                  "steps": steps},
+                    )
+                )
+        return found
+
+
+# ---- parameter motion -------------------------------------------------------------------------
+class _UpdateRatio(Rule):
+    """``UpdateSize / ParamNorm`` per layer, median over the last ``window`` steps with both."""
+
+    reads = ("UpdateSize", "ParamNorm")
+
+    def __init__(self, threshold: float, window: int = 5, include_biases: bool = False):
+        self.threshold = _check_positive("threshold", threshold)
+        self.window = _check_window(window)
+        self.include_biases = bool(include_biases)
+
+    def _ratios(self, history: RunHistory) -> tuple[list[int], np.ndarray] | None:
+        steps = []
+        rows = []
+        for step, update in reversed(history.last("UpdateSize", 4 * self.window)):
+            norm = history.get("ParamNorm", step)
+            update, norm = _blocks(update), _blocks(norm)
+            if update is None or norm is None or len(update) != len(norm):
+                continue
+            with np.errstate(divide="ignore", invalid="ignore"):
+                rows.append(np.where(norm > 0, update / norm, np.nan))
+            steps.append(step)
+            if len(rows) == self.window:
+                break
+        if len(rows) < self.window or len({len(row) for row in rows}) != 1:
+            return None
+        ratios = np.vstack(rows[::-1])
+        finite = np.isfinite(ratios)
+        counts = finite.sum(axis=0)
+        sums = np.sort(np.where(finite, ratios, np.inf), axis=0)  # finite values first, per layer
+        medians = np.full(ratios.shape[1], np.nan)
+        for layer, count in enumerate(counts):
+            if count:
+                medians[layer] = float(np.median(sums[:count, layer]))
+        return steps[::-1], medians
+
+    def _layers(self, history: RunHistory, count: int) -> list[int]:
+        return [i for i in range(count) if self.include_biases or (history.param_ndim(i) or 2) >= 2]
+
+    def _wrong(self, ratio: float) -> bool:
+        raise NotImplementedError
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        found = self._ratios(history)
+        if found is None:
+            return []
+        steps, ratios = found
+        findings = []
+        for index in self._layers(history, len(ratios)):
+            ratio = float(ratios[index])
+            if math.isfinite(ratio) and self._wrong(ratio):
+                layer = history.param_name(index)
+                findings.append(
+                    self.finding(
+                        steps[-1],
+                        f"the updates of {layer} are {_g(ratio)} of its norm (median over steps "
+                        f"{steps[0]}..{steps[-1]}; {self.bound} {_g(self.threshold)})",
+                        fix=self.fix,
+                        layer=layer,
+                        evidence={"ratio": ratio, "threshold": self.threshold, "steps": steps},
+                    )
+                )
+        return findings
+
+
+class UpdateRatioTooSmall(_UpdateRatio):
+    """Updates below ``threshold`` x the parameter norm (exactly zero updates: ``unchanged-parameters``)."""
+
+    id = "update-ratio-too-small"
+    severity = "warning"
+    bound = "expected at least"
+    fix = "raise the learning rate (for this layer's parameter group); check weight decay and gradient scaling"
+
+    def __init__(self, threshold: float = 1e-5, window: int = 5, include_biases: bool = False):
+        super().__init__(threshold, window, include_biases)
+
+    def _wrong(self, ratio: float) -> bool:
+        return 0.0 < ratio < self.threshold
+
+
+class UpdateRatioTooLarge(_UpdateRatio):
+    """Updates above ``threshold`` x the parameter norm."""
+
+    id = "update-ratio-too-large"
+    severity = "warning"
+    bound = "expected at most"
+    fix = "lower the learning rate (for this layer's parameter group) or add warm-up"
+
+    def __init__(self, threshold: float = 0.1, window: int = 5, include_biases: bool = False):
+        super().__init__(threshold, window, include_biases)
+
+    def _wrong(self, ratio: float) -> bool:
+        return ratio > self.threshold
+
+
+class UnchangedParameters(Rule):
+    """A layer whose update (``UpdateSize``, else ``Distance``) is at most ``tolerance`` for ``window`` steps."""
+
+    id = "unchanged-parameters"
+    severity = "warning"
+
+    def __init__(self, window: int = 3, tolerance: float = 0.0):
+        self.window = _check_window(window)
+        self.tolerance = float(tolerance)
+
+    def missing(self, history: RunHistory) -> list[str]:
+        return [] if history.has("UpdateSize") or history.has("Distance") else ["UpdateSize or Distance"]
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        name = "UpdateSize" if history.has("UpdateSize") else "Distance"
+        recent = history.last(name, self.window)
+        if len(recent) < self.window or (name == "Distance" and history.count(name) <= self.window):
+            return []
+        rows = [_blocks(value) for _, value in recent]
+        if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
+            return []
+        still = (np.vstack(rows) <= self.tolerance).all(axis=0)
+        steps = [step for step, _ in recent]
+        what = "update" if name == "UpdateSize" else "distance to the start"
+        return [
+            self.finding(
+                steps[-1],
+                f"{history.param_name(i)} does not change: its {what} is 0 at steps {steps[0]}..{steps[-1]}",
+                fix="check that the optimizer was given this parameter (model.parameters()), that its "
+                "learning rate is not 0 and that it gets a gradient (requires_grad, used in forward)",
+                layer=history.param_name(i),
+                evidence={"quantity": name, "steps": steps},
+            )
+            for i in np.flatnonzero(still)
+        ]
+
+
+# ---- step size and curvature -------------------------------------------------------------------
+class StepOvershoots(_Persistent):
+    """Alpha above ``threshold`` (default 1) in a ``share`` of the last ``window`` tracked steps, median too."""
+
+    id = "step-overshoots"
+    severity = "warning"
+    reads = ("Alpha",)
+    quantity = "Alpha"
+
+    def __init__(self, threshold: float = 1.0, window: int = 10, share: float = 0.8):
+        super().__init__(threshold, window, share)
+
+    def _beyond(self, values: np.ndarray) -> np.ndarray:
+        return values > self.threshold
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        recent = self._recent(history)
+        if recent is None:
+            return []
+        steps, values = recent
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the steps overshoot: the normalized step size alpha is {_g(np.median(values))} (median of "
+                f"steps {int(steps[0])}..{int(steps[-1])}; above {_g(self.threshold)} means past the mirrored "
+                "point of the local parabola)",
+                fix="lower the learning rate (alpha near 0 steps to the minimum along the update direction)",
+                evidence={"median": float(np.median(values)), "steps": [int(steps[0]), int(steps[-1])]},
+            )
+        ]
+
+
+class StepTooShort(_Persistent):
+    """Alpha below ``threshold`` (default -0.7: near -1) in a ``share`` of the last ``window`` steps."""
+
+    id = "step-too-short"
+    severity = "warning"
+    reads = ("Alpha",)
+    quantity = "Alpha"
+
+    def __init__(self, threshold: float = -0.7, window: int = 10, share: float = 0.8):
+        super().__init__(threshold, window, share)
+
+    def _beyond(self, values: np.ndarray) -> np.ndarray:
+        return values < self.threshold
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        recent = self._recent(history)
+        if recent is None:
+            return []
+        steps, values = recent
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the steps are too short: alpha is {_g(np.median(values))} (median of steps "
+                f"{int(steps[0])}..{int(steps[-1])}); near -1 the step stops far before the minimum of the "
+                "fitted parabola",
+                fix="raise the learning rate (try 2-10x)",
+                evidence={"median": float(np.median(values)), "steps": [int(steps[0]), int(steps[-1])]},
+            )
+        ]
+
+
+class SharpnessAboveStability(Rule):
+    """``learning_rate x HessMaxEV > limit`` (default 2, gradient descent's stability bound) at the last ``window`` values.
+
+    The learning rate is the latest ``cockpit.log(step, learning_rate=...)``
+    at or before each step. With heavy-ball momentum ``beta`` the bound is
+    ``2 (1 + beta)``: pass ``limit``.
+    """
+
+    id = "sharpness-above-stability"
+    severity = "warning"
+    reads = ("HessMaxEV", "learning_rate")
+
+    def __init__(self, limit: float = 2.0, window: int = 3):
+        self.limit = _check_positive("limit", limit)
+        self.window = _check_window(window)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        recent = history.last("HessMaxEV", self.window)
+        if len(recent) < self.window:
+            return []
+        products, rates = [], []
+        for step, value in recent:
+            rate = to_float(history.at_or_before("learning_rate", step)[1])
+            rates.append(rate)
+            products.append(rate * to_float(value))
+        if not all(math.isfinite(p) and p > self.limit for p in products):
+            return []
+        steps = [step for step, _ in recent]
+        sharp = to_float(recent[-1][1])
+        return [
+            self.finding(
+                steps[-1],
+                f"the top Hessian eigenvalue {_g(sharp)} times the learning rate {_g(rates[-1])} is "
+                f"{_g(products[-1])} > {_g(self.limit)} at steps {steps[0]}..{steps[-1]}: along that direction "
+                "a gradient step is unstable",
+                fix=f"lower the learning rate below {_g(self.limit / sharp)} (= {_g(self.limit)} / top eigenvalue) "
+                "or add warm-up",
+                evidence={"products": products, "learning_rates": rates, "steps": steps},
+            )
+        ]
+
+
+class NoiseDominated(_Persistent):
+    """NormTest above ``threshold`` (default 1) in a ``share`` of the last ``window`` steps, median too.
+
+    Severity ``info``: the statistic is about ``sqrt(x / (1 + x))`` with
+    ``x = tr(Sigma) / (B ||grad L||^2)`` (its denominator holds the noisy
+    mini-batch gradient), so it hovers near 1 whenever noise dominates, as it
+    does late in many healthy SGD runs; a larger batch is then a suggestion,
+    not a fault.
+    """
+
+    id = "noise-dominated"
+    severity = "info"
+    reads = ("NormTest",)
+    quantity = "NormTest"
+
+    def __init__(self, threshold: float = 1.0, window: int = 20, share: float = 0.5):
+        super().__init__(threshold, window, share)
+
+    def _beyond(self, values: np.ndarray) -> np.ndarray:
+        return values > self.threshold
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        recent = self._recent(history)
+        if recent is None:
+            return []
+        steps, values = recent
+        median = float(np.median(values))
+        factor = (median / self.threshold) ** 2
+        fix = f"use a batch about {_g(factor)}x larger (the norm test passes at B x test^2)"
+        evidence: dict[str, Any] = {"median": median, "batch_factor": factor,
+                                    "steps": [int(steps[0]), int(steps[-1])]}
+        cabs = history.last("CABS")
+        if cabs and math.isfinite(to_float(cabs[0][1])):
+            fix += f" (for comparison, CABS estimates a batch size of {to_float(cabs[0][1]):.0f} at step {cabs[0][0]})"
+            evidence["cabs"] = to_float(cabs[0][1])
+        fix += ", or lower the learning rate"
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"gradient noise dominates: the norm test is {_g(median)} (median of steps {int(steps[0])}.."
+                f"{int(steps[-1])}); above 1 the variance of the mini-batch gradient exceeds its squared norm",
+                fix=fix,
+                evidence=evidence,
+            )
+        ]
+
+
+# ---- activations ------------------------------------------------------------------------------------
+class _ActivationShare(Rule):
+    """A per-layer field of ``ActivationStats`` above ``threshold`` (median over ``window`` steps)."""
+
+    reads = ("ActivationStats",)
+    field: str = ""
+
+    def __init__(self, threshold: float = 0.5, window: int = 3):
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold must lie in (0, 1), got {threshold!r}")
+        self.threshold = float(threshold)
+        self.window = _check_window(window)
+
+    def _shares(self, history: RunHistory) -> tuple[list[int], dict[str, tuple[str, float]]]:
+        recent = history.last("ActivationStats", self.window)
+        steps = [step for step, _ in recent]
+        if len(recent) < self.window:
+            return steps, {}
+        collected: dict[str, list[float]] = {}
+        kinds: dict[str, str] = {}
+        for _, value in recent:
+            for layer, stats in (value or {}).items():
+                if isinstance(stats, Mapping) and self.field in stats:
+                    collected.setdefault(layer, []).append(to_float(stats[self.field]))
+                    kinds[layer] = str(stats.get("kind", "?"))
+        return steps, {
+            layer: (kinds[layer], float(np.median(shares)))
+            for layer, shares in collected.items()
+            if len(shares) == self.window and np.isfinite(shares).all()
+        }
+
+
+class DeadUnits(_ActivationShare):
+    """ReLU/GELU layers where a share of units above ``threshold`` is off for every sample."""
+
+    id = "dead-units"
+    severity = "warning"
+    field = "dead_fraction"
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, shares = self._shares(history)
+        return [
+            self.finding(
+                steps[-1],
+                f"{_g(100 * share)}% of the units of {layer} ({kind}) are dead: zero for every sample (median of "
+                f"steps {steps[0]}..{steps[-1]}); they pass no gradient",
+                fix="lower the learning rate, initialize biases at 0 (not negative), use Kaiming "
+                "initialization, or LeakyReLU/GELU",
+                layer=layer,
+                evidence={"dead_fraction": share, "kind": kind, "steps": steps},
+            )
+            for layer, (kind, share) in shares.items()
+            if share > self.threshold
+        ]
+
+
+class SaturatedUnits(_ActivationShare):
+    """tanh/sigmoid layers whose share of saturated outputs is above ``threshold``."""
+
+    id = "saturated-units"
+    severity = "warning"
+    field = "saturated_fraction"
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, shares = self._shares(history)
+        return [
+            self.finding(
+                steps[-1],
+                f"{_g(100 * share)}% of the outputs of {layer} ({kind}) are saturated, where the derivative is "
+                f"nearly 0 (median of steps {steps[0]}..{steps[-1]})",
+                fix="scale the initialization down (Xavier/Glorot for tanh and sigmoid), normalize the inputs, "
+                "add LayerNorm/BatchNorm before the activation, or use ReLU-like activations",
+                layer=layer,
+                evidence={"saturated_fraction": share, "kind": kind, "steps": steps},
+            )
+            for layer, (kind, share) in shares.items()
+            if share > self.threshold
+        ]
+
+
+class PoorInitialization(Rule):
+    """At the first ``first`` tracked steps: activation scales (``ActivationStats`` rms) that shrink
+    below ``shrink`` or grow above ``grow`` x the first activation layer's, or weight gradients
+    (``GradNorm``) spread over more than ``spread`` between layers."""
+
+    id = "poor-initialization"
+    severity = "warning"
+
+    def __init__(self, first: int = 3, shrink: float = 1e-2, grow: float = 1e2, spread: float = 1e4):
+        self.first = _check_window(first, "first")
+        self.shrink = _check_positive("shrink", shrink)
+        self.grow = _check_positive("grow", grow)
+        self.spread = _check_positive("spread", spread)
+
+    def missing(self, history: RunHistory) -> list[str]:
+        return [] if history.has("ActivationStats") or history.has("GradNorm") else ["ActivationStats or GradNorm"]
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        return self._activations(history) + self._gradients(history)
+
+    def _activations(self, history: RunHistory) -> list[Finding]:
+        early = history.first("ActivationStats", self.first)
+        if len(early) < self.first:
+            return []
+        scales: dict[str, list[float]] = {}
+        for _, value in early:
+            for layer, stats in (value or {}).items():
+                if isinstance(stats, Mapping):
+                    scales.setdefault(layer, []).append(to_float(stats.get("rms")))
+        medians = {layer: float(np.median(v)) for layer, v in scales.items() if len(v) == self.first}
+        if len(medians) < 2:
+            return []
+        layers = list(medians)
+        reference = medians[layers[0]]
+        if not reference > 0:
+            return []
+        steps = [step for step, _ in early]
+        found = []
+        for layer in layers[1:]:
+            ratio = medians[layer] / reference
+            if ratio < self.shrink or ratio > self.grow:
+                direction = "shrink" if ratio < self.shrink else "grow"
+                found.append(
+                    self.finding(
+                        steps[-1],
+                        f"activations {direction} through depth at the first steps: the output scale (rms) of "
+                        f"{layer} is {_g(medians[layer])}, {_g(ratio)}x that of {layers[0]} ({_g(reference)})",
+                        fix="initialize weights with a variance scaled to the layer width (Kaiming for ReLU, "
+                        "Xavier for tanh/sigmoid), or add normalization layers",
+                        layer=layer,
+                        evidence={"rms": medians[layer], "reference": reference, "ratio": ratio, "steps": steps},
+                    )
+                )
+        return found
+
+    def _gradients(self, history: RunHistory) -> list[Finding]:
+        early = history.first("GradNorm", self.first)
+        if len(early) < self.first:
+            return []
+        rows = [_blocks(value) for _, value in early]
+        if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
+            return []
+        norms = np.median(np.vstack(rows), axis=0)
+        weights = [i for i in range(len(norms)) if (history.param_ndim(i) or 2) >= 2 and math.isfinite(norms[i])]
+        if len(weights) < 2:
+            return []
+        largest = max(norms[i] for i in weights)
+        smallest = min(weights, key=lambda i: norms[i])
+        if not largest > 0 or norms[smallest] * self.spread >= largest:
+            return []
+        layer = history.param_name(smallest)
+        steps = [step for step, _ in early]
+        return [
+            self.finding(
+                steps[-1],
+                f"weight gradients differ by {_g(largest / max(norms[smallest], 1e-300))}x between layers at the "
+                f"first steps; the smallest is {layer}'s ({_g(norms[smallest])})",
+                fix="initialize weights with a variance scaled to the layer width (Kaiming for ReLU, Xavier for "
+                "tanh/sigmoid), or add normalization layers or residual connections",
+                layer=layer,
+                evidence={"norms": [float(norms[i]) for i in weights], "steps": steps},
+            )
+        ]
+
+
+# ---- generalization ---------------------------------------------------------------------------------
+class Overfitting(Rule):
+    """The validation loss (``cockpit.log(valid_loss=...)``) rose ``rise`` (relative) above its best for
+    the last ``patience`` logs while the training loss kept falling."""
+
+    id = "overfitting"
+    severity = "warning"
+    reads = ("train_loss", "valid_loss")
+
+    def __init__(self, patience: int = 2, rise: float = 0.1):
+        self.patience = _check_window(patience, "patience")
+        self.rise = _check_positive("rise", rise)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, valid = _finite(*history.scalars("valid_loss"))
+        if len(valid) < self.patience + 1:
+            return []
+        best_at = int(np.argmin(valid))
+        best, best_step = float(valid[best_at]), int(steps[best_at])
+        latest_step, latest = int(steps[-1]), float(valid[-1])
+        if best_at > len(valid) - 1 - self.patience or not (valid[-self.patience :] > (1 + self.rise) * best).all():
+            return []
+        train_then = history.at_or_before("train_loss", best_step)
+        train_now = history.at_or_before("train_loss", latest_step)
+        if train_then is None or train_now is None:
+            return []
+        then, now = to_float(train_then[1]), to_float(train_now[1])
+        if not now < then:
+            return []
+        return [
+            self.finding(
+                latest_step,
+                f"overfitting: the validation loss rose from {_g(best)} (step {best_step}) to {_g(latest)} "
+                f"(step {latest_step}) while the training loss fell from {_g(then)} to {_g(now)}",
+                fix=f"stop early (keep the model of step {best_step}), add regularization (weight decay, dropout, "
+                "augmentation) or more data; check the labels for noise",
+                evidence={"best_valid": best, "best_step": best_step, "valid": latest, "train_then": then,
+                          "train_now": now},
+            )
+        ]
+
+
+def default_rules() -> list[Rule]:
+    """One instance of every built-in rule with default thresholds."""
+    return [
+        NonFiniteLoss(),
+        LossDiverging(),
+        LossNotDecreasing(),
+        ExplodingGradient(),
+        VanishingGradient(),
+        UpdateRatioTooSmall(),
+        UpdateRatioTooLarge(),
+        UnchangedParameters(),
+        StepOvershoots(),
+        StepTooShort(),
+        SharpnessAboveStability(),
+        NoiseDominated(),
+        DeadUnits(),
+        SaturatedUnits(),
+        PoorInitialization(),
+        Overfitting(),
+    ]

@@ -1,0 +1,213 @@
+"""Statistics of activation functions' outputs: :class:`ActivationStats`.
+
+Forward hooks on the activation *modules* (``nn.ReLU``, ``nn.ReLU6``,
+``nn.GELU``, ``nn.Tanh``, ``nn.Sigmoid``) of the models the cockpit knows.
+The hooks exist only during the forward passes of tracked steps: the cockpit
+calls :meth:`ActivationStats.prepare_forward` at the start of a forward pass
+whose step is scheduled, the hooks are removed when the step's value is
+stored, and an untracked step runs no hook at all. Forward passes without
+gradients (evaluation under ``torch.no_grad()``) are not counted.
+
+Limit: activations applied as functions inside ``forward`` (``torch.relu``,
+``F.gelu``, ``x.tanh()``) are not modules and are not seen. Wrap them in a
+module (``nn.ReLU()``) to have them counted.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from cockpit_like.quantities.quantity import SingleStepQuantity
+
+__all__ = ["ActivationStats", "activation_kind", "GELU_OFF_BELOW"]
+
+#: a GELU unit counts as off when its input is at most this (|gelu(x)| < 0.005 and |gelu'(x)| < 0.012)
+GELU_OFF_BELOW = -3.0
+
+
+def activation_kind(module: nn.Module) -> str | None:
+    """``"relu"``, ``"relu6"``, ``"gelu"``, ``"tanh"``, ``"sigmoid"`` or None for other modules."""
+    if isinstance(module, nn.ReLU6):  # a Hardtanh subclass: test before anything broader
+        return "relu6"
+    if isinstance(module, nn.ReLU):
+        return "relu"
+    if isinstance(module, nn.GELU):
+        return "gelu"
+    if isinstance(module, nn.Tanh):
+        return "tanh"
+    if isinstance(module, nn.Sigmoid):
+        return "sigmoid"
+    return None
+
+
+_ZERO_KINDS = ("relu", "relu6", "gelu")
+
+
+class _Tally:
+    """What the hooks of one module add up over the forward calls of one step."""
+
+    __slots__ = ("kind", "entries", "off", "sumsq", "samples", "unit_shape", "ever_on")
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.entries = 0
+        self.off = 0
+        self.sumsq = 0.0
+        self.samples = 0
+        self.unit_shape: tuple[int, ...] | None = None
+        self.ever_on: torch.Tensor | None = None  # per unit: not off for some sample
+
+    def add(self, inputs: torch.Tensor, output: torch.Tensor, saturation: float) -> None:
+        output = output.detach()
+        if self.kind in ("relu", "relu6"):
+            off = output == 0  # from the output: inplace ReLUs overwrite their input
+        elif self.kind == "gelu":
+            off = inputs.detach() <= GELU_OFF_BELOW
+        elif self.kind == "tanh":
+            off = output.abs() >= 1.0 - saturation
+        else:  # sigmoid
+            off = torch.minimum(output, 1.0 - output) <= saturation
+        self.entries += off.numel()
+        self.off += int(off.sum())
+        self.sumsq += float(torch.linalg.vector_norm(output, dtype=torch.float64) ** 2)
+        if off.dim() == 0:
+            return
+        self.samples += off.shape[0]
+        on = ~off.all(dim=0) if off.dim() > 1 else ~off
+        shape = tuple(on.shape)
+        if self.ever_on is None and self.unit_shape is None:
+            self.unit_shape, self.ever_on = shape, on
+        elif self.unit_shape == shape and self.ever_on is not None:
+            self.ever_on = self.ever_on | on
+        else:  # calls with differently shaped outputs (e.g. sequence lengths): no per-unit answer
+            self.ever_on = None
+
+    def result(self) -> dict[str, Any]:
+        fraction = self.off / self.entries if self.entries else math.nan
+        units = int(self.ever_on.numel()) if self.ever_on is not None else 0
+        always = float((~self.ever_on).sum()) / units if units else math.nan
+        if self.kind in _ZERO_KINDS:
+            fractions = {"zero_fraction": fraction, "dead_fraction": always}
+        else:
+            fractions = {"saturated_fraction": fraction, "saturated_unit_fraction": always}
+        return {
+            "kind": self.kind,
+            "units": units,
+            "samples": self.samples,
+            **fractions,
+            "rms": math.sqrt(self.sumsq / self.entries) if self.entries else math.nan,
+        }
+
+
+class ActivationStats(SingleStepQuantity):
+    """Per activation module: how many units are off (ReLU, GELU) or saturated (tanh, sigmoid).
+
+    For each activation module, keyed by its name in the model
+    (``model.named_modules()``), over all entries ``y`` of its outputs in
+    the step's forward passes with gradients (a *unit* is one position of
+    the output without the batch dimension: a feature of a linear layer, a
+    channel-pixel of a convolution, a token-feature of a sequence):
+
+    - ReLU / ReLU6 / GELU: ``zero_fraction`` = share of entries that are off
+      (``y == 0``; GELU: input ``<= -3``), ``dead_fraction`` = share of units
+      that are off for every sample of the step;
+    - tanh / sigmoid: ``saturated_fraction`` = share of entries with
+      ``|y| >= 1 - saturation`` (tanh) or ``min(y, 1 - y) <= saturation``
+      (sigmoid), i.e. a local derivative below about ``2 * saturation``;
+      ``saturated_unit_fraction`` = share of units saturated for every sample;
+    - all: ``kind``, ``units``, ``samples`` (rows seen) and ``rms`` =
+      ``sqrt(mean(y**2))``, the activation scale.
+
+    Args:
+        track_schedule: when to compute.
+        saturation: distance to the asymptote that counts as saturated (default 0.01).
+        verbose: print each value.
+
+    Example::
+
+        ActivationStats(linear(10))  # {"1": {"kind": "relu", "zero_fraction": 0.41, ...}, ...}
+
+    Functional activations (``torch.relu(x)`` inside ``forward``) are not
+    seen; see the module docstring.
+    """
+
+    def __init__(self, track_schedule, verbose: bool = False, saturation: float = 0.01):
+        super().__init__(track_schedule, verbose=verbose)
+        if not 0.0 < saturation < 0.5:
+            raise ValueError(f"ActivationStats(saturation=...) must lie in (0, 0.5), got {saturation!r}")
+        self.saturation = float(saturation)
+        self._models: list[weakref.ref] = []
+        self._handles: list[Any] = []
+        self._tallies: dict[str, _Tally] = {}
+        self._armed_step: int | None = None
+        self._warned = False
+
+    def settings(self) -> dict[str, Any]:
+        return {"saturation": self.saturation}
+
+    def adapt_to_models(self, models: list) -> None:
+        self._remove_hooks()
+        self._models = [weakref.ref(model) for model in models]
+
+    def _modules(self) -> list[tuple[str, nn.Module, str]]:
+        models = [model for model in (ref() for ref in self._models) if model is not None]
+        found = []
+        for index, model in enumerate(models):
+            prefix = f"model{index}." if len(models) > 1 else ""
+            for name, module in model.named_modules():
+                kind = activation_kind(module)
+                if kind is not None:
+                    found.append((prefix + (name or type(module).__name__), module, kind))
+        return found
+
+    def prepare_forward(self, global_step: int) -> None:
+        """Install the forward hooks for ``global_step`` (once per step)."""
+        if self._armed_step != global_step:
+            self._armed_step = global_step
+            self._tallies = {}
+        if self._handles:
+            return
+        for name, module, kind in self._modules():
+            self._handles.append(module.register_forward_hook(self._hook(name, kind)))
+
+    def _hook(self, name: str, kind: str):
+        def hook(module, args, output):
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                return
+            inputs = args[0] if args and isinstance(args[0], torch.Tensor) else output
+            tally = self._tallies.get(name)
+            if tally is None:
+                tally = self._tallies[name] = _Tally(kind)
+            tally.add(inputs, output, self.saturation)
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _compute(self, global_step, params, batch_loss):
+        tallies = self._tallies if self._armed_step == global_step else {}
+        self._remove_hooks()
+        self._tallies, self._armed_step = {}, None
+        if not tallies:
+            if not self._warned:
+                self._warned = True
+                known = "no model known yet" if not self._models else "no activation module ran"
+                warnings.warn(
+                    f"[cockpit_like] ActivationStats, step {global_step}: nothing recorded ({known}). "
+                    "It counts nn.ReLU / ReLU6 / GELU / Tanh / Sigmoid modules of the cockpit's model "
+                    "in forward passes with gradients; functional activations (torch.relu in forward) "
+                    "are not seen. Pass Cockpit(..., model=model) or use activation modules.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return None
+        return {name: tally.result() for name, tally in tallies.items()}
