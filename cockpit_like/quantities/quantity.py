@@ -123,6 +123,11 @@ class Quantity:
     def adapt_to_models(self, models: list) -> None:
         """Called when the cockpit learns the models that own its parameters (choose how to compute)."""
 
+    def prepare_forward(self, global_step: int) -> None:
+        """Called at the start of each forward pass of a model the cockpit knows, when the
+        quantity is active at the coming step ``global_step`` (e.g. to install forward hooks
+        for that step only; :class:`~cockpit_like.quantities.activations.ActivationStats`)."""
+
     def required_info(self, global_step: int) -> set[str]:
         """Keys of the cockpit's ``info`` dict needed at ``global_step``.
 
