@@ -347,6 +347,8 @@ def test_error_messages():
         op @ torch.ones(2, 3, dtype=DT)
     with pytest.raises(ValueError, match="dtype"):
         op @ torch.ones(6, dtype=torch.float32)
+    with pytest.raises(ValueError, match="is on cpu but the vector is on meta"):
+        op @ torch.ones(6, dtype=DT, device="meta")
     with pytest.raises(TypeError, match="products of operators"):
         op @ op
     singular = KroneckerProduct([spd(2, 62), torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=DT)])

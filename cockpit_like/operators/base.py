@@ -110,6 +110,11 @@ class LinearOperator:
                 f"{type(self).__name__} has dtype {self._dtype} but the vector has dtype {x.dtype}; "
                 f"convert one of them (x.to({self._dtype}) or op.to({x.dtype}))"
             )
+        if x.device != self._device:
+            raise ValueError(
+                f"{type(self).__name__} is on {self._device} but the vector is on {x.device}; move one of them "
+                f"(x.to({str(self._device)!r}) or op.to({str(x.device)!r}))"
+            )
         if x.dim() == 1:
             return self._matmat(x.unsqueeze(1)).squeeze(1)
         return self._matmat(x)
