@@ -160,6 +160,8 @@ def test_kronecker_rank_deficient_factors_exact_damping():
     indefinite = KroneckerProduct([torch.diag(torch.tensor([-1.0, 2.0], dtype=DT)), eye(2)])
     with pytest.raises(ValueError, match="eigenvalue -1.0 .*singular; choose another damping"):
         indefinite.inverse(1.0)
+    with pytest.raises(ValueError, match="heuristic'\\): damped factor 0 is singular"):
+        KroneckerProduct([torch.diag(torch.tensor([-1.0, 2.0], dtype=DT))]).inverse(1.0, strategy="heuristic")
     zero_eigh = Eigh(torch.tensor([0.0, 2.0], dtype=DT), eye(2))
     torch.testing.assert_close(zero_eigh.inverse(0.5).values, torch.tensor([2.0, 0.4], dtype=DT))
 

@@ -142,7 +142,16 @@ class KroneckerProduct(LinearOperator):
             return KroneckerProduct([torch.linalg.inv(f) for f in self.factors])
         self._require_symmetric(f"inverse(damping={damping}, strategy={strategy!r})")
         if strategy == "heuristic":
-            return KroneckerProduct([torch.linalg.inv(f) for f in self.heuristic_damped_factors(damping)])
+            inverses = []
+            for index, damped in enumerate(self.heuristic_damped_factors(damping)):
+                inverse, info = torch.linalg.inv_ex(damped)
+                if int(info) != 0:
+                    raise ValueError(
+                        f"KroneckerProduct.inverse(damping={damping}, strategy='heuristic'): damped factor {index} "
+                        "is singular (an indefinite factor); choose another damping or strategy='exact'"
+                    )
+                inverses.append(inverse)
+            return KroneckerProduct(inverses)
         from cockpit_like.operators.eigh import Eigh
 
         values, vectors = self.eigendecomposition(clamp_psd=True)
