@@ -120,7 +120,7 @@ def _leading_dim(args, kwargs) -> int:
 def _before_root(tracer_id: int, module, args, kwargs) -> None:
     tracer = _TRACERS.get(tracer_id)
     if tracer is not None and not tracer.paused:
-        tracer.enter_forward(args, kwargs)
+        tracer.enter_forward(args, kwargs, module)
 
 
 def _after_root(tracer_id: int, module, args, output) -> None:
@@ -165,17 +165,23 @@ class ModelTracer:
         wants_graph: ``() -> bool``, whether the coming backward pass will need
             the graph (then the forward pass uses the math attention kernel).
         on_attach: ``() -> None``, called after a model was attached.
+        on_forward: ``(root, args, kwargs) -> None``, called when an outermost
+            forward pass of an attached model begins (with gradients enabled and
+            the tracer not paused), e.g. to start recording a step.
     """
 
     #: calls kept at most between two cockpit steps (older ones are dropped)
     MAX_CALLS = 200_000
 
-    def __init__(self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None):
+    def __init__(
+        self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None, on_forward=None
+    ):
         self.id = next(_IDS)
         _TRACERS[self.id] = self
         self._tracked = {id(p) for p in params}
         self._wants_graph = wants_graph
         self._on_attach = on_attach
+        self._on_forward = on_forward
         #: ``(module, args, kwargs, output, node, batch)`` of each noted call since the last step
         self.calls: list[tuple] = []
         self.paused = False
@@ -224,7 +230,7 @@ class ModelTracer:
         if not any(id(p) in self._tracked and id(p) not in self._covered for p in module.parameters()):
             return
         self.attach(module)
-        self.enter_forward(args, {})  # this call's pre-hook was registered too late for this call
+        self.enter_forward(args, {}, module)  # this call's pre-hook was registered too late for this call
         if self.covers_all() and self._global_handle is not None:
             self._global_handle.remove()
             self._global_handle = None
@@ -239,10 +245,12 @@ class ModelTracer:
             self._global_handle = None
 
     # ---- the model's forward pass ------------------------------------------------------
-    def enter_forward(self, args: tuple, kwargs: dict) -> None:
+    def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
         """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
         if not self._batches:
             self.passes += 1
+            if self._on_forward is not None and root is not None and torch.is_grad_enabled():
+                self._on_forward(root, args, kwargs)
         self._batches.append(self.batch)
         self.batch = _leading_dim(args, kwargs)
         if not self._wants_graph():
@@ -430,13 +438,14 @@ class HookBackend:
     def _on_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
         if call.waiting <= 0:
             return
-        for nr, slot in entries:
-            grad = grad_outputs[nr]
-            if call.grads[slot] is None:
-                call.waiting -= 1
-                call.grads[slot] = None if grad is None else grad.detach()
-        if call.waiting == 0:
-            self._process(call)
+        with self.tracer.pause():  # the cockpit's own work: not part of a recorded step
+            for nr, slot in entries:
+                grad = grad_outputs[nr]
+                if call.grads[slot] is None:
+                    call.waiting -= 1
+                    call.grads[slot] = None if grad is None else grad.detach()
+            if call.waiting == 0:
+                self._process(call)
 
     def finish(self) -> None:
         """After ``loss.backward()``: the calls still waiting (outputs that got no gradient) and the fallbacks."""

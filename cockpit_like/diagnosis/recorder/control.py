@@ -67,20 +67,30 @@ def _names(root: nn.Module) -> dict[int, str]:
 
 
 def gradients_finite(params: list[torch.Tensor]) -> bool:
-    """Whether every gradient entry of ``params`` is finite (one device sync)."""
-    checks = []
+    """Whether every gradient entry of ``params`` is finite (one device sync).
+
+    The sum of all entries is non-finite whenever an entry is (NaN and ±inf
+    propagate); only then, or when finite entries overflow the sum, are the
+    entries checked one by one.
+    """
+    grads = []
     for param in params:
         grad = param.grad
-        if grad is None:
-            continue
-        if grad.is_sparse:
-            grad = grad.coalesce().values()
-        checks.append(torch.isfinite(grad).all())
-    return not checks or bool(torch.stack(checks).all())
+        if grad is not None:
+            grads.append(grad.coalesce().values() if grad.is_sparse else grad.detach())
+    if not grads:
+        return True
+    with torch.no_grad():
+        sums = [grad.sum(dtype=torch.float64 if grad.dtype == torch.float64 else torch.float32) for grad in grads]
+        if math.isfinite(torch.stack([total.double() for total in sums]).sum().item()):
+            return True
+        return bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
 
 
 def _loss_finite(loss: Any) -> bool | None:
     if isinstance(loss, torch.Tensor):
+        if loss.numel() == 1:
+            return math.isfinite(loss.item())
         return bool(torch.isfinite(loss.detach()).all())
     if isinstance(loss, (int, float)):
         return math.isfinite(loss)

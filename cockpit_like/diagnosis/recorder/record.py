@@ -254,7 +254,8 @@ def read_record(path: str | os.PathLike) -> Record:
     tensors = {}
     pt = path.with_name(f"step_{data['step']}.pt")
     if pt.is_file():
-        tensors = {int(k[1:]): v for k, v in torch.load(pt, weights_only=True)["tensors"].items()}
+        saved = torch.load(pt, weights_only=True)
+        tensors = {int(k[1:]): v for part in ("tensors", "expected") for k, v in saved[part].items()}
     return Record(data, tensors)
 
 
