@@ -6,13 +6,18 @@ Usage::
     cockpit-like summary LOG
     cockpit-like export LOG --to tensorboard|wandb|mlflow DIR [--image-every N]
     cockpit-like watch LOG [--interval S] [--once] [-o FILE]
+    cockpit-like influence LOG [--top N] [--step S] [--quantity NAME]
+    cockpit-like diagnose LOG [--json] [--active] [--stored-only]
 
 ``plot`` renders a saved run (``.json``, ``.jsonl`` or a Cockpit log) to an
 image (default: next to the log, same name, ``.png``; the suffix of ``-o``
 picks the format). ``summary`` prints the last value of every tracked
 quantity. ``export`` writes a saved run to TensorBoard, W&B or MLflow
 (:mod:`cockpit_like.integrations.exporters`); ``watch`` follows a growing log
-and redraws its dashboard (:mod:`cockpit_like.watch`). Also runs as ``python -m cockpit_like.cli``.
+and redraws its dashboard (:mod:`cockpit_like.watch`); ``diagnose`` lists the
+check-engine findings of a run (exit status 1 if one is an error,
+:mod:`cockpit_like.diagnosis`); ``influence`` lists the most influential
+samples that ``SelfInfluence`` stored. Also runs as ``python -m cockpit_like.cli``.
 """
 
 from __future__ import annotations
@@ -150,9 +155,37 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
         matplotlib.use("Agg")
     written = watch(args.log, interval=args.interval, once=args.once, output=args.output,
-                    secondary_screen=args.secondary, stop_after=args.stop_after, wait=args.wait)
+                    secondary_screen=args.secondary, stop_after=args.stop_after, wait=args.wait,
+                    verbose=not args.once)
     if written is not None:
         print(f"wrote {written}")
+    return 0
+
+
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    from cockpit_like.diagnosis import diagnose_log
+    from cockpit_like.diagnosis.report import exit_status, format_table, to_json
+    from cockpit_like.logs import _resolve
+
+    path = _resolve(args.log)
+    report = diagnose_log(path, rules=[] if args.stored_only else None)
+    print(to_json(report, str(path)) if args.json else format_table(report, str(path), active_only=args.active))
+    return exit_status(report)
+
+
+def _cmd_influence(args: argparse.Namespace) -> int:
+    from cockpit_like.logs import _resolve, read_log_with_metadata
+    from cockpit_like.quantities.curvature_statistics import influence_rows
+
+    path = _resolve(args.log)
+    _, steps = read_log_with_metadata(path)
+    rows = influence_rows(steps, step=args.step, top=args.top, name=args.quantity)
+    if not rows:
+        print(f"{path}: no SelfInfluence values" + ("" if args.step is None else f" at step {args.step}"))
+        return 0
+    print(f"{path}: the {len(rows)} most influential samples g_i^T (F + damping I)^-1 g_i (largest first)")
+    _print_table([(str(k + 1), str(s), str(i), str(p), _number(v), q) for k, (v, s, i, p, q) in enumerate(rows)],
+                 ("rank", "step", "sample id", "position", "self-influence", "quantity"))  # fmt: skip
     return 0
 
 
@@ -193,6 +226,21 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                        help="wait this long for LOG to appear (default 0)")
     watch.set_defaults(handler=_cmd_watch)
+    influence = commands.add_parser("influence", help="list the most influential samples (SelfInfluence)")
+    influence.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    influence.add_argument("--top", type=int, default=20, metavar="N", help="rows to print (default 20)")
+    influence.add_argument("--step", type=int, metavar="S", help="only this step")
+    influence.add_argument("--quantity", metavar="NAME", help="only this quantity (default: every SelfInfluence)")
+    influence.set_defaults(handler=_cmd_influence)
+    diagnose = commands.add_parser(
+        "diagnose", help="list the run's findings (automatic diagnosis); exit status 1 if one is an error"
+    )
+    diagnose.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    diagnose.add_argument("--json", action="store_true", help="print JSON (findings, active, notes, errors)")
+    diagnose.add_argument("--active", action="store_true", help="list only findings not cleared by the end")
+    diagnose.add_argument("--stored-only", action="store_true",
+                          help="only the findings stored in the log (do not run the rules on it)")
+    diagnose.set_defaults(handler=_cmd_diagnose)
     return parser
 
 

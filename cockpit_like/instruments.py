@@ -35,7 +35,9 @@ InnerTest, OrthoTest), ``histogram_1d_gauge`` (GradHist1d),
 ``hyperparameter_gauge`` (logged learning rate), ``performance_gauge``
 (Loss, logged losses and accuracies), ``mean_gsnr_gauge`` (MeanGSNR),
 ``cabs_gauge`` (CABS), ``early_stopping_gauge`` (EarlyStopping); and ours:
-``kfac_trace_gauge`` (KFACTrace), ``custom_gauge`` (other scalar quantities).
+``kfac_trace_gauge`` (KFACTrace), ``ekfac_spectrum_gauge`` (EKFACSpectrum),
+``self_influence_gauge`` (SelfInfluence), ``preconditioned_grad_norm_gauge``
+(PreconditionedGradNorm), ``custom_gauge`` (other scalar quantities).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import numpy as np
 
 from cockpit_like.plotting import instruments as _drawn
 from cockpit_like.plotting.data import RunData, load_source
+from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.instruments import PRIMARY, SECONDARY, DrawOptions
 from cockpit_like.plotting.plotter import CockpitPlotter
 
@@ -66,6 +69,9 @@ __all__ = [
     "early_stopping_gauge",
     "cabs_gauge",
     "kfac_trace_gauge",
+    "ekfac_spectrum_gauge",
+    "self_influence_gauge",
+    "preconditioned_grad_norm_gauge",
     "custom_gauge",
 ]
 
@@ -93,7 +99,7 @@ def _axes(fig, gridspec, key: str):
 
 def _gauge(key: str, plotter: Any, fig, gridspec):
     data, options = _data_and_options(plotter)
-    instrument = PRIMARY.get(key) or SECONDARY[key]
+    instrument = PRIMARY.get(key) or SECONDARY.get(key) or CURVATURE_INSTRUMENTS[key]
     ax = _axes(fig, gridspec, key)
     instrument.draw(ax, data, options)
     return ax
@@ -201,6 +207,21 @@ def tic_gauge(plotter, fig, gridspec):
 def kfac_trace_gauge(plotter, fig, gridspec):
     """Trace of the Kronecker-factored curvature (KFACTrace; not in Cockpit)."""
     return _gauge("kfac_trace", plotter, fig, gridspec)
+
+
+def ekfac_spectrum_gauge(plotter, fig, gridspec):
+    """Histogram of EK-FAC eigenvalues of the last tracked step, all layers and each (EKFACSpectrum; not in Cockpit)."""
+    return _gauge("ekfac_spectrum", plotter, fig, gridspec)
+
+
+def self_influence_gauge(plotter, fig, gridspec):
+    """Per-sample self-influence, batch mean and maximum per step (SelfInfluence; not in Cockpit)."""
+    return _gauge("self_influence", plotter, fig, gridspec)
+
+
+def preconditioned_grad_norm_gauge(plotter, fig, gridspec):
+    """gᵀ(F+λI)⁻¹g next to gᵀg (PreconditionedGradNorm; not in Cockpit)."""
+    return _gauge("preconditioned_grad_norm", plotter, fig, gridspec)
 
 
 # ---- hyperparameters and performance ---------------------------------------------------------------

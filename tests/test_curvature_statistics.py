@@ -402,3 +402,39 @@ def test_curvature_errors():
         _step([norm], model, inputs, labels)
     with pytest.raises(ValueError, match="sample_ids"):
         _step([SelfInfluence(linear(1))], model, inputs, labels, info={"sample_ids": [1, 2]})
+
+
+# ---- log, instruments, command line -----------------------------------------------------------
+def test_log_instruments_and_influence_listing(tmp_path, capsys):
+    from matplotlib.figure import Figure
+
+    from cockpit_like import instruments
+    from cockpit_like.cli import main
+
+    model, inputs, labels = _problem("mlp", batch=6)
+    quantities = [EKFACSpectrum(linear(1), bins=8), SelfInfluence(linear(2), k=2), PreconditionedGradNorm(linear(1))]
+    cockpit = Cockpit(list(model.parameters()), quantities=quantities, model=model, stream_to=tmp_path / "run")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        _step(None, model, inputs, labels, step=step, cockpit=cockpit, info={"sample_ids": [f"s{i}" for i in range(6)]})
+        optimizer.step()
+    path = cockpit.write(tmp_path / "run")
+    fig = Figure(figsize=(9, 3))
+    grid = fig.add_gridspec(1, 3)
+    ax = instruments.ekfac_spectrum_gauge(path, fig, grid[0, 0])
+    assert {a.get_gid() for a in ax.patches} >= {"ekfac:all", "ekfac:1", "ekfac:5"}
+    ax = instruments.self_influence_gauge(path, fig, grid[0, 1])
+    raw = [line for line in ax.lines if line.get_gid() == "raw:SelfInfluence.max"]
+    assert len(raw) == 1 and len(raw[0].get_xdata()) == 2  # steps 0 and 2
+    ax = instruments.preconditioned_grad_norm_gauge(path, fig, grid[0, 2])
+    assert any(line.get_gid() == "raw:PreconditionedGradNorm" for line in ax.lines)
+    fig.savefig(tmp_path / "gauges.png")
+    capsys.readouterr()
+    assert main(["influence", str(path), "--top", "3"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    stored = cockpit.get_output()
+    best = max((entry["value"], step, entry["id"]) for step in (0, 2) for entry in stored[step]["SelfInfluence"]["top"])
+    first = printed[3].split()
+    assert first[:3] == ["1", str(best[1]), best[2]] and len(printed) == 6
+    assert main(["influence", str(path), "--step", "1"]) == 0
+    assert "no SelfInfluence values at step 1" in capsys.readouterr().out

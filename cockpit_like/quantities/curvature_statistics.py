@@ -386,3 +386,24 @@ def summarize_influence(values: torch.Tensor, sample_ids: Any, k: int) -> dict:
         "batch": batch,
         "top": top,
     }
+
+
+def influence_rows(steps: dict, step: int | None = None, top: int = 20, name: str | None = None) -> list[tuple]:
+    """``(value, step, id, position, quantity)`` of the most influential samples stored in a log, largest first.
+
+    ``steps`` is a log's ``{step: {quantity: value}}``; every quantity whose
+    value has SelfInfluence's form (``"top"`` entries) is read, or only ``name``;
+    ``step`` keeps one step. ``cockpit-like influence LOG`` prints these rows.
+    """
+    rows = []
+    for at, values in steps.items():
+        if step is not None and int(at) != step:
+            continue
+        for key, value in values.items():
+            if name is not None and key != name:
+                continue
+            if isinstance(value, dict) and isinstance(value.get("top"), list):
+                for entry in value["top"]:
+                    rows.append((float(entry["value"]), int(at), entry["id"], entry["position"], key))
+    rows.sort(key=lambda row: (-row[0], row[1]))
+    return rows[:top]
