@@ -59,6 +59,8 @@ def summarize(value: Any) -> str:
         return _number(value)
     if isinstance(value, str):
         return value
+    if isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
+        return f"{len(value)} record{'s' if len(value) != 1 else ''}"  # e.g. findings
     if isinstance(value, Mapping):
         if "hist" in value:
             hist = np.asarray(value["hist"], dtype=float)
