@@ -81,6 +81,15 @@ def minibatches(inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, ste
         yield step, step // per_epoch, epoch_end, inputs[batch], labels[batch]
 
 
+def progress_bar(iterable, total: int, enabled: bool = True):
+    """``iterable`` with a tqdm bar on stderr when ``enabled``, stderr is a terminal and tqdm is installed."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is in requirements.txt
+        return iterable
+    return tqdm(iterable, total=total, desc="[demo] training", unit="step", disable=None if enabled else True)
+
+
 def accuracy(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> float:
     with torch.no_grad():
         return (model(inputs).argmax(1) == labels).float().mean().item()
@@ -95,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     parser.add_argument("--plot-every", type=int, default=0, help="redraw the dashboard every N steps (0: only at the end)")
     parser.add_argument("--no-plot", action="store_true", help="skip the dashboard picture")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal anyway)")
     args = parser.parse_args(argv)
     # Two harmless PyTorch notes that BackPACK's hooks and HessMaxEV's double backward trigger.
     warnings.filterwarnings("ignore", message="Full backward hook is firing")
@@ -116,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     names = [cockpit.name_of(q) for q in cockpit.quantities]
     print(f"[demo] training an MLP on digits for {args.steps} steps, tracking: {', '.join(names)}")
     start = time.perf_counter()
-    for step, epoch, epoch_end, inputs, labels in minibatches(train_x, train_y, args.batch_size, args.steps):
+    batches = minibatches(train_x, train_y, args.batch_size, args.steps)
+    for step, epoch, epoch_end, inputs, labels in progress_bar(batches, args.steps, not args.no_progress):
         optimizer.zero_grad()
         outputs = model(inputs)
         loss = lossfunc(outputs, labels)
