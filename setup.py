@@ -17,6 +17,16 @@ setup(
     packages=find_packages(include=["cockpit_like", "cockpit_like.*"]),
     python_requires=">=3.10",
     install_requires=["torch", "backpack-for-pytorch>=1.6", "numpy", "matplotlib"],
-    extras_require={"test": ["pytest", "scikit-learn", "scipy", "transformers"], "examples": ["scikit-learn"]},
+    extras_require={
+        "test": ["pytest", "scikit-learn", "scipy", "transformers"],
+        "examples": ["scikit-learn"],
+        # integrations (cockpit_like.integrations): each imported only when used
+        "lightning": ["lightning"],
+        "transformers": ["transformers", "accelerate"],
+        "tensorboard": ["tensorboard"],
+        "wandb": ["wandb"],
+        "mlflow": ["mlflow-skinny"],
+        "all": ["lightning", "transformers", "accelerate", "tensorboard", "wandb", "mlflow-skinny", "tqdm"],
+    },
     entry_points={"console_scripts": ["cockpit-like=cockpit_like.cli:main"]},
 )
