@@ -11,8 +11,9 @@ What lives here:
   :meth:`Cockpit.state_dict` / :meth:`Cockpit.load_state_dict`, with the
   checks behind the mismatch errors and the continuation of the stream.
 
-Imports torch, numpy and :mod:`cockpit_like.logs` only; it gets the cockpit
-as an argument (no import of :mod:`cockpit_like.cockpit`). See ``docs/resume.md``.
+Imports torch, numpy, :mod:`cockpit_like.logs` and the key names of
+:mod:`cockpit_like.diagnosis.findings`; it gets the cockpit as an argument
+(no import of :mod:`cockpit_like.cockpit`). See ``docs/resume.md``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cockpit_like.diagnosis.findings import DIAGNOSIS_KEYS, Finding
 from cockpit_like.logs import EPOCH_KEYS, _read_stream, stream_holds
 
 __all__ = ["FORMAT", "VERSION", "StateMismatchError", "pack", "unpack", "is_plain", "cockpit_state", "load_cockpit_state"]
@@ -155,8 +157,38 @@ def cockpit_state(cockpit, with_output: bool | None = None) -> dict[str, Any]:
         "params": _param_description(params),
         "quantities": quantities,
         "epoch_logs": pack(cockpit._epoch_logs, params, "cockpit.log(...) values") if with_output else None,
+        "findings": pack(getattr(cockpit, "_findings", {}), where="findings") if with_output else None,
+        "diagnosis": _diagnosis_state(cockpit),
         "stream": pointer,
     }
+
+
+def _diagnosis_state(cockpit) -> Any:
+    diagnosis = getattr(cockpit, "diagnosis", None)
+    if diagnosis is None or not callable(getattr(diagnosis, "state_dict", None)):
+        return None  # rebuilt from the output on load
+    return pack(diagnosis.state_dict(), cockpit.params, "cockpit.diagnosis.state_dict()")
+
+
+def _restore_diagnosis(cockpit, saved: Any) -> None:
+    """The diagnosis from its own state, else rebuilt: its history from the output so far,
+    what it reported and what is active from the stored findings (no finding twice)."""
+    diagnosis = getattr(cockpit, "diagnosis", None)
+    if diagnosis is None:
+        return
+    if saved is not None and callable(getattr(diagnosis, "load_state_dict", None)):
+        diagnosis.load_state_dict(unpack(saved, cockpit.params))
+        return
+    for step, values in cockpit.get_output().items():
+        diagnosis.update(step, values)
+    found = {int(step): values for step, values in cockpit._findings.items()}
+    cleared = set()
+    for values in found.values():
+        for entry in values.get(DIAGNOSIS_KEYS[1]) or []:
+            cleared.add((entry.get("rule"), entry.get("layer"), entry.get("found_at")))
+    reported = [Finding.from_dict(dict(data)) for step in sorted(found) for data in found[step].get(DIAGNOSIS_KEYS[0]) or []]
+    diagnosis.reported = reported
+    diagnosis.active = {f.key: f for f in reported if (f.rule, f.layer, f.step) not in cleared}
 
 
 def _check_format(state: Any) -> None:
@@ -311,13 +343,23 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
             if logged:
                 epoch_logs[step] = logged
     cockpit._epoch_logs = epoch_logs
+    if hasattr(cockpit, "_findings"):
+        if state.get("findings") is not None:
+            cockpit._findings = unpack(state["findings"])
+        else:
+            cockpit._findings = {}
+            for step, values in sorted(streamed.items()):
+                kept = {key: value for key, value in values.items() if key in DIAGNOSIS_KEYS}
+                if kept:
+                    cockpit._findings[step] = kept
+    _restore_diagnosis(cockpit, state.get("diagnosis"))
     cockpit._next_step = int(state["next_step"])
 
     if stream is None:
         return
     if continues:
         stream.continue_at(pointer["offset"], pointer["tail"])
-        stream.write_metadata(cockpit.metadata())
+        stream.write_metadata({**cockpit.metadata(), "resumed_at_step": cockpit._next_step})
     else:  # another file (or none yet): it gets everything restored, then the new steps
         for step, values in cockpit.get_output().items():
             stream.write_step(step, values)

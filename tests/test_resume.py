@@ -158,9 +158,11 @@ def through_a_file(value):
     return torch.load(buffer, weights_only=True)
 
 
-def fresh(quantities, seed=0, stream_to=None, **kwargs):
+def fresh(quantities, seed=0, stream_to=None, attach=False, **kwargs):
     model = make_problem("mlp", seed=seed)[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    if attach:
+        kwargs["model"] = model
     return model, optimizer, Cockpit(model.parameters(), quantities=quantities(), stream_to=stream_to, **kwargs)
 
 
@@ -309,6 +311,7 @@ def test_misuse_is_a_clear_error():
     with pytest.raises(ValueError, match="state version 99"):
         fresh(lambda: configuration("economy"))[2].load_state_dict({**state, "version": 99})
     inputs, labels = make_batch("mlp", 8, seed=0)
+    optimizer.zero_grad()
     loss = make_problem("mlp")[1](model(inputs), labels)
     losses = torch.nn.CrossEntropyLoss(reduction="none")(model(inputs), labels)
     used.begin(1, info={"batch_size": 8, "loss": loss, "individual_losses": losses, "optimizer": optimizer})
@@ -401,3 +404,57 @@ def test_pack_and_unpack():
     assert type(back["a"][1]) is np.float32 and back["a"][1] == 1.5 and back[2][2] == {1, 2}
     with pytest.raises(TypeError, match=r"x\['b'\]: cannot save a object"):
         pack({"b": object()}, where="x")
+
+
+def test_running_curvature_statistics_resume_through_their_plan():
+    """CurvatureStatistics keeps running KFAC / EK-FAC sums in ``plan`` (an object with its own
+    state_dict): the generic default saves it; the resumed statistics equal the uninterrupted ones."""
+    from cockpit_like.quantities.curvature_statistics import CurvatureStatistics, EKFACSpectrum
+
+    def statistics_quantities():
+        return [CurvatureStatistics(linear(1), statistics="ekfac"), EKFACSpectrum(linear(2))]
+
+    model, optimizer, cockpit = fresh(statistics_quantities, attach=True)
+    train(model, cockpit, optimizer, range(3))
+    checkpoint = save(model, optimizer, cockpit)
+    assert [sorted(q["state"]["objects"]) for q in checkpoint["cockpit"]["quantities"]] == [["plan"], ["plan"]]
+    model2, optimizer2, resumed = resume_from(checkpoint, statistics_quantities, attach=True)
+    train(model, cockpit, optimizer, range(3, 5))
+    train(model2, resumed, optimizer2, range(3, 5))
+    assert repr(resumed.get_output()) == repr(cockpit.get_output())
+    assert same_state(resumed.quantities[0].statistics(), cockpit.quantities[0].statistics())
+    assert cockpit.quantities[0].statistics()["layers"]  # something was accumulated
+
+
+@pytest.mark.filterwarnings("ignore:Alpha")  # lr = 0: no update to predict
+@pytest.mark.parametrize("stream", [False, True])
+def test_diagnosis_findings_are_not_reported_twice(tmp_path, stream):
+    """A frozen run (lr = 0) gets 'unchanged-parameters' findings before the checkpoint;
+    the resumed diagnosis knows them (history and active findings), so the log equals the
+    uninterrupted run's and each finding is there once."""
+
+    def frozen(stream_to=None):
+        model = make_problem("mlp")[0]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), diagnose=True, stream_to=stream_to)
+        return model, optimizer, cockpit
+
+    model, optimizer, cockpit = frozen(tmp_path / "run" if stream else None)
+    train(model, cockpit, optimizer, range(4))
+    assert cockpit.findings and {f.rule for f in cockpit.findings} == {"unchanged-parameters"}
+    checkpoint = save(model, optimizer, cockpit)
+    assert (checkpoint["cockpit"]["findings"] is None) == stream
+    train(model, cockpit, optimizer, range(4, 8))
+    model2, optimizer2, resumed = frozen(tmp_path / "run" if stream else None)
+    model2.load_state_dict(checkpoint["model"])
+    resumed.load_state_dict(checkpoint["cockpit"])
+    train(model2, resumed, optimizer2, range(4, 8))
+    assert resumed.findings == cockpit.findings
+    assert len({(f.rule, f.layer) for f in cockpit.findings}) == len(cockpit.findings)
+    assert_same_log(json.loads(json.dumps(read_log(resumed.write(tmp_path / "b")))),
+                    json.loads(json.dumps(read_log(cockpit.write(tmp_path / "a")))))
+    # without the diagnosis' state, the resumed rules would report the findings again
+    model3, optimizer3, blank = frozen()
+    model3.load_state_dict(checkpoint["model"])
+    train(model3, blank, optimizer3, range(4, 8))
+    assert blank.findings and min(f.step for f in blank.findings) > 4
