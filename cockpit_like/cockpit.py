@@ -28,6 +28,7 @@ from backpack.extensions import BatchGrad
 from cockpit_like import context
 from cockpit_like.backends.distributed import RankGroup
 from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
+from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
@@ -151,7 +152,12 @@ class Cockpit:
             on_forward=lambda root, args, kwargs: self._recorder.forward_begins(root, args, kwargs, self._next_step),
         )
         self._recorder = Recorder(
-            self._tracer, self.params, auto=record_nonfinite, folder=record_dir, on_record=self._on_record
+            self._tracer,
+            self.params,
+            auto=record_nonfinite,
+            folder=record_dir,
+            on_record=self._on_record,
+            paused=lambda: self._tracer.paused or in_cockpit_work(),
         )
         for quantity in quantities or []:
             self.add(quantity)

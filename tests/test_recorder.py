@@ -11,6 +11,7 @@ import json
 import runpy
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -312,6 +313,23 @@ def test_cockpit_internal_work_is_not_recorded():
     plain = ops_of([])
     tracked = ops_of([GradNorm(linear(1)), NormTest(linear(1)), GradHist1d(linear(1))])
     assert tracked == plain
+
+
+def test_backpack_extensions_are_not_recorded():
+    """BackPACK's extensions (curvature, per-sample gradients) run inside the backward pass but are the cockpit's."""
+    from cockpit_like.quantities import HessTrace
+    from tests.helpers import make_problem
+
+    def backward_ops(quantities):
+        model, lossfunc, _ = make_problem("mlp")
+        cockpit = Cockpit(model.parameters(), quantities, model=model)
+        cockpit.record(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # PyTorch on full backward hooks without input grads
+            train(model, cockpit, 3, lambda step: make_batch("mlp", 6, step), lossfunc)
+        return [(op["op"], op["module"]) for op in cockpit.records[2].ops if op["phase"] == "backward"]
+
+    assert backward_ops([HessTrace(linear(1)), GradHist1d(linear(1))]) == backward_ops([])
 
 
 class Branching(nn.Module):

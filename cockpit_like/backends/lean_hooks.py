@@ -44,6 +44,8 @@ from backpack.context import CTX
 from backpack.utils.hooks import no_op
 from torch import nn
 
+from cockpit_like.backends.internal import cockpit_work
+
 __all__ = ["make_lean", "restore", "is_lean", "can_make_lean", "ModuleCollector"]
 
 
@@ -56,7 +58,8 @@ def _on_output_grad(module_ref: weakref.ref, grad: torch.Tensor) -> None:
         if not CTX.retain_graph:
             memory_cleanup(module)
         return
-    hook_run_extensions(module, (None,), (grad,))
+    with cockpit_work():  # not part of a recorded step
+        hook_run_extensions(module, (None,), (grad,))
 
 
 def _on_forward(module: nn.Module, _inputs, output) -> None:

@@ -108,6 +108,8 @@ class Recorder:
             program ``step_<N>.py`` and its ``step_<N>.pt``); ``None``: in memory only.
         max_ops: operations recorded at most per step.
         on_record: ``(step, record) -> None``, called when a record is finished.
+        paused: ``() -> bool``, true while the cockpit does its own work inside the
+            step (then nothing is recorded); default: while the tracer is paused.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Recorder:
         folder: str | os.PathLike | None = None,
         max_ops: int = 50_000,
         on_record: Callable[[int, Record], None] = lambda step, record: None,
+        paused: Callable[[], bool] | None = None,
     ):
         self.tracer = tracer
         self.params = params
@@ -126,6 +129,7 @@ class Recorder:
         self.folder = None if folder is None else Path(folder)
         self.max_ops = max_ops
         self.on_record = on_record
+        self._paused = paused if paused is not None else (lambda: tracer.paused)
         self.armed: set[int] = set()
         #: ``{step: Record}`` of the finished records
         self.records: dict[int, Record] = {}
@@ -160,7 +164,7 @@ class Recorder:
 
     def _start(self, root: nn.Module, step: int, inside_root: bool, notes: list[str] | None = None) -> None:
         self.armed.discard(step)
-        tape = Tape(root, _names(root), paused=lambda: self.tracer.paused, max_ops=self.max_ops)
+        tape = Tape(root, _names(root), paused=self._paused, max_ops=self.max_ops)
         tape.start(inside_root)
         self._tape, self._tape_step, self._tape_notes = tape, step, list(notes or [])
 
