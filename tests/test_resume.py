@@ -376,7 +376,7 @@ def test_plugins_without_resume_code_are_covered_by_the_generic_default():
     train(model, cockpit, optimizer, range(5))
     checkpoint = save(model, optimizer, cockpit)
     ema_state = checkpoint["cockpit"]["quantities"][0]["state"]
-    assert sorted(ema_state["attributes"]) == ["_verbose", "ema", "history"] and ema_state["objects"]["mean"]["count"] == 5
+    assert sorted(ema_state["attributes"]) == ["ema", "history"] and ema_state["objects"]["mean"]["count"] == 5
     drift_cache = checkpoint["cockpit"]["quantities"][1]["state"]["cache"]
     assert {step: entry["p"][1] for step, entry in drift_cache.items()} == {2: 4, 4: 6}  # step < t + 3
     model2, optimizer2, resumed = resume_from(checkpoint, plugins, lean_hooks=False)

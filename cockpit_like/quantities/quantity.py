@@ -144,8 +144,9 @@ class Quantity:
         return {}
 
     # ---- resuming a run (docs/resume.md) --------------------------------------
-    #: attributes :meth:`state_dict` leaves out (the cockpit saves ``output`` itself)
-    _STATE_SKIP: tuple[str, ...] = ("output", "_track_schedule")
+    #: attributes :meth:`state_dict` leaves out (the cockpit saves ``output`` itself;
+    #: ``verbose`` is the resumed run's choice)
+    _STATE_SKIP: tuple[str, ...] = ("output", "_track_schedule", "_verbose")
 
     def state_dict(self) -> dict[str, Any]:
         """What the quantity carries from one step to the next, to resume a run.
