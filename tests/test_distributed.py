@@ -179,7 +179,12 @@ def _job_collectives(rank: int) -> dict:
     return result
 
 
-JOBS = {"presets": _job_presets, "collectives": _job_collectives}
+def _job_all(rank: int) -> dict:
+    """Everything in one job: each spawn costs ~15-25 s of start-up (DDP imports torch._dynamo)."""
+    return {**_job_presets(rank), **_job_collectives(rank)}
+
+
+JOBS = {"presets": _job_presets, "collectives": _job_collectives, "all": _job_all}
 
 
 def _worker(rank: int, port: int, job: str, folder: str) -> None:
@@ -238,8 +243,13 @@ QUANTITY_NAMES["business"] = QUANTITY_NAMES["economy"] | {"TICDiag", "HessTrace"
 QUANTITY_NAMES["full"] = QUANTITY_NAMES["business"] | {"HessMaxEV", "GradHist2d"}
 
 
-def test_presets_match_one_process_on_the_concatenated_batch(tmp_path):
-    ranks = _spawn("presets", tmp_path)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What both ranks of one 2-process job returned."""
+    return _spawn("all", tmp_path_factory.mktemp("ddp"))
+
+
+def test_presets_match_one_process_on_the_concatenated_batch(ranks):
     for problem, preset in CASES:
         expected = _train(problem, preset, slice(None)).get_output()
         names = {name for values in expected.values() for name in values}
@@ -256,8 +266,7 @@ def test_presets_match_one_process_on_the_concatenated_batch(tmp_path):
     assert ranks[1]["kept"] == {"output_steps": [], "written": False, "world_size": 2}
 
 
-def test_collectives_no_sync_and_errors(tmp_path):
-    ranks = _spawn("collectives", tmp_path)
+def test_collectives_no_sync_and_errors(ranks):
     for rank, result in enumerate(ranks):
         # economy every 3rd step: tracked at 0 and 3 (Alpha/UpdateSize end at 1 and 4): header + statistics;
         # steps 2 and 5 track nothing and add no collective

@@ -177,8 +177,12 @@ class CockpitPlotter:
                 (otherwise an instrument that fails shows the error in its panel).
 
         Returns:
-            The matplotlib figure.
+            The matplotlib figure; ``None`` when ``source`` is a cockpit on a
+            DistributedDataParallel rank that keeps no output (only its
+            ``log_rank`` plots, docs/distributed.md).
         """
+        if getattr(source, "keeps_output", True) is False:
+            return None
         start = time.perf_counter()
         data, logpath = load_source(source, discard)
         self.data, self.show_log_iter, self.debug = data, bool(show_log_iter), bool(debug)
