@@ -186,7 +186,8 @@ def _restore_diagnosis(cockpit, saved: Any) -> None:
     for values in found.values():
         for entry in values.get(DIAGNOSIS_KEYS[1]) or []:
             cleared.add((entry.get("rule"), entry.get("layer"), entry.get("found_at")))
-    reported = [Finding.from_dict(dict(data)) for step in sorted(found) for data in found[step].get(DIAGNOSIS_KEYS[0]) or []]
+    findings_key = DIAGNOSIS_KEYS[0]
+    reported = [Finding.from_dict(dict(data)) for step in sorted(found) for data in found[step].get(findings_key) or []]
     diagnosis.reported = reported
     diagnosis.active = {f.key: f for f in reported if (f.rule, f.layer, f.step) not in cleared}
 
@@ -210,6 +211,7 @@ def _check_fresh(cockpit) -> None:
         cockpit._open_step is not None
         or cockpit._next_step != 0
         or cockpit._epoch_logs
+        or getattr(cockpit, "_findings", None)
         or any(q.output for q in cockpit.quantities)
         or (cockpit._stream is not None and cockpit._stream.opened)
     )
@@ -280,7 +282,8 @@ def _check_quantities(cockpit, saved: list[dict[str, Any]]) -> None:
         now = cockpit._initial_settings.get(id(quantity), {})
         if before != now:
             keys = sorted(set(before) | set(now), key=str)
-            changed = [f"{key}={before.get(key, '<unset>')!r} -> {now.get(key, '<unset>')!r}" for key in keys if before.get(key, _UNSET) != now.get(key, _UNSET)]
+            keys = [key for key in keys if before.get(key, _UNSET) != now.get(key, _UNSET)]
+            changed = [f"{key}={before.get(key, '<unset>')!r} -> {now.get(key, '<unset>')!r}" for key in keys]
             differences.append(f"{entry['name']}: " + ", ".join(changed))
     if differences:
         raise StateMismatchError(
@@ -293,13 +296,13 @@ def _check_quantities(cockpit, saved: list[dict[str, Any]]) -> None:
 _UNSET = object()
 
 
-def _read_stream_output(pointer: dict[str, Any], candidates: list[Path]) -> tuple[Path, dict[int, dict[str, Any]]]:
+def _read_stream_output(pointer: dict[str, Any], candidates: list[Path]) -> dict[int, dict[str, Any]]:
     """The steps of the checkpoint's stream, up to its offset, from the first candidate that holds it."""
     for path in candidates:
         if stream_holds(path, pointer["offset"], pointer["tail"]):
             with open(path, "rb") as handle:
                 text = handle.read(pointer["offset"]).decode()
-            return path, _read_stream(text.split("\n"), path)[1]
+            return _read_stream(text.split("\n"), path)[1]
     tried = ", ".join(str(p) for p in dict.fromkeys(candidates))
     raise FileNotFoundError(
         f"cockpit.load_state_dict(): the checkpoint keeps its output in its stream ({pointer['path']}, "
@@ -325,7 +328,7 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
         continues = here is not None and stream_holds(here, pointer["offset"], pointer["tail"])
         if any(entry["output"] is None for entry in state["quantities"]) or state["epoch_logs"] is None:
             candidates = ([here] if here is not None else []) + [Path(pointer["path"])]
-            _, streamed = _read_stream_output(pointer, candidates)
+            streamed = _read_stream_output(pointer, candidates)
 
     for entry, quantity in zip(state["quantities"], cockpit.quantities):
         quantity.load_state_dict(unpack(entry["state"], params))

@@ -130,7 +130,8 @@ def test_checkpoint_is_plain_and_holds_the_cross_step_state(runs):
     assert sorted(alpha_cache[resume_run.CHECKPOINT]) == ["grad_batch_sum", "observations", "params", "predicted_update"]
     assert alpha_cache[resume_run.CHECKPOINT]["params"][1] == resume_run.CHECKPOINT  # kept until the next step
     assert state["Distance"]["state"]["cache"][0]["params"][1] is None  # kept for the whole run
-    assert state["HessMaxEV"]["state"]["attributes"]["_previous"].shape == (sum(p.numel() for p in make_problem("mlp")[0].parameters()),)
+    size = sum(p.numel() for p in make_problem("mlp")[0].parameters())
+    assert state["HessMaxEV"]["state"]["attributes"]["_previous"].shape == (size,)
     # GradAbsMax adapted the 1-d range at step 2: not the initial (-2, 2) any more
     low, high = state["GradHist1d"]["state"]["attributes"]["_range"]
     assert low == -high and (low, high) != (-2.0, 2.0)
@@ -275,7 +276,8 @@ def test_other_quantities_are_a_clear_error():
         Cockpit(make_problem("mlp")[0].parameters(), quantities=fewer).load_state_dict(state)
     swapped = configuration("economy")
     swapped[-1] = type("UpdateSize", (GradNorm,), {})(linear(1))  # same name, another class
-    with pytest.raises(StateMismatchError, match=r"other classes: UpdateSize \(cockpit_like.quantities.parameter_motion:UpdateSize -> tests.test_resume:UpdateSize\)"):
+    moved = r"other classes: UpdateSize \(cockpit_like.quantities.parameter_motion:UpdateSize -> tests.test_resume:UpdateSize\)"
+    with pytest.raises(StateMismatchError, match=moved):
         Cockpit(make_problem("mlp")[0].parameters(), quantities=swapped).load_state_dict(state)
 
 
@@ -293,7 +295,8 @@ def test_other_parameters_are_a_clear_error():
     wider = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 11), torch.nn.Tanh(), torch.nn.Linear(11, 8),
                                 torch.nn.Sigmoid(), torch.nn.Linear(8, 4)).double()
     cockpit = Cockpit(wider.parameters(), quantities=configuration("economy"), model=wider)
-    with pytest.raises(StateMismatchError, match=r"parameter #0 \(1.weight\): float64\[10, 12\] in the checkpoint, float64\[11, 12\] here"):
+    shapes = r"parameter #0 \(1.weight\): float64\[10, 12\] in the checkpoint, float64\[11, 12\] here"
+    with pytest.raises(StateMismatchError, match=shapes):
         cockpit.load_state_dict(state)
     fewer = list(make_problem("mlp")[0].parameters())[:4]
     with pytest.raises(StateMismatchError, match="the checkpoint has 6 parameter tensors, this cockpit 4"):
