@@ -29,7 +29,7 @@ from backpack import extend
 from torch import nn
 
 from cockpit_like import Cockpit
-from cockpit_like.quantities import GradNorm, HessTrace, Loss, NormTest
+from cockpit_like.quantities import HessTrace
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
 from tests import zoo
@@ -40,7 +40,22 @@ GLOBAL_BATCH = 8
 STEPS = 3
 CASES = [
     (problem, preset) for problem in ("mlp", "cnn", "layernorm_mlp") for preset in ("economy", "business", "full")
-]
+] + [("mlp", "extras")]
+
+
+def _quantities(preset: str) -> list:
+    """A preset, or ``"extras"``: the other deterministic quantities (noise, TIC, GGN, Kronecker, adaptation)."""
+    if preset != "extras":
+        return configuration(preset, linear(1))
+    from cockpit_like.quantities import CABS, EarlyStopping, GradHist1d, KFACTrace, MeanGSNR, TICTrace
+    from cockpit_like.quantities.bin_adaptation import GradAbsMax
+
+    every = linear(1)
+    return [
+        MeanGSNR(every), CABS(every), EarlyStopping(every), TICTrace(every),
+        HessTrace(every, curvature="diag_ggn_exact"), KFACTrace(every, curvature="kflr"),
+        KFACTrace(every, curvature="empirical"), GradHist1d(every, bins=20, adapt=GradAbsMax(every)),
+    ]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -60,7 +75,7 @@ def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, ste
     net = model if wrap is None else wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     extra = {} if wrap is None else {"log_rank": log_rank}
-    cockpit = Cockpit(model.parameters(), configuration(preset, linear(1)), model=net, **extra)
+    cockpit = Cockpit(model.parameters(), _quantities(preset), model=net, **extra)
     torch.manual_seed(1234)  # the same draws on every rank and in the reference
     for step in range(steps):
         inputs, labels = batch(GLOBAL_BATCH, 1000 + step)
@@ -241,6 +256,9 @@ QUANTITY_NAMES = {
 }
 QUANTITY_NAMES["business"] = QUANTITY_NAMES["economy"] | {"TICDiag", "HessTrace"}
 QUANTITY_NAMES["full"] = QUANTITY_NAMES["business"] | {"HessMaxEV", "GradHist2d"}
+QUANTITY_NAMES["extras"] = {
+    "MeanGSNR", "CABS", "EarlyStopping", "TICTrace", "HessTrace", "KFACTrace", "KFACTrace_1", "GradHist1d"
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
