@@ -461,3 +461,24 @@ def test_diagnosis_findings_are_not_reported_twice(tmp_path, stream):
     model3.load_state_dict(checkpoint["model"])
     train(model3, blank, optimizer3, range(4, 8))
     assert blank.findings and min(f.step for f in blank.findings) > 4
+
+
+def test_stream_writer_continues_only_its_own_file(tmp_path):
+    from cockpit_like.logs import StreamWriter
+
+    writer = StreamWriter(tmp_path / "s", {"run": 1})
+    assert not (tmp_path / "s.jsonl").exists()  # nothing before the first step
+    writer.write_step(0, {"Loss": 1.0})
+    offset, tail = writer.position()
+    assert tail == '{"step": 0, "values": {"Loss": 1.0}}\n' and offset == (tmp_path / "s.jsonl").stat().st_size
+    writer.write_step(1, {"Loss": 0.5})
+    with pytest.raises(RuntimeError, match="already written; continue it before the first step"):
+        writer.continue_at(offset, tail)
+    writer.close()
+    other = StreamWriter(tmp_path / "s", {"run": 2})
+    with pytest.raises(ValueError, match="does not hold the line"):
+        other.continue_at(offset, tail.replace("1.0", "2.0"))
+    other.continue_at(offset, tail)
+    other.write_step(1, {"Loss": 0.25})
+    other.close()
+    assert read_log(tmp_path / "s.jsonl") == {0: {"Loss": 1.0}, 1: {"Loss": 0.25}}
