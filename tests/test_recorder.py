@@ -372,6 +372,9 @@ def test_record_in_the_log_and_from_files(tmp_path):
         stored = log[0]["record"]
         assert stored["first_nonfinite"]["op"] == "aten.exp.default"
         assert [f["rule"] for f in log[0]["findings"]] == ["nonfinite-origin"]
+    from cockpit_like.cli import main as cli
+
+    assert cli(["diagnose", str(tmp_path / "run.json")]) == 1  # the nonfinite-origin error
     paths = cockpit.records[0].save(tmp_path / "files")
     loaded = read_record(paths["record"])
     assert loaded.first_nonfinite == cockpit.records[0].first_nonfinite
@@ -424,3 +427,36 @@ def test_gradients_finite_against_entrywise_check():
     for params in cases:
         entrywise = all(bool(torch.isfinite(p.grad).all()) for p in params)
         assert gradients_finite(params) == entrywise
+
+
+def test_model_found_at_its_first_forward_pass_is_recorded():
+    model = make_mlp()
+    cockpit = Cockpit(model.parameters(), [])  # no model=: the tracer finds it at the first forward pass
+    cockpit.record(0)
+    train(model, cockpit, 1, lambda step: make_batch("mlp", 6, step), nn.CrossEntropyLoss())
+    forward = [op for op in cockpit.records[0].ops if op["phase"] == "forward"]
+    assert [op["module"] for op in forward if op["op"] == "aten.addmm.default"] == ["1", "3", "5"]
+
+
+def test_too_many_operations_are_counted_and_not_replayed(tmp_path):
+    model = make_mlp()
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    cockpit._recorder.max_ops = 5
+    cockpit.record(0)
+    train(model, cockpit, 1, lambda step: make_batch("mlp", 6, step), nn.CrossEntropyLoss())
+    record = cockpit.records[0]
+    assert len(record.ops) == 5 and record.data["dropped_ops"] > 0
+    assert any("max_ops=5" in note for note in record.notes)
+    with pytest.raises(NotReplayableError, match="incomplete"):
+        export_program(record, tmp_path)
+
+
+def test_record_without_a_model_warns():
+    weight = torch.randn(3, 4, dtype=DTYPE, requires_grad=True)  # no nn.Module: nothing to trace
+    cockpit = Cockpit([weight], [])
+    cockpit.record(0)
+    loss = (torch.randn(5, 4, dtype=DTYPE) @ weight.T).pow(2).mean()
+    with pytest.warns(RuntimeWarning, match="has not seen the model"):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()
+    assert cockpit.records == {}
