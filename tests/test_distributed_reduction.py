@@ -1,0 +1,123 @@
+"""How per-step results combine across ranks, in one process (no torch.distributed).
+
+Two ranks are simulated: rank 1's flat buffer is recorded, rank 0's
+all-reduce adds it. Each statistic's ``across_ranks`` on the two halves of a
+batch (each half scaled for its own mean loss, ``grad_batch = g_i / B_r``)
+must give what the statistic computes on the whole batch (``g_i / B``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cockpit_like.backends.distributed import RankReduction
+from cockpit_like.backends.per_sample_stats import (
+    AbsMax,
+    DirectionalDots,
+    Histogram1dCounts,
+    Histogram2dCounts,
+    KroneckerFactors,
+    SumOfSquares,
+)
+
+DTYPE = torch.float64
+
+
+class _FakeRanks:
+    """Rank ``rank`` of 2; rank 1 records its buffer, rank 0 adds the record (an all-reduce sum)."""
+
+    world = 2
+
+    def __init__(self, rank: int, record: dict):
+        self.rank, self.record = rank, record
+
+    def _all_reduce(self, buffer, step, what):
+        if self.rank == 1:
+            self.record["buffer"] = buffer.clone()
+        else:
+            buffer.add_(self.record["buffer"])
+
+
+def _combine(results: list, batches: list[int], combine) -> object:
+    """Run ``combine(result, reduction)`` on rank 1, then rank 0; rank 0's global result."""
+    record = {}
+    finished = {}
+    for rank in (1, 0):
+        reduction = RankReduction(_FakeRanks(rank, record), batches[rank], sum(batches), step=0, device="cpu")
+        finish = combine(results[rank], reduction)
+        reduction.run()
+        finished[rank] = finish()
+    return finished[0]
+
+
+def test_reduction_parts():
+    record, values = {}, {}
+    for rank in (1, 0):
+        reduction = RankReduction(_FakeRanks(rank, record), 3, 6, step=0, device="cpu")
+        parts = {
+            "sum": reduction.sum(torch.tensor([1.0, 2.0]) * (rank + 1)),
+            "cat": reduction.cat(torch.arange(3, dtype=torch.float32) + 10 * rank),
+            "max": reduction.max(torch.tensor([5, -1]) * (1 - 2 * rank)),
+            "counts": reduction.sum(torch.tensor([[1, 2], [3, 4]], dtype=torch.int64)),
+        }
+        mean = reduction.mean(torch.tensor(float(rank)))
+        reduction.run()
+        values[rank] = {key: part.value for key, part in parts.items()} | {"mean": mean()}
+    got = values[0]
+    assert torch.equal(got["sum"], torch.tensor([3.0, 6.0]))
+    assert torch.equal(got["cat"], torch.tensor([0.0, 1, 2, 10, 11, 12]))
+    assert got["cat"].dtype == torch.float32
+    assert torch.equal(got["max"], torch.tensor([5, 1]))
+    assert torch.equal(got["counts"], torch.tensor([[2, 4], [6, 8]])) and got["counts"].dtype == torch.int64
+    assert got["mean"].item() == pytest.approx(0.5)  # (3 * 0 + 3 * 1) / 6
+
+
+def _halves(stat, grads: torch.Tensor, params: list[torch.Tensor]):
+    """The statistic of each half (scaled for its mean loss) and of the whole batch."""
+    batch = grads.shape[0]
+
+    def compute(rows):
+        grad_batch = grads[rows] / grads[rows].shape[0]
+        state = stat.init(params)
+        state = stat.accumulate(state, 0, params[0], grad_batch)
+        return stat.finalize(state)
+
+    half = batch // 2
+    return [compute(slice(0, half)), compute(slice(half, None))], compute(slice(None)), [half, batch - half]
+
+
+@pytest.mark.parametrize(
+    "stat",
+    [
+        SumOfSquares(),
+        AbsMax(),
+        Histogram1dCounts(7, (-1.0, 1.0)),
+        Histogram2dCounts((4, 3), ((-1.0, 1.0), (-2.0, 2.0))),
+        DirectionalDots("d", (torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(2)),)),
+        KroneckerFactors(),
+    ],
+    ids=lambda stat: type(stat).__name__,
+)
+def test_statistic_of_halves_is_the_statistic_of_the_whole(stat):
+    generator = torch.Generator().manual_seed(0)
+    grads = torch.randn(6, 3, 4, dtype=DTYPE, generator=generator)  # per-sample gradients g_i
+    params = [torch.randn(3, 4, dtype=DTYPE, generator=generator)]
+    halves, whole, batches = _halves(stat, grads, params)
+    combined = _combine(halves, batches, stat.across_ranks)
+    _assert_same(combined, whole)
+    # and the halves alone differ from the whole (the test can fail)
+    assert not _same(halves[0], whole)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if a is None or b is None:
+        return a is b
+    a, b = torch.as_tensor(a, dtype=DTYPE), torch.as_tensor(b, dtype=DTYPE)
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+
+
+def _assert_same(a, b) -> None:
+    assert _same(a, b), (a, b)
