@@ -52,6 +52,12 @@ class HessMaxEV(SingleStepQuantity):
     entries (``torch.rand_like`` per parameter, drawing from the torch RNG).
     The products used at each tracked step are in :attr:`hvp_counts`.
 
+    Under DistributedDataParallel the Hessian is that of the global batch's
+    mean loss: every product is the mean of the ranks' products (one
+    all-reduce each) and a cold start uses rank 0's random vector, so every
+    rank runs the same iteration and stores the same value
+    (``docs/distributed.md``).
+
     Differences to Cockpit 1.0.2: works on float64 models (Cockpit crashes),
     Rayleigh-Ritz acceleration (``accelerate=False`` with ``warm_start=False``
     is Cockpit's algorithm exactly; the defaults agree with it within its own
