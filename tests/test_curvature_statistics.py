@@ -438,3 +438,26 @@ def test_log_instruments_and_influence_listing(tmp_path, capsys):
     assert first[:3] == ["1", str(best[1]), best[2]] and len(printed) == 6
     assert main(["influence", str(path), "--step", "1"]) == 0
     assert "no SelfInfluence values at step 1" in capsys.readouterr().out
+
+
+def test_heuristic_damping_is_pi_damping_of_the_factors():
+    """strategy="heuristic": (G + π√λ I)^{-1} ⊗ (A + √λ/π I)^{-1} per block, π² = (tr G / out) / (tr A / in)."""
+    model, inputs, labels = _problem("mlp", batch=7)
+    damping = 1e-2
+    norm = PreconditionedGradNorm(linear(1), damping=damping, strategy="heuristic")
+    stats = CurvatureStatistics(linear(1))
+    cockpit = _step([norm, stats], model, inputs, labels)
+    logs = stats.statistics()["layers"]
+    total = 0.0
+    for name in ("1", "3", "5"):
+        A, G = logs[name]["forward"]["covariance"], logs[name]["backward"]["covariance"]
+        pi = math.sqrt((G.trace() / len(G)) / (A.trace() / len(A)))
+        root = math.sqrt(damping)
+        g_w, g_b = model[int(name)].weight.grad, model[int(name)].bias.grad
+        dense = torch.kron(G + pi * root * torch.eye(len(G), dtype=DT), A + root / pi * torch.eye(len(A), dtype=DT))
+        total += float(g_w.reshape(-1) @ torch.linalg.solve(dense, g_w.reshape(-1)))
+        bias_block = G + damping * torch.eye(len(G), dtype=DT)  # a single factor: π = 1
+        total += float(g_b @ torch.linalg.solve(bias_block, g_b))
+    assert cockpit.get_output()[0]["PreconditionedGradNorm"]["value"] == pytest.approx(total, rel=1e-9)
+    with pytest.raises(ValueError, match="strategy"):
+        SelfInfluence(linear(1), strategy="pi")

@@ -52,6 +52,12 @@ def _check_damping(owner: str, damping: Any) -> float:
     return float(damping)
 
 
+def _check_strategy(owner: str, strategy: Any) -> str:
+    if strategy not in ("exact", "heuristic"):
+        raise ValueError(f"{owner}(strategy={strategy!r}): choose 'exact' or 'heuristic'")
+    return strategy
+
+
 def _check_kind(owner: str, curvature: Any) -> str:
     if curvature not in _KINDS:
         raise ValueError(f"{owner}(curvature={curvature!r}): choose 'kfac' or 'ekfac'")
@@ -131,8 +137,8 @@ class CurvatureStatistics(SingleStepQuantity):
         """The richest curvature the logs offer (``"ekfac"`` when EK-FAC eigenvalues are logged)."""
         return "ekfac" if any(getattr(s, "eigenbasis", False) for s in self.plan.stats["grad"]) else "kfac"
 
-    def _inverse(self, params, kind: str, damping: float):
-        """``(v -> (F + λI)^{-1} v, covered params)``."""
+    def _inverse(self, params, kind: str, damping: float, strategy: str = "exact"):
+        """``(v -> (F + λI)^{-1} v, covered params)`` (``strategy``: :meth:`~cockpit_like.operators.LinearOperator.inverse`'s)."""
         records, covered = layer_curvatures(self.plan, params, kind)
         if not covered:
             raise RuntimeError(
@@ -140,7 +146,7 @@ class CurvatureStatistics(SingleStepQuantity):
                 "Hugging Face Conv1D); pass Cockpit(..., model=model)"
             )
         build = ihvp_ekfac if kind == "ekfac" else ihvp_kfac
-        return build(records, damping, params=covered), covered
+        return build(records, damping, params=covered, strategy=strategy), covered
 
 
 def _statistics_for(curvature: str) -> str:
@@ -243,20 +249,24 @@ class PreconditionedGradNorm(CurvatureStatistics):
         curvature: ``"kfac"`` or ``"ekfac"``.
         damping: ``λ >= 0``.
         window: ``"run"`` or ``"step"``.
+        strategy: ``"exact"`` (``(G ⊗ A + λI)^{-1}`` through the factors' eigendecompositions) or
+            ``"heuristic"`` (KFAC only: π-damped factors inverted, no eigendecomposition; an approximation,
+            docs/operators.md).
     """
 
     def __init__(self, track_schedule, verbose: bool = False, curvature: str = "kfac", damping: float = 1e-3,
-                 window: str = "run"):  # fmt: skip
+                 window: str = "run", strategy: str = "exact"):  # fmt: skip
         self._curvature = _check_kind("PreconditionedGradNorm", curvature)
         self._damping = _check_damping("PreconditionedGradNorm", damping)
+        self._strategy = _check_strategy("PreconditionedGradNorm", strategy)
         super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window)
 
     def settings(self) -> dict:
-        return {**super().settings(), "curvature": self._curvature, "damping": self._damping}
+        return {**super().settings(), "curvature": self._curvature, "damping": self._damping, "strategy": self._strategy}
 
     def _compute(self, global_step, params, batch_loss):
         self._absorb(global_step)
-        inverse, covered = self._inverse(params, self._curvature, self._damping)
+        inverse, covered = self._inverse(params, self._curvature, self._damping, self._strategy)
         grads = []
         for param in covered:
             if param.grad is None:
@@ -321,12 +331,14 @@ class SelfInfluence(CurvatureStatistics):
         damping: ``λ >= 0``.
         k: how many of the most influential samples to keep per step.
         window: ``"run"`` or ``"step"``.
+        strategy: ``"exact"`` or ``"heuristic"`` (see :class:`PreconditionedGradNorm`).
     """
 
     def __init__(self, track_schedule, verbose: bool = False, curvature: str = "kfac", damping: float = 1e-3,
-                 k: int = 5, window: str = "run"):  # fmt: skip
+                 k: int = 5, window: str = "run", strategy: str = "exact"):  # fmt: skip
         self._curvature = _check_kind("SelfInfluence", curvature)
         self._damping = _check_damping("SelfInfluence", damping)
+        self._strategy = _check_strategy("SelfInfluence", strategy)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"SelfInfluence(k={k!r}): need a positive int")
         self._k = k
@@ -335,7 +347,8 @@ class SelfInfluence(CurvatureStatistics):
         self.last_values: torch.Tensor | None = None
 
     def settings(self) -> dict:
-        return {**super().settings(), "curvature": self._curvature, "damping": self._damping, "k": self._k}
+        return {**super().settings(), "curvature": self._curvature, "damping": self._damping, "k": self._k,
+                "strategy": self._strategy}  # fmt: skip
 
     def per_sample_stats(self, global_step: int) -> list:
         stats = super().per_sample_stats(global_step)
@@ -346,7 +359,7 @@ class SelfInfluence(CurvatureStatistics):
         record = get_record(global_step)
         retained = record.stat(RetainedForInfluence())
         try:
-            inverse, covered = self._inverse(params, self._curvature, self._damping)
+            inverse, covered = self._inverse(params, self._curvature, self._damping, self._strategy)
             index = {id(p): i for i, p in enumerate(params)}
             grads = [_per_sample_rows(retained[index[id(p)]], p) for p in covered]
         finally:
