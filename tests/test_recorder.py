@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from cockpit_like import Cockpit
-from cockpit_like.diagnosis.recorder import CONTROL_FLOW_NOTE, NotReplayableError, export_program, read_record
+from cockpit_like.diagnosis.recorder import (
+    CONTROL_FLOW_NOTE,
+    NotReplayableError,
+    export_program,
+    read_record,
+    to_graph_module,
+)
 from cockpit_like.logs import read_log
 from cockpit_like.quantities import GradHist1d, GradNorm, Loss, NormTest
 from cockpit_like.utils.schedules import linear
@@ -246,6 +252,15 @@ def test_replay_reproduces_a_healthy_step(name, tmp_path):
     replayed = values[namespace["DATA"]["loss"]]
     torch.testing.assert_close(replayed, expected, rtol=1e-12, atol=1e-14)
     assert namespace["main"]() == 0
+    # the same replay as a torch.fx graph: (model outputs..., loss)
+    graph_module, inputs = to_graph_module(record)
+    replayed = graph_module(*inputs)
+    torch.testing.assert_close(replayed[-1], expected, rtol=1e-12, atol=1e-14)
+    with torch.no_grad():
+        output = twins["model"](x)
+    output = output.logits if hasattr(output, "logits") else output
+    torch.testing.assert_close(replayed[0], output, rtol=1e-12, atol=1e-14)
+    assert {node.meta.get("phase") for node in graph_module.graph.nodes} >= {"forward", "loss"}
     # module paths of the forward pass are the model's own
     names = {name for name, _ in model.named_modules()}
     assert {op["module"] for op in record.ops if op["phase"] == "forward"} <= names
@@ -253,7 +268,7 @@ def test_replay_reproduces_a_healthy_step(name, tmp_path):
 
 def test_replay_of_dropout_uses_the_recorded_masks(tmp_path):
     torch.manual_seed(3)
-    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.ReLU(), nn.Linear(16, 3)).to(DTYPE)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.ReLU(inplace=True), nn.Linear(16, 3)).to(DTYPE)
     cockpit = Cockpit(model.parameters(), [], model=model)
     cockpit.record(0)
     losses = train(model, cockpit, 1, _batch, nn.CrossEntropyLoss())
@@ -261,6 +276,11 @@ def test_replay_of_dropout_uses_the_recorded_masks(tmp_path):
     assert any(op.get("random") for op in record.ops)
     namespace = runpy.run_path(str(record.save(tmp_path)["program"]))
     torch.testing.assert_close(namespace["replay"]()[namespace["DATA"]["loss"]], losses[0], rtol=1e-13, atol=0)
+    graph_module, inputs = to_graph_module(record)
+    before = [t.clone() for t in inputs]
+    for _ in range(2):  # in-place operations work on copies: the same result twice
+        torch.testing.assert_close(graph_module(*inputs)[-1], losses[0], rtol=1e-13, atol=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, inputs))
 
 
 # ---- the record itself ------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ What lives here:
 - :mod:`.program`: the exporter :func:`export_program`, a standalone Python
   program (torch only) that replays the recorded forward pass and loss from
   one ``.pt`` file and checks that it reproduces them;
+- :mod:`.fx`: the exporter :func:`to_graph_module`, the same replay as a
+  ``torch.fx.GraphModule`` (inputs: the step's external values);
 - :mod:`.control`: :class:`Recorder`, which the cockpit uses to record a step
   on demand (``cockpit.record(step)``) or automatically at the first step
   with a non-finite loss or gradient.
@@ -21,6 +23,7 @@ the plotting (the cockpit hands it what it needs).
 """
 
 from cockpit_like.diagnosis.recorder.control import RECORD_KEY, Recorder
+from cockpit_like.diagnosis.recorder.fx import to_graph_module
 from cockpit_like.diagnosis.recorder.program import NotReplayableError, export_program
 from cockpit_like.diagnosis.recorder.record import CONTROL_FLOW_NOTE, Record, read_record
 from cockpit_like.diagnosis.recorder.tape import Tape, summarize
@@ -33,6 +36,7 @@ __all__ = [
     "CONTROL_FLOW_NOTE",
     "read_record",
     "export_program",
+    "to_graph_module",
     "NotReplayableError",
     "summarize",
 ]

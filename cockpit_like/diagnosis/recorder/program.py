@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["export_program", "NotReplayableError"]
+__all__ = ["export_program", "replayable_ops", "NotReplayableError"]
 
 
 class NotReplayableError(ValueError):
@@ -51,14 +51,8 @@ def _constant(value: Any, name_of) -> str:
     return repr(value)
 
 
-def export_program(record, folder: str | Path) -> dict[str, Path]:
-    """Write the replay program of ``record`` (a :class:`~.record.Record` with its tensors) into ``folder``.
-
-    Returns ``{"program": path_of_py, "tensors": path_of_pt}``. Raises
-    :class:`NotReplayableError` if the forward pass or the loss ran an
-    operation outside aten or the record lacks the tensors (a record read
-    without its ``.pt``).
-    """
+def replayable_ops(record) -> list[dict[str, Any]]:
+    """The forward and loss operations of ``record``, or :class:`NotReplayableError` saying why they cannot be replayed."""
     data, tensors = record.data, record.tensors
     step = data["step"]
     replayed = [op for op in data["ops"] if op["phase"] in ("forward", "loss")]
@@ -86,6 +80,21 @@ def export_program(record, folder: str | Path) -> dict[str, Path]:
             "cockpit that made it (cockpit.records[step]) or from a record saved with its .pt file"
         )
 
+    return replayed
+
+
+def export_program(record, folder: str | Path) -> dict[str, Path]:
+    """Write the replay program of ``record`` (a :class:`~.record.Record` with its tensors) into ``folder``.
+
+    Returns ``{"program": path_of_py, "tensors": path_of_pt}``. Raises
+    :class:`NotReplayableError` if the forward pass or the loss ran an
+    operation outside aten or the record lacks the tensors (a record read
+    without its ``.pt``).
+    """
+    data, tensors = record.data, record.tensors
+    step = data["step"]
+    replayed = replayable_ops(record)
+    saved = set(data.get("saved", []))
     produced: set[int] = set()
     lines: list[str] = []
     loads: list[str] = []

@@ -250,13 +250,15 @@ class Tape(TorchDispatchMode):
         self.values[value_id] = info
         return value_id
 
-    def _input_id(self, tensor: torch.Tensor, keep: bool) -> int:
+    def _input_id(self, tensor: torch.Tensor, keep: bool, phase: str) -> int:
         value_id = self._ids.get(tensor)
         if value_id is not None:
             return value_id
         source = self.names.get(id(tensor))
+        if source is None:  # the batch, or in the backward pass a tensor autograd saved or made
+            source = "autograd" if phase == "backward" else "input"
         info = summarize(tensor, self.summaries)
-        info["source"] = source if source is not None else "input"
+        info["source"] = source
         info["op"] = None
         value_id = self._new_id(tensor, info)
         if keep:
@@ -286,7 +288,7 @@ class Tape(TorchDispatchMode):
         leaves, _ = tree_flatten((args, kwargs))
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                self._input_id(leaf, keep=replay)
+                self._input_id(leaf, keep=replay, phase=phase)
         schema_name = func._schema.name
         encoded_args = encode_argument(list(args), self._ids.__getitem__)
         encoded_kwargs = {k: encode_argument(v, self._ids.__getitem__) for k, v in kwargs.items()}
