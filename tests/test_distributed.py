@@ -267,6 +267,7 @@ def ranks(tmp_path_factory):
     return _spawn("all", tmp_path_factory.mktemp("ddp"))
 
 
+@pytest.mark.slow
 def test_presets_match_one_process_on_the_concatenated_batch(ranks):
     for problem, preset in CASES:
         expected = _train(problem, preset, slice(None)).get_output()
@@ -284,6 +285,7 @@ def test_presets_match_one_process_on_the_concatenated_batch(ranks):
     assert ranks[1]["kept"] == {"output_steps": [], "written": False, "world_size": 2}
 
 
+@pytest.mark.slow
 def test_collectives_no_sync_and_errors(ranks):
     for rank, result in enumerate(ranks):
         # economy every 3rd step: tracked at 0 and 3 (Alpha/UpdateSize end at 1 and 4): header + statistics;
@@ -294,3 +296,16 @@ def test_collectives_no_sync_and_errors(ranks):
         assert result["error_seconds"] < 30
     assert ranks[1]["error"] == "ValueError: boom on rank 1"
     assert ranks[0]["error"].startswith("DistributedStepError") and "rank(s) [1]" in ranks[0]["error"], ranks[0]["error"]
+
+
+@pytest.mark.slow
+def test_torchrun_example_runs_in_one_process(tmp_path, capsys):
+    """examples/ddp_torchrun.py without torchrun (one process); under torchrun see docs/distributed.md."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from examples.ddp_torchrun import main
+
+    main(steps=6, local_batch=16, logdir=str(tmp_path))
+    assert (tmp_path / "ddp_digits.json").exists()
+    assert "[rank 0 of 1] steps kept: 2" in capsys.readouterr().out
