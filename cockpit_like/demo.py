@@ -55,6 +55,7 @@ def make_quantities(every: int = 1, curvature_every: int = 5) -> list:
         ("OrthoTest", frequent), ("MeanGSNR", frequent), ("CABS", frequent), ("EarlyStopping", frequent),
         ("GradHist1d", frequent), ("GradHist2d", sparse), ("HessTrace", sparse), ("TICDiag", sparse),
         ("TICTrace", sparse), ("HessMaxEV", sparse), ("KFACTrace", sparse), ("Parameters", linear(100)),
+        ("ParamNorm", frequent), ("ActivationStats", frequent),
     ]
     made = []
     for name, schedule in plan:
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     lossfunc = extend(torch.nn.CrossEntropyLoss())
     individual_lossfunc = torch.nn.CrossEntropyLoss(reduction="none")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    cockpit = Cockpit(model.parameters(), quantities=make_quantities(), stream_to=args.out)
+    cockpit = Cockpit(model.parameters(), quantities=make_quantities(), stream_to=args.out, diagnose=True)
     plotter = None
     if not args.no_plot:
         from cockpit_like.plotting import CockpitPlotter
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             plotter.plot(cockpit, show_plot=False)
     elapsed = time.perf_counter() - start
     print(f"[demo] {args.steps} steps in {elapsed:.1f}s; test accuracy {accuracy(model, test_x, test_y):.3f}")
+    active = cockpit.active_findings()
+    print(f"[demo] diagnosis: {len(active)} active finding(s)" + "".join(
+        f"\n[demo]   {finding.severity}: {finding.rule}: {finding.message}" for finding in active))
 
     written = {"log": cockpit.write(args.out), "stream": cockpit.stream_path}
     cockpit.close()

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import textwrap
 
+from typing import Any
+
 from cockpit_like.diagnosis.findings import FINDINGS_KEY, active_findings, severity_rank
 from cockpit_like.plotting.data import RunData
-from cockpit_like.plotting.instruments import DrawOptions, Instrument
 
-__all__ = ["SEVERITY_COLORS", "draw_findings", "FINDINGS_INSTRUMENT", "MAX_LINES"]
+__all__ = ["SEVERITY_COLORS", "draw_findings", "MAX_LINES"]
 
 #: text colour per severity
 SEVERITY_COLORS = {"error": "#c00000", "warning": "#d97a00", "info": "#1f5fa8"}
@@ -22,19 +23,27 @@ SEVERITY_COLORS = {"error": "#c00000", "warning": "#d97a00", "info": "#1f5fa8"}
 MAX_LINES = 6
 
 
-def draw_findings(ax, data: RunData, options: DrawOptions) -> None:
-    """List the active findings (severity, rule, layer, step, message), most severe first."""
+def draw_findings(ax, data: RunData, options: Any) -> None:
+    """List the active findings (severity, rule, layer, step, message), most severe first.
+
+    Without any stored finding the panel is the blank "not tracked" one
+    (the light is off): either the run was not diagnosed or nothing was found.
+    """
+    from cockpit_like.plotting.instruments import not_tracked
+
+    if not data.has(FINDINGS_KEY):
+        not_tracked(ax, "Check engine", (), "no findings stored: Cockpit(..., diagnose=True) runs the rules "
+                    "live; `cockpit-like diagnose LOG` checks a saved run")
+        return
     ax.set_title("Check engine", fontsize=10, fontweight="bold")
     ax.set_xticks([])
     ax.set_yticks([])
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    diagnosed = data.has(FINDINGS_KEY)
     found = sorted(active_findings(data.steps), key=lambda f: (-severity_rank(f.severity), f.step))
     if not found:
-        text = "no active findings" if diagnosed else "no findings\n(Cockpit(..., diagnose=True) runs the rules;\n`cockpit-like diagnose LOG` checks a log)"
-        ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, color="#2a7a2a" if diagnosed else "#888888",
-                gid="findings:none", transform=ax.transAxes)
+        ax.text(0.5, 0.5, "no active findings\n(earlier ones cleared)", ha="center", va="center", fontsize=8,
+                color="#2a7a2a", gid="findings:none", transform=ax.transAxes)
         return
     worst = found[0].severity
     for spine in ax.spines.values():
@@ -57,6 +66,3 @@ def draw_findings(ax, data: RunData, options: DrawOptions) -> None:
     if len(found) > shown:
         ax.text(0.98, 0.02, f"+{len(found) - shown} more (cockpit-like diagnose)", ha="right", va="bottom",
                 fontsize=6.5, color="#555555", gid="findings:more", transform=ax.transAxes)
-
-
-FINDINGS_INSTRUMENT = Instrument("findings", "Check engine", (FINDINGS_KEY,), draw_findings)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cockpit_like.plotting.data import RunData, smooth
+from cockpit_like.plotting.findings_panel import draw_findings
 
 __all__ = ["DrawOptions", "Instrument", "PRIMARY", "SECONDARY", "layer_histogram"]
 
@@ -477,6 +478,7 @@ PRIMARY: dict[str, Instrument] = {
         Instrument("learning_rate", "Learning rate", ("learning_rate",), draw_learning_rate),
         Instrument("loss", "Loss", ("Loss", "train_loss", "valid_loss", "test_loss"), draw_loss),
         Instrument("accuracy", "Accuracy", ("train_accuracy", "valid_accuracy", "test_accuracy"), draw_accuracy),
+        Instrument("findings", "Check engine", ("findings",), draw_findings),
     )
 }
 

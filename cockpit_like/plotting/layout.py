@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 from matplotlib.patches import FancyBboxPatch
 
-from cockpit_like.plotting.findings_panel import FINDINGS_INSTRUMENT
 from cockpit_like.plotting.instruments import PRIMARY, SECONDARY, Instrument, layer_histogram
 
 __all__ = ["Layout", "build_layout", "MAX_LAYER_PANELS", "PRIMARY_SIZE", "SECONDARY_SIZE"]
@@ -108,7 +107,7 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0) -> Layout:
                             width_ratios=[1.45, 0.85, 1.3])
     add("loss", grid[0, 0])
     add("accuracy", grid[0, 1])
-    add("findings", grid[0, 2], FINDINGS_INSTRUMENT)
+    add("findings", grid[0, 2])
 
     if secondary_screen:
         rows = 2 if layer_panels else 1

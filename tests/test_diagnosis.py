@@ -1,0 +1,441 @@
+"""Diagnosis rules on hand-made histories, the engine, the cockpit's findings, the panel and the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+from cockpit_like import Cockpit, read_log
+from cockpit_like.cli import main
+from cockpit_like.diagnosis import (
+    CLEARED_KEY,
+    FINDINGS_KEY,
+    Diagnosis,
+    Finding,
+    Rule,
+    RunHistory,
+    active_findings,
+    diagnose,
+    diagnose_log,
+    findings_in,
+)
+from cockpit_like.diagnosis import rules as R
+from cockpit_like.logs import write_log
+from cockpit_like.quantities import GradNorm, Loss
+from cockpit_like.utils.schedules import linear
+from tests.helpers import make_problem, train
+
+
+def history(series: dict[str, list], metadata: dict | None = None, steps: list[int] | None = None) -> RunHistory:
+    """A history with ``series[name][i]`` stored at ``steps[i]`` (default 0, 1, 2, ...)."""
+    h = RunHistory(metadata)
+    for name, values in series.items():
+        for index, value in enumerate(values):
+            h.add(steps[index] if steps else index, {name: value})
+    return h
+
+
+def ids(findings) -> list[tuple[str, str | None]]:
+    return [(f.rule, f.layer) for f in findings]
+
+
+# ---- one test per rule: fires past its threshold, silent before it ----------------------------
+def test_nonfinite_loss():
+    found = R.NonFiniteLoss().check(history({"Loss": [2.0, 1.5, math.nan, 1.0]}))
+    assert ids(found) == [("nonfinite-loss", None)]
+    assert found[0].severity == "error" and found[0].step == 2 and found[0].evidence["nonfinite_steps"] == 1
+    assert R.NonFiniteLoss().check(history({"Loss": [2.0, 1.5, 1.0]})) == []
+
+
+def test_loss_diverging_from_start_and_from_best():
+    growing = history({"Loss": [1.0] * 5 + [1.0, 3.0, 3.0, 3.0, 3.0]})  # medians 1 ... 3: 3x the start
+    assert ids(R.LossDiverging().check(growing)) == [("loss-diverging", None)]
+    mild = history({"Loss": [1.0] * 5 + [1.0, 1.5, 1.5, 1.5, 1.5]})  # 1.5x < factor 2
+    assert R.LossDiverging().check(mild) == []
+    assert len(R.LossDiverging(factor=1.4).check(mild)) == 1
+    # fell to 0.1, then rose to 2: 20x the best (> rise 10) though below the start (5)
+    rebound = history({"Loss": [5.0] * 5 + [0.1] * 5 + [2.0] * 5})
+    (found,) = R.LossDiverging().check(rebound)
+    assert found.evidence["best"] == 0.1 and found.evidence["recent"] == 2.0
+    assert R.LossDiverging(rise=25).check(rebound) == []
+
+
+def test_loss_not_decreasing():
+    assert ids(R.LossNotDecreasing().check(history({"Loss": [2.0] * 20}))) == [("loss-not-decreasing", None)]
+    falling = [2.0 - 0.05 * i for i in range(20)]  # first median 1.9, last 1.15
+    assert R.LossNotDecreasing().check(history({"Loss": falling})) == []
+    assert R.LossNotDecreasing().check(history({"Loss": [2.0] * 19})) == []  # fewer than min_values
+    assert R.LossNotDecreasing().check(history({"Loss": [2.0] * 10 + [4.0] * 10})) == []  # loss-diverging's case
+    slow = [2.0] * 10 + [1.92] * 10  # 4% lower
+    assert len(R.LossNotDecreasing().check(history({"Loss": slow}))) == 1
+    assert R.LossNotDecreasing(min_decrease=0.03).check(history({"Loss": slow})) == []
+
+
+def test_exploding_gradient():
+    start = [[0.3, 0.4]] * 5  # total norm 0.5
+    assert R.ExplodingGradient().check(history({"GradNorm": start + [[30.0, 40.0]]})) == []  # exactly 100x
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": start + [[60.0, 80.0]]}))
+    assert found.severity == "warning" and found.evidence["norm"] == pytest.approx(100.0)
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": start + [[math.nan, 1.0]]}))
+    assert found.severity == "error"
+
+
+def test_vanishing_gradient_names_the_layer():
+    meta = {"param_names": ["in.weight", "mid.weight", "out.weight"]}
+    h = history({"GradNorm": [[1.0, 1e-5, 0.5]] * 3}, meta)
+    assert ids(R.VanishingGradient().check(h)) == [("vanishing-gradient", "mid.weight")]
+    assert R.VanishingGradient(ratio=1e-6).check(h) == []
+    assert R.VanishingGradient().check(history({"GradNorm": [[1.0, 1e-5, 0.5]] * 2})) == []  # window 3
+
+
+def test_update_ratios():
+    shapes = {"param_shapes": [[2, 2], [2, 2], [2]], "param_names": ["a.weight", "b.weight", "b.bias"]}
+    h = history({"UpdateSize": [[1e-6, 0.5, 0.5]] * 5, "ParamNorm": [[1.0, 2.0, 1.0]] * 5}, shapes)
+    assert ids(R.UpdateRatioTooSmall().check(h)) == [("update-ratio-too-small", "a.weight")]
+    (large,) = R.UpdateRatioTooLarge().check(h)  # the bias (ratio 0.5) is left out by default
+    assert large.layer == "b.weight" and large.evidence["ratio"] == pytest.approx(0.25)
+    assert ids(R.UpdateRatioTooLarge(include_biases=True).check(h)) == [
+        ("update-ratio-too-large", "b.weight"), ("update-ratio-too-large", "b.bias")]
+    assert R.UpdateRatioTooLarge(threshold=0.3).check(h) == []
+    zero = history({"UpdateSize": [[0.0, 0.5]] * 5, "ParamNorm": [[1.0, 2.0]] * 5})
+    assert R.UpdateRatioTooSmall().check(zero) == []  # exactly zero: unchanged-parameters' case
+
+
+def test_unchanged_parameters():
+    h = history({"UpdateSize": [[0.0, 0.1]] * 3})
+    assert ids(R.UnchangedParameters().check(h)) == [("unchanged-parameters", "param_0")]
+    assert R.UnchangedParameters().check(history({"UpdateSize": [[0.0, 0.1], [0.01, 0.1], [0.0, 0.1]]})) == []
+    from_distance = history({"Distance": [[0.0, 0.0]] + [[0.0, 0.3]] * 3})
+    assert ids(R.UnchangedParameters().check(from_distance)) == [("unchanged-parameters", "param_0")]
+
+
+def test_alpha_rules():
+    assert ids(R.StepOvershoots().check(history({"Alpha": [1.5] * 10}))) == [("step-overshoots", None)]
+    assert R.StepOvershoots().check(history({"Alpha": [1.5] * 7 + [0.5] * 3})) == []  # share 0.7 < 0.8
+    assert R.StepOvershoots().check(history({"Alpha": [1.5] * 9})) == []  # window 10
+    assert ids(R.StepTooShort().check(history({"Alpha": [-0.95] * 10}))) == [("step-too-short", None)]
+    assert R.StepTooShort().check(history({"Alpha": [-0.5] * 10})) == []
+    assert R.StepTooShort(threshold=-0.4).check(history({"Alpha": [-0.5] * 10})) != []
+
+
+def test_sharpness_above_stability():
+    h = RunHistory()
+    h.add(0, {"learning_rate": 0.1})
+    for step, value in zip((0, 5, 10, 15), (5.0, 25.0, 25.0, 25.0)):
+        h.add(step, {"HessMaxEV": value})
+    (found,) = R.SharpnessAboveStability().check(h)
+    assert found.evidence["products"] == pytest.approx([2.5, 2.5, 2.5]) and "0.08" in found.fix
+    h.add(12, {"learning_rate": 0.05})  # the rate at or before each step counts
+    assert R.SharpnessAboveStability().check(h) == []
+    assert R.SharpnessAboveStability().missing(history({"HessMaxEV": [25.0]})) == ["learning_rate"]
+
+
+def test_noise_dominated_suggests_a_batch():
+    (found,) = R.NoiseDominated().check(history({"NormTest": [1.5] * 20, "CABS": [128.0]}))
+    assert found.severity == "info"
+    assert found.evidence["batch_factor"] == pytest.approx(2.25) and found.evidence["cabs"] == 128.0
+    assert "2.25x larger" in found.fix and "128" in found.fix
+    assert R.NoiseDominated().check(history({"NormTest": [0.8] * 20})) == []
+
+
+def _acts(**layers):
+    return {name: {"kind": kind, "units": 4, "samples": 8, **fields} for name, (kind, fields) in layers.items()}
+
+
+def test_dead_and_saturated_units():
+    value = _acts(**{"1": ("relu", {"zero_fraction": 0.9, "dead_fraction": 0.75, "rms": 0.1}),
+                     "3": ("relu", {"zero_fraction": 0.5, "dead_fraction": 0.25, "rms": 1.0}),
+                     "5": ("tanh", {"saturated_fraction": 0.6, "saturated_unit_fraction": 0.5, "rms": 0.9})})
+    h = history({"ActivationStats": [value] * 3})
+    assert ids(R.DeadUnits().check(h)) == [("dead-units", "1")]
+    assert ids(R.SaturatedUnits().check(h)) == [("saturated-units", "5")]
+    assert R.SaturatedUnits(threshold=0.7).check(h) == []
+    assert R.DeadUnits().check(history({"ActivationStats": [value] * 2})) == []  # window 3
+
+
+def test_poor_initialization():
+    shrinking = _acts(**{"1": ("tanh", {"saturated_fraction": 0.0, "rms": 1.0}),
+                         "3": ("tanh", {"saturated_fraction": 0.0, "rms": 0.05}),
+                         "5": ("tanh", {"saturated_fraction": 0.0, "rms": 0.005})})
+    found = R.PoorInitialization().check(history({"ActivationStats": [shrinking] * 3}))
+    assert ids(found) == [("poor-initialization", "5")]
+    assert found[0].evidence["ratio"] == pytest.approx(0.005)
+    meta = {"param_shapes": [[3, 3], [3], [3, 3]], "param_names": ["0.weight", "0.bias", "2.weight"]}
+    spread = history({"GradNorm": [[1e-6, 1e-9, 1.0]] * 3}, meta)  # weights 1e6 apart; the bias is ignored
+    assert ids(R.PoorInitialization().check(spread)) == [("poor-initialization", "0.weight")]
+    assert R.PoorInitialization(spread=1e7).check(spread) == []
+    assert R.PoorInitialization().missing(history({"Loss": [1.0]})) == ["ActivationStats or GradNorm"]
+
+
+def test_overfitting():
+    valid, train_ = [1.0, 0.8, 0.7, 0.9, 1.0], [1.0, 0.8, 0.6, 0.4, 0.3]
+    h = history({"valid_loss": valid, "train_loss": train_}, steps=[10, 20, 30, 40, 50])
+    (found,) = R.Overfitting().check(h)
+    assert found.step == 50 and found.evidence["best_step"] == 30 and "step 30" in found.fix
+    assert R.Overfitting(rise=0.5).check(h) == []
+    both_up = history({"valid_loss": valid, "train_loss": [1.0, 0.8, 0.6, 0.7, 0.8]}, steps=[10, 20, 30, 40, 50])
+    assert R.Overfitting().check(both_up) == []  # the training loss rose too: not overfitting
+
+
+def test_thresholds_are_checked():
+    with pytest.raises(ValueError, match="window"):
+        R.LossDiverging(window=0)
+    with pytest.raises(ValueError, match="threshold"):
+        R.DeadUnits(threshold=1.5)
+    with pytest.raises(ValueError, match="share"):
+        R.StepOvershoots(share=0)
+
+
+# ---- a custom rule (the example of docs/diagnosis.md) and the engine ----------------------------
+class LossAboveLimit(Rule):
+    id = "loss-above-limit"
+    severity = "error"
+    reads = ("Loss",)
+
+    def __init__(self, limit: float = 10.0):
+        self.limit = limit
+
+    def check(self, history):
+        step, loss = history.last("Loss")[0]
+        if loss > self.limit:
+            return [self.finding(step, f"the loss is {loss:.3g} > {self.limit}", fix="lower the learning rate",
+                                 evidence={"loss": loss})]
+        return []
+
+
+def test_reported_once_until_cleared():
+    diagnosis = Diagnosis([LossAboveLimit()])
+    log = []
+    for step, loss in enumerate([11.0, 12.0, 5.0, 13.0]):
+        diagnosis.update(step, {"Loss": loss})
+        log.append(diagnosis.run())
+    assert [[f.step for f in new] for new, _ in log] == [[0], [], [], [3]]
+    assert [cleared for _, cleared in log][2] == [{"rule": "loss-above-limit", "layer": None, "found_at": 0, "step": 2}]
+    assert list(diagnosis.active) == [("loss-above-limit", None)] and diagnosis.active[("loss-above-limit", None)].step == 3
+
+
+def test_missing_quantities_give_a_note_not_an_error():
+    diagnosis = Diagnosis()
+    diagnosis.update(0, {"Loss": 1.0})
+    assert diagnosis.run() == ([], [])
+    notes = diagnosis.notes()
+    assert "loss-diverging" not in notes
+    assert "Alpha" in notes["step-overshoots"] and "ActivationStats" in notes["dead-units"]
+
+
+def test_a_failing_rule_is_disabled_with_a_warning():
+    class Broken(Rule):
+        id = "broken"
+        reads = ("Loss",)
+
+        def check(self, history):
+            raise ZeroDivisionError("oops")
+
+    diagnosis = Diagnosis([Broken(), LossAboveLimit()])
+    diagnosis.update(0, {"Loss": 20.0})
+    with pytest.warns(RuntimeWarning, match="broken failed"):
+        new, _ = diagnosis.run()
+    assert ids(new) == [("loss-above-limit", None)]
+    assert "oops" in diagnosis.notes()["broken"]
+
+
+def test_bad_rules_and_arguments():
+    with pytest.raises(ValueError, match="instance"):
+        Diagnosis([LossAboveLimit])
+    with pytest.raises(ValueError, match="two rules with the id"):
+        Diagnosis([LossAboveLimit(), LossAboveLimit(1.0)])
+    with pytest.raises(ValueError, match="not a Rule"):
+        Diagnosis(["loss-above-limit"])
+    with pytest.raises(ValueError, match="severity"):
+        type("Bad", (Rule,), {"id": "bad", "severity": "fatal"})
+    model, _, _ = make_problem("mlp")
+    with pytest.raises(ValueError, match="diagnose"):
+        Cockpit(model.parameters(), diagnose="yes")
+    with pytest.raises(ValueError, match="on_finding"):
+        Cockpit(model.parameters(), on_finding="print")
+
+
+# ---- the cockpit: storage, stream, callback ------------------------------------------------------------
+class StopTraining(Exception):
+    pass
+
+
+def _run(tmp_path, limit, on_finding=None, steps=4, diagnose=True):
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1)), GradNorm(linear(2))],
+                      stream_to=tmp_path / "run", diagnose=[LossAboveLimit(limit)] if diagnose else False,
+                      on_finding=on_finding)
+    return cockpit, lambda: train(model, lossfunc, individual, cockpit, "mlp", steps=steps)
+
+
+def test_findings_are_stored_streamed_and_called_back(tmp_path):
+    seen = []
+    cockpit, run = _run(tmp_path, limit=0.0, on_finding=seen.append)
+    run()
+    cockpit.log(3, valid_loss=0.5)  # a log() also runs the rules (nothing new here)
+    assert ids(seen) == [("loss-above-limit", None)] and seen[0].step == 0
+    output = cockpit.get_output()
+    assert output[0][FINDINGS_KEY] == [seen[0].to_dict()]
+    assert cockpit.findings == seen and cockpit.active_findings() == seen
+    cockpit.write(tmp_path / "run")
+    cockpit.close()
+    for suffix in (".json", ".jsonl"):
+        steps = read_log(tmp_path / f"run{suffix}")
+        assert findings_in(steps) == seen and active_findings(steps) == seen
+        assert steps[1]["Loss"] == output[1]["Loss"]
+
+
+def test_a_callback_that_raises_stops_the_run_and_loses_nothing(tmp_path):
+    def stop(finding):
+        raise StopTraining(finding.rule)
+
+    cockpit, run = _run(tmp_path, limit=0.0, on_finding=stop)
+    with pytest.raises(StopTraining, match="loss-above-limit"):
+        run()
+    assert cockpit.open_step is None
+    cockpit.write(tmp_path / "run")
+    for suffix in (".json", ".jsonl"):
+        steps = read_log(tmp_path / f"run{suffix}")
+        assert sorted(steps) == [0] and "Loss" in steps[0] and "GradNorm" in steps[0]
+        assert ids(findings_in(steps)) == [("loss-above-limit", None)]
+
+
+def test_clearing_is_stored(tmp_path):
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1))], stream_to=tmp_path / "run",
+                      diagnose=[LossAboveLimit(1e9)])
+    cockpit.diagnosis.rules[0].limit = 0.0
+    train(model, lossfunc, individual, cockpit, "mlp", steps=2)
+    cockpit.diagnosis.rules[0].limit = 1e9  # the finding clears at the next step
+    train(model, lossfunc, individual, cockpit, "mlp", steps=3)  # steps 0..2 again: stored under the same steps
+    output = cockpit.get_output()
+    cleared = [entry for values in output.values() for entry in values.get(CLEARED_KEY, [])]
+    assert cleared == [{"rule": "loss-above-limit", "layer": None, "found_at": 0}]
+    assert cockpit.active_findings() == [] and len(cockpit.findings) == 1
+    cockpit.close()
+    assert active_findings(read_log(tmp_path / "run.jsonl")) == []
+
+
+def test_without_diagnosis_nothing_runs(tmp_path):
+    cockpit, run = _run(tmp_path, limit=0.0, diagnose=False)
+    run()
+    assert cockpit.diagnosis is None
+    assert all(FINDINGS_KEY not in values for values in cockpit.get_output().values())
+    cockpit.add_finding(Finding("nonfinite-origin", "error", 2, "from the recorder"))  # other producers
+    assert cockpit.get_output()[2][FINDINGS_KEY][0]["rule"] == "nonfinite-origin"
+    with pytest.raises(ValueError, match="Finding"):
+        cockpit.add_finding({"rule": "x"})
+
+
+def test_old_logs_without_findings(tmp_path):
+    write_log(tmp_path / "old", {0: {"Loss": 2.0}, 1: {"Loss": 1.0}}, {"library": "cockpit_like"})
+    steps = read_log(tmp_path / "old")
+    assert findings_in(steps) == [] and active_findings(steps) == []
+    report = diagnose_log(tmp_path / "old")
+    assert report.findings == [] and "step-overshoots" in report.notes
+    cockpit_log = tmp_path / "cockpit.json"  # a log written by Cockpit itself
+    cockpit_log.write_text(json.dumps({"0": {"Loss": 2.0}, "1": {"Loss": "NaN"}}))
+    assert ids(diagnose_log(cockpit_log).findings) == [("nonfinite-loss", None)]
+
+
+def test_replay_equals_the_live_diagnosis(tmp_path):
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1)), GradNorm(linear(1))],
+                      diagnose=[LossAboveLimit(1.0), R.VanishingGradient(ratio=0.5, window=1)])
+    train(model, lossfunc, individual, cockpit, "mlp", steps=5)
+    live = cockpit.findings
+    assert live, "the set-up must produce findings"
+    output = {s: {k: v for k, v in values.items() if k not in (FINDINGS_KEY, CLEARED_KEY)}
+              for s, values in cockpit.get_output().items()}
+    replayed = diagnose(output, cockpit.metadata(),
+                        rules=[LossAboveLimit(1.0), R.VanishingGradient(ratio=0.5, window=1)])
+    assert replayed.findings == live
+
+
+# ---- the dashboard panel -----------------------------------------------------------------------------------
+def _panel_texts(fig_axes):
+    return {t.get_gid(): t.get_text() for t in fig_axes["findings"].texts if t.get_gid()}
+
+
+def test_panel_live_and_from_the_log(tmp_path):
+    from cockpit_like.plotting import CockpitPlotter
+
+    cockpit, run = _run(tmp_path, limit=0.0)
+    run()
+    cockpit.add_finding(Finding("dead-units", "warning", 3, "75% of the units of 1 are dead", layer="1"))
+    cockpit.write(tmp_path / "run")
+    texts = []
+    for source in (cockpit, str(tmp_path / "run.json")):
+        plotter = CockpitPlotter()
+        plotter.plot(source, show_plot=False)
+        texts.append(_panel_texts(plotter.axes))
+    assert texts[0] == texts[1]
+    assert "finding:error:loss-above-limit" in texts[0] and "finding:warning:dead-units" in texts[0]
+    assert texts[0]["finding:warning:dead-units"].startswith("● WARNING dead-units 1 (step 3)")
+    colors = {t.get_gid(): t.get_color() for t in plotter.axes["findings"].texts if t.get_gid()}
+    assert colors["finding:error:loss-above-limit"] == "#c00000"
+    plotter = CockpitPlotter()
+    plotter.plot({0: {"Loss": 1.0}}, show_plot=False)
+    assert "not-tracked" in _panel_texts(plotter.axes)  # no finding stored: the light is off
+    cleared = {0: {FINDINGS_KEY: [Finding("x", "info", 0, "m").to_dict()]},
+               1: {CLEARED_KEY: [{"rule": "x", "layer": None, "found_at": 0}]}}
+    plotter.plot(cleared, show_plot=False)
+    assert "findings:none" in _panel_texts(plotter.axes)
+
+
+# ---- cockpit-like diagnose ------------------------------------------------------------------------------------
+@pytest.fixture()
+def logs(tmp_path):
+    healthy = {s: {"Loss": 2.0 * 0.9**s} for s in range(25)}
+    broken = {s: {"Loss": 2.0 if s < 3 else math.nan} for s in range(5)}
+    recorded = {s: {"Loss": 2.0 * 0.9**s} for s in range(25)}
+    recorded[4][FINDINGS_KEY] = [Finding("nonfinite-origin", "error", 4, "exp overflowed in 2").to_dict()]
+    paths = {}
+    for name, steps in (("healthy", healthy), ("broken", broken), ("recorded", recorded)):
+        paths[name] = write_log(tmp_path / name, steps, {"library": "cockpit_like"})
+    return paths
+
+
+def test_cli_table_and_exit_status(logs, capsys):
+    assert main(["diagnose", str(logs["healthy"])]) == 0
+    text = capsys.readouterr().out
+    assert "0 findings" in text and "note: step-overshoots: skipped" in text
+    assert main(["diagnose", str(logs["broken"])]) == 1
+    text = capsys.readouterr().out
+    assert "1 finding (1 error, 0 warnings, 0 infos)" in text
+    assert "ERROR" in text and "nonfinite-loss" in text and "severity  step  rule" in text
+    assert main(["diagnose", str(logs["recorded"]), "--stored-only"]) == 1  # a stored error counts
+    assert "nonfinite-origin" in capsys.readouterr().out
+
+
+def test_cli_json(logs, capsys):
+    assert main(["diagnose", str(logs["broken"]).removesuffix(".json"), "--json"]) == 1
+    document = json.loads(capsys.readouterr().out)
+    assert document["errors"] is True
+    (finding,) = document["findings"]
+    assert finding["rule"] == "nonfinite-loss" and finding["step"] == 3 and finding["evidence"]["value"] == "NaN"
+    assert document["active"] == document["findings"]
+    assert "overfitting" in document["notes"]
+
+
+def test_cli_bad_usage(tmp_path, capsys):
+    assert main(["diagnose", str(tmp_path / "missing")]) == 2
+    assert "no cockpit log" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        main(["diagnose"])
+    assert stop.value.code == 2
+
+
+def test_summary_lists_findings_as_records(tmp_path, capsys):
+    steps = {0: {"Loss": 1.0, FINDINGS_KEY: [Finding("x", "info", 0, "m").to_dict()]}}
+    write_log(tmp_path / "run", steps, {"library": "cockpit_like"})
+    assert main(["summary", str(tmp_path / "run")]) == 0
+    assert "1 record" in capsys.readouterr().out
+
