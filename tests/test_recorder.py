@@ -227,7 +227,7 @@ def _problem(name):
     return problem.model, (lambda step: problem.batch(4, step)), lambda out, y: problem.sample_losses(out, y).mean()
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "encoder", "gru", "resnet_batchnorm_eval", "custom"])
 def test_replay_reproduces_a_healthy_step(name, tmp_path):
     model, batch, lossfunc = _problem(name)
     cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model)
@@ -480,3 +480,18 @@ def test_record_without_a_model_warns():
         with cockpit(0, info={"loss": loss}):
             loss.backward()
     assert cockpit.records == {}
+
+
+def test_a_nonfinite_parameter_is_named_as_the_source():
+    model = make_mlp()
+    with torch.no_grad():
+        model[3].weight[2, 5] = float("nan")  # left by an earlier step
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    cockpit.record(0)
+    train(model, cockpit, 1, lambda step: make_batch("mlp", 6, step), nn.CrossEntropyLoss())
+    origin = cockpit.records[0].first_nonfinite
+    assert origin["kind"] == "input" and origin["module"] == "3"
+    assert "parameter '3.weight'" in origin["message"]
+    assert [v["nan"] for v in origin["inputs"] if v.get("source") == "parameter '3.weight'"] == [1]
+    (finding,) = cockpit.findings
+    assert "earlier step" in finding.fix

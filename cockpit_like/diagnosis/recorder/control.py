@@ -282,6 +282,8 @@ class Recorder:
             )
             return
         _, args, kwargs = self._forward
+        while isinstance(root, nn.parallel.DistributedDataParallel):
+            root = root.module  # the wrapped model: DDP's forward would wait for the other ranks
         loss_fn = info.get("loss_fn")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(
