@@ -19,6 +19,7 @@ import torch
 from backpack import extend
 
 from cockpit_like import Cockpit, quantities
+from cockpit_like.utils.progress import progress
 from cockpit_like.utils.schedules import linear
 
 __all__ = ["load_digits_tensors", "make_quantities", "main"]
@@ -82,15 +83,6 @@ def minibatches(inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, ste
         yield step, step // per_epoch, epoch_end, inputs[batch], labels[batch]
 
 
-def progress_bar(iterable, total: int, enabled: bool = True):
-    """``iterable`` with a tqdm bar on stderr when ``enabled``, stderr is a terminal and tqdm is installed."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in requirements.txt
-        return iterable
-    return tqdm(iterable, total=total, desc="[demo] training", unit="step", disable=None if enabled else True)
-
-
 def accuracy(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> float:
     with torch.no_grad():
         return (model(inputs).argmax(1) == labels).float().mean().item()
@@ -128,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     print(f"[demo] training an MLP on digits for {args.steps} steps, tracking: {', '.join(names)}")
     start = time.perf_counter()
     batches = minibatches(train_x, train_y, args.batch_size, args.steps)
-    for step, epoch, epoch_end, inputs, labels in progress_bar(batches, args.steps, not args.no_progress):
+    batches = progress(batches, args.steps, "[demo] training", enabled=False if args.no_progress else None)
+    for step, epoch, epoch_end, inputs, labels in batches:
         optimizer.zero_grad()
         outputs = model(inputs)
         loss = lossfunc(outputs, labels)

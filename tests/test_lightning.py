@@ -21,6 +21,7 @@ from cockpit_like.utils.configuration import configuration
 
 LR = 0.3
 BATCH = 4
+pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 
 
 def _data():

@@ -22,6 +22,7 @@ from .test_lightning import assert_same_log
 from .zoo import gpt2
 
 pytest.importorskip("accelerate")
+pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 LR = 0.1
 BATCH = 4
 

@@ -43,8 +43,7 @@ The packages are imported only when an exporter is created.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,20 +51,9 @@ import numpy as np
 
 from cockpit_like.integrations.flatten import flatten
 from cockpit_like.logs import decode, encode
+from cockpit_like.utils.progress import progress as progress_bar
 
 __all__ = ["Exporter", "TensorBoardExporter", "WandbExporter", "MLflowExporter", "EXPORTERS", "export_log", "make_exporter"]
-
-
-def _progress(iterable: Iterable, total: int, description: str, enabled: bool | None) -> Iterable:
-    """``iterable`` with a tqdm bar on stderr: ``enabled`` True, False, or None (only on a terminal)."""
-    if enabled is False:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is in requirements.txt
-        return iterable
-    return tqdm(iterable, total=total, desc=description, unit="step", file=sys.stderr, leave=False,
-                disable=None if enabled is None else False)
 
 
 class Exporter:
@@ -125,7 +113,7 @@ class Exporter:
         """Export a whole saved run ``{step: values}`` in step order; return the number of steps."""
         ordered = sorted(steps)
         shown: dict[int, Mapping[str, Any]] = {}
-        for step in _progress(ordered, len(ordered), f"export to {self.kind}", progress):
+        for step in progress_bar(ordered, len(ordered), f"export to {self.kind}", progress):
             self.write(step, steps[step])
             shown[step] = steps[step]
             if self.image_every and step % self.image_every == 0 and step not in self._imaged:

@@ -226,7 +226,7 @@ class CockpitTrainerMixin:
         if not torch.isclose(mean.to(loss.dtype), loss.detach(), rtol=1e-5, atol=1e-7):
             raise ValueError(
                 f"CockpitCallback: the per-sample losses average to {float(mean):.6g}, but the Trainer's loss is "
-                f"{float(loss):.6g}; the cockpit needs losses whose mean is the loss. Pass "
+                f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
                 "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
             )
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
