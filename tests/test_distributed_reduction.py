@@ -121,3 +121,39 @@ def _same(a, b) -> bool:
 
 def _assert_same(a, b) -> None:
     assert _same(a, b), (a, b)
+
+
+@pytest.mark.parametrize("form", ["grad_batch", "factors", "sequence"])
+def test_gram_summary_ddp_form_uses_the_global_mean_gradient(form):
+    """GramSummary's DDP form: row sums against the synchronised p.grad, concatenated over the ranks."""
+    from cockpit_like.backends.per_sample_stats import GramSummary
+
+    generator = torch.Generator().manual_seed(3)
+    batch, out, inp, positions = 6, 3, 4, 2
+    delta = torch.randn(batch, positions, out, dtype=DTYPE, generator=generator)
+    x = torch.randn(batch, positions, inp, dtype=DTYPE, generator=generator)
+    if form == "factors":
+        delta, x = delta[:, :1], x[:, :1]
+    grads = torch.einsum("bto,bti->boi", delta, x)  # per-sample gradients g_i
+    param = torch.zeros(out, inp, dtype=DTYPE)
+    param.grad = grads.mean(0)  # what DDP leaves in p.grad: the global mean gradient
+
+    def compute(stat, rows):
+        size = len(range(batch)[rows])
+        d, xs = delta[rows] / size, x[rows]
+        state = stat.init([param])
+        if form == "grad_batch":
+            state = stat.accumulate(state, 0, param, torch.einsum("bto,bti->boi", d, xs))
+        elif form == "factors":
+            state = stat.accumulate_factors(state, 0, param, "weight", xs[:, 0], d[:, 0])
+        else:
+            state = stat.accumulate_sequence(state, 0, param, d, xs)
+        return stat.finalize(state)
+
+    synced = GramSummary().for_ranks()
+    assert synced == GramSummary() and synced.synced
+    halves = [compute(synced, slice(0, 3)), compute(synced, slice(3, None))]
+    combined = _combine(halves, [3, 3], synced.across_ranks)
+    whole = compute(GramSummary(), slice(None))
+    _assert_same(combined, whole)
+    assert not _same(compute(GramSummary(), slice(0, 3))[1], whole[1][:3])

@@ -108,9 +108,10 @@ class GramSummary(PerSampleStat):
     def for_ranks(self):
         return GramSummary(synced=True)
 
-    def _keep(self, state, param, kept, plain):
+    def _keep(self, state, param, kept, diag):
+        """DDP form: keep the layer for the row sums at ``finalize``, fold in only the diagonal now."""
         state["kept"].append((param, kept))
-        state["gram"] = plain(state["gram"])
+        state["gram"] = self._fold(state["gram"], diag, None)
         return state
 
     def finalize(self, state):
@@ -129,8 +130,8 @@ class GramSummary(PerSampleStat):
 
     def accumulate(self, state, index, param, grad_batch):
         if self.synced:
-            plain = lambda gram: _PLAIN_GRAM.accumulate(gram, index, param, grad_batch)  # noqa: E731
-            return self._keep(state, param, RetainedDense(grad_batch.detach()), plain)
+            diag = torch.linalg.vector_norm(_flat(grad_batch.detach()), dim=1).square_()
+            return self._keep(state, param, RetainedDense(grad_batch.detach()), diag)
         flat = _flat(grad_batch.detach())
         diag = torch.linalg.vector_norm(flat, dim=1).square_()
         row_sums = flat @ flat.sum(0)
@@ -138,9 +139,12 @@ class GramSummary(PerSampleStat):
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
         if self.synced:
-            plain = lambda gram: _PLAIN_GRAM.accumulate_factors(gram, index, param, kind, x, delta)  # noqa: E731
-            kept = RetainedFactors(kind, None if x is None else x.detach(), delta.detach())
-            return self._keep(state, param, kept, plain)
+            delta = delta.detach()
+            diag = (delta * delta).sum(1)
+            if kind != "bias":
+                x = x.detach()
+                diag.mul_((x * x).sum(1))
+            return self._keep(state, param, RetainedFactors(kind, x if kind != "bias" else None, delta), diag)
         batch, out = delta.shape
         if kind == "bias":
             return self.accumulate(state, index, param, delta)
@@ -155,24 +159,26 @@ class GramSummary(PerSampleStat):
     sequence_form = True
 
     def accumulate_sequence(self, state, index, param, a, b):
-        if self.synced:
-            plain = lambda gram: _PLAIN_GRAM.accumulate_sequence(gram, index, param, a, b)  # noqa: E731
-            return self._keep(state, param, RetainedSequence(a.detach(), b.detach(), param.shape), plain)
         a, b = a.detach(), b.detach()
-        positions, rows, cols = a.shape[1], a.shape[2], b.shape[2]
+        if self.synced:
+            return self._keep(state, param, RetainedSequence(a, b, param.shape), self._sequence_diag(a, b))
         total = torch.einsum("btr,btc->rc", a, b)  # sum_k gb_k as an R x C matrix
         row_sums = ((a @ total) * b).sum((1, 2))
+        return self._fold(state, self._sequence_diag(a, b), row_sums)
+
+    @staticmethod
+    def _sequence_diag(a, b):
+        """``||gb_i||^2`` of ``gb_i = sum_t a_it b_it^T``."""
+        positions, rows, cols = a.shape[1], a.shape[2], b.shape[2]
         if positions * (rows + cols) < rows * cols:
-            diag = ((a @ a.transpose(1, 2)) * (b @ b.transpose(1, 2))).sum((1, 2))
-        else:
-            diag = torch.bmm(a.transpose(1, 2), b).square().sum((1, 2))
-        return self._fold(state, diag, row_sums)
+            return ((a @ a.transpose(1, 2)) * (b @ b.transpose(1, 2))).sum((1, 2))
+        return torch.bmm(a.transpose(1, 2), b).square().sum((1, 2))
 
     @staticmethod
     def _fold(state, diag, row_sums):
         if state is None:
             return (diag, row_sums)
-        return (state[0].add_(diag), state[1].add_(row_sums))
+        return (state[0].add_(diag), None if row_sums is None else state[1].add_(row_sums))
 
 
 @dataclass(frozen=True)
@@ -630,8 +636,6 @@ class PredictedSlopes(PerSampleStat):
         self._flush(state)
         return {"mode": "predicted", "dots": state["dots"], "direction": state["direction"], "grad_sum": state["grad_sum"]}
 
-
-_PLAIN_GRAM = GramSummary()
 
 
 def _concatenated_dots(dots: torch.Tensor, reduction):
