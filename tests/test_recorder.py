@@ -495,3 +495,19 @@ def test_a_nonfinite_parameter_is_named_as_the_source():
     assert [v["nan"] for v in origin["inputs"] if v.get("source") == "parameter '3.weight'"] == [1]
     (finding,) = cockpit.findings
     assert "earlier step" in finding.fix
+
+
+def test_armed_after_the_forward_pass_records_the_backward_pass_with_a_note():
+    model = make_mlp()
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    x, y = make_batch("mlp", 6, 0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    cockpit.record(0)  # too late for the forward pass
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    record = cockpit.records[0]
+    assert "forward" not in {op["phase"] for op in record.ops}
+    assert "backward" in {op["phase"] for op in record.ops}
+    assert any("forward pass of step 0 was not recorded" in note for note in record.notes)
+    # without the forward pass, backward operations have no forward operation to name their module
+    assert all("forward_op" not in op for op in record.ops)
