@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -180,8 +181,13 @@ def test_wandb_offline_run_holds_the_log(run):
     exporter = export_log(run["log"], "wandb", run["folder"] / "wandb", image_every=4)
     files = list(Path(exporter.run_dir).glob("run-*.wandb"))
     assert len(files) == 1 and "offline-run" in exporter.run_dir
+    for _ in range(100):  # wandb's service may still be writing when finish() returns: wait for the exit record
+        records = list(_wandb_records(files[0]))
+        if any(record.WhichOneof("record_type") == "exit" for record in records):
+            break
+        time.sleep(0.2)
     stored: dict[str, dict[int, object]] = {}
-    for record in _wandb_records(files[0]):
+    for record in records:
         if record.WhichOneof("record_type") != "history":
             continue
         row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
@@ -196,6 +202,7 @@ def test_wandb_offline_run_holds_the_log(run):
             assert stored[tag][step] == value or (np.isnan(value) and stored[tag][step] == "NaN"), (tag, step)
     for tag, expected in histograms.items():
         for step, (counts, edges) in expected.items():
+            assert step in stored[f"{tag}/values"], (tag, step, [r.WhichOneof("record_type") for r in records][-12:])
             assert stored[f"{tag}/values"][step] == counts.tolist()
             np.testing.assert_allclose(stored[f"{tag}/bins"][step], edges, rtol=1e-6)
     assert stored["dashboard/_type"] == {0: "image-file", 4: "image-file"}
@@ -232,3 +239,17 @@ def test_bad_target_and_arguments(run, capsys):
         TensorBoardExporter(run["folder"] / "x", image_every=-1)
     assert main(["export", str(run["folder"] / "missing.json"), "--to", "tensorboard", str(run["folder"] / "y")]) == 2
     assert "no cockpit log" in capsys.readouterr().err
+
+
+def test_optional_packages_are_not_imported_with_the_package():
+    import subprocess
+    import sys
+
+    modules = ("lightning", "pytorch_lightning", "transformers", "accelerate", "tensorboard", "wandb", "mlflow",
+               "torch.utils.tensorboard")
+    code = ("import sys, cockpit_like, cockpit_like.cli, cockpit_like.watch, cockpit_like.integrations.lightning, "
+            "cockpit_like.integrations.transformers, cockpit_like.integrations.exporters\n"
+            f"print([m for m in {modules!r} if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.stdout.strip() == "[]"
