@@ -511,3 +511,30 @@ def test_armed_after_the_forward_pass_records_the_backward_pass_with_a_note():
     assert any("forward pass of step 0 was not recorded" in note for note in record.notes)
     # without the forward pass, backward operations have no forward operation to name their module
     assert all("forward_op" not in op for op in record.ops)
+
+
+def test_a_failing_loss_fn_does_not_stop_training():
+    model = exploding_net()
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    with torch.no_grad():
+        model[2].scale.fill_(5000.0)
+    x, y = _batch(0)
+    loss = nn.functional.cross_entropy(model(x), y)
+
+    def broken(output):
+        raise KeyError("targets")
+
+    with pytest.warns(RuntimeWarning, match="failed in info\\['loss_fn'\\]"):
+        with cockpit(0, info={"loss": loss, "loss_fn": broken}):
+            loss.backward()
+    record = cockpit.records[0]
+    assert any("KeyError" in note for note in record.notes)
+    assert record.first_nonfinite["op"] == "aten.exp.default"  # the forward pass is there
+    # a loss_fn that is not a function is an error at any step, not only at a bad one
+    model = make_mlp()
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    x, y = make_batch("mlp", 6, 0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    with pytest.raises(ValueError, match="must be a function of the model's output"):
+        with cockpit(0, info={"loss": loss, "loss_fn": "cross_entropy"}):
+            loss.backward()

@@ -185,6 +185,12 @@ class Recorder:
 
     def step_begins(self, step: int, info: dict) -> None:
         """At ``cockpit.begin(step)``: a tape left by an unfinished step is closed; the automatic check."""
+        loss_fn = info.get("loss_fn")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(
+                f"cockpit step {step}: info['loss_fn'] must be a function of the model's output that returns "
+                f"the loss (e.g. lambda output: lossfunc(output, targets)), got {type(loss_fn).__name__}"
+            )
         if self._tape is not None and self._tape_step != step:
             self._finish(info, [f"Step {self._tape_step} never reached cockpit.end(); the record stops at step {step}."])
         if self._tape is None and step in self.armed:
@@ -285,11 +291,6 @@ class Recorder:
         while isinstance(root, nn.parallel.DistributedDataParallel):
             root = root.module  # the wrapped model: DDP's forward would wait for the other ranks
         loss_fn = info.get("loss_fn")
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(
-                f"info['loss_fn'] must be a function of the model's output that returns the loss "
-                f"(e.g. lambda output: lossfunc(output, targets)), got {type(loss_fn).__name__}"
-            )
         notes = [
             f"Recorded automatically: the {what} of step {step} was not finite. The cockpit ran the model's "
             "forward pass of that step again, from the inputs it saw, with the parameters of that step "
@@ -299,15 +300,26 @@ class Recorder:
         tape = Tape(root, _names(root), paused=lambda: False, max_ops=self.max_ops)
         self._tape, self._tape_step, self._tape_notes = tape, step, []
         loss = None
+        stage = "the model's forward pass"
         try:
             with self.tracer.pause(), torch.enable_grad():
                 tape.start(inside_root=False)
                 output = root(*args, **kwargs)
                 if loss_fn is not None:
+                    stage = "info['loss_fn']"
                     loss = loss_fn(output)
                     if backward and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                        stage = "the backward pass"
                         wanted = [p for p in self.params if p.requires_grad]
                         torch.autograd.grad(loss, wanted, allow_unused=True)
+        except Exception as error:  # noqa: BLE001 - a failed re-run must not stop the training run
+            notes.append(f"The re-run stopped in {stage}: {type(error).__name__}: {error}. The record ends there.")
+            warnings.warn(
+                f"[cockpit_like] step {step}: recording the non-finite {what} failed in {stage} "
+                f"({type(error).__name__}: {error}); the record holds what ran before",
+                RuntimeWarning,
+                stacklevel=4,
+            )
         finally:
             tape.stop()
             with torch.no_grad():
