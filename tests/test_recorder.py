@@ -150,17 +150,18 @@ def test_exploding_exp_is_recorded_automatically_and_replayed(tmp_path):
     assert "loss: nan (recorded nan)" in done.stdout
 
 
-def test_log_of_zero_recorded_on_demand(tmp_path):
+def test_log_of_zero_recorded_automatically(tmp_path):
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(4, 6), LogOfRelu(shift=0.0), nn.Linear(6, 3)).to(DTYPE)
-    cockpit = Cockpit(model.parameters(), [], model=model, record_nonfinite=False)
-    cockpit.record(0)
+    cockpit = Cockpit(model.parameters(), [], model=model)  # no quantity: the loss check alone
     x, y = _batch(0)
     loss = nn.functional.cross_entropy(model(x), y)
-    with cockpit(0, info={"loss": loss}):  # a step no quantity tracks
+    assert not torch.isfinite(loss)
+    with cockpit(0, info={"loss": loss, "loss_fn": lambda output: nn.functional.cross_entropy(output, y)}):
         loss.backward()
     record = cockpit.records[0]
-    assert record.data["trigger"] == "on demand"
+    assert record.data["trigger"] == "non-finite loss"
+    assert {"forward", "loss", "backward"} <= set(record.data["phases"])
     origin = record.first_nonfinite
     assert origin["op"] == "aten.log.default" and origin["module"] == "1" and origin["module_type"] == "LogOfRelu"
     with torch.no_grad():
