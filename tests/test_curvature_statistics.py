@@ -158,8 +158,9 @@ def test_ihvp_and_damped_operator_on_cockpit_factors_match_solve(kind):
 
 
 @pytest.mark.parametrize("kind", ["kfac", "ekfac"])
-def test_preconditioned_grad_norm_and_self_influence_brute_force(kind):
-    model, inputs, labels = _problem("mlp", batch=7)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_preconditioned_grad_norm_and_self_influence_brute_force(name, kind):
+    model, inputs, labels = _problem(name, batch=7)
     damping = 1e-2
     norm = PreconditionedGradNorm(linear(1), curvature=kind, damping=damping)
     influence = SelfInfluence(linear(1), curvature=kind, damping=damping, k=3)
@@ -317,14 +318,18 @@ def test_hf_conv1d_equals_its_linear_twin():
             t.bias.copy_(c.bias)
     inputs = torch.randn(6, 5, 3, dtype=DT)
     labels = torch.randint(0, 2, (6, 5))
-    dense = {}
+    dense, influence = {}, {}
     for name, model in (("conv", conv), ("twin", twin)):
         quantity = CurvatureStatistics(linear(1), statistics="ekfac")
-        cockpit = Cockpit(list(model.parameters()), quantities=[quantity], model=model)
+        scores = [SelfInfluence(linear(1), curvature=kind, damping=1e-3) for kind in ("kfac", "ekfac")]
+        cockpit = Cockpit(list(model.parameters()), quantities=[quantity, *scores], model=model)
         loss = nn.functional.cross_entropy(model(inputs).reshape(-1, 2), labels.reshape(-1))
         with cockpit(0, info={"batch_size": 6, "loss": loss}):
             loss.backward()
-        dense[name] = {kind: cockpit.curvature(kind=kind).to_dense() for kind in ("kfac", "ekfac")}
+        dense[name] = {kind: cockpit.curvature(kind=kind, quantity=quantity).to_dense() for kind in ("kfac", "ekfac")}
+        influence[name] = [q.last_values for q in scores]
+    for ours, theirs in zip(influence["conv"], influence["twin"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=0)
     # the twin's order of the weight entries: Linear [out, in] row-major vs Conv1D [in, out] row-major
     order = []
     offset = 0
@@ -400,6 +405,8 @@ def test_curvature_errors():
     norm = PreconditionedGradNorm(linear(1), damping=0.0)
     with pytest.raises(ValueError, match="singular"):
         _step([norm], model, inputs, labels)
+    with pytest.raises(ValueError, match="singular"):
+        _step([SelfInfluence(linear(1), damping=0.0)], model, inputs, labels)
     with pytest.raises(ValueError, match="sample_ids"):
         _step([SelfInfluence(linear(1))], model, inputs, labels, info={"sample_ids": [1, 2]})
 
@@ -461,3 +468,29 @@ def test_heuristic_damping_is_pi_damping_of_the_factors():
     assert cockpit.get_output()[0]["PreconditionedGradNorm"]["value"] == pytest.approx(total, rel=1e-9)
     with pytest.raises(ValueError, match="strategy"):
         SelfInfluence(linear(1), strategy="pi")
+
+
+def test_kronecker_quadratic_forms_against_dense():
+    from cockpit_like.functional.kronecker_quadratic import (
+        quadratic_forms_dense,
+        quadratic_forms_factors,
+        quadratic_forms_sequence,
+    )
+
+    generator = torch.Generator().manual_seed(3)
+    rows, cols, batch, positions = 3, 4, 5, 6
+    left = torch.linalg.qr(torch.randn(rows, rows, generator=generator, dtype=DT))[0]
+    right = torch.linalg.qr(torch.randn(cols, cols, generator=generator, dtype=DT))[0]
+    weights = torch.rand(rows, cols, generator=generator, dtype=DT)
+    metric = torch.kron(left, right) @ torch.diag(weights.reshape(-1)) @ torch.kron(left, right).T
+    u = torch.randn(batch, positions, rows, generator=generator, dtype=DT)
+    v = torch.randn(batch, positions, cols, generator=generator, dtype=DT)
+    g = torch.einsum("ntr,ntc->nrc", u, v)
+    expected = torch.einsum("ni,ij,nj->n", g.reshape(batch, -1), metric, g.reshape(batch, -1))
+    torch.testing.assert_close(quadratic_forms_sequence(u, v, left, right, weights), expected)
+    torch.testing.assert_close(quadratic_forms_dense(g, left, right, weights), expected)
+    outer = torch.einsum("nr,nc->nrc", u[:, 0], v[:, 0]).reshape(batch, -1)
+    torch.testing.assert_close(quadratic_forms_factors(u[:, 0], v[:, 0], left, right, weights),
+                               torch.einsum("ni,ij,nj->n", outer, metric, outer))  # fmt: skip
+    with pytest.raises(ValueError, match="weights"):
+        quadratic_forms_dense(g, left, right, weights.T)

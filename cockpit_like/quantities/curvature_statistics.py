@@ -36,7 +36,12 @@ from cockpit_like.backends.per_sample_stats import RetainedDense, RetainedFactor
 from cockpit_like.context import get_record
 from cockpit_like.ihvp import ihvp_ekfac, ihvp_kfac
 from cockpit_like.quantities.quantity import SingleStepQuantity
-from cockpit_like.statistics import LayerLogs, StatisticsPlan, curvature_operator, layer_curvatures
+from cockpit_like.functional.kronecker_quadratic import (
+    quadratic_forms_dense,
+    quadratic_forms_factors,
+    quadratic_forms_sequence,
+)
+from cockpit_like.statistics import LayerLogs, StatisticsPlan, curvature_operator, layer_curvatures, layer_eigen
 
 __all__ = ["CurvatureStatistics", "EKFACSpectrum", "PreconditionedGradNorm", "SelfInfluence"]
 
@@ -289,7 +294,9 @@ class PreconditionedGradNorm(CurvatureStatistics):
 
 @dataclass(frozen=True)
 class RetainedForInfluence(RetainedGradBatch):
-    """:class:`RetainedGradBatch` of :class:`SelfInfluence` alone (it clears the list; others keep theirs)."""
+    """:class:`RetainedGradBatch` of one :class:`SelfInfluence` (``key``; it clears the list, others keep theirs)."""
+
+    key: str = ""
 
 
 def _per_sample_rows(entry, param: torch.Tensor) -> torch.Tensor:
@@ -352,22 +359,68 @@ class SelfInfluence(CurvatureStatistics):
 
     def per_sample_stats(self, global_step: int) -> list:
         stats = super().per_sample_stats(global_step)
-        return stats + [RetainedForInfluence()] if stats else stats
+        return stats + [RetainedForInfluence(self._key)] if stats else stats
 
     def _compute(self, global_step, params, batch_loss):
         self._absorb(global_step)
         record = get_record(global_step)
-        retained = record.stat(RetainedForInfluence())
+        retained = record.stat(RetainedForInfluence(self._key))
+        index = {id(p): i for i, p in enumerate(params)}
         try:
-            inverse, covered = self._inverse(params, self._curvature, self._damping, self._strategy)
-            index = {id(p): i for i, p in enumerate(params)}
-            grads = [_per_sample_rows(retained[index[id(p)]], p) for p in covered]
+            if self._strategy == "exact":
+                values = self._in_eigenbasis(params, retained, index)
+            else:  # the π-damped inverse has no common eigenbasis: inverse-Hessian-vector products
+                inverse, covered = self._inverse(params, self._curvature, self._damping, self._strategy)
+                grads = [_per_sample_rows(retained[index[id(p)]], p) for p in covered]
+                solved = inverse(grads)
+                values = sum((g * s).reshape(g.shape[0], -1).sum(1) for g, s in zip(grads, solved))
         finally:
             retained.clear()
-        solved = inverse(grads)
-        values = sum((g * s).reshape(g.shape[0], -1).sum(1) for g, s in zip(grads, solved))
         self.last_values = values.detach()
         return summarize_influence(values, record.info.get("sample_ids"), self._k)
+
+    def _in_eigenbasis(self, params, retained, index) -> torch.Tensor:
+        """``s_i = sum_layers sum (Q_Gᵀ g_i Q_A)² / (λ + damping)``: one rotation per per-sample gradient
+        (:mod:`cockpit_like.functional.kronecker_quadratic`), factors never materialised."""
+        entries = layer_eigen(self.plan, params, self._curvature)
+        if not entries:
+            raise RuntimeError(
+                "SelfInfluence: no tracked parameter belongs to a logged layer (nn.Linear, nn.Conv2d, Hugging Face "
+                "Conv1D); pass Cockpit(..., model=model)"
+            )
+        total = None
+        for entry in entries:
+            spec, q_g, q_a = entry["spec"], entry["q_g"], entry["q_a"]
+            weights = self._weights(spec.name, entry["values"])
+            kept = retained[index[id(entry["weight"])]]
+            swapped = spec.kind == "hf_conv1d"  # weight [in, out]: its factors have the roles swapped
+            if isinstance(kept, RetainedFactors):
+                delta, x = (kept.x, kept.delta) if swapped else (kept.delta, kept.x)
+                part = quadratic_forms_factors(delta * delta.shape[0], x, q_g, q_a, weights)
+            elif isinstance(kept, RetainedSequence):
+                a, b = (kept.b, kept.a) if swapped else (kept.a, kept.b)
+                part = quadratic_forms_sequence(a * a.shape[0], b, q_g, q_a, weights)
+            else:
+                grads = _per_sample_rows(kept, entry["weight"])
+                part = quadratic_forms_dense(spec.weight_matrix(grads), q_g, q_a, weights)
+            if entry["bias"] is not None:
+                grads = _per_sample_rows(retained[index[id(entry["bias"])]], entry["bias"])
+                one = torch.ones(1, 1, dtype=q_g.dtype, device=q_g.device)
+                bias_weights = self._weights(spec.name, entry["bias_values"].reshape(-1, 1))
+                part = part + quadratic_forms_dense(grads.reshape(len(grads), -1, 1), q_g, one, bias_weights)
+            total = part if total is None else total + part
+        return total
+
+    def _weights(self, layer: str, values: torch.Tensor) -> torch.Tensor:
+        """``1 / (λ + damping)``, or a clear error where that is singular (``damping = 0``, a zero eigenvalue)."""
+        shifted = values + self._damping
+        tolerance = sum(values.shape) * torch.finfo(values.dtype).eps * max(float(values.abs().max()), self._damping)
+        if bool((shifted <= tolerance).any()):
+            raise ValueError(
+                f"SelfInfluence: layer '{layer}' has curvature eigenvalue 0 and damping={self._damping}, so "
+                "F + damping I is singular; use damping > 0"
+            )
+        return 1.0 / shifted
 
 
 def summarize_influence(values: torch.Tensor, sample_ids: Any, k: int) -> dict:

@@ -25,7 +25,7 @@ and :mod:`cockpit_like.operators`. Docs: ``docs/curvature_statistics.md``.
 
 from cockpit_like.statistics.base import Covariance, Log, Mean, Statistic, StatisticsMergeError
 from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan, finalize_logs, merge_logs
-from cockpit_like.statistics.curvature import NotLoggedError, curvature_operator, layer_curvatures
+from cockpit_like.statistics.curvature import NotLoggedError, curvature_operator, layer_curvatures, layer_eigen
 from cockpit_like.statistics.logs import LOGS, KroneckerEigenvalues, parse_statistics
 
 __all__ = [
@@ -43,5 +43,6 @@ __all__ = [
     "merge_logs",
     "finalize_logs",
     "layer_curvatures",
+    "layer_eigen",
     "curvature_operator",
 ]

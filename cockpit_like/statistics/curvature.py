@@ -23,7 +23,7 @@ from cockpit_like.operators import LayerCurvature, ekfac_operator, kfac_operator
 from cockpit_like.statistics.collect import StatisticsPlan
 from cockpit_like.statistics.logs import KroneckerEigenvalues
 
-__all__ = ["layer_curvatures", "curvature_operator", "NotLoggedError"]
+__all__ = ["layer_curvatures", "layer_eigen", "curvature_operator", "NotLoggedError"]
 
 KINDS = ("kfac", "ekfac")
 
@@ -104,6 +104,41 @@ def layer_curvatures(
         if bias is not None:
             covered.add(id(bias))
     return records, [p for p in params if id(p) in covered]
+
+
+def layer_eigen(plan: StatisticsPlan, params: list[torch.Tensor], kind: str = "kfac") -> list[dict]:
+    """Per covered layer its Kronecker eigenbasis and eigenvalues (for per-sample quadratic forms).
+
+    Entries ``{"spec", "weight", "bias", "q_g", "q_a", "values" [out, in], "bias_values" [out] | None}``
+    (orientation ``[out, in]`` whatever the layer stores); KFAC's eigenvalues are
+    ``λ_G ⊗ λ_A`` (clamped at 0: the factors are PSD), EK-FAC's the corrected ones
+    in the basis they were computed in.
+    """
+    records, covered = layer_curvatures(plan, params, kind)
+    ids = {id(p) for p in covered}
+    logs = plan.finalized() if kind == "kfac" else None
+    entries = []
+    for spec in plan.layers.values():
+        if id(spec.weight) not in ids:
+            continue
+        bias = spec.bias if spec.bias is not None and id(spec.bias) in ids else None
+        if kind == "kfac":
+            layer = logs["layers"][spec.name]
+            (l_g, q_g), (l_a, q_a) = (torch.linalg.eigh(layer[log][plan.covariance(log).name]) for log in ("backward", "forward"))
+            l_g, l_a = l_g.clamp(min=0), l_a.clamp(min=0)
+            values, bias_values = torch.outer(l_g, l_a), l_g
+        else:
+            record = next(r for r in records if r.name == spec.name)
+            q_g, q_a = plan.running["bases"][spec.name]
+            values = record.eigenvalues if spec.kind != "hf_conv1d" else record.eigenvalues.T
+            values = values.reshape(len(q_g), len(q_a))
+            bias_values = None
+            if bias is not None:
+                bias_record = record if spec.kind != "hf_conv1d" else next(r for r in records if r.name == f"{spec.name}(bias)")
+                bias_values = bias_record.bias_eigenvalues
+        entries.append({"spec": spec, "weight": spec.weight, "bias": bias, "q_g": q_g, "q_a": q_a,
+                        "values": values, "bias_values": bias_values if bias is not None else None})  # fmt: skip
+    return entries
 
 
 def curvature_operator(
