@@ -53,8 +53,12 @@ class RunHistory:
         self.metadata: dict[str, Any] = dict(metadata or {})
         self._steps: dict[str, list[int]] = {}
         self._values: dict[str, dict[int, Any]] = {}
-        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._reduced: dict[tuple, tuple[list[int], list[Any]]] = {}
+        self._arrays: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._reduced: dict[tuple, tuple[int, list[Any]]] = {}
+        #: per name, incremented whenever a value is inserted before the last step or replaced
+        self._version: dict[str, int] = {}
+        #: scratch space for rules that keep incremental state, ``memo[rule id]``
+        self.memo: dict[str, dict[str, Any]] = {}
         #: the largest step seen so far (None before the first value)
         self.latest_step: int | None = None
 
@@ -71,17 +75,15 @@ class RunHistory:
             if value is None or name in DIAGNOSIS_KEYS:
                 continue
             by_step = self._values.setdefault(name, {})
+            steps = self._steps.setdefault(name, [])
+            if step in by_step or (steps and step < steps[-1]):  # not an append: caches start over
+                self._version[name] = self._version.get(name, 0) + 1
             if step not in by_step:
-                steps = self._steps.setdefault(name, [])
                 if not steps or step > steps[-1]:
                     steps.append(step)
                 else:
                     bisect.insort(steps, step)
-            else:  # a value replaced: reductions of it are stale
-                for key in [key for key in self._reduced if key[0] == name]:
-                    del self._reduced[key]
             by_step[step] = value
-            self._arrays.pop(name, None)
             stored = True
         if stored and (self.latest_step is None or step > self.latest_step):
             self.latest_step = step
@@ -126,30 +128,36 @@ class RunHistory:
         chosen = steps[max(index, 0)]
         return chosen, self._values[name][chosen]
 
+    def version(self, name: str) -> int:
+        """Changes whenever a value of ``name`` is replaced or inserted before its last step
+        (appends keep it): incremental state built from the values so far stays valid while it holds."""
+        return self._version.get(name, 0)
+
     def scalars(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, values)`` of a scalar quantity as float arrays (non-numbers become NaN)."""
+        steps, floats = self.series(name, to_float)
         cached = self._arrays.get(name)
-        if cached is None:
-            steps = self._steps.get(name, [])
-            values = self._values.get(name, {})
-            cached = (np.asarray(steps, dtype=float), np.asarray([to_float(values[s]) for s in steps], dtype=float))
+        if cached is None or cached[0] != len(steps) or len(cached[1]) != len(steps):
+            cached = (len(steps), np.asarray(steps, dtype=float), np.asarray(floats, dtype=float))
             self._arrays[name] = cached
-        return cached
+        return cached[1], cached[2]
 
     def series(self, name: str, reduce) -> tuple[list[int], list[Any]]:
-        """``(steps, [reduce(value) ...])`` of ``name``, cached: values stored since the
-        last call are reduced once (``reduce`` must be a module-level function)."""
-        key = (name, reduce)
+        """``(steps, [reduce(value) ...])`` of ``name``, cached: values appended since the last
+        call are reduced once (``reduce`` must be a module-level function). Do not modify the lists."""
         steps = self._steps.get(name, [])
+        key = (name, reduce)
+        version = self.version(name)
         cached = self._reduced.get(key)
-        if cached is None or cached[0] != steps[: len(cached[0])] or len(cached[0]) > len(steps):
-            cached = ([], [])
-        done = len(cached[0])
-        if done < len(steps):
-            values = self._values[name]
-            cached = (cached[0] + steps[done:], cached[1] + [reduce(values[s]) for s in steps[done:]])
+        if cached is None or cached[0] != version:
+            cached = (version, [])
             self._reduced[key] = cached
-        return cached
+            self._arrays.pop(name, None)
+        reduced = cached[1]
+        if len(reduced) < len(steps):
+            values = self._values[name]
+            reduced.extend(reduce(values[s]) for s in steps[len(reduced):])
+        return steps, reduced
 
     # ---- layers -----------------------------------------------------------------------
     def param_name(self, index: int) -> str:

@@ -39,6 +39,13 @@ __all__ = [
 ]
 
 
+def _median(values) -> float:
+    """The median of a short sequence (faster than numpy's for the few values of a window)."""
+    ordered = sorted(float(v) for v in values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
+
+
 def _g(value: float) -> str:
     return f"{value:.3g}"
 
@@ -90,7 +97,7 @@ class _Persistent(Rule):
             return None
         steps, values = steps[-self.window :], values[-self.window :]
         beyond = self._beyond(values)
-        if beyond.mean() >= self.share and self._beyond(np.asarray([np.median(values)]))[0]:
+        if beyond.sum() >= self.share * self.window and self._beyond(np.asarray([_median(values)]))[0]:
             return steps, values
         return None
 
@@ -123,10 +130,6 @@ class NonFiniteLoss(Rule):
         ]
 
 
-def _moving_median(values: np.ndarray, window: int) -> np.ndarray:
-    return np.median(np.lib.stride_tricks.sliding_window_view(values, window), axis=1)
-
-
 class LossDiverging(Rule):
     """The loss grows: its recent median is ``factor`` x its initial median, or ``rise`` x its best.
 
@@ -143,14 +146,27 @@ class LossDiverging(Rule):
         self.factor = _check_positive("factor", factor)
         self.rise = _check_positive("rise", rise)
 
+    def _best(self, history: RunHistory, values: np.ndarray) -> tuple[float, int]:
+        """The smallest moving median and where its window starts, extended incrementally."""
+        memo = history.memo.setdefault(self.id, {})
+        key = (history.version("Loss"), self.window)
+        if memo.get("key") != key or memo.get("done", 0) > len(values):
+            memo.update(key=key, done=0, best=math.inf, at=0)
+        done = memo["done"]
+        start = max(done - self.window + 1, 0)
+        for index in range(start, len(values) - self.window + 1):
+            median = _median(values[index : index + self.window])
+            if median < memo["best"]:
+                memo["best"], memo["at"] = median, index
+        memo["done"] = len(values)
+        return memo["best"], memo["at"]
+
     def check(self, history: RunHistory) -> list[Finding]:
         steps, values = _finite(*history.scalars("Loss"))
         if len(values) < 2 * self.window:
             return []
-        medians = _moving_median(values, self.window)
-        initial, recent = float(medians[0]), float(medians[-1])
-        best_at = int(np.argmin(medians))
-        best = float(medians[best_at])
+        initial, recent = _median(values[: self.window]), _median(values[-self.window :])
+        best, best_at = self._best(history, values)
         if not (initial > 0 and best > 0):
             return []
         grew = recent > self.factor * initial
@@ -198,7 +214,7 @@ class LossNotDecreasing(Rule):
         steps, values = _finite(*history.scalars("Loss"))
         if len(values) < max(self.min_values, 2 * self.window):
             return []
-        first, recent = float(np.median(values[: self.window])), float(np.median(values[-self.window :]))
+        first, recent = _median(values[: self.window]), _median(values[-self.window :])
         if not first > 0 or not (1.0 - self.min_decrease) * first <= recent <= (1.0 + self.max_rise) * first:
             return []
         change = 100.0 * (first - recent) / first
@@ -320,29 +336,25 @@ class _UpdateRatio(Rule):
         self.include_biases = bool(include_biases)
 
     def _ratios(self, history: RunHistory) -> tuple[list[int], np.ndarray] | None:
-        steps = []
-        rows = []
-        for step, update in reversed(history.last("UpdateSize", 4 * self.window)):
-            norm = history.get("ParamNorm", step)
-            update, norm = _blocks(update), _blocks(norm)
-            if update is None or norm is None or len(update) != len(norm):
-                continue
-            with np.errstate(divide="ignore", invalid="ignore"):
-                rows.append(np.where(norm > 0, update / norm, np.nan))
-            steps.append(step)
-            if len(rows) == self.window:
-                break
-        if len(rows) < self.window or len({len(row) for row in rows}) != 1:
+        update_steps, updates = history.series("UpdateSize", block_values)
+        norm_steps, norms = history.series("ParamNorm", block_values)
+        recent_norms = dict(zip(norm_steps[-8 * self.window :], norms[-8 * self.window :]))
+        steps, pairs = [], []
+        for index in range(len(update_steps) - 1, max(len(update_steps) - 4 * self.window, 0) - 1, -1):
+            step, update = update_steps[index], updates[index]
+            norm = recent_norms.get(step)
+            if update is not None and norm is not None and len(update) == len(norm):
+                steps.append(step)
+                pairs.append((update, norm))
+                if len(pairs) == self.window:
+                    break
+        if len(pairs) < self.window or len({len(update) for update, _ in pairs}) != 1:
             return None
-        ratios = np.vstack(rows[::-1])
-        finite = np.isfinite(ratios)
-        counts = finite.sum(axis=0)
-        sums = np.sort(np.where(finite, ratios, np.inf), axis=0)  # finite values first, per layer
-        medians = np.full(ratios.shape[1], np.nan)
-        for layer, count in enumerate(counts):
-            if count:
-                medians[layer] = float(np.median(sums[:count, layer]))
-        return steps[::-1], medians
+        update, norm = np.vstack([u for u, _ in pairs]), np.vstack([n for _, n in pairs])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratios = np.where(norm > 0, update / norm, np.nan)
+        # a layer with a zero norm in the window gets NaN and is skipped
+        return steps[::-1], np.median(ratios, axis=0)
 
     def _layers(self, history: RunHistory, count: int) -> list[int]:
         return [i for i in range(count) if self.include_biases or (history.param_ndim(i) or 2) >= 2]
@@ -618,7 +630,7 @@ class _ActivationShare(Rule):
                     collected.setdefault(layer, []).append(to_float(stats[self.field]))
                     kinds[layer] = str(stats.get("kind", "?"))
         return steps, {
-            layer: (kinds[layer], float(np.median(shares)))
+            layer: (kinds[layer], _median(shares))
             for layer, shares in collected.items()
             if len(shares) == self.window and np.isfinite(shares).all()
         }
@@ -690,7 +702,14 @@ class PoorInitialization(Rule):
         return [] if history.has("ActivationStats") or history.has("GradNorm") else ["ActivationStats or GradNorm"]
 
     def check(self, history: RunHistory) -> list[Finding]:
-        return self._activations(history) + self._gradients(history)
+        # only the first values count: the answer is kept until they change
+        key = tuple((history.version(name), min(history.count(name), self.first))
+                    for name in ("ActivationStats", "GradNorm")) + (
+            tuple(history.metadata.get("param_names") or ()), self.first, self.shrink, self.grow, self.spread)
+        memo = history.memo.setdefault(self.id, {})
+        if memo.get("key") != key:
+            memo.update(key=key, found=self._activations(history) + self._gradients(history))
+        return list(memo["found"])
 
     def _activations(self, history: RunHistory) -> list[Finding]:
         early = history.first("ActivationStats", self.first)
