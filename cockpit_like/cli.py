@@ -62,6 +62,10 @@ def summarize(value: Any) -> str:
     if isinstance(value, list) and value and all(isinstance(item, Mapping) for item in value):
         return f"{len(value)} record{'s' if len(value) != 1 else ''}"  # e.g. findings
     if isinstance(value, Mapping):
+        if value.get("schema") == "cockpit_like.record":  # the recorder's record of a step (docs/recorder.md)
+            origin = value.get("first_nonfinite")
+            where = f"first non-finite: {origin['op']} in '{origin['module']}'" if origin else "all finite"
+            return f"{len(value.get('ops', []))} operations ({value.get('trigger')}), {where}"
         if "hist" in value:
             hist = np.asarray(value["hist"], dtype=float)
             shape = "x".join(str(n) for n in hist.shape)

@@ -394,8 +394,10 @@ def test_record_in_the_log_and_from_files(tmp_path):
         assert stored["first_nonfinite"]["op"] == "aten.exp.default"
         assert [f["rule"] for f in log[0]["findings"]] == ["nonfinite-origin"]
     from cockpit_like.cli import main as cli
+    from cockpit_like.cli import summarize
 
     assert cli(["diagnose", str(tmp_path / "run.json")]) == 1  # the nonfinite-origin error
+    assert summarize(stored).endswith("(on demand), first non-finite: aten.exp.default in '2'")
     paths = cockpit.records[0].save(tmp_path / "files")
     loaded = read_record(paths["record"])
     assert loaded.first_nonfinite == cockpit.records[0].first_nonfinite
