@@ -201,6 +201,20 @@ def test_without_the_mixin_clear_errors(tmp_path):
     assert sorted(cockpit.get_output()) == [0, 1, 2]  # no per-sample losses, no graph: fine without it
 
 
+def test_gradient_accumulation_is_refused(tmp_path):
+    import lightning.pytorch as L
+
+    from cockpit_like.integrations.lightning import CockpitCallback
+
+    net = _net_class("lightning.pytorch")()
+    callback = CockpitCallback(Cockpit(net.parameters(), quantities=configuration("economy"), model=net.model))
+    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                        accumulate_grad_batches=2, callbacks=[callback])
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2; the cockpit tracks one backward pass"):
+        trainer.fit(net, _loaders()[0])
+
+
 def test_bad_arguments():
     from cockpit_like.integrations.lightning import CockpitCallback
 

@@ -181,14 +181,22 @@ def test_plain_trainer_and_bad_losses_are_errors(tmp_path):
         _train_with_callback(tmp_path, model, CockpitCallback(cockpit, individual_losses=lambda out, inp: torch.ones(BATCH)))
 
 
-def _train_with_callback(tmp_path, model, callback):
+    model = gpt2().model
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2; the cockpit tracks one backward pass"):
+        cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
+        _train_with_callback(tmp_path, model, CockpitCallback(cockpit), gradient_accumulation_steps=2)
+
+
+def _train_with_callback(tmp_path, model, callback, resume_from_checkpoint=None, **options):
     from transformers import TrainingArguments
 
     from cockpit_like.integrations.transformers import CockpitTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path / "bad"), max_steps=1, per_device_train_batch_size=BATCH,
-                             report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True, use_cpu=True)
-    CockpitTrainer(model=model, args=args, train_dataset=Rows(**_gpt_data()), callbacks=[callback]).train()
+                             report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
+                             use_cpu=True, **options)
+    trainer = CockpitTrainer(model=model, args=args, train_dataset=Rows(**_gpt_data()), callbacks=[callback])
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
 
 
 def test_individual_losses_rules():
