@@ -541,3 +541,17 @@ def test_a_failing_loss_fn_does_not_stop_training():
     with pytest.raises(ValueError, match="must be a function of the model's output"):
         with cockpit(0, info={"loss": loss, "loss_fn": "cross_entropy"}):
             loss.backward()
+
+
+def test_loss_item_in_the_training_loop_is_not_control_flow():
+    model = make_mlp()
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    cockpit.record(0)
+    x, y = make_batch("mlp", 6, 0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    assert loss.item() > 0  # logging between the forward pass and the cockpit: recorded, not a branch of the model
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    record = cockpit.records[0]
+    assert "aten._local_scalar_dense.default" in {op["op"] for op in record.ops if op["phase"] == "loss"}
+    assert not any("Data-dependent" in note for note in record.notes)

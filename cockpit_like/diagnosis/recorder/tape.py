@@ -331,8 +331,8 @@ class Tape(TorchDispatchMode):
         entry["single"] = isinstance(output, torch.Tensor)
         if random:
             entry["random"] = True
-        if schema_name in DATA_DEPENDENT and replay:
-            self.data_dependent.append(index)
+        if schema_name in DATA_DEPENDENT and (phase == "forward" or (replay and module is not None)):
+            self.data_dependent.append(index)  # not a training loop's loss.item() outside any module
         if replay and (not schema_name.startswith("aten::") or _has_repr(encoded_args) or _has_repr(encoded_kwargs)):
             self.not_replayable.append(index)
         self.ops.append(entry)
