@@ -85,11 +85,11 @@ def _trainer(package, tmp_path, callback, epochs):
     )
 
 
-def _fit(package, tmp_path, epochs, logpath=None, ckpt_path=None, mixin=True, tracked=None):
+def _fit(package, tmp_path, epochs, logpath=None, ckpt_path=None, mixin=True, tracked=None, stream_to=None):
     from cockpit_like.integrations.lightning import CockpitCallback
 
     net = _net_class(package, mixin)()
-    cockpit = Cockpit(net.parameters(), quantities=tracked or configuration("full"), model=net.model)
+    cockpit = Cockpit(net.parameters(), quantities=tracked or configuration("full"), model=net.model, stream_to=stream_to)
     callback = CockpitCallback(cockpit, logpath=logpath)
     trainer = _trainer(package, tmp_path, callback, epochs)
     train, valid = _loaders()
@@ -179,14 +179,17 @@ def _without_update(values):
 
 
 def test_checkpoint_and_resume(tmp_path, reference):
-    cockpit, trainer = _fit("lightning.pytorch", tmp_path, epochs=1)
+    cockpit, trainer = _fit("lightning.pytorch", tmp_path, epochs=1, stream_to=tmp_path / "stream")
     checkpoint = tmp_path / "epoch1.ckpt"
     trainer.save_checkpoint(str(checkpoint))
+    cockpit.close()
     saved = torch.load(checkpoint, weights_only=False)
     assert saved["cockpit_like"]["next_step"] == 3
-    resumed, trainer = _fit("lightning.pytorch", tmp_path, epochs=2, ckpt_path=checkpoint)
+    resumed, trainer = _fit("lightning.pytorch", tmp_path, epochs=2, ckpt_path=checkpoint, stream_to=tmp_path / "stream")
+    resumed.close()
     assert trainer.global_step == 6
     assert_same_log(resumed.get_output(), reference)  # Alpha and UpdateSize across the break included
+    assert_same_log(read_log(tmp_path / "stream.jsonl"), reference)  # the stream continued: no step lost or doubled
 
 
 def test_without_the_mixin_clear_errors(tmp_path):

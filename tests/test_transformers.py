@@ -109,7 +109,8 @@ class _Seed:
         return Seed()
 
 
-def _train(tmp_path, model, data, steps, logpath=None, save_steps=None, resume=None, eval_data=None, trainer_class=None):
+def _train(tmp_path, model, data, steps, logpath=None, save_steps=None, resume=None, eval_data=None, trainer_class=None,
+           stream_to=None):
     from transformers import TrainingArguments
 
     from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
@@ -122,7 +123,7 @@ def _train(tmp_path, model, data, steps, logpath=None, save_steps=None, resume=N
         eval_strategy="epoch" if eval_data is not None else "no",
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
+    cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model, stream_to=stream_to)
     trainer = (trainer_class or CockpitTrainer)(
         model=model, args=args, train_dataset=Rows(**data), optimizers=(optimizer, None),
         eval_dataset=None if eval_data is None else Rows(**eval_data),
@@ -158,13 +159,15 @@ def test_classifier_trainer_equals_plain_loop(tmp_path):
 def test_checkpoint_and_resume(tmp_path, gpt_reference):
     from cockpit_like.integrations.transformers import STATE_FILE
 
-    _train(tmp_path, gpt2().model, _gpt_data(), 4, save_steps=2)
+    _train(tmp_path, gpt2().model, _gpt_data(), 4, save_steps=2, stream_to=tmp_path / "stream")
     checkpoint = tmp_path / "out" / "checkpoint-2"
     assert (checkpoint / STATE_FILE).is_file() and (tmp_path / "out" / "checkpoint-4" / STATE_FILE).is_file()
     assert torch.load(checkpoint / STATE_FILE, weights_only=True)["next_step"] == 2
     model = gpt2(seed=5).model  # other weights: the checkpoint's replace them
-    resumed = _train(tmp_path / "again", model, _gpt_data(), 4, resume=str(checkpoint))
+    resumed = _train(tmp_path / "again", model, _gpt_data(), 4, resume=str(checkpoint), stream_to=tmp_path / "stream")
+    resumed.close()
     assert_same_log(resumed.get_output(), gpt_reference, rtol=1e-5, atol=1e-8)
+    assert_same_log(read_log(tmp_path / "stream.jsonl"), gpt_reference, rtol=1e-5, atol=1e-8)  # continued at step 2
 
 
 def test_plain_trainer_and_bad_losses_are_errors(tmp_path):
