@@ -309,6 +309,12 @@ def test_record_of_an_untracked_step_names_modules_phases_and_values():
     # the backward pass: the weight gradients' matrix products come from the linear layers
     backward = [op for op in record.ops if op["phase"] == "backward" and op["op"] == "aten.mm.default"]
     assert backward and {op["module"] for op in backward} <= set(linears)
+    by_node = {}
+    for op in record.ops:
+        if op["phase"] == "backward":
+            by_node.setdefault(op["node"], set()).add(op["module"])
+    assert by_node["TanhBackward0"] == {"2"} and by_node["SigmoidBackward0"] == {"4"}
+    assert by_node["NllLossBackward0"] == {"<CrossEntropyLoss>"}
     assert record.notes[0] == CONTROL_FLOW_NOTE
     json.dumps(record.to_dict())  # JSON-ready (non-finite floats: through the log's encoder)
 
