@@ -187,3 +187,13 @@ def test_conv_units_are_channel_pixels():
     stats = cockpit.get_output()[0]["ActivationStats"]["1"]
     assert stats["units"] == 2 * 4 * 4
     assert stats["dead_fraction"] == 0.5 and stats["zero_fraction"] == 0.5
+
+
+def test_model_found_at_its_first_forward_pass():
+    model = _model()
+    cockpit = Cockpit(list(model.parameters()), quantities=[ActivationStats(linear(1))])  # no model=
+    x = torch.randn(5, 6, dtype=DTYPE)
+    loss = model(x).pow(2).mean()
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    _assert_close(cockpit.get_output()[0]["ActivationStats"], _reference(model, [x]))

@@ -439,3 +439,26 @@ def test_summary_lists_findings_as_records(tmp_path, capsys):
     assert main(["summary", str(tmp_path / "run")]) == 0
     assert "1 record" in capsys.readouterr().out
 
+
+
+def test_history_keeps_order_and_reduces_appends_once():
+    calls = []
+
+    def reduce(value):
+        calls.append(value)
+        return 2 * value
+
+    h = RunHistory()
+    for step in (0, 2, 4):
+        h.add(step, {"Loss": float(step)})
+    assert h.series("Loss", reduce) == ([0, 2, 4], [0.0, 4.0, 8.0])
+    h.add(6, {"Loss": 6.0})
+    assert h.series("Loss", reduce) == ([0, 2, 4, 6], [0.0, 4.0, 8.0, 12.0])
+    assert calls == [0.0, 2.0, 4.0, 6.0]  # the append was reduced alone
+    h.add(3, {"Loss": 3.0, "ignored": None, FINDINGS_KEY: []})  # out of order: everything again
+    h.add(6, {"Loss": -1.0})  # replaced
+    steps, values = h.scalars("Loss")
+    assert steps.tolist() == [0, 2, 3, 4, 6] and values.tolist() == [0.0, 2.0, 3.0, 4.0, -1.0]
+    assert h.series("Loss", reduce)[1] == [0.0, 4.0, 6.0, 8.0, -2.0]
+    assert h.names() == ["Loss"] and h.latest_step == 6
+    assert h.at_or_before("Loss", 5) == (4, 4.0) and h.at_or_before("Loss", -1) == (0, 0.0)
