@@ -495,9 +495,11 @@ def test_a_nonfinite_parameter_is_named_as_the_source():
     model = make_mlp()
     with torch.no_grad():
         model[3].weight[2, 5] = float("nan")  # left by an earlier step
-    cockpit = Cockpit(model.parameters(), [], model=model)
+    called = []
+    cockpit = Cockpit(model.parameters(), [], model=model, on_finding=called.append)
     cockpit.record(0)
     train(model, cockpit, 1, lambda step: make_batch("mlp", 6, step), nn.CrossEntropyLoss())
+    assert [f.rule for f in called] == ["nonfinite-origin"]  # the cockpit's on_finding callback
     origin = cockpit.records[0].first_nonfinite
     assert origin["kind"] == "input" and origin["module"] == "3"
     assert "parameter '3.weight'" in origin["message"]
