@@ -221,8 +221,9 @@ class WandbExporter(Exporter):
             leaves it open.
         mode: ``"offline"``, ``"online"`` or ``"disabled"``; default
             ``WANDB_MODE`` if set, else ``"offline"`` (upload later with ``wandb sync``).
-        **init_kwargs: more ``wandb.init`` arguments (``project``, ``name``, ...),
-            and the options of :class:`Exporter`.
+        **init_kwargs: more ``wandb.init`` arguments (``project``, ``name``, ...;
+            ``settings`` defaults to ``wandb.Settings(console="off")``: no capture
+            of the process's output), and the options of :class:`Exporter`.
     """
 
     kind = "wandb"
@@ -242,6 +243,7 @@ class WandbExporter(Exporter):
                 Path(directory).mkdir(parents=True, exist_ok=True)
                 init_kwargs["dir"] = os.fspath(directory)
             init_kwargs.setdefault("project", "cockpit_like")
+            init_kwargs.setdefault("settings", wandb.Settings(console="off"))  # leave the training's stdout alone
             run, self._owns_run = wandb.init(mode=mode or os.environ.get("WANDB_MODE", "offline"), **init_kwargs), True
         else:
             self._owns_run = False
