@@ -99,7 +99,8 @@ class Cockpit:
             (e.g. to stop the run).
         record_nonfinite: record the first step whose loss (``info["loss"]``)
             or gradient (checked on tracked steps) is not finite, once
-            (:meth:`record`, ``docs/recorder.md``).
+            (:meth:`record`, ``docs/recorder.md``); ``"tracked"``: check the
+            loss on tracked steps only (no device sync on the others).
         record_dir: folder where each record is saved with its replay program;
             ``None``: records stay in memory (:attr:`records`).
     """
@@ -116,7 +117,7 @@ class Cockpit:
         distributed_timeout: float | None = None,
         diagnose: Any = False,
         on_finding: Callable[[Finding], Any] | None = None,
-        record_nonfinite: bool = True,
+        record_nonfinite: bool | str = True,
         record_dir: str | os.PathLike | None = None,
     ):
         self.params = _check_params(params)
@@ -158,6 +159,7 @@ class Cockpit:
             folder=record_dir,
             on_record=self._on_record,
             paused=lambda: self._tracer.paused or in_cockpit_work(),
+            is_tracked=lambda step: any(q.is_active(step) for q in self.quantities),
         )
         for quantity in quantities or []:
             self.add(quantity)

@@ -210,6 +210,13 @@ def test_automatic_recording_can_be_turned_off_and_happens_once():
     model, cockpit = fresh(record_nonfinite=False)
     train(model, cockpit, 3, _batch, nn.CrossEntropyLoss(), lambda s: make_nan(s, model))
     assert cockpit.records == {} and cockpit.findings == []
+    model, cockpit = fresh(record_nonfinite="tracked")  # no loss check on untracked steps
+    cockpit.add(Loss(linear(2)))
+    with pytest.warns(RuntimeWarning, match="loss is nan"):
+        train(model, cockpit, 3, _batch, nn.CrossEntropyLoss(), lambda s: make_nan(s, model))
+    assert list(cockpit.records) == [2]  # step 1 is not tracked
+    with pytest.raises(ValueError, match="True, False or 'tracked'"):
+        fresh(record_nonfinite="always")
     model, cockpit = fresh()
     train(model, cockpit, 3, _batch, nn.CrossEntropyLoss(), lambda s: make_nan(s, model), with_loss_fn=False)
     assert list(cockpit.records) == [1]

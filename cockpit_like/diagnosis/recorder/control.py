@@ -103,7 +103,10 @@ class Recorder:
     Args:
         tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer`.
         params: the tracked parameters.
-        auto: record the first step with a non-finite loss or gradient.
+        auto: record the first step with a non-finite loss or gradient (``True``;
+            ``"tracked"``: check the loss only on tracked steps, no device sync on
+            the others; ``False``: never).
+        is_tracked: ``step -> bool``, whether a quantity tracks ``step`` (for ``"tracked"``).
         folder: where to save each record (``step_<N>.record.json``, the replay
             program ``step_<N>.py`` and its ``step_<N>.pt``); ``None``: in memory only.
         max_ops: operations recorded at most per step.
@@ -117,15 +120,19 @@ class Recorder:
         tracer,
         params: list[torch.Tensor],
         *,
-        auto: bool = True,
+        auto: bool | str = True,
         folder: str | os.PathLike | None = None,
         max_ops: int = 50_000,
         on_record: Callable[[int, Record], None] = lambda step, record: None,
         paused: Callable[[], bool] | None = None,
+        is_tracked: Callable[[int], bool] = lambda step: True,
     ):
+        if auto not in (True, False, "tracked"):
+            raise ValueError(f"Cockpit(record_nonfinite=...) takes True, False or 'tracked', got {auto!r}")
         self.tracer = tracer
         self.params = params
         self.auto = auto
+        self.is_tracked = is_tracked
         self.folder = None if folder is None else Path(folder)
         self.max_ops = max_ops
         self.on_record = on_record
@@ -215,6 +222,8 @@ class Recorder:
                     ],
                 )
         if self._tape is not None or self._auto_done:
+            return
+        if self.auto == "tracked" and not self.is_tracked(step):
             return
         if _loss_finite(info.get("loss")) is False:
             self._auto_done = True
