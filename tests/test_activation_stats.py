@@ -136,6 +136,8 @@ def test_hooks_exist_only_during_tracked_steps():
     assert hooked == [4, 0, 0, 4, 0, 0, 4]
     assert sorted(set(calls)) == [0, 3, 6]
     assert sorted(cockpit.get_output()) == [0, 3, 6]
+    # a resume carries the setting only (no hooks, model references or tallies)
+    assert cockpit.quantities[0].state_dict() == {"attributes": {"saturation": 0.01}, "objects": {}}
 
 
 def test_no_activation_modules_warns_and_stores_nothing():

@@ -137,6 +137,9 @@ class ActivationStats(SingleStepQuantity):
     seen; see the module docstring.
     """
 
+    #: hooks, the model references and one step's tallies are not carried across a resume
+    _STATE_SKIP = SingleStepQuantity._STATE_SKIP + ("_models", "_handles", "_tallies", "_armed_step", "_warned")
+
     def __init__(self, track_schedule, verbose: bool = False, saturation: float = 0.01):
         super().__init__(track_schedule, verbose=verbose)
         if not 0.0 < saturation < 0.5:
