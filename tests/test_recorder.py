@@ -570,3 +570,14 @@ def test_loss_item_in_the_training_loop_is_not_control_flow():
     record = cockpit.records[0]
     assert "aten._local_scalar_dense.default" in {op["op"] for op in record.ops if op["phase"] == "loss"}
     assert not any("Data-dependent" in note for note in record.notes)
+
+
+def test_the_example_run_finds_the_overflowing_cosh(tmp_path):
+    from tests.test_examples import load
+
+    result = load("nan_origin").main(["--out", str(tmp_path), "--no-replay", "--steps", "60"])
+    origin = result["record"].first_nonfinite
+    assert origin["op"] == "aten.cosh.default" and origin["module_type"] == "NaiveLogCosh"
+    assert origin["inputs"][0]["max"] > 89.0  # cosh(89.5) > float32's largest number
+    namespace = runpy.run_path(result["program"])
+    assert namespace["main"]() == 0

@@ -56,6 +56,10 @@ _HINTS = {
     "(clamp, a smaller scale) or work in log space (logsumexp, log_softmax)",
     "log": "log gives -inf at 0 and NaN below 0: clamp its input to a small positive minimum "
     "(x.clamp_min(eps)) or use a log-space formulation (log_softmax, logsigmoid)",
+    "cosh": "cosh overflows to inf for |inputs| above ~89 (float32) / ~710 (float64): bound its input "
+    "or use a stable form (log(cosh(x)) = |x| + log1p(exp(-2|x|)) - log(2))",
+    "sinh": "sinh overflows to ±inf for |inputs| above ~89 (float32) / ~710 (float64): bound its input",
+    "expm1": "expm1 overflows like exp for inputs above ~88 (float32) / ~709 (float64): bound its input",
     "div": "division by zero (or 0/0): add an epsilon to the denominator or mask the zero entries",
     "sqrt": "sqrt is NaN below 0 and its gradient infinite at 0: clamp its input to a small positive minimum",
     "rsqrt": "rsqrt is inf at 0: add an epsilon to its input",
