@@ -462,3 +462,20 @@ def test_history_keeps_order_and_reduces_appends_once():
     assert h.series("Loss", reduce)[1] == [0.0, 4.0, 6.0, 8.0, -2.0]
     assert h.names() == ["Loss"] and h.latest_step == 6
     assert h.at_or_before("Loss", 5) == (4, 4.0) and h.at_or_before("Loss", -1) == (0, 0.0)
+
+
+def test_history_finite_head_tail_and_nonfinite_count():
+    values = [1.0, math.nan, 2.0, 3.0, math.inf, 4.0, 5.0]
+    h = history({"Loss": values})
+    steps, tail = h.tail("Loss", 3)
+    assert steps.tolist() == [3, 5, 6] and tail.tolist() == [3.0, 4.0, 5.0]
+    steps, head = h.head("Loss", 3)
+    assert steps.tolist() == [0, 2, 3] and head.tolist() == [1.0, 2.0, 3.0]
+    assert h.nonfinite("Loss") == (1, 2)
+    h.add(7, {"Loss": math.nan})  # counted incrementally
+    assert h.nonfinite("Loss") == (1, 3)
+    assert h.tail("Loss", 10)[1].tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]  # fewer than asked: all there are
+    for step in range(8, 100):  # the buffers grow past their first capacity
+        h.add(step, {"Loss": float(step)})
+    steps, all_values = h.scalars("Loss")
+    assert steps.tolist() == list(range(100)) and all_values[99] == 99.0 and h.nonfinite("Loss") == (1, 3)

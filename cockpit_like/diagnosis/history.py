@@ -53,7 +53,8 @@ class RunHistory:
         self.metadata: dict[str, Any] = dict(metadata or {})
         self._steps: dict[str, list[int]] = {}
         self._values: dict[str, dict[int, Any]] = {}
-        self._arrays: dict[str, tuple[int, np.ndarray, np.ndarray]] = {}
+        self._arrays: dict[str, list] = {}  # name -> [size, steps buffer, values buffer] (capacity doubles)
+        self._nonfinite: dict[str, tuple[int, int, int | None, int]] = {}
         self._reduced: dict[tuple, tuple[int, list[Any]]] = {}
         #: per name, incremented whenever a value is inserted before the last step or replaced
         self._version: dict[str, int] = {}
@@ -135,12 +136,58 @@ class RunHistory:
 
     def scalars(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """``(steps, values)`` of a scalar quantity as float arrays (non-numbers become NaN)."""
-        steps, floats = self.series(name, to_float)
+        steps, floats = self.series(name, to_float)  # drops the buffers when the version changes
         cached = self._arrays.get(name)
-        if cached is None or cached[0] != len(steps) or len(cached[1]) != len(steps):
-            cached = (len(steps), np.asarray(steps, dtype=float), np.asarray(floats, dtype=float))
-            self._arrays[name] = cached
-        return cached[1], cached[2]
+        size = len(steps)
+        if cached is None or cached[0] > size:
+            cached = self._arrays[name] = [0, np.empty(max(16, 2 * size)), np.empty(max(16, 2 * size))]
+        done = cached[0]
+        if done < size:
+            if len(cached[1]) < size:  # grow: amortized O(1) per appended value
+                for index in (1, 2):
+                    grown = np.empty(2 * size)
+                    grown[:done] = cached[index][:done]
+                    cached[index] = grown
+            cached[1][done:size] = steps[done:]
+            cached[2][done:size] = floats[done:]
+            cached[0] = size
+        return cached[1][:size], cached[2][:size]
+
+    def tail(self, name: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The last ``count`` finite values of a scalar quantity as ``(steps, values)`` (fewer if
+        there are not that many); cost grows with ``count``, not with the run."""
+        steps, values = self.scalars(name)
+        size = max(count, 1)
+        while True:
+            part_steps, part = steps[-size:], values[-size:]
+            keep = np.isfinite(part)
+            if keep.sum() >= count or size >= len(values):
+                return part_steps[keep][-count:], part[keep][-count:]
+            size *= 2
+
+    def head(self, name: str, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``count`` finite values of a scalar quantity as ``(steps, values)``."""
+        steps, values = self.scalars(name)
+        size = max(count, 1)
+        while True:
+            part_steps, part = steps[:size], values[:size]
+            keep = np.isfinite(part)
+            if keep.sum() >= count or size >= len(values):
+                return part_steps[keep][:count], part[keep][:count]
+            size *= 2
+
+    def nonfinite(self, name: str) -> tuple[int | None, int]:
+        """``(first step with a non-finite value or None, how many)`` of a scalar quantity (incremental)."""
+        steps, values = self.scalars(name)
+        version, done, first, count = self._nonfinite.get(name, (self.version(name), 0, None, 0))
+        if version != self.version(name) or done > len(values):
+            done, first, count = 0, None, 0
+        bad = np.flatnonzero(~np.isfinite(values[done:]))
+        if len(bad):
+            first = int(steps[done + bad[0]]) if first is None else first
+            count += len(bad)
+        self._nonfinite[name] = (self.version(name), len(values), first, count)
+        return first, count
 
     def series(self, name: str, reduce) -> tuple[list[int], list[Any]]:
         """``(steps, [reduce(value) ...])`` of ``name``, cached: values appended since the last

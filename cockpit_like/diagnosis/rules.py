@@ -92,10 +92,9 @@ class _Persistent(Rule):
         raise NotImplementedError
 
     def _recent(self, history: RunHistory) -> tuple[np.ndarray, np.ndarray] | None:
-        steps, values = _finite(*history.scalars(self.quantity))
+        steps, values = history.tail(self.quantity, self.window)
         if len(values) < self.window:
             return None
-        steps, values = steps[-self.window :], values[-self.window :]
         beyond = self._beyond(values)
         if beyond.sum() >= self.share * self.window and self._beyond(np.asarray([_median(values)]))[0]:
             return steps, values
@@ -111,21 +110,19 @@ class NonFiniteLoss(Rule):
     reads = ("Loss",)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        steps, values = history.scalars("Loss")
-        bad = ~np.isfinite(values)
-        if not bad.any():
+        step, count = history.nonfinite("Loss")
+        if step is None:
             return []
-        first = int(np.argmax(bad))
-        step, value = int(steps[first]), float(values[first])
+        value = to_float(history.get("Loss", step))
+        total = history.count("Loss")
         return [
             self.finding(
                 step,
-                f"the loss is {value} at step {step} ({int(bad.sum())} of {len(values)} tracked steps "
-                "non-finite so far)",
+                f"the loss is {value} at step {step} ({count} of {total} tracked steps non-finite so far)",
                 fix="lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_); look for "
                 "log(0), division by zero or exp overflow in the model and loss (cockpit.record(step) "
                 "names the operation that made the first non-finite value)",
-                evidence={"first_step": step, "value": value, "nonfinite_steps": int(bad.sum())},
+                evidence={"first_step": step, "value": value, "nonfinite_steps": count},
             )
         ]
 
@@ -146,27 +143,32 @@ class LossDiverging(Rule):
         self.factor = _check_positive("factor", factor)
         self.rise = _check_positive("rise", rise)
 
-    def _best(self, history: RunHistory, values: np.ndarray) -> tuple[float, int]:
-        """The smallest moving median and where its window starts, extended incrementally."""
-        memo = history.memo.setdefault(self.id, {})
-        key = (history.version("Loss"), self.window)
-        if memo.get("key") != key or memo.get("done", 0) > len(values):
-            memo.update(key=key, done=0, best=math.inf, at=0)
-        done = memo["done"]
-        start = max(done - self.window + 1, 0)
-        for index in range(start, len(values) - self.window + 1):
-            median = _median(values[index : index + self.window])
-            if median < memo["best"]:
-                memo["best"], memo["at"] = median, index
+    def _best(self, history: RunHistory) -> tuple[float, int]:
+        """The smallest moving median of the finite losses and the step that ends its window
+        (incremental: each loss is looked at once)."""
+        steps, values = history.scalars("Loss")
+        memo = history.memo.setdefault(f"{self.id}/{self.window}", {})
+        if memo.get("version") != history.version("Loss") or memo.get("done", 0) > len(values):
+            memo.update(version=history.version("Loss"), done=0, best=math.inf, at=0, last=[])
+        last = memo["last"]
+        for step, value in zip(steps[memo["done"] :], values[memo["done"] :]):
+            if math.isfinite(value):
+                last.append(float(value))
+                if len(last) >= self.window:
+                    median = _median(last[-self.window :])
+                    if median < memo["best"]:
+                        memo["best"], memo["at"] = median, int(step)
+                    del last[: len(last) - self.window + 1]
         memo["done"] = len(values)
         return memo["best"], memo["at"]
 
     def check(self, history: RunHistory) -> list[Finding]:
-        steps, values = _finite(*history.scalars("Loss"))
-        if len(values) < 2 * self.window:
+        if history.count("Loss") - history.nonfinite("Loss")[1] < 2 * self.window:
             return []
-        initial, recent = _median(values[: self.window]), _median(values[-self.window :])
-        best, best_at = self._best(history, values)
+        initial = _median(history.head("Loss", self.window)[1])
+        steps, values = history.tail("Loss", self.window)
+        recent = _median(values)
+        best, best_step = self._best(history)
         if not (initial > 0 and best > 0):
             return []
         grew = recent > self.factor * initial
@@ -177,7 +179,7 @@ class LossDiverging(Rule):
         if grew:
             what = f"{_g(recent / initial)}x its initial value {_g(initial)} (median of the first {self.window} tracked steps)"
         else:
-            what = f"{_g(recent / best)}x its best value {_g(best)} (around step {int(steps[best_at + self.window - 1])})"
+            what = f"{_g(recent / best)}x its best value {_g(best)} (around step {best_step})"
         return [
             self.finding(
                 step,
@@ -185,7 +187,7 @@ class LossDiverging(Rule):
                 f"{what}",
                 fix="lower the learning rate (e.g. by 10x), add warm-up or gradient clipping",
                 evidence={"recent": recent, "initial": initial, "best": best, "window": self.window,
-                          "steps": [int(steps[-self.window]), step]},
+                          "steps": [int(steps[0]), step]},
             )
         ]
 
@@ -211,23 +213,25 @@ class LossNotDecreasing(Rule):
         self.max_rise = _check_positive("max_rise", max_rise)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        steps, values = _finite(*history.scalars("Loss"))
-        if len(values) < max(self.min_values, 2 * self.window):
+        finite = history.count("Loss") - history.nonfinite("Loss")[1]
+        if finite < max(self.min_values, 2 * self.window):
             return []
-        first, recent = _median(values[: self.window]), _median(values[-self.window :])
+        first_steps, first_values = history.head("Loss", self.window)
+        last_steps, last_values = history.tail("Loss", self.window)
+        first, recent = _median(first_values), _median(last_values)
         if not first > 0 or not (1.0 - self.min_decrease) * first <= recent <= (1.0 + self.max_rise) * first:
             return []
         change = 100.0 * (first - recent) / first
         return [
             self.finding(
-                int(steps[-1]),
+                int(last_steps[-1]),
                 f"the loss is not decreasing: median {_g(first)} over the first {self.window} tracked steps, "
-                f"{_g(recent)} over the last {self.window} (steps {int(steps[0])}..{int(steps[-1])}, "
+                f"{_g(recent)} over the last {self.window} (steps {int(first_steps[0])}..{int(last_steps[-1])}, "
                 f"{_g(change)}% lower; expected at least {_g(100 * self.min_decrease)}%)",
                 fix="raise the learning rate (try 10x); check that the optimizer gets the model's parameters, "
                 "that the labels match the inputs and that no layer is frozen",
-                evidence={"first": first, "recent": recent, "steps": [int(steps[0]), int(steps[-1])],
-                          "tracked": int(len(values))},
+                evidence={"first": first, "recent": recent, "steps": [int(first_steps[0]), int(last_steps[-1])],
+                          "tracked": int(finite)},
             )
         ]
 
