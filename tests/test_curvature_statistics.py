@@ -318,7 +318,7 @@ def test_hf_conv1d_equals_its_linear_twin():
             t.bias.copy_(c.bias)
     inputs = torch.randn(6, 5, 3, dtype=DT)
     labels = torch.randint(0, 2, (6, 5))
-    dense, influence = {}, {}
+    dense, influence, names = {}, {}, {}
     for name, model in (("conv", conv), ("twin", twin)):
         quantity = CurvatureStatistics(linear(1), statistics="ekfac")
         scores = [SelfInfluence(linear(1), curvature=kind, damping=1e-3) for kind in ("kfac", "ekfac")]
@@ -327,6 +327,7 @@ def test_hf_conv1d_equals_its_linear_twin():
         with cockpit(0, info={"batch_size": 6, "loss": loss}):
             loss.backward()
         dense[name] = {kind: cockpit.curvature(kind=kind, quantity=quantity).to_dense() for kind in ("kfac", "ekfac")}
+        names[name] = cockpit.curvature().names
         influence[name] = [q.last_values for q in scores]
     for ours, theirs in zip(influence["conv"], influence["twin"]):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=0)
@@ -341,6 +342,7 @@ def test_hf_conv1d_equals_its_linear_twin():
         offset += n_out
     for kind in ("kfac", "ekfac"):
         torch.testing.assert_close(dense["conv"][kind], dense["twin"][kind][order][:, order], rtol=1e-9, atol=1e-12)
+    assert names["conv"] == names["twin"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
 
 
 def test_ekfac_spectrum_counts_the_ekfac_eigenvalues():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from cockpit_like.operators import LayerCurvature, ekfac_operator, kfac_operator
+from cockpit_like.operators import BlockDiagonal, LayerCurvature, ekfac_operator, kfac_operator
 from cockpit_like.statistics.collect import StatisticsPlan
 from cockpit_like.statistics.logs import KroneckerEigenvalues
 
@@ -174,4 +174,7 @@ def curvature_operator(
             "nn.Conv2d / Hugging Face Conv1D layers (pass Cockpit(..., model=model))"
         )
     build = ekfac_operator if (kind == "ekfac" or damping is not None) else kfac_operator
-    return build(records, covered), covered
+    operator = build(records, covered)
+    if any(name.endswith("(bias).bias") for name in operator.names):  # the HF Conv1D adapter's bias records
+        operator = BlockDiagonal(operator.blocks, [name.replace("(bias).bias", ".bias") for name in operator.names])
+    return operator, covered
