@@ -100,6 +100,20 @@ class _Persistent(Rule):
             return steps, values
         return None
 
+    def _message(self, median: float, span: str) -> str:
+        raise NotImplementedError
+
+    fix: str = ""
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        recent = self._recent(history)
+        if recent is None:
+            return []
+        steps, values = recent
+        median, first, last = _median(values), int(steps[0]), int(steps[-1])
+        return [self.finding(last, self._message(median, f"{first}..{last}"), fix=self.fix,
+                             evidence={"median": median, "steps": [first, last]})]
+
 
 # ---- the loss -----------------------------------------------------------------------------
 class NonFiniteLoss(Rule):
@@ -471,21 +485,11 @@ class StepOvershoots(_Persistent):
     def _beyond(self, values: np.ndarray) -> np.ndarray:
         return values > self.threshold
 
-    def check(self, history: RunHistory) -> list[Finding]:
-        recent = self._recent(history)
-        if recent is None:
-            return []
-        steps, values = recent
-        return [
-            self.finding(
-                int(steps[-1]),
-                f"the steps overshoot: the normalized step size alpha is {_g(np.median(values))} (median of "
-                f"steps {int(steps[0])}..{int(steps[-1])}; above {_g(self.threshold)} means past the mirrored "
-                "point of the local parabola)",
-                fix="lower the learning rate (alpha near 0 steps to the minimum along the update direction)",
-                evidence={"median": float(np.median(values)), "steps": [int(steps[0]), int(steps[-1])]},
-            )
-        ]
+    fix = "lower the learning rate (alpha near 0 steps to the minimum along the update direction)"
+
+    def _message(self, median: float, span: str) -> str:
+        return (f"the steps overshoot: the normalized step size alpha is {_g(median)} (median of steps {span}; "
+                f"above {_g(self.threshold)} means past the mirrored point of the local parabola)")
 
 
 class StepTooShort(_Persistent):
@@ -502,21 +506,11 @@ class StepTooShort(_Persistent):
     def _beyond(self, values: np.ndarray) -> np.ndarray:
         return values < self.threshold
 
-    def check(self, history: RunHistory) -> list[Finding]:
-        recent = self._recent(history)
-        if recent is None:
-            return []
-        steps, values = recent
-        return [
-            self.finding(
-                int(steps[-1]),
-                f"the steps are too short: alpha is {_g(np.median(values))} (median of steps "
-                f"{int(steps[0])}..{int(steps[-1])}); near -1 the step stops far before the minimum of the "
-                "fitted parabola",
-                fix="raise the learning rate (try 2-10x)",
-                evidence={"median": float(np.median(values)), "steps": [int(steps[0]), int(steps[-1])]},
-            )
-        ]
+    fix = "raise the learning rate (try 2-10x)"
+
+    def _message(self, median: float, span: str) -> str:
+        return (f"the steps are too short: alpha is {_g(median)} (median of steps {span}); near -1 the step "
+                "stops far before the minimum of the fitted parabola")
 
 
 class SharpnessAboveStability(Rule):
@@ -587,7 +581,7 @@ class NoiseDominated(_Persistent):
         if recent is None:
             return []
         steps, values = recent
-        median = float(np.median(values))
+        median = _median(values)
         factor = (median / self.threshold) ** 2
         fix = f"use a batch about {_g(factor)}x larger (the norm test passes at B x test^2)"
         evidence: dict[str, Any] = {"median": median, "batch_factor": factor,
@@ -639,6 +633,20 @@ class _ActivationShare(Rule):
             if len(shares) == self.window and np.isfinite(shares).all()
         }
 
+    fix: str = ""
+
+    def _message(self, layer: str, kind: str, share: float, span: str) -> str:
+        raise NotImplementedError
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, shares = self._shares(history)
+        return [
+            self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"), fix=self.fix,
+                         layer=layer, evidence={self.field: share, "kind": kind, "steps": steps})
+            for layer, (kind, share) in shares.items()
+            if share > self.threshold
+        ]
+
 
 class DeadUnits(_ActivationShare):
     """ReLU/GELU layers where a share of units above ``threshold`` is off for every sample."""
@@ -646,22 +654,11 @@ class DeadUnits(_ActivationShare):
     id = "dead-units"
     severity = "warning"
     field = "dead_fraction"
+    fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
 
-    def check(self, history: RunHistory) -> list[Finding]:
-        steps, shares = self._shares(history)
-        return [
-            self.finding(
-                steps[-1],
-                f"{_g(100 * share)}% of the units of {layer} ({kind}) are dead: zero for every sample (median of "
-                f"steps {steps[0]}..{steps[-1]}); they pass no gradient",
-                fix="lower the learning rate, initialize biases at 0 (not negative), use Kaiming "
-                "initialization, or LeakyReLU/GELU",
-                layer=layer,
-                evidence={"dead_fraction": share, "kind": kind, "steps": steps},
-            )
-            for layer, (kind, share) in shares.items()
-            if share > self.threshold
-        ]
+    def _message(self, layer: str, kind: str, share: float, span: str) -> str:
+        return (f"{_g(100 * share)}% of the units of {layer} ({kind}) are dead: zero for every sample (median of "
+                f"steps {span}); they pass no gradient")
 
 
 class SaturatedUnits(_ActivationShare):
@@ -670,22 +667,12 @@ class SaturatedUnits(_ActivationShare):
     id = "saturated-units"
     severity = "warning"
     field = "saturated_fraction"
+    fix = ("scale the initialization down (Xavier/Glorot for tanh and sigmoid), normalize the inputs, add "
+           "LayerNorm/BatchNorm before the activation, or use ReLU-like activations")
 
-    def check(self, history: RunHistory) -> list[Finding]:
-        steps, shares = self._shares(history)
-        return [
-            self.finding(
-                steps[-1],
-                f"{_g(100 * share)}% of the outputs of {layer} ({kind}) are saturated, where the derivative is "
-                f"nearly 0 (median of steps {steps[0]}..{steps[-1]})",
-                fix="scale the initialization down (Xavier/Glorot for tanh and sigmoid), normalize the inputs, "
-                "add LayerNorm/BatchNorm before the activation, or use ReLU-like activations",
-                layer=layer,
-                evidence={"saturated_fraction": share, "kind": kind, "steps": steps},
-            )
-            for layer, (kind, share) in shares.items()
-            if share > self.threshold
-        ]
+    def _message(self, layer: str, kind: str, share: float, span: str) -> str:
+        return (f"{_g(100 * share)}% of the outputs of {layer} ({kind}) are saturated, where the derivative is "
+                f"nearly 0 (median of steps {span})")
 
 
 class PoorInitialization(Rule):
