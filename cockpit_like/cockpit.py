@@ -204,7 +204,9 @@ class Cockpit:
 
         Asks the quantities that hold logged curvature statistics (those with a
         ``curvature_operator`` method, e.g. ``SelfInfluence``) and takes the one
-        that tracked last (or ``quantity``: an instance or its name).
+        that tracked last (or ``quantity``: an instance or its name). Its
+        statistics are those of the tracked steps up to that step
+        (``window="run"``) or of that step alone (``window="step"``).
 
         Args:
             kind: ``"kfac"`` or ``"ekfac"`` (default: what the statistics allow, EK-FAC if logged).
