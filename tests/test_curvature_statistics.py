@@ -496,3 +496,26 @@ def test_kronecker_quadratic_forms_against_dense():
                                torch.einsum("ni,ij,nj->n", outer, metric, outer))  # fmt: skip
     with pytest.raises(ValueError, match="weights"):
         quadratic_forms_dense(g, left, right, weights.T)
+
+
+def test_ekfac_over_two_steps_uses_the_running_basis_and_the_last_steps_eigenvalues():
+    """window="run": basis of the factors of both steps, corrected eigenvalues from the second step's samples."""
+    model, inputs, labels = _problem("mlp", batch=10)
+    union = CurvatureStatistics(linear(1))
+    _step([union], model, inputs, labels)
+    quantity = CurvatureStatistics(linear(1), statistics="ekfac")
+    cockpit = _step([quantity], model, inputs[:4], labels[:4])
+    _step(None, model, inputs[4:], labels[4:], step=1, cockpit=cockpit)
+    operator = cockpit.curvature(kind="ekfac")
+    logs = union.statistics()["layers"]
+    later = list(model.parameters())
+    grads = _per_sample_grads(model, inputs[4:], labels[4:], later)
+    start = 0
+    for pname, param in model.named_parameters():
+        layer, role = pname.rsplit(".", 1)
+        g = grads[:, start : start + param.numel()]
+        start += param.numel()
+        q_g = torch.linalg.eigh(logs[layer]["backward"]["covariance"])[1]
+        q = torch.kron(q_g, torch.linalg.eigh(logs[layer]["forward"]["covariance"])[1]) if role == "weight" else q_g
+        values = ((g @ q) ** 2).mean(0)
+        torch.testing.assert_close(operator.block(pname).to_dense(), q @ torch.diag(values) @ q.T, rtol=1e-8, atol=1e-12)
