@@ -519,3 +519,36 @@ def test_ekfac_over_two_steps_uses_the_running_basis_and_the_last_steps_eigenval
         q = torch.kron(q_g, torch.linalg.eigh(logs[layer]["forward"]["covariance"])[1]) if role == "weight" else q_g
         values = ((g @ q) ** 2).mean(0)
         torch.testing.assert_close(operator.block(pname).to_dense(), q @ torch.diag(values) @ q.T, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_mc_fisher_is_the_empirical_fisher_of_labels_sampled_from_the_model(name):
+    """fisher="mc": a second backward pass with labels drawn from softmax(outputs); reproduced with the same seed."""
+    from cockpit_like.context import MissingInfoError
+
+    model, inputs, labels = _problem(name, batch=8)
+    quantity = CurvatureStatistics(linear(1), statistics="ekfac", fisher="mc")
+    influence = SelfInfluence(linear(1), fisher="mc", k=2)
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantity, influence], model=model)
+    outputs = model(inputs)
+    loss = nn.functional.cross_entropy(outputs, labels)
+    with pytest.raises(MissingInfoError, match="outputs"):
+        with cockpit(0, info={"batch_size": 8, "loss": loss}):
+            pass
+    torch.manual_seed(5)
+    with cockpit(0, info={"batch_size": 8, "loss": loss, "outputs": outputs}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    torch.manual_seed(5)  # each quantity draws its own labels, in the order of the quantities
+    sampled, sampled_again = (torch.multinomial(torch.softmax(outputs.detach(), dim=1), 1).squeeze(1) for _ in range(2))
+    for kind in ("kfac", "ekfac"):
+        reference = _curvlinops_dense(kind, model, inputs, sampled)
+        torch.testing.assert_close(cockpit.curvature(kind=kind, quantity=quantity).to_dense(), reference, rtol=1e-9, atol=1e-12)
+    # SelfInfluence: the true labels' per-sample gradients, its own sampled labels' KFAC
+    grads = _per_sample_grads(model, inputs, labels, list(model.parameters()))
+    shifted = _curvlinops_dense("kfac", model, inputs, sampled_again) + 1e-3 * torch.eye(grads.shape[1], dtype=DT)
+    expected = (grads * torch.linalg.solve(shifted, grads.T).T).sum(1)
+    torch.testing.assert_close(influence.last_values, expected, rtol=1e-8, atol=0)
+    assert quantity.settings()["fisher"] == "mc"
+    with pytest.raises(ValueError, match="fisher"):
+        CurvatureStatistics(linear(1), fisher="type3")

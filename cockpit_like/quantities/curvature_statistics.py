@@ -42,6 +42,7 @@ from cockpit_like.functional.kronecker_quadratic import (
     quadratic_forms_sequence,
 )
 from cockpit_like.statistics import LayerLogs, StatisticsPlan, curvature_operator, layer_curvatures, layer_eigen
+from cockpit_like.statistics.sampled import SampledLayerLogs
 
 __all__ = ["CurvatureStatistics", "EKFACSpectrum", "PreconditionedGradNorm", "SelfInfluence"]
 
@@ -83,14 +84,26 @@ class CurvatureStatistics(SingleStepQuantity):
         statistics: ``"kfac"``, ``"ekfac"`` or ``{"forward": [...], "backward": [...], "grad": [...]}``
             (:func:`cockpit_like.statistics.parse_statistics`).
         window: ``"run"``: running statistics over the tracked steps; ``"step"``: each step's own.
+        fisher: ``"empirical"`` (the gradients of your loss, in the same backward pass) or ``"mc"``
+            (the Monte-Carlo / type-2 Fisher of a cross-entropy loss: labels sampled from the model, a
+            second backward pass through the kept graph; needs ``info["outputs"]`` and
+            ``loss.backward(create_graph=cockpit.create_graph(step))``, :mod:`cockpit_like.statistics.sampled`).
+            Every quantity here takes it.
 
     Example:
         >>> from cockpit_like.statistics import Covariance, Mean
         >>> q = CurvatureStatistics(linear(10), statistics={"forward": [Covariance, Mean], "backward": [Covariance]})
     """
 
-    def __init__(self, track_schedule, verbose: bool = False, statistics: str | dict = "kfac", window: str = "run"):
+    def __init__(self, track_schedule, verbose: bool = False, statistics: str | dict = "kfac", window: str = "run",
+                 fisher: str = "empirical"):  # fmt: skip
         super().__init__(track_schedule, verbose=verbose)
+        if fisher not in ("empirical", "mc"):
+            raise ValueError(
+                f"{type(self).__name__}(fisher={fisher!r}): 'empirical' (the gradients of your loss, same backward "
+                "pass) or 'mc' (labels sampled from the model, a second backward pass; needs info['outputs'])"
+            )
+        self._fisher = fisher
         self._statistics_config = statistics
         self.plan = StatisticsPlan(statistics, window=window)
         self.last_step: int | None = None
@@ -101,20 +114,32 @@ class CurvatureStatistics(SingleStepQuantity):
         self.plan.set_models(models)
 
     def per_sample_stats(self, global_step: int) -> list:
-        if not self.should_compute(global_step):
+        if not self.should_compute(global_step) or self._fisher != "empirical":
             return []
         return [LayerLogs(self._key, self.plan)]
+
+    def curvature_needs(self, global_step: int) -> list:
+        if not self.should_compute(global_step) or self._fisher != "mc":
+            return []
+        return [SampledLayerLogs(self._key, self.plan)]
+
+    def required_info(self, global_step: int) -> set[str]:
+        return {"outputs"} if self._fisher == "mc" and self.should_compute(global_step) else set()
+
+    def create_graph(self, global_step: int) -> bool:
+        return self._fisher == "mc" and self.should_compute(global_step)
 
     def settings(self) -> dict:
         config = self._statistics_config
         if isinstance(config, dict):
             config = {log: [type(s).__name__ if not isinstance(s, type) else s.__name__ for s in stats] for log, stats in config.items()}
-        return {"statistics": config, "window": self.plan.window}
+        return {"statistics": config, "window": self.plan.window, "fisher": self._fisher}
 
     # ---- computing -----------------------------------------------------------------
     def _absorb(self, global_step: int) -> None:
         """Merge this step's logs into the running ones."""
-        self.plan.absorb(get_record(global_step).stat(LayerLogs(self._key)))
+        need = LayerLogs(self._key) if self._fisher == "empirical" else SampledLayerLogs(self._key)
+        self.plan.absorb(get_record(global_step).stat(need))
         self.last_step = global_step
 
     def _compute(self, global_step, params, batch_loss):
@@ -183,8 +208,8 @@ class EKFACSpectrum(CurvatureStatistics):
     """
 
     def __init__(self, track_schedule, verbose: bool = False, bins: int = 40, range: tuple[float, float] | None = None,
-                 window: str = "run"):  # fmt: skip
-        super().__init__(track_schedule, verbose=verbose, statistics="ekfac", window=window)
+                 window: str = "run", fisher: str = "empirical"):  # fmt: skip
+        super().__init__(track_schedule, verbose=verbose, statistics="ekfac", window=window, fisher=fisher)
         if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
             raise ValueError(f"EKFACSpectrum(bins={bins!r}): need a positive int")
         if range is not None and not (len(range) == 2 and 0 < range[0] < range[1]):
@@ -260,11 +285,12 @@ class PreconditionedGradNorm(CurvatureStatistics):
     """
 
     def __init__(self, track_schedule, verbose: bool = False, curvature: str = "kfac", damping: float = 1e-3,
-                 window: str = "run", strategy: str = "exact"):  # fmt: skip
+                 window: str = "run", strategy: str = "exact", fisher: str = "empirical"):  # fmt: skip
         self._curvature = _check_kind("PreconditionedGradNorm", curvature)
         self._damping = _check_damping("PreconditionedGradNorm", damping)
         self._strategy = _check_strategy("PreconditionedGradNorm", strategy)
-        super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window)
+        super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window,
+                         fisher=fisher)  # fmt: skip
 
     def settings(self) -> dict:
         return {**super().settings(), "curvature": self._curvature, "damping": self._damping, "strategy": self._strategy}
@@ -342,14 +368,15 @@ class SelfInfluence(CurvatureStatistics):
     """
 
     def __init__(self, track_schedule, verbose: bool = False, curvature: str = "kfac", damping: float = 1e-3,
-                 k: int = 5, window: str = "run", strategy: str = "exact"):  # fmt: skip
+                 k: int = 5, window: str = "run", strategy: str = "exact", fisher: str = "empirical"):  # fmt: skip
         self._curvature = _check_kind("SelfInfluence", curvature)
         self._damping = _check_damping("SelfInfluence", damping)
         self._strategy = _check_strategy("SelfInfluence", strategy)
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"SelfInfluence(k={k!r}): need a positive int")
         self._k = k
-        super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window)
+        super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window,
+                         fisher=fisher)  # fmt: skip
         #: the last step's per-sample values ``[B]`` (not stored in the log)
         self.last_values: torch.Tensor | None = None
 
@@ -358,8 +385,9 @@ class SelfInfluence(CurvatureStatistics):
                 "strategy": self._strategy}  # fmt: skip
 
     def per_sample_stats(self, global_step: int) -> list:
-        stats = super().per_sample_stats(global_step)
-        return stats + [RetainedForInfluence(self._key)] if stats else stats
+        if not self.should_compute(global_step):
+            return []
+        return super().per_sample_stats(global_step) + [RetainedForInfluence(self._key)]
 
     def _compute(self, global_step, params, batch_loss):
         self._absorb(global_step)

@@ -1,0 +1,48 @@
+"""The logs of the Monte-Carlo (type-2) Fisher: a second backward pass with labels sampled from the model.
+
+For a cross-entropy loss that is the mean over ``N`` positions, with labels
+``ŷ_n`` drawn from the model's predictive distribution ``softmax(f_n)``
+(torch RNG), the output gradients of the sampled loss ``(1/N) sum_n CE(f_n, ŷ_n)``
+have ``E[s s^T] = diag(p) - p p^T``, the loss Hessian w.r.t. the logits: their
+covariance (``backward`` log) is KFAC's ``G`` of the Fisher (= GGN for
+cross-entropy), one sample per position, instead of the empirical Fisher's.
+The ``forward`` log is unchanged (same inputs), and ``grad`` statistics read
+the sampled loss's per-sample gradients (EK-FAC of the Monte-Carlo Fisher).
+Like :class:`~cockpit_like.backends.sampled.SampledGGNDiagonal` it reads
+``info["outputs"]`` (the logits, classes last, with their graph) and runs
+after the step's backward pass, through its kept graph
+(``loss.backward(create_graph=cockpit.create_graph(step))``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
+
+__all__ = ["SampledLayerLogs"]
+
+
+@dataclass(frozen=True)
+class SampledLayerLogs:
+    """Need: one step's logs from a backward pass of the loss with sampled labels (one draw per position)."""
+
+    key: str
+    plan: StatisticsPlan = field(compare=False, hash=False, repr=False, default=None)
+
+    def compute(self, execution) -> dict:
+        outputs = execution.info.get("outputs")
+        if not isinstance(outputs, torch.Tensor) or outputs.dim() < 2 or not outputs.requires_grad:
+            raise ValueError(
+                "fisher='mc' needs info['outputs']: the logits the cross-entropy loss is computed from, with "
+                "their graph, classes in the last dimension (got "
+                f"{type(outputs).__name__}{'' if not isinstance(outputs, torch.Tensor) else ' of shape ' + str(list(outputs.shape))})"
+            )
+        logits = outputs.reshape(-1, outputs.shape[-1])
+        with torch.no_grad():
+            labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1).squeeze(1)
+        sampled = torch.nn.functional.cross_entropy(logits, labels)
+        stat = LayerLogs(self.key, self.plan)
+        return execution.per_sample_pass(sampled, [stat])[stat]
