@@ -16,6 +16,8 @@ What lives here:
   per-sample statistic that fills the logs in the same backward pass as the
   cockpit's other needs (hook backend), and :class:`StatisticsPlan`, a
   requester's configuration and running logs;
+- :mod:`~cockpit_like.statistics.sampled`: the logs of the Monte-Carlo
+  (type-2) Fisher, from a second backward pass with sampled labels (optional);
 - :mod:`~cockpit_like.statistics.curvature`: KFAC / EK-FAC operators of the
   logs (:mod:`cockpit_like.operators` records).
 
