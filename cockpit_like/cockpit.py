@@ -141,6 +141,7 @@ class Cockpit:
         self._open_step: _TrackedStep | None = None
         self._listeners: list[Callable[[int, dict[str, Any]], None]] = []
         self._findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
         if on_finding is not None and not callable(on_finding):
             raise ValueError(f"Cockpit(on_finding=...) takes a callable(finding), got {type(on_finding).__name__}")
         self.on_finding = on_finding
@@ -168,6 +169,7 @@ class Cockpit:
         self._tracer.discover()
         if stream_to is not None and self.keeps_output:
             self._stream = StreamWriter(stream_to, self.metadata())
+            self._streamed_names = self._param_name_list()
 
     # ---- set up ------------------------------------------------------------
     def add(self, quantity: Quantity) -> None:
@@ -241,8 +243,11 @@ class Cockpit:
             quantity.adapt_to_models(models)
         if self._ranks is not None:
             self._ranks.watch(models, lambda: self.create_graph(self._next_step))
-        if self._stream is not None and before != [q.settings() for q in self.quantities]:
+        names = self._param_name_list()
+        changed = before != [q.settings() for q in self.quantities] or names != self._streamed_names
+        if self._stream is not None and changed:  # the layer names findings use, too
             self._stream.write_metadata(self.metadata())
+            self._streamed_names = names
 
     def name_of(self, quantity: Quantity) -> str:
         """The key of ``quantity`` in :meth:`get_output` (its class name, or

@@ -479,3 +479,14 @@ def test_history_finite_head_tail_and_nonfinite_count():
         h.add(step, {"Loss": float(step)})
     steps, all_values = h.scalars("Loss")
     assert steps.tolist() == list(range(100)) and all_values[99] == 99.0 and h.nonfinite("Loss") == (1, 3)
+
+
+def test_stream_metadata_names_layers_of_a_model_found_later(tmp_path):
+    from cockpit_like.logs import read_log_with_metadata
+
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1))], stream_to=tmp_path / "run")
+    train(model, lossfunc, individual, cockpit, "mlp", steps=1)  # the model is found at its first forward pass
+    cockpit.close()
+    metadata, _ = read_log_with_metadata(tmp_path / "run.jsonl")
+    assert metadata["param_names"] == [name for name, _ in model.named_parameters()]
