@@ -13,12 +13,15 @@ What lives here:
   :func:`diagnose` / :func:`diagnose_log` (the same on a saved run);
 - :mod:`~cockpit_like.diagnosis.report`: the table and JSON of
   ``cockpit-like diagnose``;
-- the recorder (``recorder*.py``), which produces findings of its own.
+- :mod:`~cockpit_like.diagnosis.recorder`: the recorder, which produces
+  findings of its own (``nonfinite-origin``; its docstring says what it
+  imports).
 
-What it may import: numpy, :mod:`cockpit_like.logs` (reading logs) and the
-stored output of quantities (by name). Rules never compute from the model,
-never import torch, the quantities' code, the backends or the plotting;
-the cockpit and the dashboard import this package, not the other way round.
+What the rules' side may import: numpy, :mod:`cockpit_like.logs` (reading
+and encoding logs) and the stored output of quantities (by name). It never
+computes from the model and never imports torch, the quantities' code, the
+backends or the plotting; the cockpit, the dashboard and the command line
+import this package, not the other way round.
 """
 
 from cockpit_like.diagnosis.engine import Diagnosis, DiagnosisReport, diagnose, diagnose_log
