@@ -14,13 +14,16 @@ per training step of
 
 in two modes: ``single`` (one process, batch 128) and ``ddp`` (two gloo
 ranks on this machine, batch 64 each, ``Cockpit(..., model=ddp_model)``;
-rank 0's step times, the ranks run in lock step). Every (mode, problem,
-configuration) runs in fresh processes, in a shuffled order, over several
-rounds; a ratio is a configuration's median step time over ``plain``'s of
-the same mode, problem and round; the reported ratio is the median over
-rounds. The question: is the economy overhead ratio under DDP within 1.2x
-of the single-process one, and does a step that tracks nothing cost
-nothing measurable?
+rank 0's step times, the ranks run in lock step). The machine is shared, so
+the three configurations run *interleaved in one job* (three copies of the
+model, one training step of each in turn, the order rotating): each
+configuration's step is compared with the ``plain`` step next to it, under
+the same load. A job's ratio is the median over its steps of
+``config step / plain step``; each (mode, problem) job runs in fresh
+processes, in a shuffled order, over several rounds, and the reported ratio
+is the median over rounds. The question: is the economy overhead ratio under
+DDP within 1.2x of the single-process one, and does a step that tracks
+nothing cost nothing measurable?
 
 Usage::
 
@@ -63,8 +66,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, problem: str, config: str, batch: int, steps: int, warmup: int,
+def _rank_main(rank: int, world: int, port: int, problem: str, batch: int, steps: int, warmup: int,
                out: str) -> None:  # fmt: skip
+    import copy
+
     import torch
     import torch.distributed as dist
     from backpack import extend
@@ -76,69 +81,77 @@ def _rank_main(rank: int, world: int, port: int, problem: str, config: str, batc
     if world > 1:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    model, shape = build_problem(problem, batch)
-    batches = make_batches(problem, model, shape, batch)
-    lossfunc, individual = nn.CrossEntropyLoss(), nn.CrossEntropyLoss(reduction="none")
-    quantities = make_quantities(config)
-    if quantities is not None:
-        model, lossfunc = extend(model), extend(lossfunc)
-    net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    cockpit = None if quantities is None else Cockpit(model.parameters(), quantities, model=net)
+    base, shape = build_problem(problem, batch)
+    batches = make_batches(problem, base, shape, batch)
+    individual = nn.CrossEntropyLoss(reduction="none")
+    runs = {}
+    for config in CONFIGS:
+        model, lossfunc = copy.deepcopy(base), nn.CrossEntropyLoss()
+        quantities = make_quantities(config)
+        if quantities is not None:
+            model, lossfunc = extend(model), extend(lossfunc)
+        net = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        cockpit = None if quantities is None else Cockpit(model.parameters(), quantities, model=net)
+        runs[config] = (net, lossfunc, optimizer, cockpit)
+    times = {config: [] for config in CONFIGS}
     warmup = max(warmup, 1)
-    times = []
     for step in range(warmup + steps):
         inputs, labels = batches[(step * world + rank) % len(batches)]
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        outputs = net(inputs)
-        loss = lossfunc(outputs, labels)
-        if cockpit is None:
-            loss.backward()
-        else:
-            info = {"batch_size": batch, "individual_losses": individual(outputs, labels), "loss": loss,
-                    "optimizer": optimizer}  # fmt: skip
-            with cockpit(step, info=info):
-                loss.backward(create_graph=cockpit.create_graph(step))
-        optimizer.step()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+        order = CONFIGS[step % len(CONFIGS) :] + CONFIGS[: step % len(CONFIGS)]
+        for config in order:
+            net, lossfunc, optimizer, cockpit = runs[config]
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            outputs = net(inputs)
+            loss = lossfunc(outputs, labels)
+            if cockpit is None:
+                loss.backward()
+            else:
+                info = {"batch_size": batch, "individual_losses": individual(outputs, labels), "loss": loss,
+                        "optimizer": optimizer}  # fmt: skip
+                with cockpit(step, info=info):
+                    loss.backward(create_graph=cockpit.create_graph(step))
+            optimizer.step()
+            if step >= warmup:
+                times[config].append(time.perf_counter() - start)
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times}))
     if world > 1:
         dist.destroy_process_group()
 
 
-def measure(mode: str, problem: str, config: str, steps: int, warmup: int) -> dict:
+def measure(mode: str, problem: str, steps: int, warmup: int) -> dict:
+    """One job: the configurations interleaved; per configuration the median step and the median ratio to plain."""
     import torch.multiprocessing as mp
 
     world, batch = MODES[mode]
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "times.json")
-        args = (world, _free_port(), problem, config, batch, steps, warmup, out)
+        args = (world, _free_port(), problem, batch, steps, warmup, out)
         mp.start_processes(_rank_main, args=args, nprocs=world, join=True, start_method="spawn")
         times = json.loads(Path(out).read_text())["times"]
-    return {"mode": mode, "problem": problem, "config": config, "median_s": statistics.median(times), "times": times}
+    result = {"mode": mode, "problem": problem, "times": times}
+    for config in CONFIGS:
+        result[config] = {
+            "median_s": statistics.median(times[config]),
+            "ratio": statistics.median(t / p for t, p in zip(times[config], times["plain"])),
+        }
+    return result
 
 
 def aggregate(runs: list[dict], problems: list[str]) -> dict:
     results = {}
     for mode in MODES:
         for problem in problems:
-            rounds = sorted({run["round"] for run in runs})
+            mine = [run for run in runs if (run["mode"], run["problem"]) == (mode, problem)]
             entry = {}
             for config in CONFIGS:
-                per_round = []
-                for r in rounds:
-                    base = [x["median_s"] for x in runs if (x["round"], x["mode"], x["problem"], x["config"]) == (r, mode, problem, "plain")]
-                    this = [x["median_s"] for x in runs if (x["round"], x["mode"], x["problem"], x["config"]) == (r, mode, problem, config)]
-                    if base and this:
-                        per_round.append(this[0] / base[0])
-                times = [x["median_s"] for x in runs if (x["mode"], x["problem"], x["config"]) == (mode, problem, config)]
+                ratios = [run[config]["ratio"] for run in mine]
                 entry[config] = {
-                    "ratio": statistics.median(per_round) if per_round else None,
-                    "ratios": per_round,
-                    "step_ms": 1000 * statistics.median(times) if times else None,
+                    "ratio": statistics.median(ratios),
+                    "ratios": ratios,
+                    "step_ms": 1000 * statistics.median(run[config]["median_s"] for run in mine),
                 }
             results.setdefault(problem, {})[mode] = entry
     return results
@@ -152,12 +165,14 @@ def markdown(results: dict) -> str:
     for problem, modes in results.items():
         for mode, entry in modes.items():
             ratio = ""
-            if mode == "ddp" and entry["economy"]["ratio"] and modes["single"]["economy"]["ratio"]:
+            if mode == "ddp":
                 ratio = f"{entry['economy']['ratio'] / modes['single']['economy']['ratio']:.2f}"
             world, batch = MODES[mode]
+            spread = lambda config: f"{min(entry[config]['ratios']):.2f}-{max(entry[config]['ratios']):.2f}"  # noqa: E731
             lines.append(
                 f"| {problem} | {mode} ({world} x {batch}) | {entry['plain']['step_ms']:.1f} | "
-                f"{entry['nothing']['ratio']:.2f} | {entry['economy']['ratio']:.2f} | {ratio} |"
+                f"{entry['nothing']['ratio']:.2f} ({spread('nothing')}) | "
+                f"{entry['economy']['ratio']:.2f} ({spread('economy')}) | {ratio} |"
             )
     return "\n".join(lines)
 
@@ -176,13 +191,14 @@ def main(argv=None) -> int:
     order = random.Random(args.seed)
     runs = []
     for round_ in range(args.rounds):
-        jobs = [(mode, problem, config) for mode in MODES for problem in problems for config in CONFIGS]
+        jobs = [(mode, problem) for mode in MODES for problem in problems]
         order.shuffle(jobs)
-        for mode, problem, config in jobs:
-            run = measure(mode, problem, config, args.steps, args.warmup)
+        for mode, problem in jobs:
+            run = measure(mode, problem, args.steps, args.warmup)
             run["round"] = round_
             runs.append(run)
-            print(f"round {round_} {mode:6s} {problem:5s} {config:8s} {1000 * run['median_s']:8.1f} ms/step", flush=True)
+            shown = ", ".join(f"{c} {1000 * run[c]['median_s']:.1f} ms ({run[c]['ratio']:.2f})" for c in CONFIGS)
+            print(f"round {round_} {mode:6s} {problem:5s} {shown}", flush=True)
     results = aggregate(runs, problems)
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
