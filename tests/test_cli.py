@@ -114,3 +114,14 @@ def test_module_and_console_script(run):
     result = subprocess.run([script, "summary", str(folder / "run.jsonl")], capture_output=True, text=True,
                             env=env, check=True)
     assert "Loss" in result.stdout
+
+
+def test_closed_pipe_ends_quietly(run):
+    """``cockpit-like summary LOG | head``: no BrokenPipeError traceback when the reader is gone, status 0."""
+    folder, _, _ = run
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+    # `true` exits at once, long before the CLI (importing torch) prints: every write meets a closed pipe
+    command = f"{sys.executable} -m cockpit_like.cli summary {folder / 'run'} | true"
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, env=env)
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    assert result.returncode == 0
