@@ -70,12 +70,12 @@ def _problem(name: str):
     return problem.model, problem.batch, (lambda out, y: problem.sample_losses(out, y).mean()), problem.sample_losses
 
 
-def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, steps: int = STEPS) -> Cockpit:
+def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, steps: int = STEPS, stream_to=None) -> Cockpit:
     model, batch, lossfunc, individual = _problem(problem)
     net = model if wrap is None else wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     extra = {} if wrap is None else {"log_rank": log_rank}
-    cockpit = Cockpit(model.parameters(), _quantities(preset), model=net, **extra)
+    cockpit = Cockpit(model.parameters(), _quantities(preset), stream_to, model=net, **extra)
     torch.manual_seed(1234)  # the same draws on every rank and in the reference
     for step in range(steps):
         inputs, labels = batch(GLOBAL_BATCH, 1000 + step)
@@ -112,12 +112,16 @@ def _job_presets(rank: int) -> dict:
         outputs[(problem, preset)] = cockpit.get_output()
     # default log_rank=0: only rank 0 keeps output and writes
     with tempfile.TemporaryDirectory() as folder:
-        cockpit = _train("mlp", "economy", _rows(rank), wrap=_ddp, log_rank=0, steps=2)
+        stream = os.path.join(folder, f"stream{rank}")
+        cockpit = _train("mlp", "economy", _rows(rank), wrap=_ddp, log_rank=0, steps=2, stream_to=stream)
         written = cockpit.write(os.path.join(folder, f"log{rank}"))
+        cockpit.log(1, train_loss=0.5)
         kept = {
             "output_steps": sorted(cockpit.get_output()),
             "written": written is not None and os.path.exists(written),
+            "streamed": os.path.exists(stream + ".jsonl"),
             "world_size": cockpit.world_size,
+            "rank": cockpit.rank,
         }
     return {"outputs": outputs, "kept": kept}
 
@@ -281,8 +285,8 @@ def test_presets_match_one_process_on_the_concatenated_batch(ranks):
     # the comparison can fail: rank 0's local batch alone gives other values
     local = _train("mlp", "economy", _rows(0)).get_output()
     assert not np.isclose(local[1]["NormTest"], ranks[0]["outputs"][("mlp", "economy")][1]["NormTest"])
-    assert ranks[0]["kept"] == {"output_steps": [0, 1], "written": True, "world_size": 2}
-    assert ranks[1]["kept"] == {"output_steps": [], "written": False, "world_size": 2}
+    assert ranks[0]["kept"] == {"output_steps": [0, 1], "written": True, "streamed": True, "world_size": 2, "rank": 0}
+    assert ranks[1]["kept"] == {"output_steps": [], "written": False, "streamed": False, "world_size": 2, "rank": 1}
 
 
 @pytest.mark.slow
