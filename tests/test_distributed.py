@@ -198,12 +198,36 @@ def _job_collectives(rank: int) -> dict:
     return result
 
 
+def _job_early_error(rank: int) -> dict:
+    """Rank 1 raises inside the context *before* its backward pass: rank 0 waits in DDP's all-reduce until
+    rank 1 gives up (the cockpit's timeout, 5 s) and stops; then rank 0's collective fails too."""
+    model, batch, lossfunc, individual = _problem("mlp")
+    net = _ddp(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), configuration("economy", linear(1)), model=net, distributed_timeout=5)
+    inputs, labels = batch(GLOBAL_BATCH, 0)
+    inputs, labels = inputs[_rows(rank)], labels[_rows(rank)]
+    outputs = net(inputs)
+    loss = lossfunc(outputs, labels)
+    info = {"batch_size": 4, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+    start = time.perf_counter()
+    try:
+        with cockpit(0, info=info):
+            if rank == 1:
+                raise ValueError("boom on rank 1 before backward")
+            loss.backward()
+        result = "no error"
+    except Exception as error:  # noqa: BLE001
+        result = f"{type(error).__name__}: {error}"
+    return {"early_error": result, "early_error_seconds": time.perf_counter() - start}
+
+
 def _job_all(rank: int) -> dict:
     """Everything in one job: each spawn costs ~15-25 s of start-up (DDP imports torch._dynamo)."""
     return {**_job_presets(rank), **_job_collectives(rank)}
 
 
-JOBS = {"presets": _job_presets, "collectives": _job_collectives, "all": _job_all}
+JOBS = {"presets": _job_presets, "collectives": _job_collectives, "all": _job_all, "early_error": _job_early_error}
 
 
 def _worker(rank: int, port: int, job: str, folder: str) -> None:
@@ -215,7 +239,8 @@ def _worker(rank: int, port: int, job: str, folder: str) -> None:
     try:
         torch.save(JOBS[job](rank), os.path.join(folder, f"rank{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        if job != "early_error":  # there a peer is gone already
+            dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -313,3 +338,12 @@ def test_torchrun_example_runs_in_one_process(tmp_path, capsys):
     main(steps=6, local_batch=16, logdir=str(tmp_path))
     assert (tmp_path / "ddp_digits.json").exists()
     assert "[rank 0 of 1] steps kept: 2" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_error_before_backward_on_one_rank_ends_within_the_timeouts(tmp_path):
+    start = time.monotonic()
+    ranks = _spawn("early_error", tmp_path, timeout=120)
+    assert ranks[1]["early_error"] == "ValueError: boom on rank 1 before backward"
+    assert ranks[0]["early_error"] != "no error", ranks[0]
+    assert time.monotonic() - start < 120
