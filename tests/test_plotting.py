@@ -348,3 +348,29 @@ def test_package_import_does_not_load_matplotlib():
     code = "import sys, cockpit_like; print('matplotlib' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_secondary_screen_shows_logged_curvature_when_tracked():
+    """A run with the logged-curvature quantities gets their row on the secondary screen, drawn from data."""
+    from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
+
+    model, lossfunc, individual = make_problem("mlp")
+    tracked = [
+        quantities.EKFACSpectrum(linear(1)),
+        quantities.SelfInfluence(linear(1), damping=1e-3, k=2),
+        quantities.PreconditionedGradNorm(linear(1), damping=1e-3),
+        quantities.Loss(linear(1)),
+    ]
+    cockpit = Cockpit(model.parameters(), quantities=tracked)
+    train(model, lossfunc, individual, cockpit, "mlp", steps=3, batch_size=8)
+    plotter = CockpitPlotter(secondary_screen=True)
+    plotter.plot(cockpit, show_plot=False)
+    assert set(CURVATURE_INSTRUMENTS) <= set(plotter.axes)
+    assert not blank_keys(plotter) & set(CURVATURE_INSTRUMENTS)
+    assert raw_points(plotter.axes["preconditioned_grad_norm"], "PreconditionedGradNorm") == 3
+    # without those quantities the row is absent, and it appears once they are in the data
+    plain = CockpitPlotter(secondary_screen=True)
+    plain.plot({0: {"Loss": 1.0}}, show_plot=False)
+    assert not set(CURVATURE_INSTRUMENTS) & set(plain.axes)
+    plain.plot(cockpit, show_plot=False)
+    assert set(CURVATURE_INSTRUMENTS) <= set(plain.axes)

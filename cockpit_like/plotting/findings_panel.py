@@ -32,8 +32,7 @@ def draw_findings(ax, data: RunData, options: Any) -> None:
     from cockpit_like.plotting.instruments import not_tracked
 
     if not data.has(FINDINGS_KEY):
-        not_tracked(ax, "Check engine", (), "no findings stored: Cockpit(..., diagnose=True) runs the rules "
-                    "live; `cockpit-like diagnose LOG` checks a saved run")
+        not_tracked(ax, "Check engine", (), "no findings stored:\nCockpit(..., diagnose=True)\nor cockpit-like diagnose LOG")
         return
     ax.set_title("Check engine", fontsize=10, fontweight="bold")
     ax.set_xticks([])

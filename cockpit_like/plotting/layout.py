@@ -10,8 +10,10 @@ Primary screen (16 x 9 inches)::
     +----------------------+---------------------------------------------+
 
 The secondary screen adds a band below (figure 16 x 14): MeanGSNR, CABS,
-EarlyStopping, other scalar quantities, and one 2-D histogram per parameter
-block (up to :data:`MAX_LAYER_PANELS`).
+EarlyStopping, other scalar quantities, the logged-curvature instruments
+(EK-FAC spectrum, self-influence, preconditioned gradient norm) when a run
+tracks any of them, and one 2-D histogram per parameter block (up to
+:data:`MAX_LAYER_PANELS`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 from matplotlib.patches import FancyBboxPatch
 
+from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.instruments import PRIMARY, SECONDARY, Instrument, layer_histogram
 
 __all__ = ["Layout", "build_layout", "MAX_LAYER_PANELS", "PRIMARY_SIZE", "SECONDARY_SIZE"]
@@ -45,6 +48,7 @@ class Layout:
     instruments: dict[str, Instrument]
     axes: dict[str, object]
     layer_panels: int
+    curvature_row: bool = False
 
 
 def _group(fig, rect, label: str, pad_in=(0.62, 0.22, 0.62, 0.5)):
@@ -69,8 +73,9 @@ def _group(fig, rect, label: str, pad_in=(0.62, 0.22, 0.62, 0.5)):
     )
 
 
-def build_layout(fig, secondary_screen: bool, layer_panels: int = 0) -> Layout:
-    """Create every axes of the dashboard on an empty figure."""
+def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_row: bool = False) -> Layout:
+    """Create every axes of the dashboard on an empty figure (``curvature_row``: the
+    secondary screen's row of logged-curvature instruments)."""
     axes: dict[str, object] = {}
     instruments: dict[str, Instrument] = {}
 
@@ -78,7 +83,7 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0) -> Layout:
         ax = fig.add_subplot(spec)
         ax.set_gid(f"instrument:{key}")
         axes[key] = ax
-        instruments[key] = instrument or PRIMARY.get(key) or SECONDARY[key]
+        instruments[key] = instrument or PRIMARY.get(key) or SECONDARY.get(key) or CURVATURE_INSTRUMENTS[key]
 
     width, height = fig.get_size_inches()
     # Vertical extent (figure fraction) of the primary screen; the title strip sits on top.
@@ -110,15 +115,19 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0) -> Layout:
     add("findings", grid[0, 2])
 
     if secondary_screen:
-        rows = 2 if layer_panels else 1
+        rows = 1 + bool(curvature_row) + bool(layer_panels)
         outer = fig.add_gridspec(rows, 1, **_group(fig, (0.0, 0.0, 1.0, primary_bottom), "Secondary screen"),
                                  hspace=0.62)
         series = outer[0].subgridspec(1, 4, wspace=0.3)
         for index, key in enumerate(("mean_gsnr", "cabs", "early_stopping", "custom")):
             add(key, series[0, index])
+        if curvature_row:
+            curvature = outer[1].subgridspec(1, 4, wspace=0.3, width_ratios=[1.4, 1, 1, 0.6])
+            for index, key in enumerate(CURVATURE_INSTRUMENTS):
+                add(key, curvature[0, index])
         if layer_panels:
-            layers = outer[1].subgridspec(1, max(layer_panels, 4), wspace=0.35)
+            layers = outer[rows - 1].subgridspec(1, max(layer_panels, 4), wspace=0.35)
             for index in range(layer_panels):
                 instrument = layer_histogram(index)
                 add(instrument.key, layers[0, index], instrument)
-    return Layout(instruments, axes, layer_panels)
+    return Layout(instruments, axes, layer_panels, curvature_row)

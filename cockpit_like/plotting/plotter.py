@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 
 from cockpit_like.plotting.data import RunData, load_source
 from cockpit_like.plotting.instruments import DrawOptions
+from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.layout import MAX_LAYER_PANELS, PRIMARY_SIZE, SECONDARY_SIZE, Layout, build_layout
 
 __all__ = ["CockpitPlotter", "save_dashboard", "interactive_backend"]
@@ -113,10 +114,13 @@ class CockpitPlotter:
 
     def _ensure_layout(self, fig: Figure, data: RunData) -> Layout:
         layers = _layer_panels(data) if self.secondary_screen else 0
-        if self._layout is None or self._layout.layer_panels != layers:
+        curvature = self.secondary_screen and any(
+            data.has(name) for instrument in CURVATURE_INSTRUMENTS.values() for name in instrument.quantities
+        )
+        if self._layout is None or (self._layout.layer_panels, self._layout.curvature_row) != (layers, curvature):
             fig.clear()
             fig.patches.clear()
-            self._layout = build_layout(fig, self.secondary_screen, layers)
+            self._layout = build_layout(fig, self.secondary_screen, layers, curvature)
             self.axes = dict(self._layout.axes)
         return self._layout
 
