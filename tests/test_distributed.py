@@ -222,9 +222,32 @@ def _job_early_error(rank: int) -> dict:
     return {"early_error": result, "early_error_seconds": time.perf_counter() - start}
 
 
+def _job_monte_carlo(rank: int) -> dict:
+    """diag_ggn_mc with a different seed per rank: the global trace and each rank's own estimate with its draws."""
+    from backpack import backpack
+    from backpack.extensions import DiagGGNMC
+
+    model, batch, lossfunc, individual = _problem("mlp")
+    net = _ddp(model)
+    cockpit = Cockpit(model.parameters(), [HessTrace(linear(1), curvature="diag_ggn_mc")], model=net, log_rank=None)
+    inputs, labels = batch(GLOBAL_BATCH, 0)
+    inputs, labels = inputs[_rows(rank)], labels[_rows(rank)]
+    torch.manual_seed(7 + rank)  # different draws on the ranks, on purpose
+    state = torch.get_rng_state()
+    outputs = net(inputs)
+    loss = lossfunc(outputs, labels)
+    with cockpit(0, info={"batch_size": 4, "loss": loss}):
+        loss.backward()
+    torch.set_rng_state(state)  # the same draws again, BackPACK alone on this rank's batch
+    model.zero_grad()
+    with backpack(DiagGGNMC(mc_samples=1)):
+        lossfunc(model(inputs), labels).backward()
+    return {"mc_global": cockpit.get_output()[0]["HessTrace"], "mc_local": [p.diag_ggn_mc.sum().item() for p in model.parameters()]}
+
+
 def _job_all(rank: int) -> dict:
-    """Everything in one job: each spawn costs ~15-25 s of start-up (DDP imports torch._dynamo)."""
-    return {**_job_presets(rank), **_job_collectives(rank)}
+    """Everything in one job: each spawn costs ~10-25 s of start-up (DDP imports torch._dynamo)."""
+    return {**_job_presets(rank), **_job_collectives(rank), **_job_monte_carlo(rank)}
 
 
 JOBS = {"presets": _job_presets, "collectives": _job_collectives, "all": _job_all, "early_error": _job_early_error}
@@ -347,3 +370,14 @@ def test_error_before_backward_on_one_rank_ends_within_the_timeouts(tmp_path):
     assert ranks[1]["early_error"] == "ValueError: boom on rank 1 before backward"
     assert ranks[0]["early_error"] != "no error", ranks[0]
     assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow
+def test_monte_carlo_ggn_is_the_mean_of_the_ranks_estimates(ranks):
+    """diag_ggn_mc under DDP: each rank samples its own labels; the global trace is the batch-weighted mean of the
+    ranks' one-sample estimates (equal batches: the mean), the same on every rank. No comparison with one process:
+    its draws differ (docs/distributed.md)."""
+    assert ranks[0]["mc_global"] == ranks[1]["mc_global"]
+    expected = [(a + b) / 2 for a, b in zip(ranks[0]["mc_local"], ranks[1]["mc_local"])]
+    np.testing.assert_allclose(ranks[0]["mc_global"], expected, rtol=1e-10)
+    assert not np.allclose(ranks[0]["mc_local"], ranks[1]["mc_local"])
