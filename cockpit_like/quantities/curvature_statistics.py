@@ -15,7 +15,9 @@ the steps its schedule selects (``window="run"``) or per step
 
 ``F`` is the empirical Fisher of the mean loss, ``F = (1/B) sum_n g_n g_n^T``
 with ``g_n`` sample ``n``'s loss gradient, in Kronecker form ``G ⊗ A`` per
-layer (docs/curvature_statistics.md). Covered parameters: the weights (and
+layer (docs/curvature_statistics.md); with ``fisher="mc"`` a one-sample
+estimate of the type-2 Fisher, with ``fisher="type-2"`` (and ``loss=``) the
+exact type-2 Fisher (GGN) in that form. Covered parameters: the weights (and
 biases) of ``nn.Linear``, ``nn.Conv2d`` and Hugging Face ``Conv1D`` layers
 that the cockpit tracks and no other module uses; the others are left out of
 every sum here. Cross-step state: :attr:`CurvatureStatistics.plan` (its
@@ -43,6 +45,7 @@ from cockpit_like.functional.kronecker_quadratic import (
 )
 from cockpit_like.statistics import LayerLogs, StatisticsPlan, curvature_operator, layer_curvatures, layer_eigen
 from cockpit_like.statistics.sampled import SampledLayerLogs
+from cockpit_like.statistics.type2 import Type2LayerLogs, check_loss
 
 __all__ = ["CurvatureStatistics", "EKFACSpectrum", "PreconditionedGradNorm", "SelfInfluence"]
 
@@ -84,10 +87,17 @@ class CurvatureStatistics(SingleStepQuantity):
         statistics: ``"kfac"``, ``"ekfac"`` or ``{"forward": [...], "backward": [...], "grad": [...]}``
             (:func:`cockpit_like.statistics.parse_statistics`).
         window: ``"run"``: running statistics over the tracked steps; ``"step"``: each step's own.
-        fisher: ``"empirical"`` (the gradients of your loss, in the same backward pass) or ``"mc"``
+        fisher: ``"empirical"`` (the gradients of your loss, in the same backward pass), ``"mc"``
             (the Monte-Carlo / type-2 Fisher of a cross-entropy loss: labels sampled from the model, a
             second backward pass through the kept graph; needs ``info["outputs"]`` and
-            ``loss.backward(create_graph=cockpit.create_graph(step))``, :mod:`cockpit_like.statistics.sampled`).
+            ``loss.backward(create_graph=cockpit.create_graph(step))``, :mod:`cockpit_like.statistics.sampled`)
+            or ``"type-2"`` (the exact type-2 Fisher = GGN of ``loss``: one backward pass per output dimension
+            through the kept graph, ``C`` extra passes on a tracked step, ``2 C`` for EK-FAC; needs
+            ``info["outputs"]``, ``create_graph`` as for ``"mc"`` and ``loss``; :mod:`cockpit_like.statistics.type2`).
+            Every quantity here takes it.
+        loss: with ``fisher="type-2"`` (required there, refused otherwise): ``"cross_entropy"`` (logits,
+            classes last, the mean over rows) or ``"mse"`` (``MSELoss(reduction="mean")``, the mean over every
+            entry of ``info["outputs"]``: ``(1/(N C)) Σ (f - y)²``, Hessian ``2/(N C) I``, as curvlinops).
             Every quantity here takes it.
 
     Example:
@@ -96,14 +106,23 @@ class CurvatureStatistics(SingleStepQuantity):
     """
 
     def __init__(self, track_schedule, verbose: bool = False, statistics: str | dict = "kfac", window: str = "run",
-                 fisher: str = "empirical"):  # fmt: skip
+                 fisher: str = "empirical", loss: str | None = None):  # fmt: skip
         super().__init__(track_schedule, verbose=verbose)
-        if fisher not in ("empirical", "mc"):
+        if fisher not in ("empirical", "mc", "type-2"):
             raise ValueError(
                 f"{type(self).__name__}(fisher={fisher!r}): 'empirical' (the gradients of your loss, same backward "
-                "pass) or 'mc' (labels sampled from the model, a second backward pass; needs info['outputs'])"
+                "pass), 'mc' (labels sampled from the model, a second backward pass; needs info['outputs']) or "
+                "'type-2' (the exact GGN, one backward pass per output dimension; needs info['outputs'] and loss=)"
+            )
+        if fisher == "type-2":
+            loss = check_loss(type(self).__name__, loss)
+        elif loss is not None:
+            raise ValueError(
+                f"{type(self).__name__}(loss={loss!r}, fisher={fisher!r}): loss= is read by fisher='type-2' only "
+                "(the empirical Fisher uses your loss's gradients; 'mc' samples cross-entropy labels)"
             )
         self._fisher = fisher
+        self._loss = loss
         self._statistics_config = statistics
         self.plan = StatisticsPlan(statistics, window=window)
         self.last_step: int | None = None
@@ -119,26 +138,34 @@ class CurvatureStatistics(SingleStepQuantity):
         return [LayerLogs(self._key, self.plan)]
 
     def curvature_needs(self, global_step: int) -> list:
-        if not self.should_compute(global_step) or self._fisher != "mc":
+        if not self.should_compute(global_step) or self._fisher == "empirical":
             return []
+        if self._fisher == "type-2":
+            return [Type2LayerLogs(self._key, self._loss, self.plan)]
         return [SampledLayerLogs(self._key, self.plan)]
 
     def required_info(self, global_step: int) -> set[str]:
-        return {"outputs"} if self._fisher == "mc" and self.should_compute(global_step) else set()
+        return {"outputs"} if self._fisher != "empirical" and self.should_compute(global_step) else set()
 
     def create_graph(self, global_step: int) -> bool:
-        return self._fisher == "mc" and self.should_compute(global_step)
+        return self._fisher != "empirical" and self.should_compute(global_step)
 
     def settings(self) -> dict:
         config = self._statistics_config
         if isinstance(config, dict):
             config = {log: [type(s).__name__ if not isinstance(s, type) else s.__name__ for s in stats] for log, stats in config.items()}
-        return {"statistics": config, "window": self.plan.window, "fisher": self._fisher}
+        settings = {"statistics": config, "window": self.plan.window, "fisher": self._fisher}
+        if self._fisher == "type-2":
+            settings["loss"] = self._loss
+        return settings
 
     # ---- computing -----------------------------------------------------------------
     def _absorb(self, global_step: int) -> None:
         """Merge this step's logs into the running ones."""
-        need = LayerLogs(self._key) if self._fisher == "empirical" else SampledLayerLogs(self._key)
+        if self._fisher == "type-2":
+            need = Type2LayerLogs(self._key, self._loss)
+        else:
+            need = LayerLogs(self._key) if self._fisher == "empirical" else SampledLayerLogs(self._key)
         self.plan.absorb(get_record(global_step).stat(need))
         self.last_step = global_step
 
@@ -205,11 +232,13 @@ class EKFACSpectrum(CurvatureStatistics):
         bins: number of log-spaced bins.
         range: ``(low, high) > 0`` fixed bin range (default: the step's positive eigenvalues).
         window: ``"run"`` (factors over all tracked steps) or ``"step"``.
+        fisher: ``"empirical"``, ``"mc"`` or ``"type-2"``; loss: with ``"type-2"``, ``"cross_entropy"`` or
+            ``"mse"`` (see :class:`CurvatureStatistics`).
     """
 
     def __init__(self, track_schedule, verbose: bool = False, bins: int = 40, range: tuple[float, float] | None = None,
-                 window: str = "run", fisher: str = "empirical"):  # fmt: skip
-        super().__init__(track_schedule, verbose=verbose, statistics="ekfac", window=window, fisher=fisher)
+                 window: str = "run", fisher: str = "empirical", loss: str | None = None):  # fmt: skip
+        super().__init__(track_schedule, verbose=verbose, statistics="ekfac", window=window, fisher=fisher, loss=loss)
         if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
             raise ValueError(f"EKFACSpectrum(bins={bins!r}): need a positive int")
         if range is not None and not (len(range) == 2 and 0 < range[0] < range[1]):
@@ -282,15 +311,18 @@ class PreconditionedGradNorm(CurvatureStatistics):
         strategy: ``"exact"`` (``(G ⊗ A + λI)^{-1}`` through the factors' eigendecompositions) or
             ``"heuristic"`` (KFAC only: π-damped factors inverted, no eigendecomposition; an approximation,
             docs/operators.md).
+        fisher: ``"empirical"``, ``"mc"`` or ``"type-2"``; loss: with ``"type-2"``, ``"cross_entropy"`` or
+            ``"mse"`` (see :class:`CurvatureStatistics`).
     """
 
     def __init__(self, track_schedule, verbose: bool = False, curvature: str = "kfac", damping: float = 1e-3,
-                 window: str = "run", strategy: str = "exact", fisher: str = "empirical"):  # fmt: skip
+                 window: str = "run", strategy: str = "exact", fisher: str = "empirical",
+                 loss: str | None = None):  # fmt: skip
         self._curvature = _check_kind("PreconditionedGradNorm", curvature)
         self._damping = _check_damping("PreconditionedGradNorm", damping)
         self._strategy = _check_strategy("PreconditionedGradNorm", strategy)
         super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window,
-                         fisher=fisher)  # fmt: skip
+                         fisher=fisher, loss=loss)  # fmt: skip
 
     def settings(self) -> dict:
         return {**super().settings(), "curvature": self._curvature, "damping": self._damping, "strategy": self._strategy}
@@ -365,10 +397,14 @@ class SelfInfluence(CurvatureStatistics):
         k: how many of the most influential samples to keep per step.
         window: ``"run"`` or ``"step"``.
         strategy: ``"exact"`` or ``"heuristic"`` (see :class:`PreconditionedGradNorm`).
+        fisher: ``"empirical"``, ``"mc"`` or ``"type-2"`` (the curvature ``F``; ``g_i`` stays the gradient of
+            sample ``i``'s own loss); loss: with ``"type-2"``, ``"cross_entropy"`` or ``"mse"``
+            (see :class:`CurvatureStatistics`).
     """
 
     def __init__(self, track_schedule, verbose: bool = False, curvature: str = "kfac", damping: float = 1e-3,
-                 k: int = 5, window: str = "run", strategy: str = "exact", fisher: str = "empirical"):  # fmt: skip
+                 k: int = 5, window: str = "run", strategy: str = "exact", fisher: str = "empirical",
+                 loss: str | None = None):  # fmt: skip
         self._curvature = _check_kind("SelfInfluence", curvature)
         self._damping = _check_damping("SelfInfluence", damping)
         self._strategy = _check_strategy("SelfInfluence", strategy)
@@ -376,7 +412,7 @@ class SelfInfluence(CurvatureStatistics):
             raise ValueError(f"SelfInfluence(k={k!r}): need a positive int")
         self._k = k
         super().__init__(track_schedule, verbose=verbose, statistics=_statistics_for(curvature), window=window,
-                         fisher=fisher)  # fmt: skip
+                         fisher=fisher, loss=loss)  # fmt: skip
         #: the last step's per-sample values ``[B]`` (not stored in the log)
         self.last_values: torch.Tensor | None = None
 

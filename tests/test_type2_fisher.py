@@ -1,0 +1,185 @@
+"""fisher="type-2": the exact type-2 Fisher (GGN) logged from one backward pass per column of the loss Hessian's root.
+
+References: the loss Hessian from torch.autograd.functional.hessian; curvlinops'
+KFACLinearOperator / EKFACLinearOperator with FisherType.TYPE2 (float64, a
+test-only oracle); the dense GGN J^T H J from torch.autograd.functional.jacobian /
+hessian and the dense Hessian of the loss w.r.t. the parameters (one linear
+layer with MSE, where KFAC is exact).
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.context import MissingInfoError
+from cockpit_like.functional.loss_hessian import loss_hessian_sqrt
+from cockpit_like.quantities import CurvatureStatistics, EKFACSpectrum, PreconditionedGradNorm, SelfInfluence
+from cockpit_like.utils.schedules import linear
+from tests.helpers import make_mlp
+from tests.test_curvature_statistics import _per_sample_grads, _problem
+
+curvlinops = pytest.importorskip("curvlinops")
+from curvlinops import EKFACLinearOperator, KFACLinearOperator  # noqa: E402
+from curvlinops.kfac import FisherType, KFACType  # noqa: E402
+
+DT = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+
+
+def _type2_reference(kind, model, loss_func, data):
+    """curvlinops' KFAC / EK-FAC of the type-2 Fisher, as a dense matrix."""
+    params = list(model.parameters())
+    cls = KFACLinearOperator if kind == "kfac" else EKFACLinearOperator
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        op = cls(model, loss_func, params, data, fisher_type=FisherType.TYPE2, kfac_approx=KFACType.EXPAND,
+                 check_deterministic=False)  # fmt: skip
+        return op @ torch.eye(sum(p.numel() for p in params), dtype=DT)
+
+
+def _type2_step(quantities, model, inputs, targets, loss_fn, step=0, cockpit=None):
+    cockpit = cockpit or Cockpit(list(model.parameters()), quantities=quantities, model=model)
+    model.zero_grad()
+    outputs = model(inputs)
+    loss = loss_fn(outputs, targets)
+    with cockpit(step, info={"batch_size": len(inputs), "loss": loss, "outputs": outputs}):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    return cockpit
+
+
+# ---- the loss Hessian's root ------------------------------------------------------------------
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_loss_hessian_sqrt_squares_to_the_autograd_hessian(loss):
+    torch.manual_seed(0)
+    outputs = torch.randn(4, 5, dtype=DT) * 2
+    roots = loss_hessian_sqrt(outputs, loss)
+    for f, root in zip(outputs, roots):
+        if loss == "cross_entropy":
+            target = torch.tensor([2])
+            hessian = torch.autograd.functional.hessian(lambda g: nn.functional.cross_entropy(g[None], target), f)
+        else:
+            target = torch.randn(1, 5, dtype=DT)
+            hessian = torch.autograd.functional.hessian(lambda g: nn.functional.mse_loss(g[None], target), f)
+        torch.testing.assert_close(root @ root.T, hessian, rtol=1e-12, atol=1e-14)
+    with pytest.raises(ValueError, match="known for"):
+        loss_hessian_sqrt(outputs, "hinge")
+
+
+# ---- against curvlinops' type-2 KFAC / EK-FAC -------------------------------------------------------
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+def test_cross_entropy_type2_matches_curvlinops(name):
+    model, inputs, labels = _problem(name)
+    quantity = CurvatureStatistics(linear(1), statistics="ekfac", fisher="type-2", loss="cross_entropy")
+    cockpit = _type2_step([quantity], model, inputs, labels, nn.functional.cross_entropy)
+    for kind in ("kfac", "ekfac"):
+        reference = _type2_reference(kind, model, nn.CrossEntropyLoss(), [(inputs, labels)])
+        operator = cockpit.curvature(kind=kind)
+        assert operator.names == [n for n, _ in model.named_parameters()]
+        torch.testing.assert_close(operator.to_dense(), reference, rtol=1e-9, atol=1e-12)
+    assert quantity.settings()["loss"] == "cross_entropy"
+
+
+def test_mse_type2_matches_curvlinops_and_two_steps_merge():
+    """MSELoss(reduction="mean") on an MLP with 4 outputs; KFAC over two tracked steps = curvlinops on both batches."""
+    model = make_mlp(seed=1)
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(12, 3, 4, generator=generator, dtype=DT)
+    targets = torch.randn(12, 4, generator=generator, dtype=DT)
+    quantity = CurvatureStatistics(linear(1), statistics="ekfac", fisher="type-2", loss="mse")
+    cockpit = _type2_step([quantity], model, inputs[:6], targets[:6], nn.functional.mse_loss)
+    for kind in ("kfac", "ekfac"):
+        reference = _type2_reference(kind, model, nn.MSELoss(), [(inputs[:6], targets[:6])])
+        torch.testing.assert_close(cockpit.curvature(kind=kind).to_dense(), reference, rtol=1e-9, atol=1e-12)
+    _type2_step(None, model, inputs[6:], targets[6:], nn.functional.mse_loss, step=1, cockpit=cockpit)
+    both = _type2_reference("kfac", model, nn.MSELoss(), [(inputs[:6], targets[:6]), (inputs[6:], targets[6:])])
+    torch.testing.assert_close(cockpit.curvature(kind="kfac").to_dense(), both, rtol=1e-9, atol=1e-12)
+
+
+# ---- the exact case: one linear layer, MSE ------------------------------------------------------
+def test_exact_case_one_linear_layer_mse_equals_dense_ggn_and_hessian():
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2, bias=False).to(DT)
+    batch = 5
+    inputs, targets = torch.randn(batch, 3, dtype=DT), torch.randn(batch, 2, dtype=DT)
+    weight = layer.weight.detach().clone()
+
+    def outputs_of(w):
+        return nn.functional.linear(inputs, w.reshape(weight.shape))
+
+    jacobian = torch.autograd.functional.jacobian(outputs_of, weight.reshape(-1)).reshape(batch * 2, -1)
+    loss_hessian = torch.autograd.functional.hessian(
+        lambda f: nn.functional.mse_loss(f.reshape(batch, 2), targets), outputs_of(weight.reshape(-1)).reshape(-1)
+    )
+    ggn = jacobian.T @ loss_hessian @ jacobian  # J^T H J, brute force
+    hessian = torch.autograd.functional.hessian(lambda w: nn.functional.mse_loss(outputs_of(w), targets), weight.reshape(-1))
+    torch.testing.assert_close(ggn, hessian, rtol=1e-12, atol=1e-14)  # linear model: GGN = Hessian
+    for statistics in ("kfac", "ekfac"):
+        quantity = CurvatureStatistics(linear(1), statistics=statistics, fisher="type-2", loss="mse")
+        cockpit = _type2_step([quantity], layer, inputs, targets, nn.functional.mse_loss)
+        dense = cockpit.curvature(kind=statistics).to_dense()
+        torch.testing.assert_close(dense, ggn, rtol=1e-10, atol=1e-13)
+        torch.testing.assert_close(dense, hessian, rtol=1e-10, atol=1e-13)
+    assert torch.linalg.matrix_rank(ggn) == 6  # a full-rank, non-trivial curvature
+
+
+# ---- the other quantities on the type-2 logs ------------------------------------------------------
+def test_self_influence_and_preconditioned_grad_norm_with_type2():
+    model, inputs, labels = _problem("mlp", batch=8)
+    damping = 1e-3
+    influence = SelfInfluence(linear(1), damping=damping, k=3, fisher="type-2", loss="cross_entropy")
+    norm = PreconditionedGradNorm(linear(1), curvature="ekfac", damping=damping, fisher="type-2", loss="cross_entropy")
+    spectrum = EKFACSpectrum(linear(1), fisher="type-2", loss="cross_entropy")
+    cockpit = _type2_step([influence, norm, spectrum], model, inputs, labels, nn.functional.cross_entropy)
+    eye = torch.eye(sum(p.numel() for p in model.parameters()), dtype=DT)
+    grads = _per_sample_grads(model, inputs, labels, list(model.parameters()))
+    kfac = _type2_reference("kfac", model, nn.CrossEntropyLoss(), [(inputs, labels)]) + damping * eye
+    torch.testing.assert_close(influence.last_values, (grads * torch.linalg.solve(kfac, grads.T).T).sum(1), rtol=1e-8, atol=0)
+    ekfac = _type2_reference("ekfac", model, nn.CrossEntropyLoss(), [(inputs, labels)])
+    g = torch.cat([p.grad.detach().reshape(-1) for p in model.parameters()])
+    expected = float(g @ torch.linalg.solve(ekfac + damping * eye, g))
+    assert math.isclose(cockpit.get_output()[0]["PreconditionedGradNorm"]["value"], expected, rel_tol=1e-8)
+    stored = cockpit.get_output()[0]["EKFACSpectrum"]
+    eigenvalues = torch.linalg.eigvalsh(ekfac)
+    assert stored["num"] == eye.shape[0]
+    assert math.isclose(stored["max"], float(eigenvalues.max()), rel_tol=1e-8)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+def test_type2_errors():
+    with pytest.raises(ValueError, match="loss='hinge'.*'cross_entropy'.*'mse'"):
+        CurvatureStatistics(linear(1), fisher="type-2", loss="hinge")
+    with pytest.raises(ValueError, match="loss=None"):
+        SelfInfluence(linear(1), fisher="type-2")
+    with pytest.raises(ValueError, match="fisher='type-2' only"):
+        CurvatureStatistics(linear(1), loss="mse")
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2).to(DT)
+    inputs, targets = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+
+    def run(outputs_for_info, batch_size=4, model=layer, loss_name="mse"):
+        quantity = CurvatureStatistics(linear(1), fisher="type-2", loss=loss_name)
+        cockpit = Cockpit(list(model.parameters()), quantities=[quantity], model=model)
+        outputs = model(inputs)
+        loss = nn.functional.mse_loss(outputs, targets)
+        info = {"batch_size": batch_size, "loss": loss}
+        if outputs_for_info is not None:
+            info["outputs"] = outputs_for_info(outputs)
+        with cockpit(0, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))
+
+    with pytest.raises(MissingInfoError, match="outputs"):
+        run(None)
+    with pytest.raises(ValueError, match="with their graph"):
+        run(lambda out: out.detach())
+    with pytest.raises(ValueError, match="with their graph"):
+        run(lambda out: out.tolist())
+    with pytest.raises(ValueError, match=r"batch_size'\] is 5"):
+        run(lambda out: out, batch_size=5)
+    with pytest.raises(ValueError, match=r"shape \[8\].*\[B, 1\]"):
+        run(lambda out: out.reshape(-1))
+    with pytest.raises(ValueError, match=r"class dimension"):
+        run(lambda out: out.reshape(-1), loss_name="cross_entropy")
