@@ -47,7 +47,16 @@ def _quantities(preset: str) -> list:
     """A preset, or ``"extras"``: the other deterministic quantities (noise, TIC, GGN, Kronecker, adaptation)."""
     if preset != "extras":
         return configuration(preset, linear(1))
-    from cockpit_like.quantities import CABS, EarlyStopping, GradHist1d, KFACTrace, MeanGSNR, TICTrace
+    from cockpit_like.quantities import (
+        CABS,
+        CurvatureStatistics,
+        EarlyStopping,
+        GradHist1d,
+        KFACTrace,
+        MeanGSNR,
+        PreconditionedGradNorm,
+        TICTrace,
+    )
     from cockpit_like.quantities.bin_adaptation import GradAbsMax
 
     every = linear(1)
@@ -55,6 +64,7 @@ def _quantities(preset: str) -> list:
         MeanGSNR(every), CABS(every), EarlyStopping(every), TICTrace(every),
         HessTrace(every, curvature="diag_ggn_exact"), KFACTrace(every, curvature="kflr"),
         KFACTrace(every, curvature="empirical"), GradHist1d(every, bins=20, adapt=GradAbsMax(every)),
+        CurvatureStatistics(every), PreconditionedGradNorm(every, damping=1e-3),
     ]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -309,7 +319,8 @@ QUANTITY_NAMES = {
 QUANTITY_NAMES["business"] = QUANTITY_NAMES["economy"] | {"TICDiag", "HessTrace"}
 QUANTITY_NAMES["full"] = QUANTITY_NAMES["business"] | {"HessMaxEV", "GradHist2d"}
 QUANTITY_NAMES["extras"] = {
-    "MeanGSNR", "CABS", "EarlyStopping", "TICTrace", "HessTrace", "KFACTrace", "KFACTrace_1", "GradHist1d"
+    "MeanGSNR", "CABS", "EarlyStopping", "TICTrace", "HessTrace", "KFACTrace", "KFACTrace_1", "GradHist1d",
+    "CurvatureStatistics", "PreconditionedGradNorm",
 }  # fmt: skip
 
 

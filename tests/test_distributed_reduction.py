@@ -157,3 +157,82 @@ def test_gram_summary_ddp_form_uses_the_global_mean_gradient(form):
     whole = compute(GramSummary(), slice(None))
     _assert_same(combined, whole)
     assert not _same(compute(GramSummary(), slice(0, 3))[1], whole[1][:3])
+
+
+@pytest.mark.parametrize("problem", ["mlp", "cnn"])
+def test_curvature_statistics_of_halves_are_those_of_the_whole(problem):
+    """LayerLogs (KFAC's logs, means, covariances, raw logs, a statistic with its own merge) across two ranks."""
+    from torch import nn
+
+    from cockpit_like import Cockpit
+    from cockpit_like.quantities import CurvatureStatistics
+    from cockpit_like.statistics import Covariance, Log, Mean
+    from cockpit_like.statistics.base import Statistic
+    from cockpit_like.statistics.collect import LayerLogs, finalize_logs
+    from cockpit_like.utils.schedules import linear
+    from tests.helpers import make_batch, make_cnn, make_mlp
+
+    class Largest(Statistic):
+        """Elementwise max of the rows: a statistic whose merge is not a sum."""
+
+        def init(self):
+            return {"max": None, "count": 0}
+
+        def update(self, state, values, count):
+            largest = values.amax(0)
+            if state["max"] is not None:
+                largest = torch.maximum(state["max"], largest)
+            return {"max": largest, "count": state["count"] + int(count)}
+
+        def merge(self, state, other):
+            if state["max"] is None:
+                return other
+            return {"max": torch.maximum(state["max"], other["max"]), "count": state["count"] + other["count"]}
+
+        def finalize(self, state):
+            return state["max"]
+
+    config = {"forward": [Covariance, Mean, Largest], "backward": [Covariance, Log], "grad": [Mean, Covariance]}
+    model = (make_mlp if problem == "mlp" else make_cnn)(seed=1)
+    inputs, labels = make_batch(problem, 6, seed=4)
+
+    def logs_of(rows):
+        quantity = CurvatureStatistics(linear(1), statistics=config, window="step")
+        cockpit = Cockpit(list(model.parameters()), quantities=[quantity], model=model)
+        model.zero_grad()
+        loss = nn.functional.cross_entropy(model(inputs[rows]), labels[rows])
+        with cockpit(0, info={"batch_size": len(labels[rows]), "loss": loss}):
+            loss.backward()
+        return quantity.plan, quantity.plan.running
+
+    plan, whole = logs_of(slice(None))
+    halves = [logs_of(slice(0, 3))[1], logs_of(slice(3, None))[1]]
+    stat = LayerLogs("test", plan)
+    combined = _combine(halves, [3, 3], stat.across_ranks)
+    got, expected = finalize_logs(plan.stats, combined), finalize_logs(plan.stats, whole)
+    alone = finalize_logs(plan.stats, halves[0])
+
+    def flat(tree, prefix=""):
+        if isinstance(tree, dict):
+            return {k: v for key, sub in tree.items() for k, v in flat(sub, f"{prefix}/{key}").items()}
+        return {prefix: tree}
+
+    got, expected, alone = flat(got), flat(expected), flat(alone)
+    assert got.keys() == expected.keys() and len(got) > 10
+    for key in expected:
+        if key.endswith("/Log"):  # raw rows: rank 0's then rank 1's, the order of the whole batch
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-12, atol=1e-14)
+        else:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-10, atol=1e-12, msg=key)
+    assert any(not torch.allclose(alone[key], expected[key]) for key in expected if not key.endswith("/Log"))
+    # counts add up too
+    backward = combined["layers"][next(iter(combined["layers"]))]["backward"]
+    assert {state["count"] for state in backward.values()} == {6}
+
+
+def test_ekfac_statistics_refuse_ddp_with_a_clear_error():
+    from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
+
+    plan = StatisticsPlan("ekfac")
+    with pytest.raises(NotImplementedError, match="statistics='kfac'"):
+        LayerLogs("x", plan).across_ranks({"layers": {}, "grad": {}, "bases": {"l": None}}, reduction=None)

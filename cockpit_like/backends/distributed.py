@@ -55,6 +55,7 @@ __all__ = [
     "global_product",
     "same_on_all_ranks",
     "MEAN_FIELDS",
+    "unwrap",
 ]
 
 
@@ -76,6 +77,12 @@ _ACTIVE: RankGroup | None = None
 
 def _is_ddp(module: Any) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside a ``DistributedDataParallel`` wrapper (else ``model``), so that module
+    paths read the same in one process and under DDP (``"fc1"``, not ``"module.fc1"``)."""
+    return model.module if _is_ddp(model) else model
 
 
 class RankGroup:

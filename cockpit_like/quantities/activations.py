@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cockpit_like.backends.distributed import unwrap
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["ActivationStats", "activation_kind", "GELU_OFF_BELOW"]
@@ -163,7 +164,7 @@ class ActivationStats(SingleStepQuantity):
         found = []
         for index, model in enumerate(models):
             prefix = f"model{index}." if len(models) > 1 else ""
-            for name, module in model.named_modules():
+            for name, module in unwrap(model).named_modules():
                 kind = activation_kind(module)
                 if kind is not None:
                     found.append((prefix + (name or type(module).__name__), module, kind))

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from cockpit_like.backends.distributed import unwrap
 from cockpit_like.backends.per_sample import PerSampleStat, materialize_linear, materialize_sequence
 from cockpit_like.functional.ekfac import ekfac_eigenvalues, ekfac_eigenvalues_sequence
 from cockpit_like.statistics.base import Covariance, Statistic
@@ -97,7 +98,7 @@ class StatisticsPlan:
             if spec.bias is not None:
                 names[id(spec.bias)] = f"{spec.name}.bias"
         for position, model in enumerate(models):
-            for name, param in model.named_parameters():
+            for name, param in unwrap(model).named_parameters():
                 names.setdefault(id(param), name if len(models) == 1 else f"{position}.{name}")
         self.param_names = names
         owners: dict[int, int] = {}
@@ -284,3 +285,87 @@ class LayerLogs(PerSampleStat):
 
     def finalize(self, state) -> dict[str, Any]:
         return state.result()
+
+    def across_ranks(self, result, reduction):
+        """Under DistributedDataParallel: the step's logs of the global batch, in the one all-reduce.
+
+        Rows are scale-free (inputs; per-sample output gradients and
+        gradients of the per-sample losses), so a "sum and count" state
+        adds up over the ranks; ``Log`` values are concatenated in rank
+        order; a statistic with a ``merge`` of its own gets every rank's
+        state and merges them in rank order. EK-FAC's eigenbasis statistic
+        cannot: its rotation uses the factors of the rank's own half of the
+        batch before they are reduced.
+        """
+        if result.get("bases"):
+            raise NotImplementedError(
+                "EK-FAC's corrected eigenvalues under DistributedDataParallel: each rank rotates its per-sample "
+                "gradients into the eigenbasis of its own factors before the statistics are reduced, which is "
+                "not the global basis. Use statistics='kfac' (or KFAC-based quantities: curvature='kfac') under "
+                "DDP; EK-FAC works in one process."
+            )
+        stats = self.plan.stats
+        finishers = {
+            "layers": {
+                name: {log: {s.name: _state_across_ranks(s, logs[log][s.name], reduction) for s in stats[log]}
+                       for log in ("forward", "backward")}  # fmt: skip
+                for name, logs in result["layers"].items()
+            },
+            "grad": {
+                name: {s.name: _state_across_ranks(s, states[s.name], reduction) for s in stats["grad"]}
+                for name, states in result["grad"].items()
+            },
+        }
+
+        def finish() -> dict[str, Any]:
+            return {
+                "layers": {name: {log: {k: f() for k, f in states.items()} for log, states in logs.items()}
+                           for name, logs in finishers["layers"].items()},  # fmt: skip
+                "grad": {name: {k: f() for k, f in states.items()} for name, states in finishers["grad"].items()},
+                "bases": {},
+            }
+
+        return finish
+
+
+def _state_across_ranks(stat: Statistic, state: dict[str, Any], reduction):
+    """A finisher of one statistic's state across the ranks (see :meth:`LayerLogs.across_ranks`)."""
+    from cockpit_like.statistics.base import Log
+
+    keys = sorted(state)
+    if isinstance(stat, Log):
+        kinds = {key: "cat" if key == "values" else "sum" for key in keys}
+    elif type(stat).merge is Statistic.merge:
+        kinds = dict.fromkeys(keys, "sum")
+    else:
+        kinds = dict.fromkeys(keys, "cat")
+    parts = {}
+    for key in keys:
+        value = state[key]
+        if value is None:
+            continue  # this statistic saw nothing at this step (on every rank: the ranks run the same model)
+        tensor = torch.as_tensor(value)
+        if kinds[key] == "cat" and not isinstance(stat, Log):
+            tensor = tensor.unsqueeze(0)  # one slot per rank: every rank's own state comes back
+        parts[key] = (getattr(reduction, kinds[key])(tensor), isinstance(value, torch.Tensor))
+
+    def value_of(key):
+        part, is_tensor = parts[key]
+        return part.value if is_tensor else part.value.item()
+
+    def finish() -> dict[str, Any]:
+        if isinstance(stat, Log) or type(stat).merge is Statistic.merge:
+            return {key: value_of(key) if key in parts else None for key in keys}
+        merged = None
+        for rank in range(reduction.world):  # every rank's own state, merged in rank order
+            own = {}
+            for key in keys:
+                if key not in parts:
+                    own[key] = None
+                    continue
+                part, is_tensor = parts[key]
+                own[key] = part.value[rank] if is_tensor else part.value[rank].item()
+            merged = own if merged is None else stat.merge(merged, own)
+        return merged
+
+    return finish

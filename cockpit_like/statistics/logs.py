@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from cockpit_like.backends.conv_unfold import unfold_conv2d_input
+from cockpit_like.backends.distributed import unwrap
 from cockpit_like.backends.module_rules import is_hf_conv1d
 from cockpit_like.statistics.base import Covariance, Log, Mean, Statistic
 
@@ -168,7 +169,7 @@ def find_layers(models: list[nn.Module]) -> dict[int, LayerSpec]:
     found: dict[int, LayerSpec] = {}
     names: set[str] = set()
     for position, model in enumerate(models):
-        for name, module in model.named_modules():
+        for name, module in unwrap(model).named_modules():
             kind = _kind(module)
             if kind is None or id(module) in found:
                 continue
