@@ -99,6 +99,61 @@ def test_mse_type2_matches_curvlinops_and_two_steps_merge():
     torch.testing.assert_close(cockpit.curvature(kind="kfac").to_dense(), both, rtol=1e-9, atol=1e-12)
 
 
+class _ClassesSecond(nn.Module):
+    """The same model with outputs [B, C, T] (curvlinops' layout for a cross-entropy over positions)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x).transpose(1, 2)
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "mse"])
+def test_outputs_with_positions_are_curvlinops_over_positions(loss):
+    """Outputs [B, T, C]: the loss is the mean over B T rows; each sequence is one sample (curvlinops: T terms each)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).to(DT)
+    batch, positions = 5, 4
+    inputs = torch.randn(batch, positions, 3, dtype=DT)
+    if loss == "mse":
+        targets, loss_fn, reference_model, loss_func = torch.randn(batch, positions, 3, dtype=DT), nn.functional.mse_loss, model, nn.MSELoss()
+    else:
+        targets, reference_model, loss_func = torch.randint(0, 3, (batch, positions)), _ClassesSecond(model), nn.CrossEntropyLoss()
+
+        def loss_fn(outputs, labels):
+            return nn.functional.cross_entropy(outputs.reshape(-1, 3), labels.reshape(-1))
+
+    quantity = CurvatureStatistics(linear(1), statistics="ekfac", fisher="type-2", loss=loss)
+    cockpit = _type2_step([quantity], model, inputs, targets, loss_fn)
+    reference = _type2_reference("kfac", reference_model, loss_func, [(inputs, targets)])
+    torch.testing.assert_close(cockpit.curvature(kind="kfac").to_dense() * positions, reference, rtol=1e-9, atol=1e-12)
+    # EK-FAC (curvlinops' EK-FAC takes 2d outputs only): in the eigenbasis of the factors just checked, the
+    # corrected eigenvalues (1/B) sum_n sum_c (Q_G^T g_nc Q_A)^2 from a loop of autograd over samples and columns,
+    # g_nc the gradient of sample n's surrogate (1/T) sum_t f_nt . S_nt[:, c]
+    logs = quantity.statistics()["layers"]
+    operator = cockpit.curvature(kind="ekfac")
+    for layer in ("0", "2"):
+        module = model[int(layer)]
+        q_g = torch.linalg.eigh(logs[layer]["backward"]["covariance"])[1]
+        q_a = torch.linalg.eigh(logs[layer]["forward"]["covariance"])[1]
+        weight_values, bias_values = 0, 0
+        for x in inputs:
+            rows = model(x[None]).reshape(positions, 3)
+            roots = loss_hessian_sqrt(rows, loss)
+            for c in range(3):
+                surrogate = (rows * roots[:, :, c]).sum() / positions
+                g_w, g_b = torch.autograd.grad(surrogate, [module.weight, module.bias], retain_graph=True)
+                weight_values = weight_values + (q_g.T @ g_w @ q_a) ** 2 / batch
+                bias_values = bias_values + (q_g.T @ g_b) ** 2 / batch
+        q = torch.kron(q_g, q_a)
+        expected = q @ torch.diag(weight_values.reshape(-1)) @ q.T
+        torch.testing.assert_close(operator.block(f"{layer}.weight").to_dense(), expected, rtol=1e-9, atol=1e-12)
+        expected = q_g @ torch.diag(bias_values) @ q_g.T
+        torch.testing.assert_close(operator.block(f"{layer}.bias").to_dense(), expected, rtol=1e-9, atol=1e-12)
+
+
 # ---- the exact case: one linear layer, MSE ------------------------------------------------------
 def test_exact_case_one_linear_layer_mse_equals_dense_ggn_and_hessian():
     torch.manual_seed(0)
