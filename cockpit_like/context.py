@@ -30,7 +30,8 @@ INFO_KEYS = {
     "loss": "the mini-batch loss tensor (mean reduction)",
     "optimizer": "the torch.optim.Optimizer that updates the parameters",
     "outputs": "the tensor the cross-entropy loss is computed from (logits, classes in the last "
-    "dimension, with the graph), e.g. outputs.logits[:, :-1] for a causal language model",
+    "dimension, with the graph), e.g. outputs.logits[:, :-1] for a causal language model; with "
+    "fisher='type-2', loss='mse': the predictions MSELoss compares with the targets",
 }
 
 

@@ -18,6 +18,9 @@ What lives here:
   requester's configuration and running logs;
 - :mod:`~cockpit_like.statistics.sampled`: the logs of the Monte-Carlo
   (type-2) Fisher, from a second backward pass with sampled labels (optional);
+- :mod:`~cockpit_like.statistics.type2`: the logs of the exact type-2 Fisher
+  (GGN) of a cross-entropy or MSE loss, one backward pass per output
+  dimension (optional);
 - :mod:`~cockpit_like.statistics.curvature`: KFAC / EK-FAC operators of the
   logs (:mod:`cockpit_like.operators` records).
 
