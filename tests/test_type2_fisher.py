@@ -203,6 +203,46 @@ def test_self_influence_and_preconditioned_grad_norm_with_type2():
     assert math.isclose(stored["max"], float(eigenvalues.max()), rel_tol=1e-8)
 
 
+def test_other_statistics_are_summed_over_the_columns():
+    """Mean / Log on the logs: forward once, backward and grad summed over the columns (count once), Log concatenated."""
+    from cockpit_like.statistics import Covariance, Log, Mean, Statistic
+
+    model, inputs, labels = _problem("mlp", batch=5)
+    config = {"forward": [Covariance, Mean], "backward": [Covariance, Mean, Log], "grad": [Mean]}
+    quantity = CurvatureStatistics(linear(1), statistics=config, fisher="type-2", loss="cross_entropy")
+    _type2_step([quantity], model, inputs, labels, nn.functional.cross_entropy)
+    logs = quantity.statistics()
+    roots = loss_hessian_sqrt(model(inputs).detach(), "cross_entropy")  # [B, C, C]
+    batch, classes = roots.shape[:2]
+    head = logs["layers"]["5"]  # the last layer: its output gradients are the roots' columns
+    torch.testing.assert_close(head["backward"]["log"], torch.cat([roots[:, :, c] for c in range(classes)]), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(head["backward"]["mean"], roots.sum((0, 2)) / batch, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(logs["layers"]["1"]["forward"]["mean"], inputs.reshape(batch, -1).mean(0), rtol=1e-12, atol=1e-14)
+    params = list(model.parameters())
+    means = [torch.zeros_like(p) for p in params]
+    for x, root in zip(inputs, roots):  # autograd loop over samples and columns
+        out = model(x[None])[0]
+        for c in range(classes):
+            for mean, g in zip(means, torch.autograd.grad(out @ root[:, c], params, retain_graph=True)):
+                mean += g / batch
+    for (name, _), mean in zip(model.named_parameters(), means):
+        torch.testing.assert_close(logs["grad"][name]["mean"], mean.reshape(-1), rtol=1e-10, atol=1e-13)
+
+    class Largest(Statistic):  # a state without "sum" cannot be summed over the columns
+        name = "largest"
+
+        def init(self):
+            return {"value": None}
+
+        def update(self, state, values, count):
+            return {"value": values.abs().max()}
+
+    odd = CurvatureStatistics(linear(1), statistics={"forward": [Covariance], "backward": [Covariance, Largest]},
+                              fisher="type-2", loss="cross_entropy")  # fmt: skip
+    with pytest.raises(TypeError, match="Largest.*'sum' and 'count'"):
+        _type2_step([odd], model, inputs, labels, nn.functional.cross_entropy)
+
+
 # ---- bad input ------------------------------------------------------------------------------------
 def test_type2_errors():
     with pytest.raises(ValueError, match="loss='hinge'.*'cross_entropy'.*'mse'"):

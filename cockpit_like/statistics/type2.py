@@ -38,7 +38,7 @@ import torch
 
 from cockpit_like.functional.loss_hessian import LOSSES, loss_hessian_sqrt
 from cockpit_like.statistics.base import Log, Statistic
-from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
+from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan, _Step
 
 __all__ = ["Type2LayerLogs", "check_loss", "type2_outputs"]
 
@@ -118,19 +118,14 @@ def _sum_passes(stats: dict, passes: list[dict], logs=("forward", "backward")) -
 
 
 def _bases(plan: StatisticsPlan, layers: dict) -> dict:
-    """``{layer: (Q_G, Q_A)}``: eigenvectors of the factors accumulated up to and including this step."""
-    bases = {}
-    for name, logs in layers.items():
-        vectors = []
-        for log in ("backward", "forward"):
-            stat = plan.covariance(log)
-            state = logs[log][stat.name]
-            before = plan.running["layers"].get(name) if plan.window == "run" else None
-            if before is not None:
-                state = stat.merge(before[log][stat.name], state)
-            vectors.append(torch.linalg.eigh(stat.finalize(state))[1])
-        bases[name] = (vectors[0], vectors[1])
-    return bases
+    """``{layer: (Q_G, Q_A)}``: eigenvectors of the factors accumulated up to and including this step
+    (the empirical logs' own rule, :meth:`_Step.basis`, on the factors summed over the columns)."""
+    summed = _Step(plan, [])
+    summed.layers = layers
+    for spec in plan.layers.values():
+        if spec.name in layers:
+            summed.basis(spec)
+    return summed.bases
 
 
 @dataclass(frozen=True)
