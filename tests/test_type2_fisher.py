@@ -154,6 +154,52 @@ def test_outputs_with_positions_are_curvlinops_over_positions(loss):
         torch.testing.assert_close(operator.block(f"{layer}.bias").to_dense(), expected, rtol=1e-9, atol=1e-12)
 
 
+def test_gpt2_conv1d_ekfac_against_an_autograd_loop_over_columns():
+    """Tiny GPT-2 (HF Conv1D layers, weight [in, out]; logits[:, :-1] over 40 tokens): every EK-FAC block's
+    quadratic form v^T F v = sum (1/B) sum_n sum_c (Q_G^T g_nc^T Q_A)^2 (Q_G^T v^T Q_A)^2, with g_nc from an
+    autograd loop over sequences and columns, and its trace (1/B) sum_n sum_c ||g_nc||^2 (basis-free)."""
+    pytest.importorskip("transformers")
+    from tests.zoo import gpt2
+
+    problem = gpt2()
+    model = problem.model
+    tokens, _ = problem.batch(2, 0)
+    quantity = CurvatureStatistics(linear(1), statistics="ekfac", fisher="type-2", loss="cross_entropy")
+    cockpit = Cockpit(list(model.parameters()), quantities=[quantity], model=model)
+    outputs = model(tokens).logits[:, :-1]
+    loss = nn.functional.cross_entropy(outputs.reshape(-1, 40), tokens[:, 1:].reshape(-1))
+    with cockpit(0, info={"batch_size": 2, "loss": loss, "outputs": outputs}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    operator = cockpit.curvature(kind="ekfac")
+    covered = {n: p for n, p in model.named_parameters() if n.rsplit(".", 2)[-2] in ("c_attn", "c_proj", "c_fc")}
+    assert sorted(operator.names) == sorted(covered)  # the Conv1D layers (the tied lm_head is left out)
+    grads = {name: [] for name in covered}
+    for sequence in tokens:
+        logits = model(sequence[None]).logits[0, :-1]
+        roots = loss_hessian_sqrt(logits, "cross_entropy")
+        for c in range(40):
+            surrogate = (logits * roots[:, :, c]).sum() / logits.shape[0]
+            for name, g in zip(covered, torch.autograd.grad(surrogate, list(covered.values()), retain_graph=True)):
+                grads[name].append(g)
+    logs = quantity.statistics()["layers"]
+    generator = torch.Generator().manual_seed(0)
+    for name, param in covered.items():
+        layer, role = name.rsplit(".", 1)
+        q_g = torch.linalg.eigh(logs[layer]["backward"]["covariance"])[1]
+        q_a = torch.linalg.eigh(logs[layer]["forward"]["covariance"])[1]
+        g = torch.stack(grads[name])
+        v = torch.randn(param.shape, generator=generator, dtype=DT)
+        if role == "weight":  # [in, out]: the [out, in] matrix is the transpose
+            values = (q_g.T @ g.transpose(1, 2) @ q_a).pow(2).sum(0) / len(tokens)
+            expected = float((values * (q_g.T @ v.T @ q_a) ** 2).sum())
+        else:
+            values = (g @ q_g).pow(2).sum(0) / len(tokens)
+            expected = float((values * (v @ q_g) ** 2).sum())
+        block = operator.block(name)
+        assert math.isclose(float(v.reshape(-1) @ (block @ v.reshape(-1))), expected, rel_tol=1e-9), name
+        assert math.isclose(float(block.trace()), float(g.pow(2).sum()) / len(tokens), rel_tol=1e-9), name
+
+
 # ---- the exact case: one linear layer, MSE ------------------------------------------------------
 def test_exact_case_one_linear_layer_mse_equals_dense_ggn_and_hessian():
     torch.manual_seed(0)
