@@ -117,6 +117,17 @@ def _sum_passes(stats: dict, passes: list[dict], logs=("forward", "backward")) -
     return {"layers": layers, "grad": grad}
 
 
+def _passes(execution, rows, columns, first, later, stats: dict, logs) -> dict:
+    """One hook-only backward pass of ``(rows * column).sum()`` per column (``first``, then ``later``
+    statistics), their logs summed as they come (:func:`_sum_passes`)."""
+    total = None
+    for position, column in enumerate(columns):
+        stat = first if position == 0 else later
+        result = execution.per_sample_pass((rows * column).sum(), [stat])[stat]
+        total = result if total is None else _sum_passes(stats, [total, result], logs)
+    return total
+
+
 def _bases(plan: StatisticsPlan, layers: dict) -> dict:
     """``{layer: (Q_G, Q_A)}``: eigenvectors of the factors accumulated up to and including this step
     (the empirical logs' own rule, :meth:`_Step.basis`, on the factors summed over the columns)."""
@@ -156,14 +167,13 @@ class Type2LayerLogs:
         eigen = tuple(s for s in plan.stats["grad"] if getattr(s, "eigenbasis", False))
         plain = tuple(s for s in plan.stats["grad"] if not getattr(s, "eigenbasis", False))
         first = LayerLogs(self.key, _view(plan, grad=plain))
-        passes = [execution.per_sample_pass((rows * column).sum(), [first])[first] for column in columns]
-        step = _sum_passes(_view(plan, grad=plain).stats, passes)
+        later = LayerLogs(self.key, _view(plan, forward=(), grad=plain))  # the inputs are logged once
+        step = _passes(execution, rows, columns, first, later, first.plan.stats, ("forward", "backward"))
         step["bases"] = {}
         if eigen:
             bases = _bases(plan, step["layers"])
             rotate = _InBasis(self.key, _view(plan, forward=(), backward=(), grad=eigen), bases=bases)
-            rotated = [execution.per_sample_pass((rows * column).sum(), [rotate])[rotate] for column in columns]
-            summed = _sum_passes({"grad": eigen}, rotated, logs=())["grad"]
+            summed = _passes(execution, rows, columns, rotate, rotate, {"grad": eigen}, ())["grad"]
             for name, states in summed.items():
                 step["grad"].setdefault(name, {}).update(states)
             step["bases"] = bases
