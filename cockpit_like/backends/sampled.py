@@ -28,7 +28,27 @@ import torch
 
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 
-__all__ = ["SampledGGNDiagonal"]
+__all__ = ["SampledGGNDiagonal", "logits_from_info", "sample_cross_entropy"]
+
+
+def logits_from_info(info: dict, what: str) -> torch.Tensor:
+    """``info["outputs"]`` as ``[N, C]`` logits, or a clear error naming ``what`` needs them."""
+    outputs = info.get("outputs")
+    if not isinstance(outputs, torch.Tensor) or outputs.dim() < 2 or not outputs.requires_grad:
+        raise ValueError(
+            f"{what} needs info['outputs']: the logits the cross-entropy loss is computed from, with "
+            "their graph, classes in the last dimension (got "
+            f"{type(outputs).__name__}"
+            f"{'' if not isinstance(outputs, torch.Tensor) else ' of shape ' + str(list(outputs.shape))})"
+        )
+    return outputs.reshape(-1, outputs.shape[-1])
+
+
+def sample_cross_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` ``[N, C]`` with labels drawn from ``softmax(logits)`` (torch RNG)."""
+    with torch.no_grad():
+        labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1).squeeze(1)
+    return torch.nn.functional.cross_entropy(logits, labels)
 
 
 @dataclass(frozen=True)
@@ -38,22 +58,11 @@ class SampledGGNDiagonal:
     samples: int = 1
 
     def compute(self, execution) -> list[torch.Tensor]:
-        outputs = execution.info.get("outputs")
-        if not isinstance(outputs, torch.Tensor) or outputs.dim() < 2 or not outputs.requires_grad:
-            raise ValueError(
-                "curvature='diag_ggn_mc' on a model BackPACK cannot handle needs info['outputs']: the "
-                "logits the cross-entropy loss is computed from, with their graph, classes in the last "
-                f"dimension (got {type(outputs).__name__}"
-                f"{'' if not isinstance(outputs, torch.Tensor) else ' of shape ' + str(list(outputs.shape))})"
-            )
-        classes = outputs.shape[-1]
-        logits = outputs.reshape(-1, classes)
+        logits = logits_from_info(execution.info, "curvature='diag_ggn_mc' on a model BackPACK cannot handle")
         positions = logits.shape[0]
         total = None
         for _ in range(self.samples):
-            with torch.no_grad():
-                labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1).squeeze(1)
-            sampled = torch.nn.functional.cross_entropy(logits, labels)
+            sampled = sample_cross_entropy(logits)
             squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
             total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
         return [t.mul_(positions / self.samples) for t in total]

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from cockpit_like.backends.sampled import logits_from_info, sample_cross_entropy
 from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
 
 __all__ = ["SampledLayerLogs"]
@@ -33,16 +32,6 @@ class SampledLayerLogs:
     plan: StatisticsPlan = field(compare=False, hash=False, repr=False, default=None)
 
     def compute(self, execution) -> dict:
-        outputs = execution.info.get("outputs")
-        if not isinstance(outputs, torch.Tensor) or outputs.dim() < 2 or not outputs.requires_grad:
-            raise ValueError(
-                "fisher='mc' needs info['outputs']: the logits the cross-entropy loss is computed from, with "
-                "their graph, classes in the last dimension (got "
-                f"{type(outputs).__name__}{'' if not isinstance(outputs, torch.Tensor) else ' of shape ' + str(list(outputs.shape))})"
-            )
-        logits = outputs.reshape(-1, outputs.shape[-1])
-        with torch.no_grad():
-            labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1).squeeze(1)
-        sampled = torch.nn.functional.cross_entropy(logits, labels)
+        sampled = sample_cross_entropy(logits_from_info(execution.info, "fisher='mc'"))
         stat = LayerLogs(self.key, self.plan)
         return execution.per_sample_pass(sampled, [stat])[stat]
