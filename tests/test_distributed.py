@@ -65,6 +65,7 @@ def _quantities(preset: str) -> list:
         HessTrace(every, curvature="diag_ggn_exact"), KFACTrace(every, curvature="kflr"),
         KFACTrace(every, curvature="empirical"), GradHist1d(every, bins=20, adapt=GradAbsMax(every)),
         CurvatureStatistics(every), PreconditionedGradNorm(every, damping=1e-3),
+        PreconditionedGradNorm(every, damping=1e-3, fisher="type-2", loss="cross_entropy"),
     ]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -98,6 +99,7 @@ def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, ste
             "individual_losses": individual(outputs, labels),
             "loss": loss,
             "optimizer": optimizer,
+            "outputs": outputs,
         }
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
@@ -320,7 +322,7 @@ QUANTITY_NAMES["business"] = QUANTITY_NAMES["economy"] | {"TICDiag", "HessTrace"
 QUANTITY_NAMES["full"] = QUANTITY_NAMES["business"] | {"HessMaxEV", "GradHist2d"}
 QUANTITY_NAMES["extras"] = {
     "MeanGSNR", "CABS", "EarlyStopping", "TICTrace", "HessTrace", "KFACTrace", "KFACTrace_1", "GradHist1d",
-    "CurvatureStatistics", "PreconditionedGradNorm",
+    "CurvatureStatistics", "PreconditionedGradNorm", "PreconditionedGradNorm_1",
 }  # fmt: skip
 
 

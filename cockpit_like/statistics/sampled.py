@@ -35,3 +35,8 @@ class SampledLayerLogs:
         sampled = sample_cross_entropy(logits_from_info(execution.info, "fisher='mc'"))
         stat = LayerLogs(self.key, self.plan)
         return execution.per_sample_pass(sampled, [stat])[stat]
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the ranks' logs summed (:meth:`LayerLogs.across_ranks`); each rank draws its own
+        labels, so the result estimates the global batch's Fisher without being the draw of one process."""
+        return LayerLogs(self.key, self.plan).across_ranks(result, reduction)

@@ -181,3 +181,8 @@ class Type2LayerLogs:
             for stat in plan.stats["grad"]:
                 states.setdefault(stat.name, stat.init())
         return step
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: as the empirical logs (:meth:`LayerLogs.across_ranks`): the rows are scale-free, so
+        the ranks' sums and counts add up to the global batch's (EK-FAC is refused there too)."""
+        return LayerLogs(self.key, self.plan).across_ranks(result, reduction)
