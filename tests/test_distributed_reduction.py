@@ -236,3 +236,10 @@ def test_ekfac_statistics_refuse_ddp_with_a_clear_error():
     plan = StatisticsPlan("ekfac")
     with pytest.raises(NotImplementedError, match="statistics='kfac'"):
         LayerLogs("x", plan).across_ranks({"layers": {}, "grad": {}, "bases": {"l": None}}, reduction=None)
+
+
+def test_self_influence_refuses_ddp_by_name():
+    from cockpit_like.quantities.curvature_statistics import RetainedForInfluence
+
+    with pytest.raises(NotImplementedError, match="SelfInfluence under DistributedDataParallel"):
+        RetainedForInfluence(key="k").across_ranks({}, reduction=None)

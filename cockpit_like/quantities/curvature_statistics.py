@@ -356,6 +356,13 @@ class RetainedForInfluence(RetainedGradBatch):
 
     key: str = ""
 
+    def across_ranks(self, result, reduction):
+        raise NotImplementedError(
+            "SelfInfluence under DistributedDataParallel: it scores each sample from its per-sample gradient, "
+            "which stays on the sample's rank. Track SelfInfluence in one process (e.g. a separate evaluation "
+            "pass over the data), and PreconditionedGradNorm / KFAC statistics under DDP."
+        )
+
 
 def _per_sample_rows(entry, param: torch.Tensor) -> torch.Tensor:
     """``[B, *param.shape]`` per-sample loss gradients (``B grad_batch``) of a retained entry."""
