@@ -139,6 +139,7 @@ class Cockpit:
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
         self._open_step: _TrackedStep | None = None
+        self._active_cache: tuple[int, list[Quantity]] | None = None
         self._listeners: list[Callable[[int, dict[str, Any]], None]] = []
         self._findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
@@ -192,6 +193,7 @@ class Cockpit:
         while name in self._names.values():
             name, count = f"{base}_{count}", count + 1
         self.quantities.append(quantity)
+        self._active_cache = None
         self._names[id(quantity)] = name
         self._initial_settings[id(quantity)] = quantity.settings()
         if self._tracer.roots:
@@ -286,9 +288,17 @@ class Cockpit:
     # ---- per step ------------------------------------------------------------
     def create_graph(self, global_step: int) -> bool:
         """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
-        return any(
-            q.create_graph(global_step) for q in self.quantities if q.is_active(global_step)
-        )
+        return any(q.create_graph(global_step) for q in self._active_at(global_step))
+
+    def _active_at(self, global_step: int) -> list[Quantity]:
+        """The quantities active at ``global_step``, asked once per step (the forward pass, ``begin``
+        and ``create_graph`` of one step share the answer; adding a quantity asks again)."""
+        cached = self._active_cache
+        if cached is not None and cached[0] == global_step:
+            return cached[1]
+        active = [q for q in self.quantities if q.is_active(global_step)]
+        self._active_cache = (global_step, active)
+        return active
 
     def __call__(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False):
         """The context manager around ``loss.backward()`` for ``global_step``
@@ -476,6 +486,7 @@ class Cockpit:
         checkpoint (what the interrupted run streamed after it is dropped, and
         streamed again by this run); another file gets the output so far first.
         """
+        self._active_cache = None
         from cockpit_like.resume import load_cockpit_state
 
         load_cockpit_state(self, state)
@@ -543,10 +554,9 @@ class Cockpit:
         active at the coming step prepare for it (:meth:`Quantity.prepare_forward`); returns
         whether that step needs the graph."""
         step, graph = self._next_step, False
-        for quantity in self.quantities:
-            if quantity.is_active(step):
-                quantity.prepare_forward(step)
-                graph = graph or quantity.create_graph(step)
+        for quantity in self._active_at(step):
+            quantity.prepare_forward(step)
+            graph = graph or quantity.create_graph(step)
         return graph
 
     def close(self) -> None:
@@ -613,7 +623,7 @@ class _TrackedStep:
     def __enter__(self) -> _TrackedStep:
         cockpit, step = self.cockpit, self.step
         cockpit._next_step = step + 1
-        self.active = [q for q in cockpit.quantities if q.is_active(step)]
+        self.active = list(cockpit._active_at(step))
         if not self.active and not self.user_exts:
             cockpit._tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
             if self.debug:

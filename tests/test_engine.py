@@ -312,3 +312,27 @@ def test_to_output_conversions():
     assert converted["a"] == 2.0 and isinstance(converted["a"], float)
     assert isinstance(converted["b"], tuple) and converted["b"][0].dtype == np.float64
     assert converted["c"] == [1]
+
+
+def test_schedules_are_asked_once_per_step_and_again_after_add():
+    """The forward pass, create_graph and begin of one step share one answer of each schedule."""
+    model, lossfunc, _ = make_problem("mlp")
+    calls = []
+
+    def schedule(step):
+        calls.append(step)
+        return step == 2
+
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNorm(schedule)], model=model)
+    calls.clear()  # the constructor checks the schedule once
+    for step in range(3):
+        one_step(cockpit, model, lossfunc, step=step)
+    assert calls[:3] == [0, 1, 2] and calls[3:] == [2]  # untracked steps: once; tracked: once more in track()
+    assert 2 in cockpit.get_output() and 1 not in cockpit.get_output()
+    # a quantity added between the forward pass and the step is tracked at that step
+    inputs, labels = make_batch("mlp", 6, seed=3)
+    loss = lossfunc(model(inputs), labels)
+    cockpit.add(quantities.Loss(lambda step: True))
+    with cockpit(3, info={"loss": loss, "batch_size": 6}):
+        loss.backward()
+    assert "Loss" in cockpit.get_output()[3]
