@@ -33,6 +33,7 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
+from cockpit_like.diagnosis.recorder.control import loss_finite
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quantities.utils_transforms import merge_transform_hooks, split_transform_hooks
@@ -321,7 +322,8 @@ class Cockpit:
                 "before beginning the next one."
             )
         tracked = _TrackedStep(self, global_step, exts, info or {}, debug)
-        with self._recorder.beginning(global_step, tracked.info):  # the cockpit's own work is not recorded
+        # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
+        with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
             tracked.__enter__()  # raises before the step counts as open
         self._open_step = tracked
 
@@ -618,6 +620,7 @@ class _TrackedStep:
         self.active: list[Quantity] = []
         self._execution: StepExecution | None = None
         self._loss_is_finite = True
+        self._loss_finite: bool | None | object = _UNCHECKED
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> _TrackedStep:
@@ -688,16 +691,16 @@ class _TrackedStep:
         self._execution.enter()
         return self
 
+    def loss_finite(self) -> bool | None:
+        """Whether ``info["loss"]`` is finite (``None``: no loss given), computed once per step."""
+        if self._loss_finite is _UNCHECKED:
+            self._loss_finite = loss_finite(self.info.get("loss"))
+        return self._loss_finite
+
     def _check_loss(self) -> None:
-        loss = self.info.get("loss")
-        if isinstance(loss, torch.Tensor):
-            finite = bool(torch.isfinite(loss.detach()).all())
-        elif isinstance(loss, (int, float)):
-            finite = math.isfinite(loss)
-        else:
-            return
-        if not finite:
+        if self.loss_finite() is False:
             self._loss_is_finite = False
+            loss = self.info["loss"]
             warnings.warn(
                 f"[cockpit_like] step {self.step}: the loss is {float(loss.detach() if isinstance(loss, torch.Tensor) else loss):g}; quantities "
                 "that cannot be computed store NaN for this step",
@@ -783,6 +786,7 @@ class _TrackedStep:
 
 
 _MISSING = object()
+_UNCHECKED = object()
 
 
 def _last_items(output: dict, count: int) -> list[tuple[int, Any]]:

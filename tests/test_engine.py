@@ -336,3 +336,22 @@ def test_schedules_are_asked_once_per_step_and_again_after_add():
     with cockpit(3, info={"loss": loss, "batch_size": 6}):
         loss.backward()
     assert "Loss" in cockpit.get_output()[3]
+
+
+def test_the_loss_is_checked_once_per_step(monkeypatch):
+    """The recorder's automatic check and the tracked step's check share one look at the loss."""
+    import cockpit_like.cockpit as engine
+
+    checked = []
+    original = engine.loss_finite
+
+    def counting(loss):
+        checked.append(loss)
+        return original(loss)
+
+    monkeypatch.setattr(engine, "loss_finite", counting)
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNorm(lambda step: step == 1)], model=model)
+    for step in range(3):  # untracked, tracked, untracked
+        one_step(cockpit, model, lossfunc, step=step)
+    assert len(checked) == 3 and 1 in cockpit.get_output()

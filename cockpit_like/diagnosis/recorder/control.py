@@ -87,7 +87,8 @@ def gradients_finite(params: list[torch.Tensor]) -> bool:
         return bool(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
 
 
-def _loss_finite(loss: Any) -> bool | None:
+def loss_finite(loss: Any) -> bool | None:
+    """Whether a loss (tensor or number) is finite; ``None`` for anything else (one device sync)."""
     if isinstance(loss, torch.Tensor):
         if loss.numel() == 1:
             return math.isfinite(loss.item())
@@ -177,10 +178,10 @@ class Recorder:
 
     # ---- the step (called by the cockpit) ------------------------------------------------
     @contextlib.contextmanager
-    def beginning(self, step: int, info: dict):
+    def beginning(self, step: int, info: dict, finite: Callable[[], bool | None] | None = None):
         """Around ``cockpit.begin(step)``: :meth:`step_begins`, then the cockpit's own work
         (loss checks, setting up the step) runs without being recorded."""
-        self.step_begins(step, info)
+        self.step_begins(step, info, finite)
         tape = self._tape
         if tape is not None:
             tape._busy = True
@@ -190,8 +191,11 @@ class Recorder:
             if tape is not None:
                 tape._busy = False
 
-    def step_begins(self, step: int, info: dict) -> None:
-        """At ``cockpit.begin(step)``: a tape left by an unfinished step is closed; the automatic check."""
+    def step_begins(self, step: int, info: dict, finite: Callable[[], bool | None] | None = None) -> None:
+        """At ``cockpit.begin(step)``: a tape left by an unfinished step is closed; the automatic check.
+
+        ``finite``: the step's loss check, shared with the cockpit's (asked at most once a step).
+        """
         loss_fn = info.get("loss_fn")
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(
@@ -225,7 +229,8 @@ class Recorder:
             return
         if self.auto == "tracked" and not self.is_tracked(step):
             return
-        if _loss_finite(info.get("loss")) is False:
+        finite = finite or (lambda: loss_finite(info.get("loss")))
+        if finite() is False:
             self._auto_done = True
             self._rerun(step, info, "non-finite loss", backward=True)
 
