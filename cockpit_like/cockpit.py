@@ -23,22 +23,24 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from backpack.extensions import BatchGrad
-
 from cockpit_like import context
 from cockpit_like.backends.distributed import RankGroup
 from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
 from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
+from cockpit_like.backends.partitions import StepPartitions, UnscaledGradients, grad_scale, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
-from cockpit_like.diagnosis.recorder.control import loss_finite
+from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
+from cockpit_like.quantities.needs import StepNeeds
 from cockpit_like.quantities.quantity import Quantity
-from cockpit_like.quantities.utils_transforms import merge_transform_hooks, split_transform_hooks
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
+
+#: the output key of a tracked step whose optimizer step a GradScaler skipped
+SKIPPED_KEY = "skipped"
 
 
 def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -140,6 +142,10 @@ class Cockpit:
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
         self._open_step: _TrackedStep | None = None
+        #: the optimizer step whose backward passes (micro-batches) are being collected
+        self._partitions: StepPartitions | None = None
+        self._micro: tuple[int, int, int] | None = None  # (step, backward passes done, micro_batches)
+        self._skipped: dict[int, dict[str, Any]] = {}
         self._active_cache: tuple[int, list[Quantity]] | None = None
         self._listeners: list[Callable[[int, dict[str, Any]], None]] = []
         self._findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
@@ -321,7 +327,8 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
-        tracked = _TrackedStep(self, global_step, exts, info or {}, debug)
+        micro, count = self._micro_batch(global_step, info or {})
+        tracked = _TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
             tracked.__enter__()  # raises before the step counts as open
@@ -340,12 +347,35 @@ class Cockpit:
                 "before loss.backward(), and cockpit.end() once after it."
             )
         self._open_step = None
+        done = tracked.micro + 1
+        self._micro = None if error is not None or done == tracked.micro_batches else (tracked.step, done, tracked.micro_batches)
         self._recorder.step_ends(tracked.step, tracked.info, error)
         if error is None:
             tracked.__exit__(None, None, None)
         else:
             tracked.__exit__(type(error), error, error.__traceback__)
-        self._recorder.after_step(tracked.step, tracked.info, tracked=error is None and bool(tracked.active))
+        self._recorder.after_step(tracked.step, tracked.info, tracked=error is None and tracked.completed)
+
+    def _micro_batch(self, step: int, info: dict) -> tuple[int, int]:
+        """``(index, count)`` of the backward pass that begins: its place among the step's micro-batches."""
+        count = micro_batches_of(info, step)
+        progress = self._micro
+        if progress is not None and progress[0] == step:
+            if "micro_batches" in info and count != progress[2]:
+                raise ValueError(
+                    f"cockpit step {step}: info['micro_batches'] is {count} at backward pass {progress[1] + 1}, "
+                    f"but was {progress[2]} at the first one; pass the same number on every micro-batch of a step"
+                )
+            return progress[1], progress[2]
+        if progress is not None:
+            self._micro, self._partitions = None, None
+            raise RuntimeError(
+                f"cockpit step {step} begins, but step {progress[0]} saw only {progress[1]} of its "
+                f"info['micro_batches'] = {progress[2]} backward passes. Enter the cockpit around each "
+                "micro-batch's backward pass with the same global_step and info['micro_batches'] = the number "
+                "of micro-batches of that optimizer step (fewer at the end of an epoch: pass that number)."
+            )
+        return 0, count
 
     @property
     def open_step(self) -> int | None:
@@ -389,7 +419,24 @@ class Cockpit:
             merged.setdefault(step, {}).update({key: list(found) for key, found in values.items()})
         for step, record in self._recorder.records.items():
             merged.setdefault(step, {})[RECORD_KEY] = record.to_dict()
+        for step, skipped in self._skipped.items():
+            merged.setdefault(step, {})[SKIPPED_KEY] = dict(skipped)
         return dict(sorted(merged.items()))
+
+    @property
+    def skipped_steps(self) -> dict[int, dict[str, Any]]:
+        """``{step: why}`` of the tracked steps whose optimizer step was skipped (a ``GradScaler`` found
+        non-finite gradients): no quantity is stored for them (``docs/your_training_loop.md``)."""
+        return dict(self._skipped)
+
+    def _store_skipped(self, step: int, why: dict[str, Any]) -> None:
+        if not self.keeps_output:
+            return
+        self._skipped[step] = why
+        values = {SKIPPED_KEY: dict(why)}
+        if self._stream is not None:
+            self._stream.write_step(step, values)
+        self._notify(step, values)
 
     def log(
         self,
@@ -609,23 +656,34 @@ class _StepContext:
 
 
 class _TrackedStep:
-    """One tracked step, from :meth:`Cockpit.begin` to :meth:`Cockpit.end`."""
+    """One backward pass of a step, from :meth:`Cockpit.begin` to :meth:`Cockpit.end`.
 
-    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool):
+    A step is one optimizer step: with ``info["micro_batches"] = K`` its ``K``
+    backward passes are partitions of its rows
+    (:mod:`cockpit_like.backends.partitions`), merged after the last one, when
+    the quantities are tracked.
+    """
+
+    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool, micro: int, micro_batches: int):
         self.cockpit = cockpit
         self.step = global_step
         self.user_exts = exts
         self.info = info
         self.debug = debug
+        self.micro, self.micro_batches = micro, micro_batches
+        self.last = micro == micro_batches - 1
         self.active: list[Quantity] = []
+        #: the step's quantities were tracked (its last backward pass, not skipped)
+        self.completed = False
         self._execution: StepExecution | None = None
         self._loss_is_finite = True
         self._loss_finite: bool | None | object = _UNCHECKED
+        self._split = micro_batches > 1 or cockpit._ranks is not None
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> _TrackedStep:
         cockpit, step = self.cockpit, self.step
-        cockpit._next_step = step + 1
+        cockpit._next_step = step + 1 if self.last else step  # the next forward pass belongs to this step
         self.active = list(cockpit._active_at(step))
         if not self.active and not self.user_exts:
             cockpit._tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
@@ -637,56 +695,37 @@ class _TrackedStep:
             for key in sorted(quantity.required_info(step)):
                 if key not in self.info:
                     raise context.MissingInfoError(key, cockpit.name_of(quantity), step)
+        if self.micro_batches > 1 and self.active and "batch_size" not in self.info:
+            raise context.MissingInfoError("batch_size", f"gradient accumulation (info['micro_batches'] = {self.micro_batches})", step)
         self._check_loss()
+        create_graph = cockpit.create_graph(step)
         if cockpit._ranks is not None and self.active:
-            cockpit._ranks.check_step(step, cockpit.models(), self.info, cockpit.create_graph(step))
-
-        requests = [("the user's *exts", ext) for ext in self.user_exts]
-        stats, hooks, needs, owners, transform_hooks = [], [], [], [], []
-        raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in self.user_exts)
-        for quantity in self.active:
-            name = cockpit.name_of(quantity)
-            for ext in quantity.extensions(step):
-                requests.append((name, ext))
-                raw_batch_grad |= isinstance(ext, BatchGrad)
-            # BatchGradTransformsHooks become one per-sample statistic (utils_transforms)
-            other_hooks, transforms = split_transform_hooks(quantity.extension_hooks(step))
-            hooks.extend(other_hooks)
-            transform_hooks.extend(transforms)
-            asked = quantity.per_sample_stats(step)
-            if asked or transforms:
-                owners.append(name)
-            stats.extend(s for s in asked if s not in stats)
-            needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
-        if transform_hooks:
-            stats.append(merge_transform_hooks(transform_hooks))
-        if cockpit._ranks is not None:  # the form each rank computes under DDP (equal to the requested one)
-            stats = [stat.for_ranks() for stat in stats]
+            cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, last=self.last)
+        needs = StepNeeds.collect(self.active, step, cockpit.name_of, self.user_exts, create_graph)
+        if self._split:  # the form each backward pass computes when the step has several (equal results)
+            needs = needs.partitioned()
+        if self.active and (cockpit._partitions is None or cockpit._partitions.step != step):
+            cockpit._partitions = StepPartitions(step, self.micro_batches, grad_scale(self.info, step))
+        scale = cockpit._partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(
                 step,
                 cockpit.params,
-                requests,
-                stats,
-                hooks,
-                raw_batch_grad,
-                cockpit.create_graph(step),
-                cockpit._tracer,
-                cockpit._module_collector,
-                self.info.get("batch_size"),
-                cockpit._names_of_params(),
                 needs,
-                owners,
-                self.info,
+                tracer=cockpit._tracer,
+                collector=cockpit._module_collector,
+                names=cockpit._names_of_params(),
+                info=self.info,
+                row_scale=self.micro_batches / scale,
             )
         except BaseException:
             cockpit._tracer.drop_calls()
             raise
         if self.debug:
             print(
-                f"[cockpit_like|step {step}] quantities: "
-                f"{[cockpit.name_of(q) for q in self.active]}; {self._execution.describe()}; "
-                f"per-sample statistics: {stats}; create_graph: {cockpit.create_graph(step)}"
+                f"[cockpit_like|step {step}] quantities: {[cockpit.name_of(q) for q in self.active]}; "
+                f"{self._execution.describe()}; per-sample statistics: {list(needs.stats)}; "
+                f"create_graph: {create_graph}; backward pass {self.micro + 1} of {self.micro_batches}"
             )
         self._execution.enter()
         return self
@@ -713,57 +752,68 @@ class _TrackedStep:
         execution = self._execution
         if execution is None:
             return False
-        user_types = {type(ext) for ext in self.user_exts}
-        ranks = self.cockpit._ranks if self.active else None
+        cockpit = self.cockpit
+        ranks = cockpit._ranks if self.active else None
+        partitions = cockpit._partitions
         try:
             execution.exit(exc_type, exc, traceback)
+            if exc_type is None and self.active:
+                partitions.add(execution.partition(self._split))
         except BaseException:
-            if ranks is not None:  # tell the other ranks (backends/distributed.py)
-                ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
-            execution.free(user_types)
+            self._abandon(ranks, execution)
             raise
         if exc_type is not None:
-            if ranks is not None:
-                ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
-            execution.free(user_types)
+            self._abandon(ranks, execution)
             return False
-        if not self.active:
+        if not self.active or not self.last:  # untracked, or more micro-batches to come
+            execution.free()
             return False
+        cockpit._partitions = None
+        new_values: dict[int, dict[str, Any]] = {}
+        params = cockpit.params
+        unscaled = UnscaledGradients(params, partitions.scale)
         try:
-            if ranks is None:
-                execution.check()
-                stats, info = execution.results(), self.info
-            else:  # the global batch's statistics and info
-                stats, info = ranks.finish_step(self.step, execution, self.info)
+            reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
+            if partitions.scale != 1.0 and not gradients_finite(params):
+                cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": partitions.scale})
+                return False
+            unscaled.apply()
+            if ranks is not None:
+                ranks.unscale_graph_grads(unscaled)
+            stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
             record = context.StepRecord(
-                global_step=self.step,
-                info=info,
-                params=self.cockpit.params,
-                stats=stats,
-                loss_is_finite=self._loss_is_finite,
+                global_step=self.step, info=info, params=params, stats=stats, loss_is_finite=self._loss_is_finite
             )
             context._activate(record)
-            new_values: dict[int, dict[str, Any]] = {}
             for quantity in self.active:
                 self._track(quantity, new_values)
-            if not self.cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
+            self.completed = True
+            if not cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
                     for step in new_values:
                         quantity.output.pop(step, None)
                 new_values = {}
         finally:
+            unscaled.restore()
             context._activate(None)
             if ranks is not None:
                 ranks.end_step()
-            execution.free(user_types)
-        stream = self.cockpit._stream
+            execution.free()
+        stream = cockpit._stream
         if stream is not None:
             for step, values in sorted(new_values.items()):
                 stream.write_step(step, values)
         for step, values in sorted(new_values.items()):
-            self.cockpit._notify(step, values)
-        self.cockpit._diagnose(new_values)
+            cockpit._notify(step, values)
+        cockpit._diagnose(new_values)
         return False
+
+    def _abandon(self, ranks, execution: StepExecution) -> None:
+        """The backward pass failed: the step is dropped (other ranks are told), buffers freed."""
+        self.cockpit._partitions = None
+        if ranks is not None:  # tell the other ranks (backends/distributed.py)
+            ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
+        execution.free()
 
     def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]]) -> None:
         name = self.cockpit.name_of(quantity)

@@ -5,8 +5,8 @@ What lives here:
 - :class:`RankGroup`: the ranks as the cockpit sees them (rank, world size,
   which rank keeps the output, its own process group for its collectives,
   so that they never pair with DDP's gradient all-reduces);
-- the per-step protocol (:meth:`RankGroup.finish_step`), run only at
-  tracked steps, after the backward pass:
+- the per-step protocol (:meth:`RankGroup.synchronise`), run only at
+  tracked steps, after the step's last backward pass:
 
   1. a *header* all-reduce of ``2 W`` numbers (``W`` ranks): an error flag
      and the local batch size of every rank (plus the local gradients on
@@ -14,7 +14,8 @@ What lives here:
      see below). A rank that raised inside the context sets its flag, so
      every other rank raises :class:`DistributedStepError` at once;
   2. each rank finalises its per-sample statistics and step needs locally;
-  3. *one* flattened all-reduce (:class:`RankReduction`) of every per-step
+  3. *one* flattened all-reduce (:class:`~cockpit_like.backends.partitions.Reduction`,
+     after this rank's micro-batches are merged) of every per-step
      result: statistics, BackPACK curvature buffers, the loss and the
      per-sample losses. Each statistic says how it combines
      (``across_ranks``): a sum, a concatenation of per-sample values (rank
@@ -46,6 +47,8 @@ from typing import Any
 
 import torch
 
+from cockpit_like.backends.partitions import MEAN_FIELDS, Reduction, StepPartitions
+
 __all__ = [
     "RankGroup",
     "RankReduction",
@@ -67,9 +70,6 @@ class UnequalBatchError(ValueError):
     """The ranks have different local batch sizes at a tracked step."""
 
 
-#: BackPACK savefields whose buffers are linear in the (mean) loss: the global buffer is the
-#: batch-weighted mean of the ranks' buffers (curvature diagonals, Kronecker factors)
-MEAN_FIELDS = frozenset({"diag_h", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr", "kfra"})
 
 #: the rank group of the step whose quantities are being tracked (for Hessian-vector products)
 _ACTIVE: RankGroup | None = None
@@ -147,8 +147,12 @@ class RankGroup:
     def _after_forward(module) -> None:
         module.require_backward_grad_sync = getattr(module, "_cockpit_sync", True)
 
-    def check_step(self, step: int, models: list[torch.nn.Module], info: dict, create_graph: bool) -> None:
-        """Before a tracked step's backward pass: a clear error for what cannot work (same on every rank)."""
+    def check_step(
+        self, step: int, models: list[torch.nn.Module], info: dict, create_graph: bool, last: bool = True
+    ) -> None:
+        """Before a tracked step's backward pass: a clear error for what cannot work (same on every rank).
+
+        ``last``: this is the step's last backward pass (micro-batches before it may run in ``no_sync()``)."""
         ddp = [model for model in models if _is_ddp(model)]
         if not ddp:
             raise RuntimeError(
@@ -156,14 +160,15 @@ class RankGroup:
                 "DistributedDataParallel model. Pass the wrapped model, Cockpit(params, quantities, "
                 "model=ddp_model), and create the cockpit before the first forward pass."
             )
-        if any(not model.require_backward_grad_sync for model in ddp):
+        syncing = all(model.require_backward_grad_sync for model in ddp)
+        if last and not syncing:
             raise RuntimeError(
-                f"cockpit step {step} is tracked inside DistributedDataParallel.no_sync(): the gradients "
-                "are not synchronised, so no quantity can describe the global batch. With gradient "
-                "accumulation, enter the cockpit only on the synchronising micro-step (the last one, "
-                "outside no_sync()), or schedule the quantities so that no tracked step falls inside no_sync()."
+                f"cockpit step {step}: its last backward pass runs inside DistributedDataParallel.no_sync(): "
+                "the gradients are not synchronised, so no quantity can describe the global batch. With "
+                "gradient accumulation pass info['micro_batches'] = K on each of the K micro-steps and run "
+                "only the last one outside no_sync() (docs/your_training_loop.md)."
             )
-        if create_graph and not self.forward_unsynced:
+        if create_graph and syncing and not self.forward_unsynced:
             raise RuntimeError(
                 f"cockpit step {step} needs the graph (loss.backward(create_graph=True)), which "
                 "DistributedDataParallel cannot backpropagate unless the forward pass ran without its "
@@ -217,17 +222,12 @@ class RankGroup:
         except DistributedStepError:
             pass  # the others are gone already; this rank's own error is the one to show
 
-    def finish_step(self, step: int, execution, info: dict) -> tuple[dict, dict]:
-        """The global statistics and the global ``info`` of a tracked step (see the module docstring)."""
-        params = execution.params
-        batch = int(info["batch_size"])
+    def synchronise(self, step: int, params: list[torch.Tensor], partitions: StepPartitions) -> Reduction:
+        """After a tracked step's last backward pass: the header (errors, batch sizes, unsynchronised
+        gradients, see the module docstring), then the :class:`Reduction` of this rank's partitions."""
+        batch = partitions.rows
         grads = self._unsynced_grads(params)
         self.forward_unsynced = False
-        try:
-            execution.check()
-        except BaseException:
-            self._header(step, True, batch, grads, params[0].device)
-            raise
         header = self._header(step, False, batch, grads, params[0].device)
         flags = header[: self.world].tolist()
         batches = [int(b) for b in header[self.world : 2 * self.world].tolist()]
@@ -251,17 +251,14 @@ class RankGroup:
                 size = param.numel()
                 param.grad = (header[offset : offset + size] / self.world).to(param.dtype).view_as(param).clone()
                 offset += size
-        reduction = RankReduction(self, batch, sum(batches), step, params[0].device)
         global _ACTIVE
         _ACTIVE = self
-        local = execution.results()
-        finishers = {key: _across_ranks(key, value, reduction) for key, value in local.items()}
-        fields = _combine_fields(execution, params, reduction)
-        global_info = _global_info(info, reduction)
-        reduction.run()
-        stats = {key: finish() for key, finish in finishers.items()}
-        fields()
-        return stats, global_info()
+        return Reduction([p.rows for p in partitions.partitions], sum(batches), self, step, params[0].device)
+
+    def unscale_graph_grads(self, unscaled) -> None:
+        """The local gradients kept for Hessian-vector products, divided by a ``GradScaler``'s scale."""
+        if self._graph_grads is not None:
+            self._graph_grads = unscaled.unscale(self._graph_grads)
 
     def end_step(self) -> None:
         """After the step's quantities ran: forget the local gradients' graph."""
@@ -270,127 +267,11 @@ class RankGroup:
         self._graph_grads = None
 
 
-class _Part:
-    __slots__ = ("kind", "tensor", "value")
-
-    def __init__(self, kind: str, tensor: torch.Tensor):
-        self.kind, self.tensor, self.value = kind, tensor, None
-
-
-class RankReduction:
-    """One flattened all-reduce of a step's results: parts register here, :meth:`run` reduces them all.
-
-    ``sum(t)``, ``cat(t)`` (concatenated along the first dimension in rank
-    order; every rank has the same shape) and ``max(t)`` return a part whose
-    ``value`` is set by :meth:`run` (in ``t``'s dtype and device). All parts
-    travel in one float64 buffer (integer counts below ``2**53`` exactly).
-
-    Attributes:
-        local_batch: this rank's batch size ``B_r``; batch: the global ``B``; world: ``W``.
-    """
+class RankReduction(Reduction):
+    """:class:`~cockpit_like.backends.partitions.Reduction` of one backward pass per rank (DDP without accumulation)."""
 
     def __init__(self, ranks: RankGroup, local_batch: int, batch: int, step: int, device):
-        self.ranks, self.local_batch, self.batch, self.world = ranks, local_batch, batch, ranks.world
-        self._step, self._device = step, device
-        self._parts: list[_Part] = []
-
-    def _add(self, kind: str, tensor) -> _Part:
-        part = _Part(kind, torch.as_tensor(tensor).detach())
-        self._parts.append(part)
-        return part
-
-    def sum(self, tensor) -> _Part:
-        return self._add("sum", tensor)
-
-    def cat(self, tensor) -> _Part:
-        return self._add("cat", tensor)
-
-    def max(self, tensor) -> _Part:
-        return self._add("max", tensor)
-
-    def run(self) -> None:
-        if not self._parts:
-            return
-        world, rank = self.world, self.ranks.rank
-        sizes = [p.tensor.numel() * (1 if p.kind == "sum" else world) for p in self._parts]
-        buffer = torch.zeros(sum(sizes), dtype=torch.float64, device=self._device)
-        offset = 0
-        for part, size in zip(self._parts, sizes):
-            flat = part.tensor.reshape(-1).to(device=self._device, dtype=torch.float64)
-            start = offset if part.kind == "sum" else offset + rank * flat.numel()
-            buffer[start : start + flat.numel()] = flat
-            offset += size
-        self.ranks._all_reduce(buffer, self._step, "statistics")
-        offset = 0
-        for part, size in zip(self._parts, sizes):
-            chunk, like = buffer[offset : offset + size], part.tensor
-            if part.kind == "sum":
-                value = chunk.view(like.shape)
-            else:
-                slots = chunk.view(world, *like.shape)
-                if part.kind == "max":
-                    value = slots.amax(0)
-                else:
-                    value = slots.reshape(world * like.shape[0], *like.shape[1:]) if like.dim() else slots
-            part.value = value.to(dtype=like.dtype, device=like.device)
-            offset += size
-
-    def mean(self, tensor) -> Callable[[], torch.Tensor]:
-        """The batch-weighted mean ``sum_r (B_r / B) t_r`` (a mean-loss quantity of the global batch)."""
-        part = self.sum(tensor * self.local_batch)
-        return lambda: part.value / self.batch
-
-
-def _across_ranks(key, value, reduction: RankReduction) -> Callable[[], Any]:
-    combine = getattr(key, "across_ranks", None)
-    if combine is None:
-        raise NotImplementedError(
-            f"{key!r} does not say how its per-step result combines across DistributedDataParallel ranks; "
-            "give it an across_ranks(result, reduction) method (see cockpit_like.backends.distributed)"
-        )
-    return combine(value, reduction)
-
-
-def _combine_fields(execution, params: list[torch.Tensor], reduction: RankReduction) -> Callable[[], None]:
-    """BackPACK buffers linear in the mean loss (:data:`MEAN_FIELDS`) become the global batch's; others stay local."""
-    fields = sorted({getattr(ext, "savefield", None) for ext in execution.extensions} & MEAN_FIELDS)
-    pending = []
-    for field in fields:
-        for param in params:
-            value = getattr(param, field, None)
-            if isinstance(value, torch.Tensor):
-                pending.append((param, field, None, reduction.mean(value)))
-            elif isinstance(value, (list, tuple)):
-                pending.append((param, field, [reduction.mean(v) for v in value], None))
-
-    def finish() -> None:
-        for param, field, many, one in pending:
-            setattr(param, field, one() if one is not None else [f() for f in many])
-
-    return finish
-
-
-def _global_info(info: dict, reduction: RankReduction) -> Callable[[], dict]:
-    """``info`` of the global batch: ``batch_size`` summed, ``loss`` batch-weighted, ``individual_losses`` concatenated."""
-    loss, losses = info.get("loss"), info.get("individual_losses")
-    loss_part = None
-    if isinstance(loss, (torch.Tensor, int, float)):
-        loss_part = reduction.mean(torch.as_tensor(loss).detach().to(torch.float64))
-    losses_part = None
-    if isinstance(losses, torch.Tensor):
-        losses_part = reduction.cat(losses.detach().reshape(-1))
-
-    def finish() -> dict:
-        result = dict(info)
-        result["batch_size"] = reduction.batch
-        if loss_part is not None:
-            value = loss_part()
-            result["loss"] = value.to(loss.dtype) if isinstance(loss, torch.Tensor) else float(value)
-        if losses_part is not None:
-            result["individual_losses"] = losses_part.value
-        return result
-
-    return finish
+        super().__init__([local_batch], batch, ranks, step, device)
 
 
 # ---- Hessian-vector products of the global loss ----------------------------------------------

@@ -120,6 +120,10 @@ class HutchinsonDiagonal:
 
     samples: int = 4
 
+    #: computed once per optimizer step, after its last backward pass: the products go through the
+    #: graph of the accumulated ``p.grad`` (every micro-batch of the step)
+    whole_step = True
+
     def compute(self, execution) -> list[torch.Tensor]:
         """The estimate for the tracked parameters of ``execution`` (a :class:`~cockpit_like.backends.step.StepExecution`)."""
         params = execution.params

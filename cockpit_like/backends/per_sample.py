@@ -147,13 +147,26 @@ class PerSampleReducer:
         params: the tracked parameters (others are ignored).
         keep_grad_batch: leave ``grad_batch`` on the parameters (someone asked for it).
         info: the step's ``info`` dict, for statistics that define ``init_for_step``.
+        row_scale: factor that makes each row's contribution that of a plain mean-loss backward pass over
+            this pass's rows (:mod:`cockpit_like.backends.partitions`): ``K`` when the loss of each of
+            ``K`` micro-batches is divided by ``K``, times ``1 / S`` under a ``GradScaler`` of scale ``S``.
+
+    Per-sample information in half precision (``float16``, ``bfloat16``:
+    autocast, low-precision parameters) reaches the statistics in
+    ``float32``, so that they accumulate in single precision or better.
     """
 
     def __init__(
-        self, stats: list[PerSampleStat], params: list[torch.Tensor], keep_grad_batch: bool, info: dict | None = None
+        self,
+        stats: list[PerSampleStat],
+        params: list[torch.Tensor],
+        keep_grad_batch: bool,
+        info: dict | None = None,
+        row_scale: float = 1.0,
     ):
         self.stats = stats
         self.keep_grad_batch = keep_grad_batch
+        self.row_scale = float(row_scale)
         self._index = {id(p): i for i, p in enumerate(params)}
         # a statistic with ``init_for_step(params, info)`` reads the step's info (e.g. the optimizer)
         self._states = [
@@ -192,15 +205,15 @@ class PerSampleReducer:
                 kind, x, delta, grad_batch = pending
                 self.seen.add(index)
                 if kind is None:
-                    self._reduce(index, param, grad_batch)
+                    self._reduce(index, param, self._scaled(grad_batch))
                 else:
-                    self._reduce_factors(index, param, kind, x, delta)
+                    self._reduce_factors(index, param, kind, _upcast(x), self._scaled(delta))
                 continue
             grad_batch = getattr(param, "grad_batch", None)
             if grad_batch is None:
                 continue
             self.seen.add(index)
-            self._reduce(index, param, grad_batch)
+            self._reduce(index, param, self._scaled(grad_batch))
             if not self.keep_grad_batch:
                 del param.grad_batch
 
@@ -222,11 +235,18 @@ class PerSampleReducer:
     # ---- offered by the hook backend: reduced at once ------------------------------
     def observe_module(self, module: torch.nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
         """A layer call's input and output gradient for the statistics with a module form."""
+        x, delta = _upcast(x), self._scaled(delta)
         for k in self.module_stats:
             self._states[k] = self.stats[k].accumulate_module(self._states[k], module, x, delta)
 
+    def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A row contribution in float32 or better, times :attr:`row_scale` (a new tensor only if needed)."""
+        tensor = _upcast(tensor)
+        return tensor if self.row_scale == 1.0 else tensor * self.row_scale
+
     def reduce_factors(self, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> None:
         """Reduce a parameter given as 2-D factors now (see :meth:`offer_factors`)."""
+        x, delta = _upcast(x), self._scaled(delta)
         index = self._index[id(param)]
         self.seen.add(index)
         if self.keep_grad_batch:
@@ -235,6 +255,7 @@ class PerSampleReducer:
 
     def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
         """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now."""
+        grad_batch = self._scaled(grad_batch)
         index = self._index[id(param)]
         self.seen.add(index)
         if self.keep_grad_batch:
@@ -246,6 +267,7 @@ class PerSampleReducer:
         if a.shape[1] == 1 and param.dim() == 2 and not self.keep_grad_batch:
             self.reduce_factors(param, "weight", b[:, 0], a[:, 0])  # one position: the 2-D factor form
             return
+        a, b = self._scaled(a), _upcast(b)
         index = self._index[id(param)]
         self.seen.add(index)
         # materialised at most once, and only if a statistic has no sequence form (or grad_batch is kept);
@@ -264,3 +286,13 @@ class PerSampleReducer:
 
     def results(self) -> dict[PerSampleStat, Any]:
         return {stat: stat.finalize(state) for stat, state in zip(self.stats, self._states)}
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _upcast(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """``tensor`` in float32 if it is in half precision (statistics accumulate in float32 or better)."""
+    if tensor is not None and tensor.dtype in _HALF:
+        return tensor.float()
+    return tensor

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 from backpack import backpack, hook_store_io
-from backpack.extensions import BatchGrad
+from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian
 
 from cockpit_like.backends.extensions import describe, merge_extensions
 from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError
@@ -91,49 +91,49 @@ def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> b
 
 
 class StepExecution:
-    """The backends of one tracked step.
+    """The backends of one backward pass of a tracked step.
 
     Args:
         step: the global step (for messages).
         params: the tracked parameters.
-        requests: ``(requested_by, BackPACK extension)`` pairs.
-        stats: distinct per-sample statistics.
-        hooks: BackPACK extension hooks of quantities (``hook(module)``).
-        raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
-        create_graph: the backward pass keeps the graph.
+        needs: the step's merged needs (:class:`~cockpit_like.quantities.needs.StepNeeds`).
         tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer` (or ``None``).
-        needs: distinct step needs computed after the backward pass (``need.compute(self)``).
-        stat_owners: names of the quantities that asked for per-sample statistics (for messages).
         collector: the lean-hooks collector (or ``None``).
-        batch_size: ``info["batch_size"]`` if given.
         names: ``id(param) -> readable name``.
+        info: the step's ``info`` dict (``batch_size`` if given).
+        row_scale: see :class:`~cockpit_like.backends.per_sample.PerSampleReducer` (micro-batches,
+            a ``GradScaler``'s scale; :mod:`cockpit_like.backends.partitions`).
     """
 
-    def __init__(
-        self, step, params, requests, stats, hooks, raw_batch_grad, create_graph, tracer, collector, batch_size, names,
-        needs=(), stat_owners=(), info=None,
-    ):
+    def __init__(self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0):
         self.step = step
         self.info = info or {}
-        self.stat_owners = list(stat_owners)
-        self.needs = list(needs)
+        self.stat_owners = list(needs.owners)
+        #: step needs computed after each backward pass (they read this pass's graph, e.g. its outputs)
+        self.needs = [need for need in needs.needs if not getattr(need, "whole_step", False)]
+        #: step needs computed once, after the step's last backward pass (Hessian-vector products of p.grad)
+        self.whole_step_needs = [need for need in needs.needs if getattr(need, "whole_step", False)]
         self.params = params
-        self.names = names
+        self.names = names or {}
         self.reducer: PerSampleReducer | None = None
         self.hook_backend: HookBackend | None = None
         self._backpack = None
+        self._user_types = needs.user_types
+        stats, raw_batch_grad, batch_size = list(needs.stats), needs.raw_batch_grad, self.info.get("batch_size")
         calls = []
         if tracer is not None:
-            if stats or needs:
+            if stats or needs.needs:
                 calls = tracer.take_calls(self.info.get("loss"))
             else:  # nothing here reads the forward calls
                 tracer.drop_calls()
         self._tracer, self._batch_size = tracer, batch_size
         # a fresh copy of the calls for needs that run a backward pass of their own
-        self._calls = [call.fresh() for call in calls] if needs else []
-        hooks = list(hooks)
+        self._calls = [call.fresh() for call in calls] if needs.needs else []
+        requests, hooks = list(needs.requests), list(needs.hooks)
         if stats:
-            self.reducer = PerSampleReducer(stats, params, keep_grad_batch=raw_batch_grad, info=self.info)
+            self.reducer = PerSampleReducer(
+                stats, params, keep_grad_batch=raw_batch_grad, info=self.info, row_scale=row_scale
+            )
             use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad, stats)
             if use_backpack:
                 if raw_batch_grad:
@@ -147,8 +147,16 @@ class StepExecution:
             handled = backpack_computes_per_sample if use_backpack else (lambda module: False)
             if calls:
                 self.hook_backend = HookBackend(calls, params, self.reducer, handled, tracer, batch_size=batch_size)
+        #: ``1 / row_scale``: the factor between the backpropagated loss and this pass's mean loss
+        self._loss_scale = 1.0 / float(row_scale)
+        self._added_ggn = False
+        if self._loss_scale != 1.0 and any(isinstance(ext, DiagHessian) for _, ext in requests):
+            if not any(isinstance(ext, DiagGGNExact) for _, ext in requests):
+                requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
+                self._added_ggn = True
         self.extensions = merge_extensions(requests)
-        self._create_graph = create_graph
+        self._create_graph = needs.create_graph
+        self._warnings = None
         self._hooks = hooks
         self._collector = collector
 
@@ -170,6 +178,15 @@ class StepExecution:
 
     # ---- around backward ---------------------------------------------------------------------
     def enter(self) -> None:
+        if self._loss_scale != 1.0 and self.extensions:
+            # the loss is divided by the micro-batches or multiplied by a GradScaler after the loss module;
+            # BackPACK warns that its second-order information may then be wrong: the cockpit corrects it
+            # (:meth:`_unscale_curvature`)
+            import warnings
+
+            self._warnings = warnings.catch_warnings()
+            self._warnings.__enter__()
+            warnings.filterwarnings("ignore", message=r"The output of .* seems to have been modified")
         if self.hook_backend is not None:
             self.hook_backend.enter()
         if self.extensions or self._hooks:
@@ -188,6 +205,9 @@ class StepExecution:
 
     def exit(self, exc_type, exc, traceback) -> None:
         """Leave the backends; on an error in ``backward`` raise a clear one (BackPACK's explained)."""
+        if self._warnings is not None:
+            self._warnings.__exit__(None, None, None)
+            self._warnings = None
         if self._backpack is not None:
             self._backpack.__exit__(exc_type, exc, traceback)
             if self._collector is not None:
@@ -224,11 +244,61 @@ class StepExecution:
 
     # ---- after backward ---------------------------------------------------------------------
     def results(self) -> dict:
-        """Per-sample statistics and step needs, keyed by themselves."""
-        results = {} if self.reducer is None else self.reducer.results()
-        for need in self.needs:
-            results[need] = need.compute(self)
+        """Per-sample statistics and step needs, keyed by themselves (one backward pass: the whole step)."""
+        results = self.partition(split=False).finish()
+        results.update(self.whole_step_results())
         return results
+
+    def partition(self, split: bool, rows: int | None = None):
+        """What this backward pass leaves for the end of its step (:class:`~cockpit_like.backends.partitions.Partition`).
+
+        Checks that every tracked parameter got what was asked for, computes the
+        needs that read this pass's graph, and (``split``: the step has other
+        backward passes) takes the BackPACK buffers that merge, so that the
+        next pass cannot overwrite them. The per-sample statistics finish later,
+        once the step's gradient is complete.
+        """
+        from cockpit_like.backends.partitions import Partition, take_mean_fields
+
+        self.check()
+        self._unscale_curvature()
+        computed = {need: need.compute(self) for need in self.needs}
+        fields = take_mean_fields(self.params, self.extensions) if split else {}
+        reducer = self.reducer
+
+        def finish() -> dict:
+            results = {} if reducer is None else reducer.results()
+            results.update(computed)
+            return results
+
+        if rows is None:
+            rows = int(self.info.get("batch_size", 0))
+        return Partition(rows, finish, fields, self.info)
+
+    def _unscale_curvature(self) -> None:
+        """BackPACK's Hessian diagonal of the pass's mean loss when the backpropagated loss was scaled by ``s``.
+
+        BackPACK starts its second-order backpropagation at the loss module, so
+        the generalised Gauss-Newton part of ``diag_h`` (the loss Hessian's
+        square root) ignores a factor applied after it, while the residual
+        terms (second derivatives of the layers times the backpropagated
+        gradient) carry it: ``diag_h = G + s R``. The GGN part is
+        ``diag_ggn_exact = G``, so ``G + R = G + (diag_h - G) / s``. The other
+        curvature buffers (GGN, KFAC) are GGN-type and need nothing.
+        """
+        if self._loss_scale == 1.0 or not any(isinstance(ext, DiagHessian) for ext in self.extensions):
+            return
+        inverse = 1.0 / self._loss_scale
+        for param in self.params:
+            diag_h, ggn = getattr(param, "diag_h", None), getattr(param, "diag_ggn_exact", None)
+            if diag_h is not None and ggn is not None:
+                param.diag_h = ggn + (diag_h - ggn) * inverse
+            if self._added_ggn and hasattr(param, "diag_ggn_exact"):
+                delattr(param, "diag_ggn_exact")
+
+    def whole_step_results(self) -> dict:
+        """The needs computed once per step, after its last backward pass."""
+        return {need: need.compute(self) for need in self.whole_step_needs}
 
     def per_sample_pass(self, loss: torch.Tensor, stats: list) -> dict:
         """Per-sample statistics of the gradient of another ``loss`` on this step's graph (module hooks only).
@@ -309,8 +379,9 @@ class StepExecution:
             "seen. Alternatively extend the model with backpack.extend."
         )
 
-    def free(self, user_types: set[type]) -> None:
-        """Delete the BackPACK buffers nobody asked to keep."""
+    def free(self) -> None:
+        """Delete the BackPACK buffers nobody asked to keep (the user's ``*exts`` keep theirs)."""
+        user_types = self._user_types
         fields = {ext.savefield for ext in self.extensions if type(ext) not in user_types and hasattr(ext, "savefield")}
         if self.reducer is not None:
             fields.update(field for stat in self.reducer.stats for field in stat.param_fields)

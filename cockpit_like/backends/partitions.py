@@ -1,0 +1,402 @@
+"""The optimizer step as partitions of its rows, merged by one mechanism.
+
+A tracked step is one *optimizer* step. Its rows may come from several
+backward passes: the micro-batches of gradient accumulation, on each rank of
+a data-parallel job (DDP, FSDP). Each backward pass is a *partition*:
+
+- during its backward pass the per-sample statistics see the partition as a
+  plain mean-loss pass over its own ``B_p`` rows (the reducer rescales the
+  per-row contributions by ``row_scale``: ``K`` for ``K`` micro-batches whose
+  losses are divided by ``K``, ``1 / S`` under a ``GradScaler`` of scale
+  ``S``; see :class:`~cockpit_like.backends.per_sample.PerSampleReducer`);
+- nothing per sample survives its backward pass except the statistics'
+  states; statistics whose result needs the step's gradient (the "synced"
+  forms of :meth:`~cockpit_like.backends.per_sample.PerSampleStat.for_ranks`:
+  the gradient tests' row sums, Alpha's slopes) keep compact per-sample
+  factors and finish once the step's gradient is complete;
+- :class:`Reduction` merges the partitions' results: every statistic says
+  how with its ``across_ranks(result, reduction)`` method (a sum, a
+  concatenation of per-sample values, a maximum, a row-weighted mean), first
+  over this process's partitions, then, under ``torch.distributed``, over the
+  ranks in one flattened all-reduce
+  (:mod:`cockpit_like.backends.distributed`).
+
+One backward pass in one process is the identity of all this: the cockpit
+then reads the results as they are (no merge, no copy).
+
+May import torch and :mod:`cockpit_like.backends`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Reduction",
+    "Partition",
+    "StepPartitions",
+    "MEAN_FIELDS",
+    "UnscaledGradients",
+    "PartitionError",
+    "grad_scale",
+    "micro_batches_of",
+]
+
+#: BackPACK savefields whose buffers are linear in the (mean) loss: the step's buffer is the
+#: row-weighted mean of the partitions' buffers (curvature diagonals, Kronecker factors)
+MEAN_FIELDS = frozenset({"diag_h", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr", "kfra"})
+
+
+class PartitionError(RuntimeError):
+    """The backward passes of one optimizer step do not fit together (see the message)."""
+
+
+class _Part:
+    __slots__ = ("kind", "tensor", "value")
+
+    def __init__(self, kind: str, tensor: torch.Tensor):
+        self.kind, self.tensor, self.value = kind, tensor, None
+
+
+class Reduction:
+    """One merge of a step's results: parts register here, :meth:`run` merges them all.
+
+    ``sum(t)``, ``cat(t)`` (concatenated along the first dimension, partitions
+    in order, then ranks in order) and ``max(t)`` return a part whose
+    ``value`` is set by :meth:`run` (in ``t``'s dtype and device); ``mean(t)``
+    returns a function of the row-weighted mean ``sum_p (B_p / B) t_p``.
+
+    Each partition registers its parts in the same order (:meth:`partition`
+    selects the one registering); parts registered :meth:`for_process`
+    belong to the whole process (a step need computed once, after every
+    backward pass). Under ``torch.distributed`` (``ranks``) the merged parts of
+    every rank travel in one float64 all-reduce.
+
+    Attributes:
+        local_batch: the rows ``B_p`` of the partition registering (the
+            process's rows in :meth:`for_process`).
+        batch: the step's rows ``B`` over every partition and rank.
+        world: the number of ranks (1 in one process).
+    """
+
+    def __init__(self, rows: list[int], batch: int, ranks=None, step: int = 0, device=None):
+        self.rows = list(rows)
+        self.batch = batch
+        self.ranks = ranks
+        self.world = 1 if ranks is None else ranks.world
+        self.local_batch = self.rows[0]
+        self._step, self._device = step, device
+        self._slots: list[list[_Part]] = []
+        self._process: list[_Part] = []
+        self._current: int | None = 0
+        self._count = [0] * len(self.rows)
+
+    # ---- registration ----------------------------------------------------------------------
+    def partition(self, index: int) -> Reduction:
+        """Parts registered next belong to partition ``index`` (``local_batch`` is its rows)."""
+        self._current, self.local_batch = index, self.rows[index]
+        return self
+
+    def for_process(self) -> Reduction:
+        """Parts registered next belong to the whole process (``local_batch``: its rows)."""
+        self._current, self.local_batch = None, sum(self.rows)
+        return self
+
+    def _add(self, kind: str, tensor) -> _Part:
+        part = _Part(kind, torch.as_tensor(tensor).detach())
+        if self._current is None:
+            self._process.append(part)
+            return part
+        slot = self._count[self._current]
+        self._count[self._current] += 1
+        if self._current == 0:
+            self._slots.append([part])
+        elif slot >= len(self._slots) or self._slots[slot][0].kind != kind:
+            raise PartitionError(
+                f"cockpit step {self._step}: micro-batch {self._current} produced other per-step results than "
+                "micro-batch 0 (a statistic or parameter present in one backward pass and not in another). "
+                "Every micro-batch of an accumulated step must use the same parameters and quantities."
+            )
+        else:
+            self._slots[slot].append(part)
+        return part
+
+    def sum(self, tensor) -> _Part:
+        return self._add("sum", tensor)
+
+    def cat(self, tensor) -> _Part:
+        return self._add("cat", tensor)
+
+    def max(self, tensor) -> _Part:
+        return self._add("max", tensor)
+
+    def mean(self, tensor) -> Callable[[], torch.Tensor]:
+        """The row-weighted mean ``sum_p (B_p / B) t_p`` (a mean-loss quantity of the whole step)."""
+        part = self.sum(tensor * self.local_batch)
+        return lambda: part.value / self.batch
+
+    # ---- the merge ---------------------------------------------------------------------------
+    def run(self) -> None:
+        """Merge the partitions' parts in this process, then (under ``torch.distributed``) across ranks."""
+        if any(count != len(self._slots) for count in self._count[1:]):
+            raise PartitionError(
+                f"cockpit step {self._step}: the micro-batches produced different numbers of per-step results "
+                f"({[len(self._slots)] + self._count[1:]}); every micro-batch must use the same parameters"
+            )
+        slots = [(slot[0].kind, _merge_local(slot), slot) for slot in self._slots]
+        slots += [(part.kind, part.tensor, [part]) for part in self._process]
+        if self.ranks is not None:
+            merged = self._across_ranks([(kind, value) for kind, value, _ in slots])
+        else:
+            merged = [value for _, value, _ in slots]
+        for (_, _, parts), value in zip(slots, merged):
+            for part in parts:
+                part.value = value.to(dtype=part.tensor.dtype, device=part.tensor.device)
+
+    def _across_ranks(self, slots: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        if not slots:
+            return []
+        world, rank = self.world, self.ranks.rank
+        sizes = [value.numel() * (1 if kind == "sum" else world) for kind, value in slots]
+        buffer = torch.zeros(sum(sizes), dtype=torch.float64, device=self._device)
+        offset = 0
+        for (kind, value), size in zip(slots, sizes):
+            flat = value.reshape(-1).to(device=self._device, dtype=torch.float64)
+            start = offset if kind == "sum" else offset + rank * flat.numel()
+            buffer[start : start + flat.numel()] = flat
+            offset += size
+        self.ranks._all_reduce(buffer, self._step, "statistics")
+        merged, offset = [], 0
+        for (kind, like), size in zip(slots, sizes):
+            chunk = buffer[offset : offset + size]
+            if kind == "sum":
+                value = chunk.view(like.shape)
+            else:
+                slots_of = chunk.view(world, *like.shape)
+                if kind == "max":
+                    value = slots_of.amax(0)
+                else:
+                    value = slots_of.reshape(world * like.shape[0], *like.shape[1:]) if like.dim() else slots_of
+            merged.append(value)
+            offset += size
+        return merged
+
+
+def _merge_local(parts: list[_Part]) -> torch.Tensor:
+    """One slot's parts of this process's partitions, merged (the identity for one partition)."""
+    if len(parts) == 1:
+        return parts[0].tensor
+    kind = parts[0].kind
+    tensors = [part.tensor for part in parts]
+    if kind == "sum":
+        wide = torch.float64 if tensors[0].is_floating_point() else tensors[0].dtype
+        total = tensors[0].to(wide).clone()
+        for tensor in tensors[1:]:
+            total.add_(tensor.to(wide))
+        return total
+    if kind == "max":
+        return torch.stack(tensors).amax(0)
+    if tensors[0].dim() == 0:
+        return torch.stack(tensors)
+    return torch.cat(tensors)
+
+
+class Partition:
+    """What one backward pass of a step leaves for the step's end.
+
+    Attributes:
+        rows: its rows ``B_p``.
+        finish: ``() -> {statistic or need: result}``, called once the step's gradient is complete.
+        fields: ``{(parameter index, savefield): buffer}`` of BackPACK buffers linear in the mean loss.
+        info: its ``info`` dict (``loss``, ``individual_losses``).
+    """
+
+    __slots__ = ("rows", "finish", "fields", "info")
+
+    def __init__(self, rows: int, finish: Callable[[], dict], fields: dict, info: dict):
+        self.rows, self.finish, self.fields, self.info = rows, finish, fields, info
+
+
+class StepPartitions:
+    """The partitions of one tracked optimizer step on this process, and their merge.
+
+    Args:
+        step: the global step.
+        expected: the number of backward passes (micro-batches) of the step on this process.
+        scale: the ``GradScaler``'s scale the backward passes ran with (1: none).
+    """
+
+    def __init__(self, step: int, expected: int, scale: float = 1.0):
+        self.step, self.expected, self.scale = step, expected, float(scale)
+        self.partitions: list[Partition] = []
+
+    @property
+    def complete(self) -> bool:
+        return len(self.partitions) >= self.expected
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.partitions)
+
+    def add(self, partition: Partition) -> None:
+        if self.partitions and partition.rows != self.partitions[0].rows:
+            raise PartitionError(
+                f"cockpit step {self.step}: micro-batch {len(self.partitions)} has {partition.rows} rows, micro-batch "
+                f"0 had {self.partitions[0].rows}. The accumulated gradient (losses divided by the number of "
+                "micro-batches) is the gradient of the step's mean loss only when every micro-batch has the same "
+                "number of rows; use equal micro-batches (drop_last=True), or leave this step untracked."
+            )
+        self.partitions.append(partition)
+
+    def merge(self, params: list[torch.Tensor], whole: dict, reduction: Reduction | None) -> tuple[dict, dict]:
+        """The step's statistics and ``info`` from its partitions' (and, with ``reduction``, the ranks').
+
+        ``whole``: results of needs computed once for the process (after every backward pass).
+        Without ``reduction`` and with one partition, the results are taken as they are.
+        """
+        first = self.partitions[0]
+        if reduction is None and len(self.partitions) == 1:
+            results = first.finish()
+            results.update(whole)
+            for (index, field), value in first.fields.items():
+                setattr(params[index], field, value)
+            return results, first.info
+        if reduction is None:
+            reduction = Reduction([p.rows for p in self.partitions], self.rows, step=self.step)
+        finishers, fields, infos = None, None, None
+        for index, partition in enumerate(self.partitions):
+            reduction.partition(index)
+            results = partition.finish()
+            these = {key: across(key, value, reduction) for key, value in results.items()}
+            these_fields = {key: _mean_of(value, reduction) for key, value in partition.fields.items()}
+            this_info = _merged_info(partition.info, reduction)
+            if index == 0:
+                finishers, fields, infos = these, these_fields, this_info
+        reduction.for_process()
+        finishers.update({key: across(key, value, reduction) for key, value in whole.items()})
+        reduction.run()
+        stats = {key: finish() for key, finish in finishers.items()}
+        for (index, field), finish in fields.items():
+            setattr(params[index], field, finish())
+        return stats, infos()
+
+
+def across(key, value, reduction: Reduction) -> Callable[[], Any]:
+    """``key.across_ranks(value, reduction)``: how a statistic's or need's result merges, or a clear error."""
+    combine = getattr(key, "across_ranks", None)
+    if combine is None:
+        raise NotImplementedError(
+            f"{key!r} does not say how its per-step result merges across micro-batches and ranks; give it an "
+            "across_ranks(result, reduction) method (see cockpit_like.backends.partitions)"
+        )
+    return combine(value, reduction)
+
+
+def _mean_of(value, reduction: Reduction) -> Callable[[], Any]:
+    if isinstance(value, torch.Tensor):
+        return reduction.mean(value)
+    parts = [reduction.mean(v) for v in value]
+    return lambda: [part() for part in parts]
+
+
+def take_mean_fields(params: list[torch.Tensor], extensions) -> dict:
+    """Remove the BackPACK buffers linear in the mean loss from ``params``: ``{(index, field): buffer}``."""
+    fields = sorted({getattr(ext, "savefield", None) for ext in extensions} & MEAN_FIELDS)
+    taken = {}
+    for field in fields:
+        for index, param in enumerate(params):
+            value = getattr(param, field, None)
+            if isinstance(value, (torch.Tensor, list, tuple)):
+                taken[(index, field)] = value
+                delattr(param, field)
+    return taken
+
+
+def _merged_info(info: dict, reduction: Reduction) -> Callable[[], dict]:
+    """``info`` of the step: ``batch_size`` summed, ``loss`` row-weighted, ``individual_losses`` concatenated."""
+    loss, losses = info.get("loss"), info.get("individual_losses")
+    loss_part = None
+    if isinstance(loss, (torch.Tensor, int, float)):
+        loss_part = reduction.mean(torch.as_tensor(loss).detach().to(torch.float64))
+    losses_part = None
+    if isinstance(losses, torch.Tensor):
+        losses_part = reduction.cat(losses.detach().reshape(-1))
+
+    def finish() -> dict:
+        result = dict(info)
+        result["batch_size"] = reduction.batch
+        if loss_part is not None:
+            value = loss_part()
+            result["loss"] = value.to(loss.dtype) if isinstance(loss, torch.Tensor) else float(value)
+        if losses_part is not None:
+            result["individual_losses"] = losses_part.value
+        return result
+
+    return finish
+
+
+def micro_batches_of(info: dict, step: int) -> int:
+    """``info["micro_batches"]`` (default 1): the number of backward passes of this optimizer step."""
+    count = info.get("micro_batches", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(
+            f"cockpit step {step}: info['micro_batches'] must be a positive int (the number of micro-batches "
+            f"whose backward passes make this optimizer step), got {count!r}"
+        )
+    return count
+
+
+def grad_scale(info: dict, step: int) -> float:
+    """The scale of ``info["grad_scaler"]`` (a ``torch.amp.GradScaler``), or 1 without one (or disabled)."""
+    scaler = info.get("grad_scaler")
+    if scaler is None:
+        return 1.0
+    if not (callable(getattr(scaler, "get_scale", None)) and callable(getattr(scaler, "is_enabled", None))):
+        raise ValueError(
+            f"cockpit step {step}: info['grad_scaler'] must be the torch.amp.GradScaler whose scaled loss "
+            f"is backpropagated (scaler.scale(loss).backward()), got {type(scaler).__name__}"
+        )
+    if not scaler.is_enabled():
+        return 1.0
+    scale = float(scaler.get_scale())
+    if not (scale > 0.0 and scale < float("inf")):
+        raise ValueError(f"cockpit step {step}: the GradScaler's scale is {scale}; expected a positive finite number")
+    return scale
+
+
+class UnscaledGradients:
+    """``p.grad`` divided by a ``GradScaler``'s scale while the step's quantities run, then put back.
+
+    The division makes new tensors (with the graph of ``p.grad`` where it has
+    one, so Hessian-vector products are those of the unscaled loss); the
+    user's gradient tensors are restored as they were, bit for bit.
+    """
+
+    def __init__(self, params: list[torch.Tensor], scale: float):
+        self.params, self.scale = params, scale
+        self._saved: list[torch.Tensor | None] | None = None
+
+    def apply(self) -> None:
+        if self.scale == 1.0 or self._saved is not None:
+            return
+        self._saved = [p.grad for p in self.params]
+        inverse = 1.0 / self.scale
+        for param, grad in zip(self.params, self._saved):
+            if grad is not None:
+                param.grad = grad * inverse
+
+    def unscale(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Other gradients of the step (a rank's local ones with their graph) divided by the scale."""
+        if self.scale == 1.0:
+            return tensors
+        return [None if t is None else t * (1.0 / self.scale) for t in tensors]
+
+    def restore(self) -> None:
+        if self._saved is None:
+            return
+        for param, grad in zip(self.params, self._saved):
+            param.grad = grad
+        self._saved = None

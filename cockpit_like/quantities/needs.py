@@ -1,0 +1,95 @@
+"""What the quantities tracked at one step need, as one value.
+
+:meth:`StepNeeds.collect` asks each active quantity once and merges the
+answers by value (equal BackPACK extensions, equal per-sample statistics and
+equal step needs are one); :class:`~cockpit_like.backends.step.StepExecution`
+meets the result. Nothing here names a quantity or a backend.
+
+May import torch, BackPACK, :mod:`cockpit_like.backends` and the quantity
+base modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from backpack.extensions import BatchGrad
+
+from cockpit_like.quantities.utils_transforms import merge_transform_hooks, split_transform_hooks
+
+__all__ = ["StepNeeds"]
+
+
+@dataclass(frozen=True)
+class StepNeeds:
+    """The merged needs of one step.
+
+    Attributes:
+        requests: ``(requested_by, BackPACK extension)`` pairs (the user's ``*exts`` first).
+        stats: distinct per-sample statistics.
+        hooks: BackPACK extension hooks of quantities (``hook(module)``).
+        needs: distinct step needs, computed after the backward pass (``need.compute(execution)``).
+        owners: names of the quantities that asked for per-sample statistics (for messages).
+        raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
+        create_graph: the backward pass keeps the graph.
+    """
+
+    requests: tuple = ()
+    stats: tuple = ()
+    hooks: tuple = ()
+    needs: tuple = ()
+    owners: tuple = ()
+    raw_batch_grad: bool = False
+    create_graph: bool = False
+    user_types: frozenset = field(default_factory=frozenset)
+
+    @classmethod
+    def collect(
+        cls,
+        quantities: Iterable[Any],
+        step: int,
+        name_of: Callable[[Any], str],
+        user_exts: tuple = (),
+        create_graph: bool = False,
+    ) -> StepNeeds:
+        """Ask every quantity in ``quantities`` what it needs at ``step``; merge by value."""
+        requests = [("the user's *exts", ext) for ext in user_exts]
+        stats, hooks, needs, owners, transforms = [], [], [], [], []
+        raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in user_exts)
+        for quantity in quantities:
+            name = name_of(quantity)
+            for ext in quantity.extensions(step):
+                requests.append((name, ext))
+                raw_batch_grad |= isinstance(ext, BatchGrad)
+            # BatchGradTransformsHooks become one per-sample statistic (utils_transforms)
+            other_hooks, its_transforms = split_transform_hooks(quantity.extension_hooks(step))
+            hooks.extend(other_hooks)
+            transforms.extend(its_transforms)
+            asked = quantity.per_sample_stats(step)
+            if asked or its_transforms:
+                owners.append(name)
+            stats.extend(s for s in asked if s not in stats)
+            needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
+        if transforms:
+            stats.append(merge_transform_hooks(transforms))
+        return cls(
+            requests=tuple(requests),
+            stats=tuple(stats),
+            hooks=tuple(hooks),
+            needs=tuple(needs),
+            owners=tuple(owners),
+            raw_batch_grad=raw_batch_grad,
+            create_graph=bool(create_graph),
+            user_types=frozenset(type(ext) for ext in user_exts),
+        )
+
+    def partitioned(self) -> StepNeeds:
+        """The form each backward pass computes when a step has several (micro-batches, ranks): every
+        statistic in the form that merges (:meth:`~cockpit_like.backends.per_sample.PerSampleStat.for_ranks`,
+        equal to the requested one)."""
+        return replace(self, stats=tuple(stat.for_ranks() for stat in self.stats))
+
+    def __bool__(self) -> bool:
+        return bool(self.requests or self.stats or self.hooks or self.needs)

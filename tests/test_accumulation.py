@@ -1,0 +1,192 @@
+"""Gradient accumulation: the optimizer step is the unit of a tracked step.
+
+A step of ``K`` micro-batches (each loss divided by ``K``, the cockpit entered
+around each backward pass with the same step and ``info["micro_batches"] = K``)
+must give every quantity of every preset exactly what one backward pass over
+the concatenated batch gives (float64). The reference is an independent run:
+a copy of the model, one pass over the same rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from cockpit_like import Cockpit
+from cockpit_like.quantities import GradNorm, NormTest
+from cockpit_like.utils.schedules import linear
+from cockpit_like.utils.configuration import configuration
+from tests.helpers import make_batch, make_problem
+from tests.zoo import ZOO
+
+STEPS, ROWS = 3, 8
+
+
+def _problem(name: str):
+    """``(model, mean loss fn(outputs, targets), per-row losses fn, batch(size, seed))``."""
+    if name in ("mlp", "cnn"):
+        model, lossfunc, individual = make_problem(name)
+        return model, lossfunc, individual, lambda size, seed: make_batch(name, size, seed)
+    problem = ZOO[name](0)
+
+    def mean_loss(outputs, targets):
+        return problem.sample_losses(outputs, targets).mean()
+
+    return problem.model, mean_loss, problem.sample_losses, problem.batch
+
+
+def _run(name: str, preset: str, micro_batches: int, steps: int = STEPS, rows: int = ROWS):
+    model, lossfunc, individual, batch = _problem(name)
+    cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    size = rows // micro_batches
+    for step in range(steps):
+        inputs, targets = batch(rows, 100 + step)
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            outputs = model(inputs[part])
+            loss = lossfunc(outputs, targets[part])
+            info = {
+                "batch_size": size,
+                "individual_losses": individual(outputs, targets[part]),
+                "loss": loss,
+                "optimizer": optimizer,
+                "micro_batches": micro_batches,
+            }
+            if micro == micro_batches - 1:
+                torch.manual_seed(step)  # the same random vectors (HessMaxEV, Hutchinson) as the reference
+            with cockpit(step, info=info):
+                (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit.get_output()
+
+
+def _assert_close(left, right, where: str, rtol: float = 1e-8, atol: float = 1e-12):
+    if isinstance(left, dict):
+        assert isinstance(right, dict) and left.keys() == right.keys(), (where, left.keys(), right)
+        for key in left:
+            _assert_close(left[key], right[key], f"{where}.{key}", rtol, atol)
+    elif isinstance(left, (list, tuple)):
+        assert isinstance(right, (list, tuple)) and len(left) == len(right), (where, len(left), len(right))
+        for index, (a, b) in enumerate(zip(left, right)):
+            _assert_close(a, b, f"{where}[{index}]", rtol, atol)
+    elif isinstance(left, (torch.Tensor, np.ndarray)):
+        torch.testing.assert_close(torch.as_tensor(left), torch.as_tensor(right), rtol=rtol, atol=atol, msg=where)
+    elif isinstance(left, float):
+        assert isinstance(right, float), (where, left, right)
+        if math.isnan(left):
+            assert math.isnan(right), (where, left, right)
+        else:
+            assert math.isclose(left, right, rel_tol=rtol, abs_tol=atol), (where, left, right)
+    else:
+        assert left == right, (where, left, right)
+
+
+def _without_time(output):
+    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+@pytest.mark.parametrize("preset", ["economy", "business", "full"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder"])
+def test_micro_batches_equal_one_pass(name, preset, micro_batches):
+    """Every quantity of the preset over K micro-batches equals one pass over the concatenated rows."""
+    if name == "encoder" and preset == "business" and micro_batches == 4:
+        pytest.skip("covered by the other encoder cases (keeps the suite short)")
+    reference = _without_time(_run(name, preset, 1))
+    accumulated = _without_time(_run(name, preset, micro_batches))
+    assert len(reference) == STEPS
+    names = {key for values in reference.values() for key in values}
+    expected = {"Alpha", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "GradHist1d", "Loss"}
+    assert expected <= names, names
+    _assert_close(accumulated, reference, f"{name}/{preset}/K={micro_batches}")
+
+
+def test_last_micro_batch_alone_differs():
+    """The check above can fail: quantities of the last micro-batch alone differ from the step's."""
+    one = _without_time(_run("mlp", "economy", 1))
+    model, lossfunc, individual, batch = _problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
+    inputs, targets = batch(ROWS, 100)
+    half = ROWS // 2
+    loss = lossfunc(model(inputs[:half]), targets[:half]) / 2
+    loss.backward()  # the first micro-batch outside the cockpit: the old way
+    outputs = model(inputs[half:])
+    loss = lossfunc(outputs, targets[half:])
+    info = {"batch_size": half, "individual_losses": individual(outputs, targets[half:]), "loss": loss, "optimizer": optimizer}
+    with cockpit(0, info=info):
+        (loss / 2).backward()
+    last_only = _without_time(cockpit.get_output())
+    torch.testing.assert_close(
+        torch.tensor(last_only[0]["GradNorm"]), torch.tensor(one[0]["GradNorm"]), rtol=1e-10, atol=0
+    )  # p.grad holds both micro-batches either way
+    assert not math.isclose(last_only[0]["NormTest"], one[0]["NormTest"], rel_tol=1e-3)
+
+
+def test_nothing_tracked_before_the_last_micro_batch():
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, labels = make_batch("mlp", 8, 0)
+    for micro in range(3):
+        outputs = model(inputs[micro * 2 : micro * 2 + 2])
+        loss = lossfunc(outputs, labels[micro * 2 : micro * 2 + 2])
+        info = {"batch_size": 2, "loss": loss, "individual_losses": individual(outputs, labels[micro * 2 : micro * 2 + 2]),
+                "optimizer": optimizer, "micro_batches": 3}  # fmt: skip
+        with cockpit(0, info=info):
+            (loss / 3).backward()
+        assert (0 in cockpit.get_output()) == (micro == 2)
+    with torch.no_grad():
+        expected = float(lossfunc(model(inputs[:6]), labels[:6]))
+    assert cockpit.get_output()[0]["Loss"] == pytest.approx(expected, rel=1e-10)
+
+
+def _step(cockpit, model, lossfunc, step, micro_batches, rows=2, **extra):
+    inputs, labels = make_batch("mlp", rows, step)
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    losses = torch.nn.functional.cross_entropy(outputs, labels, reduction="none")
+    info = {"batch_size": rows, "loss": loss, "individual_losses": losses, "micro_batches": micro_batches, **extra}
+    with cockpit(step, info=info):
+        (loss / micro_batches).backward()
+
+
+def test_incomplete_step_is_a_clear_error():
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(1)), NormTest(linear(1))])
+    _step(cockpit, model, lossfunc, 0, 3)
+    with pytest.raises(RuntimeError, match=r"step 0 saw only 1 of its info\['micro_batches'\] = 3"):
+        _step(cockpit, model, lossfunc, 1, 3)
+    _step(cockpit, model, lossfunc, 2, 1)  # the cockpit goes on with the next step
+
+
+def test_micro_batches_must_agree_and_be_positive():
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(1)), NormTest(linear(1))])
+    with pytest.raises(ValueError, match="must be a positive int"):
+        _step(cockpit, model, lossfunc, 0, 0)
+    _step(cockpit, model, lossfunc, 0, 2)
+    with pytest.raises(ValueError, match="pass the same number on every micro-batch"):
+        _step(cockpit, model, lossfunc, 0, 3)
+
+
+def test_unequal_micro_batches_are_refused():
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(1)), NormTest(linear(1))])
+    _step(cockpit, model, lossfunc, 0, 2, rows=2)
+    with pytest.raises(RuntimeError, match="has 3 rows, micro-batch 0 had 2"):
+        _step(cockpit, model, lossfunc, 0, 2, rows=3)
+
+
+def test_untracked_micro_batches_cost_nothing_and_keep_counting():
+    """Steps no quantity is scheduled for: no statistics, and the step counter still follows micro-batches."""
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(2))])
+    for step in range(4):
+        for _ in range(2):
+            _step(cockpit, model, lossfunc, step, 2)
+    assert sorted(cockpit.get_output()) == [0, 2]
