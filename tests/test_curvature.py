@@ -198,7 +198,8 @@ def test_needs_declared_only_at_scheduled_steps():
     assert tic.required_info(4) == {"batch_size"}
     assert [type(e).__name__ for e in HessTrace(schedule).extensions(1)] == ["DiagHessian"]
     assert HessTrace(schedule, curvature="diag_ggn_mc").extensions(1)[0].get_num_mc_samples() == 1
-    assert TICTrace(schedule, epsilon=1e-3).settings() == {"curvature": "diag_h", "epsilon": 1e-3}
+    assert TICTrace(schedule, epsilon=1e-3).settings() == {"curvature": "auto", "computed_with": "diag_h", "epsilon": 1e-3}
+    assert TICTrace(schedule, curvature="diag_h", epsilon=1e-3).settings() == {"curvature": "diag_h", "epsilon": 1e-3}
 
 
 # ---- alone vs together, under schedules ----------------------------------------

@@ -29,7 +29,7 @@ On any model (no BackPACK needed):
   logits of the mean cross-entropy loss, classes last) and
   ``create_graph=cockpit.create_graph(step)``; logged as
   ``computed_with: "sampled_ggn_mc"``;
-- ``"auto"`` (what the presets use): ``"diag_h"`` where BackPACK can compute
+- ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
   else ``"hutchinson"``; decided when the cockpit learns the model, and
   written to the log metadata (``settings()["computed_with"]``). Without a
@@ -108,7 +108,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     """Shared glue: the ``curvature`` argument and reading its diagonal."""
 
     def __init__(
-        self, track_schedule, verbose: bool = False, curvature: str = "diag_h", hutchinson_samples: int = 4
+        self, track_schedule, verbose: bool = False, curvature: str = "auto", hutchinson_samples: int = 4
     ):
         super().__init__(track_schedule, verbose=verbose)
         self._curvature = _check_curvature(curvature, type(self).__name__)
@@ -199,7 +199,7 @@ class _TIC(_DiagCurvatureQuantity):
         self,
         track_schedule,
         verbose: bool = False,
-        curvature: str = "diag_h",
+        curvature: str = "auto",
         epsilon: float = 1e-7,
         hutchinson_samples: int = 4,
     ):

@@ -19,7 +19,7 @@ from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["KFACTrace"]
 
-_CHOICES = ("kfac", "kflr", "empirical")
+_CHOICES = ("auto", "kfac", "kflr", "empirical")
 
 
 class KFACTrace(SingleStepQuantity):
@@ -38,6 +38,12 @@ class KFACTrace(SingleStepQuantity):
       are PSD by construction).
 
     Curvature (``curvature``):
+
+    - ``"auto"`` (the default): ``"kfac"`` where BackPACK's KFAC can run on
+      the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
+      else ``"empirical"``; decided when the cockpit learns the model and
+      written to the log metadata (``settings()["computed_with"]``). Without a
+      known model, ``"kfac"``.
 
     - ``"kflr"``: :class:`backpack.extensions.KFLR`, the exact loss Hessian
       is backpropagated (exact for a single linear layer with MSE loss);
@@ -85,7 +91,7 @@ class KFACTrace(SingleStepQuantity):
         self,
         track_schedule,
         verbose: bool = False,
-        curvature: str = "kfac",
+        curvature: str = "auto",
         mc_samples: int = 1,
         damping: float | None = None,
     ):
@@ -100,9 +106,17 @@ class KFACTrace(SingleStepQuantity):
             raise ValueError(f"KFACTrace(mc_samples=...) needs a positive int, got {mc_samples!r}")
         if damping is not None and not (isinstance(damping, (int, float)) and damping > 0):
             raise ValueError(f"KFACTrace(damping=...) must be None or a float > 0, got {damping!r}")
-        self._curvature = curvature
+        self._requested = curvature
+        #: what is computed: the requested curvature, or for "auto" the one chosen for the model
+        self._curvature = "kfac" if curvature == "auto" else curvature
         self._mc_samples = mc_samples
         self._damping = None if damping is None else float(damping)
+
+    def adapt_to_models(self, models: list) -> None:
+        if self._requested == "auto":
+            from cockpit_like.backends.step import backpack_curvature_compatible
+
+            self._curvature = "kfac" if backpack_curvature_compatible(models, KFAC()) else "empirical"
 
     def extensions(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self._curvature == "empirical":
@@ -115,7 +129,10 @@ class KFACTrace(SingleStepQuantity):
         return [KroneckerFactors()]
 
     def settings(self) -> dict:
-        return {"curvature": self._curvature, "mc_samples": self._mc_samples, "damping": self._damping}
+        settings = {"curvature": self._requested, "mc_samples": self._mc_samples, "damping": self._damping}
+        if self._requested == "auto":
+            settings["computed_with"] = self._curvature
+        return settings
 
     def _compute(self, global_step, params, batch_loss):
         if self._curvature == "empirical":
