@@ -28,7 +28,7 @@ from cockpit_like.backends.distributed import RankGroup
 from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
 from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
-from cockpit_like.backends.partitions import StepPartitions, UnscaledGradients, grad_scale, micro_batches_of
+from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
@@ -700,7 +700,8 @@ class _TrackedStep:
         self._check_loss()
         create_graph = cockpit.create_graph(step)
         if cockpit._ranks is not None and self.active:
-            cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, last=self.last)
+            owners = tuple(cockpit.name_of(q) for q in self.active if q.create_graph(step))
+            cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, self.last, owners)
         needs = StepNeeds.collect(self.active, step, cockpit.name_of, self.user_exts, create_graph)
         if self._split:  # the form each backward pass computes when the step has several (equal results)
             needs = needs.partitioned()
@@ -771,22 +772,23 @@ class _TrackedStep:
         cockpit._partitions = None
         new_values: dict[int, dict[str, Any]] = {}
         params = cockpit.params
-        unscaled = UnscaledGradients(params, partitions.scale)
+        view = StepGradients(params, partitions.scale)
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
             if partitions.scale != 1.0 and not gradients_finite(params):
                 cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": partitions.scale})
                 return False
-            unscaled.apply()
+            view.apply()  # unscaled, whole gradients (GradScaler, FSDP2)
             if ranks is not None:
-                ranks.unscale_graph_grads(unscaled)
+                ranks.unscale_graph_grads(view)
             stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
             record = context.StepRecord(
-                global_step=self.step, info=info, params=params, stats=stats, loss_is_finite=self._loss_is_finite
+                global_step=self.step, info=info, params=view.params, stats=stats,
+                loss_is_finite=self._loss_is_finite, live_params=params,
             )
             context._activate(record)
             for quantity in self.active:
-                self._track(quantity, new_values)
+                self._track(quantity, new_values, view.params)
             self.completed = True
             if not cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
@@ -794,7 +796,7 @@ class _TrackedStep:
                         quantity.output.pop(step, None)
                 new_values = {}
         finally:
-            unscaled.restore()
+            view.restore()
             context._activate(None)
             if ranks is not None:
                 ranks.end_step()
@@ -815,11 +817,11 @@ class _TrackedStep:
             ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
         execution.free()
 
-    def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]]) -> None:
+    def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
         name = self.cockpit.name_of(quantity)
         before = dict(_last_items(quantity.output, 2))
         try:
-            quantity.track(self.step, self.cockpit.params, self.info.get("loss"))
+            quantity.track(self.step, params, self.info.get("loss"))
         except Exception as error:
             if self._loss_is_finite:
                 raise

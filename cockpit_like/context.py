@@ -63,6 +63,8 @@ class StepRecord:
         params: the tracked parameters, in the order given to the cockpit.
         stats: results of per-sample statistics, keyed by the statistic.
         loss_is_finite: False when ``info["loss"]`` is NaN or infinite.
+        live_params: the cockpit's own parameter tensors (``params`` may be whole stand-ins of
+            sharded ones, FSDP2); a quantity that keeps parameters to read them at a later step keeps these.
     """
 
     global_step: int
@@ -70,6 +72,7 @@ class StepRecord:
     params: list[torch.Tensor]
     stats: dict[Any, Any] = field(default_factory=dict)
     loss_is_finite: bool = True
+    live_params: list[torch.Tensor] | None = None
 
     def require(self, key: str, needed_by: str) -> Any:
         """``info[key]``, or a :class:`MissingInfoError` naming ``needed_by``."""

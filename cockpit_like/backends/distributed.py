@@ -59,6 +59,7 @@ __all__ = [
     "same_on_all_ranks",
     "MEAN_FIELDS",
     "unwrap",
+    "is_sharded",
 ]
 
 
@@ -77,6 +78,15 @@ _ACTIVE: RankGroup | None = None
 
 def _is_ddp(module: Any) -> bool:
     return isinstance(module, torch.nn.parallel.DistributedDataParallel)
+
+
+def is_sharded(module: Any) -> bool:
+    """Whether ``module`` is a ``torch.distributed.fsdp.fully_shard`` (FSDP2) module."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -148,17 +158,34 @@ class RankGroup:
         module.require_backward_grad_sync = getattr(module, "_cockpit_sync", True)
 
     def check_step(
-        self, step: int, models: list[torch.nn.Module], info: dict, create_graph: bool, last: bool = True
+        self,
+        step: int,
+        models: list[torch.nn.Module],
+        info: dict,
+        create_graph: bool,
+        last: bool = True,
+        graph_owners: tuple = (),
     ) -> None:
         """Before a tracked step's backward pass: a clear error for what cannot work (same on every rank).
 
-        ``last``: this is the step's last backward pass (micro-batches before it may run in ``no_sync()``)."""
+        ``last``: this is the step's last backward pass (micro-batches before it may run in ``no_sync()``);
+        ``graph_owners``: names of the quantities that need the graph (for messages)."""
         ddp = [model for model in models if _is_ddp(model)]
-        if not ddp:
+        if any(is_sharded(model) for model in models):
+            if create_graph:
+                raise NotImplementedError(
+                    f"cockpit step {step}: {list(graph_owners) or 'a quantity'} need(s) Hessian-vector products "
+                    "(loss.backward(create_graph=True)), which a fully_shard (FSDP2) model cannot backpropagate: "
+                    "its gradients are reduce-scattered without a graph. Leave these quantities out under FSDP "
+                    "(e.g. configuration('economy')), or use KFACTrace(curvature='empirical') / "
+                    "CurvatureStatistics for curvature, or track them with DistributedDataParallel "
+                    "(docs/distributed.md)."
+                )
+        elif not ddp:
             raise RuntimeError(
                 f"cockpit step {step}: torch.distributed runs {self.world} ranks, but the cockpit knows no "
-                "DistributedDataParallel model. Pass the wrapped model, Cockpit(params, quantities, "
-                "model=ddp_model), and create the cockpit before the first forward pass."
+                "DistributedDataParallel or fully_shard (FSDP2) model. Pass the wrapped model, Cockpit(params, "
+                "quantities, model=ddp_model), and create the cockpit before the first forward pass."
             )
         syncing = all(model.require_backward_grad_sync for model in ddp)
         if last and not syncing:

@@ -187,6 +187,9 @@ class ModelTracer:
         self.paused = False
         self.roots: list[weakref.ref] = []
         self._covered: set[int] = set()
+        #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
+        #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
+        self._named: dict[int, dict[str, torch.Tensor]] = {}
         self._handles: list[Any] = []
         self._global_handle = None
         self._kernel_stack: list[contextlib.ExitStack | None] = []
@@ -210,6 +213,7 @@ class ModelTracer:
             uses_children = bool(direct) and any(id(p) in self._tracked for p in module.parameters())
             if own or uses_children or isinstance(module, nn.modules.batchnorm._BatchNorm):
                 self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
+                self._named[id(module)] = dict(module.named_parameters())
         self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
         self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
         self._covered |= {id(p) for p in root.parameters()}
@@ -223,6 +227,13 @@ class ModelTracer:
 
     def covers_all(self) -> bool:
         return self._tracked <= self._covered
+
+    def named_params(self, module: nn.Module, recurse: bool = True) -> dict[str, torch.Tensor]:
+        """``module``'s parameters by name as the cockpit attached it (else as it is now)."""
+        named = self._named.get(id(module))
+        if named is None:
+            return dict(module.named_parameters(recurse=recurse))
+        return named if recurse else {name: p for name, p in named.items() if "." not in name}
 
     def _found(self, module: nn.Module, args: tuple) -> None:
         if self.paused or not torch.is_grad_enabled():
@@ -301,6 +312,26 @@ class ModelTracer:
             yield
         finally:
             self.paused = previous
+
+
+@contextlib.contextmanager
+def _whole_parameters(module: nn.Module):
+    """Sharded (``fully_shard``, FSDP2) parameters of ``module`` as whole plain tensors while a
+    recomputation after the backward pass runs (a collective per parameter, in the same order on
+    every rank); put back afterwards. Nothing changes for other parameters."""
+    from cockpit_like.backends.partitions import is_dtensor
+
+    swapped = []
+    for owner in module.modules():
+        for name, param in list(owner._parameters.items()):
+            if param is not None and is_dtensor(param):
+                owner._parameters[name] = nn.Parameter(param.detach().full_tensor(), requires_grad=param.requires_grad)
+                swapped.append((owner, name, param))
+    try:
+        yield
+    finally:
+        for owner, name, param in swapped:
+            owner._parameters[name] = param
 
 
 def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> list[torch.Tensor]:
@@ -391,7 +422,7 @@ class HookBackend:
                 )
             if handled_elsewhere(module):
                 continue
-            params = [p for p in module.parameters(recurse=False) if id(p) in tracked]
+            params = [p for p in self.tracer.named_params(module, recurse=False).values() if id(p) in tracked]
             if rule_for(module) is None:
                 # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj),
                 # down to (not into) the submodules that ran: those claim their own subtrees
@@ -459,7 +490,8 @@ class HookBackend:
                 call.release()
         deferred, self._deferred = self._deferred, []
         for call in deferred:
-            self._fallback(call)
+            with _whole_parameters(call.module):
+                self._fallback(call)
         for key in list(self._partial):  # a tied parameter whose other uses got no gradient
             self._deliver_sum(key)
 
@@ -494,7 +526,7 @@ class HookBackend:
     def _deliver_forms(self, call: Call, forms: dict) -> None:
         """Deliver a rule's ``{parameter name: form}`` for the parameters this call computes, then free the call."""
         owned = {id(p) for p in call.params}
-        named = dict(call.module.named_parameters())  # a rule may name a parameter the layer lacks (bias=False)
+        named = self.tracer.named_params(call.module)  # a rule may name a parameter the layer lacks (bias=False)
         for name, form in forms.items():
             param = named.get(name)
             if param is not None and id(param) in owned:

@@ -208,9 +208,29 @@ if hasattr(nn, "RMSNorm"):
     RULES[nn.RMSNorm] = _rms_norm
 
 
+def layer_class(module: nn.Module) -> type:
+    """``module``'s class, looking through the class ``fully_shard`` (FSDP2) gives it
+    (``FSDPLinear(FSDPModule, Linear)`` -> ``Linear``); any other subclass is its own class."""
+    cls = type(module)
+    fsdp = _fsdp_module_class()
+    if fsdp is not None and issubclass(cls, fsdp):
+        for base in cls.__bases__:
+            if base is not fsdp:
+                return base
+    return cls
+
+
+def _fsdp_module_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return FSDPModule
+
+
 def rule_for(module: nn.Module) -> Rule | None:
     """The per-layer rule of ``module``, or ``None`` (the ``torch.func`` fallback)."""
-    rule = RULES.get(type(module))
+    rule = RULES.get(layer_class(module))
     if rule is not None:
         return rule
     if is_hf_conv1d(module):

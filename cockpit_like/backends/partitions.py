@@ -39,7 +39,10 @@ __all__ = [
     "Partition",
     "StepPartitions",
     "MEAN_FIELDS",
-    "UnscaledGradients",
+    "StepGradients",
+    "step_grad",
+    "is_dtensor",
+    "whole",
     "PartitionError",
     "grad_scale",
     "micro_batches_of",
@@ -367,26 +370,51 @@ def grad_scale(info: dict, step: int) -> float:
     return scale
 
 
-class UnscaledGradients:
-    """``p.grad`` divided by a ``GradScaler``'s scale while the step's quantities run, then put back.
+class StepGradients:
+    """The parameters and gradients the step's quantities read, then put back as they were.
 
-    The division makes new tensors (with the graph of ``p.grad`` where it has
-    one, so Hessian-vector products are those of the unscaled loss); the
-    user's gradient tensors are restored as they were, bit for bit.
+    - Under a ``GradScaler`` of scale ``S``: ``p.grad / S`` (new tensors, with the
+      graph of ``p.grad`` where it has one, so Hessian-vector products are those
+      of the unscaled loss); the user's gradient tensors are restored bit for bit.
+    - Sharded parameters (``fully_shard``, FSDP2: DTensors): whole plain
+      stand-ins, their values and gradients gathered once per tracked step
+      (``D`` numbers, as every rank of a DDP job holds; nothing per sample).
+
+    :attr:`params` is what the quantities get; :func:`step_grad` is how the
+    per-sample statistics read a parameter's gradient of the step.
     """
 
     def __init__(self, params: list[torch.Tensor], scale: float):
-        self.params, self.scale = params, scale
+        self.params, self.scale = list(params), float(scale)
+        self._originals = list(params)
         self._saved: list[torch.Tensor | None] | None = None
+        self._stand_ins: dict[int, torch.Tensor] = {}
 
     def apply(self) -> None:
-        if self.scale == 1.0 or self._saved is not None:
+        global _VIEW
+        if self._saved is not None or self._stand_ins:
             return
-        self._saved = [p.grad for p in self.params]
         inverse = 1.0 / self.scale
-        for param, grad in zip(self.params, self._saved):
-            if grad is not None:
-                param.grad = grad * inverse
+        if any(is_dtensor(p) for p in self._originals):
+            for index, param in enumerate(self._originals):
+                grad = param.grad
+                value = whole(param.detach())
+                stand_in = torch.nn.Parameter(value.clone(), requires_grad=param.requires_grad)
+                if grad is not None:
+                    grad = whole(grad.detach())
+                    stand_in.grad = grad if self.scale == 1.0 else grad * inverse
+                self._stand_ins[id(param)] = stand_in
+                self.params[index] = stand_in
+        elif self.scale != 1.0:
+            self._saved = [p.grad for p in self._originals]
+            for param, grad in zip(self._originals, self._saved):
+                if grad is not None:
+                    param.grad = grad * inverse
+        _VIEW = self
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        stand_in = self._stand_ins.get(id(param))
+        return param.grad if stand_in is None else stand_in.grad
 
     def unscale(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Other gradients of the step (a rank's local ones with their graph) divided by the scale."""
@@ -395,8 +423,36 @@ class UnscaledGradients:
         return [None if t is None else t * (1.0 / self.scale) for t in tensors]
 
     def restore(self) -> None:
+        global _VIEW
+        if _VIEW is self:
+            _VIEW = None
+        self._stand_ins = {}
+        self.params = list(self._originals)
         if self._saved is None:
             return
-        for param, grad in zip(self.params, self._saved):
+        for param, grad in zip(self._originals, self._saved):
             param.grad = grad
         self._saved = None
+
+
+#: the gradient view of the step being finished (:class:`StepGradients`), if any
+_VIEW: StepGradients | None = None
+
+
+def step_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s gradient of the step as the quantities see it (unscaled, whole; see :class:`StepGradients`)."""
+    return param.grad if _VIEW is None else _VIEW.grad_of(param)
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed`` DTensor (a sharded parameter or gradient)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective every rank makes), else ``tensor``."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor

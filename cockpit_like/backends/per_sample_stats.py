@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
+from cockpit_like.backends.partitions import step_grad, whole
 from cockpit_like.backends.per_sample import PerSampleStat
 
 __all__ = [
@@ -119,7 +120,7 @@ class GramSummary(PerSampleStat):
             return state
         if state["gram"] is None:
             return None
-        row_sums = sum(kept.dots(param.grad.detach()) for param, kept in state["kept"])
+        row_sums = sum(kept.dots(step_grad(param).detach()) for param, kept in state["kept"])
         state["kept"].clear()
         return (state["gram"][0], row_sums)
 
@@ -301,7 +302,7 @@ class Histogram2dCounts(PerSampleStat):
         # theta_p broadcasts over the batch dimension: binned once, not B times
         counter = Hist2dCounter(self.bins, self.range)
         counts = counter.new_counts(grad_batch.device)
-        counter.count_grad_batch(counts, grad_batch, param)
+        counter.count_grad_batch(counts, grad_batch, whole(param.detach()))
         state[index] = counter.finish(counts)
         return state
 
@@ -310,7 +311,7 @@ class Histogram2dCounts(PerSampleStat):
             return self.accumulate(state, index, param, delta)
         counter = Hist2dCounter(self.bins, self.range)
         counts = counter.new_counts(delta.device)
-        counter.count_outer(counts, x, delta, param)
+        counter.count_outer(counts, x, delta, whole(param.detach()))
         state[index] = counter.finish(counts)
         return state
 
@@ -584,9 +585,9 @@ class PredictedSlopes(PerSampleStat):
         from cockpit_like.utils.optim import lookahead_update
 
         params = state["params"]
-        grads = [p.grad.detach() for p in params]
+        grads = [step_grad(p).detach() for p in params]
         optimizer = state["optimizer"]
-        direction = [-g for g in grads] if optimizer is None else lookahead_update(optimizer, params)
+        direction = [-g for g in grads] if optimizer is None else [whole(d) for d in lookahead_update(optimizer, params)]
         dots = sum(kept.dots(direction[index]) for index, _, kept in state["pending"])
         state["pending"].clear()
         return {"mode": "predicted", "dots": dots, "direction": direction, "grad_sum": grads}

@@ -37,6 +37,7 @@ import warnings
 import torch
 
 from cockpit_like import context
+from cockpit_like.backends.partitions import whole
 from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity
@@ -96,7 +97,7 @@ class Alpha(TwoStepQuantity):
         if self.is_end(global_step) and self.is_cached(start, "params"):
             reference = self.load_from_cache(start, "params")
             # the cockpit's params (the same list at every step) were saved at the start step
-            direction = [p.detach() - r for p, r in zip(self._tracked_params, reference)]
+            direction = [whole(p.detach()) - r for p, r in zip(self._tracked_params, reference)]
             self._end_direction = (global_step, direction)
             stats.append(DirectionalDots(self._dots_key(global_step), tuple(direction)))
         return stats
@@ -120,7 +121,7 @@ class Alpha(TwoStepQuantity):
             finally:
                 retained.clear()  # nothing per-sample survives this step
         f0, var_f0 = self._loss_moments(record)
-        self._tracked_params = list(params)
+        self._tracked_params = list(record.live_params or params)  # read again at the next step's begin
         keep = lambda step, t=global_step: step <= t  # noqa: E731
         self.save_to_cache(global_step, "params", [p.detach().clone() for p in params], keep)
         self.save_to_cache(global_step, "predicted_update", predicted, keep)
@@ -138,8 +139,8 @@ class Alpha(TwoStepQuantity):
                 stacklevel=4,
             )
             return [-g for g in grad_sum]
-        try:
-            return lookahead_update(optimizer, params)
+        try:  # the optimizer owns the cockpit's own tensors (params may be whole stand-ins of sharded ones)
+            return [whole(d) for d in lookahead_update(optimizer, record.live_params or params)]
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
             warnings.warn(
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "

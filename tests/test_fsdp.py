@@ -1,0 +1,150 @@
+"""The cockpit under FSDP2 (``torch.distributed.fsdp.fully_shard``): 2 gloo ranks on CPU.
+
+Every quantity of the economy preset (and the other first-order quantities
+that work sharded) equals one process on the concatenated batch (float64,
+rtol 1e-8), on an MLP, a LayerNorm MLP and a transformer encoder, each with
+every layer and the root sharded. Per-sample statistics come from module
+hooks on each rank's rows, merged as under DDP; the quantities read whole
+gradients gathered once per tracked step. Quantities that need
+Hessian-vector products are refused with an error that names them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+from tests import zoo
+from tests.test_distributed import _assert_close, _free_port
+
+WORLD, GLOBAL_BATCH, STEPS = 2, 8, 3
+PROBLEMS = ("layernorm_mlp", "encoder", "mlp")
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+
+def _mlp(seed: int = 0) -> zoo.Problem:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 3)).to(torch.float64)
+    return zoo.Problem(model, zoo._classification((6,), 3), zoo._ce)
+
+
+def _problem(name: str) -> zoo.Problem:
+    return _mlp() if name == "mlp" else getattr(zoo, name)(seed=0)
+
+
+def _quantities() -> list:
+    from cockpit_like.quantities import GradHist2d, MeanGSNR
+
+    every = linear(1)
+    return configuration("economy", every) + [MeanGSNR(every), GradHist2d(every)]
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for module in list(model.modules())[1:]:
+        if isinstance(module, (nn.Linear, nn.LayerNorm, nn.Embedding, nn.TransformerEncoderLayer)):
+            if not any(isinstance(parent, nn.TransformerEncoderLayer) for parent in _ancestors(model, module)):
+                fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _ancestors(root: nn.Module, target: nn.Module) -> list[nn.Module]:
+    for name, module in root.named_modules():
+        if module is target:
+            parts = name.split(".")
+            return [root.get_submodule(".".join(parts[:i])) for i in range(1, len(parts))]
+    return []
+
+
+def _train(name: str, rows: slice, sharded: bool, quantities=None, steps: int = STEPS) -> Cockpit:
+    problem = _problem(name)
+    model = _shard(problem.model) if sharded else problem.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    extra = {"log_rank": None} if sharded else {}
+    cockpit = Cockpit(model.parameters(), quantities or _quantities(), model=model, **extra)
+    for step in range(steps):
+        inputs, targets = problem.batch(GLOBAL_BATCH, 1000 + step)
+        inputs, targets = inputs[rows], targets[rows]
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        losses = problem.sample_losses(outputs, targets)
+        loss = losses.mean()
+        info = {"batch_size": len(targets), "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+        with cockpit(step, info=info):
+            loss.backward()
+        optimizer.step()
+    return cockpit
+
+
+def _rows(rank: int) -> slice:
+    local = GLOBAL_BATCH // WORLD
+    return slice(rank * local, (rank + 1) * local)
+
+
+def _job(rank: int) -> dict:
+    result = {name: _train(name, _rows(rank), sharded=True).get_output() for name in PROBLEMS}
+    from cockpit_like.quantities import HessMaxEV
+
+    try:
+        _train("mlp", _rows(rank), sharded=True, quantities=[HessMaxEV(linear(1))], steps=1)
+        result["refused"] = "no error"
+    except Exception as error:  # noqa: BLE001
+        result["refused"] = f"{type(error).__name__}: {error}"
+    return result
+
+
+def _worker(rank: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        torch.save(_job(rank), os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fsdp")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    context = torch.multiprocessing.start_processes(
+        _worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 240
+    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the FSDP job did not finish within 240 s (a rank hangs)")
+    return [torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_fsdp_matches_one_process_on_the_concatenated_batch(ranks, name):
+    expected = _train(name, slice(None), sharded=False).get_output()
+    names = {key for values in expected.values() for key in values}
+    assert {"Alpha", "GradNorm", "InnerTest", "NormTest", "OrthoTest", "GradHist1d", "GradHist2d", "MeanGSNR"} <= names
+    for rank in range(WORLD):
+        _assert_close(ranks[rank][name], expected, f"{name} rank {rank}")
+
+
+def test_hessian_vector_products_are_refused_by_name(ranks):
+    for rank in range(WORLD):
+        message = ranks[rank]["refused"]
+        assert message.startswith("NotImplementedError") and "HessMaxEV" in message and "fully_shard" in message
