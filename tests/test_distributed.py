@@ -15,6 +15,7 @@ without equal seeds.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -103,6 +104,48 @@ def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, ste
         }
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+MICRO_BATCHES = 2
+ACCUMULATION_CASES = [("mlp", "economy"), ("mlp", "full"), ("cnn", "full")]
+
+
+def _train_accumulated(
+    problem: str, preset: str, rows: slice, micro_batches: int, wrap=None, steps: int = STEPS, last_in_no_sync=False
+) -> Cockpit:
+    """Gradient accumulation: ``micro_batches`` backward passes per optimizer step (losses divided by their
+    number, ``info["micro_batches"]``); under DDP all but the last inside ``no_sync()`` (``last_in_no_sync``:
+    the last one too, which the cockpit refuses)."""
+    model, batch, lossfunc, individual = _problem(problem)
+    net = model if wrap is None else wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {} if wrap is None else {"log_rank": None, "distributed_timeout": 60}
+    cockpit = Cockpit(model.parameters(), _quantities(preset), model=net, **extra)
+    for step in range(steps):
+        inputs, labels = batch(GLOBAL_BATCH, 1000 + step)
+        inputs, labels = inputs[rows], labels[rows]
+        size = len(labels) // micro_batches
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            last = micro == micro_batches - 1
+            unsynced = wrap is not None and (not last or last_in_no_sync)
+            with net.no_sync() if unsynced else contextlib.nullcontext():
+                outputs = net(inputs[part])
+                loss = lossfunc(outputs, labels[part])
+                info = {
+                    "batch_size": size,
+                    "individual_losses": individual(outputs, labels[part]),
+                    "loss": loss,
+                    "optimizer": optimizer,
+                    "micro_batches": micro_batches,
+                }
+                if last:
+                    torch.manual_seed(step)  # the same draws (HessMaxEV's start) on every rank and in the reference
+                with cockpit(step, info=info):
+                    (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     return cockpit
 
@@ -210,6 +253,19 @@ def _job_collectives(rank: int) -> dict:
     return result
 
 
+def _job_accumulation(rank: int) -> dict:
+    """2 micro-batches per rank and step (the first inside no_sync()); then a step whose last one is inside too."""
+    outputs = {}
+    for problem, preset in ACCUMULATION_CASES:
+        outputs[(problem, preset)] = _train_accumulated(problem, preset, _rows(rank), MICRO_BATCHES, wrap=_ddp).get_output()
+    try:
+        _train_accumulated("mlp", "economy", _rows(rank), MICRO_BATCHES, wrap=_ddp, steps=1, last_in_no_sync=True)
+        error = "no error"
+    except RuntimeError as caught:
+        error = str(caught)
+    return {"accumulated": outputs, "accumulated_no_sync_error": error}
+
+
 def _job_early_error(rank: int) -> dict:
     """Rank 1 raises inside the context *before* its backward pass: rank 0 waits in DDP's all-reduce until
     rank 1 gives up (the cockpit's timeout, 5 s) and stops; then rank 0's collective fails too."""
@@ -259,10 +315,13 @@ def _job_monte_carlo(rank: int) -> dict:
 
 def _job_all(rank: int) -> dict:
     """Everything in one job: each spawn costs ~10-25 s of start-up (DDP imports torch._dynamo)."""
-    return {**_job_presets(rank), **_job_collectives(rank), **_job_monte_carlo(rank)}
+    return {**_job_presets(rank), **_job_collectives(rank), **_job_monte_carlo(rank), **_job_accumulation(rank)}
 
 
-JOBS = {"presets": _job_presets, "collectives": _job_collectives, "all": _job_all, "early_error": _job_early_error}
+JOBS = {
+    "presets": _job_presets, "collectives": _job_collectives, "accumulation": _job_accumulation, "all": _job_all,
+    "early_error": _job_early_error,
+}  # fmt: skip
 
 
 def _worker(rank: int, port: int, job: str, folder: str) -> None:
@@ -394,3 +453,24 @@ def test_monte_carlo_ggn_is_the_mean_of_the_ranks_estimates(ranks):
     expected = [(a + b) / 2 for a, b in zip(ranks[0]["mc_local"], ranks[1]["mc_local"])]
     np.testing.assert_allclose(ranks[0]["mc_global"], expected, rtol=1e-10)
     assert not np.allclose(ranks[0]["mc_local"], ranks[1]["mc_local"])
+
+
+@pytest.mark.slow
+def test_accumulation_under_ddp_matches_one_process_on_the_concatenated_batch(ranks):
+    """2 ranks x 2 micro-batches (the first in no_sync(), losses / 2, info["micro_batches"] = 2) equal one process
+    on the 8 rows of all ranks and micro-batches (rank 0's two micro-batches, then rank 1's), every quantity."""
+    for problem, preset in ACCUMULATION_CASES:
+        expected = _train_accumulated(problem, preset, slice(None), 1).get_output()
+        names = {name for values in expected.values() for name in values}
+        assert names == QUANTITY_NAMES[preset], (problem, preset, names)
+        for rank, result in enumerate(ranks):
+            _assert_close(result["accumulated"][(problem, preset)], expected, f"accumulated {problem}/{preset}/rank{rank}")
+        _assert_close(ranks[1]["accumulated"][(problem, preset)], ranks[0]["accumulated"][(problem, preset)],
+                      f"accumulated {problem}/{preset} rank 1 vs rank 0", rtol=0, atol=0)  # fmt: skip
+    # the comparison can fail: one process on rank 0's rows alone gives other values
+    local = _train_accumulated("mlp", "economy", _rows(0), MICRO_BATCHES).get_output()
+    assert not np.isclose(local[1]["NormTest"], ranks[0]["accumulated"][("mlp", "economy")][1]["NormTest"])
+    for result in ranks:  # the last micro-batch inside no_sync(): a clear error on every rank, before its backward
+        error = result["accumulated_no_sync_error"]
+        assert "last backward pass runs inside DistributedDataParallel.no_sync()" in error, error
+        assert "info['micro_batches']" in error, error

@@ -166,7 +166,7 @@ class RankGroup:
                 f"cockpit step {step}: its last backward pass runs inside DistributedDataParallel.no_sync(): "
                 "the gradients are not synchronised, so no quantity can describe the global batch. With "
                 "gradient accumulation pass info['micro_batches'] = K on each of the K micro-steps and run "
-                "only the last one outside no_sync() (docs/your_training_loop.md)."
+                "only the last one outside no_sync() (docs/distributed.md, gradient accumulation)."
             )
         if create_graph and syncing and not self.forward_unsynced:
             raise RuntimeError(
