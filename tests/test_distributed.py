@@ -290,6 +290,59 @@ def _job_early_error(rank: int) -> dict:
     return {"early_error": result, "early_error_seconds": time.perf_counter() - start}
 
 
+COLLECTIVES = ("new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list")
+
+
+def _job_cockpit_on_one_rank(rank: int) -> dict:
+    """Rank 0 creates a cockpit (distributed_timeout=5) and tracks step 0; rank 1 trains without one, then both
+    meet in a barrier. Before it, the constructor must run no collective (``Cockpit(...)`` under ``if rank == 0``
+    used to hang in ``new_group``)."""
+    model, batch, lossfunc, individual = _problem("mlp")
+    net = _ddp(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result, calls = {}, []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        if rank == 0:
+            cockpit = Cockpit(model.parameters(), configuration("economy", linear(1)), model=net, distributed_timeout=5)
+            result["constructor_collectives"] = list(calls)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    inputs, labels = batch(GLOBAL_BATCH, 0)
+    inputs, labels = inputs[_rows(rank)], labels[_rows(rank)]
+    for step in range(2):
+        optimizer.zero_grad()
+        outputs = net(inputs)
+        loss = lossfunc(outputs, labels)
+        info = {"batch_size": 4, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+        start = time.perf_counter()
+        if rank == 0:
+            try:
+                with cockpit(step, info=info):
+                    loss.backward()
+                result[f"error{step}"] = "no error"
+            except Exception as error:  # noqa: BLE001
+                result[f"error{step}"] = f"{type(error).__name__}: {error}"
+        else:
+            loss.backward()
+        result[f"seconds{step}"] = time.perf_counter() - start
+        optimizer.step()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))  # every rank ends here, none hangs
+    result["barrier"] = "passed"
+    return result
+
+
 def _job_monte_carlo(rank: int) -> dict:
     """diag_ggn_mc with a different seed per rank: the global trace and each rank's own estimate with its draws."""
     from backpack import backpack
@@ -320,7 +373,7 @@ def _job_all(rank: int) -> dict:
 
 JOBS = {
     "presets": _job_presets, "collectives": _job_collectives, "accumulation": _job_accumulation, "all": _job_all,
-    "early_error": _job_early_error,
+    "early_error": _job_early_error, "cockpit_on_one_rank": _job_cockpit_on_one_rank,
 }  # fmt: skip
 
 
@@ -441,6 +494,24 @@ def test_error_before_backward_on_one_rank_ends_within_the_timeouts(tmp_path):
     ranks = _spawn("early_error", tmp_path, timeout=120)
     assert ranks[1]["early_error"] == "ValueError: boom on rank 1 before backward"
     assert ranks[0]["early_error"] != "no error", ranks[0]
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow
+def test_cockpit_on_one_rank_only_raises_within_the_timeout(tmp_path):
+    """The constructor runs no collective; the first tracked step of a cockpit that rank 1 does not have raises
+    DistributedStepError on rank 0 after distributed_timeout (5 s), naming the likely cause, and the next step at
+    once; rank 1 trains on and both ranks meet in a barrier afterwards."""
+    start = time.monotonic()
+    ranks = _spawn("cockpit_on_one_rank", tmp_path, timeout=120)
+    assert ranks[0]["constructor_collectives"] == []
+    error = ranks[0]["error0"]
+    assert error.startswith("DistributedStepError: cockpit step 0:"), error
+    assert "a rank has no cockpit" in error and "create Cockpit(...) on every rank" in error, error
+    assert 4 < ranks[0]["seconds0"] < 30, ranks[0]["seconds0"]
+    assert ranks[0]["error1"].startswith("DistributedStepError: cockpit step 1:") and "no cockpit" in ranks[0]["error1"]
+    assert ranks[0]["seconds1"] < 4, ranks[0]["seconds1"]  # no second wait
+    assert ranks[0]["barrier"] == ranks[1]["barrier"] == "passed"
     assert time.monotonic() - start < 120
 
 
