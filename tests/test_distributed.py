@@ -257,7 +257,8 @@ def _job_accumulation(rank: int) -> dict:
     """2 micro-batches per rank and step (the first inside no_sync()); then a step whose last one is inside too."""
     outputs = {}
     for problem, preset in ACCUMULATION_CASES:
-        outputs[(problem, preset)] = _train_accumulated(problem, preset, _rows(rank), MICRO_BATCHES, wrap=_ddp).get_output()
+        cockpit = _train_accumulated(problem, preset, _rows(rank), MICRO_BATCHES, wrap=_ddp)
+        outputs[(problem, preset)] = cockpit.get_output()
     try:
         _train_accumulated("mlp", "economy", _rows(rank), MICRO_BATCHES, wrap=_ddp, steps=1, last_in_no_sync=True)
         error = "no error"
@@ -290,7 +291,9 @@ def _job_early_error(rank: int) -> dict:
     return {"early_error": result, "early_error_seconds": time.perf_counter() - start}
 
 
-COLLECTIVES = ("new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = (
+    "new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
+)  # fmt: skip
 
 
 def _job_cockpit_on_one_rank(rank: int) -> dict:
@@ -535,7 +538,8 @@ def test_accumulation_under_ddp_matches_one_process_on_the_concatenated_batch(ra
         names = {name for values in expected.values() for name in values}
         assert names == QUANTITY_NAMES[preset], (problem, preset, names)
         for rank, result in enumerate(ranks):
-            _assert_close(result["accumulated"][(problem, preset)], expected, f"accumulated {problem}/{preset}/rank{rank}")
+            where = f"accumulated {problem}/{preset}/rank{rank}"
+            _assert_close(result["accumulated"][(problem, preset)], expected, where)
         _assert_close(ranks[1]["accumulated"][(problem, preset)], ranks[0]["accumulated"][(problem, preset)],
                       f"accumulated {problem}/{preset} rank 1 vs rank 0", rtol=0, atol=0)  # fmt: skip
     # the comparison can fail: one process on rank 0's rows alone gives other values
