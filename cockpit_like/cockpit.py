@@ -90,7 +90,9 @@ class Cockpit:
             (their :meth:`get_output` is ``{}``). Ignored in one process.
         distributed_timeout: seconds a rank waits in one of the cockpit's own
             collectives before it raises (default: torch's default for a new
-            process group).
+            process group), and for the other ranks at the first tracked step,
+            where the cockpit creates its process group (the constructor runs
+            no collective).
         diagnose: run diagnosis rules after each tracked step and each
             :meth:`log` (``True``: every built-in rule; or a list of
             :class:`~cockpit_like.diagnosis.Rule` instances); nothing runs on

@@ -15,6 +15,7 @@ without equal seeds.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -103,6 +104,48 @@ def _train(problem: str, preset: str, rows: slice, wrap=None, log_rank=None, ste
         }
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+MICRO_BATCHES = 2
+ACCUMULATION_CASES = [("mlp", "economy"), ("mlp", "full"), ("cnn", "full")]
+
+
+def _train_accumulated(
+    problem: str, preset: str, rows: slice, micro_batches: int, wrap=None, steps: int = STEPS, last_in_no_sync=False
+) -> Cockpit:
+    """Gradient accumulation: ``micro_batches`` backward passes per optimizer step (losses divided by their
+    number, ``info["micro_batches"]``); under DDP all but the last inside ``no_sync()`` (``last_in_no_sync``:
+    the last one too, which the cockpit refuses)."""
+    model, batch, lossfunc, individual = _problem(problem)
+    net = model if wrap is None else wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    extra = {} if wrap is None else {"log_rank": None, "distributed_timeout": 60}
+    cockpit = Cockpit(model.parameters(), _quantities(preset), model=net, **extra)
+    for step in range(steps):
+        inputs, labels = batch(GLOBAL_BATCH, 1000 + step)
+        inputs, labels = inputs[rows], labels[rows]
+        size = len(labels) // micro_batches
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            last = micro == micro_batches - 1
+            unsynced = wrap is not None and (not last or last_in_no_sync)
+            with net.no_sync() if unsynced else contextlib.nullcontext():
+                outputs = net(inputs[part])
+                loss = lossfunc(outputs, labels[part])
+                info = {
+                    "batch_size": size,
+                    "individual_losses": individual(outputs, labels[part]),
+                    "loss": loss,
+                    "optimizer": optimizer,
+                    "micro_batches": micro_batches,
+                }
+                if last:
+                    torch.manual_seed(step)  # the same draws (HessMaxEV's start) on every rank and in the reference
+                with cockpit(step, info=info):
+                    (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     return cockpit
 
@@ -210,6 +253,20 @@ def _job_collectives(rank: int) -> dict:
     return result
 
 
+def _job_accumulation(rank: int) -> dict:
+    """2 micro-batches per rank and step (the first inside no_sync()); then a step whose last one is inside too."""
+    outputs = {}
+    for problem, preset in ACCUMULATION_CASES:
+        cockpit = _train_accumulated(problem, preset, _rows(rank), MICRO_BATCHES, wrap=_ddp)
+        outputs[(problem, preset)] = cockpit.get_output()
+    try:
+        _train_accumulated("mlp", "economy", _rows(rank), MICRO_BATCHES, wrap=_ddp, steps=1, last_in_no_sync=True)
+        error = "no error"
+    except RuntimeError as caught:
+        error = str(caught)
+    return {"accumulated": outputs, "accumulated_no_sync_error": error}
+
+
 def _job_early_error(rank: int) -> dict:
     """Rank 1 raises inside the context *before* its backward pass: rank 0 waits in DDP's all-reduce until
     rank 1 gives up (the cockpit's timeout, 5 s) and stops; then rank 0's collective fails too."""
@@ -232,6 +289,61 @@ def _job_early_error(rank: int) -> dict:
     except Exception as error:  # noqa: BLE001
         result = f"{type(error).__name__}: {error}"
     return {"early_error": result, "early_error_seconds": time.perf_counter() - start}
+
+
+COLLECTIVES = (
+    "new_group", "all_reduce", "broadcast", "barrier", "all_gather", "all_gather_object", "broadcast_object_list",
+)  # fmt: skip
+
+
+def _job_cockpit_on_one_rank(rank: int) -> dict:
+    """Rank 0 creates a cockpit (distributed_timeout=5) and tracks step 0; rank 1 trains without one, then both
+    meet in a barrier. Before it, the constructor must run no collective (``Cockpit(...)`` under ``if rank == 0``
+    used to hang in ``new_group``)."""
+    model, batch, lossfunc, individual = _problem("mlp")
+    net = _ddp(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result, calls = {}, []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        if rank == 0:
+            cockpit = Cockpit(model.parameters(), configuration("economy", linear(1)), model=net, distributed_timeout=5)
+            result["constructor_collectives"] = list(calls)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    inputs, labels = batch(GLOBAL_BATCH, 0)
+    inputs, labels = inputs[_rows(rank)], labels[_rows(rank)]
+    for step in range(2):
+        optimizer.zero_grad()
+        outputs = net(inputs)
+        loss = lossfunc(outputs, labels)
+        info = {"batch_size": 4, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+        start = time.perf_counter()
+        if rank == 0:
+            try:
+                with cockpit(step, info=info):
+                    loss.backward()
+                result[f"error{step}"] = "no error"
+            except Exception as error:  # noqa: BLE001
+                result[f"error{step}"] = f"{type(error).__name__}: {error}"
+        else:
+            loss.backward()
+        result[f"seconds{step}"] = time.perf_counter() - start
+        optimizer.step()
+    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))  # every rank ends here, none hangs
+    result["barrier"] = "passed"
+    return result
 
 
 def _job_monte_carlo(rank: int) -> dict:
@@ -259,10 +371,13 @@ def _job_monte_carlo(rank: int) -> dict:
 
 def _job_all(rank: int) -> dict:
     """Everything in one job: each spawn costs ~10-25 s of start-up (DDP imports torch._dynamo)."""
-    return {**_job_presets(rank), **_job_collectives(rank), **_job_monte_carlo(rank)}
+    return {**_job_presets(rank), **_job_collectives(rank), **_job_monte_carlo(rank), **_job_accumulation(rank)}
 
 
-JOBS = {"presets": _job_presets, "collectives": _job_collectives, "all": _job_all, "early_error": _job_early_error}
+JOBS = {
+    "presets": _job_presets, "collectives": _job_collectives, "accumulation": _job_accumulation, "all": _job_all,
+    "early_error": _job_early_error, "cockpit_on_one_rank": _job_cockpit_on_one_rank,
+}  # fmt: skip
 
 
 def _worker(rank: int, port: int, job: str, folder: str) -> None:
@@ -386,6 +501,24 @@ def test_error_before_backward_on_one_rank_ends_within_the_timeouts(tmp_path):
 
 
 @pytest.mark.slow
+def test_cockpit_on_one_rank_only_raises_within_the_timeout(tmp_path):
+    """The constructor runs no collective; the first tracked step of a cockpit that rank 1 does not have raises
+    DistributedStepError on rank 0 after distributed_timeout (5 s), naming the likely cause, and the next step at
+    once; rank 1 trains on and both ranks meet in a barrier afterwards."""
+    start = time.monotonic()
+    ranks = _spawn("cockpit_on_one_rank", tmp_path, timeout=120)
+    assert ranks[0]["constructor_collectives"] == []
+    error = ranks[0]["error0"]
+    assert error.startswith("DistributedStepError: cockpit step 0:"), error
+    assert "a rank has no cockpit" in error and "create Cockpit(...) on every rank" in error, error
+    assert 4 < ranks[0]["seconds0"] < 30, ranks[0]["seconds0"]
+    assert ranks[0]["error1"].startswith("DistributedStepError: cockpit step 1:") and "no cockpit" in ranks[0]["error1"]
+    assert ranks[0]["seconds1"] < 4, ranks[0]["seconds1"]  # no second wait
+    assert ranks[0]["barrier"] == ranks[1]["barrier"] == "passed"
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.slow
 def test_monte_carlo_ggn_is_the_mean_of_the_ranks_estimates(ranks):
     """diag_ggn_mc under DDP: each rank samples its own labels; the global trace is the batch-weighted mean of the
     ranks' one-sample estimates (equal batches: the mean), the same on every rank. No comparison with one process:
@@ -394,3 +527,25 @@ def test_monte_carlo_ggn_is_the_mean_of_the_ranks_estimates(ranks):
     expected = [(a + b) / 2 for a, b in zip(ranks[0]["mc_local"], ranks[1]["mc_local"])]
     np.testing.assert_allclose(ranks[0]["mc_global"], expected, rtol=1e-10)
     assert not np.allclose(ranks[0]["mc_local"], ranks[1]["mc_local"])
+
+
+@pytest.mark.slow
+def test_accumulation_under_ddp_matches_one_process_on_the_concatenated_batch(ranks):
+    """2 ranks x 2 micro-batches (the first in no_sync(), losses / 2, info["micro_batches"] = 2) equal one process
+    on the 8 rows of all ranks and micro-batches (rank 0's two micro-batches, then rank 1's), every quantity."""
+    for problem, preset in ACCUMULATION_CASES:
+        expected = _train_accumulated(problem, preset, slice(None), 1).get_output()
+        names = {name for values in expected.values() for name in values}
+        assert names == QUANTITY_NAMES[preset], (problem, preset, names)
+        for rank, result in enumerate(ranks):
+            where = f"accumulated {problem}/{preset}/rank{rank}"
+            _assert_close(result["accumulated"][(problem, preset)], expected, where)
+        _assert_close(ranks[1]["accumulated"][(problem, preset)], ranks[0]["accumulated"][(problem, preset)],
+                      f"accumulated {problem}/{preset} rank 1 vs rank 0", rtol=0, atol=0)  # fmt: skip
+    # the comparison can fail: one process on rank 0's rows alone gives other values
+    local = _train_accumulated("mlp", "economy", _rows(0), MICRO_BATCHES).get_output()
+    assert not np.isclose(local[1]["NormTest"], ranks[0]["accumulated"][("mlp", "economy")][1]["NormTest"])
+    for result in ranks:  # the last micro-batch inside no_sync(): a clear error on every rank, before its backward
+        error = result["accumulated_no_sync_error"]
+        assert "last backward pass runs inside DistributedDataParallel.no_sync()" in error, error
+        assert "info['micro_batches']" in error, error

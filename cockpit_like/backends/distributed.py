@@ -4,7 +4,12 @@ What lives here:
 
 - :class:`RankGroup`: the ranks as the cockpit sees them (rank, world size,
   which rank keeps the output, its own process group for its collectives,
-  so that they never pair with DDP's gradient all-reduces);
+  so that they never pair with DDP's gradient all-reduces). The group is
+  created at the first collective (the header of the first tracked step),
+  not in ``Cockpit(...)``: the constructor runs no collective, so a cockpit
+  created on some ranks only cannot hang there; the first tracked step then
+  ends with :class:`DistributedStepError` after ``distributed_timeout``
+  (the other ranks never join the group's creation);
 - the per-step protocol (:meth:`RankGroup.synchronise`), run only at
   tracked steps, after the step's last backward pass:
 
@@ -99,14 +104,17 @@ class RankGroup:
     """The ranks of a distributed run (see the module docstring).
 
     Args:
-        group: the process group of the cockpit's collectives.
         rank: this process's rank.
         world: the number of ranks.
         log_rank: the rank that keeps the output and writes logs (``None``: every rank).
+        timeout: how long a rank waits in one of the cockpit's collectives, and for the
+            other ranks when the cockpit's process group is created (``None``: torch's default).
     """
 
-    def __init__(self, group, rank: int, world: int, log_rank: int | None):
-        self.group, self.rank, self.world, self.log_rank = group, rank, world, log_rank
+    def __init__(self, rank: int, world: int, log_rank: int | None, timeout: datetime.timedelta | None = None):
+        self.rank, self.world, self.log_rank, self.timeout = rank, world, log_rank, timeout
+        self._group = None  # created at the first collective (:meth:`process_group`)
+        self._group_error: str | None = None
         #: the forward pass of the coming step ran without DDP's synchronisation (the cockpit averages)
         self.forward_unsynced = False
         self._watched: weakref.WeakSet = weakref.WeakSet()
@@ -117,9 +125,9 @@ class RankGroup:
     def detect(cls, log_rank: int | None = 0, timeout: float | datetime.timedelta | None = None) -> RankGroup | None:
         """The ranks of the current ``torch.distributed`` run, or ``None`` for one process.
 
-        Creates the cockpit's own process group (a collective call of
-        ``new_group``: every rank must create its cockpit at the same point).
-        ``timeout`` bounds how long a rank waits in a cockpit collective.
+        Runs no collective (the cockpit's process group is created at its first
+        collective, :meth:`process_group`). ``timeout`` (seconds) bounds how long
+        a rank waits in a cockpit collective.
         """
         import torch.distributed as dist
 
@@ -130,8 +138,7 @@ class RankGroup:
             raise ValueError(f"Cockpit(log_rank=...) must be a rank in 0..{world - 1} or None, got {log_rank!r}")
         if isinstance(timeout, (int, float)):
             timeout = datetime.timedelta(seconds=timeout)
-        group = dist.new_group(timeout=timeout) if timeout is not None else dist.new_group()
-        return cls(group, rank, world, log_rank)
+        return cls(rank, world, log_rank, timeout)
 
     @property
     def keeps_output(self) -> bool:
@@ -193,7 +200,7 @@ class RankGroup:
                 f"cockpit step {step}: its last backward pass runs inside DistributedDataParallel.no_sync(): "
                 "the gradients are not synchronised, so no quantity can describe the global batch. With "
                 "gradient accumulation pass info['micro_batches'] = K on each of the K micro-steps and run "
-                "only the last one outside no_sync() (docs/your_training_loop.md)."
+                "only the last one outside no_sync() (docs/distributed.md, gradient accumulation)."
             )
         if create_graph and syncing and not self.forward_unsynced:
             raise RuntimeError(
@@ -210,19 +217,49 @@ class RankGroup:
             )
 
     # ---- collectives ------------------------------------------------------------------------
+    def process_group(self, step: int):
+        """The cockpit's own process group, created at its first collective (``step``: for messages).
+
+        ``new_group`` needs every rank: a rank without a cockpit, or one that
+        does not track this step, never joins, and this rank raises
+        :class:`DistributedStepError` after the timeout (and at once at every
+        later step: the group cannot be created any more in step with the others).
+        """
+        if self._group is not None:
+            return self._group
+        if self._group_error is not None:
+            raise DistributedStepError(f"cockpit step {step}: {self._group_error}.")
+        import torch.distributed as dist
+
+        try:
+            self._group = dist.new_group(timeout=self.timeout) if self.timeout is not None else dist.new_group()
+        except Exception as error:  # noqa: BLE001 - gloo raises DistStoreError (a RuntimeError) on a timeout
+            waited = "the timeout" if self.timeout is None else f"{self.timeout.total_seconds():g} s"
+            self._group_error = (
+                f"rank {self.rank} waited {waited} for the other {self.world - 1} rank(s) to create the "
+                f"cockpit's process group with it at its first tracked step (step {step}) ({type(error).__name__}: "
+                f"{error}). Likely cause: a rank has no cockpit (create Cockpit(...) on every rank, e.g. not "
+                "under `if rank == 0`), or a rank does not track this step (the same quantities, schedules "
+                "and step numbers on every rank), or a rank stopped before it (an error). The cockpit makes "
+                "no further collective"
+            )
+            raise DistributedStepError(f"cockpit step {step}: {self._group_error}.") from error
+        return self._group
+
     def _all_reduce(self, buffer: torch.Tensor, step: int, what: str) -> None:
         import torch.distributed as dist
 
+        group = self.process_group(step)
         self.collectives += 1
         try:
-            dist.all_reduce(buffer, group=self.group)
+            dist.all_reduce(buffer, group=group)
         except Exception as error:  # noqa: BLE001 - gloo/nccl raise RuntimeError subclasses
             raise DistributedStepError(
                 f"cockpit step {step}: the {what} all-reduce across {self.world} ranks failed on rank "
                 f"{self.rank} ({type(error).__name__}: {error}). Another rank probably stopped (an error "
-                "outside the cockpit context, or it did not enter this step) or did not reach the end of "
-                "the step within the timeout (Cockpit(..., distributed_timeout=...) and the timeout= of "
-                "torch.distributed.init_process_group)."
+                "outside the cockpit context), did not enter this step (no cockpit there, or another "
+                "schedule) or did not reach the end of the step within the timeout (Cockpit(..., "
+                "distributed_timeout=...) and the timeout= of torch.distributed.init_process_group)."
             ) from error
 
     def _header(self, step: int, failed: bool, batch: int, grads: list[torch.Tensor] | None, device) -> torch.Tensor:
@@ -330,7 +367,8 @@ def same_on_all_ranks(tensor: torch.Tensor) -> torch.Tensor:
         return tensor
     import torch.distributed as dist
 
+    group = ranks.process_group(-1)
     ranks.collectives += 1
     tensor = tensor.detach().clone()
-    dist.broadcast(tensor, src=dist.get_global_rank(ranks.group, 0), group=ranks.group)
+    dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
     return tensor
