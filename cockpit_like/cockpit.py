@@ -332,8 +332,12 @@ class Cockpit:
         micro, count = self._micro_batch(global_step, info or {})
         tracked = _TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
-        with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
-            tracked.__enter__()  # raises before the step counts as open
+        try:
+            with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
+                tracked.__enter__()  # raises before the step counts as open
+        except BaseException:
+            self._micro, self._partitions = None, None  # the step is abandoned: the next one starts afresh
+            raise
         self._open_step = tracked
 
     def end(self, error: BaseException | None = None) -> None:

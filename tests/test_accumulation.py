@@ -190,3 +190,19 @@ def test_untracked_micro_batches_cost_nothing_and_keep_counting():
         for _ in range(2):
             _step(cockpit, model, lossfunc, step, 2)
     assert sorted(cockpit.get_output()) == [0, 2]
+
+
+def test_a_micro_batch_that_fails_to_begin_abandons_the_step():
+    """An error at begin (here a missing info key on the second micro-batch) drops the step's earlier
+    micro-batches: the next step starts afresh instead of reporting an incomplete step."""
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(1)), NormTest(linear(1))])
+    _step(cockpit, model, lossfunc, 0, 2)
+    inputs, labels = make_batch("mlp", 2, 9)
+    loss = lossfunc(model(inputs), labels)
+    with pytest.raises(Exception, match="batch_size"):
+        with cockpit(0, info={"loss": loss, "micro_batches": 2}):
+            loss.backward()
+    for micro in range(2):
+        _step(cockpit, model, lossfunc, 1, 2)
+    assert 1 in cockpit.get_output() and 0 not in cockpit.get_output()

@@ -106,7 +106,11 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         node = output.grad_fn
     else:
         node = None
-    calls.append((module, args, kwargs, output, node, tracer.batch))  # a Call only at tracked steps
+    noted = (module, args, kwargs, output, node, tracer.batch)
+    if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
+        tracer.live.adopt(Call(*noted))
+        return replaced
+    calls.append(noted)  # a Call only at tracked steps
     return replaced
 
 
@@ -190,6 +194,8 @@ class ModelTracer:
         #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
         #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
         self._named: dict[int, dict[str, torch.Tensor]] = {}
+        #: the hook backend of the backward pass under way (it adopts calls made during it)
+        self.live: HookBackend | None = None
         self._handles: list[Any] = []
         self._global_handle = None
         self._kernel_stack: list[contextlib.ExitStack | None] = []
@@ -401,7 +407,10 @@ class HookBackend:
         self._uses: dict[int, int] = defaultdict(int)
         self._partial: dict[int, torch.Tensor] = {}
         self._params = {id(p): p for p in params}
+        self._handled = handled_elsewhere
         self.calls = self._assign(calls, handled_elsewhere)
+        #: parameters a call of the step's forward pass computes (a recomputation does not compute them again)
+        self._assigned = {id(p) for call in self.calls for p in call.params}
 
     # ---- which call computes which parameter -------------------------------------------
     def _assign(self, calls: list[Call], handled_elsewhere) -> list[Call]:
@@ -450,21 +459,43 @@ class HookBackend:
     def enter(self) -> None:
         """Register the output-gradient pre-hooks (before ``loss.backward()``)."""
         for call in self.calls:
-            if call.node is not None:  # a tensor output: its node as the forward pass made it
-                flat, nodes = [call.output], [call.node]
-            else:
-                flat = _flat_outputs(call.output)
-                nodes = [t.grad_fn for t in flat]
-            want = [i for i, node in enumerate(nodes) if node is not None]
-            call.want = want
-            call.entries = [flat[i] for i in want]
-            call.grads = [None] * len(want)
-            call.waiting = len(want)
-            by_node: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
-            for slot, i in enumerate(want):
-                by_node.setdefault(id(nodes[i]), (nodes[i], []))[1].append((flat[i].output_nr, slot))
-            for node, entries in by_node.values():
-                self._handles.append(node.register_prehook(partial(self._on_grads, call, entries)))
+            self._register(call)
+        self.tracer.live = self
+
+    def adopt(self, call: Call) -> None:
+        """A forward call made while this backend is live, i.e. during the backward pass.
+
+        A reentrant activation checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``)
+        runs its segment without gradients in the forward pass and again, with gradients,
+        inside the backward pass: the parameters of that segment get their per-sample
+        gradients from the second run. A call whose parameters a call of the forward pass
+        covers already (a non-reentrant checkpoint's recomputation, which only restores
+        saved tensors) is ignored.
+        """
+        own = [p for p in self.tracer.named_params(call.module, recurse=False).values() if id(p) in self._params]
+        if not own or any(id(p) in self._assigned for p in own):
+            return
+        for adopted in self._assign([call], self._handled):
+            self._assigned.update(id(p) for p in adopted.params)
+            self.calls.append(adopted)
+            self._register(adopted)
+
+    def _register(self, call: Call) -> None:
+        if call.node is not None:  # a tensor output: its node as the forward pass made it
+            flat, nodes = [call.output], [call.node]
+        else:
+            flat = _flat_outputs(call.output)
+            nodes = [t.grad_fn for t in flat]
+        want = [i for i, node in enumerate(nodes) if node is not None]
+        call.want = want
+        call.entries = [flat[i] for i in want]
+        call.grads = [None] * len(want)
+        call.waiting = len(want)
+        by_node: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
+        for slot, i in enumerate(want):
+            by_node.setdefault(id(nodes[i]), (nodes[i], []))[1].append((flat[i].output_nr, slot))
+        for node, entries in by_node.values():
+            self._handles.append(node.register_prehook(partial(self._on_grads, call, entries)))
 
     def _on_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
         if call.waiting <= 0:
@@ -496,6 +527,8 @@ class HookBackend:
             self._deliver_sum(key)
 
     def remove_hooks(self) -> None:
+        if getattr(self.tracer, "live", None) is self:
+            self.tracer.live = None
         for handle in self._handles:
             handle.remove()
         self._handles = []

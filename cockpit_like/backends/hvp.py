@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MissingGraphError", "hessian_vector_product", "HutchinsonDiagonal"]
+__all__ = ["MissingGraphError", "hessian_vector_product", "HutchinsonDiagonal", "graph_limit"]
 
 
 class MissingGraphError(RuntimeError):
@@ -80,6 +80,9 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                     allow_unused=True,
                 )
             except RuntimeError as error:
+                limit = graph_limit(error)
+                if limit is not None:
+                    raise RuntimeError(f"{owner}: {limit}") from error
                 if "derivative for" in str(error) and "not implemented" in str(error):
                     raise RuntimeError(
                         f"{owner}: an operation of this step's forward pass has no second derivative "
@@ -109,6 +112,25 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
         return product if local else global_product(product)
 
     return matvec
+
+
+def graph_limit(error: BaseException) -> str | None:
+    """What a PyTorch feature of the model prevents, if ``error`` says that Hessian-vector products cannot run."""
+    text = str(error)
+    if "does not currently support double backward" in text or "requires create_graph=False" in text:
+        return (
+            "Hessian-vector products need a second backward pass through the model, which torch.compile's default "
+            "backend (aot_autograd) does not support. Compile with torch.compile(model, backend='eager') while "
+            "curvature quantities are tracked, or leave out the quantities that need the graph (HessMaxEV, "
+            "curvature='hutchinson'; e.g. configuration('economy'))."
+        )
+    if "use_reentrant=True" in text:
+        return (
+            "Hessian-vector products differentiate p.grad with torch.autograd.grad, which PyTorch does not allow "
+            "through a reentrant activation checkpoint. Use torch.utils.checkpoint(..., use_reentrant=False), or "
+            "leave out the quantities that need the graph (HessMaxEV, curvature='hutchinson')."
+        )
+    return None
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,14 @@ class StepExecution:
         if exc_type is not None:
             if self.hook_backend is not None:
                 self.hook_backend.remove_hooks()
+            if self._create_graph and isinstance(exc, RuntimeError):
+                from cockpit_like.backends.hvp import graph_limit
+
+                limit = graph_limit(exc)
+                if limit is not None:
+                    raise RuntimeError(
+                        f"step {self.step} needs loss.backward(create_graph=True) for curvature quantities: {limit}"
+                    ) from exc
             if _from_backpack(exc) and not isinstance(exc, UnsupportedLayerError):
                 raise UnsupportedLayerError(
                     f"BackPACK cannot run the extensions needed at step {self.step} "
