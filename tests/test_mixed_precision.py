@@ -122,6 +122,13 @@ def test_a_skipped_step_is_stored_as_skipped(tmp_path):
     assert streamed[1] == output[1]
     # the gradients the scaler saw were not changed by the cockpit
     assert all(p.grad is not None for p in model.parameters())
+    # the dashboard says so, live and from the log
+    from cockpit_like import CockpitPlotter
+
+    cockpit.write(tmp_path / "run")
+    for source in (cockpit, str(tmp_path / "run.json")):
+        figure = CockpitPlotter().plot(source, show_plot=False, save_plot=False)
+        assert "1 step skipped by the GradScaler (last: 1)" in figure._suptitle.get_text()
 
 
 def _relative(a, b):

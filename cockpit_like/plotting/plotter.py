@@ -237,7 +237,11 @@ class CockpitPlotter:
             return plot_title
         name = Path(logpath).name if logpath else "live run"
         last = max(data.steps) if data.steps else None
-        return f"Cockpit: {name}" + (f" (step {last})" if last is not None else " (no data yet)")
+        title = f"Cockpit: {name}" + (f" (step {last})" if last is not None else " (no data yet)")
+        skipped, _ = data.values("skipped")  # steps a GradScaler skipped (docs/your_training_loop.md)
+        if skipped:
+            title += f" | {len(skipped)} step{'s' if len(skipped) > 1 else ''} skipped by the GradScaler (last: {skipped[-1]})"
+        return title
 
     @staticmethod
     def _save(fig: Figure, logpath, savedir, savename: str, savename_append, savefig_kwargs) -> Path:
