@@ -41,6 +41,7 @@ __all__ = [
     "MEAN_FIELDS",
     "StepGradients",
     "step_grad",
+    "step_memo",
     "is_dtensor",
     "whole",
     "PartitionError",
@@ -389,6 +390,7 @@ class StepGradients:
         self._originals = list(params)
         self._saved: list[torch.Tensor | None] | None = None
         self._stand_ins: dict[int, torch.Tensor] = {}
+        self._memo: dict[Any, Any] = {}
 
     def apply(self) -> None:
         global _VIEW
@@ -412,6 +414,12 @@ class StepGradients:
                     param.grad = grad * inverse
         _VIEW = self
 
+    def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per step for ``key`` (e.g. the optimizer's look-ahead, the same for every partition)."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         stand_in = self._stand_ins.get(id(param))
         return param.grad if stand_in is None else stand_in.grad
@@ -426,7 +434,7 @@ class StepGradients:
         global _VIEW
         if _VIEW is self:
             _VIEW = None
-        self._stand_ins = {}
+        self._stand_ins, self._memo = {}, {}
         self.params = list(self._originals)
         if self._saved is None:
             return
@@ -442,6 +450,11 @@ _VIEW: StepGradients | None = None
 def step_grad(param: torch.Tensor) -> torch.Tensor | None:
     """``param``'s gradient of the step as the quantities see it (unscaled, whole; see :class:`StepGradients`)."""
     return param.grad if _VIEW is None else _VIEW.grad_of(param)
+
+
+def step_memo(key: Any, compute: Callable[[], Any]) -> Any:
+    """``compute()``, once per finishing step for ``key`` (every partition's statistic asks the same)."""
+    return compute() if _VIEW is None else _VIEW.memo(key, compute)
 
 
 def is_dtensor(tensor: Any) -> bool:

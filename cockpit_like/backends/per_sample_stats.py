@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
-from cockpit_like.backends.partitions import step_grad, whole
+from cockpit_like.backends.partitions import step_grad, step_memo, whole
 from cockpit_like.backends.per_sample import PerSampleStat
 
 __all__ = [
@@ -587,7 +587,13 @@ class PredictedSlopes(PerSampleStat):
         params = state["params"]
         grads = [step_grad(p).detach() for p in params]
         optimizer = state["optimizer"]
-        direction = [-g for g in grads] if optimizer is None else [whole(d) for d in lookahead_update(optimizer, params)]
+        if optimizer is None:
+            direction = [-g for g in grads]
+        else:  # the same update for every partition of the step: one look-ahead
+            direction = step_memo(
+                ("lookahead", id(optimizer), tuple(id(p) for p in params)),
+                lambda: [whole(d) for d in lookahead_update(optimizer, params)],
+            )
         dots = sum(kept.dots(direction[index]) for index, _, kept in state["pending"])
         state["pending"].clear()
         return {"mode": "predicted", "dots": dots, "direction": direction, "grad_sum": grads}

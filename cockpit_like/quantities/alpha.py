@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import whole
+from cockpit_like.backends.partitions import step_memo, whole
 from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity
@@ -140,7 +140,11 @@ class Alpha(TwoStepQuantity):
             )
             return [-g for g in grad_sum]
         try:  # the optimizer owns the cockpit's own tensors (params may be whole stand-ins of sharded ones)
-            return [whole(d) for d in lookahead_update(optimizer, record.live_params or params)]
+            live = record.live_params or params
+            return step_memo(
+                ("lookahead", id(optimizer), tuple(id(p) for p in live)),
+                lambda: [whole(d) for d in lookahead_update(optimizer, live)],
+            )
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
             warnings.warn(
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
