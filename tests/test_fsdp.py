@@ -104,7 +104,28 @@ def _job(rank: int) -> dict:
         result["refused"] = "no error"
     except Exception as error:  # noqa: BLE001
         result["refused"] = f"{type(error).__name__}: {error}"
+    result["failing_rank"] = _failing_rank(rank)
     return result
+
+
+def _failing_rank(rank: int) -> str:
+    """Rank 1 raises inside the cockpit context after its backward pass: rank 0 stops with a clear error."""
+    problem = _mlp()
+    model = _shard(problem.model)
+    cockpit = Cockpit(model.parameters(), configuration("economy", linear(1)), model=model, distributed_timeout=20)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, targets = problem.batch(GLOBAL_BATCH, 5)
+    outputs = model(inputs[_rows(rank)])
+    losses = problem.sample_losses(outputs, targets[_rows(rank)])
+    info = {"batch_size": 4, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
+    try:
+        with cockpit(0, info=info):
+            losses.mean().backward()
+            if rank == 1:
+                raise ValueError("boom on rank 1")
+        return "no error"
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {error}"
 
 
 def _worker(rank: int, port: int, folder: str) -> None:
@@ -148,3 +169,8 @@ def test_hessian_vector_products_are_refused_by_name(ranks):
     for rank in range(WORLD):
         message = ranks[rank]["refused"]
         assert message.startswith("NotImplementedError") and "HessMaxEV" in message and "fully_shard" in message
+
+
+def test_a_rank_that_raises_ends_the_other_with_a_clear_error(ranks):
+    assert ranks[1]["failing_rank"] == "ValueError: boom on rank 1"
+    assert ranks[0]["failing_rank"].startswith("DistributedStepError") and "rank(s) [1]" in ranks[0]["failing_rank"]
