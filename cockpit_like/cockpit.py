@@ -16,26 +16,22 @@ Frameworks that own the backward pass use the same step as two calls,
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-from cockpit_like import context
 from cockpit_like.backends.distributed import RankGroup
 from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
 from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
-from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, micro_batches_of
-from cockpit_like.backends.step import NotExtendedError, StepExecution, UnsupportedLayerError
+from cockpit_like.backends.partitions import StepPartitions, micro_batches_of
+from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
-from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
-from cockpit_like.quantities.needs import StepNeeds
 from cockpit_like.quantities.quantity import Quantity
+from cockpit_like.tracked_step import StepContext, TrackedStep
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
 
@@ -143,7 +139,7 @@ class Cockpit:
         self._initial_settings: dict[int, dict[str, Any]] = {}  # as added, to check a resumed state
         self._epoch_logs: dict[int, dict[str, Any]] = {}
         self._stream: StreamWriter | None = None
-        self._open_step: _TrackedStep | None = None
+        self._open_step: TrackedStep | None = None
         #: the optimizer step whose backward passes (micro-batches) are being collected
         self._partitions: StepPartitions | None = None
         self._micro: tuple[int, int, int] | None = None  # (step, backward passes done, micro_batches)
@@ -313,7 +309,7 @@ class Cockpit:
         """The context manager around ``loss.backward()`` for ``global_step``
         (:meth:`begin` on entry, :meth:`end` on exit)."""
         _check_step_arguments(global_step, info)
-        return _StepContext(self, global_step, exts, info or {}, debug)
+        return StepContext(self, global_step, exts, info or {}, debug)
 
     def begin(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False) -> None:
         """Open ``global_step``: call before ``loss.backward()``, then :meth:`end`.
@@ -330,7 +326,7 @@ class Cockpit:
                 "before beginning the next one."
             )
         micro, count = self._micro_batch(global_step, info or {})
-        tracked = _TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
+        tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
             with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
@@ -640,218 +636,3 @@ def _check_step_arguments(global_step: Any, info: Any) -> None:
         raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
-
-
-class _StepContext:
-    """What ``cockpit(step, ...)`` returns: ``with`` calls ``begin`` and ``end``."""
-
-    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool):
-        self.cockpit = cockpit
-        self.step = global_step
-        self.exts = exts
-        self.info = info
-        self.debug = debug
-
-    def __enter__(self) -> _StepContext:
-        self.cockpit.begin(self.step, *self.exts, info=self.info, debug=self.debug)
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> bool:
-        self.cockpit.end(exc)
-        return False
-
-
-class _TrackedStep:
-    """One backward pass of a step, from :meth:`Cockpit.begin` to :meth:`Cockpit.end`.
-
-    A step is one optimizer step: with ``info["micro_batches"] = K`` its ``K``
-    backward passes are partitions of its rows
-    (:mod:`cockpit_like.backends.partitions`), merged after the last one, when
-    the quantities are tracked.
-    """
-
-    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool, micro: int, micro_batches: int):
-        self.cockpit = cockpit
-        self.step = global_step
-        self.user_exts = exts
-        self.info = info
-        self.debug = debug
-        self.micro, self.micro_batches = micro, micro_batches
-        self.last = micro == micro_batches - 1
-        self.active: list[Quantity] = []
-        #: the step's quantities were tracked (its last backward pass, not skipped)
-        self.completed = False
-        self._execution: StepExecution | None = None
-        self._loss_is_finite = True
-        self._loss_finite: bool | None | object = _UNCHECKED
-        self._split = micro_batches > 1 or cockpit._ranks is not None
-
-    # ---- enter: collect the needs -----------------------------------------------
-    def __enter__(self) -> _TrackedStep:
-        cockpit, step = self.cockpit, self.step
-        cockpit._next_step = step + 1 if self.last else step  # the next forward pass belongs to this step
-        self.active = list(cockpit._active_at(step))
-        if not self.active and not self.user_exts:
-            cockpit._tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
-            if self.debug:
-                print(f"[cockpit_like|step {step}] nothing scheduled")
-            return self
-
-        for quantity in self.active:
-            for key in sorted(quantity.required_info(step)):
-                if key not in self.info:
-                    raise context.MissingInfoError(key, cockpit.name_of(quantity), step)
-        if self.micro_batches > 1 and self.active and "batch_size" not in self.info:
-            raise context.MissingInfoError("batch_size", f"gradient accumulation (info['micro_batches'] = {self.micro_batches})", step)
-        self._check_loss()
-        create_graph = cockpit.create_graph(step)
-        if cockpit._ranks is not None and self.active:
-            owners = tuple(cockpit.name_of(q) for q in self.active if q.create_graph(step))
-            cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, self.last, owners)
-        needs = StepNeeds.collect(self.active, step, cockpit.name_of, self.user_exts, create_graph)
-        if self._split:  # the form each backward pass computes when the step has several (equal results)
-            needs = needs.partitioned()
-        if self.active and (cockpit._partitions is None or cockpit._partitions.step != step):
-            cockpit._partitions = StepPartitions(step, self.micro_batches, grad_scale(self.info, step))
-        scale = cockpit._partitions.scale if self.active else 1.0
-        try:
-            self._execution = StepExecution(
-                step,
-                cockpit.params,
-                needs,
-                tracer=cockpit._tracer,
-                collector=cockpit._module_collector,
-                names=cockpit._names_of_params(),
-                info=self.info,
-                row_scale=self.micro_batches / scale,
-            )
-        except BaseException:
-            cockpit._tracer.drop_calls()
-            raise
-        if self.debug:
-            print(
-                f"[cockpit_like|step {step}] quantities: {[cockpit.name_of(q) for q in self.active]}; "
-                f"{self._execution.describe()}; per-sample statistics: {list(needs.stats)}; "
-                f"create_graph: {create_graph}; backward pass {self.micro + 1} of {self.micro_batches}"
-            )
-        self._execution.enter()
-        return self
-
-    def loss_finite(self) -> bool | None:
-        """Whether ``info["loss"]`` is finite (``None``: no loss given), computed once per step."""
-        if self._loss_finite is _UNCHECKED:
-            self._loss_finite = loss_finite(self.info.get("loss"))
-        return self._loss_finite
-
-    def _check_loss(self) -> None:
-        if self.loss_finite() is False:
-            self._loss_is_finite = False
-            loss = self.info["loss"]
-            warnings.warn(
-                f"[cockpit_like] step {self.step}: the loss is {float(loss.detach() if isinstance(loss, torch.Tensor) else loss):g}; quantities "
-                "that cannot be computed store NaN for this step",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    # ---- exit: compute, store, free ---------------------------------------------
-    def __exit__(self, exc_type, exc, traceback) -> bool:
-        execution = self._execution
-        if execution is None:
-            return False
-        cockpit = self.cockpit
-        ranks = cockpit._ranks if self.active else None
-        partitions = cockpit._partitions
-        try:
-            execution.exit(exc_type, exc, traceback)
-            if exc_type is None and self.active:
-                partitions.add(execution.partition(self._split))
-        except BaseException:
-            self._abandon(ranks, execution)
-            raise
-        if exc_type is not None:
-            self._abandon(ranks, execution)
-            return False
-        if not self.active or not self.last:  # untracked, or more micro-batches to come
-            execution.free()
-            return False
-        cockpit._partitions = None
-        new_values: dict[int, dict[str, Any]] = {}
-        params = cockpit.params
-        view = StepGradients(params, partitions.scale)
-        try:
-            reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
-            if partitions.scale != 1.0 and not gradients_finite(params):
-                cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": partitions.scale})
-                return False
-            view.apply()  # unscaled, whole gradients (GradScaler, FSDP2)
-            if ranks is not None:
-                ranks.unscale_graph_grads(view)
-            stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
-            record = context.StepRecord(
-                global_step=self.step, info=info, params=view.params, stats=stats,
-                loss_is_finite=self._loss_is_finite, live_params=params,
-            )
-            context._activate(record)
-            for quantity in self.active:
-                self._track(quantity, new_values, view.params)
-            self.completed = True
-            if not cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
-                for quantity in self.active:
-                    for step in new_values:
-                        quantity.output.pop(step, None)
-                new_values = {}
-        finally:
-            view.restore()
-            context._activate(None)
-            if ranks is not None:
-                ranks.end_step()
-            execution.free()
-        stream = cockpit._stream
-        if stream is not None:
-            for step, values in sorted(new_values.items()):
-                stream.write_step(step, values)
-        for step, values in sorted(new_values.items()):
-            cockpit._notify(step, values)
-        cockpit._diagnose(new_values)
-        return False
-
-    def _abandon(self, ranks, execution: StepExecution) -> None:
-        """The backward pass failed: the step is dropped (other ranks are told), buffers freed."""
-        self.cockpit._partitions = None
-        if ranks is not None:  # tell the other ranks (backends/distributed.py)
-            ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
-        execution.free()
-
-    def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
-        name = self.cockpit.name_of(quantity)
-        before = dict(_last_items(quantity.output, 2))
-        try:
-            quantity.track(self.step, params, self.info.get("loss"))
-        except Exception as error:
-            if self._loss_is_finite:
-                raise
-            warnings.warn(
-                f"[cockpit_like] step {self.step}: {name} failed on the non-finite loss "
-                f"({type(error).__name__}: {error}); storing NaN",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-            quantity.output[self.step] = math.nan
-        for step, value in _last_items(quantity.output, 2):
-            if before.get(step, _MISSING) is not value:
-                new_values.setdefault(step, {})[name] = value
-
-
-_MISSING = object()
-_UNCHECKED = object()
-
-
-def _last_items(output: dict, count: int) -> list[tuple[int, Any]]:
-    """The ``count`` most recently inserted items (O(count), not O(len(output)))."""
-    items = []
-    for item in reversed(output.items()):
-        items.append(item)
-        if len(items) == count:
-            break
-    return items

@@ -340,7 +340,7 @@ def test_schedules_are_asked_once_per_step_and_again_after_add():
 
 def test_the_loss_is_checked_once_per_step(monkeypatch):
     """The recorder's automatic check and the tracked step's check share one look at the loss."""
-    import cockpit_like.cockpit as engine
+    import cockpit_like.tracked_step as engine
 
     checked = []
     original = engine.loss_finite
