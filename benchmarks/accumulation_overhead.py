@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.overhead import HOOK_PROBLEMS, batch_size_of, build_problem, make_batches, token_losses  # noqa: E402
+from benchmarks.overhead import HOOK_PROBLEMS, LANGUAGE_MODELS, batch_size_of, build_problem, make_batches, token_losses  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "accumulation_overhead.json"
 CONFIGS = ("plain", "plain_k", "economy", "economy_k")
@@ -92,7 +92,7 @@ def accumulation_job(problem: str, steps: int, warmup: int, micro: int) -> dict:
     batch_size = batch_size_of(problem, None)
     base, shape = build_problem(problem, batch_size)
     batches = make_batches(problem, base, shape, batch_size)
-    language_model = problem == "gpt"
+    language_model = problem in LANGUAGE_MODELS
     runs = {}
     for config in CONFIGS:
         model = copy.deepcopy(base)

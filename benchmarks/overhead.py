@@ -43,6 +43,8 @@ Usage::
     python benchmarks/overhead.py --quick    # about a minute, MLP only, prints the table
     python benchmarks/overhead.py --problems gpt,resnet --merge benchmarks/results/overhead.json
         # measure two problems, keep the others' figures from the previous run
+    python benchmarks/overhead.py --problems gpt2-small --configs economy --rounds 1 --steps 2 --no-docs
+        # GPT-2 small (124M parameters, batch 8 x 256 tokens; opt-in: a CPU step takes seconds)
 
 Results: ``benchmarks/results/overhead.json`` (``overhead_quick.json`` with
 ``--quick``) and a markdown table (also in ``docs/performance.md`` between
@@ -70,10 +72,14 @@ DOC = ROOT / "docs" / "performance.md"
 BEGIN, END = "<!-- BEGIN overhead table -->", "<!-- END overhead table -->"
 
 PROBLEMS = ("mlp", "3c3d", "2c2d", "gpt", "resnet")
+#: problems measured only when named in ``--problems`` (one CPU step takes many seconds)
+OPT_IN_PROBLEMS = ("gpt2-small",)
 #: problems whose model is not extended: ``Cockpit(..., model=model)``, the hook backend
-HOOK_PROBLEMS = ("gpt", "resnet")
+HOOK_PROBLEMS = ("gpt", "resnet", "gpt2-small")
+#: causal language models: token ids in, mean next-token cross-entropy, a sample is a sequence
+LANGUAGE_MODELS = ("gpt", "gpt2-small")
 #: batch size of a problem unless ``--batch-size`` is given (128 for the others)
-BATCH_SIZES = {"gpt": 16}
+BATCH_SIZES = {"gpt": 16, "gpt2-small": 8}
 DEFAULT_BATCH_SIZE = 128
 MAIN_CONFIGS = ("nothing", "economy", "business", "full", "full_every10")
 QUICK_QUANTITIES = ("NormTest", "GradHist1d", "HessTrace")
@@ -84,6 +90,7 @@ TARGETS = {
     "3c3d": {"nothing": 1.05, "economy": 2.5, "business": 4.0, "full": 10.0, "full_every10": 1.5},
     "mlp": {"nothing": 1.3, "economy": 30.0, "business": 35.0, "full": 80.0, "full_every10": 8.0},
     "gpt": {"nothing": 1.05, "economy": 2.5, "full_every10": 3.0},
+    "gpt2-small": {"economy": 1.5},
     "resnet": {"nothing": 1.05, "economy": 2.5, "full_every10": 3.0},
 }
 #: Memory target: added peak memory <= this fraction of B x D x 4 bytes.
@@ -124,6 +131,16 @@ def _gpt(small: bool = False):
     )  # fmt: skip
     model = GPT2LMHeadModel(config).train()
     return model, (length,)
+
+
+def _gpt2_small():
+    """GPT-2 small: the Hugging Face ``GPT2Config()`` defaults (12 layers, width 768, 12 heads, vocabulary
+    50257, 124M parameters, tied embedding) with dropout off, built from the config (no download);
+    sequences of 256 tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    return GPT2LMHeadModel(config).train(), (256,)
 
 
 def _resnet(small: bool = False):
@@ -179,6 +196,8 @@ def build_problem(name: str, batch_size: int, small: bool = False):
     torch.manual_seed(0)
     if name == "gpt":
         return _gpt(small)
+    if name == "gpt2-small":
+        return _gpt2_small()
     if name == "resnet":
         return _resnet(small)
     if name == "mlp":
@@ -212,7 +231,7 @@ def build_problem(name: str, batch_size: int, small: bool = False):
         )  # fmt: skip
         shape = (1, 28, 28)
     else:
-        raise ValueError(f"unknown problem {name!r}; choose from {PROBLEMS}")
+        raise ValueError(f"unknown problem {name!r}; choose from {PROBLEMS + OPT_IN_PROBLEMS}")
     return model, shape
 
 
@@ -226,7 +245,7 @@ def make_batches(name: str, model, shape: tuple, batch_size: int, count: int = 4
     import torch
 
     generator = torch.Generator().manual_seed(1)
-    if name == "gpt":
+    if name in LANGUAGE_MODELS:
         vocab = model.config.vocab_size
         batches = []
         for _ in range(count):
@@ -296,7 +315,7 @@ def run_child(args) -> dict:
     batches = make_batches(args.problem, model, shape, args.batch_size)
     lossfunc = nn.CrossEntropyLoss()
     individual = nn.CrossEntropyLoss(reduction="none")
-    language_model = args.problem == "gpt"
+    language_model = args.problem in LANGUAGE_MODELS
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     cockpit = None
     if quantities is not None:
@@ -613,7 +632,10 @@ def update_doc(table: str, path: Path = DOC) -> bool:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="about a minute: MLP, few steps, 1 round")
-    parser.add_argument("--problems", default=None, help=f"comma-separated subset of {','.join(PROBLEMS)}")
+    parser.add_argument(
+        "--problems", default=None,
+        help=f"comma-separated subset of {','.join(PROBLEMS)} (default: all), or {','.join(OPT_IN_PROBLEMS)}",
+    )  # fmt: skip
     parser.add_argument(
         "--configs", default=None,
         help="comma-separated main configurations (plain is always run) out of "
@@ -691,8 +713,8 @@ def main(argv=None) -> int:
     quick = args.quick
     problems = args.problems.split(",") if args.problems else (["mlp"] if quick else list(PROBLEMS))
     for p in problems:
-        if p not in PROBLEMS:
-            raise SystemExit(f"unknown problem {p!r}; choose from {','.join(PROBLEMS)}")
+        if p not in PROBLEMS + OPT_IN_PROBLEMS:
+            raise SystemExit(f"unknown problem {p!r}; choose from {','.join(PROBLEMS + OPT_IN_PROBLEMS)}")
     if args.configs is None:
         configs = list(MAIN_CONFIGS)
     elif args.configs == "none":
