@@ -117,7 +117,7 @@ def test_unknown_names_are_rejected(tmp_path):
         assert done.returncode != 0 and "unknown" in done.stderr
 
 
-@pytest.mark.parametrize("problem", overhead.HOOK_PROBLEMS)
+@pytest.mark.parametrize("problem", [p for p in overhead.HOOK_PROBLEMS if p not in overhead.OPT_IN_PROBLEMS])
 def test_hook_problems_build_and_run_one_step(problem):
     """gpt and resnet (small sizes) train one economy step with Cockpit(model=model), not extended."""
     import torch
@@ -148,6 +148,15 @@ def test_hook_problems_build_and_run_one_step(problem):
     optimizer.step()
     output = cockpit.get_output()[0]
     assert {"NormTest", "GradHist1d", "GradNorm"} <= set(output)
+
+
+def test_gpt2_small_is_the_hugging_face_default_configuration():
+    """124M parameters (tied embedding), batch 8 x 256 tokens, dropout off; opt-in (not in the default run)."""
+    model, shape = overhead.build_problem("gpt2-small", 8)
+    config = model.config
+    assert (config.n_layer, config.n_embd, config.n_head, config.vocab_size, shape) == (12, 768, 12, 50257, (256,))
+    assert 124_000_000 < sum(p.numel() for p in model.parameters()) < 125_000_000
+    assert overhead.batch_size_of("gpt2-small", None) == 8 and "gpt2-small" not in overhead.PROBLEMS
 
 
 def test_full_size_hook_problems():
