@@ -10,6 +10,7 @@ statistic                   result                                          used
 ==========================  ==============================================  =====================================
 :class:`GramSummary`        ``(diag(G), G.sum(1))`` of the Gram matrix      NormTest, InnerTest, OrthoTest
                             ``G[i, k] = sum_p <gb_p[i], gb_p[k]>`` (2 x B)
+:class:`SquaredNorms`       ``[||gb[i]||^2 for i]`` (B)                    per-sample gradient norms (benchmarks)
 :class:`SumOfSquares`       ``[s_p = sum_i gb_p[i]**2 for p]`` (O(D))       MeanGSNR, CABS, EarlyStopping
 :class:`AbsMax`             ``(max_{p,i,j} |gb_p[i, j]|, B)``               bin_adaptation.GradAbsMax
 :class:`Histogram1dCounts`  counts of ``B * gb`` entries                    GradHist1d
@@ -60,6 +61,7 @@ from cockpit_like.backends.per_sample import PerSampleStat
 
 __all__ = [
     "GramSummary",
+    "SquaredNorms",
     "SumOfSquares",
     "AbsMax",
     "Histogram1dCounts",
@@ -180,6 +182,44 @@ class GramSummary(PerSampleStat):
         if state is None:
             return (diag, row_sums)
         return (state[0].add_(diag), None if row_sums is None else state[1].add_(row_sums))
+
+
+@dataclass(frozen=True)
+class SquaredNorms(PerSampleStat):
+    """``[||grad_batch[i]||^2 for i] = [||g_i||^2 / B^2]``: the diagonal of :class:`GramSummary` alone.
+
+    Per-sample gradient norms (e.g. for clipping) at ``O(B (in + out))`` per
+    linear layer from its factors, ``O(B T^2)`` from sequence factors when
+    ``T (R + C) < R C`` (two ``T x T`` Gram matrices), else from ``grad_batch``.
+    """
+
+    factor_form = True
+    sequence_form = True
+
+    def init(self, params):
+        return None
+
+    def accumulate(self, state, index, param, grad_batch):
+        return self._fold(state, torch.linalg.vector_norm(_flat(grad_batch.detach()), dim=1).square_())
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        delta = delta.detach()
+        squares = (delta * delta).sum(1)
+        if kind != "bias":
+            x = x.detach()
+            squares.mul_((x * x).sum(1))
+        return self._fold(state, squares)
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        return self._fold(state, GramSummary._sequence_diag(a.detach(), b.detach()))
+
+    @staticmethod
+    def _fold(state, squares):
+        return squares if state is None else state.add_(squares)
+
+    def across_ranks(self, result, reduction):
+        part = reduction.cat(result * reduction.local_batch**2)  # ||g_i||^2 on every rank
+        return lambda: part.value / reduction.batch**2
 
 
 @dataclass(frozen=True)
