@@ -136,7 +136,7 @@ SETTINGS: list[dict[str, Any]] = [
     # ---- data
     _setting("shuffled-labels-mlp-adam", "mlp", "adam", 1e-3, "labels-do-not-match", options={"shuffle_labels": True}),
     _setting("unnormalized-inputs-mlp-sgd", "mlp", "sgd", 0.1, "unnormalized-inputs", options={"input_scale": 255.0}),
-    _setting("overfitting-mlp-adam", "mlp", "adam", 1e-2, "overfitting", steps=80,
+    _setting("overfitting-mlp-adam", "mlp", "adam", 3e-3, "overfitting", steps=80,
              options={"train_size": 48, "label_noise": 0.6, "width": 256, "valid_every": 2}),
     _setting("nan-operation-mlp", "mlp", "adam", 1e-3, "nonfinite-operation", onset=25,
              options={"normalize_rows": True, "zero_row_at": 25}),

@@ -17,11 +17,16 @@ How findings are grouped (deterministic, from the findings alone):
    change although they get a gradient point at a frozen layer, with a zero
    gradient at whatever stopped the gradient; a non-finite loss with no
    blow-up before it points at an operation.
-2. The earliest evidence opens an incident; among evidence found within
-   ``slack`` tracked steps of it (rules need different numbers of steps to
-   be sure), the cause earliest in :data:`CAUSE_ORDER` wins (a cause before
-   the causes it can produce: inputs and initialization before a learning
-   rate, a learning rate before dead units).
+2. The earliest evidence (by ``evidence["since"]``, the step where a
+   finding's evidence starts, else its step) opens an incident; among
+   evidence starting within ``slack`` tracked steps of it (rules need
+   different numbers of steps to be sure), the cause earliest in
+   :data:`CAUSE_ORDER` wins (a cause before the causes it can produce:
+   inputs and initialization before a learning rate, a learning rate before
+   dead units). Findings of rules that mostly see symptoms (dead units,
+   vanishing gradients, unchanged parameters, a loss that does not fall)
+   compete only when nothing stronger is near, unless they hold from the
+   first tracked step (``evidence["at_start"]``).
 3. The incident takes every later finding its cause explains (its own
    evidence, and the symptoms listed in :data:`CAUSES`); what is left opens
    the next incident. ``info`` findings are attached as symptoms where a
@@ -43,7 +48,7 @@ from typing import Any
 
 from cockpit_like.diagnosis.findings import Finding, severity_rank
 
-__all__ = ["CAUSES", "CAUSE_ORDER", "Cause", "Incident", "cause_of", "group_findings"]
+__all__ = ["CAUSES", "CAUSE_ORDER", "Cause", "Incident", "cause_of", "group_findings", "since"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ CAUSES: dict[str, Cause] = {
 }
 
 #: the order in which causes win when their evidence is found within ``slack`` steps of each other
-CAUSE_ORDER = ("unnormalized-inputs", "poor-initialization", "exploding-gradient", "learning-rate-too-large",
+CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "learning-rate-too-large",
                "nonfinite-operation", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
                "batch-too-small", "labels-do-not-match", "gradient-noise", "other")
 
@@ -146,15 +151,33 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
         return "learning-rate-too-large"
     if rule == "nonfinite-loss":
         return _nonfinite_cause(finding, findings)
+    if rule == "vanishing-gradient" and finding.evidence.get("zero"):
+        return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
     if rule == "unchanged-parameters":
         return "frozen-layer" if finding.evidence.get("has_gradient") else "dead-units"
     return _DIRECT.get(rule, "other")
 
 
+#: rules whose findings are mostly symptoms: they name a cause of their own only when seen from the
+#: first tracked step (``evidence["at_start"]``), or when nothing stronger is found near them
+_SYMPTOM_RULES = ("vanishing-gradient", "saturated-units", "dead-units", "unchanged-parameters",
+                  "loss-not-decreasing", "noisy-loss", "update-ratio-too-small", "noise-dominated")
+
+
+def _weak(finding: Finding) -> bool:
+    return finding.rule in _SYMPTOM_RULES and not finding.evidence.get("at_start")
+
+
+def since(finding: Finding) -> int:
+    """The step where the evidence of ``finding`` starts (``evidence["since"]``, else its step)."""
+    value = finding.evidence.get("since") if isinstance(finding.evidence, dict) else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else int(finding.step)
+
+
 def _nonfinite_cause(finding: Finding, findings: Iterable[Finding]) -> str:
     blow_up = {"loss-diverging", "update-ratio-too-large", "loss-spikes"}
     for other in findings:
-        if other.step <= finding.step and (other.rule in blow_up or (
+        if other.step <= finding.step and other is not finding and (other.rule in blow_up or (
                 other.rule == "exploding-gradient" and other.severity != "error")):
             return "learning-rate-too-large"
     return "nonfinite-operation"
@@ -168,7 +191,7 @@ class Incident:
         cause: an id of :data:`CAUSES`.
         title: the cause in words.
         severity: the most severe of its findings.
-        step: the first step of its evidence.
+        step: the step where its evidence starts (``evidence["since"]`` of its findings, else their step).
         fix: the fix for the cause.
         evidence: findings that point at the cause, by step.
         symptoms: findings the cause explains, by step.
@@ -206,7 +229,7 @@ def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident
     """
     if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
         raise ValueError(f"slack must be an int >= 0, got {slack!r}")
-    ordered = sorted(findings, key=lambda f: (f.step, -severity_rank(f.severity)))
+    ordered = sorted(findings, key=lambda f: (since(f), f.step, -severity_rank(f.severity)))
     for finding in ordered:
         if not isinstance(finding, Finding):
             raise ValueError(f"group_findings takes Finding objects, got {type(finding).__name__}")
@@ -218,13 +241,14 @@ def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident
             openers = [f for f in left if (severity_rank(f.severity) >= 1) == loud]
             if not openers:
                 break
-            start = openers[0].step
-            near = [f for f in openers if f.step <= start + slack]
+            start = since(openers[0])
+            near = [f for f in openers if since(f) <= start + slack]
+            near = [f for f in near if not _weak(f)] or near
             cause_id = min((causes[id(f)] for f in near), key=CAUSE_ORDER.index)
             cause = CAUSES[cause_id]
             evidence = [f for f in left if causes[id(f)] == cause_id]
-            first = min(f.step for f in evidence)
-            symptoms = [f for f in left if f not in evidence and f.rule in cause.symptoms and f.step >= first - slack]
+            first = min(since(f) for f in evidence)
+            symptoms = [f for f in left if f not in evidence and f.rule in cause.symptoms and since(f) >= first - slack]
             taken = {id(f) for f in evidence + symptoms}
             left = [f for f in left if id(f) not in taken]
             severity = max((f.severity for f in evidence + symptoms), key=severity_rank)
