@@ -178,7 +178,12 @@ def test_sharpness_above_stability():
     assert found.evidence["products"] == pytest.approx([2.5, 2.5, 2.5]) and "0.08" in found.fix
     h.add(12, {"learning_rate": 0.05})  # the rate at or before each step counts
     assert R.SharpnessAboveStability().check(h) == []
-    assert R.SharpnessAboveStability().missing(history({"HessMaxEV": [25.0]})) == ["learning_rate"]
+    assert R.SharpnessAboveStability().missing(history({"HessMaxEV": [25.0]})) == [
+        "learning_rate (cockpit.log) or LearningRate"]
+    # the tracked LearningRate stands in for a logged one (the largest of several groups)
+    tracked = history({"HessMaxEV": [25.0] * 3, "LearningRate": [[0.1, 0.01]] * 3})
+    assert R.SharpnessAboveStability().missing(tracked) == []
+    assert R.SharpnessAboveStability().check(tracked)[0].evidence["learning_rates"] == [0.1] * 3
 
 
 def test_noise_dominated_suggests_a_batch():
@@ -421,8 +426,10 @@ def test_panel_live_and_from_the_log(tmp_path):
         plotter.plot(source, show_plot=False)
         texts.append(_panel_texts(plotter.axes))
     assert texts[0] == texts[1]
-    assert "finding:error:loss-above-limit" in texts[0] and "finding:warning:dead-units" in texts[0]
-    assert texts[0]["finding:warning:dead-units"].startswith("● WARNING dead-units 1 (step 3)")
+    # a custom rule (no known cause) is listed as a finding; dead units are an incident with their cause's fix
+    assert "finding:error:loss-above-limit" in texts[0] and "incident:warning:dead-units" in texts[0]
+    assert texts[0]["incident:warning:dead-units"] == "● WARNING dead-units (from step 3)"
+    assert "Fix: initialize biases at 0" in texts[0]["incident-body:warning:dead-units"]
     colors = {t.get_gid(): t.get_color() for t in plotter.axes["findings"].texts if t.get_gid()}
     assert colors["finding:error:loss-above-limit"] == "#c00000"
     plotter = CockpitPlotter()

@@ -701,13 +701,30 @@ class SharpnessAboveStability(Rule):
         self.limit = _check_positive("limit", limit)
         self.window = _check_window(window)
 
+    def missing(self, history: RunHistory) -> list[str]:
+        found = [] if history.has("HessMaxEV") else ["HessMaxEV"]
+        if not (history.has("learning_rate") or history.has("LearningRate")):
+            found.append("learning_rate (cockpit.log) or LearningRate")
+        return found
+
+    @staticmethod
+    def _rate(history: RunHistory, step: int) -> float:
+        """The logged ``learning_rate`` at or before ``step``, else the tracked ``LearningRate``
+        (the largest of its parameter groups)."""
+        name = "learning_rate" if history.has("learning_rate") else "LearningRate"
+        value = history.at_or_before(name, step)[1]
+        if isinstance(value, (list, tuple)):
+            rates = [to_float(v) for v in value]
+            return max(rates) if rates else math.nan
+        return to_float(value)
+
     def check(self, history: RunHistory) -> list[Finding]:
         recent = history.last("HessMaxEV", self.window)
         if len(recent) < self.window:
             return []
         products, rates = [], []
         for step, value in recent:
-            rate = to_float(history.at_or_before("learning_rate", step)[1])
+            rate = self._rate(history, step)
             rates.append(rate)
             products.append(rate * to_float(value))
         if not all(math.isfinite(p) and p > self.limit for p in products):
