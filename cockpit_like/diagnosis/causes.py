@@ -140,6 +140,14 @@ _DIRECT = {
 }
 
 
+#: per cause, the rules whose findings are its own evidence (not symptoms), beyond :data:`_DIRECT`
+_OWN = {cause: {rule for rule, named in _DIRECT.items() if named == cause} for cause in set(_DIRECT.values())}
+_OWN.setdefault("learning-rate-too-large", set()).update({"exploding-gradient", "nonfinite-loss"})
+_OWN.setdefault("exploding-gradient", set()).add("exploding-gradient")
+_OWN.setdefault("nonfinite-operation", set()).update({"nonfinite-loss", "exploding-gradient"})
+_OWN.setdefault("frozen-layer", set()).add("unchanged-parameters")
+
+
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
     rule = finding.rule
@@ -229,10 +237,11 @@ def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident
     """
     if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
         raise ValueError(f"slack must be an int >= 0, got {slack!r}")
-    ordered = sorted(findings, key=lambda f: (since(f), f.step, -severity_rank(f.severity)))
-    for finding in ordered:
+    findings = list(findings)
+    for finding in findings:
         if not isinstance(finding, Finding):
             raise ValueError(f"group_findings takes Finding objects, got {type(finding).__name__}")
+    ordered = sorted(findings, key=lambda f: (since(f), f.step, -severity_rank(f.severity)))
     causes = {id(f): cause_of(f, ordered) for f in ordered}
     left = list(ordered)
     incidents: list[Incident] = []
@@ -247,8 +256,13 @@ def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident
             cause_id = min((causes[id(f)] for f in near), key=CAUSE_ORDER.index)
             cause = CAUSES[cause_id]
             evidence = [f for f in left if causes[id(f)] == cause_id]
+            # a finding read as this cause's evidence in context (zero gradients below dead units) is
+            # still listed as a symptom when its rule is one of the cause's symptoms and not its own
+            own = [f for f in evidence if f.rule not in cause.symptoms or f.rule in _OWN.get(cause_id, ())]
+            evidence = own or evidence
             first = min(since(f) for f in evidence)
-            symptoms = [f for f in left if f not in evidence and f.rule in cause.symptoms and since(f) >= first - slack]
+            symptoms = [f for f in left if f not in evidence and f.rule in cause.symptoms and (
+                since(f) >= first - slack or causes[id(f)] == cause_id)]
             taken = {id(f) for f in evidence + symptoms}
             left = [f for f in left if id(f) not in taken]
             severity = max((f.severity for f in evidence + symptoms), key=severity_rank)

@@ -25,12 +25,17 @@ def _rows(findings: list[Finding], width: int) -> list[tuple[str, ...]]:
     return rows
 
 
-def _listing(findings: list[Finding], limit: int = 4) -> str:
-    """``rule layer (step N), ...``: the first ``limit`` findings, then how many more."""
-    parts = [f"{f.rule}{' ' + f.layer if f.layer else ''} (step {f.step})" for f in findings[:limit]]
-    if len(findings) > limit:
-        parts.append(f"+{len(findings) - limit} more")
-    return ", ".join(parts)
+def _listing(findings: list[Finding]) -> str:
+    """``rule (layers; from step N), ...``: per rule, in the order found, the layers it named."""
+    by_rule: dict[str, list[Finding]] = {}
+    for finding in sorted(findings, key=lambda f: f.step):
+        by_rule.setdefault(finding.rule, []).append(finding)
+    parts = []
+    for rule, found in by_rule.items():
+        layers = list(dict.fromkeys(f.layer for f in found if f.layer))
+        named = ", ".join(layers[:3]) + (f" +{len(layers) - 3}" if len(layers) > 3 else "")
+        parts.append(f"{rule} ({named + '; ' if named else ''}from step {found[0].step})")
+    return "; ".join(parts)
 
 
 def format_incidents(incidents: list[Incident], width: int = 72) -> list[str]:
@@ -42,7 +47,8 @@ def format_incidents(incidents: list[Incident], width: int = 72) -> list[str]:
         for label, text in (("evidence", _listing(incident.evidence)), ("symptoms", _listing(incident.symptoms)),
                             ("fix", incident.fix)):
             if text:
-                wrapped = textwrap.wrap(f"{label}: {text}", width, subsequent_indent="     ")
+                wrapped = textwrap.wrap(f"{label}: {text}", width, subsequent_indent="     ",
+                                        break_on_hyphens=False)
                 lines.extend("   " + line for line in wrapped)
     return lines
 

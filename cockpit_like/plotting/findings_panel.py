@@ -76,8 +76,9 @@ def draw_findings(ax, data: RunData, options: Any) -> None:
         text = f"{incident.title}. Evidence: {evidence}."
         if symptoms:
             text += f" Explains: {symptoms}."
-        body = textwrap.fill(textwrap.shorten(text, 190, placeholder=" ..."), 62)
-        body += "\n" + textwrap.fill(textwrap.shorten("Fix: " + incident.fix, 120, placeholder=" ..."), 62)
+        body = textwrap.fill(textwrap.shorten(text, 300, placeholder=" ..."), 66, break_on_hyphens=False)
+        body += "\n" + textwrap.fill(textwrap.shorten("Fix: " + incident.fix, 200, placeholder=" ..."), 66,
+                                     break_on_hyphens=False)
         blocks.append((f"incident:{incident.severity}:{incident.cause}",
                        f"● {incident.severity.upper()} {incident.cause} (from step {incident.step})",
                        incident.severity, body))
@@ -99,7 +100,7 @@ def draw_findings(ax, data: RunData, options: Any) -> None:
 
 def _rules(findings: list) -> str:
     """``rule (N layers), rule``: which rules saw it, how many layers each."""
-    counts: dict[str, int] = {}
+    layers: dict[str, set] = {}
     for finding in findings:
-        counts[finding.rule] = counts.get(finding.rule, 0) + 1
-    return ", ".join(f"{rule} ({n} layers)" if n > 1 else rule for rule, n in counts.items())
+        layers.setdefault(finding.rule, set()).add(finding.layer)
+    return ", ".join(f"{rule} ({len(n)} layers)" if len(n) > 1 else rule for rule, n in layers.items())
