@@ -48,6 +48,15 @@ def _median(values) -> float:
     return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
+def _column_median(matrix: np.ndarray) -> np.ndarray:
+    """The median of each column of a few rows (``np.median(matrix, axis=0)`` without its overhead;
+    a NaN in a column gives NaN)."""
+    ordered = np.sort(matrix, axis=0)
+    rows = ordered.shape[0]
+    middle = ordered[rows // 2] if rows % 2 else 0.5 * (ordered[rows // 2 - 1] + ordered[rows // 2])
+    return np.where(np.isnan(matrix).any(axis=0), np.nan, middle)
+
+
 def _g(value: float) -> str:
     return f"{value:.3g}"
 
@@ -74,6 +83,8 @@ def _check_positive(name: str, value: float) -> float:
 
 #: how many recent values the noise scales of a run look at (keeps the cost per step flat)
 NOISE_VALUES = 200
+#: after how many new values a run's noise scale is computed again (it changes slowly)
+NOISE_EVERY = 8
 
 
 def _robust_scale(values: np.ndarray) -> float:
@@ -81,25 +92,37 @@ def _robust_scale(values: np.ndarray) -> float:
     values = values[np.isfinite(values)]
     if len(values) == 0:
         return 0.0
-    return float(1.4826 * np.median(np.abs(values - np.median(values))))
+    center = _median(values)
+    return 1.4826 * _median(np.abs(values - center))
+
+
+def _noise(history: RunHistory, name: str, log: bool) -> float:
+    """The run's own noise of ``name`` (or of its logarithm) per step: a robust scale of its steps over
+    the last :data:`NOISE_VALUES` finite values, divided by sqrt 2. Kept in ``history.memo`` and
+    computed again after every :data:`NOISE_EVERY` new values (at every value for the first 40),
+    so that the cost per step stays small; the scale changes slowly."""
+    memo = history.memo.setdefault("noise", {})
+    key = (name, log)
+    count, version = history.count(name), history.version(name)
+    cached = memo.get(key)
+    if cached is not None and cached[0] == version and 0 <= count - cached[1] < (NOISE_EVERY if count > 40 else 1):
+        return cached[2]
+    _, values = history.tail(name, NOISE_VALUES)
+    if log:
+        values = np.log(values[values > 0])
+    value = _robust_scale(np.diff(values)) / math.sqrt(2.0) if len(values) >= 3 else 0.0
+    memo[key] = (version, count, value)
+    return value
 
 
 def _log_noise(history: RunHistory, name: str) -> float:
-    """The run's own noise of ``log(value)`` per step (robust scale of its steps / sqrt 2), over the
-    last :data:`NOISE_VALUES` finite positive values."""
-    _, values = history.tail(name, NOISE_VALUES)
-    values = values[values > 0]
-    if len(values) < 3:
-        return 0.0
-    return _robust_scale(np.diff(np.log(values))) / math.sqrt(2.0)
+    """The run's own noise of ``log(value)`` per step (positive values only)."""
+    return _noise(history, name, True)
 
 
 def _abs_noise(history: RunHistory, name: str) -> float:
-    """The run's own noise of a scalar per step (robust scale of its steps / sqrt 2)."""
-    _, values = history.tail(name, NOISE_VALUES)
-    if len(values) < 3:
-        return 0.0
-    return _robust_scale(np.diff(values)) / math.sqrt(2.0)
+    """The run's own noise of a scalar per step."""
+    return _noise(history, name, False)
 
 
 def _check_window(value: int, name: str = "window") -> int:
@@ -192,7 +215,7 @@ class LossDiverging(Rule):
     severity = "error"
     reads = ("Loss",)
 
-    def __init__(self, window: int = 3, factor: float = 3.0, min_factor: float = 1.15, z: float = 8.0,
+    def __init__(self, window: int = 3, factor: float = 3.0, min_factor: float = 1.15, z: float = 12.0,
                  min_gap: float = 0.1):
         self.window = _check_window(window)
         self.min_gap = float(min_gap)
@@ -371,8 +394,17 @@ class ExplodingGradient(Rule):
         self.factor = _check_positive("factor", factor)
 
     def _median_so_far(self, history: RunHistory, totals: list[float]) -> float:
+        """The median of the last :data:`NOISE_VALUES` finite norms (computed again every
+        :data:`NOISE_EVERY` norms once there are 40)."""
+        memo = history.memo.setdefault(f"{self.id}/median", {})
+        version, count = history.version("GradNorm"), len(totals)
+        if memo.get("version") == version and 0 <= count - memo.get("count", -99) < (
+                NOISE_EVERY if count > 40 else 1):
+            return memo["value"]
         finite = [v for v in totals[-NOISE_VALUES:] if math.isfinite(v)]
-        return _median(finite) if finite else math.nan
+        value = _median(finite) if finite else math.nan
+        memo.update(version=version, count=count, value=value)
+        return value
 
     def check(self, history: RunHistory) -> list[Finding]:
         steps, totals = history.series("GradNorm", _total_norm)
@@ -433,10 +465,11 @@ class VanishingGradient(Rule):
         self.floor = float(floor)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        recent = history.last("GradNorm", self.window)
-        if len(recent) < self.window:
+        all_steps, all_rows = history.series("GradNorm", block_values)  # converted once per value
+        if len(all_steps) < self.window:
             return []
-        rows = [_blocks(value) for _, value in recent]
+        recent = list(zip(all_steps[-self.window :], all_rows[-self.window :]))
+        rows = [row for _, row in recent]
         if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
             return []
         norms = np.vstack(rows)
@@ -444,8 +477,8 @@ class VanishingGradient(Rule):
             return []
         largest = norms.max(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
-            relative = np.median(np.where(largest > 0, norms / largest, 1.0), axis=0)
-        median = np.median(norms, axis=0)
+            relative = _column_median(np.where(largest > 0, norms / largest, 1.0))
+        median = _column_median(norms)
         found = []
         steps = [step for step, _ in recent]
         for index in range(norms.shape[1]):
@@ -485,7 +518,16 @@ class _UpdateRatio(Rule):
         self.include_biases = bool(include_biases)
 
     def _ratios(self, history: RunHistory) -> tuple[list[int], np.ndarray] | None:
-        """``(steps, ratios [steps x parameters])`` for up to ``window`` recent steps (oldest first)."""
+        """``(steps, ratios [steps x parameters])`` for up to ``window`` recent steps (oldest first);
+        shared through ``history.memo`` by the rules that read them at the same data."""
+        key = ("ratios", self.window, history.count("UpdateSize"), history.count("ParamNorm"),
+               history.version("UpdateSize"), history.version("ParamNorm"))
+        memo = history.memo.setdefault("update-ratios", {})
+        if memo.get("key") != key:
+            memo.update(key=key, value=self._compute_ratios(history))
+        return memo["value"]
+
+    def _compute_ratios(self, history: RunHistory) -> tuple[list[int], np.ndarray] | None:
         update_steps, updates = history.series("UpdateSize", block_values)
         norm_steps, norms = history.series("ParamNorm", block_values)
         recent_norms = dict(zip(norm_steps[-8 * self.window :], norms[-8 * self.window :]))
@@ -531,7 +573,7 @@ class _UpdateRatio(Rule):
         if found is None or len(found[0]) < self.window:
             return []
         steps, ratios = found
-        median = np.median(ratios, axis=0)
+        median = _column_median(ratios)
         findings = []
         for index in self._layers(history, ratios.shape[1]):
             ratio = float(median[index])
@@ -584,7 +626,7 @@ class UpdateRatioTooLarge(_UpdateRatio):
         seen = {f.layer for f in findings}
         for index in self._layers(history, ratios.shape[1]):
             column = ratios[:, index]
-            if history.param_name(index) in seen or not (np.nan_to_num(column, nan=0.0) > self.spike).any():
+            if history.param_name(index) in seen or not (column > self.spike).any():  # NaN compares False
                 continue
             at = int(np.nanargmax(column))
             finding = self._finding(history, index, steps, float(column[at]), f"at step {steps[at]}", steps[at])
@@ -615,14 +657,16 @@ class UnchangedParameters(Rule):
 
     def check(self, history: RunHistory) -> list[Finding]:
         name = "UpdateSize" if history.has("UpdateSize") else "Distance"
-        recent = history.last(name, self.window)
-        if len(recent) < self.window or (name == "Distance" and history.count(name) <= self.window):
+        all_steps, all_rows = history.series(name, block_values)  # converted once per value
+        if len(all_steps) < self.window or (name == "Distance" and history.count(name) <= self.window):
             return []
-        rows = [_blocks(value) for _, value in recent]
+        rows = all_rows[-self.window :]
         if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
             return []
         still = (np.vstack(rows) <= self.tolerance).all(axis=0)
-        steps = [step for step, _ in recent]
+        if not still.any():
+            return []
+        steps = list(all_steps[-self.window :])
         what = "update" if name == "UpdateSize" else "distance to the start"
         gradients = [block_values(history.get("GradNorm", step)) for step in steps]
         found = []
