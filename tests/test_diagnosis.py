@@ -74,7 +74,11 @@ def test_loss_diverging_from_start_and_from_best():
     assert ids(R.LossDiverging().check(quiet)) == [("loss-diverging", None)]
     loud = history({"Loss": noisy(1.0, 20, 0.6) + [1.5] * 3})
     assert R.LossDiverging().check(loud) == []
-    assert len(R.LossDiverging(factor=1.4).check(loud)) == 1
+    assert len(R.LossDiverging(factor=1.4, z=0.5).check(loud)) == 1
+    # from the best moving median of a noisy run, even a 5x rise must stand out of the noise
+    low = history({"Loss": [2.0] * 3 + noisy(0.1, 40, 0.8) + [0.5] * 3})
+    assert R.LossDiverging().check(low) == []
+    assert len(R.LossDiverging(z=1.0).check(low)) == 1
     # fell to 0.1, then rose to 2: 20x the best moving median though below the first loss (5)
     rebound = history({"Loss": [5.0] * 5 + [0.1] * 5 + [2.0] * 5})
     (found,) = R.LossDiverging().check(rebound)
@@ -184,6 +188,12 @@ def test_sharpness_above_stability():
     tracked = history({"HessMaxEV": [25.0] * 3, "LearningRate": [[0.1, 0.01]] * 3})
     assert R.SharpnessAboveStability().missing(tracked) == []
     assert R.SharpnessAboveStability().check(tracked)[0].evidence["learning_rates"] == [0.1] * 3
+    # heavy-ball momentum 0.9 raises the bound to 2 x 1.9 = 3.8; an adaptive optimizer (NaN) never fires
+    steep = {"HessMaxEV": [30.0] * 3, "LearningRate": [0.1] * 3}
+    assert R.SharpnessAboveStability().check(history({**steep, "Momentum": [0.9] * 3})) == []
+    assert R.SharpnessAboveStability().check(history({**steep, "Momentum": [math.nan] * 3})) == []
+    (found,) = R.SharpnessAboveStability().check(history({**steep, "Momentum": [0.0] * 3}))
+    assert found.evidence["limits"] == [2.0] * 3
 
 
 def test_noise_dominated_suggests_a_batch():

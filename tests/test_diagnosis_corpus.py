@@ -242,7 +242,7 @@ def test_a_preset_run_feeds_every_rule_it_can():
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, diagnose=True)
-    assert cockpit.diagnosis_feeds == ["ParamNorm", "LearningRate", "ActivationStats"]
+    assert cockpit.diagnosis_feeds == ["ParamNorm", "LearningRate", "Momentum", "ActivationStats"]
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
     for step in range(3):
         optimizer.zero_grad()
@@ -254,6 +254,7 @@ def test_a_preset_run_feeds_every_rule_it_can():
         optimizer.step()
     output = cockpit.get_output()
     assert output[1]["LearningRate"] == pytest.approx(0.1) and len(output[1]["ParamNorm"]) == 4
+    assert output[1]["Momentum"] == 0.0
     assert set(output[1]["ActivationStats"]) == {"1"}
     plan = cockpit.metadata()["diagnosis"]
     assert {"dead-units", "update-ratio-too-large", "large-input-scale", "step-overshoots"} <= set(plan["can_run"])
@@ -262,3 +263,30 @@ def test_a_preset_run_feeds_every_rule_it_can():
     plain = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, diagnose=True,
                     diagnosis_feeds=False)
     assert plain.diagnosis_feeds == [] and len(plain.quantities) == len(configuration("economy"))
+
+
+@pytest.mark.parametrize("make, rate, beta", [
+    (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), 0.05, 0.9),
+    (lambda p: torch.optim.Adam(p, lr=1e-3), 1e-3, None),  # adaptive: the stability bound does not apply
+])
+def test_learning_rate_and_momentum_quantities(make, rate, beta):
+    import math
+
+    from cockpit_like import Cockpit
+    from cockpit_like.quantities import LearningRate, Loss, Momentum
+    from cockpit_like.utils.schedules import linear
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = make(model.parameters())
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1)), LearningRate(linear(1)), Momentum(linear(1))])
+    loss = model(torch.ones(4, 3)).pow(2).mean()
+    with cockpit(0, info={"loss": loss, "optimizer": optimizer}):
+        loss.backward()
+    stored = cockpit.get_output()[0]
+    assert stored["LearningRate"] == pytest.approx(rate)
+    assert math.isnan(stored["Momentum"]) if beta is None else stored["Momentum"] == pytest.approx(beta)
+    without = Cockpit(model.parameters(), quantities=[Loss(linear(1)), LearningRate(linear(1))])
+    loss = model(torch.ones(4, 3)).pow(2).mean()
+    with without(0, info={"loss": loss}):  # no optimizer given: nothing stored, no error
+        loss.backward()
+    assert "LearningRate" not in without.get_output().get(0, {})

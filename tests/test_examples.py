@@ -38,6 +38,9 @@ def test_basic_digits(tmp_path, capsys):
     assert written["dashboard"] == str(tmp_path / "basic.png")
     assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 live redraws" in capsys.readouterr().out
+    from cockpit_like.diagnosis import findings_in
+
+    assert [f.rule for f in findings_in(steps) if f.severity != "info"] == []  # diagnosed live: a healthy run
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -71,6 +74,10 @@ def test_transformer_digits(tmp_path, capsys):
     assert picked["HessTrace"] == picked["TICDiag"] == "hutchinson"
     assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "HessTrace -> hutchinson" in capsys.readouterr().out
+    from cockpit_like.diagnosis import findings_in
+
+    assert [f.rule for f in findings_in(steps) if f.severity != "info"] == []  # diagnosed live: a healthy run
+    assert "Momentum" in steps[0] and "sharpness-above-stability" in metadata["diagnosis"]["can_run"]
 
 
 def test_lr_blowup_names_the_cause_on_the_panel(tmp_path, capsys):

@@ -204,8 +204,10 @@ class LossDiverging(Rule):
     ``window`` finite losses. With ``r = log(recent / reference)`` and
     ``sigma`` the run's own noise (a robust scale of the steps of
     ``log(loss)``, from the median absolute deviation), the rule fires when
-    ``r > log(factor)``, or when ``r > log(min_factor)`` and ``r > z * sigma``
-    (a smaller rise that is still far outside the run's noise); in both cases
+    ``r > log(factor)`` (measured from the best moving median, which a noisy
+    run pushes low, only when also ``r > z * sigma``), or when
+    ``r > log(min_factor)`` and ``r > z * sigma`` (a smaller rise that is
+    still far outside the run's noise); in both cases
     the rise must also exceed ``min_gap`` x the first tracked loss (a loss
     that went from 0.02 to 0.07 late in a run has not diverged). The loss is
     assumed positive (cross-entropy, squared error).
@@ -254,7 +256,8 @@ class LossDiverging(Rule):
             return []
         rise = math.log(recent / reference)
         sigma = _log_noise(history, "Loss")
-        if not (rise > math.log(self.factor) or (rise > math.log(self.min_factor) and rise > self.z * sigma)):
+        far = rise > math.log(self.factor) and (reference == first or rise > self.z * sigma)
+        if not (far or (rise > math.log(self.min_factor) and rise > self.z * sigma)):
             return []
         if recent - reference <= self.min_gap * first:  # small in the loss's own units (late, low losses)
             return []
@@ -733,8 +736,10 @@ class SharpnessAboveStability(Rule):
     """``learning_rate x HessMaxEV > limit`` (default 2, gradient descent's stability bound) at the last ``window`` values.
 
     The learning rate is the latest ``cockpit.log(step, learning_rate=...)``
-    at or before each step. With heavy-ball momentum ``beta`` the bound is
-    ``2 (1 + beta)``: pass ``limit``.
+    at or before each step (else the tracked ``LearningRate``). With
+    heavy-ball momentum ``beta`` the bound is ``limit (1 + beta)``: read from
+    the tracked ``Momentum`` when stored (the cockpit feeds it when
+    diagnosing); an adaptive optimizer (``Momentum`` NaN) never fires.
     """
 
     id = "sharpness-above-stability"
@@ -766,12 +771,14 @@ class SharpnessAboveStability(Rule):
         recent = history.last("HessMaxEV", self.window)
         if len(recent) < self.window:
             return []
-        products, rates = [], []
+        products, rates, limits = [], [], []
         for step, value in recent:
             rate = self._rate(history, step)
             rates.append(rate)
             products.append(rate * to_float(value))
-        if not all(math.isfinite(p) and p > self.limit for p in products):
+            beta = to_float(history.at_or_before("Momentum", step)[1]) if history.has("Momentum") else 0.0
+            limits.append(self.limit * (1.0 + beta))  # NaN for an adaptive optimizer: never exceeded
+        if not all(math.isfinite(p) and p > limit for p, limit in zip(products, limits)):
             return []
         steps = [step for step, _ in recent]
         sharp = to_float(recent[-1][1])
@@ -779,11 +786,11 @@ class SharpnessAboveStability(Rule):
             self.finding(
                 steps[-1],
                 f"the top Hessian eigenvalue {_g(sharp)} times the learning rate {_g(rates[-1])} is "
-                f"{_g(products[-1])} > {_g(self.limit)} at steps {steps[0]}..{steps[-1]}: along that direction "
+                f"{_g(products[-1])} > {_g(limits[-1])} at steps {steps[0]}..{steps[-1]}: along that direction "
                 "a gradient step is unstable",
-                fix=f"lower the learning rate below {_g(self.limit / sharp)} (= {_g(self.limit)} / top eigenvalue) "
+                fix=f"lower the learning rate below {_g(limits[-1] / sharp)} (= {_g(limits[-1])} / top eigenvalue) "
                 "or add warm-up",
-                evidence={"products": products, "learning_rates": rates, "steps": steps},
+                evidence={"products": products, "learning_rates": rates, "limits": limits, "steps": steps},
             )
         ]
 
