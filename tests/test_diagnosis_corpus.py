@@ -290,3 +290,28 @@ def test_learning_rate_and_momentum_quantities(make, rate, beta):
     with without(0, info={"loss": loss}):  # no optimizer given: nothing stored, no error
         loss.backward()
     assert "LearningRate" not in without.get_output().get(0, {})
+
+
+# ---- the scorer script ---------------------------------------------------------------------------------
+def test_scorer_script_on_two_settings(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnosis_corpus.py"
+    spec = importlib.util.spec_from_file_location("_diagnosis_corpus", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    figures = tmp_path / "figures.json"
+    summaries = script.main(["--settings", "healthy-mlp-sgd", "dead-relu-bias", "--cache", str(tmp_path / "runs.pkl"),
+                             "--json", str(figures), "--show"])
+    assert set(summaries) == {"tuning", "evaluation"}
+    for half in summaries.values():
+        assert half["overall"]["runs"] == 4 and half["overall"]["recall"] == 1.0
+        assert half["overall"]["false_alarms_per_healthy_run"] == 0
+    out = capsys.readouterr().out
+    assert "| recall | 100% | 100% |" in out and "dead-relu-bias/seed3" in out
+    assert json.loads(figures.read_text())["tuning"]["per_problem"]["dead-units"]["root_cause_accuracy"] == 1.0
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"before\n{script.BEGIN}\nold\n{script.END}\nafter\n")
+    assert script.update_doc("new table", doc) and doc.read_text() == f"before\n{script.BEGIN}\nnew table\n{script.END}\nafter\n"
