@@ -4,8 +4,8 @@ Each run is a :class:`RunSpec`: an architecture, an optimizer with its
 learning-rate schedule, a seed and, for a problem run, the problem's label
 (the cause a person would name) and the step where it starts. :func:`train`
 trains it on built-in data (scikit-learn's digits, or synthetic sequences),
-deterministically, on the CPU, under a cockpit that tracks the cheap
-quantities the rules read, and returns the stored output and metadata;
+deterministically, on the CPU, under a cockpit that tracks the
+quantities the rules read (all but ``HessMaxEV`` and ``NormTest``), and returns the stored output and metadata;
 :mod:`cockpit_like.diagnosis.scoring` replays the rules on them and scores
 the findings against the labels.
 
@@ -401,13 +401,15 @@ def _loss(outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean")
 
 
 def quantities_for_rules(schedule=None) -> list:
-    """The cheap quantities every built-in rule except the curvature and alpha ones reads."""
-    from cockpit_like.quantities import ActivationStats, GradNorm, LearningRate, Loss, ParamNorm, UpdateSize
+    """The quantities every built-in rule reads, except the curvature (``HessMaxEV``) and the
+    gradient noise (``NormTest``) ones, which cost per-sample work."""
+    from cockpit_like.quantities import (ActivationStats, Alpha, GradNorm, LearningRate, Loss, Momentum,
+                                         ParamNorm, UpdateSize)
     from cockpit_like.utils.schedules import linear
 
     schedule = schedule or linear(1)
     return [Loss(schedule), GradNorm(schedule), UpdateSize(schedule), ParamNorm(schedule), ActivationStats(schedule),
-            LearningRate(schedule)]
+            LearningRate(schedule), Momentum(schedule), Alpha(schedule)]
 
 
 def train(spec: RunSpec) -> dict[str, Any]:
@@ -449,7 +451,8 @@ def train(spec: RunSpec) -> dict[str, Any]:
             optimizer.zero_grad()
             outputs = model(x)
             loss = _loss(outputs, y)
-            info = {"batch_size": spec.batch, "loss": loss, "optimizer": optimizer}
+            info = {"batch_size": spec.batch, "loss": loss, "optimizer": optimizer,
+                    "individual_losses": _loss(outputs, y, reduction="none")}
             with cockpit(step, info=info):
                 loss.backward()
             optimizer.step()

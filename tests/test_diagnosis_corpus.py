@@ -315,3 +315,43 @@ def test_scorer_script_on_two_settings(tmp_path, capsys):
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{script.BEGIN}\nold\n{script.END}\nafter\n")
     assert script.update_doc("new table", doc) and doc.read_text() == f"before\n{script.BEGIN}\nnew table\n{script.END}\nafter\n"
+
+
+# ---- the runs of the issue, on a preset ------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer, lr, cause", [
+    ("sgd", 40.0, "learning-rate-too-large"), ("adam", 0.5, "learning-rate-too-large"),
+    ("sgd", 0.1, None), ("adam", 1e-3, None),
+])
+def test_the_issue_runs_on_the_economy_preset(optimizer, lr, cause):
+    """Digits ReLU MLPs with the economy preset, diagnosed live: the blow-ups are named by their cause
+    first (before: only vanishing-gradient and unchanged-parameters); the healthy runs raise nothing at
+    warning or above (before: loss-not-decreasing at step 19, step-too-short on Adam)."""
+    from torch import nn
+
+    from cockpit_like import Cockpit
+    from cockpit_like.demo import load_digits_tensors, minibatches
+    from cockpit_like.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    train_x, train_y, _, _ = load_digits_tensors(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    make = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adam
+    opt = make(model.parameters(), lr=lr)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, diagnose=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, _, _, x, y in minibatches(train_x, train_y, 64, 45):
+            opt.zero_grad()
+            outputs = model(x)
+            loss = nn.functional.cross_entropy(outputs, y)
+            info = {"batch_size": len(y), "loss": loss, "optimizer": opt,
+                    "individual_losses": nn.functional.cross_entropy(outputs, y, reduction="none")}
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+            opt.step()
+    loud = [i for i in group_findings(cockpit.findings) if severity_rank(i.severity) >= 1]
+    if cause is None:
+        assert loud == []
+    else:
+        assert loud[0].cause == cause and loud[0].step == 0
+        assert {"dead-units", "vanishing-gradient"} <= {f.rule for f in loud[0].symptoms}

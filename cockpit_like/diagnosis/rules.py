@@ -712,10 +712,15 @@ class StepOvershoots(_Persistent):
 
 
 class StepTooShort(_Persistent):
-    """Alpha below ``threshold`` (default -0.7: near -1) in a ``share`` of the last ``window`` steps."""
+    """Alpha below ``threshold`` (default -0.7: near -1) in a ``share`` of the last ``window`` steps.
+
+    Severity ``info``: on the corpus's tuning half it fired on 7 of 18
+    healthy runs (the early plateau of SGD with momentum and of Adam, where
+    alpha sits near -1) and on one of the four runs whose learning rate was
+    too small; ``update-ratio-too-small`` is the stronger signal."""
 
     id = "step-too-short"
-    severity = "warning"
+    severity = "info"
     reads = ("Alpha",)
     quantity = "Alpha"
 
