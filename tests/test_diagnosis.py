@@ -484,6 +484,23 @@ def test_cli_json(logs, capsys):
     assert finding["rule"] == "nonfinite-loss" and finding["step"] == 3 and finding["evidence"]["value"] == "NaN"
     assert document["active"] == document["findings"]
     assert "overfitting" in document["notes"]
+    (incident,) = document["incidents"]  # a NaN with no blow-up before it: an operation
+    assert incident["cause"] == "nonfinite-operation" and incident["evidence"][0]["rule"] == "nonfinite-loss"
+
+
+def test_old_logs_get_a_grouped_diagnosis(tmp_path, capsys):
+    """A log written before the cause layer (findings without ``since``; rules since redesigned) still
+    reads, diagnoses and groups: incidents are made from the stored findings, nothing new is stored."""
+    old = {s: {"Loss": 2.3} for s in range(6)}
+    old[2][FINDINGS_KEY] = [Finding("vanishing-gradient", "warning", 2, "the gradient of 0.weight vanishes",
+                                    layer="0.weight", evidence={"norm": 0.0, "relative": 0.0}).to_dict(),
+                            Finding("unchanged-parameters", "warning", 2, "0.weight does not change",
+                                    layer="0.weight", evidence={"quantity": "UpdateSize"}).to_dict()]
+    path = write_log(tmp_path / "old", old, {"library": "cockpit_like"})
+    assert main(["diagnose", str(path), "--stored-only"]) == 0
+    text = capsys.readouterr().out
+    assert "diagnosis (1 incident, cause first):" in text and "1. WARNING poor-initialization (from step 2)" in text
+    assert "symptoms: unchanged-parameters (0.weight; from step 2)" in text
 
 
 def test_cli_bad_usage(tmp_path, capsys):
