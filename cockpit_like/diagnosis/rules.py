@@ -281,7 +281,7 @@ class LossNotDecreasing(Rule):
 
     After ``min_values`` finite tracked losses, compares the median of the
     first quarter with the median of the last quarter (at least ``window``
-    values each). ``sigma`` is the run's noise (a robust scale of the steps
+    values each, at most ``max_quarter``, so the cost per step stays flat). ``sigma`` is the run's noise (a robust scale of the steps
     of the loss), ``se = 1.25 sigma sqrt(2 / n)`` the standard error of the
     difference of two medians of ``n`` values. The rule fires when even the
     optimistic decrease ``first - recent + z * se`` is below
@@ -294,8 +294,9 @@ class LossNotDecreasing(Rule):
     reads = ("Loss",)
 
     def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.03, z: float = 2.0,
-                 max_rise: float = 0.5):
+                 max_rise: float = 0.5, max_quarter: int = 50):
         self.window = _check_window(window)
+        self.max_quarter = _check_window(max_quarter, "max_quarter")
         self.min_values = _check_window(min_values, "min_values")
         if not 0.0 <= min_decrease < 1.0:
             raise ValueError(f"min_decrease must lie in [0, 1), got {min_decrease!r}")
@@ -307,7 +308,7 @@ class LossNotDecreasing(Rule):
         finite = history.count("Loss") - history.nonfinite("Loss")[1]
         if finite < max(self.min_values, 2 * self.window):
             return []
-        count = max(self.window, finite // 4)
+        count = max(self.window, min(finite // 4, self.max_quarter))
         first_steps, first_values = history.head("Loss", count)
         last_steps, last_values = history.tail("Loss", count)
         first, recent = _median(first_values), _median(last_values)
@@ -498,7 +499,7 @@ class VanishingGradient(Rule):
                         layer=layer,
                         evidence={"norm": float(median[index]), "relative": float(relative[index]),
                                   "steps": steps, "zero": bool((norms[:, index] == 0).all()),
-                                  "since": steps[0], "at_start": steps[0] == history.steps("GradNorm")[0]},
+                                  "since": steps[0], "at_start": steps[0] == history.first("GradNorm", 1)[0][0]},
                     )
                 )
         return found
@@ -890,7 +891,7 @@ class _ActivationShare(Rule):
         return [
             self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"), fix=self.fix,
                          layer=layer, evidence={self.field: share, "kind": kind, "steps": steps, "since": steps[0],
-                                                "at_start": steps[0] == history.steps("ActivationStats")[0]})
+                                                "at_start": steps[0] == history.first("ActivationStats", 1)[0][0]})
             for layer, (kind, share) in shares.items()
             if share > self.threshold
         ]
