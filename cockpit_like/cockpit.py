@@ -94,7 +94,12 @@ class Cockpit:
             :class:`~cockpit_like.diagnosis.Rule` instances); nothing runs on
             untracked steps. Findings are stored under
             ``get_output()[step]["findings"]`` (and streamed), once per rule
-            and layer until they clear (``docs/diagnosis.md``).
+            and layer until they clear (``docs/diagnosis.md``). The cockpit
+            then also tracks, at the steps the given quantities track, the
+            cheap inputs of the rules that were not given: ``ParamNorm``,
+            ``LearningRate``, ``Momentum`` and, with a model, ``ActivationStats``
+            (``diagnosis_feeds=False`` turns that off); the log metadata
+            says which rules can run (``metadata["diagnosis"]``).
         on_finding: ``callable(finding)`` called for each new finding, after
             it and everything before it is stored and streamed; it may raise
             (e.g. to stop the run).
@@ -120,6 +125,7 @@ class Cockpit:
         on_finding: Callable[[Finding], Any] | None = None,
         record_nonfinite: bool | str = True,
         record_dir: str | os.PathLike | None = None,
+        diagnosis_feeds: bool = True,
     ):
         self.params = _check_params(params)
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -173,11 +179,27 @@ class Cockpit:
         if model is not None:
             self._tracer.attach(model)
         self._tracer.discover()
+        #: names of the quantities the cockpit added for the diagnosis rules (``diagnosis_feeds``)
+        self.diagnosis_feeds: list[str] = []
+        if self.diagnosis is not None and diagnosis_feeds and self.quantities:
+            self._add_diagnosis_feeds()
         if stream_to is not None and self.keeps_output:
             self._stream = StreamWriter(stream_to, self.metadata())
             self._streamed_names = self._param_name_list()
 
     # ---- set up ------------------------------------------------------------
+    def _add_diagnosis_feeds(self) -> None:
+        """Track, at the steps the given quantities track, the cheap inputs of the rules that are
+        missing: ``ParamNorm``, ``LearningRate``, ``Momentum`` and (with a model) ``ActivationStats``."""
+        from cockpit_like.quantities import ActivationStats, LearningRate, Momentum, ParamNorm
+
+        schedule = _AnyTracked(list(self.quantities))
+        feeds = [ParamNorm, LearningRate, Momentum] + ([ActivationStats] if self._tracer.roots else [])
+        for cls in feeds:
+            if not any(isinstance(q, cls) for q in self.quantities):
+                self.add(cls(schedule))
+                self.diagnosis_feeds.append(cls.__name__)
+
     def add(self, quantity: Quantity) -> None:
         """Track one more quantity."""
         if isinstance(quantity, type) and issubclass(quantity, Quantity):
@@ -278,6 +300,9 @@ class Cockpit:
         meta["num_params"] = len(self.params)
         meta["param_shapes"] = [list(p.shape) for p in self.params]
         meta["param_names"] = self._param_name_list()
+        if self.diagnosis is not None:
+            meta["diagnosis"] = self.diagnosis.plan([self.name_of(q) for q in self.quantities],
+                                                    getattr(self, "diagnosis_feeds", []))
         return meta
 
     def _names_of_params(self) -> dict[int, str]:
@@ -614,6 +639,21 @@ class Cockpit:
         """Close the streaming log (nothing is lost if you never call this)."""
         if self._stream is not None:
             self._stream.close()
+
+
+class _AnyTracked:
+    """The schedule of the diagnosis feeds: a step is tracked when one of ``quantities`` tracks it."""
+
+    description = "with the tracked quantities"
+
+    def __init__(self, quantities: list[Quantity]):
+        self.quantities = quantities
+
+    def __call__(self, global_step: int) -> bool:
+        return any(q.should_compute(global_step) for q in self.quantities)
+
+    def __repr__(self) -> str:
+        return "any tracked step"
 
 
 def _make_diagnosis(diagnose: Any) -> Diagnosis | None:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     individual_lossfunc = torch.nn.CrossEntropyLoss(reduction="none")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
-    cockpit = Cockpit(model.parameters(), quantities=make_quantities(args.every), stream_to=args.out)
+    cockpit = Cockpit(model.parameters(), quantities=make_quantities(args.every), stream_to=args.out, diagnose=True)
     plotter = CockpitPlotter(secondary_screen=True)
     show = not args.no_show
 

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     individual_lossfunc = torch.nn.CrossEntropyLoss(reduction="none")
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
 
-    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), diagnose=True)
     plotter = CockpitPlotter()
     show = not args.no_show
 

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     quantities = configuration("full", track_schedule=linear(args.every))
-    cockpit = Cockpit(model.parameters(), quantities=quantities, model=model)
+    cockpit = Cockpit(model.parameters(), quantities=quantities, model=model, diagnose=True)
     plotter = CockpitPlotter()
     show = not args.no_show
     picked = [f"{q['name']} -> {q['settings']['computed_with']}" for q in cockpit.metadata()["quantities"]

@@ -38,6 +38,9 @@ def test_basic_digits(tmp_path, capsys):
     assert written["dashboard"] == str(tmp_path / "basic.png")
     assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "2 live redraws" in capsys.readouterr().out
+    from cockpit_like.diagnosis import findings_in
+
+    assert [f.rule for f in findings_in(steps) if f.severity != "info"] == []  # diagnosed live: a healthy run
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -71,3 +74,26 @@ def test_transformer_digits(tmp_path, capsys):
     assert picked["HessTrace"] == picked["TICDiag"] == "hutchinson"
     assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "HessTrace -> hutchinson" in capsys.readouterr().out
+    from cockpit_like.diagnosis import findings_in
+
+    assert [f.rule for f in findings_in(steps) if f.severity != "info"] == []  # diagnosed live: a healthy run
+    assert "Momentum" in steps[0] and "sharpness-above-stability" in metadata["diagnosis"]["can_run"]
+
+
+def test_lr_blowup_names_the_cause_on_the_panel(tmp_path, capsys):
+    """The learning-rate blow-up example: one incident, the learning rate first, its symptoms after it;
+    the same run with a healthy learning rate raises nothing at warning or above."""
+    from cockpit_like.diagnosis import diagnose_log
+
+    module = load("lr_blowup")
+    written = module.main(["--steps", "30", "--out", str(tmp_path / "blowup"), "--no-show"])
+    (incident,) = [i for i in written["incidents"] if i.severity != "info"]
+    assert incident.cause == "learning-rate-too-large" and incident.step == 0
+    assert {"dead-units", "vanishing-gradient"} <= {f.rule for f in incident.symptoms}
+    assert "1. ERROR learning-rate-too-large (from step 0)" in capsys.readouterr().out
+    assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = diagnose_log(written["log"])
+    assert report.incidents[0].cause == "learning-rate-too-large" and not report.notes.keys() - {
+        "sharpness-above-stability", "overfitting"}  # every other rule could run on the economy preset
+    healthy = module.main(["--steps", "30", "--lr", "0.3", "--out", str(tmp_path / "healthy"), "--no-show"])
+    assert [i.cause for i in healthy["incidents"] if i.severity != "info"] == []

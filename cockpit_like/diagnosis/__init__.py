@@ -8,6 +8,11 @@ What lives here:
   values the rules read;
 - :mod:`~cockpit_like.diagnosis.rule`: :class:`Rule`, the contract of a rule;
 - :mod:`~cockpit_like.diagnosis.rules`: the built-in rules;
+- :mod:`~cockpit_like.diagnosis.causes`: the cause layer, :func:`group_findings`
+  (the findings of one incident as one :class:`Incident`: cause, evidence,
+  symptoms, fix);
+- :mod:`~cockpit_like.diagnosis.scoring`: scoring findings against labelled
+  runs (the corpus, :mod:`cockpit_like.corpus`);
 - :mod:`~cockpit_like.diagnosis.engine`: :class:`Diagnosis` (runs rules live,
   reports a finding once per rule and layer until it clears) and
   :func:`diagnose` / :func:`diagnose_log` (the same on a saved run);
@@ -24,6 +29,7 @@ backends or the plotting; the cockpit, the dashboard and the command line
 import this package, not the other way round.
 """
 
+from cockpit_like.diagnosis.causes import CAUSES, Incident, group_findings
 from cockpit_like.diagnosis.engine import Diagnosis, DiagnosisReport, diagnose, diagnose_log
 from cockpit_like.diagnosis.findings import (
     CLEARED_KEY,
@@ -51,4 +57,7 @@ __all__ = [
     "DiagnosisReport",
     "diagnose",
     "diagnose_log",
+    "CAUSES",
+    "Incident",
+    "group_findings",
 ]

@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cockpit_like.diagnosis.causes import Incident, group_findings
 from cockpit_like.diagnosis.findings import Finding, active_findings, findings_in
 from cockpit_like.diagnosis.history import RunHistory
 from cockpit_like.diagnosis.rule import Rule
@@ -100,6 +101,22 @@ class Diagnosis:
                 cleared.append({"rule": key[0], "layer": key[1], "found_at": finding.step, "step": step})
         return new, cleared
 
+    def plan(self, tracked: Sequence[str], feeds: Sequence[str] = ()) -> dict[str, Any]:
+        """Which rules can run on the quantities ``tracked`` (their output names), for the log metadata:
+        ``{"rules", "can_run", "needs": {rule: what it reads that is not tracked}, "feeds"}``.
+
+        Figures given to ``cockpit.log`` (``learning_rate``, ``train_loss``, ``valid_loss``) count
+        as missing here; the rules that read them run once they are logged (``LearningRate`` stands
+        in for ``learning_rate``).
+        """
+        probe = RunHistory()
+        probe.add(0, {name: 0.0 for name in tracked})
+        if "LearningRate" in tracked:
+            probe.add(0, {"learning_rate": 0.0})
+        needs = {rule.id: ", ".join(rule.missing(probe)) for rule in self.rules if rule.missing(probe)}
+        return {"rules": [rule.id for rule in self.rules], "can_run": [r.id for r in self.rules if r.id not in needs],
+                "needs": needs, "feeds": list(feeds)}
+
     def notes(self) -> dict[str, str]:
         """``{rule id: why it did not run}`` for rules skipped (inputs not stored) or disabled."""
         notes = {}
@@ -119,6 +136,7 @@ class DiagnosisReport:
         findings: every finding (stored in the log and found by the rules), by step.
         active: those not cleared by the end of the run.
         notes: ``{rule id: note}`` for rules that were skipped.
+        incidents: the findings grouped by cause, cause first (a property).
     """
 
     def __init__(self, findings: list[Finding], active: list[Finding], notes: dict[str, str]):
@@ -130,8 +148,15 @@ class DiagnosisReport:
     def has_errors(self) -> bool:
         return any(finding.severity == "error" for finding in self.findings)
 
+    @property
+    def incidents(self) -> list[Incident]:
+        """The findings grouped by cause (:func:`~cockpit_like.diagnosis.causes.group_findings`), in the
+        order they started."""
+        return group_findings(self.findings)
+
     def to_dict(self) -> dict[str, Any]:
         return {
+            "incidents": [incident.to_dict() for incident in self.incidents],
             "findings": [finding.to_dict() for finding in self.findings],
             "active": [finding.to_dict() for finding in self.active],
             "notes": dict(self.notes),

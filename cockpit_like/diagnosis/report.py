@@ -6,10 +6,11 @@ import json
 import textwrap
 from typing import Any
 
+from cockpit_like.diagnosis.causes import Incident, group_findings
 from cockpit_like.diagnosis.engine import DiagnosisReport
 from cockpit_like.diagnosis.findings import Finding
 
-__all__ = ["format_table", "to_json", "exit_status"]
+__all__ = ["format_table", "format_incidents", "to_json", "exit_status"]
 
 _HEADER = ("severity", "step", "rule", "layer", "finding")
 
@@ -24,12 +25,47 @@ def _rows(findings: list[Finding], width: int) -> list[tuple[str, ...]]:
     return rows
 
 
+def _listing(findings: list[Finding]) -> str:
+    """``rule (layers; from step N), ...``: per rule, in the order found, the layers it named."""
+    by_rule: dict[str, list[Finding]] = {}
+    for finding in sorted(findings, key=lambda f: f.step):
+        by_rule.setdefault(finding.rule, []).append(finding)
+    parts = []
+    for rule, found in by_rule.items():
+        layers = list(dict.fromkeys(f.layer for f in found if f.layer))
+        named = ", ".join(layers[:3]) + (f" +{len(layers) - 3}" if len(layers) > 3 else "")
+        parts.append(f"{rule} ({named + '; ' if named else ''}from step {found[0].step})")
+    return "; ".join(parts)
+
+
+def format_incidents(incidents: list[Incident], width: int = 72) -> list[str]:
+    """The grouped diagnosis as text: per incident the cause, its evidence, the symptoms it explains, the fix."""
+    lines = []
+    for number, incident in enumerate(incidents, 1):
+        lines.append(f"{number}. {incident.severity.upper()} {incident.cause} (from step {incident.step}): "
+                     f"{incident.title}")
+        for label, text in (("evidence", _listing(incident.evidence)), ("symptoms", _listing(incident.symptoms)),
+                            ("fix", incident.fix)):
+            if text:
+                wrapped = textwrap.wrap(f"{label}: {text}", width, subsequent_indent="     ",
+                                        break_on_hyphens=False)
+                lines.extend("   " + line for line in wrapped)
+    return lines
+
+
 def format_table(report: DiagnosisReport, path: str = "", width: int = 72, active_only: bool = False) -> str:
-    """The findings (or only the active ones) as an aligned table, then the notes of skipped rules."""
+    """The grouped diagnosis (cause, evidence, symptoms, fix), then the findings (or only the active
+    ones) as an aligned table, then the notes of skipped rules."""
     findings = report.active if active_only else report.findings
     counts = {severity: sum(f.severity == severity for f in findings) for severity in ("error", "warning", "info")}
     summary = ", ".join(f"{n} {severity}{'s' if n != 1 else ''}" for severity, n in counts.items())
     lines = [f"{path + ': ' if path else ''}{len(findings)} finding{'s' if len(findings) != 1 else ''} ({summary})"]
+    incidents = group_findings(findings)
+    if incidents:
+        lines.append("")
+        lines.append(f"diagnosis ({len(incidents)} incident{'s' if len(incidents) != 1 else ''}, cause first):")
+        lines.extend(format_incidents(incidents, width))
+        lines.append("")
     if findings:
         rows = _rows(findings, width)
         widths = [max(len(row[i]) for row in [_HEADER, *rows]) for i in range(len(_HEADER) - 1)]
@@ -45,7 +81,7 @@ def format_table(report: DiagnosisReport, path: str = "", width: int = 72, activ
 
 
 def to_json(report: DiagnosisReport, path: str = "") -> str:
-    """``{"log", "findings", "active", "notes", "errors"}`` as JSON text (NaN and infinities
+    """``{"log", "incidents", "findings", "active", "notes", "errors"}`` as JSON text (NaN and infinities
     written as the strings ``"NaN"``, ``"Infinity"``, as in the logs)."""
     from cockpit_like.logs import encode
 

@@ -22,6 +22,8 @@ __all__ = [
     "NonFiniteLoss",
     "LossDiverging",
     "LossNotDecreasing",
+    "NoisyLoss",
+    "LargeInputScale",
     "ExplodingGradient",
     "VanishingGradient",
     "UpdateRatioTooSmall",
@@ -46,6 +48,15 @@ def _median(values) -> float:
     return ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
+def _column_median(matrix: np.ndarray) -> np.ndarray:
+    """The median of each column of a few rows (``np.median(matrix, axis=0)`` without its overhead;
+    a NaN in a column gives NaN)."""
+    ordered = np.sort(matrix, axis=0)
+    rows = ordered.shape[0]
+    middle = ordered[rows // 2] if rows % 2 else 0.5 * (ordered[rows // 2 - 1] + ordered[rows // 2])
+    return np.where(np.isnan(matrix).any(axis=0), np.nan, middle)
+
+
 def _g(value: float) -> str:
     return f"{value:.3g}"
 
@@ -68,6 +79,50 @@ def _check_positive(name: str, value: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
     return float(value)
+
+
+#: how many recent values the noise scales of a run look at (keeps the cost per step flat)
+NOISE_VALUES = 200
+#: after how many new values a run's noise scale is computed again (it changes slowly)
+NOISE_EVERY = 8
+
+
+def _robust_scale(values: np.ndarray) -> float:
+    """``1.4826 * median(|x - median(x)|)``: the standard deviation for normal data, robust to outliers."""
+    values = values[np.isfinite(values)]
+    if len(values) == 0:
+        return 0.0
+    center = _median(values)
+    return 1.4826 * _median(np.abs(values - center))
+
+
+def _noise(history: RunHistory, name: str, log: bool) -> float:
+    """The run's own noise of ``name`` (or of its logarithm) per step: a robust scale of its steps over
+    the last :data:`NOISE_VALUES` finite values, divided by sqrt 2. Kept in ``history.memo`` and
+    computed again after every :data:`NOISE_EVERY` new values (at every value for the first 40),
+    so that the cost per step stays small; the scale changes slowly."""
+    memo = history.memo.setdefault("noise", {})
+    key = (name, log)
+    count, version = history.count(name), history.version(name)
+    cached = memo.get(key)
+    if cached is not None and cached[0] == version and 0 <= count - cached[1] < (NOISE_EVERY if count > 40 else 1):
+        return cached[2]
+    _, values = history.tail(name, NOISE_VALUES)
+    if log:
+        values = np.log(values[values > 0])
+    value = _robust_scale(np.diff(values)) / math.sqrt(2.0) if len(values) >= 3 else 0.0
+    memo[key] = (version, count, value)
+    return value
+
+
+def _log_noise(history: RunHistory, name: str) -> float:
+    """The run's own noise of ``log(value)`` per step (positive values only)."""
+    return _noise(history, name, True)
+
+
+def _abs_noise(history: RunHistory, name: str) -> float:
+    """The run's own noise of a scalar per step."""
+    return _noise(history, name, False)
 
 
 def _check_window(value: int, name: str = "window") -> int:
@@ -142,20 +197,33 @@ class NonFiniteLoss(Rule):
 
 
 class LossDiverging(Rule):
-    """The loss grows: its recent median is ``factor`` x its initial median, or ``rise`` x its best.
+    """The loss blows up: its recent median is far above a reference that an early explosion cannot hide.
 
-    Medians over ``window`` tracked steps (non-finite values left out); the
-    loss is assumed positive (cross-entropy, squared error).
+    The reference is the smaller of the first finite tracked loss and the
+    best (lowest) moving median so far; the recent median is over the last
+    ``window`` finite losses. With ``r = log(recent / reference)`` and
+    ``sigma`` the run's own noise (a robust scale of the steps of
+    ``log(loss)``, from the median absolute deviation), the rule fires when
+    ``r > log(factor)`` (measured from the best moving median, which a noisy
+    run pushes low, only when also ``r > z * sigma``), or when
+    ``r > log(min_factor)`` and ``r > z * sigma`` (a smaller rise that is
+    still far outside the run's noise); in both cases
+    the rise must also exceed ``min_gap`` x the first tracked loss (a loss
+    that went from 0.02 to 0.07 late in a run has not diverged). The loss is
+    assumed positive (cross-entropy, squared error).
     """
 
     id = "loss-diverging"
     severity = "error"
     reads = ("Loss",)
 
-    def __init__(self, window: int = 5, factor: float = 2.0, rise: float = 10.0):
+    def __init__(self, window: int = 3, factor: float = 3.0, min_factor: float = 1.15, z: float = 12.0,
+                 min_gap: float = 0.1):
         self.window = _check_window(window)
+        self.min_gap = float(min_gap)
         self.factor = _check_positive("factor", factor)
-        self.rise = _check_positive("rise", rise)
+        self.min_factor = _check_positive("min_factor", min_factor)
+        self.z = _check_positive("z", z)
 
     def _best(self, history: RunHistory) -> tuple[float, int]:
         """The smallest moving median of the finite losses and the step that ends its window
@@ -177,90 +245,170 @@ class LossDiverging(Rule):
         return memo["best"], memo["at"]
 
     def check(self, history: RunHistory) -> list[Finding]:
-        if history.count("Loss") - history.nonfinite("Loss")[1] < 2 * self.window:
+        if history.count("Loss") - history.nonfinite("Loss")[1] < self.window + 1:
             return []
-        initial = _median(history.head("Loss", self.window)[1])
+        first_steps, first_values = history.head("Loss", 1)
         steps, values = history.tail("Loss", self.window)
-        recent = _median(values)
+        first, recent = float(first_values[0]), _median(values)
         best, best_step = self._best(history)
-        if not (initial > 0 and best > 0):
+        reference, where = (first, int(first_steps[0])) if first <= best else (best, best_step)
+        if not reference > 0 or not recent > 0 or int(steps[0]) <= where:
             return []
-        grew = recent > self.factor * initial
-        rose = recent > self.rise * best
-        if not (grew or rose):
+        rise = math.log(recent / reference)
+        sigma = _log_noise(history, "Loss")
+        far = rise > math.log(self.factor) and (reference == first or rise > self.z * sigma)
+        if not (far or (rise > math.log(self.min_factor) and rise > self.z * sigma)):
+            return []
+        if recent - reference <= self.min_gap * first:  # small in the loss's own units (late, low losses)
             return []
         step = int(steps[-1])
-        if grew:
-            what = f"{_g(recent / initial)}x its initial value {_g(initial)} (median of the first {self.window} tracked steps)"
-        else:
-            what = f"{_g(recent / best)}x its best value {_g(best)} (around step {best_step})"
+        what = "the first tracked loss" if reference == first else "the best moving median"
         return [
             self.finding(
                 step,
                 f"the loss is diverging: its median over the last {self.window} tracked steps is {_g(recent)}, "
-                f"{what}",
+                f"{_g(recent / reference)}x {what} ({_g(reference)} at step {where}); the run's own noise is "
+                f"{_g(100 * sigma)}% per step",
                 fix="lower the learning rate (e.g. by 10x), add warm-up or gradient clipping",
-                evidence={"recent": recent, "initial": initial, "best": best, "window": self.window,
-                          "steps": [int(steps[0]), step]},
+                evidence={"recent": recent, "reference": reference, "reference_step": where, "noise": sigma,
+                          "window": self.window, "steps": [int(steps[0]), step], "since": int(steps[0])},
             )
         ]
 
 
 class LossNotDecreasing(Rule):
-    """The loss has not dropped by ``min_decrease`` (relative) after ``min_values`` tracked steps.
+    """The loss has not fallen, and the evidence for that is strong relative to the run's noise.
 
-    Compares the median of the last ``window`` tracked losses with the
-    median of the first ``window``. A loss that rose above ``1 + max_rise``
-    times its start is left to ``loss-diverging``.
+    After ``min_values`` finite tracked losses, compares the median of the
+    first quarter with the median of the last quarter (at least ``window``
+    values each, at most ``max_quarter``, so the cost per step stays flat). ``sigma`` is the run's noise (a robust scale of the steps
+    of the loss), ``se = 1.25 sigma sqrt(2 / n)`` the standard error of the
+    difference of two medians of ``n`` values. The rule fires when even the
+    optimistic decrease ``first - recent + z * se`` is below
+    ``min_decrease * first``. A loss that rose above ``1 + max_rise`` times
+    its start is left to ``loss-diverging``.
     """
 
     id = "loss-not-decreasing"
     severity = "warning"
     reads = ("Loss",)
 
-    def __init__(self, window: int = 5, min_values: int = 20, min_decrease: float = 0.05, max_rise: float = 0.5):
+    def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.03, z: float = 2.0,
+                 max_rise: float = 0.5, max_quarter: int = 50):
         self.window = _check_window(window)
+        self.max_quarter = _check_window(max_quarter, "max_quarter")
         self.min_values = _check_window(min_values, "min_values")
         if not 0.0 <= min_decrease < 1.0:
             raise ValueError(f"min_decrease must lie in [0, 1), got {min_decrease!r}")
         self.min_decrease = float(min_decrease)
+        self.z = float(z)
         self.max_rise = _check_positive("max_rise", max_rise)
 
     def check(self, history: RunHistory) -> list[Finding]:
         finite = history.count("Loss") - history.nonfinite("Loss")[1]
         if finite < max(self.min_values, 2 * self.window):
             return []
-        first_steps, first_values = history.head("Loss", self.window)
-        last_steps, last_values = history.tail("Loss", self.window)
+        count = max(self.window, min(finite // 4, self.max_quarter))
+        first_steps, first_values = history.head("Loss", count)
+        last_steps, last_values = history.tail("Loss", count)
         first, recent = _median(first_values), _median(last_values)
-        if not first > 0 or not (1.0 - self.min_decrease) * first <= recent <= (1.0 + self.max_rise) * first:
+        if not first > 0 or recent > (1.0 + self.max_rise) * first:
+            return []
+        sigma = _abs_noise(history, "Loss")
+        se = 1.25 * sigma * math.sqrt(2.0 / count)
+        if first - recent + self.z * se >= self.min_decrease * first:
             return []
         change = 100.0 * (first - recent) / first
         return [
             self.finding(
                 int(last_steps[-1]),
-                f"the loss is not decreasing: median {_g(first)} over the first {self.window} tracked steps, "
-                f"{_g(recent)} over the last {self.window} (steps {int(first_steps[0])}..{int(last_steps[-1])}, "
-                f"{_g(change)}% lower; expected at least {_g(100 * self.min_decrease)}%)",
-                fix="raise the learning rate (try 10x); check that the optimizer gets the model's parameters, "
-                "that the labels match the inputs and that no layer is frozen",
-                evidence={"first": first, "recent": recent, "steps": [int(first_steps[0]), int(last_steps[-1])],
-                          "tracked": int(finite)},
+                f"the loss is not decreasing: median {_g(first)} over the first {count} tracked steps, "
+                f"{_g(recent)} over the last {count} (steps {int(first_steps[0])}..{int(last_steps[-1])}, "
+                f"{_g(change)}% lower, noise {_g(sigma)} per step; expected at least {_g(100 * self.min_decrease)}%)",
+                fix="raise the learning rate (try 10x) if the updates are small; check that the optimizer gets the "
+                "model's parameters, that the labels match the inputs and that no layer is frozen",
+                evidence={"first": first, "recent": recent, "noise": sigma, "quarter": count,
+                          "steps": [int(first_steps[0]), int(last_steps[-1])], "tracked": int(finite)},
+            )
+        ]
+
+
+class NoisyLoss(Rule):
+    """The loss jumps from step to step far more than it falls: a batch too small for the task.
+
+    ``sigma`` is a robust scale (median absolute deviation) of the steps of
+    the loss over the last ``window`` tracked values, relative to the first
+    tracked loss; the rule fires when it is above ``threshold``.
+    """
+
+    id = "noisy-loss"
+    severity = "warning"
+    reads = ("Loss",)
+
+    def __init__(self, window: int = 20, threshold: float = 0.15):
+        self.window = _check_window(window)
+        self.threshold = _check_positive("threshold", threshold)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = history.tail("Loss", self.window + 1)
+        if len(values) < self.window + 1:
+            return []
+        first = float(history.head("Loss", 1)[1][0])
+        if not first > 0:
+            return []
+        sigma = _robust_scale(np.diff(values)) / math.sqrt(2.0)
+        relative = sigma / first
+        if not relative > self.threshold:
+            return []
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the loss is noisy: it moves by {_g(sigma)} from step to step (a robust scale over steps "
+                f"{int(steps[0])}..{int(steps[-1])}), {_g(100 * relative)}% of the first tracked loss",
+                fix="use a larger batch (or accumulate gradients over several), or lower the learning rate",
+                evidence={"noise": sigma, "relative": relative, "steps": [int(steps[0]), int(steps[-1])]},
             )
         ]
 
 
 # ---- gradients ------------------------------------------------------------------------------
 class ExplodingGradient(Rule):
-    """The total gradient norm (from ``GradNorm``) is ``factor`` x its initial median, or not finite."""
+    """The total gradient norm (from ``GradNorm``) explodes, or is not finite.
+
+    Two references that an early explosion cannot hide:
+
+    - *growth*: the latest norm is above ``factor`` x the smaller of the first
+      tracked norm and the median of the norms so far (the explosion came after
+      updates: typically the learning rate);
+    - *at the start*: once ``window`` norms are stored, the first tracked norm
+      is above ``factor`` x the median of the norms so far (the gradient was
+      already exploding before any update: the model or the data, e.g. a
+      recurrent layer that amplifies the gradient through time). Evidence
+      ``at_start: true``, ``since`` the first step.
+
+    Severity ``error`` when the latest norm is NaN or infinite.
+    """
 
     id = "exploding-gradient"
     severity = "warning"
     reads = ("GradNorm",)
 
-    def __init__(self, window: int = 5, factor: float = 100.0):
+    def __init__(self, window: int = 5, factor: float = 50.0):
         self.window = _check_window(window)
         self.factor = _check_positive("factor", factor)
+
+    def _median_so_far(self, history: RunHistory, totals: list[float]) -> float:
+        """The median of the last :data:`NOISE_VALUES` finite norms (computed again every
+        :data:`NOISE_EVERY` norms once there are 40)."""
+        memo = history.memo.setdefault(f"{self.id}/median", {})
+        version, count = history.version("GradNorm"), len(totals)
+        if memo.get("version") == version and 0 <= count - memo.get("count", -99) < (
+                NOISE_EVERY if count > 40 else 1):
+            return memo["value"]
+        finite = [v for v in totals[-NOISE_VALUES:] if math.isfinite(v)]
+        value = _median(finite) if finite else math.nan
+        memo.update(version=version, count=count, value=value)
+        return value
 
     def check(self, history: RunHistory) -> list[Finding]:
         steps, totals = history.series("GradNorm", _total_norm)
@@ -274,23 +422,36 @@ class ExplodingGradient(Rule):
                     f"the gradient norm is {latest} at step {step}",
                     fix="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), look for "
                     "log(0) or exp overflow",
-                    evidence={"step": step, "norm": latest},
+                    evidence={"step": step, "norm": latest, "since": step},
                     severity="error",
                 )
             ]
-        if len(totals) <= self.window:
+        if len(totals) < 2:
             return []
-        initial = float(np.nanmedian(totals[: self.window]))
-        if not (initial > 0 and latest > self.factor * initial):
+        first, typical = totals[0], self._median_so_far(history, totals)
+        if len(totals) >= self.window and typical > 0 and first > self.factor * typical:
+            return [
+                self.finding(
+                    step,
+                    f"the gradient was exploding from the first tracked step: {_g(first)} at step {steps[0]}, "
+                    f"{_g(first / typical)}x the run's median {_g(typical)}, before any update",
+                    fix="clip gradients (torch.nn.utils.clip_grad_norm_); in recurrent models initialize the "
+                    "recurrent weights with a spectral radius at most 1 (orthogonal) or use LSTM/GRU cells",
+                    evidence={"step": step, "norm": first, "median": typical, "at_start": True,
+                              "since": int(steps[0])},
+                )
+            ]
+        reference = min(first, typical) if math.isfinite(typical) else first
+        if not (reference > 0 and latest > self.factor * reference):
             return []
         return [
             self.finding(
                 step,
-                f"the gradient norm is exploding: {_g(latest)} at step {step}, {_g(latest / initial)}x its "
-                f"initial median {_g(initial)}",
+                f"the gradient norm is exploding: {_g(latest)} at step {step}, {_g(latest / reference)}x its "
+                f"reference {_g(reference)} (the first tracked norm or the run's median, the smaller)",
                 fix="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or normalize "
                 "activations (LayerNorm/BatchNorm)",
-                evidence={"step": step, "norm": latest, "initial": initial},
+                evidence={"step": step, "norm": latest, "reference": reference, "since": step},
             )
         ]
 
@@ -308,10 +469,11 @@ class VanishingGradient(Rule):
         self.floor = float(floor)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        recent = history.last("GradNorm", self.window)
-        if len(recent) < self.window:
+        all_steps, all_rows = history.series("GradNorm", block_values)  # converted once per value
+        if len(all_steps) < self.window:
             return []
-        rows = [_blocks(value) for _, value in recent]
+        recent = list(zip(all_steps[-self.window :], all_rows[-self.window :]))
+        rows = [row for _, row in recent]
         if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
             return []
         norms = np.vstack(rows)
@@ -319,8 +481,8 @@ class VanishingGradient(Rule):
             return []
         largest = norms.max(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):
-            relative = np.median(np.where(largest > 0, norms / largest, 1.0), axis=0)
-        median = np.median(norms, axis=0)
+            relative = _column_median(np.where(largest > 0, norms / largest, 1.0))
+        median = _column_median(norms)
         found = []
         steps = [step for step, _ in recent]
         for index in range(norms.shape[1]):
@@ -336,7 +498,8 @@ class VanishingGradient(Rule):
                         "connections",
                         layer=layer,
                         evidence={"norm": float(median[index]), "relative": float(relative[index]),
-                                  "steps": steps},
+                                  "steps": steps, "zero": bool((norms[:, index] == 0).all()),
+                                  "since": steps[0], "at_start": steps[0] == history.first("GradNorm", 1)[0][0]},
                     )
                 )
         return found
@@ -344,7 +507,12 @@ class VanishingGradient(Rule):
 
 # ---- parameter motion -------------------------------------------------------------------------
 class _UpdateRatio(Rule):
-    """``UpdateSize / ParamNorm`` per layer, median over the last ``window`` steps with both."""
+    """``UpdateSize / ParamNorm`` per layer, median over the last ``window`` steps with both.
+
+    Parameters whose first stored norm is 0 (zero-initialized position
+    embeddings, LoRA factors) are skipped: relative to nothing, any update
+    is large.
+    """
 
     reads = ("UpdateSize", "ParamNorm")
 
@@ -354,6 +522,16 @@ class _UpdateRatio(Rule):
         self.include_biases = bool(include_biases)
 
     def _ratios(self, history: RunHistory) -> tuple[list[int], np.ndarray] | None:
+        """``(steps, ratios [steps x parameters])`` for up to ``window`` recent steps (oldest first);
+        shared through ``history.memo`` by the rules that read them at the same data."""
+        key = ("ratios", self.window, history.count("UpdateSize"), history.count("ParamNorm"),
+               history.version("UpdateSize"), history.version("ParamNorm"))
+        memo = history.memo.setdefault("update-ratios", {})
+        if memo.get("key") != key:
+            memo.update(key=key, value=self._compute_ratios(history))
+        return memo["value"]
+
+    def _compute_ratios(self, history: RunHistory) -> tuple[list[int], np.ndarray] | None:
         update_steps, updates = history.series("UpdateSize", block_values)
         norm_steps, norms = history.series("ParamNorm", block_values)
         recent_norms = dict(zip(norm_steps[-8 * self.window :], norms[-8 * self.window :]))
@@ -366,40 +544,46 @@ class _UpdateRatio(Rule):
                 pairs.append((update, norm))
                 if len(pairs) == self.window:
                     break
-        if len(pairs) < self.window or len({len(update) for update, _ in pairs}) != 1:
+        if not pairs or len({len(update) for update, _ in pairs}) != 1:
             return None
-        update, norm = np.vstack([u for u, _ in pairs]), np.vstack([n for _, n in pairs])
+        update, norm = np.vstack([u for u, _ in pairs[::-1]]), np.vstack([n for _, n in pairs[::-1]])
         with np.errstate(divide="ignore", invalid="ignore"):
             ratios = np.where(norm > 0, update / norm, np.nan)
         # a layer with a zero norm in the window gets NaN and is skipped
-        return steps[::-1], np.median(ratios, axis=0)
+        return steps[::-1], ratios
 
     def _layers(self, history: RunHistory, count: int) -> list[int]:
-        return [i for i in range(count) if self.include_biases or (history.param_ndim(i) or 2) >= 2]
+        first = history.first("ParamNorm", 1)
+        initial = block_values(first[0][1]) if first else None
+        return [i for i in range(count) if (self.include_biases or (history.param_ndim(i) or 2) >= 2)
+                and not (initial is not None and i < len(initial) and initial[i] == 0)]
 
     def _wrong(self, ratio: float) -> bool:
         raise NotImplementedError
 
+    def _finding(self, history: RunHistory, index: int, steps: list[int], ratio: float, what: str,
+                 since: int) -> Finding:
+        layer = history.param_name(index)
+        return self.finding(
+            steps[-1],
+            f"the updates of {layer} are {_g(ratio)} of its norm ({what}; {self.bound} {_g(self.threshold)})",
+            fix=self.fix,
+            layer=layer,
+            evidence={"ratio": ratio, "threshold": self.threshold, "steps": steps, "since": since},
+        )
+
     def check(self, history: RunHistory) -> list[Finding]:
         found = self._ratios(history)
-        if found is None:
+        if found is None or len(found[0]) < self.window:
             return []
         steps, ratios = found
+        median = _column_median(ratios)
         findings = []
-        for index in self._layers(history, len(ratios)):
-            ratio = float(ratios[index])
+        for index in self._layers(history, ratios.shape[1]):
+            ratio = float(median[index])
             if math.isfinite(ratio) and self._wrong(ratio):
-                layer = history.param_name(index)
-                findings.append(
-                    self.finding(
-                        steps[-1],
-                        f"the updates of {layer} are {_g(ratio)} of its norm (median over steps "
-                        f"{steps[0]}..{steps[-1]}; {self.bound} {_g(self.threshold)})",
-                        fix=self.fix,
-                        layer=layer,
-                        evidence={"ratio": ratio, "threshold": self.threshold, "steps": steps},
-                    )
-                )
+                findings.append(self._finding(history, index, steps, ratio,
+                                              f"median over steps {steps[0]}..{steps[-1]}", steps[0]))
         return findings
 
 
@@ -411,7 +595,7 @@ class UpdateRatioTooSmall(_UpdateRatio):
     bound = "expected at least"
     fix = "raise the learning rate (for this layer's parameter group); check weight decay and gradient scaling"
 
-    def __init__(self, threshold: float = 1e-5, window: int = 5, include_biases: bool = False):
+    def __init__(self, threshold: float = 1e-4, window: int = 5, include_biases: bool = False):
         super().__init__(threshold, window, include_biases)
 
     def _wrong(self, ratio: float) -> bool:
@@ -419,22 +603,51 @@ class UpdateRatioTooSmall(_UpdateRatio):
 
 
 class UpdateRatioTooLarge(_UpdateRatio):
-    """Updates above ``threshold`` x the parameter norm."""
+    """Updates above ``threshold`` x the parameter norm (median over ``window`` steps), or a single
+    update above ``spike`` x the norm (a blow-up: reported at once, without waiting for a window)."""
 
     id = "update-ratio-too-large"
     severity = "warning"
     bound = "expected at most"
     fix = "lower the learning rate (for this layer's parameter group) or add warm-up"
 
-    def __init__(self, threshold: float = 0.1, window: int = 5, include_biases: bool = False):
+    def __init__(self, threshold: float = 0.1, window: int = 5, include_biases: bool = False,
+                 spike: float | None = 0.2):
         super().__init__(threshold, window, include_biases)
+        self.spike = None if spike is None else _check_positive("spike", spike)
 
     def _wrong(self, ratio: float) -> bool:
         return ratio > self.threshold
 
+    def check(self, history: RunHistory) -> list[Finding]:
+        findings = super().check(history)
+        if self.spike is None:
+            return findings
+        found = self._ratios(history)
+        if found is None:
+            return findings
+        steps, ratios = found
+        seen = {f.layer for f in findings}
+        for index in self._layers(history, ratios.shape[1]):
+            column = ratios[:, index]
+            if history.param_name(index) in seen or not (column > self.spike).any():  # NaN compares False
+                continue
+            at = int(np.nanargmax(column))
+            finding = self._finding(history, index, steps, float(column[at]), f"at step {steps[at]}", steps[at])
+            finding.message += f"; a single update above {_g(self.spike)} x the norm is a blow-up"
+            finding.evidence["spike"] = self.spike
+            findings.append(finding)
+        return findings
+
 
 class UnchangedParameters(Rule):
-    """A layer whose update (``UpdateSize``, else ``Distance``) is at most ``tolerance`` for ``window`` steps."""
+    """A layer whose update (``UpdateSize``, else ``Distance``) is at most ``tolerance`` for ``window`` steps.
+
+    Evidence ``has_gradient``: whether ``GradNorm`` (if stored) was above 0 at
+    those steps; a parameter that gets a gradient and does not move is not
+    being trained (a frozen layer), one without a gradient is cut off (dead
+    units upstream, a detached branch).
+    """
 
     id = "unchanged-parameters"
     severity = "warning"
@@ -448,26 +661,33 @@ class UnchangedParameters(Rule):
 
     def check(self, history: RunHistory) -> list[Finding]:
         name = "UpdateSize" if history.has("UpdateSize") else "Distance"
-        recent = history.last(name, self.window)
-        if len(recent) < self.window or (name == "Distance" and history.count(name) <= self.window):
+        all_steps, all_rows = history.series(name, block_values)  # converted once per value
+        if len(all_steps) < self.window or (name == "Distance" and history.count(name) <= self.window):
             return []
-        rows = [_blocks(value) for _, value in recent]
+        rows = all_rows[-self.window :]
         if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
             return []
         still = (np.vstack(rows) <= self.tolerance).all(axis=0)
-        steps = [step for step, _ in recent]
+        if not still.any():
+            return []
+        steps = list(all_steps[-self.window :])
         what = "update" if name == "UpdateSize" else "distance to the start"
-        return [
-            self.finding(
+        gradients = [block_values(history.get("GradNorm", step)) for step in steps]
+        found = []
+        for i in np.flatnonzero(still):
+            known = [g[i] for g in gradients if g is not None and i < len(g) and math.isfinite(g[i])]
+            has_gradient = bool(known) and all(g > 0 for g in known)
+            found.append(self.finding(
                 steps[-1],
-                f"{history.param_name(i)} does not change: its {what} is 0 at steps {steps[0]}..{steps[-1]}",
+                f"{history.param_name(i)} does not change: its {what} is 0 at steps {steps[0]}..{steps[-1]}"
+                + (", although it gets a gradient" if has_gradient else
+                   (", and its gradient is 0" if known else "")),
                 fix="check that the optimizer was given this parameter (model.parameters()), that its "
                 "learning rate is not 0 and that it gets a gradient (requires_grad, used in forward)",
                 layer=history.param_name(i),
-                evidence={"quantity": name, "steps": steps},
-            )
-            for i in np.flatnonzero(still)
-        ]
+                evidence={"quantity": name, "steps": steps, "has_gradient": has_gradient, "since": steps[0]},
+            ))
+        return found
 
 
 # ---- step size and curvature -------------------------------------------------------------------
@@ -493,10 +713,15 @@ class StepOvershoots(_Persistent):
 
 
 class StepTooShort(_Persistent):
-    """Alpha below ``threshold`` (default -0.7: near -1) in a ``share`` of the last ``window`` steps."""
+    """Alpha below ``threshold`` (default -0.7: near -1) in a ``share`` of the last ``window`` steps.
+
+    Severity ``info``: on the corpus's tuning half it fired on 7 of 18
+    healthy runs (the early plateau of SGD with momentum and of Adam, where
+    alpha sits near -1) and on one of the four runs whose learning rate was
+    too small; ``update-ratio-too-small`` is the stronger signal."""
 
     id = "step-too-short"
-    severity = "warning"
+    severity = "info"
     reads = ("Alpha",)
     quantity = "Alpha"
 
@@ -517,8 +742,10 @@ class SharpnessAboveStability(Rule):
     """``learning_rate x HessMaxEV > limit`` (default 2, gradient descent's stability bound) at the last ``window`` values.
 
     The learning rate is the latest ``cockpit.log(step, learning_rate=...)``
-    at or before each step. With heavy-ball momentum ``beta`` the bound is
-    ``2 (1 + beta)``: pass ``limit``.
+    at or before each step (else the tracked ``LearningRate``). With
+    heavy-ball momentum ``beta`` the bound is ``limit (1 + beta)``: read from
+    the tracked ``Momentum`` when stored (the cockpit feeds it when
+    diagnosing); an adaptive optimizer (``Momentum`` NaN) never fires.
     """
 
     id = "sharpness-above-stability"
@@ -529,16 +756,35 @@ class SharpnessAboveStability(Rule):
         self.limit = _check_positive("limit", limit)
         self.window = _check_window(window)
 
+    def missing(self, history: RunHistory) -> list[str]:
+        found = [] if history.has("HessMaxEV") else ["HessMaxEV"]
+        if not (history.has("learning_rate") or history.has("LearningRate")):
+            found.append("learning_rate (cockpit.log) or LearningRate")
+        return found
+
+    @staticmethod
+    def _rate(history: RunHistory, step: int) -> float:
+        """The logged ``learning_rate`` at or before ``step``, else the tracked ``LearningRate``
+        (the largest of its parameter groups)."""
+        name = "learning_rate" if history.has("learning_rate") else "LearningRate"
+        value = history.at_or_before(name, step)[1]
+        if isinstance(value, (list, tuple)):
+            rates = [to_float(v) for v in value]
+            return max(rates) if rates else math.nan
+        return to_float(value)
+
     def check(self, history: RunHistory) -> list[Finding]:
         recent = history.last("HessMaxEV", self.window)
         if len(recent) < self.window:
             return []
-        products, rates = [], []
+        products, rates, limits = [], [], []
         for step, value in recent:
-            rate = to_float(history.at_or_before("learning_rate", step)[1])
+            rate = self._rate(history, step)
             rates.append(rate)
             products.append(rate * to_float(value))
-        if not all(math.isfinite(p) and p > self.limit for p in products):
+            beta = to_float(history.at_or_before("Momentum", step)[1]) if history.has("Momentum") else 0.0
+            limits.append(self.limit * (1.0 + beta))  # NaN for an adaptive optimizer: never exceeded
+        if not all(math.isfinite(p) and p > limit for p, limit in zip(products, limits)):
             return []
         steps = [step for step, _ in recent]
         sharp = to_float(recent[-1][1])
@@ -546,11 +792,11 @@ class SharpnessAboveStability(Rule):
             self.finding(
                 steps[-1],
                 f"the top Hessian eigenvalue {_g(sharp)} times the learning rate {_g(rates[-1])} is "
-                f"{_g(products[-1])} > {_g(self.limit)} at steps {steps[0]}..{steps[-1]}: along that direction "
+                f"{_g(products[-1])} > {_g(limits[-1])} at steps {steps[0]}..{steps[-1]}: along that direction "
                 "a gradient step is unstable",
-                fix=f"lower the learning rate below {_g(self.limit / sharp)} (= {_g(self.limit)} / top eigenvalue) "
+                fix=f"lower the learning rate below {_g(limits[-1] / sharp)} (= {_g(limits[-1])} / top eigenvalue) "
                 "or add warm-up",
-                evidence={"products": products, "learning_rates": rates, "steps": steps},
+                evidence={"products": products, "learning_rates": rates, "limits": limits, "steps": steps},
             )
         ]
 
@@ -609,11 +855,12 @@ class _ActivationShare(Rule):
     reads = ("ActivationStats",)
     field: str = ""
 
-    def __init__(self, threshold: float = 0.5, window: int = 3):
+    def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 1):
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must lie in (0, 1), got {threshold!r}")
         self.threshold = float(threshold)
         self.window = _check_window(window)
+        self.min_samples = _check_window(min_samples, "min_samples")
 
     def _shares(self, history: RunHistory) -> tuple[list[int], dict[str, tuple[str, float]]]:
         recent = history.last("ActivationStats", self.window)
@@ -624,7 +871,8 @@ class _ActivationShare(Rule):
         kinds: dict[str, str] = {}
         for _, value in recent:
             for layer, stats in (value or {}).items():
-                if isinstance(stats, Mapping) and self.field in stats:
+                if isinstance(stats, Mapping) and self.field in stats and (
+                        to_float(stats.get("samples", math.inf)) >= self.min_samples):
                     collected.setdefault(layer, []).append(to_float(stats[self.field]))
                     kinds[layer] = str(stats.get("kind", "?"))
         return steps, {
@@ -642,18 +890,27 @@ class _ActivationShare(Rule):
         steps, shares = self._shares(history)
         return [
             self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"), fix=self.fix,
-                         layer=layer, evidence={self.field: share, "kind": kind, "steps": steps})
+                         layer=layer, evidence={self.field: share, "kind": kind, "steps": steps, "since": steps[0],
+                                                "at_start": steps[0] == history.first("ActivationStats", 1)[0][0]})
             for layer, (kind, share) in shares.items()
             if share > self.threshold
         ]
 
 
 class DeadUnits(_ActivationShare):
-    """ReLU/GELU layers where a share of units above ``threshold`` is off for every sample."""
+    """ReLU/GELU layers where a share of units above ``threshold`` is off for every sample.
+
+    Steps with fewer than ``min_samples`` rows (default 8) are not counted:
+    with one sample, half of the units of a healthy ReLU layer are off for
+    "every sample".
+    """
 
     id = "dead-units"
     severity = "warning"
     field = "dead_fraction"
+
+    def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 8):
+        super().__init__(threshold, window, min_samples)
     fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
 
     def _message(self, layer: str, kind: str, share: float, span: str) -> str:
@@ -673,6 +930,48 @@ class SaturatedUnits(_ActivationShare):
     def _message(self, layer: str, kind: str, share: float, span: str) -> str:
         return (f"{_g(100 * share)}% of the outputs of {layer} ({kind}) are saturated, where the derivative is "
                 f"nearly 0 (median of steps {span})")
+
+
+class LargeInputScale(Rule):
+    """At the first tracked step, the first activation layer's outputs are far larger than unit scale.
+
+    Reads the ``rms`` of the first layer of ``ActivationStats`` (in the
+    order the model calls them) at the first tracked step, before any update
+    can have changed it: above ``limit`` (default 10), the inputs are most
+    likely not normalized (pixels in 0..255, raw features). Bounded
+    activations (tanh, sigmoid) are skipped; their saturation is
+    ``saturated-units``' business.
+    """
+
+    id = "large-input-scale"
+    severity = "warning"
+    reads = ("ActivationStats",)
+
+    def __init__(self, limit: float = 10.0):
+        self.limit = _check_positive("limit", limit)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        first = history.first("ActivationStats", 1)
+        if not first or not isinstance(first[0][1], Mapping) or not first[0][1]:
+            return []
+        step, value = first[0]
+        layer, stats = next(iter(value.items()))
+        if not isinstance(stats, Mapping) or stats.get("kind") in ("tanh", "sigmoid"):
+            return []
+        rms = to_float(stats.get("rms"))
+        if not rms > self.limit:
+            return []
+        return [
+            self.finding(
+                step,
+                f"the first activation layer {layer} ({stats.get('kind', '?')}) has outputs of scale {_g(rms)} "
+                f"(rms) at the first tracked step {step}, above {_g(self.limit)}: the inputs look unnormalized",
+                fix="scale the inputs to about unit size (divide 0..255 pixels by 255, standardize features "
+                "with the training set's mean and standard deviation)",
+                layer=layer,
+                evidence={"rms": rms, "limit": self.limit, "since": int(step)},
+            )
+        ]
 
 
 class PoorInitialization(Rule):
@@ -815,6 +1114,7 @@ def default_rules() -> list[Rule]:
         NonFiniteLoss(),
         LossDiverging(),
         LossNotDecreasing(),
+        NoisyLoss(),
         ExplodingGradient(),
         VanishingGradient(),
         UpdateRatioTooSmall(),
@@ -827,5 +1127,6 @@ def default_rules() -> list[Rule]:
         DeadUnits(),
         SaturatedUnits(),
         PoorInitialization(),
+        LargeInputScale(),
         Overfitting(),
     ]

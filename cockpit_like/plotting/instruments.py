@@ -366,11 +366,16 @@ def draw_tic(ax, data: RunData, options: DrawOptions) -> None:
 
 # ---- hyperparameters and performance --------------------------------------------------------
 def draw_learning_rate(ax, data: RunData, options: DrawOptions) -> None:
-    """Learning rate as logged with ``cockpit.log(..., learning_rate=...)``."""
+    """Learning rate as logged with ``cockpit.log(..., learning_rate=...)``, else as tracked by the
+    ``LearningRate`` quantity (one value per tracked step; one rate for all parameter groups)."""
     title = "Learning rate"
     steps, values = data.scalar("learning_rate")
     if not len(steps):
-        not_tracked(ax, title, [], "pass learning_rate= to cockpit.log(...)")
+        steps, values = data.scalar("LearningRate")
+        keep = np.isfinite(values)
+        steps, values = steps[keep], values[keep]
+    if not len(steps):
+        not_tracked(ax, title, [], "pass learning_rate= to cockpit.log(...)\nor track LearningRate")
         return
     ax.set_title(title, **_TITLE)
     ax.plot(steps, values, drawstyle="steps-post", marker=".", markersize=4, color=COLORS["blue"],

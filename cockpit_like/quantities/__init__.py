@@ -10,6 +10,7 @@ from cockpit_like.quantities.histograms import GradHist1d, GradHist2d
 from cockpit_like.quantities.curvature import HessTrace, TICDiag, TICTrace
 from cockpit_like.quantities.hess_max_ev import HessMaxEV
 from cockpit_like.quantities.kfac_trace import KFACTrace
+from cockpit_like.quantities.learning_rate import LearningRate, Momentum
 from cockpit_like.quantities.curvature_statistics import (
     CurvatureStatistics,
     EKFACSpectrum,
@@ -56,4 +57,6 @@ __all__ = [
     "SelfInfluence",
     "ParamNorm",
     "ActivationStats",
+    "LearningRate",
+    "Momentum",
 ]

@@ -1,0 +1,273 @@
+"""The cause layer: the findings of one incident grouped into one :class:`Incident`, cause first.
+
+Rules report what they see; several of them often see one incident. A
+learning rate far too large blows the loss and the gradient up, then ReLUs
+die, gradients vanish and parameters stop changing: five rules fire, and only
+the first names the cause. :func:`group_findings` turns a run's findings into
+incidents: each names a **cause** (an id of :data:`CAUSES`), the findings that
+point at it (**evidence**), the findings it explains (**symptoms**, e.g. dead
+units after a blow-up) and the fix *for the cause*.
+
+How findings are grouped (deterministic, from the findings alone):
+
+1. Each finding of severity ``warning`` or above is *read* as evidence of a
+   cause (:func:`cause_of`); some rules are read in context: a gradient
+   explosion at the first tracked step (before any update) points at the
+   model or the data, later at the learning rate; parameters that do not
+   change although they get a gradient point at a frozen layer, with a zero
+   gradient at whatever stopped the gradient; a non-finite loss with no
+   blow-up before it points at an operation.
+2. The earliest evidence (by ``evidence["since"]``, the step where a
+   finding's evidence starts, else its step) opens an incident; among
+   evidence starting within ``slack`` tracked steps of it (rules need
+   different numbers of steps to be sure), the cause earliest in
+   :data:`CAUSE_ORDER` wins (a cause before the causes it can produce:
+   inputs and initialization before a learning rate, a learning rate before
+   dead units). Findings of rules that mostly see symptoms (dead units,
+   vanishing gradients, unchanged parameters, a loss that does not fall)
+   compete only when nothing stronger is near, unless they hold from the
+   first tracked step (``evidence["at_start"]``).
+3. The incident takes every later finding its cause explains (its own
+   evidence, and the symptoms listed in :data:`CAUSES`); what is left opens
+   the next incident. ``info`` findings are attached as symptoms where a
+   cause explains them, else listed in an incident of their own.
+
+Example::
+
+    from cockpit_like.diagnosis import diagnose, group_findings
+    report = diagnose(steps, metadata)
+    for incident in group_findings(report.findings):
+        print(incident.headline())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cockpit_like.diagnosis.findings import Finding, severity_rank
+
+__all__ = ["CAUSES", "CAUSE_ORDER", "Cause", "Incident", "cause_of", "group_findings", "since"]
+
+
+@dataclass(frozen=True)
+class Cause:
+    """What can be wrong: an id, a sentence, the fix, and the rules whose findings it explains."""
+
+    id: str
+    title: str
+    fix: str
+    symptoms: tuple[str, ...] = ()
+
+
+_BLOW_UP_SYMPTOMS = ("loss-diverging", "exploding-gradient", "update-ratio-too-large", "step-overshoots",
+                     "sharpness-above-stability", "loss-spikes", "dead-units", "vanishing-gradient",
+                     "unchanged-parameters", "saturated-units", "loss-not-decreasing", "nonfinite-loss",
+                     "noisy-loss", "noise-dominated", "poor-initialization", "update-ratio-too-small")
+
+#: every cause the layer can name
+CAUSES: dict[str, Cause] = {
+    cause.id: cause
+    for cause in (
+        Cause("unnormalized-inputs", "the inputs are not normalized: the first layer's outputs are far too large",
+              "scale the inputs to about unit size (e.g. divide 0..255 pixels by 255, or standardize each "
+              "feature with the training set's mean and standard deviation)", _BLOW_UP_SYMPTOMS),
+        Cause("poor-initialization", "the initialization makes signals vanish or saturate through depth",
+              "initialize weights with a variance scaled to the layer width (Kaiming for ReLU, Xavier for "
+              "tanh/sigmoid), or add normalization layers or residual connections", _BLOW_UP_SYMPTOMS),
+        Cause("exploding-gradient", "the gradient explodes through the model (before any update: not the "
+              "learning rate)", "clip gradients (torch.nn.utils.clip_grad_norm_), initialize recurrent "
+              "weights with a spectral radius at most 1 (orthogonal init), or use gated cells (LSTM/GRU)",
+              _BLOW_UP_SYMPTOMS),
+        Cause("learning-rate-too-large", "the learning rate is too large: the loss and the updates blow up",
+              "lower the learning rate (by 10x for a blow-up, 2-3x for spikes), add warm-up, or clip "
+              "gradients; check the learning-rate schedule where the blow-up starts later in the run",
+              _BLOW_UP_SYMPTOMS),
+        Cause("nonfinite-operation", "an operation made a NaN or an infinity (the loss did not blow up before)",
+              "find the operation (cockpit.record(step), or the recorder's nonfinite-origin finding): clamp "
+              "log inputs, add an epsilon to divisions and norms, check the data of that step",
+              ("exploding-gradient", "unchanged-parameters", "vanishing-gradient", "dead-units",
+               "loss-not-decreasing", "update-ratio-too-small", "update-ratio-too-large")),
+        Cause("frozen-layer", "a layer gets a gradient but does not change: it is not being trained",
+              "give the parameter to the optimizer (model.parameters()), check its learning rate and that "
+              "it is not frozen on purpose", ()),
+        Cause("dead-units", "ReLU units are off for every sample from the start; they pass no gradient",
+              "initialize biases at 0 (not negative), use Kaiming initialization or LeakyReLU/GELU",
+              ("vanishing-gradient", "unchanged-parameters", "loss-not-decreasing", "update-ratio-too-small")),
+        Cause("learning-rate-too-small", "the learning rate is too small: the parameters barely move",
+              "raise the learning rate (try 10x); check the schedule and weight decay",
+              ("loss-not-decreasing", "step-too-short")),
+        Cause("overfitting", "the model overfits: the validation loss rises while the training loss falls",
+              "stop early at the best validation step, regularize (weight decay, dropout, augmentation), use "
+              "more data; check the labels for noise", ()),
+        Cause("batch-too-small", "the batch is too small: gradient noise swamps the signal",
+              "use a larger batch (or accumulate gradients), or lower the learning rate",
+              ("noise-dominated", "loss-not-decreasing")),
+        Cause("labels-do-not-match", "the loss does not fall although the parameters move at a normal rate: "
+              "the labels may not match the inputs", "check the data pipeline: that labels and inputs are "
+              "shuffled together, the label encoding, and that the task is learnable (try to overfit one batch)",
+              ()),
+        Cause("gradient-noise", "gradient noise dominates the mini-batch gradient",
+              "a larger batch would give cleaner steps (a suggestion, not a fault)", ()),
+        Cause("other", "a finding no known cause explains", "see the finding's fix", ()),
+    )
+}
+
+#: the order in which causes win when their evidence is found within ``slack`` steps of each other
+CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "learning-rate-too-large",
+               "nonfinite-operation", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
+               "batch-too-small", "labels-do-not-match", "gradient-noise", "other")
+
+_DIRECT = {
+    "large-input-scale": "unnormalized-inputs",
+    "poor-initialization": "poor-initialization",
+    "saturated-units": "poor-initialization",
+    "vanishing-gradient": "poor-initialization",
+    "loss-diverging": "learning-rate-too-large",
+    "loss-spikes": "learning-rate-too-large",
+    "update-ratio-too-large": "learning-rate-too-large",
+    "step-overshoots": "learning-rate-too-large",
+    "sharpness-above-stability": "learning-rate-too-large",
+    "dead-units": "dead-units",
+    "update-ratio-too-small": "learning-rate-too-small",
+    "step-too-short": "learning-rate-too-small",
+    "overfitting": "overfitting",
+    "noisy-loss": "batch-too-small",
+    "loss-not-decreasing": "labels-do-not-match",
+    "noise-dominated": "gradient-noise",
+    "nonfinite-origin": "nonfinite-operation",
+}
+
+
+#: per cause, the rules whose findings are its own evidence (not symptoms), beyond :data:`_DIRECT`
+_OWN = {cause: {rule for rule, named in _DIRECT.items() if named == cause} for cause in set(_DIRECT.values())}
+_OWN.setdefault("learning-rate-too-large", set()).update({"exploding-gradient", "nonfinite-loss"})
+_OWN.setdefault("exploding-gradient", set()).add("exploding-gradient")
+_OWN.setdefault("nonfinite-operation", set()).update({"nonfinite-loss", "exploding-gradient"})
+_OWN.setdefault("frozen-layer", set()).add("unchanged-parameters")
+
+
+def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
+    """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
+    rule = finding.rule
+    if rule == "exploding-gradient":
+        if finding.evidence.get("at_start"):
+            return "exploding-gradient"
+        if finding.severity == "error":  # a non-finite gradient: as the loss
+            return _nonfinite_cause(finding, findings)
+        return "learning-rate-too-large"
+    if rule == "nonfinite-loss":
+        return _nonfinite_cause(finding, findings)
+    if rule == "vanishing-gradient" and finding.evidence.get("zero"):
+        return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
+    if rule == "unchanged-parameters":
+        return "frozen-layer" if finding.evidence.get("has_gradient") else "dead-units"
+    return _DIRECT.get(rule, "other")
+
+
+#: rules whose findings are mostly symptoms: they name a cause of their own only when seen from the
+#: first tracked step (``evidence["at_start"]``), or when nothing stronger is found near them
+_SYMPTOM_RULES = ("vanishing-gradient", "saturated-units", "dead-units", "unchanged-parameters",
+                  "loss-not-decreasing", "noisy-loss", "update-ratio-too-small", "noise-dominated")
+
+
+def _weak(finding: Finding) -> bool:
+    return finding.rule in _SYMPTOM_RULES and not finding.evidence.get("at_start")
+
+
+def since(finding: Finding) -> int:
+    """The step where the evidence of ``finding`` starts (``evidence["since"]``, else its step)."""
+    value = finding.evidence.get("since") if isinstance(finding.evidence, dict) else None
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else int(finding.step)
+
+
+def _nonfinite_cause(finding: Finding, findings: Iterable[Finding]) -> str:
+    blow_up = {"loss-diverging", "update-ratio-too-large", "loss-spikes"}
+    for other in findings:
+        if other.step <= finding.step and other is not finding and (other.rule in blow_up or (
+                other.rule == "exploding-gradient" and other.severity != "error")):
+            return "learning-rate-too-large"
+    return "nonfinite-operation"
+
+
+@dataclass
+class Incident:
+    """One diagnosis: a cause, the findings that point at it, and the symptoms it explains.
+
+    Attributes:
+        cause: an id of :data:`CAUSES`.
+        title: the cause in words.
+        severity: the most severe of its findings.
+        step: the step where its evidence starts (``evidence["since"]`` of its findings, else their step).
+        fix: the fix for the cause.
+        evidence: findings that point at the cause, by step.
+        symptoms: findings the cause explains, by step.
+    """
+
+    cause: str
+    title: str
+    severity: str
+    step: int
+    fix: str
+    evidence: list[Finding] = field(default_factory=list)
+    symptoms: list[Finding] = field(default_factory=list)
+
+    @property
+    def findings(self) -> list[Finding]:
+        return sorted(self.evidence + self.symptoms, key=lambda f: f.step)
+
+    def headline(self) -> str:
+        """One line: severity, cause, step."""
+        return f"{self.severity.upper()} {self.cause} (from step {self.step}): {self.title}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "title": self.title, "severity": self.severity, "step": self.step,
+                "fix": self.fix, "evidence": [f.to_dict() for f in self.evidence],
+                "symptoms": [f.to_dict() for f in self.symptoms]}
+
+
+def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident]:
+    """The incidents of a run's findings, in the order they started (see the module docstring).
+
+    Args:
+        findings: the findings of one run (reported ones, e.g. ``diagnose(...).findings``).
+        slack: evidence found within this many steps of an incident's first
+            evidence competes for its cause (:data:`CAUSE_ORDER` decides).
+    """
+    if isinstance(slack, bool) or not isinstance(slack, int) or slack < 0:
+        raise ValueError(f"slack must be an int >= 0, got {slack!r}")
+    findings = list(findings)
+    for finding in findings:
+        if not isinstance(finding, Finding):
+            raise ValueError(f"group_findings takes Finding objects, got {type(finding).__name__}")
+    ordered = sorted(findings, key=lambda f: (since(f), f.step, -severity_rank(f.severity)))
+    causes = {id(f): cause_of(f, ordered) for f in ordered}
+    left = list(ordered)
+    incidents: list[Incident] = []
+    for loud in (True, False):  # incidents opened by warnings and errors first, then infos
+        while True:
+            openers = [f for f in left if (severity_rank(f.severity) >= 1) == loud]
+            if not openers:
+                break
+            start = since(openers[0])
+            near = [f for f in openers if since(f) <= start + slack]
+            near = [f for f in near if not _weak(f)] or near
+            cause_id = min((causes[id(f)] for f in near), key=CAUSE_ORDER.index)
+            cause = CAUSES[cause_id]
+            evidence = [f for f in left if causes[id(f)] == cause_id]
+            # a finding read as this cause's evidence in context (zero gradients below dead units) is
+            # still listed as a symptom when its rule is one of the cause's symptoms and not its own
+            own = [f for f in evidence if f.rule not in cause.symptoms or f.rule in _OWN.get(cause_id, ())]
+            evidence = own or evidence
+            first = min(since(f) for f in evidence)
+            symptoms = [f for f in left if f not in evidence and f.rule in cause.symptoms and (
+                since(f) >= first - slack or causes[id(f)] == cause_id)]
+            taken = {id(f) for f in evidence + symptoms}
+            left = [f for f in left if id(f) not in taken]
+            severity = max((f.severity for f in evidence + symptoms), key=severity_rank)
+            incidents.append(Incident(cause_id, cause.title, severity, first, cause.fix, evidence, symptoms))
+    # infos explained by an open incident's cause were taken above only when that incident is loud;
+    # order: by first step, louder first on ties
+    incidents.sort(key=lambda i: (i.step, -severity_rank(i.severity)))
+    return incidents

@@ -1,0 +1,172 @@
+"""Scoring the rules against labelled runs: recall, precision, false alarms, delay, root cause.
+
+A labelled run is ``(problem, onset, findings)``: ``problem`` is a cause id
+(:data:`~cockpit_like.diagnosis.causes.CAUSES`) or None for a healthy run,
+``onset`` the step where the problem starts, ``findings`` what the rules
+reported (``diagnose(...).findings``). Only findings of severity ``warning``
+or above count as alarms.
+
+Per run (:func:`score_run`):
+
+- **detected**: a problem run with an alarm at or after its onset;
+- **delay**: the first such alarm's step minus the onset (tracked steps, as
+  every corpus step is tracked);
+- **early alarms**: alarms before the onset (a problem that starts later);
+- **root cause**: the first incident opened by an alarm
+  (:func:`~cockpit_like.diagnosis.causes.group_findings`) names the label;
+- on a healthy run, every alarm is a **false alarm**.
+
+Over runs (:func:`summarize`): recall (detected problem runs / problem runs),
+precision (problem runs with an alarm / runs with an alarm), false alarms
+per healthy run (alarms counted per ``(rule, layer)``), healthy runs with an
+alarm, the median delay, root-cause accuracy (over problem runs); per rule:
+the runs it alarmed on, its precision, its recall over the problem runs whose
+label it is evidence of, its false alarms per healthy run and its median
+delay; per problem: recall and root-cause accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from cockpit_like.diagnosis.causes import cause_of, group_findings
+from cockpit_like.diagnosis.findings import Finding, severity_rank
+
+__all__ = ["score_run", "summarize", "format_summary"]
+
+
+def _alarms(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if severity_rank(f.severity) >= severity_rank("warning")]
+
+
+def score_run(problem: str | None, onset: int, findings: list[Finding]) -> dict[str, Any]:
+    """What the findings of one labelled run score (see the module docstring)."""
+    alarms = sorted(_alarms(findings), key=lambda f: f.step)
+    incidents = [i for i in group_findings(findings) if severity_rank(i.severity) >= 1]
+    first_cause = incidents[0].cause if incidents else None
+    result: dict[str, Any] = {
+        "problem": problem, "onset": int(onset), "alarms": len({f.key for f in alarms}),
+        "rules": sorted({f.rule for f in alarms}), "first_cause": first_cause,
+        "causes": [i.cause for i in incidents],
+    }
+    per_rule: dict[str, dict[str, Any]] = {}
+    for finding in alarms:
+        entry = per_rule.setdefault(finding.rule, {"first_step": finding.step, "layers": set(), "causes": set()})
+        entry["layers"].add(finding.layer)
+        entry["causes"].add(cause_of(finding, alarms))
+    result["per_rule"] = {
+        rule: {"first_step": e["first_step"], "count": len(e["layers"]), "causes": sorted(e["causes"])}
+        for rule, e in per_rule.items()
+    }
+    if problem is None:
+        result.update(detected=False, delay=None, early_alarms=0, root_cause=None)
+        return result
+    after = [f for f in alarms if f.step >= onset]
+    result.update(
+        detected=bool(after),
+        delay=(after[0].step - onset) if after else None,
+        early_alarms=len({f.key for f in alarms if f.step < onset}),
+        root_cause=first_cause == problem,
+    )
+    return result
+
+
+def _median(values: list[float]) -> float | None:
+    return float(np.median(values)) if values else None
+
+
+def summarize(scored: list[dict[str, Any]]) -> dict[str, Any]:
+    """Figures over scored runs (from :func:`score_run`), overall, per rule and per problem."""
+    problems = [s for s in scored if s["problem"] is not None]
+    healthy = [s for s in scored if s["problem"] is None]
+    alarmed = [s for s in scored if s["alarms"]]
+    delays = [s["delay"] for s in problems if s["delay"] is not None]
+    overall = {
+        "runs": len(scored), "problem_runs": len(problems), "healthy_runs": len(healthy),
+        "recall": sum(s["detected"] for s in problems) / len(problems) if problems else None,
+        "precision": sum(s["problem"] is not None for s in alarmed) / len(alarmed) if alarmed else None,
+        "false_alarms_per_healthy_run": sum(s["alarms"] for s in healthy) / len(healthy) if healthy else None,
+        "healthy_runs_with_alarm": sum(bool(s["alarms"]) for s in healthy),
+        "median_delay": _median(delays),
+        "root_cause_accuracy": sum(bool(s["root_cause"]) for s in problems) / len(problems) if problems else None,
+        "early_alarm_runs": sum(bool(s["early_alarms"]) for s in problems),
+    }
+    rules = sorted({rule for s in scored for rule in s["per_rule"]})
+    per_rule = {}
+    for rule in rules:
+        fired = [s for s in scored if rule in s["per_rule"]]
+        targets = {cause for s in fired for cause in s["per_rule"][rule]["causes"]}
+        relevant = [s for s in problems if s["problem"] in targets]
+        rule_delays = [s["per_rule"][rule]["first_step"] - s["onset"] for s in fired
+                       if s["problem"] is not None and s["per_rule"][rule]["first_step"] >= s["onset"]]
+        per_rule[rule] = {
+            "runs": len(fired),
+            "precision": sum(s["problem"] is not None for s in fired) / len(fired),
+            "recall": (sum(rule in s["per_rule"] for s in relevant) / len(relevant)) if relevant else None,
+            "false_alarms_per_healthy_run": (sum(s["per_rule"][rule]["count"] for s in healthy if rule in s["per_rule"])
+                                             / len(healthy)) if healthy else None,
+            "median_delay": _median(rule_delays),
+        }
+    per_problem = {}
+    for problem in sorted({s["problem"] for s in problems}):
+        runs = [s for s in problems if s["problem"] == problem]
+        per_problem[problem] = {
+            "runs": len(runs),
+            "recall": sum(s["detected"] for s in runs) / len(runs),
+            "root_cause_accuracy": sum(bool(s["root_cause"]) for s in runs) / len(runs),
+            "median_delay": _median([s["delay"] for s in runs if s["delay"] is not None]),
+            "first_causes": sorted({str(s["first_cause"]) for s in runs}),
+        }
+    return {"overall": overall, "per_rule": per_rule, "per_problem": per_problem}
+
+
+def _cell(value: Any, percent: bool = False) -> str:
+    if value is None:
+        return "-"
+    if percent:
+        return f"{100 * value:.0f}%"
+    if isinstance(value, float):
+        return f"{value:.2f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def format_summary(halves: Mapping[str, Mapping[str, Any]]) -> str:
+    """Markdown tables of :func:`summarize` results, one column (or block) per half."""
+    names = list(halves)
+    lines = ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    rows = [("runs (problem / healthy)", lambda o: f"{o['runs']} ({o['problem_runs']} / {o['healthy_runs']})"),
+            ("recall", lambda o: _cell(o["recall"], True)),
+            ("precision", lambda o: _cell(o["precision"], True)),
+            ("false alarms per healthy run", lambda o: _cell(o["false_alarms_per_healthy_run"])),
+            ("healthy runs with an alarm", lambda o: _cell(o["healthy_runs_with_alarm"])),
+            ("median detection delay (steps)", lambda o: _cell(o["median_delay"])),
+            ("root cause named first", lambda o: _cell(o["root_cause_accuracy"], True)),
+            ("problem runs with an alarm before the onset", lambda o: _cell(o["early_alarm_runs"]))]
+    for label, get in rows:
+        lines.append(f"| {label} | " + " | ".join(get(halves[n]["overall"]) for n in names) + " |")
+    lines += ["", "Per rule (" + " / ".join(names) + "): runs alarmed, precision, recall over the problems it "
+              "points at, false alarms per healthy run, median delay", "",
+              "| rule | runs | precision | recall | false alarms / healthy run | median delay |",
+              "|---|---|---|---|---|---|"]
+    rules = sorted({rule for n in names for rule in halves[n]["per_rule"]})
+    for rule in rules:
+        cells = []
+        for key, percent in (("runs", False), ("precision", True), ("recall", True),
+                             ("false_alarms_per_healthy_run", False), ("median_delay", False)):
+            cells.append(" / ".join(_cell(halves[n]["per_rule"].get(rule, {}).get(key), percent) for n in names))
+        lines.append(f"| `{rule}` | " + " | ".join(cells) + " |")
+    lines += ["", "Per problem (" + " / ".join(names) + "): recall, root cause named first, median delay, "
+              "first causes named", "", "| problem | runs | recall | root cause | median delay | first cause named |",
+              "|---|---|---|---|---|---|"]
+    problems = sorted({p for n in names for p in halves[n]["per_problem"]})
+    for problem in problems:
+        cells = []
+        for key, percent in (("runs", False), ("recall", True), ("root_cause_accuracy", True), ("median_delay", False)):
+            cells.append(" / ".join(_cell(halves[n]["per_problem"].get(problem, {}).get(key), percent) for n in names))
+        firsts = " / ".join(", ".join(halves[n]["per_problem"].get(problem, {}).get("first_causes", []))
+                            or "-" for n in names)
+        lines.append(f"| {problem} | " + " | ".join(cells) + f" | {firsts} |")
+    return "\n".join(lines)
