@@ -355,3 +355,21 @@ def test_the_loss_is_checked_once_per_step(monkeypatch):
     for step in range(3):  # untracked, tracked, untracked
         one_step(cockpit, model, lossfunc, step=step)
     assert len(checked) == 3 and 1 in cockpit.get_output()
+
+
+def test_two_cockpits_on_one_model_leave_the_global_kernels_as_they_were():
+    """Forward passes of steps that need the graph use the math attention kernel and no cuDNN; with two
+    cockpits on one model their hooks nest out of order, and the global settings must still come back."""
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    def settings():
+        return sorted(str(b) for b in _cur_sdpa_kernel_backends()), torch.backends.cudnn.enabled
+
+    before = settings()
+    model, _, _ = make_problem("mlp")
+    first = Cockpit(model.parameters(), [quantities.HessMaxEV(linear(1))], model=model)
+    second = Cockpit(model.parameters(), [quantities.HessMaxEV(linear(1))], model=model)
+    inputs, _ = make_batch("mlp", 4, 0)
+    model(inputs)  # both tracers want the graph at step 0
+    assert settings() == before
+    assert first is not second

@@ -198,7 +198,7 @@ class ModelTracer:
         self.live: HookBackend | None = None
         self._handles: list[Any] = []
         self._global_handle = None
-        self._kernel_stack: list[contextlib.ExitStack | None] = []
+        self._kernel_stack: list[bool] = []  # per forward pass: it holds the graph kernels
         self._batches: list[int] = []
         #: rows of the model's current forward pass (0 outside one)
         self.batch = 0
@@ -270,25 +270,17 @@ class ModelTracer:
                 self._on_forward(root, args, kwargs)
         self._batches.append(self.batch)
         self.batch = _leading_dim(args, kwargs)
-        if not self._wants_graph():
-            self._kernel_stack.append(None)
-            return
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        # kernels without a second derivative: fused attention, cuDNN's recurrent layers
-        context = contextlib.ExitStack()
-        context.enter_context(sdpa_kernel([SDPBackend.MATH]))
-        context.enter_context(torch.backends.cudnn.flags(enabled=False))
-        self._kernel_stack.append(context)
+        wants = self._wants_graph()
+        if wants:
+            _graph_kernels.acquire()
+        self._kernel_stack.append(wants)
 
     def in_forward(self) -> bool:
         return bool(self._batches)
 
     def exit_forward(self) -> None:
-        if self._kernel_stack:
-            context = self._kernel_stack.pop()
-            if context is not None:
-                context.close()
+        if self._kernel_stack and self._kernel_stack.pop():
+            _graph_kernels.release()
         if self._batches:
             self.batch = self._batches.pop()
 
@@ -338,6 +330,36 @@ def _whole_parameters(module: nn.Module):
     finally:
         for owner, name, param in swapped:
             owner._parameters[name] = param
+
+
+class _GraphKernels:
+    """Kernels with a second derivative for forward passes whose step needs the graph: the math
+    attention kernel, recurrent layers without cuDNN. Process-wide and counted: the first forward pass
+    that needs them sets them, the last one that ends puts back what was there before, whichever
+    tracers (several cockpits on one model) enter and leave in whichever order."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._context: contextlib.ExitStack | None = None
+
+    def acquire(self) -> None:
+        if self.depth == 0:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            context = contextlib.ExitStack()
+            context.enter_context(sdpa_kernel([SDPBackend.MATH]))
+            context.enter_context(torch.backends.cudnn.flags(enabled=False))
+            self._context = context
+        self.depth += 1
+
+    def release(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self._context is not None:
+            context, self._context = self._context, None
+            context.close()
+
+
+_graph_kernels = _GraphKernels()
 
 
 def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> list[torch.Tensor]:
