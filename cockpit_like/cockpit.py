@@ -27,16 +27,15 @@ from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import StepPartitions, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
-from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Diagnosis, Finding, Rule, active_findings, findings_in
+from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
+from cockpit_like.run_output import RunOutput
 from cockpit_like.tracked_step import StepContext, TrackedStep
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
 
-#: the output key of a tracked step whose optimizer step a GradScaler skipped
-SKIPPED_KEY = "skipped"
 
 
 def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -143,16 +142,13 @@ class Cockpit:
         self.quantities: list[Quantity] = []
         self._names: dict[int, str] = {}
         self._initial_settings: dict[int, dict[str, Any]] = {}  # as added, to check a resumed state
-        self._epoch_logs: dict[int, dict[str, Any]] = {}
-        self._stream: StreamWriter | None = None
+        #: cockpit.log figures, findings, skipped steps; the stream and the listeners
+        self._output = RunOutput()
         self._open_step: TrackedStep | None = None
         #: the optimizer step whose backward passes (micro-batches) are being collected
         self._partitions: StepPartitions | None = None
         self._micro: tuple[int, int, int] | None = None  # (step, backward passes done, micro_batches)
-        self._skipped: dict[int, dict[str, Any]] = {}
         self._active_cache: tuple[int, list[Quantity]] | None = None
-        self._listeners: list[Callable[[int, dict[str, Any]], None]] = []
-        self._findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
         if on_finding is not None and not callable(on_finding):
             raise ValueError(f"Cockpit(on_finding=...) takes a callable(finding), got {type(on_finding).__name__}")
@@ -184,7 +180,7 @@ class Cockpit:
         if self.diagnosis is not None and diagnosis_feeds and self.quantities:
             self._add_diagnosis_feeds()
         if stream_to is not None and self.keeps_output:
-            self._stream = StreamWriter(stream_to, self.metadata())
+            self._output.stream = StreamWriter(stream_to, self.metadata())
             self._streamed_names = self._param_name_list()
 
     # ---- set up ------------------------------------------------------------
@@ -274,8 +270,8 @@ class Cockpit:
             self._ranks.watch(models, lambda: self.create_graph(self._next_step))
         names = self._param_name_list()
         changed = before != [q.settings() for q in self.quantities] or names != self._streamed_names
-        if self._stream is not None and changed:  # the layer names findings use, too
-            self._stream.write_metadata(self.metadata())
+        if self._output.stream is not None and changed:  # the layer names findings use, too
+            self._output.stream.write_metadata(self.metadata())
             self._streamed_names = names
 
     def name_of(self, quantity: Quantity) -> str:
@@ -427,8 +423,7 @@ class Cockpit:
         return self._recorder.records
 
     def _on_record(self, step: int, record: Record) -> None:
-        if self._stream is not None:
-            self._stream.write_step(step, {RECORD_KEY: record.to_dict()})
+        self._output.publish(step, {RECORD_KEY: record.to_dict()}, listeners=False)
         for finding in record.findings:
             self.add_finding(finding)
 
@@ -440,30 +435,20 @@ class Cockpit:
             name = self.name_of(quantity)
             for step, value in quantity.get_output().items():
                 merged.setdefault(step, {})[name] = value
-        for step, values in self._epoch_logs.items():
-            merged.setdefault(step, {}).update(values)
-        for step, values in self._findings.items():
-            merged.setdefault(step, {}).update({key: list(found) for key, found in values.items()})
+        self._output.merge_into(merged)
         for step, record in self._recorder.records.items():
             merged.setdefault(step, {})[RECORD_KEY] = record.to_dict()
-        for step, skipped in self._skipped.items():
-            merged.setdefault(step, {})[SKIPPED_KEY] = dict(skipped)
         return dict(sorted(merged.items()))
 
     @property
     def skipped_steps(self) -> dict[int, dict[str, Any]]:
         """``{step: why}`` of the tracked steps whose optimizer step was skipped (a ``GradScaler`` found
         non-finite gradients): no quantity is stored for them (``docs/your_training_loop.md``)."""
-        return dict(self._skipped)
+        return {step: dict(why) for step, why in self._output.skipped.items()}
 
     def _store_skipped(self, step: int, why: dict[str, Any]) -> None:
-        if not self.keeps_output:
-            return
-        self._skipped[step] = why
-        values = {SKIPPED_KEY: dict(why)}
-        if self._stream is not None:
-            self._stream.write_step(step, values)
-        self._notify(step, values)
+        if self.keeps_output:
+            self._output.store_skipped(step, why)
 
     def log(
         self,
@@ -482,10 +467,7 @@ class Cockpit:
             return
         given = locals()
         values = {key: given[key] for key in EPOCH_KEYS}
-        self._epoch_logs.setdefault(global_step, {}).update(values)
-        if self._stream is not None:
-            self._stream.write_step(global_step, values)
-        self._notify(global_step, values)
+        self._output.store_log(global_step, values)
         self._diagnose({global_step: values})
 
     def write(self, logpath: str | os.PathLike) -> str:
@@ -517,24 +499,18 @@ class Cockpit:
     @property
     def stream_path(self) -> str | None:
         """The streaming log's path, if streaming."""
-        return None if self._stream is None else str(self._stream.path)
+        return None if self._output.stream is None else str(self._output.stream.path)
 
     def add_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
         """Call ``listener(step, values)`` with what each tracked step (and each
         :meth:`log`) stores, as it is stored: the same pieces the streaming log
         gets (a two-step quantity's value for step ``k`` arrives one step later).
         Exporters (:mod:`cockpit_like.integrations.exporters`) attach this way."""
-        if not callable(listener):
-            raise ValueError(f"Cockpit.add_listener: {listener!r} is not callable")
-        self._listeners.append(listener)
+        self._output.add_listener(listener)
 
     def remove_listener(self, listener: Callable[[int, dict[str, Any]], None]) -> None:
         """Stop calling ``listener`` (no error if it was not attached)."""
-        self._listeners = [known for known in self._listeners if known is not listener]
-
-    def _notify(self, step: int, values: dict[str, Any]) -> None:
-        for listener in list(self._listeners):
-            listener(step, values)
+        self._output.remove_listener(listener)
 
     # ---- resuming a run (docs/resume.md) -------------------------------------------
     def state_dict(self, with_output: bool | None = None) -> dict[str, Any]:
@@ -571,36 +547,20 @@ class Cockpit:
     @property
     def findings(self) -> list[Finding]:
         """Every finding stored so far (rules and :meth:`add_finding`), by step."""
-        return findings_in(self._findings)
+        return findings_in(self._output.findings)
 
     def active_findings(self) -> list[Finding]:
         """The stored findings not cleared since (what the dashboard lists)."""
-        return active_findings(self._findings)
+        return active_findings(self._output.findings)
 
     def add_finding(self, finding: Finding) -> None:
         """Store ``finding`` under its step (and stream it), then call ``on_finding``.
 
         For producers of findings other than the rules (e.g. the recorder).
         """
-        self._store_findings([finding], [])
+        self._output.store_findings([finding], [])
         if self.on_finding is not None:
             self.on_finding(finding)
-
-    def _store_findings(self, found: list[Finding], cleared: list[dict[str, Any]]) -> None:
-        if not isinstance(found, list) or not all(isinstance(f, Finding) for f in found):
-            raise ValueError("Cockpit.add_finding takes a cockpit_like.diagnosis.Finding")
-        touched: dict[int, set[str]] = {}
-        for finding in found:
-            self._findings.setdefault(finding.step, {}).setdefault(FINDINGS_KEY, []).append(finding.to_dict())
-            touched.setdefault(finding.step, set()).add(FINDINGS_KEY)
-        for entry in cleared:
-            step = int(entry["step"])
-            record = {key: entry[key] for key in ("rule", "layer", "found_at")}
-            self._findings.setdefault(step, {}).setdefault(CLEARED_KEY, []).append(record)
-            touched.setdefault(step, set()).add(CLEARED_KEY)
-        if self._stream is not None:
-            for step, keys in sorted(touched.items()):  # the whole list: the reader keeps the last line's
-                self._stream.write_step(step, {key: self._findings[step][key] for key in sorted(keys)})
 
     def _param_name_list(self) -> list[str]:
         names = self._names_of_params()
@@ -620,7 +580,7 @@ class Cockpit:
                 )
             found, cleared = diagnosis.run()
             if found or cleared:
-                self._store_findings(found, cleared)
+                self._output.store_findings(found, cleared)
             if self.on_finding is not None:
                 for finding in found:
                     self.on_finding(finding)
@@ -637,8 +597,7 @@ class Cockpit:
 
     def close(self) -> None:
         """Close the streaming log (nothing is lost if you never call this)."""
-        if self._stream is not None:
-            self._stream.close()
+        self._output.close()
 
 
 class _AnyTracked:

@@ -26,6 +26,7 @@ import torch
 
 from cockpit_like.diagnosis.findings import DIAGNOSIS_KEYS, Finding
 from cockpit_like.logs import EPOCH_KEYS, _read_stream, stream_holds
+from cockpit_like.run_output import SKIPPED_KEY
 
 __all__ = ["FORMAT", "VERSION", "StateMismatchError", "pack", "unpack", "is_plain", "cockpit_state", "load_cockpit_state"]
 
@@ -131,7 +132,7 @@ def cockpit_state(cockpit, with_output: bool | None = None) -> dict[str, Any]:
             "cockpit.end() (after the with block), e.g. next to optimizer.state_dict()"
         )
     params = cockpit.params
-    stream = cockpit._stream
+    stream = cockpit._output.stream
     pointer = None
     if stream is not None and stream.opened:
         offset, tail = stream.position()
@@ -156,8 +157,9 @@ def cockpit_state(cockpit, with_output: bool | None = None) -> dict[str, Any]:
         "next_step": cockpit._next_step,
         "params": _param_description(params),
         "quantities": quantities,
-        "epoch_logs": pack(cockpit._epoch_logs, params, "cockpit.log(...) values") if with_output else None,
-        "findings": pack(getattr(cockpit, "_findings", {}), where="findings") if with_output else None,
+        "epoch_logs": pack(cockpit._output.epoch_logs, params, "cockpit.log(...) values") if with_output else None,
+        "findings": pack(cockpit._output.findings, where="findings") if with_output else None,
+        "skipped": pack(cockpit._output.skipped, where="skipped steps") if with_output else None,
         "diagnosis": _diagnosis_state(cockpit),
         "stream": pointer,
     }
@@ -181,7 +183,7 @@ def _restore_diagnosis(cockpit, saved: Any) -> None:
         return
     for step, values in cockpit.get_output().items():
         diagnosis.update(step, values)
-    found = {int(step): values for step, values in cockpit._findings.items()}
+    found = {int(step): values for step, values in cockpit._output.findings.items()}
     cleared = set()
     for values in found.values():
         for entry in values.get(DIAGNOSIS_KEYS[1]) or []:
@@ -210,10 +212,10 @@ def _check_fresh(cockpit) -> None:
     used = (
         cockpit._open_step is not None
         or cockpit._next_step != 0
-        or cockpit._epoch_logs
+        or cockpit._output.epoch_logs
         or getattr(cockpit, "_findings", None)
         or any(q.output for q in cockpit.quantities)
-        or (cockpit._stream is not None and cockpit._stream.opened)
+        or (cockpit._output.stream is not None and cockpit._output.stream.opened)
     )
     if used:
         raise RuntimeError(
@@ -320,7 +322,7 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
     _check_quantities(cockpit, state["quantities"])
     params = cockpit.params
     pointer = state.get("stream")
-    stream = cockpit._stream
+    stream = cockpit._output.stream
     here = None if stream is None else Path(stream.path).resolve()
     continues = False
     streamed: dict[int, dict[str, Any]] = {}
@@ -345,16 +347,21 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
             logged = {key: value for key, value in values.items() if key in EPOCH_KEYS}
             if logged:
                 epoch_logs[step] = logged
-    cockpit._epoch_logs = epoch_logs
-    if hasattr(cockpit, "_findings"):
-        if state.get("findings") is not None:
-            cockpit._findings = unpack(state["findings"])
-        else:
-            cockpit._findings = {}
-            for step, values in sorted(streamed.items()):
-                kept = {key: value for key, value in values.items() if key in DIAGNOSIS_KEYS}
-                if kept:
-                    cockpit._findings[step] = kept
+    cockpit._output.epoch_logs = epoch_logs
+    if state.get("findings") is not None:
+        cockpit._output.findings = unpack(state["findings"])
+    else:
+        cockpit._output.findings = {}
+        for step, values in sorted(streamed.items()):
+            kept = {key: value for key, value in values.items() if key in DIAGNOSIS_KEYS}
+            if kept:
+                cockpit._output.findings[step] = kept
+    if state.get("skipped") is not None:  # checkpoints of earlier versions have no "skipped"
+        cockpit._output.skipped = unpack(state["skipped"])
+    else:
+        cockpit._output.skipped = {
+            step: dict(values[SKIPPED_KEY]) for step, values in sorted(streamed.items()) if SKIPPED_KEY in values
+        }
     _restore_diagnosis(cockpit, state.get("diagnosis"))
     cockpit._next_step = int(state["next_step"])
 

@@ -198,12 +198,8 @@ class TrackedStep:
             if ranks is not None:
                 ranks.end_step()
             execution.free()
-        stream = cockpit._stream
-        if stream is not None:
-            for step, values in sorted(new_values.items()):
-                stream.write_step(step, values)
         for step, values in sorted(new_values.items()):
-            cockpit._notify(step, values)
+            cockpit._output.publish(step, values)
         cockpit._diagnose(new_values)
         return False
 

@@ -106,7 +106,7 @@ def resumed(folder: Path, preset: str) -> None:
 def main(phase: str, folder: Path) -> None:
     if phase == "interrupted":
         cockpits = [interrupted(folder, preset) for preset in PRESETS]
-        torn = cockpits[-1]._stream._handle  # killed while writing a line
+        torn = cockpits[-1]._output.stream._handle  # killed while writing a line
         torn.write(b'{"step": 5, "values": {"Loss": 0.12')
         torn.flush()
         print("killing myself", flush=True)

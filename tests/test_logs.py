@@ -76,7 +76,7 @@ def test_numpy_tuples_and_non_finite_values_round_trip(tmp_path):
         1: {"nan": math.nan, "inf": [math.inf, -math.inf, 1.5], "arr": np.array([[1.0, np.nan]]), "f64": np.float64(2.5)},
     }
     cockpit = Cockpit([torch.ones(1, requires_grad=True)])
-    cockpit._epoch_logs.update(values)
+    cockpit._output.epoch_logs.update(values)
     path = cockpit.write(tmp_path / "odd")
     text = Path(path).read_text()
     assert "NaN" in text and "Infinity" in text

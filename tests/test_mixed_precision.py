@@ -122,6 +122,13 @@ def test_a_skipped_step_is_stored_as_skipped(tmp_path):
     assert streamed[1] == output[1]
     # the gradients the scaler saw were not changed by the cockpit
     assert all(p.grad is not None for p in model.parameters())
+    # a resumed run keeps them, from the checkpoint and from the stream
+    for with_output in (True, False):
+        resumed = Cockpit(model.parameters(), quantities=configuration("economy"), model=model,
+                          stream_to=tmp_path / "run", diagnose=True)  # fmt: skip
+        resumed.load_state_dict(cockpit.state_dict(with_output=with_output))
+        assert resumed.skipped_steps == {1: {"reason": "grad_scaler", "scale": 2.0**127}}, with_output
+        resumed.close()
     # the dashboard says so, live and from the log
     from cockpit_like import CockpitPlotter
 

@@ -225,7 +225,7 @@ def test_epoch_logs_and_the_stream_of_another_file(tmp_path):
     assert checkpoint["cockpit"]["quantities"][0]["output"] is None  # the output stays in first.jsonl
     train(model, cockpit, optimizer, range(3, 5))
     model2, optimizer2, resumed = resume_from(checkpoint, lambda: configuration("economy"), stream_to=tmp_path / "second")
-    assert resumed._epoch_logs == {2: {"epoch_count": 0, "train_loss": 0.5, "valid_loss": None, "test_loss": None,
+    assert resumed._output.epoch_logs == {2: {"epoch_count": 0, "train_loss": 0.5, "valid_loss": None, "test_loss": None,
                                       "train_accuracy": None, "valid_accuracy": None, "test_accuracy": None,
                                       "learning_rate": 0.2}}
     train(model2, resumed, optimizer2, range(3, 5))

@@ -1,0 +1,95 @@
+"""What a cockpit stores besides its quantities' values, and who hears of it as it is stored.
+
+:class:`RunOutput` keeps the figures of :meth:`Cockpit.log`, the findings
+(and their clearances), and the steps a ``GradScaler`` skipped; it hands
+each piece, as it is stored, to the streaming log (so a crash loses nothing
+already stored) and to the listeners (exporters, live viewers). The cockpit
+merges it with its quantities' values in :meth:`Cockpit.get_output`.
+
+May import :mod:`cockpit_like.logs` and :mod:`cockpit_like.diagnosis` (the findings' keys).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Finding
+from cockpit_like.logs import StreamWriter
+
+__all__ = ["RunOutput", "SKIPPED_KEY"]
+
+#: the output key of a tracked step whose optimizer step a GradScaler skipped
+SKIPPED_KEY = "skipped"
+
+Listener = Callable[[int, dict[str, Any]], None]
+
+
+class RunOutput:
+    """The cockpit's own stored values, the stream and the listeners (see the module docstring)."""
+
+    def __init__(self) -> None:
+        #: ``{step: {key: value}}`` of :meth:`Cockpit.log`
+        self.epoch_logs: dict[int, dict[str, Any]] = {}
+        #: ``{step: {"findings": [...], "cleared": [...]}}``
+        self.findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        #: ``{step: why}`` of the steps a GradScaler skipped
+        self.skipped: dict[int, dict[str, Any]] = {}
+        self.stream: StreamWriter | None = None
+        self.listeners: list[Listener] = []
+
+    # ---- who hears of it ------------------------------------------------------------
+    def publish(self, step: int, values: dict[str, Any], listeners: bool = True) -> None:
+        """Stream ``values`` of ``step``, then hand them to the listeners."""
+        if self.stream is not None:
+            self.stream.write_step(step, values)
+        if listeners:
+            for listener in list(self.listeners):
+                listener(step, values)
+
+    def add_listener(self, listener: Listener) -> None:
+        if not callable(listener):
+            raise ValueError(f"Cockpit.add_listener: {listener!r} is not callable")
+        self.listeners.append(listener)
+
+    def remove_listener(self, listener: Listener) -> None:
+        self.listeners = [known for known in self.listeners if known is not listener]
+
+    # ---- what is stored ---------------------------------------------------------------
+    def store_log(self, step: int, values: dict[str, Any]) -> None:
+        self.epoch_logs.setdefault(step, {}).update(values)
+        self.publish(step, values)
+
+    def store_skipped(self, step: int, why: dict[str, Any]) -> None:
+        self.skipped[step] = dict(why)
+        self.publish(step, {SKIPPED_KEY: dict(why)})
+
+    def store_findings(self, found: list[Finding], cleared: list[dict[str, Any]]) -> None:
+        """Store findings and clearances under their steps; stream each touched list whole (the reader keeps
+        the last line's). Listeners get findings through ``on_finding`` instead."""
+        if not isinstance(found, list) or not all(isinstance(f, Finding) for f in found):
+            raise ValueError("Cockpit.add_finding takes a cockpit_like.diagnosis.Finding")
+        touched: dict[int, set[str]] = {}
+        for finding in found:
+            self.findings.setdefault(finding.step, {}).setdefault(FINDINGS_KEY, []).append(finding.to_dict())
+            touched.setdefault(finding.step, set()).add(FINDINGS_KEY)
+        for entry in cleared:
+            step = int(entry["step"])
+            record = {key: entry[key] for key in ("rule", "layer", "found_at")}
+            self.findings.setdefault(step, {}).setdefault(CLEARED_KEY, []).append(record)
+            touched.setdefault(step, set()).add(CLEARED_KEY)
+        for step, keys in sorted(touched.items()):
+            self.publish(step, {key: self.findings[step][key] for key in sorted(keys)}, listeners=False)
+
+    def merge_into(self, merged: dict[int, dict[str, Any]]) -> None:
+        """Add the stored values to ``{step: {key: value}}`` (copies of the lists and dicts)."""
+        for step, values in self.epoch_logs.items():
+            merged.setdefault(step, {}).update(values)
+        for step, values in self.findings.items():
+            merged.setdefault(step, {}).update({key: list(found) for key, found in values.items()})
+        for step, why in self.skipped.items():
+            merged.setdefault(step, {})[SKIPPED_KEY] = dict(why)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
