@@ -80,7 +80,10 @@ def individual_losses(outputs: Any, inputs: dict[str, Any], num_items_in_batch: 
             return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
         if logits.shape[1] == 1:
             return (logits.squeeze(1) - labels.to(logits.dtype)) ** 2
-        return F.cross_entropy(logits, labels, reduction="none")
+        per_row = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+        count = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum()
+        count = torch.as_tensor(count, dtype=per_row.dtype, device=per_row.device)
+        return per_row * (labels.shape[0] / count)
     if logits.dim() == 3 and labels.dim() == 2:
         shifted = labels[:, 1:]
         per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=-100, reduction="none")
@@ -121,11 +124,6 @@ class _CockpitCallbackBase:
                 "CockpitCallback needs a Trainer that opens the cockpit's step around its backward pass: use "
                 "cockpit_like.integrations.transformers.CockpitTrainer instead of Trainer, or put "
                 "CockpitTrainerMixin first among the bases of your Trainer subclass"
-            )
-        if args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"CockpitCallback: gradient_accumulation_steps={args.gradient_accumulation_steps}; the cockpit tracks "
-                "one backward pass per optimizer step. Use gradient_accumulation_steps=1."
             )
         if self.resume_from is not None:
             path = Path(self.resume_from) / STATE_FILE
@@ -218,21 +216,74 @@ class CockpitTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         seen = dict(inputs)  # the Trainer may pop "labels" from inputs
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if callback.individual_losses is not None:
-            losses = callback.individual_losses(outputs, seen)
-        else:
-            losses = individual_losses(outputs, seen, num_items_in_batch)
-        mean = losses.detach().mean()
-        if not torch.isclose(mean.to(loss.dtype), loss.detach(), rtol=1e-5, atol=1e-7):
-            raise ValueError(
-                f"CockpitCallback: the per-sample losses average to {float(mean):.6g}, but the Trainer's loss is "
-                f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
-                "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
-            )
+        # the backward passes of this optimizer step: gradient_accumulation_steps, fewer in an epoch's last step
+        micro_batches = int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+        divides = self._cockpit_trainer_divides(num_items_in_batch)
+        losses, over_step = self._cockpit_individual_losses(callback, outputs, seen, loss, num_items_in_batch, divides)
+        info_loss = loss
+        if micro_batches > 1:
+            if not divides and not over_step:
+                raise ValueError(
+                    f"CockpitCallback: step {self.state.global_step} accumulates {micro_batches} micro-batches, and "
+                    "the Trainer does not divide their losses by that number (it passes num_items_in_batch to a model "
+                    "that accepts loss kwargs, or has a compute_loss_func), but this model's loss is the mean over "
+                    f"its own micro-batch: the accumulated gradient is {micro_batches} times the step's mean gradient. "
+                    "Set trainer.loss_is_scaled_for_ga = False (the Trainer then divides each loss by the number of "
+                    "micro-batches), or use a loss that honours num_items_in_batch."
+                )
+            if divides and over_step:
+                raise ValueError(
+                    f"CockpitCallback: step {self.state.global_step} accumulates {micro_batches} micro-batches; the "
+                    "model's loss is already normalised over the whole step (num_items_in_batch), and the Trainer "
+                    f"divides it by {micro_batches} again (loss_is_scaled_for_ga is False): the accumulated gradient "
+                    f"is 1/{micro_batches} of the step's mean gradient. Leave loss_is_scaled_for_ga at None or True."
+                )
+            if over_step:  # loss_p = (step's per-row losses of this micro-batch).mean() / micro_batches
+                losses, info_loss = losses * micro_batches, loss * micro_batches
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer}
+        info = {"loss": info_loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer,
+                "micro_batches": micro_batches}
         callback.cockpit.begin(self.state.global_step, info=info)
         return (loss, outputs) if return_outputs else loss
+
+    def _cockpit_trainer_divides(self, num_items_in_batch: Any) -> bool:
+        """Whether ``Trainer.training_step`` divides this loss by the step's micro-batches (transformers
+        5.x: unless ``loss_is_scaled_for_ga``, by default ``True`` where ``num_items_in_batch`` reached the
+        model's loss or a ``compute_loss_func`` computed it)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+                getattr(self, "compute_loss_func", None) is not None
+            )
+        return not scaled
+
+    @staticmethod
+    def _cockpit_individual_losses(callback: Any, outputs: Any, inputs: dict, loss: torch.Tensor,
+                                   num_items_in_batch: Any, divides: bool) -> tuple[torch.Tensor, bool]:
+        """Per-sample losses whose mean is ``loss``, and whether ``loss`` is normalised over the whole
+        optimizer step (``num_items_in_batch``) rather than over this micro-batch.
+
+        The built-in rules try the step's count first, then the micro-batch's own (a model that accepts
+        ``num_items_in_batch`` need not use it); ``individual_losses=fn`` follows the Trainer's convention.
+        """
+        if callback.individual_losses is not None:
+            rules = [(lambda: callback.individual_losses(outputs, inputs), not divides)]
+        else:
+            rules = [(lambda: individual_losses(outputs, inputs, num_items_in_batch), num_items_in_batch is not None)]
+            if num_items_in_batch is not None:
+                rules.append((lambda: individual_losses(outputs, inputs), False))
+        first = None
+        for rule, over_step in rules:
+            losses = rule()
+            mean = losses.detach().mean()
+            first = mean if first is None else first
+            if torch.isclose(mean.to(loss.dtype), loss.detach(), rtol=1e-5, atol=1e-7):
+                return losses, over_step
+        raise ValueError(
+            f"CockpitCallback: the per-sample losses average to {float(first):.6g}, but the Trainer's loss is "
+            f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
+            "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
+        )
 
 
 @functools.cache
