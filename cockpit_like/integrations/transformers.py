@@ -36,17 +36,40 @@ restores it; the log is written to ``logpath`` when training ends.
 Per-sample losses (:func:`individual_losses`), from ``outputs.logits`` and
 ``inputs["labels"]``, with the mean equal to the ``Trainer``'s loss (checked):
 
-- logits ``[B, C]`` (sequence classification): cross-entropy per row; one
-  output column: squared error (regression); float labels shaped like the
-  logits: binary cross-entropy, averaged per row (multi-label);
+- logits ``[B, C]`` (sequence classification): cross-entropy per row scaled
+  by ``B / N``, ``N`` the ``Trainer``'s ``num_items_in_batch`` if given, else
+  the counted labels (``-100`` ignored); one output column: squared error
+  (regression); float labels shaped like the logits: binary cross-entropy,
+  averaged per row (multi-label);
 - logits ``[B, T, V]`` (causal LM): the next-token losses of each row summed
   over its counted tokens (labels shifted by one, ``-100`` ignored) and scaled
   by ``B / N`` with ``N`` the counted tokens of the batch, as the ``Trainer``
   counts them (``num_items_in_batch``).
 
-Anything else: pass ``CockpitCallback(individual_losses=fn)`` with
-``fn(outputs, inputs) -> [B]``. Gradient accumulation is refused (one
-backward pass per tracked step).
+A model may accept ``num_items_in_batch`` and ignore it: where the rule with
+it does not match the loss, the rule over the micro-batch's own count is
+tried. Anything else: pass ``CockpitCallback(individual_losses=fn)`` with
+``fn(outputs, inputs) -> [B]``.
+
+Gradient accumulation (``gradient_accumulation_steps=K``): a tracked step is
+one optimizer step. Each micro-batch's ``begin`` gets the same
+``state.global_step`` and ``info["micro_batches"]`` = the backward passes of
+the step (the ``Trainer``'s ``current_gradient_accumulation_steps``: ``K``,
+fewer in an epoch's last step); the quantities are computed after the last
+one and equal one pass over the step's rows. The cockpit's convention is
+that each micro-batch backpropagates ``mean(individual_losses) / k``. The
+``Trainer`` (transformers 5.23) divides the loss by ``k`` unless it counts as
+scaled for accumulation (``Trainer.loss_is_scaled_for_ga``; by default when
+``num_items_in_batch``, the labels counted over the whole step, reached a
+model that accepts loss kwargs, or a ``compute_loss_func`` is given):
+
+- divided: ``info["loss"]`` and the per-sample losses as they are;
+- not divided, and the loss normalised over the step: both times ``k``;
+- not divided, but the loss is the micro-batch's own mean (BERT's
+  classifier ignores ``num_items_in_batch``): the accumulated gradient is
+  ``k`` times the mean gradient, an error that says to set
+  ``trainer.loss_is_scaled_for_ga = False``; divided *and* normalised over
+  the step (``1 / k`` of it): an error too.
 """
 
 from __future__ import annotations
