@@ -2,7 +2,8 @@
 
 A tiny float64 MLP, 3 steps per epoch, every quantity of the "full"
 configuration (HessMaxEV needs ``create_graph``, passed by ``CockpitModule``),
-validation figures through ``cockpit.log``, a checkpoint and a resume.
+validation figures through ``cockpit.log``, a checkpoint and a resume; with
+``accumulate_grad_batches`` the log of the loop's one pass over each step's rows.
 """
 
 from __future__ import annotations

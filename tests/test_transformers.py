@@ -1,5 +1,7 @@
 """Hugging Face integration: a real transformers.Trainer gives the log of the same training as a plain loop.
 
+With gradient accumulation the Trainer's micro-batches give the log of the loop's one pass over their rows.
+
 Tiny float64 models built from configs: GPT-2 (causal LM, ``tests/zoo.py``)
 and a BERT sequence classifier. GPT-2's loss is computed in float32 by
 transformers (it upcasts the logits with ``.float()``), so logs are compared
@@ -255,5 +257,14 @@ def test_individual_losses_rules():
     classifier = torch.randn(3, 4, dtype=torch.float64)
     torch.testing.assert_close(individual_losses({"logits": classifier}, {"labels": torch.tensor([0, 3, 1])}),
                                torch.stack([-torch.log_softmax(classifier[i], 0)[c] for i, c in enumerate([0, 3, 1])]))
+    # an ignored label counts 0; the divisor: the Trainer's num_items_in_batch (here a step of 8 labels), else
+    # the counted labels of the batch (2): the mean is then transformers' fixed_cross_entropy
+    nll = [-torch.log_softmax(classifier[i], 0)[c].item() for i, c in ((0, 0), (2, 1))]
+    labels = torch.tensor([0, -100, 1])
+    torch.testing.assert_close(individual_losses({"logits": classifier}, {"labels": labels}, num_items_in_batch=8),
+                               torch.tensor([nll[0] * 3 / 8, 0.0, nll[1] * 3 / 8], dtype=torch.float64))
+    own = individual_losses({"logits": classifier}, {"labels": labels})
+    torch.testing.assert_close(own, torch.tensor([nll[0] * 3 / 2, 0.0, nll[1] * 3 / 2], dtype=torch.float64))
+    torch.testing.assert_close(own.mean(), F.cross_entropy(classifier, labels))
     with pytest.raises(ValueError, match="without outputs.logits and inputs\\['labels'\\]"):
         individual_losses({"logits": classifier}, {})
