@@ -2,7 +2,8 @@
 
 A tiny float64 MLP, 3 steps per epoch, every quantity of the "full"
 configuration (HessMaxEV needs ``create_graph``, passed by ``CockpitModule``),
-validation figures through ``cockpit.log``, a checkpoint and a resume.
+validation figures through ``cockpit.log``, a checkpoint and a resume; with
+``accumulate_grad_batches`` the log of the loop's one pass over each step's rows.
 """
 
 from __future__ import annotations
@@ -204,18 +205,104 @@ def test_without_the_mixin_clear_errors(tmp_path):
     assert sorted(cockpit.get_output()) == [0, 1, 2]  # no per-sample losses, no graph: fine without it
 
 
-def test_gradient_accumulation_is_refused(tmp_path):
+def _accumulating_trainer(tmp_path, callback, accumulate, epochs, **options):
     import lightning.pytorch as L
 
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0, precision="64-true", accumulate_grad_batches=accumulate, callbacks=[callback], **options,
+    )
+
+
+def _fit_accumulating(tmp_path, micro_batch, accumulate, epochs=2, quantities=None):
+    """``accumulate_grad_batches=accumulate`` over loaders of ``micro_batch`` rows; the log and the trainer."""
     from cockpit_like.integrations.lightning import CockpitCallback
 
     net = _net_class("lightning.pytorch")()
-    callback = CockpitCallback(Cockpit(net.parameters(), quantities=configuration("economy"), model=net.model))
-    trainer = L.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
-                        accumulate_grad_batches=2, callbacks=[callback])
-    with pytest.raises(ValueError, match="accumulate_grad_batches=2; the cockpit tracks one backward pass"):
-        trainer.fit(net, _loaders()[0])
+    cockpit = Cockpit(net.parameters(), quantities=quantities or configuration("full"), model=net.model)
+    trainer = _accumulating_trainer(tmp_path, CockpitCallback(cockpit), accumulate, epochs)
+    x, y = _data()
+    train = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=micro_batch, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|create_graph=True|Full backward hook).*")
+        trainer.fit(net, train, _loaders()[1])
+    return cockpit.get_output(), trainer
+
+
+def test_accumulation_equals_plain_loop(tmp_path, reference):
+    """accumulate_grad_batches=2 over micro-batches of 2 rows: the log of the plain loop over 4 rows per step.
+
+    Every quantity of "full" (HessMaxEV with the graph through both backward passes). float64 throughout, so
+    the tolerance of the other tests here (rtol 1e-9): the two runs differ only by the order of sums.
+    """
+    output, trainer = _fit_accumulating(tmp_path, micro_batch=BATCH // 2, accumulate=2)
+    assert trainer.global_step == 6  # numbered by optimizer steps
+    assert sorted(output) == list(range(6)) and "HessMaxEV" in output[0] and "NormTest" in output[3]
+    assert_same_log(output, reference)
+
+
+def _short_step_reference(epochs: int, rows_per_step: tuple[int, ...], factors: tuple[float, ...]) -> dict:
+    """A plain loop whose steps take ``rows_per_step`` rows in one backward pass of their mean loss; the
+    cockpit sees that pass, then the gradient is multiplied by the step's factor before the optimizer step
+    (what Lightning's division by accumulate_grad_batches does to a step of fewer micro-batches)."""
+    model = _mlp()
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model)
+    x_all, y_all = _data()
+    step = 0
+    for epoch in range(epochs):
+        start = 0
+        for rows, factor in zip(rows_per_step, factors):
+            x, y = x_all[start : start + rows], y_all[start : start + rows]
+            start += rows
+            torch.manual_seed(1000 + step)
+            optimizer.zero_grad()
+            outputs = model(x)
+            loss = lossfunc(outputs, y)
+            info = {"batch_size": rows, "loss": loss, "optimizer": optimizer,
+                    "individual_losses": F.cross_entropy(outputs, y, reduction="none")}
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.grad.mul_(factor)
+            optimizer.step()
+            step += 1
+        with torch.no_grad():
+            outputs = model(x_all)
+            cockpit.log(step - 1, epoch_count=epoch, valid_loss=F.cross_entropy(outputs, y_all).item(),
+                        valid_accuracy=(outputs.argmax(1) == y_all).double().mean().item(), learning_rate=LR)
+    return cockpit.get_output()
+
+
+def test_accumulation_shorter_last_step(tmp_path):
+    """6 batches of 2 rows, accumulate_grad_batches=4: steps of 4 and 2 micro-batches per epoch.
+
+    Lightning divides both by 4, so the second step's gradient is half its rows' mean gradient; the
+    quantities still describe the mean loss of its 4 rows (the same tolerance as above).
+    """
+    output, trainer = _fit_accumulating(tmp_path, micro_batch=2, accumulate=4)
+    assert trainer.global_step == 4
+    expected = _short_step_reference(2, rows_per_step=(8, 4), factors=(1.0, 0.5))
+    assert_same_log(output, expected)
+    wrong = _short_step_reference(2, rows_per_step=(8, 4), factors=(1.0, 1.0))  # the check can fail
+    assert not math.isclose(_first(output[1]["UpdateSize"]), _first(wrong[1]["UpdateSize"]), rel_tol=1e-3)
+
+
+def _first(value):
+    return value[0] if isinstance(value, list) else value
+
+
+def test_accumulation_unequal_micro_batches_are_an_error(tmp_path):
+    """12 rows in micro-batches of 5: the last step has micro-batches of 2 rows after ones of 5."""
+    from cockpit_like.quantities import GradNorm, NormTest
+    from cockpit_like.utils.schedules import linear
+
+    with pytest.raises(RuntimeError, match="has 2 rows, micro-batch 0 had 5"):
+        _fit_accumulating(tmp_path, micro_batch=5, accumulate=3, epochs=1,
+                          quantities=[GradNorm(linear(1)), NormTest(linear(1))])
 
 
 def test_bad_arguments():

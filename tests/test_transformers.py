@@ -1,5 +1,7 @@
 """Hugging Face integration: a real transformers.Trainer gives the log of the same training as a plain loop.
 
+With gradient accumulation the Trainer's micro-batches give the log of the loop's one pass over their rows.
+
 Tiny float64 models built from configs: GPT-2 (causal LM, ``tests/zoo.py``)
 and a BERT sequence classifier. GPT-2's loss is computed in float32 by
 transformers (it upcasts the logits with ``.float()``), so logs are compared
@@ -61,14 +63,17 @@ def _tracked():
     return configuration("economy") + [quantities.HessMaxEV(linear(1))]
 
 
-def _plain_loop(model, data, steps, eval_data=None) -> dict:
-    """The same training without the Trainer (the model's own loss, per-sample losses from the logits)."""
+def _plain_loop(model, data, steps, eval_data=None, rows_per_step=None) -> dict:
+    """The same training without the Trainer (the model's own loss, per-sample losses from the logits): one
+    backward pass per step over ``rows_per_step[i]`` rows (default ``BATCH`` each), in order, every epoch."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
     rows = len(data["labels"])
+    schedule = rows_per_step or (BATCH,) * (rows // BATCH)
+    assert sum(schedule) == rows
     for step in range(steps):
-        start = (step * BATCH) % rows
-        batch = {key: value[start : start + BATCH] for key, value in data.items()}
+        start, size = sum(schedule[: step % len(schedule)]), schedule[step % len(schedule)]
+        batch = {key: value[start : start + size] for key, value in data.items()}
         torch.manual_seed(1000 + step)
         optimizer.zero_grad()
         labels = batch["labels"]
@@ -79,20 +84,20 @@ def _plain_loop(model, data, steps, eval_data=None) -> dict:
             count = (labels != -100).sum()
             outputs = model(**batch, num_items_in_batch=count)
             per_token = F.cross_entropy(outputs.logits[:, :-1].transpose(1, 2), labels[:, 1:], reduction="none")
-            losses = per_token.sum(1) * (BATCH / count)
+            losses = per_token.sum(1) * (size / count)
         else:
             outputs = model(**batch)
             losses = F.cross_entropy(outputs.logits, labels, reduction="none")
-        info = {"batch_size": BATCH, "loss": outputs.loss, "individual_losses": losses, "optimizer": optimizer}
+        info = {"batch_size": size, "loss": outputs.loss, "individual_losses": losses, "optimizer": optimizer}
         with cockpit(step, info=info):
             outputs.loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
-        if eval_data is not None and (step + 1) % (rows // BATCH) == 0:
+        if eval_data is not None and (step + 1) % len(schedule) == 0:
             with torch.no_grad():
                 model.eval()
                 loss = model(**eval_data).loss.item()
                 model.train()
-            cockpit.log(step, epoch_count=(step + 1) // (rows // BATCH), valid_loss=loss, learning_rate=LR)
+            cockpit.log(step, epoch_count=(step + 1) // len(schedule), valid_loss=loss, learning_rate=LR)
     return cockpit.get_output()
 
 
@@ -110,13 +115,14 @@ class _Seed:
 
 
 def _train(tmp_path, model, data, steps, logpath=None, save_steps=None, resume=None, eval_data=None, trainer_class=None,
-           stream_to=None):
+           stream_to=None, batch=BATCH, accumulate=1):
     from transformers import TrainingArguments
 
     from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
 
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=BATCH,
+        output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulate,
         per_device_eval_batch_size=len(data["labels"]), learning_rate=LR, lr_scheduler_type="constant",
         max_grad_norm=0.0, report_to="none", logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0,
         train_sampling_strategy="sequential", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
@@ -184,10 +190,44 @@ def test_plain_trainer_and_bad_losses_are_errors(tmp_path):
         _train_with_callback(tmp_path, model, CockpitCallback(cockpit, individual_losses=lambda out, inp: torch.ones(BATCH)))
 
 
-    model = gpt2().model
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2; the cockpit tracks one backward pass"):
-        cockpit = Cockpit(model.parameters(), quantities=_tracked(), model=model)
-        _train_with_callback(tmp_path, model, CockpitCallback(cockpit), gradient_accumulation_steps=2)
+
+def test_causal_lm_accumulation_equals_plain_loop(tmp_path, gpt_reference):
+    """gradient_accumulation_steps=2 over micro-batches of 2 rows: the log of the loop's 4 rows per step.
+
+    GPT-2 accepts loss kwargs, so the Trainer passes the step's label count (num_items_in_batch) to the
+    model and does not divide its loss by the micro-batches. float32 tolerance as above (the loss is float32).
+    """
+    output = _train(tmp_path, gpt2().model, _gpt_data(), 4, batch=BATCH // 2, accumulate=2).get_output()
+    assert sorted(output) == [0, 1, 2, 3] and "HessMaxEV" in output[3]  # numbered by optimizer steps
+    assert_same_log(output, gpt_reference, rtol=1e-5, atol=1e-8)
+
+
+def test_causal_lm_accumulation_shorter_last_step(tmp_path):
+    """4 micro-batches of 2 rows per epoch, gradient_accumulation_steps=3: steps of 6 and 2 rows."""
+    reference = _plain_loop(gpt2().model, _gpt_data(), 4, rows_per_step=(6, 2))
+    output = _train(tmp_path, gpt2().model, _gpt_data(), 4, batch=2, accumulate=3).get_output()
+    assert_same_log(output, reference, rtol=1e-5, atol=1e-8)
+
+
+def test_classifier_accumulation(tmp_path):
+    """BERT's classifier accepts loss kwargs but its loss ignores num_items_in_batch: the Trainer (5.23) then
+    divides nothing and the accumulated gradient is twice the mean gradient, which the cockpit refuses. With
+    loss_is_scaled_for_ga = False the Trainer divides by the micro-batches: the log of the plain loop over
+    4 rows per step (float64 throughout: the tolerance of the classifier test above)."""
+    from cockpit_like.integrations.transformers import CockpitTrainer
+
+    eval_data = _bert_data()
+    with pytest.raises(ValueError, match="the accumulated gradient is 2 times the step's mean gradient"):
+        _train(tmp_path, _bert(), _bert_data(), 4, batch=BATCH // 2, accumulate=2)
+
+    class DividingTrainer(CockpitTrainer):
+        loss_is_scaled_for_ga = False
+
+    reference = _plain_loop(_bert(), _bert_data(), 4, eval_data=eval_data)
+    output = _train(tmp_path, _bert(), _bert_data(), 4, eval_data=eval_data, batch=BATCH // 2, accumulate=2,
+                    trainer_class=DividingTrainer).get_output()
+    assert output[1]["epoch_count"] == 1.0 and output[3]["epoch_count"] == 2.0
+    assert_same_log(output, reference, rtol=1e-9, atol=1e-12)
 
 
 def _train_with_callback(tmp_path, model, callback, resume_from_checkpoint=None, **options):
@@ -217,5 +257,14 @@ def test_individual_losses_rules():
     classifier = torch.randn(3, 4, dtype=torch.float64)
     torch.testing.assert_close(individual_losses({"logits": classifier}, {"labels": torch.tensor([0, 3, 1])}),
                                torch.stack([-torch.log_softmax(classifier[i], 0)[c] for i, c in enumerate([0, 3, 1])]))
+    # an ignored label counts 0; the divisor: the Trainer's num_items_in_batch (here a step of 8 labels), else
+    # the counted labels of the batch (2): the mean is then transformers' fixed_cross_entropy
+    nll = [-torch.log_softmax(classifier[i], 0)[c].item() for i, c in ((0, 0), (2, 1))]
+    labels = torch.tensor([0, -100, 1])
+    torch.testing.assert_close(individual_losses({"logits": classifier}, {"labels": labels}, num_items_in_batch=8),
+                               torch.tensor([nll[0] * 3 / 8, 0.0, nll[1] * 3 / 8], dtype=torch.float64))
+    own = individual_losses({"logits": classifier}, {"labels": labels})
+    torch.testing.assert_close(own, torch.tensor([nll[0] * 3 / 2, 0.0, nll[1] * 3 / 2], dtype=torch.float64))
+    torch.testing.assert_close(own.mean(), F.cross_entropy(classifier, labels))
     with pytest.raises(ValueError, match="without outputs.logits and inputs\\['labels'\\]"):
         individual_losses({"logits": classifier}, {})

@@ -44,10 +44,26 @@ How it works:
   ``trainer.fit(..., ckpt_path=...)``.
 - ``logpath``: the log is written there at the end of ``fit``.
 
+- Gradient accumulation (``accumulate_grad_batches=K``): a tracked step is
+  one *optimizer* step. The cockpit is entered around each micro-batch's
+  backward pass with the same ``trainer.global_step`` and
+  ``info["micro_batches"]`` = the backward passes of that optimizer step
+  (``K``, or fewer for the last step of an epoch whose batches do not divide
+  by ``K``: Lightning steps there too); the quantities are computed after the
+  last one and equal one backward pass over the step's concatenated rows.
+  Lightning divides every micro-batch's loss by ``K``, also in a shorter last
+  step of ``k < K`` micro-batches, whose accumulated gradient is then
+  ``k / K`` times the mean gradient of its rows: the callback passes
+  ``info["loss"]`` = the loss ``training_step`` returned (``K`` times the one
+  Lightning backpropagates) and, for such a step, the factor ``k / K`` the
+  way a ``GradScaler``'s scale is passed, so the quantities describe the mean
+  loss of the step's rows. Micro-batches must have equal rows
+  (``drop_last=True`` where the dataset does not divide by the batch size);
+  a loader without a length must give a multiple of ``K`` batches per epoch.
+
 Works with ``lightning`` (``lightning.Trainer``) and with the older package
 name ``pytorch_lightning``: ``CockpitCallback`` subclasses the ``Callback`` of
-each that is installed. Gradient accumulation (several backward passes per
-optimizer step) is refused.
+each that is installed.
 """
 
 from __future__ import annotations
@@ -121,6 +137,20 @@ class CockpitModule:
         super().backward(loss, *args, **kwargs)
 
 
+class _LossFactor:
+    """A constant factor on the backpropagated loss, passed as ``info["grad_scaler"]`` (the cockpit
+    reads a ``GradScaler``'s scale the same way: ``get_scale()`` while ``is_enabled()``)."""
+
+    def __init__(self, factor: float):
+        self.factor = factor
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def get_scale(self) -> float:
+        return self.factor
+
+
 def _batch_size(batch: Any) -> int | None:
     if isinstance(batch, torch.Tensor):
         return len(batch) if batch.dim() else None
@@ -161,6 +191,7 @@ class _CockpitCallbackBase:
             self.metrics[key] = (names,) if isinstance(names, str) else tuple(names)
         self._batch_size: int | None = None
         self._step: int | None = None
+        self._micro_batches = (1, 1)  # (backward passes of the current optimizer step, accumulate_grad_batches)
 
     # ---- the step -----------------------------------------------------------------------
     def create_graph(self) -> bool:
@@ -168,20 +199,49 @@ class _CockpitCallbackBase:
         return self._step is not None and self.cockpit.create_graph(self._step)
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        if getattr(trainer, "accumulate_grad_batches", 1) != 1:
+        if getattr(trainer, "accumulate_grad_batches", 1) != 1 and trainer.strategy.handles_gradient_accumulation:
             raise ValueError(
-                f"CockpitCallback: accumulate_grad_batches={trainer.accumulate_grad_batches}; the cockpit tracks "
-                "one backward pass per optimizer step. Use accumulate_grad_batches=1 (and a larger batch)."
+                f"CockpitCallback: accumulate_grad_batches={trainer.accumulate_grad_batches} with "
+                f"{type(trainer.strategy).__name__}, which accumulates gradients itself: the callback cannot tell "
+                "where its optimizer steps begin and end. Use a strategy that leaves accumulation to Lightning."
             )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._batch_size = _batch_size(batch)
         self._step = trainer.global_step
+        self._micro_batches = self._micro_batches_of_step(trainer, batch_idx)
         pl_module.__dict__.pop("_cockpit_pending_info", None)
+
+    @staticmethod
+    def _micro_batches_of_step(trainer: Any, batch_idx: int) -> tuple[int, int]:
+        """``(k, K)``: the backward passes of the optimizer step that ``batch_idx`` belongs to, and
+        ``accumulate_grad_batches`` (Lightning steps after ``K`` batches and after an epoch's last one)."""
+        accumulate = int(getattr(trainer, "accumulate_grad_batches", 1))
+        if accumulate == 1:
+            return 1, 1
+        first = batch_idx - batch_idx % accumulate  # the step's first batch in this epoch
+        total = trainer.num_training_batches
+        if total != float("inf"):
+            return min(accumulate, int(total) - first), accumulate
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        if progress.is_last_batch and batch_idx - first + 1 < accumulate:
+            raise ValueError(
+                f"CockpitCallback: the epoch ended after {batch_idx - first + 1} of the accumulate_grad_batches="
+                f"{accumulate} batches of step {trainer.global_step}, and the training loader has no length, so the "
+                "cockpit could not be told at the step's first batch. Give the loader a length (__len__), or make "
+                "every epoch a multiple of accumulate_grad_batches batches."
+            )
+        return accumulate, accumulate
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         step = self._step = trainer.global_step
-        info: dict[str, Any] = {"loss": loss}
+        micro_batches, accumulate = self._micro_batches
+        # Lightning backpropagates the loss of training_step divided by accumulate_grad_batches
+        info: dict[str, Any] = {"loss": loss * accumulate if accumulate != 1 else loss}
+        if accumulate != 1:
+            info["micro_batches"] = micro_batches
+        if micro_batches != accumulate:  # a shorter last step: its gradient is k/K of its rows' mean gradient
+            info["grad_scaler"] = _LossFactor(micro_batches / accumulate)
         if self._batch_size is not None:
             info["batch_size"] = self._batch_size
         if trainer.optimizers:

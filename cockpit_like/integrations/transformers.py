@@ -36,17 +36,40 @@ restores it; the log is written to ``logpath`` when training ends.
 Per-sample losses (:func:`individual_losses`), from ``outputs.logits`` and
 ``inputs["labels"]``, with the mean equal to the ``Trainer``'s loss (checked):
 
-- logits ``[B, C]`` (sequence classification): cross-entropy per row; one
-  output column: squared error (regression); float labels shaped like the
-  logits: binary cross-entropy, averaged per row (multi-label);
+- logits ``[B, C]`` (sequence classification): cross-entropy per row scaled
+  by ``B / N``, ``N`` the ``Trainer``'s ``num_items_in_batch`` if given, else
+  the counted labels (``-100`` ignored); one output column: squared error
+  (regression); float labels shaped like the logits: binary cross-entropy,
+  averaged per row (multi-label);
 - logits ``[B, T, V]`` (causal LM): the next-token losses of each row summed
   over its counted tokens (labels shifted by one, ``-100`` ignored) and scaled
   by ``B / N`` with ``N`` the counted tokens of the batch, as the ``Trainer``
   counts them (``num_items_in_batch``).
 
-Anything else: pass ``CockpitCallback(individual_losses=fn)`` with
-``fn(outputs, inputs) -> [B]``. Gradient accumulation is refused (one
-backward pass per tracked step).
+A model may accept ``num_items_in_batch`` and ignore it: where the rule with
+it does not match the loss, the rule over the micro-batch's own count is
+tried. Anything else: pass ``CockpitCallback(individual_losses=fn)`` with
+``fn(outputs, inputs) -> [B]``.
+
+Gradient accumulation (``gradient_accumulation_steps=K``): a tracked step is
+one optimizer step. Each micro-batch's ``begin`` gets the same
+``state.global_step`` and ``info["micro_batches"]`` = the backward passes of
+the step (the ``Trainer``'s ``current_gradient_accumulation_steps``: ``K``,
+fewer in an epoch's last step); the quantities are computed after the last
+one and equal one pass over the step's rows. The cockpit's convention is
+that each micro-batch backpropagates ``mean(individual_losses) / k``. The
+``Trainer`` (transformers 5.23) divides the loss by ``k`` unless it counts as
+scaled for accumulation (``Trainer.loss_is_scaled_for_ga``; by default when
+``num_items_in_batch``, the labels counted over the whole step, reached a
+model that accepts loss kwargs, or a ``compute_loss_func`` is given):
+
+- divided: ``info["loss"]`` and the per-sample losses as they are;
+- not divided, and the loss normalised over the step: both times ``k``;
+- not divided, but the loss is the micro-batch's own mean (BERT's
+  classifier ignores ``num_items_in_batch``): the accumulated gradient is
+  ``k`` times the mean gradient, an error that says to set
+  ``trainer.loss_is_scaled_for_ga = False``; divided *and* normalised over
+  the step (``1 / k`` of it): an error too.
 """
 
 from __future__ import annotations
@@ -80,7 +103,10 @@ def individual_losses(outputs: Any, inputs: dict[str, Any], num_items_in_batch: 
             return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
         if logits.shape[1] == 1:
             return (logits.squeeze(1) - labels.to(logits.dtype)) ** 2
-        return F.cross_entropy(logits, labels, reduction="none")
+        per_row = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+        count = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum()
+        count = torch.as_tensor(count, dtype=per_row.dtype, device=per_row.device)
+        return per_row * (labels.shape[0] / count)
     if logits.dim() == 3 and labels.dim() == 2:
         shifted = labels[:, 1:]
         per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=-100, reduction="none")
@@ -121,11 +147,6 @@ class _CockpitCallbackBase:
                 "CockpitCallback needs a Trainer that opens the cockpit's step around its backward pass: use "
                 "cockpit_like.integrations.transformers.CockpitTrainer instead of Trainer, or put "
                 "CockpitTrainerMixin first among the bases of your Trainer subclass"
-            )
-        if args.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"CockpitCallback: gradient_accumulation_steps={args.gradient_accumulation_steps}; the cockpit tracks "
-                "one backward pass per optimizer step. Use gradient_accumulation_steps=1."
             )
         if self.resume_from is not None:
             path = Path(self.resume_from) / STATE_FILE
@@ -218,21 +239,74 @@ class CockpitTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         seen = dict(inputs)  # the Trainer may pop "labels" from inputs
         loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
-        if callback.individual_losses is not None:
-            losses = callback.individual_losses(outputs, seen)
-        else:
-            losses = individual_losses(outputs, seen, num_items_in_batch)
-        mean = losses.detach().mean()
-        if not torch.isclose(mean.to(loss.dtype), loss.detach(), rtol=1e-5, atol=1e-7):
-            raise ValueError(
-                f"CockpitCallback: the per-sample losses average to {float(mean):.6g}, but the Trainer's loss is "
-                f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
-                "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
-            )
+        # the backward passes of this optimizer step: gradient_accumulation_steps, fewer in an epoch's last step
+        micro_batches = int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
+        divides = self._cockpit_trainer_divides(num_items_in_batch)
+        losses, over_step = self._cockpit_individual_losses(callback, outputs, seen, loss, num_items_in_batch, divides)
+        info_loss = loss
+        if micro_batches > 1:
+            if not divides and not over_step:
+                raise ValueError(
+                    f"CockpitCallback: step {self.state.global_step} accumulates {micro_batches} micro-batches, and "
+                    "the Trainer does not divide their losses by that number (it passes num_items_in_batch to a model "
+                    "that accepts loss kwargs, or has a compute_loss_func), but this model's loss is the mean over "
+                    f"its own micro-batch: the accumulated gradient is {micro_batches} times the step's mean gradient. "
+                    "Set trainer.loss_is_scaled_for_ga = False (the Trainer then divides each loss by the number of "
+                    "micro-batches), or use a loss that honours num_items_in_batch."
+                )
+            if divides and over_step:
+                raise ValueError(
+                    f"CockpitCallback: step {self.state.global_step} accumulates {micro_batches} micro-batches; the "
+                    "model's loss is already normalised over the whole step (num_items_in_batch), and the Trainer "
+                    f"divides it by {micro_batches} again (loss_is_scaled_for_ga is False): the accumulated gradient "
+                    f"is 1/{micro_batches} of the step's mean gradient. Leave loss_is_scaled_for_ga at None or True."
+                )
+            if over_step:  # loss_p = (step's per-row losses of this micro-batch).mean() / micro_batches
+                losses, info_loss = losses * micro_batches, loss * micro_batches
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer}
+        info = {"loss": info_loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer,
+                "micro_batches": micro_batches}
         callback.cockpit.begin(self.state.global_step, info=info)
         return (loss, outputs) if return_outputs else loss
+
+    def _cockpit_trainer_divides(self, num_items_in_batch: Any) -> bool:
+        """Whether ``Trainer.training_step`` divides this loss by the step's micro-batches (transformers
+        5.x: unless ``loss_is_scaled_for_ga``, by default ``True`` where ``num_items_in_batch`` reached the
+        model's loss or a ``compute_loss_func`` computed it)."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is None:
+            scaled = (getattr(self, "model_accepts_loss_kwargs", False) and num_items_in_batch is not None) or (
+                getattr(self, "compute_loss_func", None) is not None
+            )
+        return not scaled
+
+    @staticmethod
+    def _cockpit_individual_losses(callback: Any, outputs: Any, inputs: dict, loss: torch.Tensor,
+                                   num_items_in_batch: Any, divides: bool) -> tuple[torch.Tensor, bool]:
+        """Per-sample losses whose mean is ``loss``, and whether ``loss`` is normalised over the whole
+        optimizer step (``num_items_in_batch``) rather than over this micro-batch.
+
+        The built-in rules try the step's count first, then the micro-batch's own (a model that accepts
+        ``num_items_in_batch`` need not use it); ``individual_losses=fn`` follows the Trainer's convention.
+        """
+        if callback.individual_losses is not None:
+            rules = [(lambda: callback.individual_losses(outputs, inputs), not divides)]
+        else:
+            rules = [(lambda: individual_losses(outputs, inputs, num_items_in_batch), num_items_in_batch is not None)]
+            if num_items_in_batch is not None:
+                rules.append((lambda: individual_losses(outputs, inputs), False))
+        first = None
+        for rule, over_step in rules:
+            losses = rule()
+            mean = losses.detach().mean()
+            first = mean if first is None else first
+            if torch.isclose(mean.to(loss.dtype), loss.detach(), rtol=1e-5, atol=1e-7):
+                return losses, over_step
+        raise ValueError(
+            f"CockpitCallback: the per-sample losses average to {float(first):.6g}, but the Trainer's loss is "
+            f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
+            "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
+        )
 
 
 @functools.cache
