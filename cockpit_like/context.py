@@ -29,6 +29,10 @@ INFO_KEYS = {
     "individual_losses": "1-D tensor of the per-sample losses",
     "loss": "the mini-batch loss tensor (mean reduction)",
     "optimizer": "the torch.optim.Optimizer that updates the parameters",
+    "micro_batches": "int, the number of backward passes (micro-batches) of this optimizer step "
+    "(gradient accumulation, docs/your_training_loop.md; default 1)",
+    "grad_scaler": "the torch.amp.GradScaler whose scaled loss is backpropagated (mixed precision)",
+    "loss_scale": "a constant factor on the backpropagated loss besides the division by micro_batches (default 1)",
     "outputs": "the tensor the cross-entropy loss is computed from (logits, classes in the last "
     "dimension, with the graph), e.g. outputs.logits[:, :-1] for a causal language model; with "
     "fisher='type-2', loss='mse': the predictions MSELoss compares with the targets",

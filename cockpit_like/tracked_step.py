@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale
+from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, loss_scale
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.quantities.needs import StepNeeds
@@ -103,7 +103,9 @@ class TrackedStep:
         if self._split:  # the form each backward pass computes when the step has several (equal results)
             needs = needs.partitioned()
         if self.active and (cockpit._partitions is None or cockpit._partitions.step != step):
-            cockpit._partitions = StepPartitions(step, self.micro_batches, grad_scale(self.info, step))
+            scaler = grad_scale(self.info, step)
+            factor = scaler * loss_scale(self.info, step)
+            cockpit._partitions = StepPartitions(step, self.micro_batches, factor, skippable=scaler != 1.0)
         scale = cockpit._partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(
@@ -172,7 +174,7 @@ class TrackedStep:
         view = StepGradients(params, partitions.scale)
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
-            if partitions.scale != 1.0 and not gradients_finite(params):
+            if partitions.skippable and not gradients_finite(params):
                 cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": partitions.scale})
                 return False
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2)

@@ -198,3 +198,29 @@ def test_half_precision_parameters_within_the_documented_tolerance(half):
     for step in range(STEPS):
         for name in ("GradNorm", "NormTest", "InnerTest", "OrthoTest", "Loss"):
             assert _relative(output[step][name], reference[step][name]) < tolerance, (step, name)
+
+
+def test_loss_scale_is_not_a_scaler():
+    """info['loss_scale'] (a framework's constant factor, e.g. Lightning's k/K): the quantities describe the
+    loss without it (the first step equals the unscaled reference); a bad factor is a clear error."""
+    reference = _without_time(_run("economy").get_output())
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        inputs, labels = make_batch("mlp", ROWS, 200 + step)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        info = {"batch_size": ROWS, "individual_losses": individual(outputs, labels), "loss": loss,
+                "optimizer": optimizer, "loss_scale": 0.5}  # fmt: skip
+        with cockpit(step, info=info):
+            (0.5 * loss).backward()
+        optimizer.step()  # with half the gradient: the parameters follow another path than the reference
+    first = _without_time(cockpit.get_output())[0]
+    for name in ("GradNorm", "NormTest", "InnerTest", "OrthoTest", "Loss"):
+        _assert_close(first[name], reference[0][name], name, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"info\['loss_scale'\] must be a positive finite number"):
+        with cockpit(STEPS, info={"batch_size": ROWS, "loss": loss, "individual_losses": individual(outputs, labels),
+                                  "optimizer": optimizer, "loss_scale": 0.0}):  # fmt: skip
+            pass

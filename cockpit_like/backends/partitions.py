@@ -46,6 +46,7 @@ __all__ = [
     "whole",
     "PartitionError",
     "grad_scale",
+    "loss_scale",
     "micro_batches_of",
 ]
 
@@ -230,11 +231,13 @@ class StepPartitions:
     Args:
         step: the global step.
         expected: the number of backward passes (micro-batches) of the step on this process.
-        scale: the ``GradScaler``'s scale the backward passes ran with (1: none).
+        scale: the factor the backpropagated losses carry on top of the division by the micro-batches:
+            a ``GradScaler``'s scale times ``info["loss_scale"]`` (1: none).
+        skippable: a ``GradScaler`` is in play, so a step with non-finite gradients is one it skips.
     """
 
-    def __init__(self, step: int, expected: int, scale: float = 1.0):
-        self.step, self.expected, self.scale = step, expected, float(scale)
+    def __init__(self, step: int, expected: int, scale: float = 1.0, skippable: bool = False):
+        self.step, self.expected, self.scale, self.skippable = step, expected, float(scale), bool(skippable)
         self.partitions: list[Partition] = []
 
     @property
@@ -369,6 +372,16 @@ def grad_scale(info: dict, step: int) -> float:
     if not (scale > 0.0 and scale < float("inf")):
         raise ValueError(f"cockpit step {step}: the GradScaler's scale is {scale}; expected a positive finite number")
     return scale
+
+
+def loss_scale(info: dict, step: int) -> float:
+    """``info["loss_scale"]`` (default 1): a constant factor on each backpropagated loss besides the division
+    by ``info["micro_batches"]`` (e.g. ``k / K`` when a framework divides the ``k`` losses of a short last
+    step by the usual ``K``); the quantities describe the loss without it."""
+    factor = info.get("loss_scale", 1.0)
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0.0 < float(factor) < float("inf"):
+        raise ValueError(f"cockpit step {step}: info['loss_scale'] must be a positive finite number, got {factor!r}")
+    return float(factor)
 
 
 class StepGradients:

@@ -55,8 +55,8 @@ How it works:
   step of ``k < K`` micro-batches, whose accumulated gradient is then
   ``k / K`` times the mean gradient of its rows: the callback passes
   ``info["loss"]`` = the loss ``training_step`` returned (``K`` times the one
-  Lightning backpropagates) and, for such a step, the factor ``k / K`` the
-  way a ``GradScaler``'s scale is passed, so the quantities describe the mean
+  Lightning backpropagates) and, for such a step, the factor ``k / K`` as
+  ``info["loss_scale"]``, so the quantities describe the mean
   loss of the step's rows. Micro-batches must have equal rows
   (``drop_last=True`` where the dataset does not divide by the batch size);
   a loader without a length must give a multiple of ``K`` batches per epoch.
@@ -135,20 +135,6 @@ class CockpitModule:
         if callback is not None and "create_graph" not in kwargs:
             kwargs["create_graph"] = callback.create_graph()
         super().backward(loss, *args, **kwargs)
-
-
-class _LossFactor:
-    """A constant factor on the backpropagated loss, passed as ``info["grad_scaler"]`` (the cockpit
-    reads a ``GradScaler``'s scale the same way: ``get_scale()`` while ``is_enabled()``)."""
-
-    def __init__(self, factor: float):
-        self.factor = factor
-
-    def is_enabled(self) -> bool:
-        return True
-
-    def get_scale(self) -> float:
-        return self.factor
 
 
 def _batch_size(batch: Any) -> int | None:
@@ -241,7 +227,7 @@ class _CockpitCallbackBase:
         if accumulate != 1:
             info["micro_batches"] = micro_batches
         if micro_batches != accumulate:  # a shorter last step: its gradient is k/K of its rows' mean gradient
-            info["grad_scaler"] = _LossFactor(micro_batches / accumulate)
+            info["loss_scale"] = micro_batches / accumulate
         if self._batch_size is not None:
             info["batch_size"] = self._batch_size
         if trainer.optimizers:
