@@ -168,6 +168,32 @@ def test_trainer_log_equals_plain_loop(tmp_path, reference):
     assert math.isclose(output[2]["valid_loss"], reference[2]["valid_loss"], rel_tol=1e-12)
 
 
+def test_sixteen_mixed_precision_reports_the_unscaled_gradient(tmp_path, reference):
+    """precision="16-mixed": Lightning scales the loss with its GradScaler before on_before_backward; the
+    callback passes the scaler, so every quantity equals the plain loop's. The float64 model keeps CPU
+    autocast out of the arithmetic, so the scale (2**16, a power of two) is the only difference."""
+    import lightning.pytorch as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from cockpit_like.integrations.lightning import CockpitCallback
+
+    net = _net_class("lightning.pytorch")()
+    cockpit = Cockpit(net.parameters(), quantities=configuration("full"), model=net.model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=1000)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+        num_sanity_val_steps=0, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        callbacks=[CockpitCallback(cockpit)],
+    )  # fmt: skip
+    train, valid = _loaders()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|create_graph=True|Full backward hook).*")
+        trainer.fit(net, train, valid)
+    assert scaler.get_scale() == 2.0**16  # no step was skipped: every step is compared
+    assert_same_log(cockpit.get_output(), reference)
+
+
 def test_pytorch_lightning_package_name(tmp_path, reference):
     pytest.importorskip("pytorch_lightning")
     cockpit, _ = _fit("pytorch_lightning", tmp_path, epochs=1)

@@ -224,6 +224,10 @@ class _CockpitCallbackBase:
         micro_batches, accumulate = self._micro_batches
         # Lightning backpropagates the loss of training_step divided by accumulate_grad_batches
         info: dict[str, Any] = {"loss": loss * accumulate if accumulate != 1 else loss}
+        scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+        if scaler is not None and scaler.is_enabled():  # precision="16-mixed": the loss here is scaled already
+            info["grad_scaler"] = scaler
+            info["loss"] = info["loss"] / scaler.get_scale()
         if accumulate != 1:
             info["micro_batches"] = micro_batches
         if micro_batches != accumulate:  # a shorter last step: its gradient is k/K of its rows' mean gradient
