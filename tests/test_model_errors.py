@@ -101,14 +101,33 @@ class _WithTable(nn.Module):
         return self.head((x + self.positions(x)).flatten(1))
 
 
-def test_a_module_output_without_batch_dimension_is_named_with_the_quantities():
-    model = _WithTable()
+def test_a_table_without_batch_dimension_climbs_to_the_model():
+    """``_Table``'s output has no batch dimension: its per-sample gradients come from the model's call."""
+    ratios = _sum_of_squares_against_loop(_WithTable(), *_data((5, 4)))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
+
+
+class _ReturnsLoss(nn.Module):
+    """A model that returns the mean loss: no module call around ``_Table`` has the batch dimension."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _WithTable()
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.inner.head((x + self.inner.positions(x)).flatten(1)), labels)
+
+
+def test_no_enclosing_call_with_the_batch_is_named_with_the_quantities():
+    model = _ReturnsLoss()
     cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
-    with pytest.raises(RuntimeError) as error:
-        _step(cockpit, model, *_data((5, 4)))
+    inputs, labels = _data((5, 4))
+    loss = model(inputs, labels)
+    with pytest.raises(RuntimeError) as error, cockpit(0, info={"loss": loss, "batch_size": 4}):
+        loss.backward()
     message = str(error.value)
-    assert "_Table" in message and "no batch dimension" in message and "'NormTest'" in message
-    assert "expand" in message
+    assert "_Table" in message and "'inner.positions'" in message and "no batch dimension" in message
+    assert "'NormTest'" in message and "no enclosing module" in message and "inner.positions.table" in message
 
 
 class _Outside(nn.Module):
@@ -122,13 +141,11 @@ class _Outside(nn.Module):
         return nn.functional.linear(x, self.inner.weight, self.inner.bias)
 
 
-def test_a_parameter_used_outside_its_module_is_named():
-    model = _Outside().double()
-    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
-    with pytest.raises(NotExtendedError) as error:
-        _step(cockpit, model, *_data((4,)))
-    message = str(error.value)
-    assert "inner.weight" in message and "cannot be seen" in message
+def test_a_parameter_used_outside_its_module_is_computed_by_the_caller():
+    """The model reads ``inner``'s weight without calling ``inner``: its own call computes them."""
+    torch.manual_seed(0)
+    ratios = _sum_of_squares_against_loop(_Outside().double(), *_data((4,)))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
 
 
 def test_parameters_the_loss_does_not_use():
@@ -295,10 +312,10 @@ class _Unbatched(nn.Module):
         return self.head((x + self.positions(torch.arange(x.shape[1]))).mean(1))
 
 
-def test_an_output_without_batch_dimension_is_an_error_not_a_wrong_number():
+def test_an_output_without_batch_dimension_is_exact_not_a_wrong_number():
     torch.manual_seed(0)
-    with pytest.raises(RuntimeError, match=r"'positions'.*no batch dimension of size 4"):
-        _sum_of_squares_against_loop(_Unbatched(), *_data((6, 4)))
+    ratios = _sum_of_squares_against_loop(_Unbatched(), *_data((6, 4)))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
 
 
 def test_forward_passes_on_the_live_model_before_the_step_are_told_apart():
