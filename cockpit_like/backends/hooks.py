@@ -329,6 +329,30 @@ def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> l
     return found
 
 
+def _output_used_inside(call: "Call", outputs: list[torch.Tensor]) -> bool:
+    """Whether one output of ``call`` was computed from another (BART's model returns the encoder's
+    output, which its decoder reads): the gradient that arrives at that output's node then includes
+    the call's own use of it, and a vjp of the call would count that use twice.
+
+    Walks the call's part of the graph only: from its outputs down to the nodes of its inputs.
+    """
+    nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
+    if len(nodes) < 2:
+        return False
+    inputs = {id(t.grad_fn) for t in _flat_outputs((call.args, call.kwargs)) if t.grad_fn is not None}
+    for start in nodes.values():
+        seen, stack = set(), [child for child, _ in start.next_functions if child is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or id(node) in inputs:
+                continue
+            if id(node) in nodes and node is not start:
+                return True
+            seen.add(id(node))
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return False
+
+
 def _used_params(roots: list) -> set[int]:
     """``id`` of every leaf tensor whose gradient the backward pass from ``roots`` accumulates."""
     used: set[int] = set()
@@ -404,6 +428,14 @@ class HookBackend:
     def _assign(self, calls: list[Call], handled_elsewhere) -> list[Call]:
         tracked = self._params
         called = {id(call.module) for call in calls}
+        owned = {id(p) for call in calls for p in call.module.parameters(recurse=False)}
+        roots = {id(ref()) for ref in self.tracer.roots}
+        self._model_inputs = {
+            t.untyped_storage().data_ptr()
+            for call in calls
+            if id(call.module) in roots
+            for t in _flat_outputs((call.args, call.kwargs))
+        }
         if any(call.position < 0 for call in calls):
             for position, call in enumerate(calls):
                 call.position = position
@@ -428,8 +460,11 @@ class HookBackend:
                 # DeBERTa's relative position table read as a weight), down to (not into) the submodules
                 # that ran: those claim their own subtrees
                 uncalled = _uncalled_descendant_params(module, called, handled_elsewhere, tracked)
-                if uncalled and not params:  # a container: only the tables its forward pass really read
-                    used = _used_params(_call_nodes(call))
+                if uncalled and not params:
+                    # a container: only the tables its forward pass reads as weights, not the ones a called
+                    # module owns too (BART's shared embedding, which its encoder's embedding layer computes)
+                    uncalled = [p for p in uncalled if id(p) not in owned]
+                    used = _used_params(_call_nodes(call)) if uncalled else set()
                     uncalled = [p for p in uncalled if id(p) in used]
                 params += uncalled
             seen: set[int] = set()
@@ -437,6 +472,11 @@ class HookBackend:
         for index, call in enumerate(calls):  # inner calls first: a climbed parameter may climb on
             if call.params and not self._carries_batch(call):
                 self._climb(calls, index)
+        for outer, call in enumerate(calls):
+            if call.params and rule_for(call.module) is None and type(call.module) not in RECOMPUTE_RULES:
+                # the fallback's vjp covers every use inside the call (RoBERTa's LM head owns the bias
+                # that its decoder layer adds): calls nested in it do not compute those parameters again
+                self._claim_nested(calls, outer, {id(p) for p in call.params})
         assigned = []
         for call in calls:
             if not call.params:
@@ -463,7 +503,15 @@ class HookBackend:
             x = call.args[0] if call.args else None
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] not in (1, batch):
                 return False
-        return all(_batched(call.module, 0 if i == 0 else 1, t, batch) is not None for i, t in with_grad)
+            if x.requires_grad and x.grad_fn is None:
+                return False  # a parameter as input (DeBERTa's layer norm of its relative position table)
+            if isinstance(call.module, nn.Embedding) and (x.dim() == 1 or batch in x.shape[1:]):
+                # ids whose shape could be a table's ([T, T] buckets with T = B, positions [T]): per row only
+                # if they are (a view of) an input of the model
+                return x.untyped_storage().data_ptr() in self._model_inputs
+        if not all(_batched(call.module, 0 if i == 0 else 1, t, batch) is not None for i, t in with_grad):
+            return False
+        return not _output_used_inside(call, [t for _, t in with_grad])
 
     def _climb(self, calls: list[Call], index: int) -> None:
         """Move ``calls[index]``'s parameters to the smallest enclosing call that carries the batch.
@@ -479,10 +527,7 @@ class HookBackend:
             if not self._carries_batch(candidate):
                 continue
             climbing = list(call.params)
-            moved = {id(p) for p in climbing}
-            for inner in calls[:outer]:  # the enclosing call's vjp covers the uses of them inside it
-                if inner.position >= candidate.start:
-                    inner.params = [p for p in inner.params if id(p) not in moved]
+            self._claim_nested(calls, outer, {id(p) for p in climbing})
             known = {id(p) for p in candidate.params}
             candidate.params = candidate.params + [p for p in climbing if id(p) not in known]
             candidate.climbed = True
@@ -499,6 +544,13 @@ class HookBackend:
             "some module around this layer takes and returns tensors whose leading dimension is the batch "
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
         ))
+
+    @staticmethod
+    def _claim_nested(calls: list[Call], outer: int, claimed: set[int]) -> None:
+        """Drop ``claimed`` parameters from the calls made inside ``calls[outer]``."""
+        for inner in calls[:outer]:
+            if inner.position >= calls[outer].start:
+                inner.params = [p for p in inner.params if id(p) not in claimed]
 
     def _param_name(self, param: torch.Tensor) -> str:
         for ref in self.tracer.roots:
