@@ -375,3 +375,58 @@ def test_graph_reachability_in_a_fresh_interpreter():
     done = subprocess.run([sys.executable, "-c", _LIVE_PASSES], capture_output=True, text=True, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tracked ['HessMaxEV', 'NormTest']" in done.stdout
+
+
+# ---- climbing: where the rows can be told apart (issue 22) ----------------------------------------------
+class _Counter(nn.Module):
+    """A layer whose output depends on how often it ran (state outside its inputs): not re-runnable."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.scale * self.calls
+
+
+def test_a_rerun_that_does_not_reproduce_the_forward_pass_is_an_error():
+    model = nn.Sequential(_Counter(), nn.Linear(4, 3).double())
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    with pytest.raises(RuntimeError, match=r"_Counter: re-running it row by row .* did not reproduce"):
+        _step(cockpit, model, *_data((4,)))
+
+
+class _EncoderDecoder(nn.Module):
+    """Returns the encoder's output too, which its decoder reads (as BART's model does), and a table
+    without batch dimension before the encoder: the table cannot climb to this module."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(4, 4).double()
+        self.table = _Table()
+        self.decoder = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        encoded = torch.tanh(self.encoder(x + self.table(x)))
+        return encoded, self.decoder(encoded)
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _EncoderDecoder()
+        self.head = nn.Linear(20, 3).double()
+
+    def forward(self, x):
+        encoded, decoded = self.body(x)
+        return self.head((decoded + 0.1 * encoded).flatten(1))
+
+
+def test_a_call_whose_outputs_feed_each_other_is_not_climbed_to():
+    """``body`` returns ``encoded`` and uses it itself: its gradient counts that use, so the table
+    climbs on to the model's call, and the numbers are the loop's."""
+    torch.manual_seed(0)
+    ratios = _sum_of_squares_against_loop(_Head(), *_data((5, 4)))
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)

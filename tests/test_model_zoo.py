@@ -160,3 +160,37 @@ def test_hess_max_ev_matches_lanczos(name):
     # nearly the same magnitude and the other sign (BERT: 3.88 and -3.77) it may end near either
     value = power.get_output()[0]
     assert abs(value) <= abs(magnitude) * (1 + 1e-6) and abs(value) >= 0.9 * abs(magnitude)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_position_tables_added_to_the_rows_need_no_rerun(monkeypatch, name):
+    """GPT-2's and BERT's position embeddings (ids ``[1, T]``, output ``[1, T, d]``) are added to the
+    batched token embeddings: their rows' gradients are read at that addition, so nothing is re-run,
+    and default dropout (which a re-run could not reproduce) is fine."""
+    import transformers
+
+    import cockpit_like.backends.hooks as hooks
+
+    def no_rerun(*args, **kwargs):
+        raise AssertionError("a module was re-run")
+
+    monkeypatch.setattr(hooks, "per_sample_grads", no_rerun)
+    if name == "gpt2":
+        config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=24, max_position_embeddings=16, num_labels=40)
+        model = transformers.BertForSequenceClassification(config)
+    model.train()
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    cockpit = Cockpit(list(model.parameters()), configuration("economy"), model=model)
+    tokens = torch.randint(0, 40, (4, 6), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=tokens).logits
+    if logits.dim() == 2:  # one label per row
+        losses = torch.nn.functional.cross_entropy(logits, tokens[:, 0], reduction="none")
+    else:
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1)
+    with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 4}):
+        losses.mean().backward()
+    assert np.isfinite(cockpit.get_output()[0]["NormTest"])

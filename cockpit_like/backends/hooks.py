@@ -135,7 +135,7 @@ class Call:
 
     __slots__ = (
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
-        "start", "position", "climbed",
+        "start", "position", "climbed", "consumer",
     )
 
     def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0):
@@ -148,6 +148,9 @@ class Call:
         self.position = -1
         #: parameters of descendants that climbed here (their own calls cannot tell the rows apart)
         self.climbed = False
+        #: for an output shared by the rows (leading 1) that is added to a batched tensor: that addition's
+        #: node, whose output gradient holds each row's gradient of the shared output
+        self.consumer = None
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor | None] = []
         self.waiting = 0
@@ -422,7 +425,10 @@ class HookBackend:
         self._partial: dict[int, torch.Tensor] = {}
         self._params = {id(p): p for p in params}
         self._errors: list[UncoveredParameterError] = []
+        self._consumers: dict[int, list] | None = None
+        self._all_calls = calls
         self.calls = self._assign(calls, handled_elsewhere)
+        self._all_calls = []
 
     # ---- which call computes which parameter -------------------------------------------
     def _assign(self, calls: list[Call], handled_elsewhere) -> list[Call]:
@@ -505,6 +511,10 @@ class HookBackend:
                 return False
             if x.requires_grad and x.grad_fn is None:
                 return False  # a parameter as input (DeBERTa's layer norm of its relative position table)
+            output = call.output
+            if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == 1:
+                call.consumer = self._broadcast_add(output, batch)
+                return call.consumer is not None
             if isinstance(call.module, nn.Embedding) and (x.dim() == 1 or batch in x.shape[1:]):
                 # ids whose shape could be a table's ([T, T] buckets with T = B, positions [T]): per row only
                 # if they are (a view of) an input of the model
@@ -545,6 +555,36 @@ class HookBackend:
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
         ))
 
+    def _broadcast_add(self, output: torch.Tensor, batch: int):
+        """The node of ``shared + batched`` if that addition is the one use of ``output`` (``[1, ...]``) and
+        gives ``[batch, ...]`` (GPT-2's and BERT's position embeddings), else ``None``.
+
+        Row ``b`` of that sum's gradient is row ``b``'s gradient of ``output``: the hooks read it there,
+        so the output keeps its shape (nothing is expanded) and nothing is re-run.
+        """
+        if self._consumers is None:
+            self._consumers = defaultdict(list)
+            starts = [node for call in self._all_calls for node in _call_nodes(call)]
+            seen = {id(node) for node in starts}
+            while starts:
+                node = starts.pop()
+                for child, _ in node.next_functions:
+                    if child is None:
+                        continue
+                    self._consumers[id(child)].append(node)
+                    if id(child) not in seen:
+                        seen.add(id(child))
+                        starts.append(child)
+        users = self._consumers.get(id(output.grad_fn), [])
+        if len(users) != 1 or type(users[0]).__name__ != "AddBackward0" or getattr(users[0], "_saved_alpha", 1) != 1:
+            return None
+        add = users[0]
+        edges = [child for child, _ in add.next_functions if child is output.grad_fn]
+        shape = list(add._input_metadata[0].shape) if hasattr(add, "_input_metadata") else None
+        if len(edges) != 1 or shape != [batch, *output.shape[1:]]:
+            return None
+        return add
+
     @staticmethod
     def _claim_nested(calls: list[Call], outer: int, claimed: set[int]) -> None:
         """Drop ``claimed`` parameters from the calls made inside ``calls[outer]``."""
@@ -576,6 +616,12 @@ class HookBackend:
     def enter(self) -> None:
         """Register the output-gradient pre-hooks (before ``loss.backward()``)."""
         for call in self.calls:
+            if call.consumer is not None:  # a shared output: its rows' gradients at the addition (one output)
+                shared = call.output
+                call.want, call.entries = [0], [shared.expand(self._call_batch(call), *shared.shape[1:])]
+                call.grads, call.waiting = [None], 1
+                self._handles.append(call.consumer.register_prehook(partial(self._on_grads, call, [(0, 0)])))
+                continue
             if call.node is not None:  # a tensor output: its node as the forward pass made it
                 flat, nodes = [call.output], [call.node]
             else:
