@@ -53,7 +53,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, rule_for
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, is_hf_conv1d, rule_for
 
 __all__ = [
     "ModelTracer",
@@ -135,7 +135,7 @@ class Call:
 
     __slots__ = (
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
-        "start", "position", "climbed", "consumer",
+        "start", "position", "climbed", "consumer", "flat",
     )
 
     def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0):
@@ -151,6 +151,8 @@ class Call:
         #: for an output shared by the rows (leading 1) that is added to a batched tensor: that addition's
         #: node, whose output gradient holds each row's gradient of the shared output
         self.consumer = None
+        #: the call ran on rows flattened to ``[B*k, ...]`` (sample-major): its rule sees ``[B, k, ...]``
+        self.flat = False
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor | None] = []
         self.waiting = 0
@@ -332,6 +334,13 @@ def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> l
     return found
 
 
+def _ROW_WISE(module: nn.Module) -> bool:
+    """Layers whose rule treats every leading dimension alike (rows flattened into the batch are fine)."""
+    return type(module) in (nn.Linear, nn.Embedding, nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm)) or is_hf_conv1d(
+        module
+    )
+
+
 def _output_used_inside(call: "Call", outputs: list[torch.Tensor]) -> bool:
     """Whether one output of ``call`` was computed from another (BART's model returns the encoder's
     output, which its decoder reads): the gradient that arrives at that output's node then includes
@@ -426,6 +435,7 @@ class HookBackend:
         self._params = {id(p): p for p in params}
         self._errors: list[UncoveredParameterError] = []
         self._consumers: dict[int, list] | None = None
+        self._flat_nodes: set[int] = set()
         self._all_calls = calls
         self.calls = self._assign(calls, handled_elsewhere)
         self._all_calls = []
@@ -507,8 +517,13 @@ class HookBackend:
             return True  # nothing flows back through this call; a recompute rule checks its own layout
         if rule_for(call.module) is not None:
             x = call.args[0] if call.args else None
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] not in (1, batch):
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
                 return False
+            if x.shape[0] not in (1, batch):
+                call.flat = self._flattened(call, x, batch) and all(t.shape[0] == x.shape[0] for _, t in with_grad)
+                if call.flat:
+                    self._flat_nodes.update(id(t.grad_fn) for _, t in with_grad)
+                return call.flat
             if x.requires_grad and x.grad_fn is None:
                 return False  # a parameter as input (DeBERTa's layer norm of its relative position table)
             output = call.output
@@ -554,6 +569,34 @@ class HookBackend:
             "some module around this layer takes and returns tensors whose leading dimension is the batch "
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
         ))
+
+    def _flattened(self, call: Call, x: torch.Tensor, batch: int) -> bool:
+        """Whether ``x`` holds the rows of the batch flattened sample-major (``[B*k, ...]``, OPT's MLP):
+        a view of a contiguous ``[B, ...]`` tensor, or the output of a call on such rows through
+        shape-keeping single-input steps (activations, dropout, casts)."""
+        if not _ROW_WISE(call.module) or x.shape[0] % batch:
+            return False
+        base = x._base
+        if (
+            base is not None and base.dim() > 0 and base.shape[0] == batch and base.is_contiguous()
+            and x.is_contiguous() and x.data_ptr() == base.data_ptr() and x.numel() == base.numel()
+        ):
+            return True
+        node, shape = x.grad_fn, list(x.shape)
+        for _ in range(6):
+            if node is None:
+                return False
+            if id(node) in self._flat_nodes:
+                return True
+            inputs = [(child, nr) for child, nr in node.next_functions if child is not None]
+            inputs = [(child, nr) for child, nr in inputs if type(child).__name__ != "AccumulateGrad"]
+            if len(inputs) != 1 or not hasattr(inputs[0][0], "_input_metadata"):
+                return False
+            node, nr = inputs[0]
+            metadata = node._input_metadata
+            if nr >= len(metadata) or list(metadata[nr].shape) != shape:
+                return False
+        return False
 
     def _broadcast_add(self, output: torch.Tensor, batch: int):
         """The node of ``shared + batched`` if that addition is the one use of ``output`` (``[1, ...]``) and
@@ -683,10 +726,15 @@ class HookBackend:
         forms = None
         if rule is not None and len(call.want) == 1 and call.want[0] == 0 and call.args:
             x, grad = call.args[0], self._grads(call)[0]
-            self._check_rows(call, grad)
+            if not call.flat:
+                self._check_rows(call, grad)
             if isinstance(x, torch.Tensor) and x.dim() > 0 and grad.dim() > 0:
                 if x.shape[0] == 1 and grad.shape[0] > 1:  # an input shared by the batch
                     x = x.expand(grad.shape[0], *x.shape[1:])
+                if call.flat:  # rows flattened sample-major: [B*k, ...] -> [B, k, ...]
+                    batch = self._call_batch(call)
+                    x = x.reshape(batch, -1, *x.shape[1:])
+                    grad = grad.reshape(batch, -1, *grad.shape[1:])
                 with torch.no_grad():
                     forms = rule(call.module, x.detach(), grad)
                     if forms is not None and getattr(self.reducer, "module_stats", None):
