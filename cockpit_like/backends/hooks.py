@@ -534,6 +534,11 @@ class HookBackend:
                 # ids whose shape could be a table's ([T, T] buckets with T = B, positions [T]): per row only
                 # if they are (a view of) an input of the model
                 return x.untyped_storage().data_ptr() in self._model_inputs
+        output = call.output
+        if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == 1:
+            if not isinstance(call.module, nn.RNNBase):  # a shared output (BART's positions): as above
+                call.consumer = self._broadcast_add(output, batch)
+                return call.consumer is not None
         if not all(_batched(call.module, 0 if i == 0 else 1, t, batch) is not None for i, t in with_grad):
             return False
         return not _output_used_inside(call, [t for _, t in with_grad])
@@ -808,7 +813,7 @@ class HookBackend:
         batch = self._batch(call)
         results = per_sample_grads(
             call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer,
-            recorded=call.entries,
+            recorded=call.entries, shared=call.consumer is not None,
         )
         for param, grad_batch in zip(call.params, results):
             self._deliver(param, Dense(grad_batch))
@@ -859,15 +864,20 @@ def _batched(module, position, tensor, batch) -> int | None:
 
 
 def per_sample_grads(
-    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None
+    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
+    shared: bool = False,
 ) -> list[torch.Tensor]:
     """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
 
     ``out_k`` are the module's flattened tensor outputs at the indices ``want``
     and ``grads`` their gradients. ``torch.func``: ``vmap`` over the rows of
     ``vjp`` of ``functional_call`` (each row run as a batch of one); where
-    ``vmap`` cannot run the module (recurrent layers), a loop over the rows
-    with ``torch.autograd.grad``.
+    ``vmap`` cannot run the module (recurrent layers, routing), a loop over the rows
+    with ``torch.autograd.grad``. Tensors inside tuples, lists and dicts of the
+    arguments are split too. ``shared``: the module computed one output shared by
+    all rows (leading 1), whose rows' gradients ``grads`` come from where it was
+    added to the batch; its inputs are not split. ``recorded``: the outputs of the
+    forward pass, which the re-run must reproduce (else an error says why not).
     """
     names: dict[int, str] = {}
     for name, p in module.named_parameters():
@@ -882,7 +892,7 @@ def per_sample_grads(
         structure.append((len(leaves), spec))
         for leaf in leaves:
             values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
-            dims.append(_batched(module, position, leaf, batch))
+            dims.append(None if shared else _batched(module, position, leaf, batch))
     out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
     if any(d is None for d in out_dims):
         raise UncoveredParameterError(
