@@ -36,6 +36,51 @@ tensor argument whose leading dimension is the batch size is split along it
 (``nn.RNNBase`` without ``batch_first``: along dimension 1, and its hidden
 state always along dimension 1).
 
+Where the rows can be told apart
+--------------------------------
+A parameter's per-sample gradient can be computed at the smallest enclosing
+module whose inputs and outputs carry the batch dimension. The tracer notes
+the calls of every module with tracked parameters in its subtree and where
+each call began, so the calls made inside a call are known. Before the
+backward pass, each call that owns parameters is checked (``_carries_batch``,
+from the shapes and the autograd graph of the forward pass):
+
+- **rows**: outputs with gradients have the batch dimension ``B`` (and a
+  rule's input has it, or a leading 1): the call's own rule or fallback;
+- **shared output added to the rows**: a single output of leading dimension
+  1 (positions looked up from ``[1, T]`` ids: GPT-2, BERT, BART) whose only
+  use is ``shared + batched`` giving ``[B, ...]``: the pre-hook sits on that
+  addition's node, whose output gradient row ``b`` is row ``b``'s gradient of
+  the shared output. Nothing is expanded or re-run (a module without a rule
+  is re-run once, unsplit, with those rows' cotangents);
+- **rows flattened sample-major** to ``[B*k, ...]`` (OPT's MLP) in a layer
+  whose rule treats all leading dimensions alike (linear, embedding, layer
+  norm, RMS norm): when the input is a view of a contiguous ``[B, ...]``
+  tensor, or the output of such a call through shape-keeping single-input
+  steps (activations, dropout, casts), the rule sees ``[B, k, ...]``;
+- **anything else climbs**: the outputs have no batch dimension (T5's
+  relative position bias ``[T, T, heads]``, a table read by every layer), the
+  input is a parameter (DeBERTa's layer norm of its relative embeddings), ids
+  that could be a table's (``[T]``, or ``[T, T]`` when ``T = B``) and are not
+  the model's input, rows flattened in an unknown order, or a module that
+  receives tokens routed from every row (Mixtral's experts and router). Its
+  parameters move to the smallest enclosing call that carries the batch, and
+  that call's ``torch.func`` fallback computes them through every use inside
+  it (per-row gradients through the routing: the re-run routes each row's
+  tokens as the batch did). Calls inside it no longer compute those
+  parameters (its vjp covers them). A call does not qualify if one of its
+  outputs was computed from another (BART's model returns the encoder's
+  output, which its decoder reads: the gradient at that output would count
+  the inner use twice), nor if an output has no batch dimension; with no
+  qualifying call (a model that returns its loss) the step raises
+  :class:`UncoveredParameterError` naming the layer and the parameters.
+
+Every fallback re-run must reproduce the recorded outputs of the forward pass
+(a key/value cache argument, filled by the call itself, is left out); if it
+does not (state, a coupled batch), :class:`UncoveredParameterError` says so.
+The cockpit never changes what the model computes: outputs are returned as
+they are (the forward hook returns ``None``).
+
 May import torch and :mod:`cockpit_like.backends` only.
 """
 
