@@ -5,8 +5,9 @@ Two pieces:
 - :class:`ModelTracer`, installed once on the model (``Cockpit(model=...)``,
   or found at the model's first forward pass with PyTorch's global module
   hooks). During *every* forward pass with gradients enabled it notes the
-  calls of modules that own tracked parameters (and of batch norms, which
-  couple the samples): one ``list.append`` per call. The list is handed over
+  calls of modules with tracked parameters in their subtree (and of batch
+  norms, which couple the samples): a pre-hook notes where the call began, a
+  forward hook appends it (two small list operations). The list is handed over
   or dropped whenever the cockpit is entered, so a step that tracks nothing
   costs that append and nothing else. On steps that need the graph (e.g.
   Hessian-vector products) the model's forward runs with PyTorch's math
