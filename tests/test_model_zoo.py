@@ -207,3 +207,41 @@ def test_default_dropout_positions_and_flattened_rows_need_no_rerun(monkeypatch,
         losses.mean().backward()
     assert np.isfinite(cockpit.get_output()[0]["NormTest"])
     assert set(rerun) <= RERUN[name], rerun
+
+
+def test_dropout_in_a_module_climbed_to_is_an_error_naming_it():
+    """T5 with its default dropout: the relative position bias climbs to the stack, which draws dropout masks."""
+    import transformers
+
+    config = transformers.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2,
+                                   relative_attention_num_buckets=8, decoder_start_token_id=0)
+    assert config.dropout_rate > 0
+    model = transformers.T5ForConditionalGeneration(config).train()
+    cockpit = Cockpit(list(model.parameters()), configuration("economy"), model=model)
+    tokens = torch.randint(1, 40, (3, 5), generator=torch.Generator().manual_seed(0))
+    logits = model(input_ids=tokens, decoder_input_ids=tokens).logits
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1)
+    info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+    with pytest.raises(RuntimeError) as error, cockpit(0, info=info):
+        losses.mean().backward()
+    message = str(error.value)
+    assert "T5Stack layer '" in message and "relative_attention_bias.weight" in message
+    assert "Dropout(p=0.1)" in message and "dropout to 0" in message and "'NormTest'" in message
+    # dropout modules off, but T5's attention also calls dropout functionally (p = config.dropout_rate):
+    # the row-by-row re-run does not reproduce the forward pass, and says so instead of a wrong number
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+    def step(number):
+        model.zero_grad()
+        logits = model(input_ids=tokens, decoder_input_ids=tokens).logits
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1)
+        with cockpit(number, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}):
+            losses.mean().backward()
+
+    with pytest.raises(RuntimeError, match=r"T5Stack: re-running it row by row .* did not reproduce"):
+        step(1)
+    model.eval()  # no dropout at all: the same model works
+    step(2)
+    assert np.isfinite(cockpit.get_output()[2]["NormTest"])
