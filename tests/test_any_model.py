@@ -24,6 +24,7 @@ every zoo model, and HessMaxEV against the eigenvalues of a dense Hessian.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -239,6 +240,7 @@ def run_problem(
     loss_fn=None,
     extra_forward=False,
     freeze=None,
+    factories=None,
 ):
     """Train ``steps`` SGD steps with the cockpit (model not extended, ``model=model``).
 
@@ -249,8 +251,12 @@ def run_problem(
     with gradients enabled that are never backpropagated (a "validation" batch
     of the same size, and the brute-force loop on the live model).
     ``freeze(parameter name)``: parameters to set ``requires_grad=False`` (not tracked).
+    ``factories``: where ``name`` is looked up (default: :data:`ALL`). Each step also
+    records the outputs of the step's forward pass and those of a hook-free copy
+    (``"outputs"``, ``"outputs_without_cockpit"``; the copy runs with the math
+    attention kernel on steps that need the graph, as the cockpit's forward pass does).
     """
-    problem = ALL[name](0)
+    problem = (ALL if factories is None else factories)[name](0)
     model = problem.model
     if freeze is not None:
         for parameter_name, param in model.named_parameters():
@@ -268,6 +274,7 @@ def run_problem(
             problem.forward(model, problem.batch(batch_size, 999)[0])
             per_sample_grads_loop(problem, inputs, targets, params)
         optimizer.zero_grad()
+        without = _forward_without_cockpit(problem, inputs, graph=cockpit.create_graph(step))
         outputs = problem.forward(model, inputs)
         losses = problem.sample_losses(outputs, targets)
         loss = losses.mean() if loss_fn is None else loss_fn(outputs, targets)
@@ -276,6 +283,8 @@ def run_problem(
             "grads": grads,
             "loss": loss.item(),
             "losses": losses.detach().clone(),
+            "outputs": _tensors(outputs),
+            "outputs_without_cockpit": without,
         }
         info = {"loss": loss, "individual_losses": losses, "optimizer": optimizer}
         if info_batch_size:
@@ -285,6 +294,23 @@ def run_problem(
         optimizer.step()
     assert not any(is_extended(m) for m in model.modules())
     return cockpit, quantities, observed
+
+
+def _forward_without_cockpit(problem: Problem, inputs, graph: bool) -> torch.Tensor:
+    """The output tensors of a hook-free copy of the model on ``inputs`` (math attention kernel if ``graph``)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    copy = helpers.plain_copy(problem.model)
+    kernel = sdpa_kernel([SDPBackend.MATH]) if graph else contextlib.nullcontext()
+    with kernel:  # with gradients, as the step's forward pass
+        return _tensors(problem.forward(copy, inputs))
+
+
+def _tensors(outputs) -> list[torch.Tensor]:
+    """Every tensor in a model's outputs (a tensor, a tuple, a Hugging Face ``ModelOutput``), detached."""
+    from torch.utils._pytree import tree_flatten
+
+    return [leaf.detach().clone() for leaf in tree_flatten(outputs)[0] if isinstance(leaf, torch.Tensor)]
 
 
 class StatsProbe(SingleStepQuantity):
@@ -388,6 +414,8 @@ def test_loss_and_grad_norm(tracked):
     name, out, observed = tracked
     assert sorted(out["Loss"]) == sorted(out["GradNorm"]) == list(range(STEPS))
     for step, obs in observed.items():
+        for got, want in zip(obs["outputs"], obs["outputs_without_cockpit"], strict=True):  # never changed
+            assert got.shape == want.shape and torch.equal(got, want), step
         assert out["Loss"][step] == pytest.approx(obs["losses"].mean().item(), rel=1e-12)
         mean_grads = [g.mean(0) for g in obs["grads"]]  # (1/B) sum_i g_i from the loop
         assert len(out["GradNorm"][step]) == len(obs["params"])

@@ -5,8 +5,9 @@ Two pieces:
 - :class:`ModelTracer`, installed once on the model (``Cockpit(model=...)``,
   or found at the model's first forward pass with PyTorch's global module
   hooks). During *every* forward pass with gradients enabled it notes the
-  calls of modules that own tracked parameters (and of batch norms, which
-  couple the samples): one ``list.append`` per call. The list is handed over
+  calls of modules with tracked parameters in their subtree (and of batch
+  norms, which couple the samples): a pre-hook notes where the call began, a
+  forward hook appends it (two small list operations). The list is handed over
   or dropped whenever the cockpit is entered, so a step that tracks nothing
   costs that append and nothing else. On steps that need the graph (e.g.
   Hessian-vector products) the model's forward runs with PyTorch's math
@@ -36,6 +37,51 @@ tensor argument whose leading dimension is the batch size is split along it
 (``nn.RNNBase`` without ``batch_first``: along dimension 1, and its hidden
 state always along dimension 1).
 
+Where the rows can be told apart
+--------------------------------
+A parameter's per-sample gradient can be computed at the smallest enclosing
+module whose inputs and outputs carry the batch dimension. The tracer notes
+the calls of every module with tracked parameters in its subtree and where
+each call began, so the calls made inside a call are known. Before the
+backward pass, each call that owns parameters is checked (``_carries_batch``,
+from the shapes and the autograd graph of the forward pass):
+
+- **rows**: outputs with gradients have the batch dimension ``B`` (and a
+  rule's input has it, or a leading 1): the call's own rule or fallback;
+- **shared output added to the rows**: a single output of leading dimension
+  1 (positions looked up from ``[1, T]`` ids: GPT-2, BERT, BART) whose only
+  use is ``shared + batched`` giving ``[B, ...]``: the pre-hook sits on that
+  addition's node, whose output gradient row ``b`` is row ``b``'s gradient of
+  the shared output. Nothing is expanded or re-run (a module without a rule
+  is re-run once, unsplit, with those rows' cotangents);
+- **rows flattened sample-major** to ``[B*k, ...]`` (OPT's MLP) in a layer
+  whose rule treats all leading dimensions alike (linear, embedding, layer
+  norm, RMS norm): when the input is a view of a contiguous ``[B, ...]``
+  tensor, or the output of such a call through shape-keeping single-input
+  steps (activations, dropout, casts), the rule sees ``[B, k, ...]``;
+- **anything else climbs**: the outputs have no batch dimension (T5's
+  relative position bias ``[T, T, heads]``, a table read by every layer), the
+  input is a parameter (DeBERTa's layer norm of its relative embeddings), ids
+  that could be a table's (``[T]``, or ``[T, T]`` when ``T = B``) and are not
+  the model's input, rows flattened in an unknown order, or a module that
+  receives tokens routed from every row (Mixtral's experts and router). Its
+  parameters move to the smallest enclosing call that carries the batch, and
+  that call's ``torch.func`` fallback computes them through every use inside
+  it (per-row gradients through the routing: the re-run routes each row's
+  tokens as the batch did). Calls inside it no longer compute those
+  parameters (its vjp covers them). A call does not qualify if one of its
+  outputs was computed from another (BART's model returns the encoder's
+  output, which its decoder reads: the gradient at that output would count
+  the inner use twice), nor if an output has no batch dimension; with no
+  qualifying call (a model that returns its loss) the step raises
+  :class:`UncoveredParameterError` naming the layer and the parameters.
+
+Every fallback re-run must reproduce the recorded outputs of the forward pass
+(a key/value cache argument, filled by the call itself, is left out); if it
+does not (state, a coupled batch), :class:`UncoveredParameterError` says so.
+The cockpit never changes what the model computes: outputs are returned as
+they are (the forward hook returns ``None``).
+
 May import torch and :mod:`cockpit_like.backends` only.
 """
 
@@ -51,9 +97,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, rule_for
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, is_hf_conv1d, rule_for
 
 __all__ = [
     "ModelTracer",
@@ -94,24 +140,25 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     calls = tracer.calls
     if len(calls) >= tracer.MAX_CALLS:  # forward passes never backpropagated inside the cockpit
         calls.clear()
-    replaced = None
     if tracer.batch == 0 and tracer.in_forward():  # found by the global hook, which sees no keyword inputs
         tracer.batch = _leading_dim(args, kwargs)
-    if isinstance(output, torch.Tensor):
-        batch = tracer.batch
-        if batch > 1 and output.dim() > 0 and output.shape[0] == 1 and output.requires_grad:
-            # shared over the batch (e.g. position embeddings of position_ids [1, T]): an expanded
-            # view gives the same values downstream, and its gradient arrives per sample
-            output = replaced = output.expand(batch, *output.shape[1:])
-        node = output.grad_fn
-    else:
-        node = None
-    noted = (module, args, kwargs, output, node, tracer.batch)
+    node = output.grad_fn if isinstance(output, torch.Tensor) else None
+    # where the call began: the calls noted since then are the calls it made (its descendants)
+    opened = tracer.opened.get(id(module))
+    start = opened.pop() if opened else len(calls)
+    # the output is returned unchanged: the cockpit never changes what the model computes
+    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)))
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
-        return replaced
+        return
     calls.append(noted)  # a Call only at tracked steps
-    return replaced
+
+
+def _open(tracer_id: int, module, args) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is None or tracer.paused or not torch.is_grad_enabled():
+        return
+    tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
 
 
 def _leading_dim(args, kwargs) -> int:
@@ -137,13 +184,25 @@ class Call:
     """One recorded forward call of a module."""
 
     __slots__ = (
-        "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch"
+        "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
+        "start", "position", "climbed", "consumer", "flat",
     )
 
-    def __init__(self, module, args, kwargs, output, node, batch: int = 0):
+    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
         #: rows of the forward pass that made the call (0: unknown)
         self.batch = batch
+        #: index of the first call noted after this one began: calls ``start ..`` before it are its descendants
+        self.start = start
+        #: index of this call among the calls noted since the last step (set by ``take_calls``)
+        self.position = -1
+        #: parameters of descendants that climbed here (their own calls cannot tell the rows apart)
+        self.climbed = False
+        #: for an output shared by the rows (leading 1) that is added to a batched tensor: that addition's
+        #: node, whose output gradient holds each row's gradient of the shared output
+        self.consumer = None
+        #: the call ran on rows flattened to ``[B*k, ...]`` (sample-major): its rule sees ``[B, k, ...]``
+        self.flat = False
         self.params: list[torch.Tensor] = []
         self.grads: list[torch.Tensor | None] = []
         self.waiting = 0
@@ -153,7 +212,9 @@ class Call:
 
     def fresh(self) -> "Call":
         """The same recorded call with no backward state (for another backward pass)."""
-        return Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch)
+        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start)
+        call.position = self.position
+        return call
 
     def release(self) -> None:
         """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
@@ -186,8 +247,10 @@ class ModelTracer:
         self._wants_graph = wants_graph
         self._on_attach = on_attach
         self._on_forward = on_forward
-        #: ``(module, args, kwargs, output, node, batch)`` of each noted call since the last step
+        #: ``(module, args, kwargs, output, node, batch, start)`` of each noted call since the last step
         self.calls: list[tuple] = []
+        #: ``id(module) -> [len(calls) when each of its running calls began]``
+        self.opened: dict[int, list[int]] = {}
         self.paused = False
         self.roots: list[weakref.ref] = []
         self._covered: set[int] = set()
@@ -213,11 +276,12 @@ class ModelTracer:
         if not isinstance(root, nn.Module):
             raise TypeError(f"Cockpit(model=...) takes an nn.Module, got {type(root).__name__}")
         for module in root.modules():
-            direct = list(module.parameters(recurse=False))
-            own = any(id(p) in self._tracked for p in direct)
-            # a module with parameters of its own may use its children's directly (MultiheadAttention's out_proj)
-            uses_children = bool(direct) and any(id(p) in self._tracked for p in module.parameters())
-            if own or uses_children or isinstance(module, nn.modules.batchnorm._BatchNorm):
+            # every module with tracked parameters in its subtree: the ones that own them, and the
+            # enclosing modules that per-sample gradients may climb to (see the module docstring)
+            if any(id(p) in self._tracked for p in module.parameters()) or isinstance(
+                module, nn.modules.batchnorm._BatchNorm
+            ):
+                self._handles.append(module.register_forward_pre_hook(partial(_open, self.id)))
                 self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
                 self._named[id(module)] = dict(module.named_parameters())
         self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
@@ -247,7 +311,8 @@ class ModelTracer:
         if not any(id(p) in self._tracked and id(p) not in self._covered for p in module.parameters()):
             return
         self.attach(module)
-        self.enter_forward(args, {}, module)  # this call's pre-hook was registered too late for this call
+        self.enter_forward(args, {}, module)  # this call's pre-hooks were registered too late for this call
+        self.opened.setdefault(id(module), []).append(len(self.calls))
         if self.covers_all() and self._global_handle is not None:
             self._global_handle.remove()
             self._global_handle = None
@@ -292,6 +357,8 @@ class ModelTracer:
         the calls whose outputs the loss depends on (graph reachability).
         """
         calls, passes = [Call(*noted) for noted in self.calls], self.passes
+        for position, call in enumerate(calls):
+            call.position = position
         self.drop_calls()
         if passes > 1 and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             reachable = _graph_nodes(loss.grad_fn)
@@ -300,7 +367,7 @@ class ModelTracer:
 
     def drop_calls(self) -> None:
         """Forget the calls noted since the last step (a step that tracks nothing)."""
-        self.calls, self.passes = [], 0
+        self.calls, self.passes, self.opened = [], 0, {}
 
     @contextlib.contextmanager
     def pause(self):
@@ -372,6 +439,48 @@ def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> l
     return found
 
 
+def _ROW_WISE(module: nn.Module) -> bool:
+    """Layers whose rule treats every leading dimension alike (rows flattened into the batch are fine)."""
+    return type(module) in (nn.Linear, nn.Embedding, nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm)) or is_hf_conv1d(
+        module
+    )
+
+
+def _output_used_inside(call: "Call", outputs: list[torch.Tensor]) -> bool:
+    """Whether one output of ``call`` was computed from another (BART's model returns the encoder's
+    output, which its decoder reads): the gradient that arrives at that output's node then includes
+    the call's own use of it, and a vjp of the call would count that use twice.
+
+    Walks the call's part of the graph only: from its outputs down to the nodes of its inputs.
+    """
+    nodes = {id(t.grad_fn): t.grad_fn for t in outputs}
+    if len(nodes) < 2:
+        return False
+    inputs = {id(t.grad_fn) for t in _flat_outputs((call.args, call.kwargs)) if t.grad_fn is not None}
+    for start in nodes.values():
+        seen, stack = set(), [child for child, _ in start.next_functions if child is not None]
+        while stack:
+            node = stack.pop()
+            if id(node) in seen or id(node) in inputs:
+                continue
+            if id(node) in nodes and node is not start:
+                return True
+            seen.add(id(node))
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return False
+
+
+def _used_params(roots: list) -> set[int]:
+    """``id`` of every leaf tensor whose gradient the backward pass from ``roots`` accumulates."""
+    used: set[int] = set()
+    for root in roots:
+        for node in _graph_nodes(root).values():
+            variable = getattr(node, "variable", None)
+            if variable is not None:
+                used.add(id(variable))
+    return used
+
+
 def _graph_nodes(root) -> dict[int, object]:
     """``{id: node}`` of every autograd node the backward pass from ``root`` visits.
 
@@ -430,7 +539,12 @@ class HookBackend:
         self._partial: dict[int, torch.Tensor] = {}
         self._params = {id(p): p for p in params}
         self._handled = handled_elsewhere
+        self._errors: list[UncoveredParameterError] = []
+        self._consumers: dict[int, list] | None = None
+        self._flat_nodes: set[int] = set()
+        self._all_calls = calls
         self.calls = self._assign(calls, handled_elsewhere)
+        self._all_calls = []
         #: parameters a call of the step's forward pass computes (a recomputation does not compute them again)
         self._assigned = {id(p) for call in self.calls for p in call.params}
 
@@ -438,8 +552,18 @@ class HookBackend:
     def _assign(self, calls: list[Call], handled_elsewhere) -> list[Call]:
         tracked = self._params
         called = {id(call.module) for call in calls}
-        assigned = []
-        for call in calls:
+        owned = {id(p) for call in calls for p in call.module.parameters(recurse=False)}
+        roots = {id(ref()) for ref in self.tracer.roots}
+        self._model_inputs = {
+            t.untyped_storage().data_ptr()
+            for call in calls
+            if id(call.module) in roots
+            for t in _flat_outputs((call.args, call.kwargs))
+        }
+        if any(call.position < 0 for call in calls):
+            for position, call in enumerate(calls):
+                call.position = position
+        for index, call in enumerate(calls):
             module = call.module
             if couples_samples(module):
                 raise BatchNormInTrainingError(
@@ -452,20 +576,187 @@ class HookBackend:
                     "UpdateSize, HessMaxEV)."
                 )
             if handled_elsewhere(module):
+                call.params = []
                 continue
             params = [p for p in self.tracer.named_params(module, recurse=False).values() if id(p) in tracked]
             if rule_for(module) is None:
-                # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj),
-                # down to (not into) the submodules that ran: those claim their own subtrees
-                params += _uncalled_descendant_params(module, called, handled_elsewhere, tracked)
+                # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj,
+                # DeBERTa's relative position table read as a weight), down to (not into) the submodules
+                # that ran: those claim their own subtrees
+                uncalled = _uncalled_descendant_params(module, called, handled_elsewhere, tracked)
+                if uncalled and not params:
+                    # a container: only the tables its forward pass reads as weights, not the ones a called
+                    # module owns too (BART's shared embedding, which its encoder's embedding layer computes)
+                    uncalled = [p for p in uncalled if id(p) not in owned]
+                    used = _used_params(_call_nodes(call)) if uncalled else set()
+                    uncalled = [p for p in uncalled if id(p) in used]
+                params += uncalled
             seen: set[int] = set()
             call.params = [p for p in params if not (id(p) in seen or seen.add(id(p)))]
+        for index, call in enumerate(calls):  # inner calls first: a climbed parameter may climb on
+            if call.params and not self._carries_batch(call):
+                self._climb(calls, index)
+        for outer, call in enumerate(calls):
+            if call.params and rule_for(call.module) is None and type(call.module) not in RECOMPUTE_RULES:
+                # the fallback's vjp covers every use inside the call (RoBERTa's LM head owns the bias
+                # that its decoder layer adds): calls nested in it do not compute those parameters again
+                self._claim_nested(calls, outer, {id(p) for p in call.params})
+        assigned = []
+        for call in calls:
             if not call.params:
                 continue
             for param in call.params:
                 self._uses[id(param)] += 1
             assigned.append(call)
         return assigned
+
+    def _call_batch(self, call: Call) -> int:
+        return int(self.batch_size) if self.batch_size is not None else call.batch
+
+    def _carries_batch(self, call: Call) -> bool:
+        """Whether each row's gradient can be told apart at ``call``: its outputs that carry gradients
+        have the batch dimension (and, for a per-layer rule, its input has it or is shared, leading 1)."""
+        batch = self._call_batch(call)
+        if batch <= 1:
+            return True  # one row (or unknown rows): nothing to tell apart
+        outputs = _flat_outputs(call.output)
+        with_grad = [(i, t) for i, t in enumerate(outputs) if t.grad_fn is not None]
+        if not with_grad or type(call.module) in RECOMPUTE_RULES:
+            return True  # nothing flows back through this call; a recompute rule checks its own layout
+        if rule_for(call.module) is not None:
+            x = call.args[0] if call.args else None
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                return False
+            if x.shape[0] not in (1, batch):
+                call.flat = self._flattened(call, x, batch) and all(t.shape[0] == x.shape[0] for _, t in with_grad)
+                if call.flat:
+                    self._flat_nodes.update(id(t.grad_fn) for _, t in with_grad)
+                return call.flat
+            if isinstance(x, nn.Parameter):
+                return False  # a parameter as input (DeBERTa's layer norm of its relative position table)
+            output = call.output
+            if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == 1:
+                call.consumer = self._broadcast_add(output, batch)
+                return call.consumer is not None
+            if isinstance(call.module, nn.Embedding) and (x.dim() == 1 or batch in x.shape[1:]):
+                # ids whose shape could be a table's ([T, T] buckets with T = B, positions [T]): per row only
+                # if they are (a view of) an input of the model
+                return x.untyped_storage().data_ptr() in self._model_inputs
+        output = call.output
+        if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == 1:
+            if not isinstance(call.module, nn.RNNBase):  # a shared output (BART's positions): as above
+                call.consumer = self._broadcast_add(output, batch)
+                return call.consumer is not None
+        if not all(_batched(call.module, 0 if i == 0 else 1, t, batch) is not None for i, t in with_grad):
+            return False
+        return not _output_used_inside(call, [t for _, t in with_grad])
+
+    def _climb(self, calls: list[Call], index: int) -> None:
+        """Move ``calls[index]``'s parameters to the smallest enclosing call that carries the batch.
+
+        The enclosing call's ``torch.func`` fallback then computes their per-sample gradients
+        (through every use inside it: a table read by several layers, tokens routed from every row).
+        """
+        call = calls[index]
+        for outer in range(index + 1, len(calls)):
+            candidate = calls[outer]
+            if not candidate.start <= call.position or rule_for(candidate.module) is not None:
+                continue  # not an enclosing call, or a layer with a rule (it computes only its own parameters)
+            if not self._carries_batch(candidate):
+                continue
+            climbing = list(call.params)
+            self._claim_nested(calls, outer, {id(p) for p in climbing})
+            known = {id(p) for p in candidate.params}
+            candidate.params = candidate.params + [p for p in climbing if id(p) not in known]
+            candidate.climbed = True
+            return
+        names = [self._param_name(p) for p in call.params]
+        shapes = [list(t.shape) for t in _flat_outputs(call.output) if t.grad_fn is not None]
+        call.params = []
+        # raised by finish(), after the backward pass, where the step adds the quantities that need it
+        self._errors.append(UncoveredParameterError(
+            f"{type(call.module).__name__} layer {self._module_name(call.module)}: its outputs (shapes {shapes}) or "
+            f"inputs have no batch dimension of size {self._call_batch(call)}, so the cockpit cannot tell the "
+            f"rows' gradients of {names} apart, and no enclosing module's call has the batch dimension in its "
+            "inputs and outputs (the outermost one may return a loss, a scalar). Call the model so that "
+            "some module around this layer takes and returns tensors whose leading dimension is the batch "
+            "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
+        ))
+
+    def _flattened(self, call: Call, x: torch.Tensor, batch: int) -> bool:
+        """Whether ``x`` holds the rows of the batch flattened sample-major (``[B*k, ...]``, OPT's MLP):
+        a view of a contiguous ``[B, ...]`` tensor, or the output of a call on such rows through
+        shape-keeping single-input steps (activations, dropout, casts)."""
+        if not _ROW_WISE(call.module) or x.shape[0] % batch:
+            return False
+        base = x._base
+        if (
+            base is not None and base.dim() > 0 and base.shape[0] == batch and base.is_contiguous()
+            and x.is_contiguous() and x.data_ptr() == base.data_ptr() and x.numel() == base.numel()
+        ):
+            return True
+        node, shape = x.grad_fn, list(x.shape)
+        for _ in range(6):
+            if node is None:
+                return False
+            if id(node) in self._flat_nodes:
+                return True
+            inputs = [(child, nr) for child, nr in node.next_functions if child is not None]
+            inputs = [(child, nr) for child, nr in inputs if type(child).__name__ != "AccumulateGrad"]
+            if len(inputs) != 1 or not hasattr(inputs[0][0], "_input_metadata"):
+                return False
+            node, nr = inputs[0]
+            metadata = node._input_metadata
+            if nr >= len(metadata) or list(metadata[nr].shape) != shape:
+                return False
+        return False
+
+    def _broadcast_add(self, output: torch.Tensor, batch: int):
+        """The node of ``shared + batched`` if that addition is the one use of ``output`` (``[1, ...]``) and
+        gives ``[batch, ...]`` (GPT-2's and BERT's position embeddings), else ``None``.
+
+        Row ``b`` of that sum's gradient is row ``b``'s gradient of ``output``: the hooks read it there,
+        so the output keeps its shape (nothing is expanded) and nothing is re-run.
+        """
+        if self._consumers is None:
+            self._consumers = defaultdict(list)
+            starts = [node for call in self._all_calls for node in _call_nodes(call)]
+            seen = {id(node) for node in starts}
+            while starts:
+                node = starts.pop()
+                for child, _ in node.next_functions:
+                    if child is None:
+                        continue
+                    self._consumers[id(child)].append(node)
+                    if id(child) not in seen:
+                        seen.add(id(child))
+                        starts.append(child)
+        users = self._consumers.get(id(output.grad_fn), [])
+        if len(users) != 1 or type(users[0]).__name__ != "AddBackward0" or getattr(users[0], "_saved_alpha", 1) != 1:
+            return None
+        add = users[0]
+        edges = [child for child, _ in add.next_functions if child is output.grad_fn]
+        shape = list(add._input_metadata[0].shape) if hasattr(add, "_input_metadata") else None
+        if len(edges) != 1 or shape != [batch, *output.shape[1:]]:
+            return None
+        return add
+
+    @staticmethod
+    def _claim_nested(calls: list[Call], outer: int, claimed: set[int]) -> None:
+        """Drop ``claimed`` parameters from the calls made inside ``calls[outer]``."""
+        for inner in calls[:outer]:
+            if inner.position >= calls[outer].start:
+                inner.params = [p for p in inner.params if id(p) not in claimed]
+
+    def _param_name(self, param: torch.Tensor) -> str:
+        for ref in self.tracer.roots:
+            root = ref()
+            if root is None:
+                continue
+            for name, candidate in root.named_parameters():
+                if candidate is param:
+                    return name
+        return f"parameter of shape {list(param.shape)}"
 
     def _module_name(self, module: nn.Module) -> str:
         for ref in self.tracer.roots:
@@ -503,6 +794,12 @@ class HookBackend:
             self._register(adopted)
 
     def _register(self, call: Call) -> None:
+        if call.consumer is not None:  # a shared output: its rows' gradients at the addition (one output)
+            shared = call.output
+            call.want, call.entries = [0], [shared.expand(self._call_batch(call), *shared.shape[1:])]
+            call.grads, call.waiting = [None], 1
+            self._handles.append(call.consumer.register_prehook(partial(self._on_grads, call, [(0, 0)])))
+            return
         if call.node is not None:  # a tensor output: its node as the forward pass made it
             flat, nodes = [call.output], [call.node]
         else:
@@ -534,6 +831,8 @@ class HookBackend:
     def finish(self) -> None:
         """After ``loss.backward()``: the calls still waiting (outputs that got no gradient) and the fallbacks."""
         self.remove_hooks()
+        if self._errors:
+            raise self._errors[0]
         for call in self.calls:
             if call.done:
                 continue
@@ -565,10 +864,15 @@ class HookBackend:
         forms = None
         if rule is not None and len(call.want) == 1 and call.want[0] == 0 and call.args:
             x, grad = call.args[0], self._grads(call)[0]
-            self._check_rows(call, grad)
+            if not call.flat:
+                self._check_rows(call, grad)
             if isinstance(x, torch.Tensor) and x.dim() > 0 and grad.dim() > 0:
                 if x.shape[0] == 1 and grad.shape[0] > 1:  # an input shared by the batch
                     x = x.expand(grad.shape[0], *x.shape[1:])
+                if call.flat:  # rows flattened sample-major: [B*k, ...] -> [B, k, ...]
+                    batch = self._call_batch(call)
+                    x = x.reshape(batch, -1, *x.shape[1:])
+                    grad = grad.reshape(batch, -1, *grad.shape[1:])
                 with torch.no_grad():
                     forms = rule(call.module, x.detach(), grad)
                     if forms is not None and getattr(self.reducer, "module_stats", None):
@@ -621,6 +925,17 @@ class HookBackend:
     # ---- the torch.func fallback ------------------------------------------------------------
     def _fallback(self, call: Call) -> None:
         random = _random_submodule(call.module)
+        if random is not None and call.climbed:
+            names = [self._param_name(p) for p in call.params]
+            raise UncoveredParameterError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)} computes the per-sample "
+                f"gradients of {names}, whose own layers cannot tell the rows apart (an output without batch "
+                "dimension, e.g. a relative position bias shared by all rows, or tokens routed from every row), "
+                "by re-running it row by row, but it draws random numbers in training mode "
+                f"({random}): the re-run would use other dropout masks than the training step. Set its dropout "
+                "to 0 or call .eval() on it during the cockpit's steps, or leave these parameters out of "
+                "Cockpit(params)."
+            )
         if random is not None:
             raise UncoveredParameterError(
                 f"{type(call.module).__name__} layer {self._module_name(call.module)} has no per-layer rule, "
@@ -632,7 +947,7 @@ class HookBackend:
                 "have per-layer rules). If the module is the model itself because it owns a parameter "
                 "(e.g. a class token), move that parameter into a small submodule of its own."
             )
-        recompute = RECOMPUTE_RULES.get(type(call.module))
+        recompute = None if call.climbed else RECOMPUTE_RULES.get(type(call.module))
         if recompute is not None:
             with torch.no_grad(), self.tracer.pause():
                 forms = recompute(call.module, call.args, call.kwargs, call.output, self._grads(call))
@@ -641,7 +956,8 @@ class HookBackend:
                 return
         batch = self._batch(call)
         results = per_sample_grads(
-            call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer
+            call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer,
+            recorded=call.entries, shared=call.consumer is not None,
         )
         for param, grad_batch in zip(call.params, results):
             self._deliver(param, Dense(grad_batch))
@@ -691,22 +1007,36 @@ def _batched(module, position, tensor, batch) -> int | None:
     return None
 
 
-def per_sample_grads(module, params, args, kwargs, want, grads, batch, tracer) -> list[torch.Tensor]:
+def per_sample_grads(
+    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
+    shared: bool = False,
+) -> list[torch.Tensor]:
     """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
 
     ``out_k`` are the module's flattened tensor outputs at the indices ``want``
     and ``grads`` their gradients. ``torch.func``: ``vmap`` over the rows of
     ``vjp`` of ``functional_call`` (each row run as a batch of one); where
-    ``vmap`` cannot run the module (recurrent layers), a loop over the rows
-    with ``torch.autograd.grad``.
+    ``vmap`` cannot run the module (recurrent layers, routing), a loop over the rows
+    with ``torch.autograd.grad``. Tensors inside tuples, lists and dicts of the
+    arguments are split too. ``shared``: the module computed one output shared by
+    all rows (leading 1), whose rows' gradients ``grads`` come from where it was
+    added to the batch; its inputs are not split. ``recorded``: the outputs of the
+    forward pass, which the re-run must reproduce (else an error says why not).
     """
     names: dict[int, str] = {}
     for name, p in module.named_parameters():
         names.setdefault(id(p), name)
     param_names = [names[id(p)] for p in params]
     args, kwargs = list(args or ()), dict(kwargs or {})
+    # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
     slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
-    dims = [_batched(module, position, value, batch) for position, value in slots]
+    structure, values, dims = [], [], []
+    for position, value in slots:
+        leaves, spec = tree_flatten(value)
+        structure.append((len(leaves), spec))
+        for leaf in leaves:
+            values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
+            dims.append(None if shared else _batched(module, position, leaf, batch))
     out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
     if any(d is None for d in out_dims):
         raise UncoveredParameterError(
@@ -716,48 +1046,93 @@ def per_sample_grads(module, params, args, kwargs, want, grads, batch, tracer) -
             "batch dimension (`table.expand(batch_size, *table.shape)`) or with a leading dimension of 1."
         )
     batched = [k for k, d in enumerate(dims) if d is not None]
-    values = [value.detach() if isinstance(value, torch.Tensor) else value for _, value in slots]
 
     def run(p: dict, rows: list) -> tuple:
         current = list(values)
         for k, row in zip(batched, rows):
             current[k] = row
-        call_args = current[: len(args)]
-        call_kwargs = dict(zip(kwargs, current[len(args):]))
+        rebuilt, offset = [], 0
+        for count, spec in structure:
+            rebuilt.append(tree_unflatten(current[offset : offset + count], spec))
+            offset += count
+        call_args = rebuilt[: len(args)]
+        call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
         out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
         return tuple(out[i] for i in want)
 
     with tracer.pause():
         try:
             detached = {name: p.detach() for name, p in zip(param_names, params)}
-            return _vmapped(run, detached, param_names, values, batched, dims, grads, out_dims)
-        except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd): loop
+            results, outputs = _vmapped(run, detached, param_names, values, batched, dims, grads, out_dims)
+        except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing): loop
             live = dict(zip(param_names, params))
-            return _looped(run, live, params, values, batched, dims, grads, out_dims, batch)
+            results, outputs = _looped(run, live, params, values, batched, dims, grads, out_dims, batch)
+    if recorded is not None and not _same_outputs(outputs, recorded):
+        raise UncoveredParameterError(
+            f"{type(module).__name__}: re-running it row by row to get per-sample gradients did not reproduce "
+            "the outputs of the training step's forward pass, so its rows are not independent or its forward "
+            "pass depends on state (a key/value cache filled by earlier forward passes: pass use_cache=False "
+            "while training; random numbers: set dropout to 0 or call .eval(); a loss or statistic over the "
+            "whole batch computed inside it)."
+        )
+    return results
 
 
 def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
+    """``([B, *p.shape] per name, the re-run's outputs)``."""
     count = len(batched)
 
     def one(*sample):
         rows = [row.unsqueeze(dims[k]) for k, row in zip(batched, sample[:count])]
         cotangents = tuple(g.unsqueeze(d) for g, d in zip(sample[count:], out_dims))
-        _, back = vjp(lambda p: run(p, rows), detached)
-        return back(cotangents)[0]
+        out, back = vjp(lambda p: run(p, rows), detached)
+        return tuple(o.squeeze(d) for o, d in zip(out, out_dims)), back(cotangents)[0]
 
     in_dims = tuple(dims[k] for k in batched) + tuple(out_dims)
     with torch.enable_grad():
-        result = vmap(one, in_dims=in_dims)(*[values[k] for k in batched], *grads)
-    return [result[name].detach() for name in names]
+        outputs, result = vmap(one, in_dims=in_dims, out_dims=(tuple(out_dims), 0))(
+            *[values[k] for k in batched], *grads
+        )
+    return [result[name].detach() for name in names], [o.detach() for o in outputs]
 
 
 def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
+    """The same as :func:`_vmapped` by a loop over the rows."""
     per_param: list[list[torch.Tensor]] = [[] for _ in params]
+    per_output: list[list[torch.Tensor]] = [[] for _ in grads]
     for row in range(batch):
         rows = [values[k].narrow(dims[k], row, 1) for k in batched]
         cotangents = [g.narrow(d, row, 1) for g, d in zip(grads, out_dims)]
         with torch.enable_grad():
-            results = torch.autograd.grad(run(live, rows), params, cotangents, allow_unused=True)
+            out = run(live, rows)
+            results = torch.autograd.grad(out, params, cotangents, allow_unused=True)
         for k, (p, g) in enumerate(zip(params, results)):
             per_param[k].append(torch.zeros_like(p) if g is None else g.detach())
-    return [torch.stack(rows) for rows in per_param]
+        for k, o in enumerate(out):
+            per_output[k].append(o.detach())
+    outputs = [torch.cat(rows, d) for rows, d in zip(per_output, out_dims)]
+    return [torch.stack(rows) for rows in per_param], outputs
+
+
+def _replayable(value):
+    """An argument as the re-run may see it: a key/value cache (Hugging Face's ``Cache``, filled by this
+    very call) is left out, since re-running would append to it; the output check catches the rest."""
+    if hasattr(value, "get_seq_length") and hasattr(value, "update"):
+        return None
+    return value
+
+
+def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor]) -> bool:
+    """Equal up to rounding: the largest difference within ``tolerance * (1 + largest |value|)``, with a
+    tolerance by precision (a re-run of a whole stack row by row rounds differently from the batch)."""
+    for new, old in zip(recomputed, recorded):
+        old = old.detach()
+        if new.shape != old.shape:
+            return False
+        if not old.numel():
+            continue
+        tolerance = {torch.float64: 1e-7, torch.float32: 1e-3}.get(old.dtype, 2e-2)
+        scale = 1 + float(old.abs().max())
+        if not float((new.to(old.dtype) - old).abs().max()) <= tolerance * scale:  # NaN fails too
+            return False
+    return True
