@@ -30,7 +30,13 @@ its output layer; a module applied twice) gets the sum of its calls'
 per-sample gradients, reduced once the last call's gradient has arrived.
 A parameter whose own module never runs (``nn.MultiheadAttention`` calls
 ``out_proj``'s weight directly) is handled by the nearest calling ancestor's
-fallback.
+fallback; for an ancestor that owns no parameters itself (a container), only
+a parameter that its forward pass reads (its autograd graph accumulates into
+it) and that no called module owns (DeBERTa's relative embeddings, read as
+a weight; not BART's shared embedding, which its embedding layers own).
+A fallback call computes its parameters through every use inside it, so the
+calls it made do not compute them again (RoBERTa's LM head owns the bias its
+decoder layer adds).
 
 A sample is one row of the batch (one sequence for language models): every
 tensor argument whose leading dimension is the batch size is split along it
@@ -439,11 +445,10 @@ def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> l
     return found
 
 
-def _ROW_WISE(module: nn.Module) -> bool:
+def _row_wise(module: nn.Module) -> bool:
     """Layers whose rule treats every leading dimension alike (rows flattened into the batch are fine)."""
-    return type(module) in (nn.Linear, nn.Embedding, nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm)) or is_hf_conv1d(
-        module
-    )
+    row_wise = (nn.Linear, nn.Embedding, nn.LayerNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
+    return type(module) in row_wise or is_hf_conv1d(module)
 
 
 def _output_used_inside(call: "Call", outputs: list[torch.Tensor]) -> bool:
@@ -687,7 +692,7 @@ class HookBackend:
         """Whether ``x`` holds the rows of the batch flattened sample-major (``[B*k, ...]``, OPT's MLP):
         a view of a contiguous ``[B, ...]`` tensor, or the output of a call on such rows through
         shape-keeping single-input steps (activations, dropout, casts)."""
-        if not _ROW_WISE(call.module) or x.shape[0] % batch:
+        if not _row_wise(call.module) or x.shape[0] % batch:
             return False
         base = x._base
         if (
