@@ -37,9 +37,9 @@ def _problem(name: str):
     return problem.model, mean_loss, problem.sample_losses, problem.batch
 
 
-def _run(name: str, preset: str, micro_batches: int, steps: int = STEPS, rows: int = ROWS):
+def _run(name: str, preset: str, micro_batches: int, steps: int = STEPS, rows: int = ROWS, **cockpit_args):
     model, lossfunc, individual, batch = _problem(name)
-    cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model)
+    cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model, **cockpit_args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     size = rows // micro_batches
     for step in range(steps):
@@ -206,3 +206,39 @@ def test_a_micro_batch_that_fails_to_begin_abandons_the_step():
     for micro in range(2):
         _step(cockpit, model, lossfunc, 1, 2)
     assert 1 in cockpit.get_output() and 0 not in cockpit.get_output()
+
+
+def _extras():
+    from cockpit_like.quantities import (
+        ActivationStats,
+        CurvatureStatistics,
+        KFACTrace,
+        MeanGSNR,
+        ParamNorm,
+        PreconditionedGradNorm,
+        TICTrace,
+    )
+
+    every = linear(1)
+    return [
+        CurvatureStatistics(every), KFACTrace(every, curvature="empirical"), PreconditionedGradNorm(every, damping=1e-3),
+        MeanGSNR(every), TICTrace(every), ParamNorm(every), ActivationStats(every),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, micro_batches", [("encoder", 2), ("layernorm_mlp", 4)])
+def test_curvature_statistics_and_diagnosis_on_the_accumulated_step(name, micro_batches, monkeypatch):
+    """KFAC statistics, the preconditioned gradient norm, GSNR, TIC and activation statistics over K micro-batches
+    equal one pass, and the diagnosis (with its feeds, LearningRate, Momentum) reads the accumulated step: the
+    same stored values, findings included, as one pass."""
+    import tests.test_accumulation as this
+
+    monkeypatch.setattr(this, "configuration", lambda preset: _extras())
+    outputs = {}
+    for k in (1, micro_batches):
+        outputs[k] = _without_time(_run(name, "extras", k, steps=4, diagnose=True))
+    names = {key for values in outputs[1].values() for key in values}
+    assert {"CurvatureStatistics", "KFACTrace", "PreconditionedGradNorm", "MeanGSNR", "LearningRate"} <= names
+    if name == "layernorm_mlp":  # GELU modules (the encoder's ReLU is functional, which ActivationStats cannot see)
+        assert "ActivationStats" in names
+    _assert_close(outputs[micro_batches], outputs[1], f"extras {name} K={micro_batches}")
