@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 export OMP_NUM_THREADS ?= 1
 export MPLBACKEND ?= Agg
 
-.PHONY: demo test install benchmark benchmark-quick clean
+.PHONY: demo test install benchmark benchmark-quick benchmark-deps clean
 
 $(VENV)/.installed: setup.py constraints.txt requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: install
 ## The test suite (what CI runs)
 test: install
 	$(PY) -m pytest -q
+
+## Benchmark-only dependencies (benchmarks/side_by_side.py: Opacus's ghost clipping as a reference)
+benchmark-deps: install
+	$(PY) -m pip install --quiet -c constraints.txt --no-deps opacus
 
 benchmark: install
 	$(PY) benchmarks/overhead.py
