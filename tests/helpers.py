@@ -153,3 +153,26 @@ def dense_hessian(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) 
 
 def block_sizes(model: nn.Module) -> list[int]:
     return [p.numel() for p in model.parameters()]
+
+
+def assert_nested_close(actual, expected, where: str = "", rtol: float = 1e-8, atol: float = 1e-11) -> None:
+    """``actual`` equals ``expected`` leaf by leaf (dicts by key, lists and tuples by position; numbers,
+    arrays and tensors to ``rtol`` / ``atol``, NaN equal to NaN; anything else by ``==``)."""
+    import numpy as np
+
+    if isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
+        for key in expected:
+            assert_nested_close(actual[key], expected[key], f"{where}.{key}", rtol, atol)
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{where}: {actual!r} != {expected!r}"
+        for index, (a, e) in enumerate(zip(actual, expected)):
+            assert_nested_close(a, e, f"{where}[{index}]", rtol, atol)
+    elif isinstance(expected, (float, int, np.ndarray, np.number, torch.Tensor)) and not isinstance(expected, bool):
+        def plain(value):
+            return value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else value
+
+        np.testing.assert_allclose(np.asarray(plain(actual), dtype=float), np.asarray(plain(expected), dtype=float),
+                                   rtol=rtol, atol=atol, err_msg=where)  # fmt: skip
+    else:
+        assert actual == expected, f"{where}: {actual!r} != {expected!r}"

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 from cockpit_like import Cockpit
 from cockpit_like.quantities import GradNorm, NormTest
 from cockpit_like.utils.schedules import linear
 from cockpit_like.utils.configuration import configuration
-from tests.helpers import make_batch, make_problem
+from tests.helpers import assert_nested_close, make_batch, make_problem
 from tests.zoo import ZOO
 
 STEPS, ROWS = 3, 8
@@ -64,25 +63,8 @@ def _run(name: str, preset: str, micro_batches: int, steps: int = STEPS, rows: i
     return cockpit.get_output()
 
 
-def _assert_close(left, right, where: str, rtol: float = 1e-8, atol: float = 1e-12):
-    if isinstance(left, dict):
-        assert isinstance(right, dict) and left.keys() == right.keys(), (where, left.keys(), right)
-        for key in left:
-            _assert_close(left[key], right[key], f"{where}.{key}", rtol, atol)
-    elif isinstance(left, (list, tuple)):
-        assert isinstance(right, (list, tuple)) and len(left) == len(right), (where, len(left), len(right))
-        for index, (a, b) in enumerate(zip(left, right)):
-            _assert_close(a, b, f"{where}[{index}]", rtol, atol)
-    elif isinstance(left, (torch.Tensor, np.ndarray)):
-        torch.testing.assert_close(torch.as_tensor(left), torch.as_tensor(right), rtol=rtol, atol=atol, msg=where)
-    elif isinstance(left, float):
-        assert isinstance(right, float), (where, left, right)
-        if math.isnan(left):
-            assert math.isnan(right), (where, left, right)
-        else:
-            assert math.isclose(left, right, rel_tol=rtol, abs_tol=atol), (where, left, right)
-    else:
-        assert left == right, (where, left, right)
+def _assert_close(actual, expected, where: str, rtol: float = 1e-8, atol: float = 1e-12):
+    assert_nested_close(actual, expected, where, rtol, atol)
 
 
 def _without_time(output):

@@ -34,7 +34,7 @@ from cockpit_like.quantities import HessTrace
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
 from tests import zoo
-from tests.helpers import make_batch, make_problem
+from tests.helpers import assert_nested_close, make_batch, make_problem
 
 WORLD = 2
 GLOBAL_BATCH = 8
@@ -387,10 +387,19 @@ def _worker(rank: int, port: int, job: str, folder: str) -> None:
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
     try:
-        torch.save(JOBS[job](rank), os.path.join(folder, f"rank{rank}.pt"))
+        run = JOBS[job] if job in JOBS else _job_named(job)
+        torch.save(run(rank), os.path.join(folder, f"rank{rank}.pt"))
     finally:
         if job != "early_error":  # there a peer is gone already
             dist.destroy_process_group()
+
+
+def _job_named(target: str):
+    """``"module:function"``: a job of another test file (spawned processes import it by name)."""
+    import importlib
+
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _free_port() -> int:
@@ -414,20 +423,7 @@ def _spawn(job: str, folder, timeout: float = 240) -> list:
 
 
 # ---- comparison ---------------------------------------------------------------------------------------
-def _assert_close(actual, expected, where: str, rtol: float = 1e-8, atol: float = 1e-11) -> None:
-    if isinstance(expected, dict):
-        assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
-        for key in expected:
-            _assert_close(actual[key], expected[key], f"{where}.{key}", rtol, atol)
-    elif isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected), f"{where}: length {len(actual)} != {len(expected)}"
-        for index, (a, e) in enumerate(zip(actual, expected)):
-            _assert_close(a, e, f"{where}[{index}]", rtol, atol)
-    elif isinstance(expected, (float, int, np.ndarray, np.floating)):
-        np.testing.assert_allclose(np.asarray(actual, dtype=float), np.asarray(expected, dtype=float), rtol=rtol,
-                                   atol=atol, err_msg=where)  # fmt: skip
-    else:
-        assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+_assert_close = assert_nested_close
 
 
 QUANTITY_NAMES = {

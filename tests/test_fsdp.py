@@ -11,9 +11,6 @@ Hessian-vector products are refused with an error that names them.
 
 from __future__ import annotations
 
-import datetime
-import os
-import time
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ from cockpit_like import Cockpit
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
 from tests import zoo
-from tests.test_distributed import _assert_close, _free_port
+from tests.test_distributed import _assert_close, _spawn
 
 WORLD, GLOBAL_BATCH, STEPS = 2, 8, 3
 PROBLEMS = ("layernorm_mlp", "encoder", "mlp")
@@ -128,32 +125,10 @@ def _failing_rank(rank: int) -> str:
         return f"{type(error).__name__}: {error}"
 
 
-def _worker(rank: int, port: int, folder: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        torch.save(_job(rank), os.path.join(folder, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("fsdp")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    context = torch.multiprocessing.start_processes(
-        _worker, args=(_free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=max(1.0, deadline - time.monotonic())):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the FSDP job did not finish within 240 s (a rank hangs)")
-    return [torch.load(os.path.join(folder, f"rank{rank}.pt"), weights_only=False) for rank in range(WORLD)]
+    """What both ranks of one 2-process job (:func:`_job`) returned."""
+    return _spawn("tests.test_fsdp:_job", tmp_path_factory.mktemp("fsdp"))
 
 
 @pytest.mark.parametrize("name", PROBLEMS)
