@@ -23,9 +23,10 @@ vectors multiplied so far. From it:
   ``tr(T) + tr((I - P) A (I - P))``, the second term by Hutchinson on fresh
   probes projected off the space (:func:`deflated_trace`).
 
-The stop rule is on residuals: the largest and the smallest Ritz pairs both
-have ``||r|| <= rtol * max |theta|`` (or the space is invariant), never on two
-consecutive estimates agreeing.
+The stop rule is on residuals: the largest and the smallest Ritz values both
+have the error estimate ``min(||r||, ||r||^2 / gap) <= rtol * max |theta|``
+(:meth:`KrylovDecomposition.error_bounds`), or the space is invariant; never
+two consecutive estimates agreeing.
 
 Example:
     >>> A = torch.diag(torch.tensor([3.0, 1.0, -2.0, 0.5], dtype=torch.float64))
@@ -99,6 +100,22 @@ class KrylovDecomposition:
             return torch.zeros_like(values)
         return (rest @ vectors).norm(dim=0)
 
+    def error_bounds(self) -> torch.Tensor:
+        """``min(r_i, r_i^2 / gap_i)`` per Ritz value: the eigenvalue error estimate of each.
+
+        ``r_i`` is the residual (an eigenvalue lies within it, always) and
+        ``gap_i`` the distance from ``theta_i`` to the nearest other Ritz value
+        (the Kato-Temple bound ``r^2 / gap`` with the Ritz gap standing in for
+        the true one; it holds once the neighbouring Ritz value has converged).
+        """
+        values, residuals = self.ritz_values(), self.residuals()
+        if values.numel() < 2:
+            return residuals
+        distance = (values.reshape(-1, 1) - values.reshape(1, -1)).abs()
+        distance.fill_diagonal_(float("inf"))
+        gaps = distance.min(dim=1).values
+        return torch.minimum(residuals, residuals**2 / gaps)
+
     def ritz_vector(self, index: int) -> torch.Tensor:
         """The unit Ritz vector ``Q_m y_index`` (flat, the basis' dtype and device)."""
         _, vectors = self._eigh()
@@ -135,7 +152,8 @@ def lanczos_decomposition(
     all rows grow together).
 
     Stops after a product once every probe was multiplied and both the largest
-    and the smallest Ritz pair have residual ``<= rtol * max |theta|``, when no
+    and the smallest Ritz value have the error estimate
+    ``min(r, r^2 / gap) <= rtol * max |theta|`` (:meth:`KrylovDecomposition.error_bounds`), when no
     basis vector is left to multiply (the space is invariant: exact), or after
     ``max_products``.
 
@@ -143,7 +161,7 @@ def lanczos_decomposition(
         matvec: ``v -> A v`` for a symmetric ``A``.
         starts: ``[b, n]`` start vectors (probes first, then e.g. warm starts).
         max_products: most products (capped at ``n``).
-        rtol: residual tolerance relative to the spectral scale.
+        rtol: tolerance of the error estimates, relative to the spectral scale.
         probes: how many leading rows are probes (quadrature, traces); default all.
         passes: re-orthogonalisation passes (two keep the basis orthonormal to working precision).
     """
@@ -203,9 +221,9 @@ def lanczos_decomposition(
         if m >= size:  # nothing left to multiply: the space is invariant, the Ritz pairs exact
             converged = True
             break
-        values, residuals = decomposition.ritz_values(), decomposition.residuals()
-        tolerance = rtol * float(values.abs().max())
-        if float(residuals[0]) <= tolerance and float(residuals[-1]) <= tolerance:
+        errors = decomposition.error_bounds()
+        tolerance = rtol * float(decomposition.ritz_values().abs().max())
+        if float(errors[0]) <= tolerance and float(errors[-1]) <= tolerance:
             converged = True
             break
     return _decomposition(basis, size, columns, unit_probes, m, converged)

@@ -53,15 +53,16 @@ class HessMaxEV(KrylovQuantity):
 
     Differences to Cockpit 1.0.2: works on float64 models, Lanczos with a
     residual stop instead of the power iteration (the value is the
-    eigenvalue's to ``rtol``, where Cockpit's may be far off), warm starts
-    (``warm_start=False``: a cold start at every step), a Rademacher probe
+    eigenvalue's to ``rtol``, where Cockpit's may be far off), optional warm
+    starts (``warm_start=True``), a Rademacher probe
     instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
 
     Args:
         track_schedule: when to compute.
         verbose: print each value.
         use_power: the eigenvalue of largest magnitude (True) or the largest (False).
-        warm_start: also start from the previous tracked step's Ritz vectors.
+        warm_start: also start from the previous tracked step's Ritz vectors (default off since the
+            Lanczos engine, see :class:`~cockpit_like.quantities.hessian_spectrum.KrylovQuantity`).
         accelerate: False: Cockpit's plain power iteration (products of its own).
         max_iter: most Hessian-vector products per step.
         rtol: residual tolerance (``None``: 1e-2; the power iteration's stop tolerance with
@@ -80,7 +81,7 @@ class HessMaxEV(KrylovQuantity):
         track_schedule,
         verbose: bool = False,
         use_power: bool = True,
-        warm_start: bool = True,
+        warm_start: bool = False,
         accelerate: bool = True,
         max_iter: int = 100,
         rtol: float | None = None,
