@@ -36,9 +36,9 @@ from cockpit_like.functional.krylov import KrylovDecomposition, deflated_trace, 
 
 __all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademacher"]
 
-#: residual tolerance of the shared decomposition: the extreme Ritz values are then within
-#: ``rtol * max|theta|`` of an eigenvalue (in practice ~``rtol^2``)
-DEFAULT_RTOL = 1e-2
+#: tolerance of the shared decomposition: the extreme Ritz values' error estimates
+#: ``min(r, r^2 / gap)`` are then ``<= rtol * max|theta|``
+DEFAULT_RTOL = 1e-3
 
 _OWNER = "the curvature engine (HessMaxEV, HessEigenvalues, HessSpectralDensity, HessTraceEstimate)"
 
@@ -73,7 +73,7 @@ class LanczosNeed:
 
     Args:
         max_products: most Hessian-vector products.
-        rtol: stop once the largest and the smallest Ritz pairs have residual ``<= rtol * max|theta|``.
+        rtol: stop once the largest and the smallest Ritz values have error estimates ``<= rtol * max|theta|``.
         probes: Rademacher start vectors (spectral density and trace probes).
         warm: the previous step's Ritz vectors, multiplied after the probes (``None``: a cold start).
     """

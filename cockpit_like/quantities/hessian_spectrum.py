@@ -42,8 +42,9 @@ class KrylovQuantity(SingleStepQuantity):
         track_schedule: when to compute.
         verbose: print each value.
         max_products: most Hessian-vector products per step.
-        rtol: stop once the largest and smallest Ritz pairs have residual ``||H x - theta x||
-            <= rtol * max|theta|``; each is then within that of an eigenvalue.
+        rtol: stop once the largest and smallest Ritz values have error estimates
+            ``min(r, r^2 / gap) <= rtol * max|theta|`` (``r = ||H x - theta x||``; an eigenvalue
+            always lies within ``r``).
         probes: Rademacher probe vectors at the start of the block (density, trace).
         warm_start: also start from the previous tracked step's top and bottom Ritz vectors
             (block Lanczos: the probe's Krylov space grows at full rate, so a warm start cannot make
@@ -113,8 +114,8 @@ class HessEigenvalues(KrylovQuantity):
     """The largest and the smallest eigenvalue of the Hessian ``∇²L`` of the mean loss.
 
     Extreme Ritz values of the shared Lanczos decomposition; each is within
-    its residual (``<= rtol * max|theta|``) of an eigenvalue, typically far
-    closer. A negative ``smallest`` shows directions of negative curvature.
+    its residual of an eigenvalue, and its error estimate
+    ``min(r, r^2 / gap)`` is at most ``rtol * max|theta|``. A negative ``smallest`` shows directions of negative curvature.
 
     Stored value: ``{"largest": float, "smallest": float, "products": int, "converged": bool}``.
 
