@@ -304,3 +304,31 @@ def test_arguments_and_settings():
     quantity = HessEigenvalues(schedules.linear(2))
     assert quantity.create_graph(0) and not quantity.create_graph(1)
     assert quantity.curvature_needs(1) == [] and quantity.curvature_needs(0) == [quantity.lanczos_need()]
+
+
+def test_spectral_density_instrument_draws_the_logged_quadrature(tmp_path):
+    from matplotlib.figure import Figure
+
+    from cockpit_like import instruments
+
+    density = HessSpectralDensity(schedules.linear(1))
+    cockpit, _, _ = _run("mlp", [density, HessMaxEV(schedules.linear(1))], steps=(0, 1, 2))
+    path = cockpit.write(tmp_path / "run")
+    fig = Figure(figsize=(4, 3))
+    ax = instruments.hess_spectral_density_gauge(path, fig, fig.add_gridspec(1, 1)[0, 0])
+    curves = {line.get_gid(): line for line in ax.lines if str(line.get_gid()).startswith("density:")}
+    assert {"density:0", "density:1", "density:2", "density:extreme"} <= set(curves)
+    last = density.get_output()[2]
+    x, y = curves["density:2"].get_xdata(), curves["density:2"].get_ydata()
+    assert x.min() < min(last["nodes"]) and x.max() > max(last["nodes"])
+    assert abs(float((y[1:] * (x[1:] - x[:-1])).sum()) - 1.0) < 0.02  # a probability density
+    extremes = sorted(line.get_xdata()[0] for line in ax.lines if line.get_gid() == "density:extreme")
+    assert extremes == pytest.approx([min(last["nodes"]), max(last["nodes"])])
+    assert ax.get_yscale() == "log"
+    fig.savefig(tmp_path / "density.png", dpi=110)
+    assert (tmp_path / "density.png").stat().st_size > 5000
+    # not tracked: a clear empty panel
+    empty = Figure()
+    cockpit, _, _ = _run("mlp", [HessMaxEV(schedules.linear(1))])
+    ax = instruments.hess_spectral_density_gauge(cockpit.write(tmp_path / "other"), empty, empty.add_gridspec(1, 1)[0, 0])
+    assert not [line for line in ax.lines if str(line.get_gid()).startswith("density:")]
