@@ -185,9 +185,9 @@ def test_spectral_density_and_traces_against_the_dense_twin():
     cockpit, hessians, states = _run("mlp", [density, hutchpp, hutchinson], batch_size=4, steps=(0, 1))
     for step, hessian in hessians.items():
         D = hessian.shape[0]
-        torch.set_rng_state(states[step])
-        probe = (torch.randint(0, 2, (1, D)) * 2 - 1).to(DT)
-        samples = (torch.randint(0, 2, (3, D)) * 2 - 1).to(DT)
+        torch.set_rng_state(states[step])  # the engine reads the RNG state (does not advance it)
+        probe = curvature_engine.rademacher(1, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
+        samples = curvature_engine.rademacher(3, D, DT, "cpu", curvature_engine.step_generator(step, "hutch++"))
         twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
         value = density.get_output()[step]
         assert value["dimension"] == D and len(value["nodes"]) == twin.num_products

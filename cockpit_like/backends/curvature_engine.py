@@ -7,7 +7,8 @@ with full re-orthogonalisation
 Hessian-vector products of the mean loss through the graph of ``p.grad``
 (:func:`~cockpit_like.backends.hvp.hessian_vector_product`). Its start block is
 ``probes`` Rademacher vectors (unbiased probes for spectral density and trace,
-drawn from the torch RNG, rank 0's draw on every rank) followed by the warm
+rank 0's draw on every rank; see :func:`step_generator`: the torch RNG is read,
+never advanced) followed by the warm
 start: the previous tracked step's top and bottom Ritz vectors, which the
 quantities keep and hand back in :class:`WarmStart`. The result, a
 :class:`~cockpit_like.functional.krylov.KrylovDecomposition`, gives the
@@ -26,6 +27,7 @@ May import torch and :mod:`cockpit_like.functional`.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +36,7 @@ from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import hessian_vector_product
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_trace, lanczos_decomposition
 
-__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademacher"]
+__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademacher", "step_generator"]
 
 #: tolerance of the shared decomposition: the extreme Ritz values' error estimates
 #: ``min(r, r^2 / gap)`` are then ``<= rtol * max|theta|``
@@ -61,9 +63,22 @@ class WarmStart:
         return hash(tuple((tuple(v.shape), str(v.dtype)) for v in self.vectors))
 
 
-def rademacher(count: int, size: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``[count, size]`` i.i.d. entries ``+-1`` from the torch RNG, rank 0's draw on every rank."""
-    rows = torch.randint(0, 2, (count, size), device=device).to(dtype).mul_(2).sub_(1)
+def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
+    """A generator seeded from the torch RNG's state, the step and ``purpose``; the torch RNG is not advanced.
+
+    So the draws of the engine do not depend on how many other draws happened
+    at the step (a quantity gives the same numbers alone and with others, also
+    at later steps), the training's own random stream (dropout, shuffling) is
+    the same with and without the cockpit, and seeding torch reproduces them.
+    """
+    state = torch.get_rng_state().numpy().tobytes()
+    digest = hashlib.sha256(state + f"|{step}|{purpose}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+    """``[count, size]`` i.i.d. entries ``+-1`` from ``generator``, rank 0's draw on every rank."""
+    rows = torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
     return same_on_all_ranks(rows)
 
 
@@ -91,7 +106,8 @@ class LanczosNeed:
         matvec = hessian_vector_product(params, _OWNER)
         size = sum(p.numel() for p in params)
         dtype, device = params[0].dtype, params[0].device
-        rows = list(rademacher(self.probes, size, dtype, device))
+        generator = step_generator(execution.step, "lanczos probes", device)
+        rows = list(rademacher(self.probes, size, dtype, device, generator))
         if self.warm is not None:
             rows += [
                 v.to(device) for v in self.warm.vectors
@@ -124,7 +140,8 @@ class KrylovTrace:
         params = execution.params
         matvec = hessian_vector_product(params, _OWNER)
         size = sum(p.numel() for p in params)
-        samples = rademacher(self.samples, size, params[0].dtype, params[0].device)
+        device = params[0].device
+        samples = rademacher(self.samples, size, params[0].dtype, device, step_generator(execution.step, "hutch++", device))
         estimate, error = deflated_trace(matvec, decomposition, samples)
         return {
             "estimate": estimate,

@@ -54,7 +54,8 @@ class HessMaxEV(KrylovQuantity):
     residual stop instead of the power iteration (the value is the
     eigenvalue's to ``rtol``, where Cockpit's may be far off), optional warm
     starts (``warm_start=True``), a Rademacher probe
-    instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
+    (drawn from a generator seeded by the torch RNG's state and the step, which is
+    read, not advanced) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
 
     Args:
         track_schedule: when to compute.
