@@ -40,7 +40,7 @@ __all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademache
 
 #: tolerance of the shared decomposition: the extreme Ritz values' error estimates
 #: ``min(r, r^2 / gap)`` are then ``<= rtol * max|theta|``
-DEFAULT_RTOL = 1e-3
+DEFAULT_RTOL = 1e-2
 
 _OWNER = "the curvature engine (HessMaxEV, HessEigenvalues, HessSpectralDensity, HessTraceEstimate)"
 

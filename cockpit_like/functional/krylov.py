@@ -104,17 +104,20 @@ class KrylovDecomposition:
         """``min(r_i, r_i^2 / gap_i)`` per Ritz value: the eigenvalue error estimate of each.
 
         ``r_i`` is the residual (an eigenvalue lies within it, always) and
-        ``gap_i`` the distance from ``theta_i`` to the nearest other Ritz value
-        (the Kato-Temple bound ``r^2 / gap`` with the Ritz gap standing in for
-        the true one; it holds once the neighbouring Ritz value has converged).
+        ``gap_i = min_j (|theta_i - theta_j| - r_j)``, the distance to the other
+        Ritz values less their own residuals (the Kato-Temple bound ``r^2 / gap``
+        with this estimate of the gap to the rest of the spectrum; where it is
+        not positive, ``r``).
         """
         values, residuals = self.ritz_values(), self.residuals()
         if values.numel() < 2:
             return residuals
-        distance = (values.reshape(-1, 1) - values.reshape(1, -1)).abs()
+        # the gap to the rest of the spectrum: to each other Ritz value less that one's own residual
+        distance = (values.reshape(-1, 1) - values.reshape(1, -1)).abs() - residuals.reshape(1, -1)
         distance.fill_diagonal_(float("inf"))
         gaps = distance.min(dim=1).values
-        return torch.minimum(residuals, residuals**2 / gaps)
+        bounds = residuals**2 / gaps.clamp(min=1e-300)
+        return torch.where(gaps > 0, torch.minimum(residuals, bounds), residuals)
 
     def ritz_vector(self, index: int) -> torch.Tensor:
         """The unit Ritz vector ``Q_m y_index`` (flat, the basis' dtype and device)."""
