@@ -332,3 +332,14 @@ def test_spectral_density_instrument_draws_the_logged_quadrature(tmp_path):
     cockpit, _, _ = _run("mlp", [HessMaxEV(schedules.linear(1))])
     ax = instruments.hess_spectral_density_gauge(cockpit.write(tmp_path / "other"), empty, empty.add_gridspec(1, 1)[0, 0])
     assert not [line for line in ax.lines if str(line.get_gid()).startswith("density:")]
+
+
+def test_basis_grows_with_the_products_not_with_max_products():
+    """A solve that stops after k products holds O(k) vectors, not max_products (memory on large models)."""
+    n = 5000
+    diagonal = torch.cat([torch.tensor([10.0, -8.0], dtype=DT), torch.linspace(-1, 1, n - 2, dtype=DT)])
+    K = lanczos_decomposition(lambda v: diagonal * v, rademacher_rows(1, n, 0), max_products=1000, rtol=1e-2)
+    assert K.converged and K.num_products < 60
+    rows = K.basis.untyped_storage().nbytes() // (n * K.basis.element_size())
+    assert rows <= 2 * K.num_products + 9
+    assert K.ritz_values()[-1].item() == pytest.approx(10.0, rel=1e-2)

@@ -177,8 +177,9 @@ def lanczos_decomposition(
     dtype, device = starts.dtype, starts.device
     eps = torch.finfo(dtype).eps
     limit = min(max_products, n)
-    capacity = min(n, limit + starts.shape[0])
-    basis = starts.new_zeros(capacity, n)
+    capacity = min(n, limit + starts.shape[0])  # most basis vectors this solve can hold
+    # the basis grows by doubling: a solve that stops after k products holds at most ~2k vectors
+    basis = starts.new_zeros(min(capacity, starts.shape[0] + 8), n)
     size = 0
     unit_probes = []
     for index, row in enumerate(starts):
@@ -196,6 +197,7 @@ def lanczos_decomposition(
                 w -= basis[:size].T @ (basis[:size] @ w)
         kept = w.norm()
         if kept > math.sqrt(eps) and size < capacity:
+            basis = _room(basis, size, capacity)
             basis[size] = w / kept
             size += 1
     if size == 0:
@@ -213,6 +215,7 @@ def lanczos_decomposition(
             coords[:size] += c.to(torch.float64).cpu()
         beta = w.norm()
         if size < capacity and float(beta) > 10 * eps * initial:
+            basis = _room(basis, size, capacity)
             basis[size] = w / beta
             coords[size] = float(beta)
             size += 1
@@ -230,6 +233,15 @@ def lanczos_decomposition(
             converged = True
             break
     return _decomposition(basis, size, columns, unit_probes, m, converged)
+
+
+def _room(basis: torch.Tensor, size: int, capacity: int) -> torch.Tensor:
+    """``basis`` with a free row at ``size`` (doubled, at most ``capacity`` rows, when full)."""
+    if size < basis.shape[0]:
+        return basis
+    grown = basis.new_zeros(min(capacity, 2 * basis.shape[0]), basis.shape[1])
+    grown[:size] = basis[:size]
+    return grown
 
 
 def _decomposition(basis, size, columns, unit_probes, m, converged) -> KrylovDecomposition:
