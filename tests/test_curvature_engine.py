@@ -343,3 +343,36 @@ def test_basis_grows_with_the_products_not_with_max_products():
     rows = K.basis.untyped_storage().nbytes() // (n * K.basis.element_size())
     assert rows <= 2 * K.num_products + 9
     assert K.ritz_values()[-1].item() == pytest.approx(10.0, rel=1e-2)
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_freshly_initialised_bart_top_eigenvalue(seed):
+    """The issue's case, small: a fresh BART-style encoder-decoder (float64). HessMaxEV (largest magnitude)
+    and HessEigenvalues against Lanczos on the same exact products run to a tight tolerance from another
+    start vector; within 1% at the default tolerance, of the right sign."""
+    transformers = pytest.importorskip("transformers")
+    from cockpit_like.backends.hvp import hessian_vector_product
+
+    torch.manual_seed(seed)
+    config = transformers.BartConfig(
+        vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, max_position_embeddings=16,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )  # fmt: skip
+    model = transformers.BartForConditionalGeneration(config).double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    top, extremes = HessMaxEV(schedules.linear(1)), HessEigenvalues(schedules.linear(1))
+    cockpit = Cockpit(params, quantities=[top, extremes], model=model)
+    inputs, labels = torch.randint(4, 32, (4, 10)), torch.randint(4, 32, (4, 8))
+    loss = model(input_ids=inputs, labels=labels).loss
+    with cockpit(0, info={"loss": loss}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    D = sum(p.numel() for p in params)
+    start = torch.randn(1, D, dtype=DT, generator=torch.Generator().manual_seed(99))
+    reference = lanczos_decomposition(hessian_vector_product(params), start, max_products=D, rtol=1e-9)
+    exact = reference.ritz_values()
+    assert reference.converged
+    magnitude = exact[-1] if exact[-1].abs() >= exact[0].abs() else exact[0]
+    assert top.get_output()[0] == pytest.approx(magnitude.item(), rel=1e-2)
+    assert extremes.get_output()[0]["largest"] == pytest.approx(exact[-1].item(), rel=1e-2)
+    assert extremes.get_output()[0]["smallest"] == pytest.approx(exact[0].item(), rel=1e-2)
