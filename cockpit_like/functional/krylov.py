@@ -174,7 +174,7 @@ def lanczos_decomposition(
         raise ValueError(f"max_products must be >= 1, got {max_products}")
     count_probes = starts.shape[0] if probes is None else probes
     n = starts.shape[1]
-    dtype, device = starts.dtype, starts.device
+    dtype = starts.dtype
     eps = torch.finfo(dtype).eps
     limit = min(max_products, n)
     capacity = min(n, limit + starts.shape[0])  # most basis vectors this solve can hold
