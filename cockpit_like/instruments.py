@@ -35,7 +35,8 @@ InnerTest, OrthoTest), ``histogram_1d_gauge`` (GradHist1d),
 ``hyperparameter_gauge`` (logged learning rate), ``performance_gauge``
 (Loss, logged losses and accuracies), ``mean_gsnr_gauge`` (MeanGSNR),
 ``cabs_gauge`` (CABS), ``early_stopping_gauge`` (EarlyStopping); and ours:
-``kfac_trace_gauge`` (KFACTrace), ``ekfac_spectrum_gauge`` (EKFACSpectrum),
+``kfac_trace_gauge`` (KFACTrace), ``hess_spectral_density_gauge`` (HessSpectralDensity),
+``ekfac_spectrum_gauge`` (EKFACSpectrum),
 ``self_influence_gauge`` (SelfInfluence), ``preconditioned_grad_norm_gauge``
 (PreconditionedGradNorm), ``custom_gauge`` (other scalar quantities).
 """
@@ -69,6 +70,7 @@ __all__ = [
     "early_stopping_gauge",
     "cabs_gauge",
     "kfac_trace_gauge",
+    "hess_spectral_density_gauge",
     "ekfac_spectrum_gauge",
     "self_influence_gauge",
     "preconditioned_grad_norm_gauge",
@@ -207,6 +209,11 @@ def tic_gauge(plotter, fig, gridspec):
 def kfac_trace_gauge(plotter, fig, gridspec):
     """Trace of the Kronecker-factored curvature (KFACTrace; not in Cockpit)."""
     return _gauge("kfac_trace", plotter, fig, gridspec)
+
+
+def hess_spectral_density_gauge(plotter, fig, gridspec):
+    """Hessian spectral density by stochastic Lanczos quadrature, last tracked steps (HessSpectralDensity; not in Cockpit)."""
+    return _gauge("hess_spectral_density", plotter, fig, gridspec)
 
 
 def ekfac_spectrum_gauge(plotter, fig, gridspec):

@@ -749,13 +749,13 @@ def test_hess_max_ev_matches_dense_hessian(name):
     inputs, targets = problem.batch(4, 11)
     eigenvalues = torch.linalg.eigvalsh(dense_hessian(problem, inputs, targets))
     largest_magnitude = eigenvalues[eigenvalues.abs().argmax()].item()
-    power, lanczos = HessMaxEV(linear(1)), HessMaxEV(linear(1), use_power=False)
+    power, lanczos = HessMaxEV(linear(1)), HessMaxEV(linear(1), use_power=False, rtol=1e-6)
     cockpit = Cockpit(params, [power, lanczos], model=model)
     torch.manual_seed(0)
     loss = problem.sample_losses(problem.forward(model, inputs), targets).mean()
     with cockpit(0, info={"loss": loss}):
         loss.backward(create_graph=cockpit.create_graph(0))
-    # the power iteration's target is the eigenvalue of largest magnitude (Cockpit's tolerance)
-    assert power.get_output()[0] == pytest.approx(largest_magnitude, rel=2e-2)
-    # Lanczos: the largest algebraic eigenvalue, to its residual tolerance
+    # the power iteration's target, the eigenvalue of largest magnitude, within 1% at the default tolerance
+    assert power.get_output()[0] == pytest.approx(largest_magnitude, rel=1e-2)
+    # the largest algebraic eigenvalue, to a tight tolerance
     assert lanczos.get_output()[0] == pytest.approx(eigenvalues[-1].item(), rel=1e-5)

@@ -552,3 +552,30 @@ def test_mc_fisher_is_the_empirical_fisher_of_labels_sampled_from_the_model(name
     assert quantity.settings()["fisher"] == "mc"
     with pytest.raises(ValueError, match="fisher"):
         CurvatureStatistics(linear(1), fisher="type3")
+
+
+def test_self_influence_defaults_on_2c2d_clip_zero_eigenvalues():
+    """DeepOBS 2c2d (float32, 3.3M parameters, batch 4): the Kronecker factor of the 3136 -> 1024 layer has
+    rank <= 4, so most of its eigenvalues are 0 or round-off negative. With the default damping the
+    eigenvalues are clipped at zero before damping (it used to raise "F + damping I is singular"), and
+    every s_i lies between ||g_i||^2 / (lambda_max + damping) and ||g_i||^2 / damping."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 32, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Conv2d(32, 64, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2, 2),
+        nn.Flatten(), nn.Linear(7 * 7 * 64, 1024), nn.ReLU(), nn.Linear(1024, 10),
+    )  # fmt: skip
+    inputs, labels = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    influence = SelfInfluence(linear(1))
+    cockpit = _step([influence], model, inputs, labels)
+    value = cockpit.get_output()[0]["SelfInfluence"]
+    values = influence.last_values.double()
+    assert bool(torch.isfinite(values).all()) and value["batch"] == 4
+    params = list(model.parameters())
+    norms = torch.stack([
+        sum((g.double() ** 2).sum() for g in torch.autograd.grad(nn.functional.cross_entropy(model(x[None]), y[None]), params))
+        for x, y in zip(inputs, labels)
+    ])  # fmt: skip
+    assert bool((values <= norms / 1e-3 * (1 + 1e-4)).all())
+    assert bool((values > 0).all())
+    assert value["max"] == pytest.approx(float(values.max()), rel=1e-6)

@@ -53,6 +53,9 @@ def _quantities(preset: str) -> list:
         CurvatureStatistics,
         EarlyStopping,
         GradHist1d,
+        HessEigenvalues,
+        HessSpectralDensity,
+        HessTraceEstimate,
         KFACTrace,
         MeanGSNR,
         PreconditionedGradNorm,
@@ -67,6 +70,8 @@ def _quantities(preset: str) -> list:
         KFACTrace(every, curvature="empirical"), GradHist1d(every, bins=20, adapt=GradAbsMax(every)),
         CurvatureStatistics(every), PreconditionedGradNorm(every, damping=1e-3),
         PreconditionedGradNorm(every, damping=1e-3, fisher="type-2", loss="cross_entropy"),
+        # one Lanczos decomposition of the global Hessian per step (rank 0's probe), shared by the three
+        HessEigenvalues(every), HessSpectralDensity(every), HessTraceEstimate(every),
     ]  # fmt: skip
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
@@ -434,6 +439,7 @@ QUANTITY_NAMES["full"] = QUANTITY_NAMES["business"] | {"HessMaxEV", "GradHist2d"
 QUANTITY_NAMES["extras"] = {
     "MeanGSNR", "CABS", "EarlyStopping", "TICTrace", "HessTrace", "KFACTrace", "KFACTrace_1", "GradHist1d",
     "CurvatureStatistics", "PreconditionedGradNorm", "PreconditionedGradNorm_1",
+    "HessEigenvalues", "HessSpectralDensity", "HessTraceEstimate",
 }  # fmt: skip
 
 

@@ -356,6 +356,7 @@ def test_secondary_screen_shows_logged_curvature_when_tracked():
 
     model, lossfunc, individual = make_problem("mlp")
     tracked = [
+        quantities.HessSpectralDensity(linear(1)),
         quantities.EKFACSpectrum(linear(1)),
         quantities.SelfInfluence(linear(1), damping=1e-3, k=2),
         quantities.PreconditionedGradNorm(linear(1), damping=1e-3),

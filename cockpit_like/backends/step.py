@@ -305,8 +305,23 @@ class StepExecution:
                 delattr(param, "diag_ggn_exact")
 
     def whole_step_results(self) -> dict:
-        """The needs computed once per step, after its last backward pass."""
-        return {need: need.compute(self) for need in self.whole_step_needs}
+        """The needs computed once per step, after its last backward pass.
+
+        Each is computed once; a need that builds on another (a trace on the
+        step's Lanczos decomposition) reads it with :meth:`whole_step_result`,
+        and both are in the result.
+        """
+        self._whole_results: dict = {}
+        for need in self.whole_step_needs:
+            self.whole_step_result(need)
+        return dict(self._whole_results)
+
+    def whole_step_result(self, need):
+        """``need.compute(self)``, computed at most once per call of :meth:`whole_step_results`."""
+        results = self.__dict__.setdefault("_whole_results", {})
+        if need not in results:
+            results[need] = need.compute(self)
+        return results[need]
 
     def per_sample_pass(self, loss: torch.Tensor, stats: list) -> dict:
         """Per-sample statistics of the gradient of another ``loss`` on this step's graph (module hooks only).

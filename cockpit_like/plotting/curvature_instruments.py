@@ -1,9 +1,10 @@
-"""Instruments of the logged-curvature quantities: EK-FAC spectrum, self-influence, preconditioned gradient norm.
+"""Instruments of the curvature quantities: Hessian spectral density, EK-FAC spectrum, self-influence, preconditioned gradient norm.
 
 Pure draw functions of stored data with the signature ``draw(ax, data, options)``
 (:mod:`cockpit_like.plotting.instruments`); not in the fixed dashboard
 layout, offered as gauges for dashboards of your own in :mod:`cockpit_like.instruments`
-(``ekfac_spectrum_gauge``, ``self_influence_gauge``, ``preconditioned_grad_norm_gauge``).
+(``hess_spectral_density_gauge``, ``ekfac_spectrum_gauge``, ``self_influence_gauge``,
+``preconditioned_grad_norm_gauge``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,54 @@ from cockpit_like.plotting.instruments import (
     not_tracked,
 )
 
-__all__ = ["draw_ekfac_spectrum", "draw_self_influence", "draw_preconditioned_grad_norm", "CURVATURE_INSTRUMENTS"]
+__all__ = ["draw_hess_spectral_density", "draw_ekfac_spectrum", "draw_self_influence", "draw_preconditioned_grad_norm", "CURVATURE_INSTRUMENTS"]
+
+
+#: how many earlier tracked steps the spectral density instrument draws (faded) behind the last one
+_DENSITY_HISTORY = 4
+
+
+def draw_hess_spectral_density(ax, data: RunData, options: DrawOptions) -> None:
+    """Hessian spectral density (SLQ): the last tracked step's density, a few earlier ones faded.
+
+    Each step's Gauss quadrature (nodes ``theta_i``, weights ``w_i``) is smoothed
+    with a Gaussian of width ``2%`` of the spectral range of the drawn steps,
+    ``phi(x) = sum_i w_i N(x; theta_i, width^2)``, on a log scale (the bulk near 0
+    and the outliers both show). Dashed lines: the last step's extreme nodes.
+    """
+    title = "Hessian spectral density"
+    steps, values = data.values("HessSpectralDensity")
+    kept = [(s, v) for s, v in zip(steps, values) if isinstance(v, dict) and v.get("nodes")]
+    if not kept:
+        not_tracked(ax, title, ["HessSpectralDensity"])
+        return
+    kept = kept[-(_DENSITY_HISTORY + 1):]
+    nodes = np.concatenate([np.asarray(v["nodes"], dtype=float) for _, v in kept])
+    low, high = float(nodes.min()), float(nodes.max())
+    span = max(high - low, 1e-12 * max(abs(low), abs(high), 1.0))
+    width = 0.02 * span
+    grid = np.linspace(low - 5 * width, high + 5 * width, 400)
+    ax.set_title(title, **_TITLE)
+    for index, (step, value) in enumerate(kept):
+        x = np.asarray(value["nodes"], dtype=float)
+        w = np.asarray(value["weights"], dtype=float)
+        density = (w[None, :] * np.exp(-0.5 * ((grid[:, None] - x[None, :]) / width) ** 2)).sum(1)
+        density /= width * np.sqrt(2 * np.pi)
+        last = index == len(kept) - 1
+        ax.plot(grid, np.maximum(density, 1e-12), color=COLORS["purple"] if last else COLORS["grey"],
+                alpha=1.0 if last else 0.25 + 0.5 * index / max(len(kept), 1), linewidth=1.4 if last else 0.8,
+                gid=f"density:{step}", label=f"step {step}" if last else None)  # fmt: skip
+    step, value = kept[-1]
+    for edge in (min(value["nodes"]), max(value["nodes"])):
+        ax.axvline(edge, color=COLORS["red"], linestyle="--", linewidth=0.8, gid="density:extreme")
+    _step_note(ax, step)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=max(1e-6, ax.get_ylim()[0]))
+    ax.set_xlabel("eigenvalue", fontsize=8, labelpad=1)
+    ax.set_ylabel("density", fontsize=8)
+    ax.tick_params(labelsize=7.5)
+    ax.grid(True, alpha=0.25, linewidth=0.6)
+    _legend(ax, loc="upper right")
 
 
 def draw_ekfac_spectrum(ax, data: RunData, options: DrawOptions) -> None:
@@ -94,6 +142,8 @@ def draw_preconditioned_grad_norm(ax, data: RunData, options: DrawOptions) -> No
 CURVATURE_INSTRUMENTS: dict[str, Instrument] = {
     instrument.key: instrument
     for instrument in (
+        Instrument("hess_spectral_density", "Hessian spectral density", ("HessSpectralDensity",),
+                   draw_hess_spectral_density),  # fmt: skip
         Instrument("ekfac_spectrum", "EK-FAC spectrum", ("EKFACSpectrum",), draw_ekfac_spectrum),
         Instrument("self_influence", "Self-influence", ("SelfInfluence",), draw_self_influence),
         Instrument("preconditioned_grad_norm", "Preconditioned gradient norm", ("PreconditionedGradNorm",),

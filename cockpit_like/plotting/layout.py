@@ -122,7 +122,7 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_r
         for index, key in enumerate(("mean_gsnr", "cabs", "early_stopping", "custom")):
             add(key, series[0, index])
         if curvature_row:
-            curvature = outer[1].subgridspec(1, 4, wspace=0.3, width_ratios=[1.4, 1, 1, 0.6])
+            curvature = outer[1].subgridspec(1, 4, wspace=0.3, width_ratios=[1.2, 1.2, 1, 1])
             for index, key in enumerate(CURVATURE_INSTRUMENTS):
                 add(key, curvature[0, index])
         if layer_panels:

@@ -9,6 +9,7 @@ from cockpit_like.quantities.gradient_tests import InnerTest, NormTest, OrthoTes
 from cockpit_like.quantities.histograms import GradHist1d, GradHist2d
 from cockpit_like.quantities.curvature import HessTrace, TICDiag, TICTrace
 from cockpit_like.quantities.hess_max_ev import HessMaxEV
+from cockpit_like.quantities.hessian_spectrum import HessEigenvalues, HessSpectralDensity, HessTraceEstimate
 from cockpit_like.quantities.kfac_trace import KFACTrace
 from cockpit_like.quantities.learning_rate import LearningRate, Momentum
 from cockpit_like.quantities.curvature_statistics import (
@@ -50,6 +51,9 @@ __all__ = [
     "TICDiag",
     "TICTrace",
     "HessMaxEV",
+    "HessEigenvalues",
+    "HessSpectralDensity",
+    "HessTraceEstimate",
     "KFACTrace",
     "CurvatureStatistics",
     "EKFACSpectrum",

@@ -483,15 +483,24 @@ class SelfInfluence(CurvatureStatistics):
         return total
 
     def _weights(self, layer: str, values: torch.Tensor) -> torch.Tensor:
-        """``1 / (λ + damping)``, or a clear error where that is singular (``damping = 0``, a zero eigenvalue)."""
-        shifted = values + self._damping
-        tolerance = sum(values.shape) * torch.finfo(values.dtype).eps * max(float(values.abs().max()), self._damping)
-        if bool((shifted <= tolerance).any()):
+        """``1 / (max(λ, 0) + damping)``: eigenvalues clipped at zero before damping.
+
+        KFAC / EK-FAC eigenvalues are those of a positive semi-definite matrix;
+        a zero or slightly negative one (round-off of a rank-deficient factor:
+        more features than samples) is a zero. With ``damping > 0`` the weights
+        are then at most ``1 / damping``; with ``damping = 0`` a zero eigenvalue
+        makes ``F`` singular, a clear error.
+        """
+        clipped = values.clamp(min=0)
+        if self._damping > 0:
+            return 1.0 / (clipped + self._damping)
+        tolerance = sum(values.shape) * torch.finfo(values.dtype).eps * float(values.abs().max())
+        if bool((clipped <= tolerance).any()):
             raise ValueError(
-                f"SelfInfluence: layer '{layer}' has curvature eigenvalue 0 and damping={self._damping}, so "
-                "F + damping I is singular; use damping > 0"
+                f"SelfInfluence: layer '{layer}' has curvature eigenvalue 0 and damping=0, so F is singular; "
+                "use damping > 0"
             )
-        return 1.0 / shifted
+        return 1.0 / clipped
 
 
 def summarize_influence(values: torch.Tensor, sample_ids: Any, k: int) -> dict:

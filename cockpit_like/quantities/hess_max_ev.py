@@ -1,4 +1,4 @@
-"""Largest Hessian eigenvalue from Hessian-vector products."""
+"""Largest Hessian eigenvalue from the step's shared Lanczos decomposition."""
 
 from __future__ import annotations
 
@@ -6,74 +6,69 @@ import warnings
 
 import torch
 
+from cockpit_like.backends.curvature_engine import DEFAULT_RTOL
 from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import MissingGraphError, hessian_vector_product
-from cockpit_like.functional.eigen import EigenResult, accelerated_power_iteration, lanczos, power_iteration
-from cockpit_like.quantities.quantity import SingleStepQuantity
+from cockpit_like.functional.eigen import power_iteration
+from cockpit_like.quantities.hessian_spectrum import KrylovQuantity
 
 __all__ = ["HessMaxEV", "MissingGraphError"]
 
 
-class HessMaxEV(SingleStepQuantity):
+class HessMaxEV(KrylovQuantity):
     """Top eigenvalue of the Hessian ``∇²L`` of the mean loss w.r.t. all tracked params.
 
     The Hessian is never formed: ``H v`` is computed by double backprop,
     ``H v = ∇_θ <∇_θ L, v>`` through ``p.grad``, so the backward pass must keep
     the graph. The quantity declares this through :meth:`create_graph`; call
-    ``loss.backward(create_graph=cockpit.create_graph(step))``. The products
-    run after BackPACK's pass (no extension is active then).
+    ``loss.backward(create_graph=cockpit.create_graph(step))``.
 
-    Solvers:
+    The value is read from the step's shared Lanczos decomposition
+    (:class:`~cockpit_like.backends.curvature_engine.LanczosNeed`, block
+    Lanczos with full re-orthogonalisation from a Rademacher probe and the
+    previous step's top and bottom Ritz vectors with ``warm_start=True``), whose products every
+    curvature quantity tracked at the step shares (:class:`HessEigenvalues`,
+    :class:`HessSpectralDensity`, :class:`HessTraceEstimate`). It stops on
+    residuals: once the largest and the smallest Ritz values have the error
+    estimate ``min(r, r^2 / gap) <= rtol * max|theta|`` (``r = ||H x - theta x||``,
+    default ``rtol=1e-2``); an eigenvalue always lies within ``r`` of the value. Never
+    on two consecutive estimates agreeing, which can stop
+    before the iteration found the eigenvalue.
 
-    - ``use_power=True``: the power iteration's target, the eigenvalue of
-      largest *magnitude* (negative if ``|lambda_min| > lambda_max``), and
-      Cockpit's stop rule ``|lambda_prev - lambda| <= atol + rtol |lambda|``
-      on consecutive estimates (``rtol=1e-3``, ``atol=1e-6``, at most
-      ``max_iter=100`` products).
-      With ``accelerate=True`` (default) each estimate is the Ritz value of
-      largest magnitude on the Krylov space of all products so far
-      (:func:`cockpit_like.functional.eigen.accelerated_power_iteration`):
-      after as many products it is never further from the eigenvalue than the
-      power iteration's Rayleigh quotient, and on the benchmark's MLP it stops
-      after 11 instead of 16 products (7 instead of 11 warm) with a 6x smaller
-      error. It keeps one vector per product (``max_iter`` at most).
-      ``accelerate=False`` is Cockpit's plain power iteration, whose Rayleigh
-      quotient stops slightly below the eigenvalue.
-    - ``use_power=False``: Lanczos (:func:`cockpit_like.functional.eigen.lanczos`,
-      in torch, no scipy) for the largest *algebraic* eigenvalue, like
-      Cockpit's ``eigsh(k=1, which="LA")``; stops at relative residual
-      ``||H x - theta x|| <= rtol |theta|`` (default ``1e-4``; the eigenvalue
-      error is then typically ``~ rtol^2 |theta|^2 / gap``, around 1e-7).
+    Which eigenvalue (Cockpit's numbers kept):
 
-    Cost: with ``warm_start=True`` (default) each solve starts from the
-    previous tracked step's eigenvector, which typically cuts the number of
-    products several-fold; the first solve (and every one with
-    ``warm_start=False``) starts, like Cockpit, from i.i.d. ``U[0, 1)``
-    entries (``torch.rand_like`` per parameter, drawing from the torch RNG).
-    The products used at each tracked step are in :attr:`hvp_counts`.
+    - ``use_power=True`` (default): the target of Cockpit's power iteration,
+      the eigenvalue of largest *magnitude* (negative if ``|lambda_min| > lambda_max``);
+    - ``use_power=False``: the largest *algebraic* eigenvalue, like Cockpit's
+      ``eigsh(k=1, which="LA")``.
+
+    ``accelerate=False`` runs Cockpit's plain power iteration instead, with
+    products of its own (from ``torch.rand_like`` per parameter, stop rule
+    ``|lambda_prev - lambda| <= atol + rtol |lambda|``, default ``rtol=1e-3``),
+    for bit-for-bit comparisons with Cockpit; ``atol`` only matters there.
 
     Under DistributedDataParallel the Hessian is that of the global batch's
-    mean loss: every product is the mean of the ranks' products (one
-    all-reduce each) and a cold start uses rank 0's random vector, so every
-    rank runs the same iteration and stores the same value
-    (``docs/distributed.md``).
+    mean loss: every product is the mean of the ranks' products and the start
+    vectors are rank 0's, so every rank stores the same value.
 
-    Differences to Cockpit 1.0.2: works on float64 models (Cockpit crashes),
-    Rayleigh-Ritz acceleration (``accelerate=False`` with ``warm_start=False``
-    is Cockpit's algorithm exactly; the defaults agree with it within its own
-    accuracy, typically 1e-3 relative, and are closer to the true
-    eigenvalue), warm start, Lanczos instead of scipy, and a zero ``H v``
-    returns 0 instead of NaN.
+    Differences to Cockpit 1.0.2: works on float64 models, Lanczos with a
+    residual stop instead of the power iteration (the value is the
+    eigenvalue's to ``rtol``, where Cockpit's may be far off), optional warm
+    starts (``warm_start=True``), a Rademacher probe
+    (drawn from a generator seeded by the torch RNG's state and the step, which is
+    read, not advanced) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
 
     Args:
         track_schedule: when to compute.
         verbose: print each value.
-        use_power: the power iteration's target and stop rule (True) or Lanczos (False).
-        accelerate: with ``use_power``, Rayleigh-Ritz accelerated (True) or plain (False).
-        warm_start: start from the previous step's eigenvector.
+        use_power: the eigenvalue of largest magnitude (True) or the largest (False).
+        warm_start: also start from the previous tracked step's Ritz vectors (default off since the
+            Lanczos engine, see :class:`~cockpit_like.quantities.hessian_spectrum.KrylovQuantity`).
+        accelerate: False: Cockpit's plain power iteration (products of its own).
         max_iter: most Hessian-vector products per step.
-        rtol: relative tolerance; ``None`` means 1e-3 (power) or 1e-4 (Lanczos).
-        atol: absolute tolerance of the power iteration.
+        rtol: tolerance of the Lanczos error estimates (``None``: 1e-2; the power iteration's stop tolerance with
+            ``accelerate=False``, ``None``: 1e-3).
+        atol: absolute tolerance of the plain power iteration only.
 
     Attributes:
         hvp_counts: ``{global_step: number of Hessian-vector products}``.
@@ -87,29 +82,36 @@ class HessMaxEV(SingleStepQuantity):
         track_schedule,
         verbose: bool = False,
         use_power: bool = True,
-        warm_start: bool = True,
+        warm_start: bool = False,
         accelerate: bool = True,
         max_iter: int = 100,
         rtol: float | None = None,
         atol: float = 1e-6,
     ):
-        super().__init__(track_schedule, verbose=verbose)
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
             raise ValueError(f"HessMaxEV(max_iter=...) needs a positive int, got {max_iter!r}")
         if rtol is not None and not rtol > 0:
             raise ValueError(f"HessMaxEV(rtol=...) must be > 0, got {rtol!r}")
+        plain = not accelerate
+        if not plain and atol != 1e-6:
+            warnings.warn(
+                "HessMaxEV(atol=...) only applies to Cockpit's plain power iteration (accelerate=False); "
+                "the Lanczos solver stops on residuals (rtol) and ignores it",
+                FutureWarning,
+                stacklevel=2,
+            )
+        engine_rtol = DEFAULT_RTOL if plain or rtol is None else rtol
+        super().__init__(track_schedule, verbose=verbose, max_products=max_iter, rtol=engine_rtol,
+                         warm_start=warm_start)
         self._use_power = bool(use_power)
-        self._warm_start = bool(warm_start)
         self._accelerate = bool(accelerate)
         self._max_iter = max_iter
-        self._rtol = rtol if rtol is not None else (1e-3 if use_power else 1e-4)
+        self._rtol = rtol if rtol is not None else (1e-3 if plain else DEFAULT_RTOL)
         self._atol = atol
         self._previous: torch.Tensor | None = None
-        self.hvp_counts: dict[int, int] = {}
-        self.converged: dict[int, bool] = {}
 
-    def create_graph(self, global_step: int) -> bool:
-        return self.should_compute(global_step)
+    def curvature_needs(self, global_step: int) -> list:
+        return super().curvature_needs(global_step) if self._accelerate else []
 
     def settings(self) -> dict:
         return {
@@ -119,18 +121,22 @@ class HessMaxEV(SingleStepQuantity):
             "max_iter": self._max_iter,
             "rtol": self._rtol,
             "atol": self._atol,
+            "solver": "lanczos" if self._accelerate else "power_iteration",
         }
 
     def _compute(self, global_step, params, batch_loss):
+        if not self._accelerate:
+            return self._plain_power_iteration(global_step, params)
+        values = self.decomposition(global_step).ritz_values()
+        if not self._use_power or abs(float(values[-1])) >= abs(float(values[0])):
+            return float(values[-1])
+        return float(values[0])
+
+    def _plain_power_iteration(self, global_step, params) -> float:
+        """Cockpit's algorithm: power iteration from ``torch.rand_like`` per parameter (or the last vector)."""
         matvec = hessian_vector_product(params, "HessMaxEV")
-        start = self._start_vector(params)
-        if self._use_power:
-            solver = accelerated_power_iteration if self._accelerate else power_iteration
-            result: EigenResult = solver(
-                matvec, start, max_iter=self._max_iter, rtol=self._rtol, atol=self._atol
-            )
-        else:
-            result = lanczos(matvec, start, max_iter=self._max_iter, rtol=self._rtol)
+        result = power_iteration(matvec, self._start_vector(params), max_iter=self._max_iter, rtol=self._rtol,
+                                 atol=self._atol)
         self._previous = result.vector.detach()
         self.hvp_counts[global_step] = result.num_matvecs
         self.converged[global_step] = result.converged

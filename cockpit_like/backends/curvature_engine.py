@@ -1,0 +1,155 @@
+"""One Lanczos decomposition of the Hessian per step, shared by every curvature quantity tracked there.
+
+:class:`LanczosNeed` is a step need (merged by value, computed once after the
+step's last backward pass, read with ``record.stat(need)``): block Lanczos
+with full re-orthogonalisation
+(:func:`cockpit_like.functional.krylov.lanczos_decomposition`) on the
+Hessian-vector products of the mean loss through the graph of ``p.grad``
+(:func:`~cockpit_like.backends.hvp.hessian_vector_product`). Its start block is
+``probes`` Rademacher vectors (unbiased probes for spectral density and trace,
+rank 0's draw on every rank; see :func:`step_generator`: the torch RNG is read,
+never advanced) followed by the warm
+start: the previous tracked step's top and bottom Ritz vectors, which the
+quantities keep and hand back in :class:`WarmStart`. The result, a
+:class:`~cockpit_like.functional.krylov.KrylovDecomposition`, gives the
+extreme eigenvalues (HessMaxEV, HessEigenvalues), the Gauss quadrature of the
+probes (HessSpectralDensity) and Hutchinson's trace of the probes.
+
+:class:`KrylovTrace` builds on it: Hutch++ on the Krylov space (exact trace
+of the projection plus Hutchinson on the rest, ``samples`` more products).
+
+Under DDP every product is already the global one (``global_product``) and the
+start vectors are the same on every rank, so the result is identical on all
+ranks and :meth:`LanczosNeed.across_ranks` keeps it as it is.
+
+May import torch and :mod:`cockpit_like.functional`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from cockpit_like.backends.distributed import same_on_all_ranks
+from cockpit_like.backends.hvp import hessian_vector_product
+from cockpit_like.functional.krylov import KrylovDecomposition, deflated_trace, lanczos_decomposition
+
+__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademacher", "step_generator"]
+
+#: tolerance of the shared decomposition: the extreme Ritz values' error estimates
+#: ``min(r, r^2 / gap)`` are then ``<= rtol * max|theta|``
+DEFAULT_RTOL = 1e-2
+
+_OWNER = "the curvature engine (HessMaxEV, HessEigenvalues, HessSpectralDensity, HessTraceEstimate)"
+
+
+@dataclass(frozen=True, eq=False)
+class WarmStart:
+    """Start vectors kept from an earlier step, compared by value (equal tensors: equal warm starts)."""
+
+    vectors: tuple
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, WarmStart) or len(other.vectors) != len(self.vectors):
+            return False
+        return all(
+            a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+            for a, b in zip(self.vectors, other.vectors)
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple((tuple(v.shape), str(v.dtype)) for v in self.vectors))
+
+
+def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
+    """A generator seeded from the torch RNG's state, the step and ``purpose``; the torch RNG is not advanced.
+
+    So the draws of the engine do not depend on how many other draws happened
+    at the step (a quantity gives the same numbers alone and with others, also
+    at later steps), the training's own random stream (dropout, shuffling) is
+    the same with and without the cockpit, and seeding torch reproduces them.
+    """
+    state = torch.get_rng_state().numpy().tobytes()
+    digest = hashlib.sha256(state + f"|{step}|{purpose}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+    """``[count, size]`` i.i.d. entries ``+-1`` from ``generator``, rank 0's draw on every rank."""
+    rows = torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
+    return same_on_all_ranks(rows)
+
+
+@dataclass(frozen=True)
+class LanczosNeed:
+    """Need: the step's block Lanczos decomposition of the Hessian of the mean loss (all tracked params).
+
+    Args:
+        max_products: most Hessian-vector products.
+        rtol: stop once the largest and the smallest Ritz values have error estimates ``<= rtol * max|theta|``.
+        probes: Rademacher start vectors (spectral density and trace probes).
+        warm: the previous step's Ritz vectors, multiplied after the probes (``None``: a cold start).
+    """
+
+    max_products: int = 100
+    rtol: float = DEFAULT_RTOL
+    probes: int = 1
+    warm: WarmStart | None = field(default=None)
+
+    #: computed once per optimizer step, after its last backward pass (through the accumulated p.grad)
+    whole_step = True
+
+    def compute(self, execution) -> KrylovDecomposition:
+        params = execution.params
+        matvec = hessian_vector_product(params, _OWNER)
+        size = sum(p.numel() for p in params)
+        dtype, device = params[0].dtype, params[0].device
+        generator = step_generator(execution.step, "lanczos probes", device)
+        rows = list(rademacher(self.probes, size, dtype, device, generator))
+        if self.warm is not None:
+            rows += [
+                v.to(device) for v in self.warm.vectors
+                if v.numel() == size and v.dtype == dtype and bool(torch.isfinite(v).all()) and v.norm() > 0
+            ]
+        return lanczos_decomposition(
+            matvec, torch.stack(rows), max_products=self.max_products, rtol=self.rtol, probes=self.probes
+        )
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the same on every rank already (global products, rank 0's probes)."""
+        return lambda: result
+
+
+@dataclass(frozen=True)
+class KrylovTrace:
+    """Need: Hutch++ trace of the Hessian on the step's Lanczos space, ``samples`` more products.
+
+    Result: ``{"estimate", "standard_error", "projected", "products"}`` with
+    ``estimate = tr(T) + mean_k g_k'^T H g_k'`` (:func:`~cockpit_like.functional.krylov.deflated_trace`).
+    """
+
+    samples: int = 4
+    lanczos: LanczosNeed = field(default_factory=LanczosNeed)
+
+    whole_step = True
+
+    def compute(self, execution) -> dict:
+        decomposition = execution.whole_step_result(self.lanczos)  # first: its probes are drawn first
+        params = execution.params
+        matvec = hessian_vector_product(params, _OWNER)
+        size = sum(p.numel() for p in params)
+        device = params[0].device
+        samples = rademacher(self.samples, size, params[0].dtype, device, step_generator(execution.step, "hutch++", device))
+        estimate, error = deflated_trace(matvec, decomposition, samples)
+        return {
+            "estimate": estimate,
+            "standard_error": error,
+            "projected": float(torch.trace(decomposition.projection)),
+            "products": self.samples,
+        }
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the same on every rank already."""
+        return lambda: result

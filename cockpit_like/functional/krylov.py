@@ -1,0 +1,316 @@
+"""Block Lanczos on a symmetric operator, and what its Krylov space tells: Ritz pairs, quadrature, traces.
+
+One decomposition, many readers. :func:`lanczos_decomposition` builds an
+orthonormal basis ``Q`` of the block Krylov space of a symmetric ``A`` (given
+only as ``v -> A v``) from a block of start vectors, with full
+re-orthogonalisation, and the projection ``T = Q_m^T A Q_m`` on the ``m``
+vectors multiplied so far. From it:
+
+- Ritz pairs ``(theta_i, Q_m y_i)`` with ``T y_i = theta_i y_i``; the residual
+  of each is exactly ``||A Q_m y - theta Q_m y|| = ||E y||`` with
+  ``E = Q_rest^T A Q_m`` (the coefficients on basis vectors not yet
+  multiplied), and every eigenvalue of ``A`` nearest ``theta`` lies within
+  that residual (``|lambda - theta| <= ||r||``); the error is typically
+  ``||r||^2 / gap``.
+- Gauss quadrature of a probe ``u`` (unit, in the space): nodes ``theta_i``,
+  weights ``(y_i^T c)^2`` with ``c = Q_m^T u``; then
+  ``sum_i w_i f(theta_i) = u^T f(A) u`` exactly for polynomials ``f`` of
+  degree up to ``2k - 1`` when the space holds ``K_k(A, u)``. Averaged over
+  random unit probes this is stochastic Lanczos quadrature (SLQ) of the
+  spectral density ``(1/n) sum_j delta(lambda - lambda_j)``.
+- Hutchinson's trace ``n u^T A u`` of a probe ``u = r / sqrt(n)`` with
+  Rademacher ``r``, and a Krylov-deflated Hutch++ trace
+  ``tr(T) + tr((I - P) A (I - P))``, the second term by Hutchinson on fresh
+  probes projected off the space (:func:`deflated_trace`).
+
+The stop rule is on residuals: the largest and the smallest Ritz values both
+have the error estimate ``min(||r||, ||r||^2 / gap) <= rtol * max |theta|``
+(:meth:`KrylovDecomposition.error_bounds`), or the space is invariant; never
+two consecutive estimates agreeing.
+
+Example:
+    >>> A = torch.diag(torch.tensor([3.0, 1.0, -2.0, 0.5], dtype=torch.float64))
+    >>> K = lanczos_decomposition(lambda v: A @ v, torch.ones(1, 4, dtype=torch.float64), rtol=1e-12)
+    >>> [round(x, 8) for x in K.ritz_values().tolist()], K.num_products
+    ([-2.0, 0.5, 1.0, 3.0], 4)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KrylovDecomposition",
+    "lanczos_decomposition",
+    "gaussian_density",
+    "quadrature_moments",
+    "deflated_trace",
+]
+
+MatVec = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class KrylovDecomposition:
+    """The block Krylov space of one solve.
+
+    Attributes:
+        basis: ``[b, n]`` orthonormal rows; the first ``num_products`` were multiplied by ``A``.
+        coefficients: ``[b, m]`` float64, column ``j`` the coordinates of ``A q_j`` on the basis
+            (``m = num_products``; entries on vectors added later are zero in exact arithmetic).
+        probes: ``[p, m]`` float64 coordinates ``Q_m^T u`` of the unit probes (the first ``p``
+            start vectors, normalised) in the multiplied space.
+        num_products: products ``A v`` evaluated.
+        converged: the stop rule held (or the space became invariant).
+    """
+
+    basis: torch.Tensor
+    coefficients: torch.Tensor
+    probes: torch.Tensor
+    num_products: int
+    converged: bool
+
+    @property
+    def projection(self) -> torch.Tensor:
+        """``T = Q_m^T A Q_m`` (float64, symmetrised)."""
+        m = self.num_products
+        square = self.coefficients[:m, :m]
+        return (square + square.T) / 2
+
+    def _eigh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = getattr(self, "_cache", None)
+        if cache is None:
+            cache = torch.linalg.eigh(self.projection)
+            self._cache = cache
+        return cache
+
+    def ritz_values(self) -> torch.Tensor:
+        """Ritz values, ascending (float64)."""
+        return self._eigh()[0]
+
+    def residuals(self) -> torch.Tensor:
+        """``||A x_i - theta_i x_i||`` of each Ritz pair, in the order of :meth:`ritz_values`."""
+        values, vectors = self._eigh()
+        rest = self.coefficients[self.num_products :]
+        if rest.numel() == 0:
+            return torch.zeros_like(values)
+        return (rest @ vectors).norm(dim=0)
+
+    def error_bounds(self) -> torch.Tensor:
+        """``min(r_i, r_i^2 / gap_i)`` per Ritz value: the eigenvalue error estimate of each.
+
+        ``r_i`` is the residual (an eigenvalue lies within it, always) and
+        ``gap_i = min_j (|theta_i - theta_j| - r_j)``, the distance to the other
+        Ritz values less their own residuals (the Kato-Temple bound ``r^2 / gap``
+        with this estimate of the gap to the rest of the spectrum; where it is
+        not positive, ``r``).
+        """
+        values, residuals = self.ritz_values(), self.residuals()
+        if values.numel() < 2:
+            return residuals
+        # the gap to the rest of the spectrum: to each other Ritz value less that one's own residual
+        distance = (values.reshape(-1, 1) - values.reshape(1, -1)).abs() - residuals.reshape(1, -1)
+        distance.fill_diagonal_(float("inf"))
+        gaps = distance.min(dim=1).values
+        bounds = residuals**2 / gaps.clamp(min=1e-300)
+        return torch.where(gaps > 0, torch.minimum(residuals, bounds), residuals)
+
+    def ritz_vector(self, index: int) -> torch.Tensor:
+        """The unit Ritz vector ``Q_m y_index`` (flat, the basis' dtype and device)."""
+        _, vectors = self._eigh()
+        y = vectors[:, index].to(device=self.basis.device, dtype=self.basis.dtype)
+        x = self.basis[: self.num_products].T @ y
+        return x / x.norm()
+
+    def quadrature(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gauss nodes ``[m]`` and weights ``[p, m]`` of each probe (each row sums to ``||Q_m^T u||^2 = 1``)."""
+        values, vectors = self._eigh()
+        return values, (self.probes @ vectors) ** 2
+
+    def probe_traces(self) -> torch.Tensor:
+        """``u^T A u`` of each unit probe ``u`` (exact from ``T``: the probes lie in the multiplied space)."""
+        return torch.einsum("pi,ij,pj->p", self.probes, self.projection, self.probes)
+
+
+def lanczos_decomposition(
+    matvec: MatVec,
+    starts: torch.Tensor,
+    max_products: int = 100,
+    rtol: float = 1e-3,
+    probes: int | None = None,
+    passes: int = 2,
+) -> KrylovDecomposition:
+    """Block Lanczos with full re-orthogonalisation from the rows of ``starts``.
+
+    The start rows are orthonormalised in order (a row already in the span of
+    the earlier ones is dropped), then the basis vectors are multiplied in
+    order: ``w = A q_j`` is orthogonalised against the whole basis ``passes``
+    times (its coordinates are column ``j`` of :attr:`KrylovDecomposition.coefficients`)
+    and what is left, if not negligible, becomes the next basis vector. With
+    one start row this is Lanczos; with ``b`` rows, block Lanczos (the spaces of
+    all rows grow together).
+
+    Stops after a product once every probe was multiplied and both the largest
+    and the smallest Ritz value have the error estimate
+    ``min(r, r^2 / gap) <= rtol * max |theta|`` (:meth:`KrylovDecomposition.error_bounds`), when no
+    basis vector is left to multiply (the space is invariant: exact), or after
+    ``max_products``.
+
+    Args:
+        matvec: ``v -> A v`` for a symmetric ``A``.
+        starts: ``[b, n]`` start vectors (probes first, then e.g. warm starts).
+        max_products: most products (capped at ``n``).
+        rtol: tolerance of the error estimates, relative to the spectral scale.
+        probes: how many leading rows are probes (quadrature, traces); default all.
+        passes: re-orthogonalisation passes (two keep the basis orthonormal to working precision).
+    """
+    if starts.dim() != 2:
+        raise ValueError(f"starts must be [b, n], got shape {list(starts.shape)}")
+    if max_products < 1:
+        raise ValueError(f"max_products must be >= 1, got {max_products}")
+    count_probes = starts.shape[0] if probes is None else probes
+    n = starts.shape[1]
+    dtype = starts.dtype
+    eps = torch.finfo(dtype).eps
+    limit = min(max_products, n)
+    capacity = min(n, limit + starts.shape[0])  # most basis vectors this solve can hold
+    # the basis grows by doubling: a solve that stops after k products holds at most ~2k vectors
+    basis = starts.new_zeros(min(capacity, starts.shape[0] + 8), n)
+    size = 0
+    unit_probes = []
+    for index, row in enumerate(starts):
+        norm = row.norm()
+        if not torch.isfinite(norm) or norm == 0:
+            if index < count_probes:
+                raise ValueError("probe start vectors must be finite and non-zero")
+            continue
+        unit = row / norm
+        if index < count_probes:
+            unit_probes.append(unit)
+        w = unit.clone()
+        for _ in range(passes):
+            if size:
+                w -= basis[:size].T @ (basis[:size] @ w)
+        kept = w.norm()
+        if kept > math.sqrt(eps) and size < capacity:
+            basis = _room(basis, size, capacity)
+            basis[size] = w / kept
+            size += 1
+    if size == 0:
+        raise ValueError("the start vectors are all zero")
+    columns: list[torch.Tensor] = []
+    converged = False
+    m = 0
+    while m < limit and m < size:
+        w = matvec(basis[m])
+        initial = float(w.norm())
+        coords = torch.zeros(capacity, dtype=torch.float64)
+        for _ in range(passes):
+            c = basis[:size] @ w
+            w = w - basis[:size].T @ c
+            coords[:size] += c.to(torch.float64).cpu()
+        beta = w.norm()
+        if size < capacity and float(beta) > 10 * eps * initial:
+            basis = _room(basis, size, capacity)
+            basis[size] = w / beta
+            coords[size] = float(beta)
+            size += 1
+        columns.append(coords)
+        m += 1
+        if m < count_probes:
+            continue
+        decomposition = _decomposition(basis, size, columns, unit_probes, m, False)
+        if m >= size:  # nothing left to multiply: the space is invariant, the Ritz pairs exact
+            converged = True
+            break
+        errors = decomposition.error_bounds()
+        tolerance = rtol * float(decomposition.ritz_values().abs().max())
+        if float(errors[0]) <= tolerance and float(errors[-1]) <= tolerance:
+            converged = True
+            break
+    return _decomposition(basis, size, columns, unit_probes, m, converged)
+
+
+def _room(basis: torch.Tensor, size: int, capacity: int) -> torch.Tensor:
+    """``basis`` with a free row at ``size`` (doubled, at most ``capacity`` rows, when full)."""
+    if size < basis.shape[0]:
+        return basis
+    grown = basis.new_zeros(min(capacity, 2 * basis.shape[0]), basis.shape[1])
+    grown[:size] = basis[:size]
+    return grown
+
+
+def _decomposition(basis, size, columns, unit_probes, m, converged) -> KrylovDecomposition:
+    coefficients = torch.stack(columns, dim=1)[:size] if columns else torch.zeros(size, 0, dtype=torch.float64)
+    Q = basis[:m]
+    probes = (
+        torch.stack([(Q @ u).to(torch.float64).cpu() for u in unit_probes])
+        if unit_probes
+        else torch.zeros(0, m, dtype=torch.float64)
+    )
+    return KrylovDecomposition(basis[:size], coefficients, probes, m, converged)
+
+
+def gaussian_density(
+    nodes: torch.Tensor, weights: torch.Tensor, grid: torch.Tensor, width: float
+) -> torch.Tensor:
+    """``sum_i w_i N(x; theta_i, width^2)`` on ``grid``: a quadrature (SLQ) smoothed into a density.
+
+    ``weights`` may be ``[m]`` or ``[p, m]`` (averaged over the probes).
+    """
+    if width <= 0:
+        raise ValueError(f"width must be > 0, got {width}")
+    w = weights.reshape(-1, nodes.numel()).mean(0).to(torch.float64)
+    x = grid.to(torch.float64).reshape(-1, 1)
+    kernel = torch.exp(-0.5 * ((x - nodes.to(torch.float64).reshape(1, -1)) / width) ** 2)
+    return kernel @ w / (width * math.sqrt(2 * math.pi))
+
+
+def quadrature_moments(nodes: torch.Tensor, weights: torch.Tensor, orders: int) -> torch.Tensor:
+    """``[sum_i w_i theta_i^k for k = 0..orders]``, averaged over probes (``weights`` ``[m]`` or ``[p, m]``).
+
+    For a unit probe ``u`` whose Krylov space has ``k`` vectors these equal
+    ``u^T A^j u`` for ``j <= 2k - 1``; with ``u = r / sqrt(n)`` (Rademacher
+    ``r``) their expectation is ``tr(A^j) / n``, the moments of the spectral density.
+    """
+    w = weights.reshape(-1, nodes.numel()).mean(0).to(torch.float64)
+    powers = nodes.to(torch.float64).reshape(1, -1) ** torch.arange(orders + 1, dtype=torch.float64).reshape(-1, 1)
+    return powers @ w
+
+
+def deflated_trace(
+    matvec: MatVec, decomposition: KrylovDecomposition, samples: torch.Tensor
+) -> tuple[float, float]:
+    """Hutch++ on a Krylov space: ``tr(A) ~ tr(T) + mean_k g_k'^T A g_k'`` with ``g' = (I - P) g``.
+
+    ``P = Q_m Q_m^T`` projects on the multiplied space, whose part of the
+    trace, ``tr(Q_m^T A Q_m) = tr(T)``, is exact; the rest,
+    ``tr((I - P) A (I - P))``, is estimated by Hutchinson on the rows of
+    ``samples`` (Rademacher, drawn independently of the space), one product
+    each. Unbiased for ``tr(A)`` given the space; its variance is that of
+    Hutchinson on ``A`` with the dominant (converged) directions removed.
+
+    Returns:
+        ``(estimate, standard error of the estimate)`` (the error 0 for one sample).
+    """
+    m = decomposition.num_products
+    Q = decomposition.basis[:m]
+    inside = float(torch.trace(decomposition.projection)) if m else 0.0
+    values = []
+    for g in samples:
+        g = g.to(Q.dtype)
+        if m:
+            g = g - Q.T @ (Q @ g)
+            g = g - Q.T @ (Q @ g)
+        values.append(float(torch.dot(g, matvec(g))))
+    if not values:
+        return inside, math.nan
+    outside = sum(values) / len(values)
+    spread = 0.0
+    if len(values) > 1:
+        spread = math.sqrt(sum((v - outside) ** 2 for v in values) / (len(values) - 1) / len(values))
+    return inside + outside, spread

@@ -1,0 +1,215 @@
+"""Curvature from the step's shared Lanczos decomposition: extreme eigenvalues, spectral density, trace.
+
+Every quantity here (and :class:`~cockpit_like.quantities.HessMaxEV`) asks
+for one :class:`~cockpit_like.backends.curvature_engine.LanczosNeed`; equal
+arguments give equal needs, so the quantities tracked at one step share one
+set of Hessian-vector products and read the same decomposition: the numbers
+of each are the same alone and together. Each keeps the top and bottom Ritz
+vectors as the next tracked step's warm start (saved by ``state_dict``, so a
+resumed run continues as the original would) and the products used and
+whether the stop rule held at each step (:attr:`KrylovQuantity.hvp_counts`,
+:attr:`KrylovQuantity.converged`).
+
+All need ``loss.backward(create_graph=cockpit.create_graph(step))``; the
+Hessian is that of the mean loss ``L`` w.r.t. all tracked parameters (under
+DDP, of the global batch's mean loss).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cockpit_like.backends.curvature_engine import DEFAULT_RTOL, KrylovTrace, LanczosNeed, WarmStart
+from cockpit_like.context import get_record
+from cockpit_like.functional.krylov import KrylovDecomposition
+from cockpit_like.quantities.quantity import SingleStepQuantity
+
+__all__ = ["KrylovQuantity", "HessEigenvalues", "HessSpectralDensity", "HessTraceEstimate"]
+
+
+def _positive_int(value, name: str, owner: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner}({name}=...) needs a positive int, got {value!r}")
+    return value
+
+
+class KrylovQuantity(SingleStepQuantity):
+    """Base: a quantity computed from the step's shared Lanczos decomposition.
+
+    Args:
+        track_schedule: when to compute.
+        verbose: print each value.
+        max_products: most Hessian-vector products per step.
+        rtol: stop once the largest and smallest Ritz values have error estimates
+            ``min(r, r^2 / gap) <= rtol * max|theta|`` (``r = ||H x - theta x||``; an eigenvalue
+            always lies within ``r``).
+        probes: Rademacher probe vectors at the start of the block (density, trace).
+        warm_start: also start from the previous tracked step's top and bottom Ritz vectors
+            (block Lanczos: the probe's Krylov space grows at full rate, so a warm start cannot make
+            the result worse, but each degree costs a product per start vector; measured on the
+            benchmark's MLP it costs more products than it saves, hence off by default).
+
+    Attributes:
+        hvp_counts: ``{step: Hessian-vector products of the decomposition}``.
+        converged: ``{step: whether the residual stop rule held}``.
+    """
+
+    def __init__(
+        self,
+        track_schedule,
+        verbose: bool = False,
+        max_products: int = 100,
+        rtol: float = DEFAULT_RTOL,
+        probes: int = 1,
+        warm_start: bool = False,
+    ):
+        super().__init__(track_schedule, verbose=verbose)
+        owner = type(self).__name__
+        self._max_products = _positive_int(max_products, "max_products", owner)
+        self._probes = _positive_int(probes, "probes", owner)
+        if not (isinstance(rtol, (int, float)) and rtol > 0):
+            raise ValueError(f"{owner}(rtol=...) must be > 0, got {rtol!r}")
+        self._krylov_rtol = float(rtol)
+        self._warm_start = bool(warm_start)
+        self._warm: list[torch.Tensor] | None = None
+        self.hvp_counts: dict[int, int] = {}
+        self.converged: dict[int, bool] = {}
+
+    def lanczos_need(self) -> LanczosNeed:
+        """The decomposition this quantity reads (equal for quantities with equal arguments and history)."""
+        warm = WarmStart(tuple(self._warm)) if self._warm_start and self._warm else None
+        return LanczosNeed(self._max_products, self._krylov_rtol, self._probes, warm)
+
+    def _step_need(self):
+        return self.lanczos_need()
+
+    def curvature_needs(self, global_step: int) -> list:
+        return [self._step_need()] if self.should_compute(global_step) else []
+
+    def create_graph(self, global_step: int) -> bool:
+        return self.should_compute(global_step)
+
+    def settings(self) -> dict:
+        return {
+            "max_products": self._max_products,
+            "rtol": self._krylov_rtol,
+            "probes": self._probes,
+            "warm_start": self._warm_start,
+        }
+
+    def decomposition(self, global_step: int) -> KrylovDecomposition:
+        """The step's decomposition; records its cost and keeps the warm start for the next step."""
+        result: KrylovDecomposition = get_record(global_step).stat(self.lanczos_need())
+        self.hvp_counts[global_step] = result.num_products
+        self.converged[global_step] = result.converged
+        if self._warm_start and result.num_products > 0:
+            top, bottom = result.ritz_vector(-1).detach(), result.ritz_vector(0).detach()
+            self._warm = [top] if result.num_products == 1 else [top, bottom]
+        return result
+
+
+class HessEigenvalues(KrylovQuantity):
+    """The largest and the smallest eigenvalue of the Hessian ``∇²L`` of the mean loss.
+
+    Extreme Ritz values of the shared Lanczos decomposition; each is within
+    its residual of an eigenvalue, and its error estimate
+    ``min(r, r^2 / gap)`` is at most ``rtol * max|theta|``. A negative ``smallest`` shows directions of negative curvature.
+
+    Stored value: ``{"largest": float, "smallest": float, "products": int, "converged": bool}``.
+
+    Example:
+        >>> q = HessEigenvalues(linear(10))
+    """
+
+    def _compute(self, global_step, params, batch_loss):
+        result = self.decomposition(global_step)
+        values = result.ritz_values()
+        return {
+            "largest": float(values[-1]),
+            "smallest": float(values[0]),
+            "products": result.num_products,
+            "converged": result.converged,
+        }
+
+
+class HessSpectralDensity(KrylovQuantity):
+    """Spectral density of the Hessian by stochastic Lanczos quadrature (SLQ).
+
+    The density ``phi(lambda) = (1/D) sum_j delta(lambda - lambda_j)`` of the
+    ``D`` eigenvalues is approximated by Gauss quadrature: for unit probes
+    ``u = r / sqrt(D)`` (Rademacher ``r``), nodes ``theta_i`` (Ritz values) and
+    weights ``w_i = (y_i^T Q^T u)^2`` averaged over the probes, so that
+    ``sum_i w_i theta_i^k = u^T H^k u`` (exact for ``k < 2 x`` the probe's Krylov
+    steps), whose expectation is the ``k``-th moment ``tr(H^k) / D``. The
+    decomposition is the one shared with the other curvature quantities, so it
+    runs until the extreme eigenvalues have converged; a larger ``probes``
+    (averaging more probes) or smaller ``rtol`` (more nodes) refine the density
+    at the cost of a decomposition of its own.
+
+    Stored value: ``{"nodes": [float], "weights": [float], "dimension": D,
+    "products": int}``; smooth it with
+    :func:`cockpit_like.functional.krylov.gaussian_density` (the dashboard's
+    ``spectral_density`` instrument does).
+    """
+
+    def _compute(self, global_step, params, batch_loss):
+        result = self.decomposition(global_step)
+        nodes, weights = result.quadrature()
+        return {
+            "nodes": nodes.tolist(),
+            "weights": weights.mean(0).tolist(),
+            "dimension": sum(p.numel() for p in params),
+            "products": result.num_products,
+        }
+
+
+class HessTraceEstimate(KrylovQuantity):
+    """Trace of the Hessian ``tr ∇²L`` of the mean loss from the shared decomposition.
+
+    - ``method="hutch++"`` (default): ``tr(Q^T H Q) + mean_k g_k'^T H g_k'``,
+      the exact trace on the Lanczos space (which holds the dominant
+      eigendirections) plus Hutchinson's estimate on the rest with ``samples``
+      fresh Rademacher vectors projected off the space (``samples`` more
+      products; :class:`~cockpit_like.backends.curvature_engine.KrylovTrace`).
+      Unbiased; far less noisy than Hutchinson when a few eigenvalues dominate.
+    - ``method="hutchinson"``: ``D * mean_k u_k^T H u_k`` of the decomposition's
+      own probes (no extra product; unbiased, noisy: ``probes`` samples).
+
+    Unlike :class:`HessTrace` this is one number for all parameters.
+
+    Stored value: ``{"trace": float, "standard_error": float, "products": int}``
+    (``products``: all Hessian-vector products the estimate used, the
+    decomposition's included; the error is NaN with a single sample).
+    """
+
+    METHODS = ("hutch++", "hutchinson")
+
+    def __init__(self, track_schedule, verbose: bool = False, method: str = "hutch++", samples: int = 4, **kwargs):
+        super().__init__(track_schedule, verbose=verbose, **kwargs)
+        if method not in self.METHODS:
+            raise ValueError(f"HessTraceEstimate(method={method!r}): choose one of {list(self.METHODS)}")
+        self._method = method
+        self._samples = _positive_int(samples, "samples", "HessTraceEstimate")
+
+    def _step_need(self):
+        return KrylovTrace(self._samples, self.lanczos_need()) if self._method == "hutch++" else self.lanczos_need()
+
+    def settings(self) -> dict:
+        return {**super().settings(), "method": self._method, "samples": self._samples}
+
+    def _compute(self, global_step, params, batch_loss):
+        need = self._step_need()
+        result = self.decomposition(global_step)
+        if self._method == "hutch++":
+            trace = get_record(global_step).stat(need)
+            return {
+                "trace": trace["estimate"],
+                "standard_error": trace["standard_error"],
+                "products": result.num_products + trace["products"],
+            }
+        size = sum(p.numel() for p in params)
+        samples = size * result.probe_traces()
+        error = float(samples.std() / math.sqrt(samples.numel())) if samples.numel() > 1 else math.nan
+        return {"trace": float(samples.mean()), "standard_error": error, "products": result.num_products}
