@@ -105,7 +105,7 @@ class TrackedStep:
         if self.active and (cockpit._partitions is None or cockpit._partitions.step != step):
             scaler = grad_scale(self.info, step)
             factor = scaler * loss_scale(self.info, step)
-            cockpit._partitions = StepPartitions(step, self.micro_batches, factor, skippable=scaler != 1.0)
+            cockpit._partitions = StepPartitions(step, factor, skippable=scaler != 1.0)
         scale = cockpit._partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(

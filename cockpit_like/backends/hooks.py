@@ -262,7 +262,7 @@ class ModelTracer:
         self._covered: set[int] = set()
         #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
         #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
-        self._named: dict[int, dict[str, torch.Tensor]] = {}
+        self._named: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # (all, direct)
         #: the hook backend of the backward pass under way (it adopts calls made during it)
         self.live: HookBackend | None = None
         self._handles: list[Any] = []
@@ -289,7 +289,9 @@ class ModelTracer:
             ):
                 self._handles.append(module.register_forward_pre_hook(partial(_open, self.id)))
                 self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
-                self._named[id(module)] = dict(module.named_parameters())
+                named = dict(module.named_parameters())
+                direct = {name: p for name, p in named.items() if "." not in name}
+                self._named[id(module)] = (named, direct)
         self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
         self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
         self._covered |= {id(p) for p in root.parameters()}
@@ -306,10 +308,10 @@ class ModelTracer:
 
     def named_params(self, module: nn.Module, recurse: bool = True) -> dict[str, torch.Tensor]:
         """``module``'s parameters by name as the cockpit attached it (else as it is now)."""
-        named = self._named.get(id(module))
-        if named is None:
+        kept = self._named.get(id(module))
+        if kept is None:
             return dict(module.named_parameters(recurse=recurse))
-        return named if recurse else {name: p for name, p in named.items() if "." not in name}
+        return kept[0] if recurse else kept[1]
 
     def _found(self, module: nn.Module, args: tuple) -> None:
         if self.paused or not torch.is_grad_enabled():

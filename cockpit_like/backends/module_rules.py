@@ -45,6 +45,8 @@ May import torch and :mod:`cockpit_like.backends` helpers only.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable
 
 import torch
@@ -220,6 +222,7 @@ def layer_class(module: nn.Module) -> type:
     return cls
 
 
+@functools.cache
 def _fsdp_module_class():
     try:
         from torch.distributed.fsdp import FSDPModule

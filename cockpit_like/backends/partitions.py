@@ -29,6 +29,7 @@ May import torch and :mod:`cockpit_like.backends`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -230,19 +231,14 @@ class StepPartitions:
 
     Args:
         step: the global step.
-        expected: the number of backward passes (micro-batches) of the step on this process.
         scale: the factor the backpropagated losses carry on top of the division by the micro-batches:
             a ``GradScaler``'s scale times ``info["loss_scale"]`` (1: none).
         skippable: a ``GradScaler`` is in play, so a step with non-finite gradients is one it skips.
     """
 
-    def __init__(self, step: int, expected: int, scale: float = 1.0, skippable: bool = False):
-        self.step, self.expected, self.scale, self.skippable = step, expected, float(scale), bool(skippable)
+    def __init__(self, step: int, scale: float = 1.0, skippable: bool = False):
+        self.step, self.scale, self.skippable = step, float(scale), bool(skippable)
         self.partitions: list[Partition] = []
-
-    @property
-    def complete(self) -> bool:
-        return len(self.partitions) >= self.expected
 
     @property
     def rows(self) -> int:
@@ -470,13 +466,19 @@ def step_memo(key: Any, compute: Callable[[], Any]) -> Any:
     return compute() if _VIEW is None else _VIEW.memo(key, compute)
 
 
-def is_dtensor(tensor: Any) -> bool:
-    """Whether ``tensor`` is a ``torch.distributed`` DTensor (a sharded parameter or gradient)."""
+@functools.cache
+def _dtensor_class() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return DTensor
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``torch.distributed`` DTensor (a sharded parameter or gradient)."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(tensor, cls)
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:

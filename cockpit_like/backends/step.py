@@ -251,12 +251,6 @@ class StepExecution:
                 ) from error
 
     # ---- after backward ---------------------------------------------------------------------
-    def results(self) -> dict:
-        """Per-sample statistics and step needs, keyed by themselves (one backward pass: the whole step)."""
-        results = self.partition(split=False).finish()
-        results.update(self.whole_step_results())
-        return results
-
     def partition(self, split: bool, rows: int | None = None):
         """What this backward pass leaves for the end of its step (:class:`~cockpit_like.backends.partitions.Partition`).
 
