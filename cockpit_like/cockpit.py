@@ -60,6 +60,31 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return checked
 
 
+_UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
+
+
+def _parse_bytes(value) -> int | None:
+    """``memory_budget`` as bytes: ``None``, a positive int, or a string like ``"256MB"`` / ``"1.5 GB"``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"Cockpit(memory_budget=...) takes bytes (an int) or a string like '256MB', got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        number = text.rstrip("KMGIB")
+        unit = text[len(number):]
+        try:
+            value = float(number) * _UNITS[unit]
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"Cockpit(memory_budget={value!r}): not a size; write bytes as an int or a string like "
+                "'256MB', '64 MiB' or '1GB'"
+            ) from None
+    if value <= 0:
+        raise ValueError(f"Cockpit(memory_budget={value!r}): the budget must be positive (bytes)")
+    return int(value)
+
+
 class Cockpit:
     """Tracks quantities of a training run.
 
@@ -108,6 +133,10 @@ class Cockpit:
             loss on tracked steps only (no device sync on the others).
         record_dir: folder where each record is saved with its replay program;
             ``None``: records stay in memory (:attr:`records`).
+        memory_budget: most bytes of per-sample gradients materialised at once (default 256 MB,
+            :data:`~cockpit_like.backends.per_sample.DEFAULT_BUDGET_BYTES`): a layer whose
+            ``[B, *param.shape]`` exceeds it is reduced a block of rows at a time (the same numbers;
+            ``docs/performance.md``). An int, or a string such as ``"64MB"`` or ``"1GB"``.
     """
 
     def __init__(
@@ -125,8 +154,11 @@ class Cockpit:
         record_nonfinite: bool | str = True,
         record_dir: str | os.PathLike | None = None,
         diagnosis_feeds: bool = True,
+        memory_budget: int | str | None = None,
     ):
         self.params = _check_params(params)
+        #: bytes of per-sample gradients materialised at once (``None``: the default, 256 MB)
+        self.memory_budget = _parse_bytes(memory_budget)
         if model is not None and not isinstance(model, torch.nn.Module):
             raise ValueError(f"Cockpit(model=...) takes the nn.Module that owns params, got {type(model).__name__}")
         if quantities is not None and not isinstance(quantities, (list, tuple)):

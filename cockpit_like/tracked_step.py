@@ -117,6 +117,7 @@ class TrackedStep:
                 names=cockpit._names_of_params(),
                 info=self.info,
                 row_scale=self.micro_batches / scale,
+                memory_budget=cockpit.memory_budget,
             )
         except BaseException:
             cockpit._tracer.drop_calls()

@@ -170,8 +170,8 @@ def test_conv2d_with_groups_falls_back_to_batch_grad(monkeypatch):
     from cockpit_like.backends import per_sample_extension
 
     calls = []
-    original = per_sample_extension.conv2d_weight_grad_batch
-    monkeypatch.setattr(per_sample_extension, "conv2d_weight_grad_batch", lambda *a: calls.append(1) or original(*a))
+    original = per_sample_extension.conv2d_weight_rows
+    monkeypatch.setattr(per_sample_extension, "conv2d_weight_rows", lambda *a: calls.append(1) or original(*a))
     torch.manual_seed(1)
     model = extend(torch.nn.Sequential(torch.nn.Conv2d(2, 4, 3, groups=2), torch.nn.Flatten(), torch.nn.Linear(4 * 25, 3)).double())
     lossfunc = extend(torch.nn.CrossEntropyLoss())

@@ -401,9 +401,12 @@ class Hist1dCounter:
         result[bins - 1] += counts[bins]
         return result.to(dtype)
 
-    def count_grad_batch(self, counts: torch.Tensor, grad_batch: torch.Tensor, chunk: int = CHUNK) -> None:
-        """Count ``B * grad_batch`` (``B`` its leading dimension)."""
-        scale = grad_batch.shape[0]
+    def count_grad_batch(
+        self, counts: torch.Tensor, grad_batch: torch.Tensor, chunk: int = CHUNK, scale: int | None = None
+    ) -> None:
+        """Count ``B * grad_batch`` (``B = scale``, by default its leading dimension; rows of a larger batch
+        pass the whole batch's ``B``)."""
+        scale = grad_batch.shape[0] if scale is None else scale
         buffers = _Buffers(min(chunk_size(grad_batch, chunk), grad_batch.numel()), grad_batch.dtype, grad_batch.device)
         for part in _chunks_of_grad_batch(grad_batch, chunk):
             self.add(counts, part, scale, buffers)
@@ -687,8 +690,8 @@ class Hist2dCounter:
     def finish(self, counts: torch.Tensor) -> torch.Tensor:
         return counts.view(self.xbins, self.ybins)
 
-    def count_grad_batch(self, counts, grad_batch, theta, chunk: int = CHUNK) -> None:
-        scale = grad_batch.shape[0]
+    def count_grad_batch(self, counts, grad_batch, theta, chunk: int = CHUNK, scale: int | None = None) -> None:
+        scale = grad_batch.shape[0] if scale is None else scale
         theta_index = self.theta_index(theta).to(torch.int32)
         buffers = _Buffers(min(chunk_size(grad_batch, chunk), grad_batch.numel()), grad_batch.dtype, grad_batch.device)
         for part in _chunks_of_grad_batch(grad_batch, chunk):

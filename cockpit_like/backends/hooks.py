@@ -105,7 +105,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, is_hf_conv1d, rule_for
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, is_hf_conv1d, rule_for, summed
 
 __all__ = [
     "ModelTracer",
@@ -543,7 +543,7 @@ class HookBackend:
         self._handles: list[Any] = []
         self._deferred: list[Call] = []
         self._uses: dict[int, int] = defaultdict(int)
-        self._partial: dict[int, torch.Tensor] = {}
+        self._partial: dict[int, list] = {}
         self._params = {id(p): p for p in params}
         self._handled = handled_elsewhere
         self._errors: list[UncoveredParameterError] = []
@@ -916,18 +916,15 @@ class HookBackend:
             self._uses[key] = 0
             form.feed(self.reducer, param)
             return
-        dense = form.dense(param.shape)
-        if key in self._partial:
-            self._partial[key].add_(dense)
-        else:
-            self._partial[key] = dense.clone()
+        self._partial.setdefault(key, []).append(form)  # the uses' forms, summed a block of rows at a time
         self._uses[key] -= 1
         if self._uses[key] == 0:
             self._deliver_sum(key)
 
     def _deliver_sum(self, key: int) -> None:
         self._uses[key] = 0
-        Dense(self._partial.pop(key)).feed(self.reducer, self._params[key])
+        param = self._params[key]
+        summed(self._partial.pop(key), param.shape).feed(self.reducer, param)
 
     # ---- the torch.func fallback ------------------------------------------------------------
     def _fallback(self, call: Call) -> None:

@@ -12,7 +12,15 @@ parameter:
 - :class:`Sequence`: ``grad_batch[i] = sum_t a_it b_it^T`` over the positions
   ``t`` of a sample (a linear layer on every token; never materialised by
   statistics with a sequence form, e.g. the gradient tests' Gram summary);
-- :class:`Dense`: ``grad_batch`` ``[B, *param.shape]``.
+- :class:`Dense`: ``grad_batch`` ``[B, *param.shape]``;
+- :class:`Lazy`: ``grad_batch`` made a block of rows at a time
+  (:class:`~cockpit_like.backends.per_sample.LazyRows`): convolutions,
+  embeddings (``[B, vocab, width]`` would dwarf the layer's input), and the
+  sum of a tied parameter's uses (:func:`summed`), so that the reducer's
+  memory budget also bounds what the rule itself builds.
+
+Every form also gives ``rows(start, stop, shape)`` (the dense rows
+``start:stop``) and ``batch_sum(shape)`` (``sum_i grad_batch[i]``).
 
 Rules (``x`` the first input, ``B`` its leading dimension, a sample = one row):
 
@@ -54,9 +62,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, conv2d_weight_grad_batch, supports_unfold
-from cockpit_like.backends.per_sample import materialize_linear, materialize_sequence
+from cockpit_like.backends.per_sample import LazyRows, materialize_linear, materialize_sequence
 
-__all__ = ["Factors", "Sequence", "Dense", "rule_for", "RULES", "RECOMPUTE_RULES", "is_hf_conv1d"]
+__all__ = ["Factors", "Sequence", "Dense", "Lazy", "summed", "rule_for", "RULES", "RECOMPUTE_RULES", "is_hf_conv1d"]
 
 
 class Factors:
@@ -73,6 +81,17 @@ class Factors:
     def feed(self, reducer, param: torch.Tensor) -> None:
         reducer.reduce_factors(param, self.kind, self.x, self.delta)
 
+    @property
+    def batch(self) -> int:
+        return self.delta.shape[0]
+
+    def rows(self, start: int, stop: int, shape: torch.Size) -> torch.Tensor:
+        x = None if self.x is None else self.x[start:stop]
+        return materialize_linear(self.kind, x, self.delta[start:stop]).reshape(stop - start, *shape)
+
+    def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        return (self.delta.sum(0) if self.kind == "bias" else self.delta.T @ self.x).reshape(shape)
+
 
 class Sequence:
     """``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` reshaped to the parameter's shape."""
@@ -87,6 +106,16 @@ class Sequence:
 
     def feed(self, reducer, param: torch.Tensor) -> None:
         reducer.reduce_sequence(param, self.a, self.b)
+
+    @property
+    def batch(self) -> int:
+        return self.a.shape[0]
+
+    def rows(self, start: int, stop: int, shape: torch.Size) -> torch.Tensor:
+        return materialize_sequence(self.a[start:stop], self.b[start:stop], shape)
+
+    def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        return torch.einsum("btr,btc->rc", self.a, self.b).reshape(shape)
 
 
 class Dense:
@@ -103,8 +132,75 @@ class Dense:
     def feed(self, reducer, param: torch.Tensor) -> None:
         reducer.reduce_grad_batch(param, self.grad_batch)
 
+    @property
+    def batch(self) -> int:
+        return self.grad_batch.shape[0]
 
-Form = Factors | Sequence | Dense
+    def rows(self, start: int, stop: int, shape: torch.Size) -> torch.Tensor:
+        return self.grad_batch[start:stop].reshape(stop - start, *shape)
+
+    def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        return self.grad_batch.sum(0).reshape(shape)
+
+
+class Lazy:
+    """``grad_batch`` made a block of rows at a time (a :class:`~cockpit_like.backends.per_sample.LazyRows`)."""
+
+    __slots__ = ("lazy",)
+
+    def __init__(self, lazy: LazyRows):
+        self.lazy = lazy
+
+    def dense(self, shape: torch.Size) -> torch.Tensor:
+        return self.lazy.make(0, self.lazy.batch).reshape(self.lazy.batch, *shape)
+
+    def feed(self, reducer, param: torch.Tensor) -> None:
+        reducer.reduce_lazy(param, self.lazy)
+
+    @property
+    def batch(self) -> int:
+        return self.lazy.batch
+
+    def rows(self, start: int, stop: int, shape: torch.Size) -> torch.Tensor:
+        return self.lazy.make(start, stop).reshape(stop - start, *shape)
+
+    def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        return self.lazy.batch_sum().reshape(shape)
+
+
+Form = Factors | Sequence | Dense | Lazy
+
+
+def _itemsize(form) -> int:
+    for name in ("grad_batch", "delta", "a"):
+        tensor = getattr(form, name, None)
+        if isinstance(tensor, torch.Tensor):
+            return max(4, tensor.element_size())
+    return max(4, form.lazy.itemsize) if isinstance(form, Lazy) else 4
+
+
+def summed(forms: list, shape: torch.Size) -> "Form":
+    """One form for a parameter used by several calls (weight tying): the sum of their forms, made a block
+    of rows at a time (never a ``[B, *shape]`` partial sum per use)."""
+    if len(forms) == 1:
+        return forms[0]
+    shape = torch.Size(shape)
+
+    def make(start: int, stop: int) -> torch.Tensor:
+        total = forms[0].rows(start, stop, shape)
+        total = total.float() if total.element_size() < 4 else total.clone()
+        for form in forms[1:]:
+            total.add_(form.rows(start, stop, shape))
+        return total
+
+    def batch_sum() -> torch.Tensor:
+        total = forms[0].batch_sum(shape)
+        total = total.float() if total.element_size() < 4 else total.clone()
+        for form in forms[1:]:
+            total.add_(form.batch_sum(shape))
+        return total
+
+    return Lazy(LazyRows(forms[0].batch, shape, make, max(_itemsize(f) for f in forms), batch_sum))
 #: ``rule(module, x, delta) -> {parameter name: form}`` or ``None`` (use the fallback)
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor], "dict[str, Form] | None"]
 
@@ -133,7 +229,16 @@ def _hf_conv1d(module: nn.Module, x: torch.Tensor, delta: torch.Tensor) -> dict[
 def _conv2d(module: nn.Conv2d, x: torch.Tensor, delta: torch.Tensor) -> dict[str, Form] | None:
     if not supports_unfold(module, x):
         return None
-    return {"weight": Dense(conv2d_weight_grad_batch(module, x, delta)), "bias": Dense(conv2d_bias_grad_batch(delta))}
+    return {"weight": Lazy(conv2d_weight_rows(module, x, delta)), "bias": Dense(conv2d_bias_grad_batch(delta))}
+
+
+def conv2d_weight_rows(module: nn.Conv2d, x: torch.Tensor, delta: torch.Tensor) -> LazyRows:
+    """The weight's ``grad_batch`` of a ``Conv2d`` (:func:`conv2d_weight_grad_batch`) a block of rows at a time."""
+    return LazyRows(
+        x.shape[0], module.weight.shape,
+        lambda start, stop: conv2d_weight_grad_batch(module, x[start:stop], delta[start:stop]),
+        max(4, delta.element_size()),
+    )  # fmt: skip
 
 
 def _conv1d(module: nn.Conv1d, x: torch.Tensor, delta: torch.Tensor) -> dict[str, Form] | None:
@@ -149,12 +254,26 @@ def _embedding(module: nn.Embedding, tokens: torch.Tensor, delta: torch.Tensor) 
     if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
         return None
     batch, (vocab, width) = tokens.shape[0], module.weight.shape
-    rows = (tokens.reshape(batch, -1) + vocab * torch.arange(batch, device=tokens.device).unsqueeze(1)).reshape(-1)
-    grad_batch = delta.new_zeros(batch * vocab, width).index_add_(0, rows, delta.reshape(-1, width))
-    grad_batch = grad_batch.view(batch, vocab, width)
-    if module.padding_idx is not None:
-        grad_batch[:, module.padding_idx] = 0
-    return {"weight": Dense(grad_batch)}
+    tokens, delta = tokens.reshape(batch, -1), delta.reshape(batch, -1, width)
+
+    def make(start: int, stop: int) -> torch.Tensor:
+        # sum_t e_{token_t} delta_t^T for rows start:stop: [stop - start, vocab, width], one scatter-add
+        count = stop - start
+        offsets = vocab * torch.arange(count, device=tokens.device).unsqueeze(1)
+        rows = (tokens[start:stop] + offsets).reshape(-1)
+        grad_batch = delta.new_zeros(count * vocab, width).index_add_(0, rows, delta[start:stop].reshape(-1, width))
+        grad_batch = grad_batch.view(count, vocab, width)
+        if module.padding_idx is not None:
+            grad_batch[:, module.padding_idx] = 0
+        return grad_batch
+
+    def batch_sum() -> torch.Tensor:
+        total = delta.new_zeros(vocab, width).index_add_(0, tokens.reshape(-1), delta.reshape(-1, width))
+        if module.padding_idx is not None:
+            total[module.padding_idx] = 0
+        return total
+
+    return {"weight": Lazy(LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum))}
 
 
 def _affine(x_hat: torch.Tensor, delta: torch.Tensor, channel_dims: tuple[int, ...]) -> dict[str, Form]:

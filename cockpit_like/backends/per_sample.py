@@ -24,6 +24,18 @@ A module's per-sample information comes in one of two forms:
 Scaling: the loss is the *mean* over the batch of ``B`` samples, so
 BackPACK's ``grad_batch[i] = g_i / B`` where ``g_i`` is the gradient of the
 ``i``-th sample's loss (``delta`` already carries the ``1/B``).
+
+Bounded memory: where a statistic needs ``grad_batch`` itself (histograms,
+sums of squares, ... of a layer given as factors, sequence factors or
+:class:`LazyRows`), the reducer materialises it a block of rows at a time,
+each block at most ``budget_bytes`` (default :data:`DEFAULT_BUDGET_BYTES`,
+``Cockpit(..., memory_budget=...)``), and statistics with a row form
+(:attr:`PerSampleStat.row_form`) fold each block in with its :class:`Rows`
+(where the block lies in the batch, and the batch's sum for row sums). A
+layer that fits the budget is materialised once, as before. Layers whose
+per-sample gradients are made by a module rule from its input
+(convolutions, embeddings, a tied weight's several uses) come as
+:class:`LazyRows`, so not even the producer builds the whole ``[B, *shape]``.
 """
 
 from __future__ import annotations
@@ -33,7 +45,18 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["PerSampleStat", "PerSampleReducer", "materialize_linear", "materialize_sequence"]
+__all__ = [
+    "PerSampleStat",
+    "PerSampleReducer",
+    "Rows",
+    "LazyRows",
+    "DEFAULT_BUDGET_BYTES",
+    "materialize_linear",
+    "materialize_sequence",
+]
+
+#: default bound on the per-sample gradients materialised at once (one block of one layer's rows)
+DEFAULT_BUDGET_BYTES = 256 << 20
 
 
 def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
@@ -49,6 +72,71 @@ def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -
 def materialize_sequence(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` (``a`` ``[B, T, R]``, ``b`` ``[B, T, C]``), reshaped to ``[B, *shape]``."""
     return torch.bmm(a.transpose(1, 2), b).reshape(a.shape[0], *shape)
+
+
+class Rows:
+    """Where a block of rows ``start:stop`` lies in a layer's batch of ``batch`` rows.
+
+    ``total()`` is the batch's sum ``sum_k grad_batch[k]`` (shaped like the
+    parameter), computed once per layer on first use (the row sums of
+    :class:`~cockpit_like.backends.per_sample_stats.GramSummary` need it).
+    """
+
+    __slots__ = ("start", "stop", "batch", "_total", "_sum")
+
+    def __init__(self, start: int, stop: int, batch: int, total=None):
+        self.start, self.stop, self.batch, self._total, self._sum = start, stop, batch, total, None
+
+    def total(self) -> torch.Tensor:
+        if self._sum is None:
+            self._sum = self._total()
+        return self._sum
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.batch
+
+
+class LazyRows:
+    """Per-sample gradients ``[B, *shape]`` made a block of rows at a time: ``make(start, stop)``.
+
+    Also what statistics that keep a layer until the end of the step hold
+    (like ``RetainedDense``): ``batch_sum()`` and ``dots(direction)`` walk
+    the rows in blocks of ``block`` rows.
+    """
+
+    __slots__ = ("batch", "shape", "make", "itemsize", "block", "_batch_sum")
+
+    def __init__(self, batch: int, shape, make, itemsize: int = 4, batch_sum=None):
+        self.batch, self.shape, self.make, self.itemsize = int(batch), torch.Size(shape), make, itemsize
+        self.block = self.batch
+        self._batch_sum = batch_sum
+
+    @property
+    def row_bytes(self) -> int:
+        return max(1, self.shape.numel() * self.itemsize)
+
+    def blocks(self, block: int | None = None):
+        block = max(1, block or self.block)
+        for start in range(0, self.batch, block):
+            stop = min(self.batch, start + block)
+            yield start, stop, self.make(start, stop)
+
+    def batch_sum(self) -> torch.Tensor:
+        if self._batch_sum is not None:
+            return self._batch_sum().reshape(self.shape)
+        total = None
+        for _, _, rows in self.blocks():
+            part = rows.sum(0)
+            total = part if total is None else total.add_(part)
+        return total.reshape(self.shape)
+
+    def dots(self, direction: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for _, _, rows in self.blocks():
+            flat = rows.reshape(rows.shape[0], -1)
+            parts.append(flat @ direction.reshape(-1).to(flat.dtype))
+        return torch.cat(parts)
 
 
 @dataclass(frozen=True)
@@ -102,6 +190,26 @@ class PerSampleStat:
         its unfolded input. The default materialises ``grad_batch``.
         """
         return self.accumulate(state, index, param, materialize_sequence(a, b, param.shape))
+
+    #: whether :meth:`accumulate_rows` folds in a block of a layer's rows (see :class:`Rows`); without it the
+    #: reducer gives the statistic the whole ``grad_batch`` even when that exceeds the memory budget
+    row_form: ClassVar[bool] = False
+
+    def accumulate_rows(
+        self, state: Any, index: int, param: torch.Tensor, grad_batch: torch.Tensor, rows: Rows
+    ) -> Any:
+        """Fold in rows ``rows.start:rows.stop`` (``grad_batch`` ``[stop - start, *param.shape]``) of a
+        batch of ``rows.batch``; called for every block of the layer in order."""
+        raise NotImplementedError
+
+    def keeps(self) -> bool:
+        """Whether the statistic keeps each layer until ``finalize`` (then the reducer hands it a
+        layer it blocks as a whole, through :meth:`accumulate_kept`)."""
+        return False
+
+    def accumulate_kept(self, state: Any, index: int, param: torch.Tensor, kept: LazyRows) -> Any:
+        """Keep a layer given in blocks (``kept.batch_sum()``, ``kept.dots(direction)``)."""
+        raise NotImplementedError
 
     #: whether :meth:`accumulate_module` wants each layer call's input and output gradient (hook backend)
     module_form: ClassVar[bool] = False
@@ -163,8 +271,12 @@ class PerSampleReducer:
         keep_grad_batch: bool,
         info: dict | None = None,
         row_scale: float = 1.0,
+        budget_bytes: int | None = None,
     ):
         self.stats = stats
+        self.budget_bytes = DEFAULT_BUDGET_BYTES if budget_bytes is None else max(1, int(budget_bytes))
+        #: blocks of rows materialised for statistics without a factor form (tests read it)
+        self.blocks = 0
         self.keep_grad_batch = keep_grad_batch
         self.row_scale = float(row_scale)
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -194,6 +306,10 @@ class PerSampleReducer:
         """A parameter's ``grad_batch`` ``[B, *param.shape]``."""
         self._pending[id(param)] = (None, None, None, grad_batch)
 
+    def offer_lazy(self, param: torch.Tensor, lazy: "LazyRows") -> None:
+        """A parameter's ``grad_batch`` made a block of rows at a time."""
+        self._pending[id(param)] = ("lazy", None, None, lazy)
+
     # ---- the extension hook ------------------------------------------------------
     def __call__(self, module: torch.nn.Module) -> None:
         for param in module.parameters(recurse=False):
@@ -204,7 +320,9 @@ class PerSampleReducer:
             if pending is not None:
                 kind, x, delta, grad_batch = pending
                 self.seen.add(index)
-                if kind is None:
+                if kind == "lazy":
+                    self.reduce_lazy(param, grad_batch)
+                elif kind is None:
                     self._reduce(index, param, self._scaled(grad_batch))
                 else:
                     self._reduce_factors(index, param, kind, _upcast(x), self._scaled(delta))
@@ -221,8 +339,23 @@ class PerSampleReducer:
         for k, stat in enumerate(self.stats):
             self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
 
+    def _fits(self, batch: int, param: torch.Tensor, itemsize: int) -> bool:
+        return self.keep_grad_batch or batch * param.numel() * itemsize <= self.budget_bytes
+
     def _reduce_factors(self, index, param, kind, x, delta) -> None:
         # materialised at most once, and only if a statistic has no factor form
+        if not all(stat.factor_form for stat in self.stats) and not self._fits(delta.shape[0], param, delta.element_size()):
+            compact = [k for k, stat in enumerate(self.stats) if stat.factor_form]
+            for k in compact:
+                self._states[k] = self.stats[k].accumulate_factors(self._states[k], index, param, kind, x, delta)
+
+            def make(start, stop):
+                return materialize_linear(kind, None if x is None else x[start:stop], delta[start:stop])
+
+            batch_sum = (lambda: delta.sum(0)) if kind == "bias" else (lambda: delta.T @ x)
+            lazy = LazyRows(delta.shape[0], param.shape, make, delta.element_size(), batch_sum)
+            self._reduce_blocks(index, param, lazy, compact)
+            return
         grad_batch = None
         if not all(stat.factor_form for stat in self.stats):
             grad_batch = materialize_linear(kind, x, delta)
@@ -231,6 +364,49 @@ class PerSampleReducer:
                 self._states[k] = stat.accumulate_factors(self._states[k], index, param, kind, x, delta)
             else:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+
+    def _reduce_blocks(self, index: int, param: torch.Tensor, lazy: LazyRows, compact=()) -> None:
+        """Every statistic not in ``compact`` gets ``lazy``'s rows: whole if they fit the budget, else in
+        blocks (row forms), kept whole as ``lazy`` (statistics that keep), or, for a statistic with neither,
+        materialised whole (over budget)."""
+        others = [k for k in range(len(self.stats)) if k not in compact]
+        if not others:
+            return
+        lazy.block = max(1, self.budget_bytes // lazy.row_bytes)
+        if self.keep_grad_batch or lazy.block >= lazy.batch:
+            grad_batch = lazy.make(0, lazy.batch)
+            if self.keep_grad_batch:
+                param.grad_batch = grad_batch
+            for k in others:
+                self._states[k] = self.stats[k].accumulate(self._states[k], index, param, grad_batch)
+            return
+        rowed, whole = [], []
+        for k in others:
+            stat = self.stats[k]
+            if stat.keeps():
+                self._states[k] = stat.accumulate_kept(self._states[k], index, param, lazy)
+            if stat.row_form:
+                rowed.append(k)
+            elif not stat.keeps():
+                whole.append(k)
+        cache = []
+
+        def total():
+            if not cache:
+                cache.append(lazy.batch_sum())
+            return cache[0]
+
+        if rowed:
+            for start, stop, rows in lazy.blocks():
+                self.blocks += 1
+                span = Rows(start, stop, lazy.batch, total)
+                for k in rowed:
+                    self._states[k] = self.stats[k].accumulate_rows(self._states[k], index, param, rows, span)
+                del rows
+        if whole:
+            grad_batch = lazy.make(0, lazy.batch)
+            for k in whole:
+                self._states[k] = self.stats[k].accumulate(self._states[k], index, param, grad_batch)
 
     # ---- offered by the hook backend: reduced at once ------------------------------
     def observe_module(self, module: torch.nn.Module, x: torch.Tensor, delta: torch.Tensor) -> None:
@@ -270,6 +446,16 @@ class PerSampleReducer:
         a, b = self._scaled(a), _upcast(b)
         index = self._index[id(param)]
         self.seen.add(index)
+        if not all(stat.sequence_form for stat in self.stats) and not self._fits(a.shape[0], param, a.element_size()):
+            compact = [k for k, stat in enumerate(self.stats) if stat.sequence_form]
+            for k in compact:
+                self._states[k] = self.stats[k].accumulate_sequence(self._states[k], index, param, a, b)
+            lazy = LazyRows(
+                a.shape[0], param.shape, lambda start, stop: materialize_sequence(a[start:stop], b[start:stop], param.shape),
+                a.element_size(), lambda: torch.einsum("btr,btc->rc", a, b),
+            )  # fmt: skip
+            self._reduce_blocks(index, param, lazy, compact)
+            return
         # materialised at most once, and only if a statistic has no sequence form (or grad_batch is kept);
         # then every statistic reads it: on grad_batch, sums and dots cost T times less than on the
         # factors (gpt economy: GramSummary's row sums on the factors cost ~35 ms more per step)
@@ -283,6 +469,18 @@ class PerSampleReducer:
                 self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b)
             else:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+
+    def reduce_lazy(self, param: torch.Tensor, lazy: LazyRows) -> None:
+        """Reduce per-sample gradients that ``lazy`` makes a block of rows at a time (module rules)."""
+        index = self._index[id(param)]
+        self.seen.add(index)
+        if lazy.itemsize < 4 or self.row_scale != 1.0:
+            make, batch_sum = lazy.make, lazy._batch_sum
+            lazy = LazyRows(
+                lazy.batch, lazy.shape, lambda start, stop: self._scaled(make(start, stop)), max(4, lazy.itemsize),
+                None if batch_sum is None else (lambda: self._scaled(batch_sum())),
+            )  # fmt: skip
+        self._reduce_blocks(index, param, lazy)
 
     def results(self) -> dict[PerSampleStat, Any]:
         return {stat: stat.finalize(state) for stat, state in zip(self.stats, self._states)}

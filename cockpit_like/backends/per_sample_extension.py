@@ -11,7 +11,8 @@ statistics are needed but nobody asked for the raw ``grad_batch``:
   with a factor form never see a ``[B, out, in]`` tensor.
 - ``nn.Conv2d`` (groups 1, zero padding): ``grad_batch`` from the unfolded
   input and one batched matmul (:mod:`cockpit_like.backends.conv_unfold`),
-  several times faster than ``BatchGrad``'s and without its large intermediate.
+  several times faster than ``BatchGrad``'s and without its large intermediate,
+  made a block of rows at a time under the reducer's memory budget.
 - every other layer BackPACK's ``BatchGrad`` supports (convolutions,
   batch norm, RNNs, embeddings, linear layers with extra input dimensions):
   BatchGrad's own per-module computation, handed to the reducer as
@@ -28,11 +29,8 @@ from torch.nn import Conv2d, Linear, Module
 from backpack.extensions import BatchGrad
 from backpack.extensions.firstorder.base import FirstOrderBackpropExtension, FirstOrderModuleExtension
 
-from cockpit_like.backends.conv_unfold import (
-    conv2d_bias_grad_batch,
-    conv2d_weight_grad_batch,
-    supports_unfold,
-)
+from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, supports_unfold
+from cockpit_like.backends.module_rules import conv2d_weight_rows
 from cockpit_like.backends.per_sample import PerSampleReducer
 
 __all__ = ["PerSampleStatistics"]
@@ -101,7 +99,7 @@ class _Conv2dUnfold(_GradBatchToReducer):
         reducer, delta = extension.reducer, g_out[0].detach()
         weight, bias = module.weight, module.bias
         if weight.requires_grad and reducer.tracks(weight):
-            reducer.offer_grad_batch(weight, conv2d_weight_grad_batch(module, x.detach(), delta))
+            reducer.offer_lazy(weight, conv2d_weight_rows(module, x.detach(), delta))
         if bias is not None and bias.requires_grad and reducer.tracks(bias):
             reducer.offer_grad_batch(bias, conv2d_bias_grad_batch(delta))
 

@@ -57,7 +57,7 @@ import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
 from cockpit_like.backends.partitions import step_grad, step_memo, whole
-from cockpit_like.backends.per_sample import PerSampleStat
+from cockpit_like.backends.per_sample import LazyRows, PerSampleStat, Rows
 
 __all__ = [
     "GramSummary",
@@ -75,6 +75,14 @@ __all__ = [
 
 def _flat(grad_batch: torch.Tensor) -> torch.Tensor:
     return grad_batch.reshape(grad_batch.shape[0], -1)
+
+
+def _into_rows(state: torch.Tensor | None, values: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Add a block's per-row ``values`` at its rows of a ``[batch]`` accumulator (created on first use)."""
+    if state is None:
+        state = values.new_zeros(rows.batch)
+    state[rows.start : rows.stop].add_(values)
+    return state
 
 
 @dataclass(frozen=True)
@@ -139,6 +147,27 @@ class GramSummary(PerSampleStat):
         diag = torch.linalg.vector_norm(flat, dim=1).square_()
         row_sums = flat @ flat.sum(0)
         return self._fold(state, diag, row_sums)
+
+    row_form = True
+
+    def keeps(self) -> bool:
+        return self.synced
+
+    def accumulate_kept(self, state, index, param, kept):
+        state["kept"].append((param, kept))  # the row sums at finalize; the diagonal comes in blocks
+        return state
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        flat = _flat(grad_batch.detach())
+        diag = torch.linalg.vector_norm(flat, dim=1).square_()
+        if self.synced:
+            gram = state["gram"]
+            state["gram"] = (_into_rows(None if gram is None else gram[0], diag, rows), None)
+            return state
+        row_sums = flat @ rows.total().reshape(-1).to(flat.dtype)
+        if state is None:
+            return (_into_rows(None, diag, rows), _into_rows(None, row_sums, rows))
+        return (_into_rows(state[0], diag, rows), _into_rows(state[1], row_sums, rows))
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
         if self.synced:
@@ -213,6 +242,11 @@ class SquaredNorms(PerSampleStat):
     def accumulate_sequence(self, state, index, param, a, b):
         return self._fold(state, GramSummary._sequence_diag(a.detach(), b.detach()))
 
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        return _into_rows(state, torch.linalg.vector_norm(_flat(grad_batch.detach()), dim=1).square_(), rows)
+
     @staticmethod
     def _fold(state, squares):
         return squares if state is None else state.add_(squares)
@@ -240,6 +274,13 @@ class SumOfSquares(PerSampleStat):
         state[index] = squared.sum(0) if kind == "bias" else squared.T @ (x * x)
         return state
 
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        part = (grad_batch.detach() ** 2).sum(0)
+        state[index] = part if rows.start == 0 else state[index].add_(part)
+        return state
+
     def across_ranks(self, result, reduction):
         # s_p * B_r^2 = sum_i g_ip^2 adds up over ranks
         parts = [reduction.sum(s * reduction.local_batch**2) for s in result]
@@ -263,6 +304,11 @@ class AbsMax(PerSampleStat):
         if kind == "weight":
             largest = largest * x.abs().amax(1)  # max |delta_i x_i^T| = max|delta_i| max|x_i|
         return self._fold(state, largest.max(), delta.shape[0])
+
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        return self._fold(state, grad_batch.detach().abs().max(), rows.batch)
 
     @staticmethod
     def _fold(state, current, batch):
@@ -311,6 +357,13 @@ class Histogram1dCounts(PerSampleStat):
             state[0].count_outer(state[1], x, delta)
         return state
 
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        state = self._state(state, grad_batch)
+        state[0].count_grad_batch(state[1], grad_batch, scale=rows.batch)
+        return state
+
     def finalize(self, state):
         if state is None:
             return None
@@ -355,6 +408,15 @@ class Histogram2dCounts(PerSampleStat):
         state[index] = counter.finish(counts)
         return state
 
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        counter = Hist2dCounter(self.bins, self.range)
+        if rows.start == 0:
+            state[index] = counter.finish(counter.new_counts(grad_batch.device))
+        counter.count_grad_batch(state[index].view(-1), grad_batch, whole(param.detach()), scale=rows.batch)
+        return state
+
     def across_ranks(self, result, reduction):
         parts = [None if counts is None else reduction.sum(counts) for counts in result]
         return lambda: [None if part is None else part.value for part in parts]
@@ -395,6 +457,12 @@ class DirectionalDots(PerSampleStat):
         d = self.direction[index].to(a.dtype).reshape(a.shape[2], b.shape[2])
         dots = ((a.detach() @ d) * b.detach()).sum((1, 2))
         return dots if state is None else state.add_(dots)
+
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        dots = _flat(grad_batch.detach()) @ self.direction[index].reshape(-1).to(grad_batch.dtype)
+        return _into_rows(state, dots, rows)
 
     def across_ranks(self, result, reduction):
         return _concatenated_dots(result, reduction)
@@ -488,6 +556,13 @@ class RetainedGradBatch(PerSampleStat):
 
     def accumulate_sequence(self, state, index, param, a, b):
         state[index] = RetainedSequence(a.detach(), b.detach(), param.shape)
+        return state
+
+    def keeps(self) -> bool:
+        return True
+
+    def accumulate_kept(self, state, index, param, kept):
+        state[index] = kept  # a layer over the memory budget: its rows are made again, a block at a time
         return state
 
     def across_ranks(self, result, reduction):
@@ -674,6 +749,15 @@ class PredictedSlopes(PerSampleStat):
             return state
         kept = RetainedSequence(a.detach(), b.detach(), param.shape)
         return self._hold(state, index, param, kept, (a.numel() + b.numel()) * a.element_size())
+
+    def keeps(self) -> bool:
+        return True
+
+    def accumulate_kept(self, state, index, param, kept):
+        if state["mode"] == "retained":
+            state["retained"][index] = kept
+            return state
+        return self._hold(state, index, param, kept, 0)  # nothing materialised: made again in blocks
 
     def finalize(self, state):
         if state["mode"] == "synced":

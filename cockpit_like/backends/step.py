@@ -105,7 +105,9 @@ class StepExecution:
             a ``GradScaler``'s scale; :mod:`cockpit_like.backends.partitions`).
     """
 
-    def __init__(self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0):
+    def __init__(
+        self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0, memory_budget=None
+    ):
         self.step = step
         self.info = info or {}
         self.stat_owners = list(needs.owners)
@@ -130,10 +132,12 @@ class StepExecution:
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []
         requests, hooks = list(needs.requests), list(needs.hooks)
+        self._memory_budget = memory_budget
         if stats:
             self.reducer = PerSampleReducer(
-                stats, params, keep_grad_batch=raw_batch_grad, info=self.info, row_scale=row_scale
-            )
+                stats, params, keep_grad_batch=raw_batch_grad, info=self.info, row_scale=row_scale,
+                budget_bytes=memory_budget,
+            )  # fmt: skip
             use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad, stats)
             if use_backpack:
                 if raw_batch_grad:
@@ -328,7 +332,7 @@ class StepExecution:
                 f"step {self.step}: a second backward pass needs the model's forward calls; pass "
                 "Cockpit(..., model=model) and run the forward pass after creating the cockpit"
             )
-        reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False)
+        reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False, budget_bytes=self._memory_budget)
         calls = [call.fresh() for call in self._calls]
         backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size)
         backend.enter()

@@ -1,0 +1,144 @@
+"""Per-sample statistics under a memory budget: blocks of rows give the same numbers (float64).
+
+``Cockpit(..., memory_budget=...)`` bounds the per-sample gradients
+materialised at once: a layer whose ``[B, *param.shape]`` is larger is
+reduced a block of rows at a time (factors, sequence factors, convolutions,
+embeddings, a tied weight's uses summed). A budget of a few bytes forces one
+row per block on every layer; the outputs must equal the default budget's
+(where every test layer fits in one block) and, through the existing
+brute-force tests of the default path, the autograd references.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.backends import per_sample
+from cockpit_like.quantities import Alpha, GradHist1d, GradHist2d, GradNorm, InnerTest, MeanGSNR, NormTest, OrthoTest
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+from tests.helpers import assert_nested_close, make_batch, make_problem
+from tests.zoo import ZOO
+
+STEPS, ROWS = 3, 6
+
+
+def _quantities():
+    return configuration("economy") + [GradHist2d(linear(1)), MeanGSNR(linear(1))]
+
+
+def _problem(name: str):
+    if name in ("mlp", "cnn"):
+        model, lossfunc, individual = make_problem(name)
+        return model, lossfunc, individual, lambda size, seed: make_batch(name, size, seed)
+    problem = ZOO[name](0)
+
+    def mean_loss(outputs, targets):
+        return problem.sample_losses(outputs, targets).mean()
+
+    return problem.model, mean_loss, problem.sample_losses, problem.batch
+
+
+def _run(name: str, quantities, optimizer_class=torch.optim.SGD, micro_batches: int = 1, **cockpit_args):
+    model, lossfunc, individual, batch = _problem(name)
+    cockpit = Cockpit(model.parameters(), quantities=quantities, model=model, **cockpit_args)
+    optimizer = optimizer_class(model.parameters(), lr=0.05, momentum=0.5)
+    size = ROWS // micro_batches
+    for step in range(STEPS):
+        inputs, targets = batch(ROWS, 100 + step)
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            outputs = model(inputs[part])
+            loss = lossfunc(outputs, targets[part])
+            info = {
+                "batch_size": size,
+                "individual_losses": individual(outputs, targets[part]),
+                "loss": loss,
+                "optimizer": optimizer,
+                "micro_batches": micro_batches,
+            }
+            with cockpit(step, info=info):
+                (loss / micro_batches).backward()
+        optimizer.step()
+    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in cockpit.get_output().items()}
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """Counts the blocks of rows the reducers materialised."""
+    made = []
+    original = per_sample.PerSampleReducer.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(per_sample.PerSampleReducer, "__init__", init)
+    return lambda: sum(reducer.blocks for reducer in made)
+
+
+# mlp, cnn: BackPACK (factors, unfolded convolutions); the others: module hooks (sequence factors,
+# convolutions and group norms, embeddings, GPT-2's tied input/output embedding, a custom layer)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "encoder", "resnet_groupnorm", "custom"])
+def test_a_tiny_budget_gives_the_same_numbers(name, blocks):
+    reference = _run(name, _quantities())
+    assert blocks() == 0  # every layer of these small models fits the default budget
+    tiny = _run(name, _quantities(), memory_budget=1)
+    if name == "mlp":  # every statistic reads a linear layer's factors: nothing per-sample is materialised
+        assert blocks() == 0
+    elif name != "custom":  # (custom: its own layer's rows come whole from the torch.func fallback)
+        assert blocks() >= STEPS * ROWS  # at least one block per row of some layer at every step
+    names = {key for values in reference.values() for key in values}
+    assert {"Alpha", "NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d", "MeanGSNR"} <= names
+    assert_nested_close(tiny, reference, f"{name} budget 1 byte", rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2"])
+def test_a_budget_of_a_few_rows_gives_the_same_numbers(name, blocks):
+    """Blocks of several rows (the last one shorter): 4 rows of the largest layer fit."""
+    model = _problem(name)[0]
+    largest = max(p.numel() for p in model.parameters()) * 8  # float64
+    reference = _run(name, _quantities())
+    blocked = _run(name, _quantities(), memory_budget=4 * largest)
+    assert blocks() > 0
+    assert_nested_close(blocked, reference, f"{name} budget 4 rows", rtol=1e-10, atol=1e-13)
+
+
+class CoupledSGD(torch.optim.SGD):
+    """Not one of the known element-wise optimizers: Alpha keeps the layers (retained mode)."""
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2"])
+def test_alpha_keeps_layers_in_blocks_with_any_optimizer(name, blocks):
+    """An optimizer the cockpit cannot step layer by layer: Alpha keeps every layer until the step ends (as blocks of rows)."""
+    kinds = [Alpha, GradNorm, NormTest, InnerTest, OrthoTest, GradHist1d]
+    reference = _run(name, [kind(linear(1)) for kind in kinds], optimizer_class=CoupledSGD)
+    tiny = _run(name, [kind(linear(1)) for kind in kinds], optimizer_class=CoupledSGD, memory_budget=1)
+    assert blocks() > 0
+    assert_nested_close(tiny, reference, f"{name} LBFGS budget 1 byte", rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2"])
+def test_a_tiny_budget_with_micro_batches_equals_one_pass(name):
+    reference = _run(name, _quantities())
+    accumulated = _run(name, _quantities(), micro_batches=2, memory_budget=1)
+    assert_nested_close(accumulated, reference, f"{name} 2 micro-batches, budget 1 byte", rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "budget, expected", [("256MB", 256 << 20), ("1.5 GB", int(1.5 * (1 << 30))), (4096, 4096), ("64 MiB", 64 << 20)]
+)
+def test_memory_budget_accepts_sizes(budget, expected):
+    model = nn.Linear(2, 2)
+    assert Cockpit(model.parameters(), quantities=[GradNorm(linear(1))], memory_budget=budget).memory_budget == expected
+
+
+@pytest.mark.parametrize("budget", ["lots", -5, 0, "0MB", True, [1]])
+def test_memory_budget_rejects_nonsense(budget):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="memory_budget"):
+        Cockpit(model.parameters(), quantities=[GradNorm(linear(1))], memory_budget=budget)
