@@ -103,7 +103,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, is_hf_conv1d, rule_for, summed
 
@@ -152,12 +152,42 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     # where the call began: the calls noted since then are the calls it made (its descendants)
     opened = tracer.opened.get(id(module))
     start = opened.pop() if opened else len(calls)
+    if start == len(calls) and not module._parameters and not module._modules:
+        return  # a leaf without parameters (activations, dropout, pooling): nothing to compute, nothing kept
+    if type(module) not in RECOMPUTE_RULES:
+        # the outputs' shapes and graph nodes, not their values: autograd keeps what the backward pass needs,
+        # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
+        output = tree_map(_shell, output)
     # the output is returned unchanged: the cockpit never changes what the model computes
     noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)))
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
         return
     calls.append(noted)  # a Call only at tracked steps
+
+
+class Shell:
+    """A recorded output without its values: shape, dtype, device and graph node (see :func:`_record`)."""
+
+    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr")
+
+    def __init__(self, shape, dtype, device, grad_fn, output_nr):
+        self.shape, self.dtype, self.device, self.grad_fn, self.output_nr = torch.Size(shape), dtype, device, grad_fn, output_nr
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def expand(self, *shape) -> "Shell":
+        return Shell(shape, self.dtype, self.device, self.grad_fn, self.output_nr)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def _shell(value):
+    if isinstance(value, torch.Tensor):
+        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr)
+    return value
 
 
 def _open(tracer_id: int, module, args) -> None:
@@ -519,7 +549,7 @@ def _discover(tracer_id: int, module, args) -> None:
 # ---- the backend of one step ------------------------------------------------------------
 def _flat_outputs(output) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(output)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return [leaf for leaf in leaves if isinstance(leaf, (torch.Tensor, Shell))]
 
 
 class HookBackend:
@@ -642,7 +672,7 @@ class HookBackend:
             if isinstance(x, nn.Parameter):
                 return False  # a parameter as input (DeBERTa's layer norm of its relative position table)
             output = call.output
-            if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == 1:
+            if isinstance(output, (torch.Tensor, Shell)) and output.dim() > 0 and output.shape[0] == 1:
                 call.consumer = self._broadcast_add(output, batch)
                 return call.consumer is not None
             if isinstance(call.module, nn.Embedding) and (x.dim() == 1 or batch in x.shape[1:]):
@@ -650,7 +680,7 @@ class HookBackend:
                 # if they are (a view of) an input of the model
                 return x.untyped_storage().data_ptr() in self._model_inputs
         output = call.output
-        if isinstance(output, torch.Tensor) and output.dim() > 0 and output.shape[0] == 1:
+        if isinstance(output, (torch.Tensor, Shell)) and output.dim() > 0 and output.shape[0] == 1:
             if not isinstance(call.module, nn.RNNBase):  # a shared output (BART's positions): as above
                 call.consumer = self._broadcast_add(output, batch)
                 return call.consumer is not None
@@ -863,7 +893,8 @@ class HookBackend:
 
     # ---- per call -------------------------------------------------------------------------
     def _grads(self, call: Call) -> list[torch.Tensor]:
-        return [torch.zeros_like(t) if g is None else g for t, g in zip(call.entries, call.grads)]
+        return [(t.zeros() if isinstance(t, Shell) else torch.zeros_like(t)) if g is None else g
+                for t, g in zip(call.entries, call.grads)]  # fmt: skip
 
     def _process(self, call: Call) -> None:
         call.done, call.waiting = True, -1
@@ -1003,7 +1034,7 @@ def _batch_dim(module: nn.Module, position: int | str, tensor: torch.Tensor) -> 
 
 
 def _batched(module, position, tensor, batch) -> int | None:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
+    if not isinstance(tensor, (torch.Tensor, Shell)) or tensor.dim() == 0:
         return None
     dim = _batch_dim(module, position, tensor)
     if dim < tensor.dim() and tensor.shape[dim] == batch:
@@ -1071,6 +1102,13 @@ def per_sample_grads(
         except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing): loop
             live = dict(zip(param_names, params))
             results, outputs = _looped(run, live, params, values, batched, dims, grads, out_dims, batch)
+    if recorded is not None and any(isinstance(t, Shell) for t in recorded):
+        # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
+        # of the whole batch, i.e. the rows are independent (dropout is refused before)
+        with tracer.pause(), torch.no_grad():
+            whole = run({name: p.detach() for name, p in zip(param_names, params)}, [values[k] for k in batched])
+        # a shared output (leading 1) was recorded as its expansion over the rows
+        recorded = [o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(whole, recorded)]
     if recorded is not None and not _same_outputs(outputs, recorded):
         raise UncoveredParameterError(
             f"{type(module).__name__}: re-running it row by row to get per-sample gradients did not reproduce "
