@@ -89,7 +89,7 @@ class KFACTrace(SingleStepQuantity):
     Args:
         track_schedule: when to compute.
         verbose: print each value.
-        curvature: ``"kfac"`` or ``"kflr"``.
+        curvature: ``"auto"``, ``"kfac"``, ``"kflr"`` or ``"empirical"``.
         mc_samples: Monte-Carlo samples of ``"kfac"`` (ignored by ``"kflr"``).
         damping: ``> 0`` to also report the damped log-determinant.
 
