@@ -62,7 +62,9 @@ class KFACTrace(SingleStepQuantity):
       ``Covariance`` of its ``backward`` log, ``G = (1/B) sum_{n,t} (B
       delta)(B delta)^T = B sum delta delta^T``, and of its ``forward`` log,
       ``A = (1/M) sum x x^T`` over the ``M = B T`` positions of the batch
-      ("expand" convention for layers applied to every token). Every other
+      ("expand" convention for layers applied to every token; factors in
+      the weight's storage order, so HF ``Conv1D``'s ``[in, out]`` weight
+      gets them swapped, with the same product). Every other
       parameter (biases, convolutions, norms, embeddings) gets its exact
       block ``[(1/B) sum_n g_n g_n^T]`` (the ``Covariance`` of its ``grad``
       log) if it has at most ``DENSE_LIMIT = 4096`` entries, else ``None``
