@@ -17,7 +17,6 @@ from cockpit_like.backends.per_sample_stats import (
     DirectionalDots,
     Histogram1dCounts,
     Histogram2dCounts,
-    KroneckerFactors,
     SumOfSquares,
 )
 
@@ -95,7 +94,6 @@ def _halves(stat, grads: torch.Tensor, params: list[torch.Tensor]):
         Histogram1dCounts(7, (-1.0, 1.0)),
         Histogram2dCounts((4, 3), ((-1.0, 1.0), (-2.0, 2.0))),
         DirectionalDots("d", (torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(2)),)),
-        KroneckerFactors(),
     ],
     ids=lambda stat: type(stat).__name__,
 )
@@ -228,6 +226,50 @@ def test_curvature_statistics_of_halves_are_those_of_the_whole(problem):
     # counts add up too
     backward = combined["layers"][next(iter(combined["layers"]))]["backward"]
     assert {state["count"] for state in backward.values()} == {6}
+
+
+@pytest.mark.parametrize("form", ["factors", "sequence"])
+def test_kronecker_logs_of_weights_given_as_factors_of_halves_are_those_of_the_whole(form):
+    """KFACTrace(curvature="empirical")'s logs (layers_from="factors"): a weight's forward/backward
+    covariances and a bias's exact block (grad log) across two ranks equal those of the whole batch."""
+    from cockpit_like.statistics import Covariance, finalize_logs
+    from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
+
+    generator = torch.Generator().manual_seed(5)
+    batch, out, inp, positions = 6, 3, 4, 1 if form == "factors" else 3
+    delta = torch.randn(batch, positions, out, dtype=DTYPE, generator=generator)  # output gradients of g_i
+    x = torch.randn(batch, positions, inp, dtype=DTYPE, generator=generator)
+    weight, bias = torch.zeros(out, inp, dtype=DTYPE), torch.zeros(out, dtype=DTYPE)
+    config = {"forward": [Covariance], "backward": [Covariance], "grad": [Covariance(max_dim=8, skip_longer=True)]}
+    plan = StatisticsPlan(config, window="step", layers_from="factors")
+    stat = LayerLogs("kfac", plan)
+
+    def compute(rows):
+        d, xs = delta[rows] / delta[rows].shape[0], x[rows]  # each part scaled for its own mean loss
+        state = stat.init([weight, bias])
+        if form == "factors":
+            state = stat.accumulate_factors(state, 0, weight, "weight", xs[:, 0], d[:, 0])
+            state = stat.accumulate_factors(state, 1, bias, "bias", None, d[:, 0])
+        else:
+            state = stat.accumulate_sequence(state, 0, weight, d, xs)
+            state = stat.accumulate(state, 1, bias, d.sum(1))
+        return stat.finalize(state)
+
+    combined = _combine([compute(slice(0, 3)), compute(slice(3, None))], [3, 3], stat.across_ranks)
+    got, expected = finalize_logs(plan.stats, combined), finalize_logs(plan.stats, compute(slice(None)))
+    assert list(got["layers"]) == ["param0"] and list(got["grad"]) == ["param1"]
+    a, b = delta.reshape(-1, out), x.reshape(-1, inp)
+    g_bias = delta.sum(1)
+    for value, reference in [
+        (expected["layers"]["param0"]["backward"]["covariance"], a.T @ a / batch),  # G = (1/B) sum (B delta)(B delta)^T
+        (expected["layers"]["param0"]["forward"]["covariance"], b.T @ b / (batch * positions)),
+        (expected["grad"]["param1"]["covariance"], g_bias.T @ g_bias / batch),
+    ]:
+        torch.testing.assert_close(value, reference, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    # the weight (12 entries > max_dim 8) given as grad_batch is left out of the grad log
+    state = stat.accumulate(stat.init([weight]), 0, weight, torch.einsum("bto,bti->boi", delta, x))
+    assert stat.finalize(state)["grad"] == {} and stat.finalize(state)["layers"] == {}
 
 
 def test_ekfac_statistics_refuse_ddp_with_a_clear_error():

@@ -9,13 +9,25 @@ from cockpit_like.backends.per_sample_stats import (
     DirectionalDots,
     GramSummary,
     Histogram1dCounts,
-    KroneckerFactors,
     RetainedDense,
     RetainedFactors,
     RetainedGradBatch,
     RetainedSequence,
     SumOfSquares,
 )
+from cockpit_like.statistics import Covariance, LayerLogs, StatisticsPlan, finalize_logs
+
+
+def _kronecker_logs() -> LayerLogs:
+    """The curvature logs of every weight given as factors (KFACTrace(curvature="empirical")'s)."""
+    plan = StatisticsPlan({"forward": [Covariance], "backward": [Covariance]}, window="step", layers_from="factors")
+    return LayerLogs("sequence", plan)
+
+
+def _kronecker_factors(stat: LayerLogs, result: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, A)``: the backward and forward covariances of the one logged weight."""
+    (layer,) = finalize_logs(stat.plan.stats, result)["layers"].values()
+    return layer["backward"]["covariance"], layer["forward"]["covariance"]
 
 
 def _factors(batch, positions, rows, cols, seed=0):
@@ -36,11 +48,11 @@ def test_sequence_forms_equal_the_dense_path(positions, rows, cols):
     gb = _dense(a, b, param.shape)
     torch.testing.assert_close(materialize_sequence(a, b, param.shape), gb)
     direction = (torch.randn(rows, cols, dtype=torch.float64),)
-    for stat in (GramSummary(), DirectionalDots("d", direction), KroneckerFactors()):
+    for stat in (GramSummary(), DirectionalDots("d", direction), _kronecker_logs()):
         assert stat.sequence_form
         by_factors = stat.finalize(stat.accumulate_sequence(stat.init([param]), 0, param, a, b))
-        if isinstance(stat, KroneckerFactors):  # not gb's own function: check the defining sums instead
-            factor_a, factor_b = by_factors[0]
+        if isinstance(stat, LayerLogs):  # not gb's own function: check the defining sums instead
+            factor_a, factor_b = _kronecker_factors(stat, by_factors)
             torch.testing.assert_close(factor_a, 5 * torch.einsum("btr,bts->rs", a, a))
             torch.testing.assert_close(factor_b, torch.einsum("btc,btd->cd", b, b) / (5 * positions))
             continue

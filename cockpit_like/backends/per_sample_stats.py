@@ -68,7 +68,6 @@ __all__ = [
     "Histogram2dCounts",
     "DirectionalDots",
     "RetainedGradBatch",
-    "KroneckerFactors",
     "PredictedSlopes",
 ]
 
@@ -570,64 +569,6 @@ class RetainedGradBatch(PerSampleStat):
             "RetainedGradBatch keeps per-sample gradients, which stay on their rank under "
             "DistributedDataParallel; reduce them in a statistic with an across_ranks method instead"
         )
-
-@dataclass(frozen=True)
-class KroneckerFactors(PerSampleStat):
-    """Empirical-Fisher Kronecker factors per parameter, from the layer inputs and output gradients.
-
-    For a parameter whose per-sample gradient is ``gb_i = sum_t a_it b_it^T``
-    (a linear layer: ``a = delta`` the output gradient, ``b = x`` the input;
-    ``T = 1`` without a sequence), the empirical Fisher block of the mean loss,
-    ``F = B sum_i vec(gb_i) vec(gb_i)^T = (1/B) sum_i g_i g_i^T``, is
-    approximated, treating the ``M = B T`` positions as examples (the
-    "expand" convention for weight sharing), by
-
-        F ≈ (B sum_{i,t} a_it a_it^T) ⊗ ((1/M) sum_{i,t} b_it b_it^T),
-
-    which for ``T = 1`` is KFAC with ``G`` the output-gradient covariance and
-    ``A`` the input covariance. A parameter without this structure (biases,
-    norms, embeddings, convolutions given as ``grad_batch``) gets its exact
-    block ``[B sum_i vec(gb_i) vec(gb_i)^T]`` (one factor), if it has at most
-    :attr:`dense_limit` entries, else ``None``.
-
-    Result: a list, per parameter, of a factor list (``[F_a, F_b]`` or ``[F]``)
-    or ``None``.
-    """
-
-    dense_limit: int = 4096
-
-    factor_form = True
-    sequence_form = True
-
-    def init(self, params):
-        return [None] * len(params)
-
-    def accumulate(self, state, index, param, grad_batch):
-        if param.numel() > self.dense_limit:
-            return state
-        flat = _flat(grad_batch.detach())
-        state[index] = [flat.shape[0] * (flat.T @ flat)]
-        return state
-
-    def accumulate_factors(self, state, index, param, kind, x, delta):
-        if kind == "bias":
-            return self.accumulate(state, index, param, delta)
-        return self._kronecker(state, index, delta.detach(), x.detach(), delta.shape[0], delta.shape[0])
-
-    def accumulate_sequence(self, state, index, param, a, b):
-        batch, positions = a.shape[0], a.shape[1]
-        a, b = a.detach().reshape(-1, a.shape[2]), b.detach().reshape(-1, b.shape[2])
-        return self._kronecker(state, index, a, b, batch, batch * positions)
-
-    @staticmethod
-    def _kronecker(state, index, a, b, batch, positions):
-        state[index] = [batch * (a.T @ a), (b.T @ b) / positions]
-        return state
-
-    def across_ranks(self, result, reduction):
-        # both factors (and the dense blocks) are batch-weighted means over the ranks
-        parts = [None if factors is None else [reduction.mean(f) for f in factors] for factors in result]
-        return lambda: [None if part is None else [f() for f in part] for part in parts]
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ Normalisation: ``scale=None`` means ``1/N``, the mean over the samples.
 With BackPACK-style per-sample gradients of a **mean** loss
 (``grad_batch[n] = ∇ℓ_n / B``), the empirical Fisher of the mean loss is
 ``F = (1/B) sum_n ∇ℓ_n ∇ℓ_nᵀ = B sum_n grad_batch[n] grad_batch[n]ᵀ``: pass
-``scale=B``, the normalisation of
-:class:`~cockpit_like.backends.per_sample_stats.KroneckerFactors`
-(``G = B sum δ δᵀ``, ``A = (1/M) sum x xᵀ``).
+``scale=B``, the normalisation of the curvature statistics' Kronecker
+factors (:mod:`cockpit_like.statistics.logs`: ``G = B sum δ δᵀ``,
+``A = (1/M) sum x xᵀ``).
 
 Sequence form: when the per-sample gradient is a sum over ``T`` positions,
 ``g_n = sum_t b_nt a_ntᵀ`` (output gradients ``b [N, T, out]``, inputs

@@ -12,14 +12,17 @@ import math
 import torch
 from backpack.extensions import KFAC, KFLR
 
-from cockpit_like.backends.per_sample_stats import KroneckerFactors
 from cockpit_like.context import get_record
 from cockpit_like.operators import KroneckerProduct
 from cockpit_like.quantities.quantity import SingleStepQuantity
+from cockpit_like.statistics import Covariance, LayerLogs, StatisticsPlan, finalize_logs
 
 __all__ = ["KFACTrace"]
 
 _CHOICES = ("auto", "kfac", "kflr", "empirical")
+
+#: the largest parameter (entries) whose exact empirical block ``curvature="empirical"`` builds
+DENSE_LIMIT = 4096
 
 
 class KFACTrace(SingleStepQuantity):
@@ -49,14 +52,23 @@ class KFACTrace(SingleStepQuantity):
       is backpropagated (exact for a single linear layer with MSE loss);
     - ``"kfac"``: :class:`backpack.extensions.KFAC`, a Monte-Carlo estimate
       with ``mc_samples`` sampled labels (random: uses the torch RNG);
-    - ``"empirical"`` (any model, no BackPACK): the empirical Fisher in
-      Kronecker form from the statistics of the same backward pass, the
-      output-gradient covariance ``G = B sum delta delta^T`` and the input
-      covariance ``A = (1/M) sum x x^T`` over the ``M = B T`` positions of
-      the batch ("expand" convention for layers applied to every token);
-      parameters without that structure get their exact empirical block if
-      small, else ``None`` in every list (see
-      :class:`~cockpit_like.backends.per_sample_stats.KroneckerFactors`).
+    - ``"empirical"`` (any model, no BackPACK): the empirical Fisher of the
+      mean loss, ``F = (1/B) sum_n g_n g_n^T``, from the curvature statistics
+      logged in the same backward pass (:mod:`cockpit_like.statistics`, a
+      plan with ``layers_from="factors"``). A weight whose per-sample
+      gradient is a sum of outer products ``g_n / B = sum_t delta_{n,t}
+      x_{n,t}^T`` (``nn.Linear`` on any leading dimensions, HF ``Conv1D``,
+      ``nn.MultiheadAttention``'s projections) gets ``[G, A]``: the
+      ``Covariance`` of its ``backward`` log, ``G = (1/B) sum_{n,t} (B
+      delta)(B delta)^T = B sum delta delta^T``, and of its ``forward`` log,
+      ``A = (1/M) sum x x^T`` over the ``M = B T`` positions of the batch
+      ("expand" convention for layers applied to every token; factors in
+      the weight's storage order, so HF ``Conv1D``'s ``[in, out]`` weight
+      gets them swapped, with the same product). Every other
+      parameter (biases, convolutions, norms, embeddings) gets its exact
+      block ``[(1/B) sum_n g_n g_n^T]`` (the ``Covariance`` of its ``grad``
+      log) if it has at most ``DENSE_LIMIT = 4096`` entries, else ``None``
+      in every list.
 
     Scaling (BackPACK's, for a **mean** loss over ``B`` samples): for a linear
     layer with inputs ``a_n`` and output loss-Hessian square roots ``S_n``,
@@ -79,7 +91,7 @@ class KFACTrace(SingleStepQuantity):
     Args:
         track_schedule: when to compute.
         verbose: print each value.
-        curvature: ``"kfac"`` or ``"kflr"``.
+        curvature: ``"auto"``, ``"kfac"``, ``"kflr"`` or ``"empirical"``.
         mc_samples: Monte-Carlo samples of ``"kfac"`` (ignored by ``"kflr"``).
         damping: ``> 0`` to also report the damped log-determinant.
 
@@ -111,8 +123,16 @@ class KFACTrace(SingleStepQuantity):
         self._curvature = "kfac" if curvature == "auto" else curvature
         self._mc_samples = mc_samples
         self._damping = None if damping is None else float(damping)
+        #: ``curvature="empirical"``: the step's Kronecker logs (weights given as factors) and exact blocks (the rest)
+        self.plan = StatisticsPlan(
+            {"forward": [Covariance], "backward": [Covariance], "grad": [Covariance(DENSE_LIMIT, skip_longer=True)]},
+            window="step",
+            layers_from="factors",
+        )
+        self._key = f"{type(self).__name__}@{id(self)}"
 
     def adapt_to_models(self, models: list) -> None:
+        self.plan.set_models(models)
         if self._requested == "auto":
             from cockpit_like.backends.step import backpack_curvature_compatible
 
@@ -126,7 +146,7 @@ class KFACTrace(SingleStepQuantity):
     def per_sample_stats(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self._curvature != "empirical":
             return []
-        return [KroneckerFactors()]
+        return [LayerLogs(self._key, self.plan)]
 
     def settings(self) -> dict:
         settings = {"curvature": self._requested, "mc_samples": self._mc_samples, "damping": self._damping}
@@ -136,7 +156,7 @@ class KFACTrace(SingleStepQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         if self._curvature == "empirical":
-            return self._summaries(get_record(global_step).stat(KroneckerFactors()))
+            return self._summaries(self._empirical_factors(global_step, params))
         factor_lists = []
         for index, param in enumerate(params):
             factors = getattr(param, self._curvature, None)
@@ -148,6 +168,19 @@ class KFACTrace(SingleStepQuantity):
                 )
             factor_lists.append([f.detach() for f in factors])
         return self._summaries(factor_lists)
+
+    def _empirical_factors(self, global_step: int, params: list) -> list:
+        """Per parameter ``[G, A]`` (a weight logged as a layer), ``[F]`` (its exact block) or ``None``."""
+        logs = finalize_logs(self.plan.stats, get_record(global_step).stat(LayerLogs(self._key)))
+        covariance = Covariance.name
+        factor_lists = []
+        for name in self.plan.names(params):
+            layer, grad = logs["layers"].get(name), logs["grad"].get(name, {}).get(covariance)
+            if layer is not None:
+                factor_lists.append([layer["backward"][covariance], layer["forward"][covariance]])
+            else:
+                factor_lists.append(None if grad is None else [grad])
+        return factor_lists
 
     def _summaries(self, factor_lists: list) -> dict:
         """Per-parameter and total summaries; ``None`` entries (no block) are skipped in the totals."""

@@ -54,6 +54,10 @@ class Statistic:
         """The empty state ``{"sum": None, "count": 0}``."""
         return {"sum": None, "count": 0}
 
+    def wants(self, dim: int) -> bool:
+        """Whether rows of length ``dim`` are folded in (``False``: that parameter is left out, nothing computed)."""
+        return True
+
     def update(self, state: dict[str, Any], values: torch.Tensor, count: int) -> dict[str, Any]:
         """Fold in one step's rows ``values`` ``[rows, d]`` standing for ``count`` samples."""
         raise NotImplementedError(f"{type(self).__name__} must implement update(state, values, count)")
@@ -116,15 +120,24 @@ class Covariance(Statistic):
     Args:
         max_dim: refuse rows longer than this (a ``d x d`` matrix of a large
             layer's per-sample gradients would not fit).
+        skip_longer: leave rows longer than ``max_dim`` out instead (the
+            statistic of that parameter stays empty: ``None``; :meth:`wants`
+            tells the collector before it builds them).
     """
 
     name = "covariance"
 
-    def __init__(self, max_dim: int = 8192):
+    def __init__(self, max_dim: int = 8192, skip_longer: bool = False):
         self.max_dim = int(max_dim)
+        self.skip_longer = bool(skip_longer)
+
+    def wants(self, dim):
+        return dim <= self.max_dim or not self.skip_longer
 
     def update(self, state, values, count):
         if values.shape[1] > self.max_dim:
+            if self.skip_longer:
+                return state
             raise ValueError(
                 f"Covariance: rows of length {values.shape[1]} exceed max_dim={self.max_dim} (a "
                 f"{values.shape[1]} x {values.shape[1]} matrix); use Mean / a statistic of your own, or "
@@ -133,10 +146,13 @@ class Covariance(Statistic):
         return self.add_sum(state, values.T @ values, count)
 
     def __eq__(self, other):
-        return type(self) is type(other) and self.max_dim == other.max_dim
+        return type(self) is type(other) and (self.max_dim, self.skip_longer) == (other.max_dim, other.skip_longer)
 
     def __hash__(self):
-        return hash((type(self), self.max_dim))
+        return hash((type(self), self.max_dim, self.skip_longer))
+
+    def __repr__(self):
+        return f"Covariance(max_dim={self.max_dim}, skip_longer={self.skip_longer})"
 
 
 class Log(Statistic):

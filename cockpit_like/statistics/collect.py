@@ -8,6 +8,26 @@ per-sample statistic, each parameter's per-sample gradient in whatever form
 it comes (factors, sequence factors, ``grad_batch``). Nothing is kept per
 sample beyond one layer. :class:`StatisticsPlan` holds what a requester logs
 and its running (merged) state, which is plain dicts of tensors and ints.
+
+Where the ``forward`` and ``backward`` rows come from (``layers_from``):
+
+- ``"modules"`` (the default): the calls of the logged modules
+  (``nn.Linear``, ``nn.Conv2d``, Hugging Face ``Conv1D``) that the hook
+  backend sees, one log per module;
+- ``"factors"``: every weight whose per-sample gradient arrives as a sum of
+  outer products, ``grad_batch[n] = sum_t a_{n,t} b_{n,t}^T`` (a linear
+  map's weight, from any backend: the hook rules of ``nn.Linear`` and HF
+  ``Conv1D``, ``nn.MultiheadAttention``'s projections, BackPACK's linear
+  path), one log per weight named like the weight: ``backward`` holds the
+  rows ``B a`` of the weight's first (row) dimension, ``forward`` the rows
+  ``b`` of its second, so that ``G ⊗ A`` is the block in the weight's own
+  row-major flattening (for HF ``Conv1D``, whose weight is ``[in, out]``,
+  ``forward`` thus holds the output gradients; the row scale of micro-batches
+  and a ``GradScaler`` sits on ``a``, exact in ``G ⊗ A``). The ``grad`` log
+  then holds the other parameters (biases, convolutions given as
+  ``grad_batch``, norms, embeddings, a weight whose calls were summed), each
+  parameter in exactly one place. ``KFACTrace(curvature="empirical")`` reads
+  such a plan.
 """
 
 from __future__ import annotations
@@ -61,16 +81,29 @@ class StatisticsPlan:
     Args:
         config: ``"kfac"``, ``"ekfac"`` or ``{"forward": [...], "backward": [...], "grad": [...]}``
             (:func:`~cockpit_like.statistics.logs.parse_statistics`).
+        window: ``"run"`` (running statistics over the tracked steps) or ``"step"``.
+        layers_from: ``"modules"`` or ``"factors"`` (see the module docstring).
 
     Attributes:
         running: the merged logs of all steps so far (plain dicts; see :func:`merge_logs`).
     """
 
-    def __init__(self, config: str | dict = "kfac", window: str = "run"):
+    def __init__(self, config: str | dict = "kfac", window: str = "run", layers_from: str = "modules"):
         if window not in ("run", "step"):
             raise ValueError(f"window={window!r}: 'run' (running statistics over the tracked steps) or 'step'")
+        if layers_from not in ("modules", "factors"):
+            raise ValueError(
+                f"layers_from={layers_from!r}: 'modules' (the logged modules' calls) or 'factors' (every weight whose "
+                "per-sample gradient arrives as a sum of outer products)"
+            )
         self.stats = parse_statistics(config)
+        if layers_from == "factors" and any(getattr(s, "eigenbasis", False) for s in self.stats["grad"]):
+            raise ValueError(
+                "layers_from='factors' logs a layer's weight in 'forward'/'backward' only, not in 'grad': EK-FAC's "
+                "eigenvalues need layers_from='modules'"
+            )
         self.window = window
+        self.layers_from = layers_from
         self.layers: dict[int, LayerSpec] = {}
         self.param_names: dict[int, str] = {}
         #: ids of logged layers' parameters that other modules use too (tied weights): not covered
@@ -91,7 +124,7 @@ class StatisticsPlan:
 
     def set_models(self, models: list[torch.nn.Module]) -> None:
         """Find the logged layers and name the parameters (``layer.weight``; others by their model path)."""
-        self.layers = find_layers(models)
+        self.layers = find_layers(models) if self.layers_from == "modules" else {}
         names: dict[int, str] = {}
         for spec in self.layers.values():
             names[id(spec.weight)] = f"{spec.name}.weight"
@@ -112,6 +145,10 @@ class StatisticsPlan:
             self._roles[id(spec.weight)] = (spec, "weight")
             if spec.bias is not None:
                 self._roles[id(spec.bias)] = (spec, "bias")
+
+    def names(self, params: list[torch.Tensor]) -> list[str]:
+        """The names the logs use for ``params`` (``param<index>`` for a parameter of no known model)."""
+        return [self.param_names.get(id(p), f"param{index}") for index, p in enumerate(params)]
 
     def role(self, param: torch.Tensor) -> tuple[LayerSpec, str] | None:
         """``(layer, "weight" | "bias")`` of a logged layer's parameter, else ``None``."""
@@ -142,22 +179,41 @@ class _Step:
         self.layers: dict[str, dict] = {}
         self.grad: dict[str, dict] = {}
         self.bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.names = {index: plan.param_names.get(id(p), f"param{index}") for index, p in enumerate(params)}
+        self.names = dict(enumerate(plan.names(params)))
 
     # ---- forward and backward logs ------------------------------------------------------
     def observe(self, module, x: torch.Tensor, delta: torch.Tensor) -> None:
         spec = self.plan.layers.get(id(module))
         if spec is None:
             return
-        stats = self.plan.stats
-        logs = self.layers.get(spec.name)
-        if logs is None:
-            logs = self.layers[spec.name] = {"forward": empty_states(stats["forward"]), "backward": empty_states(stats["backward"])}
         inputs, grads, batch = layer_rows(spec, x.detach(), delta.detach())
+        self._log_rows(spec.name, inputs, grads, batch)
+
+    def _log_rows(self, name: str, inputs: torch.Tensor, grads: torch.Tensor, batch: int) -> None:
+        """Fold ``inputs`` ``[B T, in]`` (count ``B T``) and ``grads`` ``[B T, out]`` (count ``B``) into layer ``name``."""
+        stats = self.plan.stats
+        logs = self.layers.get(name)
+        if logs is None:
+            logs = self.layers[name] = {"forward": empty_states(stats["forward"]), "backward": empty_states(stats["backward"])}
         for stat in stats["forward"]:
             logs["forward"][stat.name] = stat.update(logs["forward"][stat.name], inputs, inputs.shape[0])
         for stat in stats["backward"]:
             logs["backward"][stat.name] = stat.update(logs["backward"][stat.name], grads, batch)
+
+    def _log_factors(self, index: int, factors, sequence) -> bool:
+        """``layers_from="factors"``: log a weight given as ``sum_t a_t b_t^T`` as a layer (``True`` if it was)."""
+        if factors is not None:
+            kind, x, delta = factors
+            if kind != "weight":
+                return False
+            a, b = delta.detach(), x.detach()  # grad_batch[n] = delta_n x_n^T
+        elif sequence is not None:
+            a, b = sequence[0].detach(), sequence[1].detach()
+        else:
+            return False
+        batch = a.shape[0]
+        self._log_rows(self.names[index], b.reshape(-1, b.shape[-1]), a.reshape(-1, a.shape[-1]) * batch, batch)
+        return True
 
     # ---- grad log -------------------------------------------------------------------------
     def basis(self, spec: LayerSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -178,7 +234,9 @@ class _Step:
         return self.bases[spec.name]
 
     def per_sample(self, index: int, param: torch.Tensor, dense=None, factors=None, sequence=None) -> None:
-        stats = self.plan.stats["grad"]
+        if self.plan.layers_from == "factors" and self._log_factors(index, factors, sequence):
+            return
+        stats = [s for s in self.plan.stats["grad"] if s.wants(param.numel())]
         if not stats:
             return
         role = self.plan.role(param)
@@ -262,7 +320,11 @@ class LayerLogs(PerSampleStat):
 
     factor_form = True
     sequence_form = True
-    module_form = True
+
+    @property
+    def module_form(self) -> bool:
+        """Layer calls are read only by a plan that logs modules (``layers_from="modules"``)."""
+        return self.plan is None or self.plan.layers_from == "modules"
 
     def init(self, params):
         return _Step(self.plan, params)

@@ -24,7 +24,10 @@ convention for weight sharing (curvlinops' ``KFACType.EXPAND``,
 Layers logged: ``nn.Linear``, ``nn.Conv2d`` (``groups == 1``) and Hugging
 Face's ``Conv1D`` (whose weight is stored transposed), seen through the hook
 backend (:mod:`cockpit_like.backends.hooks`); their per-sample gradients come
-from the same backward pass.
+from the same backward pass. A plan with ``layers_from="factors"``
+(:mod:`cockpit_like.statistics.collect`) logs instead every weight whose
+per-sample gradient arrives as a sum of outer products, with the same
+normalisation.
 
 May import torch, :mod:`cockpit_like.backends` and this package.
 """
