@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, conv2d_weight_grad_batch, supports_unfold
-from cockpit_like.backends.per_sample import LazyRows, materialize_linear, materialize_sequence
+from cockpit_like.backends.per_sample import LazyRows, materialize_linear, materialize_sequence, sequence_sum
 
 __all__ = ["Factors", "Sequence", "Dense", "Lazy", "summed", "rule_for", "RULES", "RECOMPUTE_RULES", "is_hf_conv1d"]
 
@@ -115,7 +115,7 @@ class Sequence:
         return materialize_sequence(self.a[start:stop], self.b[start:stop], shape)
 
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
-        return torch.einsum("btr,btc->rc", self.a, self.b).reshape(shape)
+        return sequence_sum(self.a, self.b).reshape(shape)
 
 
 class Dense:
@@ -167,6 +167,12 @@ class Lazy:
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
         return self.lazy.batch_sum().reshape(shape)
 
+    def add_rows(self, out: torch.Tensor, start: int, stop: int, shape: torch.Size) -> None:
+        if self.lazy.add_into is not None:
+            self.lazy.add_into(out, start, stop)
+        else:
+            out.add_(self.rows(start, stop, shape))
+
 
 Form = Factors | Sequence | Dense | Lazy
 
@@ -187,10 +193,17 @@ def summed(forms: list, shape: torch.Size) -> "Form":
     shape = torch.Size(shape)
 
     def make(start: int, stop: int) -> torch.Tensor:
-        total = forms[0].rows(start, stop, shape)
-        total = total.float() if total.element_size() < 4 else total.clone()
+        first = forms[0]
+        total = first.rows(start, stop, shape)
+        if total.element_size() < 4:
+            total = total.float()
+        elif isinstance(first, Dense):  # a view of the form's tensor; the others' rows are new tensors
+            total = total.clone()
         for form in forms[1:]:
-            total.add_(form.rows(start, stop, shape))
+            if isinstance(form, Lazy):
+                form.add_rows(total, start, stop, shape)  # an embedding adds its rows in place
+            else:
+                total.add_(form.rows(start, stop, shape))
         return total
 
     def batch_sum() -> torch.Tensor:
@@ -273,7 +286,18 @@ def _embedding(module: nn.Embedding, tokens: torch.Tensor, delta: torch.Tensor) 
             total[module.padding_idx] = 0
         return total
 
-    return {"weight": Lazy(LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum))}
+    def add_into(out: torch.Tensor, start: int, stop: int) -> None:
+        # out [stop - start, vocab, width] += these rows, without building them (a tied output layer's rows)
+        count = stop - start
+        ids = tokens[start:stop] + vocab * torch.arange(count, device=tokens.device).unsqueeze(1)
+        values = delta[start:stop]
+        if module.padding_idx is not None:
+            keep = tokens[start:stop] != module.padding_idx
+            ids, values = ids[keep], values[keep]
+        out.view(count * vocab, width).index_add_(0, ids.reshape(-1), values.reshape(-1, width).to(out.dtype))
+
+    lazy = LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum, add_into)
+    return {"weight": Lazy(lazy)}
 
 
 def _affine(x_hat: torch.Tensor, delta: torch.Tensor, channel_dims: tuple[int, ...]) -> dict[str, Form]:

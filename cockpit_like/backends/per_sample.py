@@ -69,6 +69,11 @@ def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -
     return delta.unsqueeze(2) * x.unsqueeze(1)
 
 
+def sequence_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``sum_i sum_t a[i, t] b[i, t]^T`` (``R x C``) as one matrix product of transposed views (no copy of ``a``)."""
+    return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, b.shape[-1])
+
+
 def materialize_sequence(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` (``a`` ``[B, T, R]``, ``b`` ``[B, T, C]``), reshaped to ``[B, *shape]``."""
     return torch.bmm(a.transpose(1, 2), b).reshape(a.shape[0], *shape)
@@ -105,12 +110,14 @@ class LazyRows:
     the rows in blocks of ``block`` rows.
     """
 
-    __slots__ = ("batch", "shape", "make", "itemsize", "block", "_batch_sum")
+    __slots__ = ("batch", "shape", "make", "itemsize", "block", "_batch_sum", "add_into")
 
-    def __init__(self, batch: int, shape, make, itemsize: int = 4, batch_sum=None):
+    def __init__(self, batch: int, shape, make, itemsize: int = 4, batch_sum=None, add_into=None):
         self.batch, self.shape, self.make, self.itemsize = int(batch), torch.Size(shape), make, itemsize
         self.block = self.batch
         self._batch_sum = batch_sum
+        #: ``add_into(out, start, stop)``: add rows ``start:stop`` to ``out`` in place (without building them)
+        self.add_into = add_into
 
     @property
     def row_bytes(self) -> int:
@@ -452,7 +459,7 @@ class PerSampleReducer:
                 self._states[k] = self.stats[k].accumulate_sequence(self._states[k], index, param, a, b)
             lazy = LazyRows(
                 a.shape[0], param.shape, lambda start, stop: materialize_sequence(a[start:stop], b[start:stop], param.shape),
-                a.element_size(), lambda: torch.einsum("btr,btc->rc", a, b),
+                a.element_size(), lambda: sequence_sum(a, b),
             )  # fmt: skip
             self._reduce_blocks(index, param, lazy, compact)
             return

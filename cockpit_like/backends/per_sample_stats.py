@@ -57,7 +57,7 @@ import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
 from cockpit_like.backends.partitions import step_grad, step_memo, whole
-from cockpit_like.backends.per_sample import LazyRows, PerSampleStat, Rows
+from cockpit_like.backends.per_sample import LazyRows, PerSampleStat, Rows, sequence_sum
 
 __all__ = [
     "GramSummary",
@@ -193,7 +193,7 @@ class GramSummary(PerSampleStat):
         a, b = a.detach(), b.detach()
         if self.synced:
             return self._keep(state, param, RetainedSequence(a, b, param.shape), self._sequence_diag(a, b))
-        total = torch.einsum("btr,btc->rc", a, b)  # sum_k gb_k as an R x C matrix
+        total = sequence_sum(a, b)  # sum_k gb_k as an R x C matrix
         row_sums = ((a @ total) * b).sum((1, 2))
         return self._fold(state, self._sequence_diag(a, b), row_sums)
 
@@ -514,7 +514,7 @@ class RetainedSequence:
         self.a, self.b, self.shape = a, b, shape
 
     def batch_sum(self) -> torch.Tensor:
-        return torch.einsum("btr,btc->rc", self.a, self.b).reshape(self.shape)
+        return sequence_sum(self.a, self.b).reshape(self.shape)
 
     def dots(self, direction: torch.Tensor) -> torch.Tensor:
         d = direction.to(self.a.dtype).reshape(self.a.shape[2], self.b.shape[2])
