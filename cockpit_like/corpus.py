@@ -5,7 +5,8 @@ learning-rate schedule, a seed and, for a problem run, the problem's label
 (the cause a person would name) and the step where it starts. :func:`train`
 trains it on built-in data (scikit-learn's digits, or synthetic sequences),
 deterministically, on the CPU, under a cockpit that tracks the
-quantities the rules read (all but ``HessMaxEV`` and ``NormTest``), and returns the stored output and metadata;
+quantities the rules read (all but ``HessMaxEV`` and ``NormTest``, which the settings with
+``options["track"]`` add), and returns the stored output and metadata;
 :mod:`cockpit_like.diagnosis.scoring` replays the rules on them and scores
 the findings against the labels.
 
