@@ -53,7 +53,7 @@ def score(runs: list[dict]) -> tuple[list[dict], float]:
         report = diagnose(run["steps"], run["metadata"])
         seconds += time.perf_counter() - started
         steps += len(run["steps"])
-        result = score_run(run["spec"].problem, run["onset"], report.findings)
+        result = score_run(run["spec"].problem, run["onset"], report.findings, skipped=report.notes)
         result["name"] = run["spec"].name
         scored.append(result)
     return scored, seconds / max(steps, 1)
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         if args.show:
             for s in scored:
                 print(f"{name:10s} {s['name']:44s} problem={s['problem']} onset={s['onset']} "
-                      f"first={s['first_cause']} delay={s['delay']} alarms={s['alarms']} rules={s['rules']}")
+                      f"first={s['first_cause']} delay={s['delay']} alarms={s['alarms']} rules={s['rules']} info={s['info']}")
     table = format_summary(summaries)
     print(table)
     print(f"\n{len(specs)} runs in the corpus; {time.perf_counter() - started:.0f} s; diagnosis "

@@ -5,7 +5,8 @@ learning-rate schedule, a seed and, for a problem run, the problem's label
 (the cause a person would name) and the step where it starts. :func:`train`
 trains it on built-in data (scikit-learn's digits, or synthetic sequences),
 deterministically, on the CPU, under a cockpit that tracks the
-quantities the rules read (all but ``HessMaxEV`` and ``NormTest``), and returns the stored output and metadata;
+quantities the rules read (all but ``HessMaxEV`` and ``NormTest``, which the settings with
+``options["track"]`` add), and returns the stored output and metadata;
 :mod:`cockpit_like.diagnosis.scoring` replays the rules on them and scores
 the findings against the labels.
 
@@ -99,6 +100,10 @@ def _setting(setting: str, arch: str, optimizer: str, lr: float, problem: str | 
     return {"setting": setting, "arch": arch, "optimizer": optimizer, "lr": lr, "problem": problem, **kwargs}
 
 
+#: what ``options["track"]`` adds for the settings that measure ``sharpness-above-stability`` and
+#: ``noise-dominated`` (their inputs cost Hessian-vector products and per-sample gradients)
+_CURVATURE = ("HessMaxEV", "NormTest")
+
 #: every setting of the corpus (each run with every seed)
 SETTINGS: list[dict[str, Any]] = [
     # ---- healthy: the usual early plateau, warm-up, decay, noisy small batches
@@ -111,6 +116,22 @@ SETTINGS: list[dict[str, Any]] = [
     _setting("healthy-transformer-adamw-warmup", "transformer", "adamw", 2e-3, schedule="warmup"),
     _setting("healthy-gpt-adam-warmup-decay", "gpt", "adam", 3e-3, schedule="warmup-decay"),
     _setting("healthy-rnn-adam", "rnn", "adam", 3e-3),
+    # ---- healthy, slow and noisy: batches of 8-16, small learning rates (added after the first
+    # evaluation showed a false alarm on such a run; the tuning half had too few of them)
+    _setting("healthy-mlp-sgd-slow-b16", "mlp", "sgd", 0.03, batch=16),
+    _setting("healthy-mlp-tanh-sgd-b8", "mlp", "sgd", 0.03, batch=8, options={"activation": "tanh"}),
+    _setting("healthy-mlp-momentum-slow-b8", "mlp", "momentum", 0.003, batch=8),
+    _setting("healthy-mlp-adam-b8", "mlp", "adam", 3e-4, batch=8),
+    _setting("healthy-cnn-momentum-b8", "cnn", "momentum", 0.01, batch=8),
+    _setting("healthy-resnet-momentum-b8", "resnet", "momentum", 0.01, batch=8),
+    _setting("healthy-transformer-adam-b8", "transformer", "adam", 1e-3, batch=8),
+    _setting("healthy-gpt-adamw-warmup-b8", "gpt", "adamw", 1e-3, batch=8, schedule="warmup"),
+    # ---- healthy, with the curvature and gradient-noise inputs (HessMaxEV, NormTest) tracked too
+    _setting("healthy-mlp-sgd-curvature", "mlp", "sgd", 0.1, options={"track": _CURVATURE}),
+    _setting("healthy-mlp-small-batch-curvature", "mlp", "sgd", 0.05, batch=8, options={"track": _CURVATURE}),
+    _setting("healthy-mlp-adam-curvature", "mlp", "adam", 1e-3, options={"activation": "tanh", "track": _CURVATURE}),
+    _setting("healthy-cnn-momentum-curvature", "cnn", "momentum", 0.02, options={"track": _CURVATURE}),
+    _setting("healthy-resnet-sgd-curvature", "resnet", "sgd", 0.05, options={"track": _CURVATURE}),
     # ---- learning rate far too large, at the start
     _setting("lr-huge-mlp-sgd", "mlp", "sgd", 40.0, "learning-rate-too-large"),
     _setting("lr-huge-mlp-adam", "mlp", "adam", 0.5, "learning-rate-too-large"),
@@ -123,6 +144,14 @@ SETTINGS: list[dict[str, Any]] = [
              options={"lr_jump": 100.0}),
     # ---- somewhat too large: oscillation and loss spikes
     _setting("lr-large-mlp-momentum", "mlp", "momentum", 0.6, "learning-rate-too-large"),
+    # ... with SGD at 10x a healthy rate: the loss oscillates, lr x top Hessian eigenvalue stays above 2
+    # (HessMaxEV and NormTest tracked, for sharpness-above-stability)
+    _setting("lr-large-mlp-sgd-curvature", "mlp", "sgd", 1.0, "learning-rate-too-large",
+             options={"track": _CURVATURE}),
+    _setting("lr-large-cnn-sgd-curvature", "cnn", "sgd", 0.5, "learning-rate-too-large",
+             options={"track": _CURVATURE}),
+    _setting("lr-large-resnet-sgd-curvature", "resnet", "sgd", 0.5, "learning-rate-too-large",
+             options={"track": _CURVATURE}),
     # ---- too small
     _setting("lr-tiny-mlp-sgd", "mlp", "sgd", 1e-4, "learning-rate-too-small"),
     _setting("lr-tiny-transformer-adam", "transformer", "adam", 1e-6, "learning-rate-too-small"),
@@ -412,6 +441,19 @@ def quantities_for_rules(schedule=None) -> list:
             LearningRate(schedule), Momentum(schedule), Alpha(schedule)]
 
 
+def _extra(spec: RunSpec) -> list:
+    """The quantities ``spec.options["track"]`` names beyond :func:`quantities_for_rules` (``HessMaxEV``,
+    ``NormTest``: the inputs of ``sharpness-above-stability`` and ``noise-dominated``), every step."""
+    from cockpit_like import quantities
+    from cockpit_like.utils.schedules import linear
+
+    names = spec.options.get("track", ())
+    unknown = [name for name in names if name not in ("HessMaxEV", "NormTest")]
+    if unknown:
+        raise ValueError(f"unknown tracked quantities {unknown}; the corpus adds HessMaxEV and NormTest")
+    return [getattr(quantities, name)(linear(1)) for name in names]
+
+
 def train(spec: RunSpec) -> dict[str, Any]:
     """Train ``spec`` under a cockpit (no live diagnosis); return ``{"spec", "steps", "metadata", "onset", "seconds"}``.
 
@@ -431,7 +473,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
     if spec.options.get("frozen"):
         frozen = {id(p) for p in list(model.parameters())[:2]}  # the first layer's weight and bias
     optimizer = _optimizer(spec, [p for p in model.parameters() if id(p) not in frozen])
-    cockpit = Cockpit(list(model.parameters()), quantities=quantities_for_rules(), model=model)
+    cockpit = Cockpit(list(model.parameters()), quantities=quantities_for_rules() + _extra(spec), model=model)
     generator = torch.Generator().manual_seed(4000 + spec.seed)
     zero_row_at = spec.options.get("zero_row_at")
     valid_every = spec.options.get("valid_every")
@@ -454,7 +496,7 @@ def train(spec: RunSpec) -> dict[str, Any]:
             info = {"batch_size": spec.batch, "loss": loss, "optimizer": optimizer,
                     "individual_losses": _loss(outputs, y, reduction="none")}
             with cockpit(step, info=info):
-                loss.backward()
+                loss.backward(create_graph=cockpit.create_graph(step))
             optimizer.step()
             if valid_every and step % valid_every == valid_every - 1:
                 with torch.no_grad():

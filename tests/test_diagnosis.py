@@ -176,20 +176,26 @@ def test_alpha_rules():
 def test_sharpness_above_stability():
     h = RunHistory()
     h.add(0, {"learning_rate": 0.1})
-    for step, value in zip((0, 5, 10, 15), (5.0, 25.0, 25.0, 25.0)):
+    for step, value in zip((0, 5, 10, 15), (5.0, 35.0, 35.0, 35.0)):
         h.add(step, {"HessMaxEV": value})
     (found,) = R.SharpnessAboveStability().check(h)
-    assert found.evidence["products"] == pytest.approx([2.5, 2.5, 2.5]) and "0.08" in found.fix
+    assert found.evidence["products"] == pytest.approx([3.5, 3.5, 3.5]) and "0.0571" in found.fix
+    # at the edge of stability (the product at the bound 2, where healthy SGD runs hover) it stays quiet:
+    # it fires above margin x the bound (default 1.5)
+    edge = history({"HessMaxEV": [25.0] * 3, "LearningRate": [0.1] * 3})
+    assert R.SharpnessAboveStability().check(edge) == []
+    assert len(R.SharpnessAboveStability(margin=1.0).check(edge)) == 1
     h.add(12, {"learning_rate": 0.05})  # the rate at or before each step counts
     assert R.SharpnessAboveStability().check(h) == []
     assert R.SharpnessAboveStability().missing(history({"HessMaxEV": [25.0]})) == [
         "learning_rate (cockpit.log) or LearningRate"]
     # the tracked LearningRate stands in for a logged one (the largest of several groups)
-    tracked = history({"HessMaxEV": [25.0] * 3, "LearningRate": [[0.1, 0.01]] * 3})
+    tracked = history({"HessMaxEV": [35.0] * 3, "LearningRate": [[0.1, 0.01]] * 3})
     assert R.SharpnessAboveStability().missing(tracked) == []
     assert R.SharpnessAboveStability().check(tracked)[0].evidence["learning_rates"] == [0.1] * 3
-    # heavy-ball momentum 0.9 raises the bound to 2 x 1.9 = 3.8; an adaptive optimizer (NaN) never fires
-    steep = {"HessMaxEV": [30.0] * 3, "LearningRate": [0.1] * 3}
+    # heavy-ball momentum 0.9 raises the bound to 2 x 1.9 = 3.8 (fires above 5.7); an adaptive optimizer
+    # (NaN) never fires
+    steep = {"HessMaxEV": [40.0] * 3, "LearningRate": [0.1] * 3}
     assert R.SharpnessAboveStability().check(history({**steep, "Momentum": [0.9] * 3})) == []
     assert R.SharpnessAboveStability().check(history({**steep, "Momentum": [math.nan] * 3})) == []
     (found,) = R.SharpnessAboveStability().check(history({**steep, "Momentum": [0.0] * 3}))

@@ -43,6 +43,9 @@ def test_corpus_covers_the_issue():
     assert {s.schedule for s in specs} >= {"constant", "warmup", "decay", "warmup-decay"}
     assert {s.problem for s in specs} - {None} == set(PROBLEMS)
     assert set(PROBLEMS) <= set(CAUSES)  # every label is a cause the diagnosis can name
+    tracked = {s.setting for s in specs if s.options.get("track")}
+    assert {s.problem for s in specs if s.setting in tracked} == {None, "learning-rate-too-large"}
+    assert len({s.arch for s in specs if s.setting in tracked}) >= 3  # sharpness measured on MLP, CNN, ResNet
     halves = split(specs)
     assert {s.seed for s in halves["tuning"]} == {0, 1} and {s.seed for s in halves["evaluation"]} == {2, 3}
     assert len(halves["tuning"]) == len(halves["evaluation"]) == len(specs) // 2
@@ -58,13 +61,15 @@ def test_corpus_runs_are_deterministic_and_bad_input_is_named():
         corpus(settings=["no-such-setting"])
     with pytest.raises(ValueError, match="unknown architecture"):
         train(RunSpec("x", "lstm", "sgd", 0.1, seed=0, steps=2))
+    with pytest.raises(ValueError, match="unknown tracked quantities"):
+        train(RunSpec("x", "mlp", "sgd", 0.1, seed=0, steps=2, options={"track": ("HessTrace",)}))
     with pytest.raises(ValueError, match="unknown problem"):
         train(RunSpec("x", "mlp", "sgd", 0.1, seed=0, problem="bad-luck", steps=2))
 
 
 @pytest.fixture(scope="module")
 def slice_runs():
-    """Every setting with seed 0 (about 10 s on one core)."""
+    """Every setting with seed 0 (about 35 s on one core; the runs with HessMaxEV and NormTest take half)."""
     torch.set_num_threads(1)
     return [train(spec) for spec in corpus(seeds=(0,))]
 
@@ -139,6 +144,40 @@ def test_loss_not_decreasing_waits_for_evidence():
     (finding,) = alarms(problem)["loss-not-decreasing"]
     assert finding.step >= 39  # no verdict during the usual early plateau
     assert alarms(healthy) == {}
+
+
+def test_loss_not_decreasing_quiet_on_a_slow_noisy_healthy_run():
+    """A CNN with batches of 8 and momentum 0.01 (tuning half): its loss falls 4.5% in 60 steps at a noise of
+    1.3% per step. The old evidence (z = 2) called it stalled at step 41; z = 4 waits for more."""
+    from cockpit_like.diagnosis.rules import LossNotDecreasing
+
+    (spec,) = corpus(seeds=(0,), settings=["healthy-cnn-momentum-b8"])
+    run = train(spec)
+    assert alarms(run) == {}
+    weak = diagnose(run["steps"], run["metadata"], rules=[LossNotDecreasing(z=2.0)]).findings
+    assert [f.rule for f in weak] == ["loss-not-decreasing"]
+
+
+def test_sharpness_above_stability_with_sgd_far_above_the_bound():
+    # SGD at lr 1.0 on the MLP: lr x top eigenvalue 4-7 (the loss oscillates); its twin at lr 0.1 stays near 0.1
+    problem, healthy = twin("lr-large-mlp-sgd-curvature", lr=0.1)
+    (finding, *_) = alarms(problem)["sharpness-above-stability"]
+    assert min(finding.evidence["products"]) > 3.0 and finding.step <= 20
+    assert group_findings(diagnose(problem["steps"], problem["metadata"]).findings)[0].cause == "learning-rate-too-large"
+    assert alarms(healthy) == {}
+    assert max(v["LearningRate"] * v["HessMaxEV"] for v in healthy["steps"].values()) < 0.5
+
+
+def test_sharpness_above_stability_quiet_at_the_edge_of_stability():
+    """A healthy ResNet with SGD at lr 0.05 sharpens until lr x top eigenvalue reaches 2 and hovers there
+    (the edge of stability): the rule fires above 1.5 x the bound, not at it."""
+    from cockpit_like.diagnosis.rules import SharpnessAboveStability
+
+    (spec,) = corpus(seeds=(0,), settings=["healthy-resnet-sgd-curvature"])
+    run = train(spec)
+    assert alarms(run) == {}
+    at_bound = diagnose(run["steps"], run["metadata"], rules=[SharpnessAboveStability(margin=1.0)]).findings
+    assert {f.rule for f in at_bound} == {"sharpness-above-stability"} and at_bound[0].step >= 40
 
 
 def test_noisy_loss_with_a_batch_of_one():
@@ -216,7 +255,15 @@ def test_scorer_figures_on_hand_made_runs():
         score_run("overfitting", 30, [f("noisy-loss", 10)]),  # only an alarm before the onset: missed
         score_run(None, 0, []),
         score_run(None, 0, [f("noisy-loss", 20), f("noise-dominated", 30, "info")]),  # one false alarm
+        score_run("learning-rate-too-large", 0, [f("update-ratio-too-large", 1)], skipped=["sharpness-above-stability"]),
+        score_run("learning-rate-too-large", 0, [f("sharpness-above-stability", 12)]),
     ]
+    assert runs[4]["info"] == {"noise-dominated": 30} and runs[5]["skipped"] == ["sharpness-above-stability"]
+    sharp = summarize(runs[5:])["per_rule"]["sharpness-above-stability"]
+    assert sharp["recall"] == 1.0  # the run that could not run it (no HessMaxEV) does not count
+    info = summarize(runs)["per_info"]["noise-dominated"]
+    assert info["runs"] == 1 and info["healthy_runs"] == 1 and info["label"] == "batch-too-small"
+    runs = runs[:5]
     assert [r["detected"] for r in runs[:3]] == [True, True, False]
     assert [r["delay"] for r in runs[:3]] == [2, 40, None] and runs[2]["early_alarms"] == 1
     figures = summarize(runs)
@@ -229,6 +276,7 @@ def test_scorer_figures_on_hand_made_runs():
     assert figures["per_rule"]["noisy-loss"]["precision"] == pytest.approx(0.5)
     table = format_summary({"tuning": figures, "evaluation": figures})
     assert "| recall | 67% | 67% |" in table and "| `noisy-loss` |" in table
+    assert "| `noise-dominated` | 5 / 5 | 1 / 1 | 1 of 2 / 1 of 2 | batch-too-small | - / - |" in table
 
 
 # ---- presets feed the rules ---------------------------------------------------------------------------

@@ -14,7 +14,10 @@ Per run (:func:`score_run`):
 - **early alarms**: alarms before the onset (a problem that starts later);
 - **root cause**: the first incident opened by an alarm
   (:func:`~cockpit_like.diagnosis.causes.group_findings`) names the label;
-- on a healthy run, every alarm is a **false alarm**.
+- on a healthy run, every alarm is a **false alarm**;
+- **info findings** (``step-too-short``, ``noise-dominated``) are kept
+  apart, with the first step of each rule, and ``skipped`` lists the rules
+  that could not run (their inputs were not tracked).
 
 Over runs (:func:`summarize`): recall (detected problem runs / problem runs),
 precision (problem runs with an alarm / runs with an alarm), false alarms
@@ -22,7 +25,11 @@ per healthy run (alarms counted per ``(rule, layer)``), healthy runs with an
 alarm, the median delay, root-cause accuracy (over problem runs); per rule:
 the runs it alarmed on, its precision, its recall over the problem runs whose
 label it is evidence of, its false alarms per healthy run and its median
-delay; per problem: recall and root-cause accuracy.
+delay; per problem: recall and root-cause accuracy. A rule's recall counts
+only the problem runs it could run on (a rule that needs ``HessMaxEV`` is not
+missing a run that did not track it). Info rules get figures of their own
+(:data:`INFO_LABELS`): runs with the finding, healthy runs with it, and the
+share of the problem runs of the label it suggests (where it could run).
 """
 
 from __future__ import annotations
@@ -35,23 +42,32 @@ import numpy as np
 from cockpit_like.diagnosis.causes import cause_of, group_findings
 from cockpit_like.diagnosis.findings import Finding, severity_rank
 
-__all__ = ["score_run", "summarize", "format_summary"]
+__all__ = ["score_run", "summarize", "format_summary", "INFO_LABELS"]
+
+#: the corpus label each ``info`` rule's suggestion points at (its cause is not a labelled fault)
+INFO_LABELS = {"step-too-short": "learning-rate-too-small", "noise-dominated": "batch-too-small"}
 
 
 def _alarms(findings: Iterable[Finding]) -> list[Finding]:
     return [f for f in findings if severity_rank(f.severity) >= severity_rank("warning")]
 
 
-def score_run(problem: str | None, onset: int, findings: list[Finding]) -> dict[str, Any]:
-    """What the findings of one labelled run score (see the module docstring)."""
+def score_run(problem: str | None, onset: int, findings: list[Finding],
+              skipped: Iterable[str] = ()) -> dict[str, Any]:
+    """What the findings of one labelled run score (see the module docstring); ``skipped``: the ids
+    of the rules that could not run (``diagnose(...).notes``)."""
     alarms = sorted(_alarms(findings), key=lambda f: f.step)
     incidents = [i for i in group_findings(findings) if severity_rank(i.severity) >= 1]
     first_cause = incidents[0].cause if incidents else None
     result: dict[str, Any] = {
         "problem": problem, "onset": int(onset), "alarms": len({f.key for f in alarms}),
         "rules": sorted({f.rule for f in alarms}), "first_cause": first_cause,
-        "causes": [i.cause for i in incidents],
+        "causes": [i.cause for i in incidents], "skipped": sorted(skipped),
+        "info": {},
     }
+    for finding in sorted(findings, key=lambda f: f.step):
+        if severity_rank(finding.severity) < severity_rank("warning"):
+            result["info"].setdefault(finding.rule, finding.step)
     per_rule: dict[str, dict[str, Any]] = {}
     for finding in alarms:
         entry = per_rule.setdefault(finding.rule, {"first_step": finding.step, "layers": set(), "causes": set()})
@@ -99,7 +115,7 @@ def summarize(scored: list[dict[str, Any]]) -> dict[str, Any]:
     for rule in rules:
         fired = [s for s in scored if rule in s["per_rule"]]
         targets = {cause for s in fired for cause in s["per_rule"][rule]["causes"]}
-        relevant = [s for s in problems if s["problem"] in targets]
+        relevant = [s for s in problems if s["problem"] in targets and rule not in s.get("skipped", ())]
         rule_delays = [s["per_rule"][rule]["first_step"] - s["onset"] for s in fired
                        if s["problem"] is not None and s["per_rule"][rule]["first_step"] >= s["onset"]]
         per_rule[rule] = {
@@ -120,7 +136,22 @@ def summarize(scored: list[dict[str, Any]]) -> dict[str, Any]:
             "median_delay": _median([s["delay"] for s in runs if s["delay"] is not None]),
             "first_causes": sorted({str(s["first_cause"]) for s in runs}),
         }
-    return {"overall": overall, "per_rule": per_rule, "per_problem": per_problem}
+    per_info = {}
+    for rule in sorted({rule for s in scored for rule in s.get("info", {})} | set(INFO_LABELS)):
+        could = [s for s in scored if rule not in s.get("skipped", ())]
+        if not could:
+            continue
+        fired = [s for s in could if rule in s.get("info", {})]
+        label = INFO_LABELS.get(rule)
+        relevant = [s for s in could if label is not None and s["problem"] == label]
+        per_info[rule] = {
+            "could_run": len(could), "runs": len(fired),
+            "healthy_runs": sum(s["problem"] is None for s in fired),
+            "healthy_could_run": sum(s["problem"] is None for s in could),
+            "label": label, "label_runs": len(relevant),
+            "recall": (sum(rule in s["info"] for s in relevant) / len(relevant)) if relevant else None,
+        }
+    return {"overall": overall, "per_rule": per_rule, "per_problem": per_problem, "per_info": per_info}
 
 
 def _cell(value: Any, percent: bool = False) -> str:
@@ -169,4 +200,21 @@ def format_summary(halves: Mapping[str, Mapping[str, Any]]) -> str:
         firsts = " / ".join(", ".join(halves[n]["per_problem"].get(problem, {}).get("first_causes", []))
                             or "-" for n in names)
         lines.append(f"| {problem} | " + " | ".join(cells) + f" | {firsts} |")
+    infos = sorted({rule for n in names for rule in halves[n].get("per_info", {})})
+    if infos:
+        lines += ["", "Info rules (" + " / ".join(names) + "; never alarms): runs it could run on, runs with the "
+                  "finding, healthy runs with it, share of the runs of the label it suggests", "",
+                  "| rule | could run | runs with it | healthy runs with it | label | label runs with it |",
+                  "|---|---|---|---|---|---|"]
+        for rule in infos:
+            got = [halves[n].get("per_info", {}).get(rule, {}) for n in names]
+            label = next((g.get("label") for g in got if g.get("label")), None) or "-"
+            lines.append(
+                f"| `{rule}` | " + " / ".join(_cell(g.get("could_run")) for g in got)
+                + " | " + " / ".join(_cell(g.get("runs")) for g in got)
+                + " | " + " / ".join(f"{_cell(g.get('healthy_runs'))} of {_cell(g.get('healthy_could_run'))}"
+                                     for g in got)
+                + f" | {label} | " + " / ".join(
+                    "-" if not g.get("label_runs") else f"{_cell(g.get('recall'), True)} of {g['label_runs']}"
+                    for g in got) + " |")
     return "\n".join(lines)
