@@ -1,5 +1,6 @@
 """The cockpit engine: needs per step, buffers, fast path, errors."""
 
+import gc
 import warnings
 
 import pytest
@@ -373,3 +374,38 @@ def test_two_cockpits_on_one_model_leave_the_global_kernels_as_they_were():
     model(inputs)  # both tracers want the graph at step 0
     assert settings() == before
     assert first is not second
+
+
+class _DropsTheCockpit(torch.nn.Module):
+    """A model whose forward pass drops the last reference to a cockpit (and collects it), or removes it."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 2).double()
+        self.how, self.holder = how, []
+
+    def forward(self, x):
+        cockpit = self.holder.pop()
+        if self.how == "remove":
+            cockpit._tracer.remove()
+        del cockpit
+        gc.collect()
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("how", ["collected", "removed"])
+def test_a_cockpit_gone_during_a_forward_pass_puts_the_kernels_back(how):
+    """The graph kernels a forward pass took for a cockpit go back when the pass ends even if that
+    cockpit was collected (or its hooks removed) while the pass ran: a leak would leave every later
+    forward pass of the process on the math attention kernel, changing what other models compute."""
+    from cockpit_like.backends.hooks import _graph_kernels
+    from torch.nn.attention import _cur_sdpa_kernel_backends
+
+    def settings():
+        return sorted(str(b) for b in _cur_sdpa_kernel_backends()), torch.backends.cudnn.enabled
+
+    before = settings()
+    model = _DropsTheCockpit("remove" if how == "removed" else "collect")
+    model.holder.append(Cockpit(model.parameters(), [quantities.HessMaxEV(linear(1))], model=model))
+    model(torch.ones(4, 3, dtype=torch.float64))
+    assert _graph_kernels.depth == 0 and settings() == before

@@ -210,10 +210,23 @@ def _before_root(tracer_id: int, module, args, kwargs) -> None:
         tracer.enter_forward(args, kwargs, module)
 
 
-def _after_root(tracer_id: int, module, args, output) -> None:
+def _after_root(tracer_id: int, held: list, module, args, output) -> None:
     tracer = _TRACERS.get(tracer_id)
     if tracer is not None:
         tracer.exit_forward()
+    else:  # the tracer was collected during the forward pass: put back the kernels it took
+        _put_back(held, 1)
+
+
+def _put_back(held: list, count: int | None = None) -> None:
+    """Pop ``count`` (all: ``None``) entries of a tracer's kernel stack, releasing the graph kernels
+    of those that hold them. The stack is shared with the root's forward hooks, so the kernels go
+    back even when the tracer itself is gone or removed before its forward pass ended."""
+    while held and (count is None or count > 0):
+        if held.pop():
+            _graph_kernels.release()
+        if count is not None:
+            count -= 1
 
 
 class Call:
@@ -298,6 +311,7 @@ class ModelTracer:
         self._handles: list[Any] = []
         self._global_handle = None
         self._kernel_stack: list[bool] = []  # per forward pass: it holds the graph kernels
+        weakref.finalize(self, _put_back, self._kernel_stack)  # collected mid-pass: put them back
         self._batches: list[int] = []
         #: rows of the model's current forward pass (0 outside one)
         self.batch = 0
@@ -323,7 +337,7 @@ class ModelTracer:
                 direct = {name: p for name, p in named.items() if "." not in name}
                 self._named[id(module)] = (named, direct)
         self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
-        self._handles.append(root.register_forward_hook(partial(_after_root, self.id), always_call=True))
+        self._handles.append(root.register_forward_hook(partial(_after_root, self.id, self._kernel_stack), always_call=True))
         self._covered |= {id(p) for p in root.parameters()}
         self.roots.append(weakref.ref(root))
         self._on_attach()
@@ -356,13 +370,14 @@ class ModelTracer:
             self._global_handle = None
 
     def remove(self) -> None:
-        """Remove every hook."""
+        """Remove every hook (and put back the graph kernels of a forward pass still running)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         if self._global_handle is not None:
             self._global_handle.remove()
             self._global_handle = None
+        _put_back(self._kernel_stack)
 
     # ---- the model's forward pass ------------------------------------------------------
     def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
@@ -382,8 +397,7 @@ class ModelTracer:
         return bool(self._batches)
 
     def exit_forward(self) -> None:
-        if self._kernel_stack and self._kernel_stack.pop():
-            _graph_kernels.release()
+        _put_back(self._kernel_stack, 1)
         if self._batches:
             self.batch = self._batches.pop()
 
