@@ -176,3 +176,48 @@ def assert_nested_close(actual, expected, where: str = "", rtol: float = 1e-8, a
                                    rtol=rtol, atol=atol, err_msg=where)  # fmt: skip
     else:
         assert actual == expected, f"{where}: {actual!r} != {expected!r}"
+
+
+def zoo_or_helper_problem(name: str):
+    """``(model, mean loss fn(outputs, targets), per-row losses fn, batch(size, seed))`` of a helper
+    problem (``mlp``, ``cnn``) or a :mod:`tests.zoo` problem."""
+    if name in ("mlp", "cnn"):
+        model, lossfunc, individual = make_problem(name)
+        return model, lossfunc, individual, lambda size, seed: make_batch(name, size, seed)
+    from tests.zoo import ZOO
+
+    problem = ZOO[name](0)
+
+    def mean_loss(outputs, targets):
+        return problem.sample_losses(outputs, targets).mean()
+
+    return problem.model, mean_loss, problem.sample_losses, problem.batch
+
+
+def accumulated_steps(cockpit, problem, optimizer, steps: int, rows: int, micro_batches: int, before_last=None):
+    """``steps`` optimizer steps of ``rows`` rows each (batches ``batch(rows, 100 + step)``), each in
+    ``micro_batches`` equal micro-batches whose losses are divided by their count, the cockpit
+    entered around every backward pass with ``info["micro_batches"]``; ``before_last(step)`` runs
+    before the last micro-batch's backward pass. Returns the cockpit's output."""
+    model, lossfunc, individual, batch = problem
+    size = rows // micro_batches
+    for step in range(steps):
+        inputs, targets = batch(rows, 100 + step)
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            outputs = model(inputs[part])
+            loss = lossfunc(outputs, targets[part])
+            info = {
+                "batch_size": size,
+                "individual_losses": individual(outputs, targets[part]),
+                "loss": loss,
+                "optimizer": optimizer,
+                "micro_batches": micro_batches,
+            }
+            if before_last is not None and micro == micro_batches - 1:
+                before_last(step)
+            with cockpit(step, info=info):
+                (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit.get_output()

@@ -17,50 +17,21 @@ from cockpit_like import Cockpit
 from cockpit_like.quantities import GradNorm, NormTest
 from cockpit_like.utils.schedules import linear
 from cockpit_like.utils.configuration import configuration
-from tests.helpers import assert_nested_close, make_batch, make_problem
-from tests.zoo import ZOO
+from tests.helpers import accumulated_steps, assert_nested_close, make_batch, make_problem, zoo_or_helper_problem
 
 STEPS, ROWS = 3, 8
 
 
-def _problem(name: str):
-    """``(model, mean loss fn(outputs, targets), per-row losses fn, batch(size, seed))``."""
-    if name in ("mlp", "cnn"):
-        model, lossfunc, individual = make_problem(name)
-        return model, lossfunc, individual, lambda size, seed: make_batch(name, size, seed)
-    problem = ZOO[name](0)
-
-    def mean_loss(outputs, targets):
-        return problem.sample_losses(outputs, targets).mean()
-
-    return problem.model, mean_loss, problem.sample_losses, problem.batch
+_problem = zoo_or_helper_problem
 
 
 def _run(name: str, preset: str, micro_batches: int, steps: int = STEPS, rows: int = ROWS, **cockpit_args):
-    model, lossfunc, individual, batch = _problem(name)
+    problem = _problem(name)
+    model = problem[0]
     cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model, **cockpit_args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
-    size = rows // micro_batches
-    for step in range(steps):
-        inputs, targets = batch(rows, 100 + step)
-        optimizer.zero_grad()
-        for micro in range(micro_batches):
-            part = slice(micro * size, (micro + 1) * size)
-            outputs = model(inputs[part])
-            loss = lossfunc(outputs, targets[part])
-            info = {
-                "batch_size": size,
-                "individual_losses": individual(outputs, targets[part]),
-                "loss": loss,
-                "optimizer": optimizer,
-                "micro_batches": micro_batches,
-            }
-            if micro == micro_batches - 1:
-                torch.manual_seed(step)  # the same random vectors (HessMaxEV, Hutchinson) as the reference
-            with cockpit(step, info=info):
-                (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
-        optimizer.step()
-    return cockpit.get_output()
+    # the same random vectors (HessMaxEV, Hutchinson) as the reference
+    return accumulated_steps(cockpit, problem, optimizer, steps, rows, micro_batches, before_last=torch.manual_seed)
 
 
 def _assert_close(actual, expected, where: str, rtol: float = 1e-8, atol: float = 1e-12):

@@ -20,8 +20,7 @@ from cockpit_like.backends import per_sample
 from cockpit_like.quantities import Alpha, GradHist1d, GradHist2d, GradNorm, InnerTest, MeanGSNR, NormTest, OrthoTest
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
-from tests.helpers import assert_nested_close, make_batch, make_problem
-from tests.zoo import ZOO
+from tests.helpers import accumulated_steps, assert_nested_close, zoo_or_helper_problem
 
 STEPS, ROWS = 3, 6
 
@@ -30,41 +29,16 @@ def _quantities():
     return configuration("economy") + [GradHist2d(linear(1)), MeanGSNR(linear(1))]
 
 
-def _problem(name: str):
-    if name in ("mlp", "cnn"):
-        model, lossfunc, individual = make_problem(name)
-        return model, lossfunc, individual, lambda size, seed: make_batch(name, size, seed)
-    problem = ZOO[name](0)
-
-    def mean_loss(outputs, targets):
-        return problem.sample_losses(outputs, targets).mean()
-
-    return problem.model, mean_loss, problem.sample_losses, problem.batch
+_problem = zoo_or_helper_problem
 
 
 def _run(name: str, quantities, optimizer_class=torch.optim.SGD, micro_batches: int = 1, **cockpit_args):
-    model, lossfunc, individual, batch = _problem(name)
+    problem = _problem(name)
+    model = problem[0]
     cockpit = Cockpit(model.parameters(), quantities=quantities, model=model, **cockpit_args)
     optimizer = optimizer_class(model.parameters(), lr=0.05, momentum=0.5)
-    size = ROWS // micro_batches
-    for step in range(STEPS):
-        inputs, targets = batch(ROWS, 100 + step)
-        optimizer.zero_grad()
-        for micro in range(micro_batches):
-            part = slice(micro * size, (micro + 1) * size)
-            outputs = model(inputs[part])
-            loss = lossfunc(outputs, targets[part])
-            info = {
-                "batch_size": size,
-                "individual_losses": individual(outputs, targets[part]),
-                "loss": loss,
-                "optimizer": optimizer,
-                "micro_batches": micro_batches,
-            }
-            with cockpit(step, info=info):
-                (loss / micro_batches).backward()
-        optimizer.step()
-    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in cockpit.get_output().items()}
+    output = accumulated_steps(cockpit, problem, optimizer, STEPS, ROWS, micro_batches)
+    return {step: {k: v for k, v in values.items() if k != "Time"} for step, values in output.items()}
 
 
 @pytest.fixture
