@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, conv2d_weight_grad_batch, supports_unfold
-from cockpit_like.backends.per_sample import LazyRows, materialize_linear, materialize_sequence, sequence_sum
+from cockpit_like.backends.per_sample import LazyRows, linear_sum, materialize_linear, materialize_sequence, sequence_sum
 
 __all__ = ["Factors", "Sequence", "Dense", "Lazy", "summed", "rule_for", "RULES", "RECOMPUTE_RULES", "is_hf_conv1d"]
 
@@ -90,7 +90,7 @@ class Factors:
         return materialize_linear(self.kind, x, self.delta[start:stop]).reshape(stop - start, *shape)
 
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
-        return (self.delta.sum(0) if self.kind == "bias" else self.delta.T @ self.x).reshape(shape)
+        return linear_sum(self.kind, self.x, self.delta).reshape(shape)
 
 
 class Sequence:

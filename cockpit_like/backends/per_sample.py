@@ -69,6 +69,11 @@ def materialize_linear(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -
     return delta.unsqueeze(2) * x.unsqueeze(1)
 
 
+def linear_sum(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> torch.Tensor:
+    """``sum_i grad_batch[i]`` of a linear layer's factors (``[out]`` bias, ``[out, in]`` weight)."""
+    return delta.sum(0) if kind == "bias" else delta.T @ x
+
+
 def sequence_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum_i sum_t a[i, t] b[i, t]^T`` (``R x C``) as one matrix product of transposed views (no copy of ``a``)."""
     return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, b.shape[-1])
@@ -82,24 +87,25 @@ def materialize_sequence(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) ->
 class Rows:
     """Where a block of rows ``start:stop`` lies in a layer's batch of ``batch`` rows.
 
-    ``total()`` is the batch's sum ``sum_k grad_batch[k]`` (shaped like the
-    parameter), computed once per layer on first use (the row sums of
-    :class:`~cockpit_like.backends.per_sample_stats.GramSummary` need it).
+    :meth:`once` computes something once per layer for all its blocks (the
+    layer's parameter gathered whole, ...); :meth:`total` is the batch's sum
+    ``sum_k grad_batch[k]`` (shaped like the parameter), made on first use
+    (the row sums of :class:`~cockpit_like.backends.per_sample_stats.GramSummary` need it).
     """
 
-    __slots__ = ("start", "stop", "batch", "_total", "_sum")
+    __slots__ = ("start", "stop", "batch", "_lazy", "_memo")
 
-    def __init__(self, start: int, stop: int, batch: int, total=None):
-        self.start, self.stop, self.batch, self._total, self._sum = start, stop, batch, total, None
+    def __init__(self, start: int, stop: int, lazy: "LazyRows", memo: dict):
+        self.start, self.stop, self.batch, self._lazy, self._memo = start, stop, lazy.batch, lazy, memo
+
+    def once(self, key, make):
+        """``make()`` the first time a block of this layer asks for ``key``; the same value afterwards."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def total(self) -> torch.Tensor:
-        if self._sum is None:
-            self._sum = self._total()
-        return self._sum
-
-    @property
-    def whole(self) -> bool:
-        return self.start == 0 and self.stop == self.batch
+        return self.once("total", self._lazy.batch_sum)
 
 
 class LazyRows:
@@ -351,26 +357,32 @@ class PerSampleReducer:
 
     def _reduce_factors(self, index, param, kind, x, delta) -> None:
         # materialised at most once, and only if a statistic has no factor form
-        if not all(stat.factor_form for stat in self.stats) and not self._fits(delta.shape[0], param, delta.element_size()):
-            compact = [k for k, stat in enumerate(self.stats) if stat.factor_form]
-            for k in compact:
-                self._states[k] = self.stats[k].accumulate_factors(self._states[k], index, param, kind, x, delta)
-
-            def make(start, stop):
-                return materialize_linear(kind, None if x is None else x[start:stop], delta[start:stop])
-
-            batch_sum = (lambda: delta.sum(0)) if kind == "bias" else (lambda: delta.T @ x)
-            lazy = LazyRows(delta.shape[0], param.shape, make, delta.element_size(), batch_sum)
-            self._reduce_blocks(index, param, lazy, compact)
+        materialize = not all(stat.factor_form for stat in self.stats)
+        if materialize and not self._fits(delta.shape[0], param, delta.element_size()):
+            lazy = LazyRows(
+                delta.shape[0], param.shape,
+                lambda start, stop: materialize_linear(kind, None if x is None else x[start:stop], delta[start:stop]),
+                delta.element_size(), lambda: linear_sum(kind, x, delta),
+            )  # fmt: skip
+            self._compact_then_blocks(
+                index, param, lazy, "factor_form", lambda stat, state: stat.accumulate_factors(state, index, param, kind, x, delta)
+            )
             return
-        grad_batch = None
-        if not all(stat.factor_form for stat in self.stats):
-            grad_batch = materialize_linear(kind, x, delta)
+        grad_batch = materialize_linear(kind, x, delta) if materialize else None
         for k, stat in enumerate(self.stats):
             if stat.factor_form and (grad_batch is None or not stat.reuses_grad_batch):
                 self._states[k] = stat.accumulate_factors(self._states[k], index, param, kind, x, delta)
             else:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+
+    def _compact_then_blocks(self, index: int, param: torch.Tensor, lazy: LazyRows, form: str, accumulate) -> None:
+        """A layer over the budget given in a compact form: the statistics with that ``form`` (a class
+        attribute such as ``"factor_form"``) read it (``accumulate(stat, state) -> state``), the others
+        get ``lazy``'s rows (:meth:`_reduce_blocks`)."""
+        compact = [k for k, stat in enumerate(self.stats) if getattr(stat, form)]
+        for k in compact:
+            self._states[k] = accumulate(self.stats[k], self._states[k])
+        self._reduce_blocks(index, param, lazy, compact)
 
     def _reduce_blocks(self, index: int, param: torch.Tensor, lazy: LazyRows, compact=()) -> None:
         """Every statistic not in ``compact`` gets ``lazy``'s rows: whole if they fit the budget, else in
@@ -396,17 +408,11 @@ class PerSampleReducer:
                 rowed.append(k)
             elif not stat.keeps():
                 whole.append(k)
-        cache = []
-
-        def total():
-            if not cache:
-                cache.append(lazy.batch_sum())
-            return cache[0]
-
         if rowed:
+            memo: dict = {}  # what the blocks of this layer share
             for start, stop, rows in lazy.blocks():
                 self.blocks += 1
-                span = Rows(start, stop, lazy.batch, total)
+                span = Rows(start, stop, lazy, memo)
                 for k in rowed:
                     self._states[k] = self.stats[k].accumulate_rows(self._states[k], index, param, rows, span)
                 del rows
@@ -453,21 +459,21 @@ class PerSampleReducer:
         a, b = self._scaled(a), _upcast(b)
         index = self._index[id(param)]
         self.seen.add(index)
-        if not all(stat.sequence_form for stat in self.stats) and not self._fits(a.shape[0], param, a.element_size()):
-            compact = [k for k, stat in enumerate(self.stats) if stat.sequence_form]
-            for k in compact:
-                self._states[k] = self.stats[k].accumulate_sequence(self._states[k], index, param, a, b)
+        materialize = not all(stat.sequence_form for stat in self.stats)
+        if materialize and not self._fits(a.shape[0], param, a.element_size()):
             lazy = LazyRows(
                 a.shape[0], param.shape, lambda start, stop: materialize_sequence(a[start:stop], b[start:stop], param.shape),
                 a.element_size(), lambda: sequence_sum(a, b),
             )  # fmt: skip
-            self._reduce_blocks(index, param, lazy, compact)
+            self._compact_then_blocks(
+                index, param, lazy, "sequence_form", lambda stat, state: stat.accumulate_sequence(state, index, param, a, b)
+            )
             return
         # materialised at most once, and only if a statistic has no sequence form (or grad_batch is kept);
         # then every statistic reads it: on grad_batch, sums and dots cost T times less than on the
         # factors (gpt economy: GramSummary's row sums on the factors cost ~35 ms more per step)
         grad_batch = None
-        if self.keep_grad_batch or not all(stat.sequence_form for stat in self.stats):
+        if self.keep_grad_batch or materialize:
             grad_batch = materialize_sequence(a, b, param.shape)
             if self.keep_grad_batch:
                 param.grad_batch = grad_batch

@@ -51,13 +51,12 @@ convolution on its unfolded input: ``gb[i] = sum_t a_it b_it^T``, ``a``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
 from cockpit_like.backends.partitions import step_grad, step_memo, whole
-from cockpit_like.backends.per_sample import LazyRows, PerSampleStat, Rows, sequence_sum
+from cockpit_like.backends.per_sample import PerSampleStat, Rows, sequence_sum
 
 __all__ = [
     "GramSummary",
@@ -413,7 +412,8 @@ class Histogram2dCounts(PerSampleStat):
         counter = Hist2dCounter(self.bins, self.range)
         if rows.start == 0:
             state[index] = counter.finish(counter.new_counts(grad_batch.device))
-        counter.count_grad_batch(state[index].view(-1), grad_batch, whole(param.detach()), scale=rows.batch)
+        theta = rows.once("theta", lambda: whole(param.detach()))  # one gather per layer (FSDP), not per block
+        counter.count_grad_batch(state[index].view(-1), grad_batch, theta, scale=rows.batch)
         return state
 
     def across_ranks(self, result, reduction):
