@@ -50,7 +50,7 @@ PROBLEMS = {
     "overfitting": "a tiny training set with noisy labels and a validation split",
     "nonfinite-operation": "an operation that makes NaN (a division by a zero norm) at one step",
     "exploding-gradient": "a tanh RNN whose recurrent weights amplify the gradient through time",
-    "batch-too-small": "a batch of one sample",
+    "batch-too-small": "a batch of one sample (MLP, CNN, ResNet, transformer classifier)",
 }
 
 TUNING_SEEDS = (0, 1)
@@ -126,6 +126,13 @@ SETTINGS: list[dict[str, Any]] = [
     _setting("healthy-resnet-momentum-b8", "resnet", "momentum", 0.01, batch=8),
     _setting("healthy-transformer-adam-b8", "transformer", "adam", 1e-3, batch=8),
     _setting("healthy-gpt-adamw-warmup-b8", "gpt", "adamw", 1e-3, batch=8, schedule="warmup"),
+    # ---- healthy, fast and noisy: batches of 8 at learning rates that make quick progress (added in
+    # the third round: a fast ResNet with batches of 8 alarmed `noisy-loss` in the evaluation half)
+    _setting("healthy-resnet-adamw-b8", "resnet", "adamw", 3e-3, batch=8),
+    _setting("healthy-cnn-sgd-fast-b8", "cnn", "sgd", 0.1, batch=8),
+    _setting("healthy-mlp-momentum-fast-b8", "mlp", "momentum", 0.02, batch=8),
+    _setting("healthy-transformer-adamw-fast-b8", "transformer", "adamw", 3e-3, batch=8),
+    _setting("healthy-resnet-momentum-fast-b8", "resnet", "momentum", 0.03, batch=8),
     # ---- healthy, with the curvature and gradient-noise inputs (HessMaxEV, NormTest) tracked too
     _setting("healthy-mlp-sgd-curvature", "mlp", "sgd", 0.1, options={"track": _CURVATURE}),
     _setting("healthy-mlp-small-batch-curvature", "mlp", "sgd", 0.05, batch=8, options={"track": _CURVATURE}),
@@ -172,6 +179,11 @@ SETTINGS: list[dict[str, Any]] = [
     # ---- gradients through time, batch size
     _setting("exploding-rnn", "rnn", "sgd", 0.05, "exploding-gradient", options={"recurrent_scale": 3.0}),
     _setting("batch-of-one-mlp-sgd", "mlp", "sgd", 0.1, "batch-too-small", batch=1),
+    # ... on other models and optimizers (third round): each a healthy setting of batches of 8 with
+    # the batch set to one, nothing else changed
+    _setting("batch-of-one-cnn-momentum", "cnn", "momentum", 0.01, "batch-too-small", batch=1),
+    _setting("batch-of-one-resnet-momentum", "resnet", "momentum", 0.01, "batch-too-small", batch=1),
+    _setting("batch-of-one-transformer-adam", "transformer", "adam", 1e-3, "batch-too-small", batch=1),
 ]
 
 

@@ -9,6 +9,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import numpy as np
 import pytest
 import torch
 
@@ -103,6 +104,27 @@ def test_noisy_loss():
     assert ids(R.NoisyLoss().check(history({"Loss": noisy(2.0, 21, 0.9)}))) == [("noisy-loss", None)]
     assert R.NoisyLoss().check(history({"Loss": noisy(2.0, 21, 0.1)})) == []
     assert R.NoisyLoss().check(history({"Loss": noisy(2.0, 20, 0.9)})) == []  # window 20 + 1 values
+
+
+def test_noisy_loss_leaves_a_noisy_run_that_learns_alone():
+    # the same noise (+-60% of the level), on a flat loss and on one that falls from 2.0 to 1.0 in 60 steps
+    flat = noisy(2.0, 60, 0.6, seed=4)
+    falling = [v * (1 - i / 120) for i, v in enumerate(noisy(2.0, 60, 0.6, seed=4))]
+    (finding,) = R.NoisyLoss().check(history({"Loss": flat}))
+    assert finding.evidence["relative"] > 0.17 and finding.evidence["progress"] < 2.0
+    assert finding.evidence["progress_from"] == 0  # short run: the whole run is compared, halves of 30
+    assert R.NoisyLoss().check(history({"Loss": falling})) == []
+    # the progress test against a direct computation: the later half's median vs the earlier half's, in
+    # standard errors of that difference (1.2533 sigma sqrt(2 / h))
+    values = np.array(falling)
+    steps = np.diff(values[-21:])
+    sigma = 1.4826 * np.median(np.abs(steps - np.median(steps))) / math.sqrt(2.0)
+    z = (np.median(values[:30]) - np.median(values[30:])) / (1.2533 * sigma * math.sqrt(2.0 / 30))
+    assert z > 2.0
+    assert ids(R.NoisyLoss(z=z + 0.01).check(history({"Loss": falling}))) == [("noisy-loss", None)]
+    assert R.NoisyLoss(z=z - 0.01).check(history({"Loss": falling})) == []
+    with pytest.raises(ValueError, match="z"):
+        R.NoisyLoss(z=0)
 
 
 def test_exploding_gradient():

@@ -343,16 +343,23 @@ class NoisyLoss(Rule):
 
     ``sigma`` is a robust scale (median absolute deviation) of the steps of
     the loss over the last ``window`` tracked values, relative to the first
-    tracked loss; the rule fires when it is above ``threshold``.
+    tracked loss. The rule fires when it is above ``threshold`` *and* the loss
+    has not fallen beyond its own noise: over the last :data:`NOISE_VALUES`
+    finite values (the whole run on short runs), the median of the later half
+    is not below that of the earlier half by ``z`` standard errors
+    (``1.2533 sigma sqrt(2 / h)`` for halves of ``h`` values). A noisy run that
+    learns (batches of 8 at a good learning rate) is left alone; a noisy run
+    that does not is named.
     """
 
     id = "noisy-loss"
     severity = "warning"
     reads = ("Loss",)
 
-    def __init__(self, window: int = 20, threshold: float = 0.15):
+    def __init__(self, window: int = 20, threshold: float = 0.17, z: float = 2.0):
         self.window = _check_window(window)
         self.threshold = _check_positive("threshold", threshold)
+        self.z = _check_positive("z", z)
 
     def check(self, history: RunHistory) -> list[Finding]:
         steps, values = history.tail("Loss", self.window + 1)
@@ -365,13 +372,22 @@ class NoisyLoss(Rule):
         relative = sigma / first
         if not relative > self.threshold:
             return []
+        run_steps, run = history.tail("Loss", NOISE_VALUES)
+        half = len(run) // 2
+        fall = _median(run[:half]) - _median(run[len(run) - half:])
+        progress = fall / (1.2533 * sigma * math.sqrt(2.0 / half))
+        if progress >= self.z:
+            return []
         return [
             self.finding(
                 int(steps[-1]),
                 f"the loss is noisy: it moves by {_g(sigma)} from step to step (a robust scale over steps "
-                f"{int(steps[0])}..{int(steps[-1])}), {_g(100 * relative)}% of the first tracked loss",
+                f"{int(steps[0])}..{int(steps[-1])}), {_g(100 * relative)}% of the first tracked loss, and it "
+                f"has not fallen beyond that noise since step {int(run_steps[0])} (the later half's median "
+                f"{_g(fall)} lower, {_g(progress)} standard errors; {_g(self.z)} needed)",
                 fix="use a larger batch (or accumulate gradients over several), or lower the learning rate",
-                evidence={"noise": sigma, "relative": relative, "steps": [int(steps[0]), int(steps[-1])]},
+                evidence={"noise": sigma, "relative": relative, "steps": [int(steps[0]), int(steps[-1])],
+                          "fall": fall, "progress": progress, "progress_from": int(run_steps[0])},
             )
         ]
 
