@@ -11,7 +11,6 @@ matplotlib.use("Agg")
 
 import numpy as np
 import pytest
-import torch
 
 from cockpit_like import Cockpit, read_log
 from cockpit_like.cli import main
