@@ -44,17 +44,21 @@ sys.path.insert(0, str(ROOT))
 PROBLEMS = ("mlp", "3c3d", "2c2d", "gpt", "resnet")
 
 
+def _top(values, target: str) -> float:
+    """The ``largest`` of ascending ``values``, or the one of largest ``magnitude``."""
+    low, high = float(values[0]), float(values[-1])
+    return high if target == "largest" or abs(high) >= abs(low) else low
+
+
 def _first_within(decomposition, reference: float, target: str, tolerance: float) -> int | None:
-    """The fewest products whose Ritz values (``largest`` or ``magnitude``) are within ``tolerance``."""
+    """The fewest products whose Ritz values (``largest`` or ``magnitude``) are within ``tolerance``
+    (read from the prefixes ``T[:m, :m]`` of one decomposition: those of a solve stopped after ``m``)."""
     import torch
 
     square = decomposition.coefficients
     for m in range(1, decomposition.num_products + 1):
         t = square[:m, :m]
-        values = torch.linalg.eigvalsh((t + t.T) / 2)
-        low, high = float(values[0]), float(values[-1])
-        estimate = high if target == "largest" or abs(high) >= abs(low) else low
-        if abs(estimate - reference) <= tolerance * abs(reference):
+        if abs(_top(torch.linalg.eigvalsh((t + t.T) / 2), target) - reference) <= tolerance * abs(reference):
             return m
     return None
 
@@ -94,25 +98,21 @@ def measure(problem: str, steps: int, batch_size: int, lr: float, tolerance: flo
         probe = (torch.randint(0, 2, (1, n), generator=generator) * 2 - 1).to(params[0].dtype)
         reference = lanczos_decomposition(matvec, probe, max_products=min(n, 300), rtol=1e-6)
         values = reference.ritz_values()
-        largest = float(values[-1])
-        magnitude = largest if abs(largest) >= abs(float(values[0])) else float(values[0])
+        largest, magnitude = _top(values, "largest"), _top(values, "magnitude")
         engine = lanczos_decomposition(matvec, probe, max_products=100, rtol=DEFAULT_RTOL)
-        engine_values = engine.ritz_values()
-        engine_value = float(engine_values[-1])
-        if abs(float(engine_values[0])) > abs(engine_value):
-            engine_value = float(engine_values[0])
+        engine_value = _top(engine.ritz_values(), "magnitude")
         start_uniform = torch.rand(n, generator=generator).to(params[0].dtype)
         start = previous if previous is not None else start_uniform
         before = accelerated_power_iteration(matvec, start, max_iter=100, rtol=1e-3, atol=1e-6, warn=False)
         previous = before.vector.detach()
         plain = power_iteration(matvec, torch.rand(n, generator=generator).to(params[0].dtype), max_iter=100,
                                 rtol=1e-3, atol=1e-6, warn=False)
-        free = lanczos_decomposition(matvec, probe, max_products=min(n, reference.num_products), rtol=0.0)
-        uniform = lanczos_decomposition(matvec, start_uniform.reshape(1, -1), max_products=min(n, reference.num_products),
+        # unstopped solves as long as the reference's; from the probe, the reference itself is one
+        uniform = lanczos_decomposition(matvec, start_uniform.reshape(1, -1), max_products=reference.num_products,
                                         rtol=0.0)
         warm = None
         if previous_top is not None:
-            warm = lanczos_decomposition(matvec, previous_top.reshape(1, -1), max_products=min(n, reference.num_products),
+            warm = lanczos_decomposition(matvec, previous_top.reshape(1, -1), max_products=reference.num_products,
                                          rtol=0.0)
         top = 0 if magnitude == float(values[0]) else len(values) - 1
         previous_top = reference.ritz_vector(top).detach()
@@ -123,8 +123,8 @@ def measure(problem: str, steps: int, batch_size: int, lr: float, tolerance: flo
             "before": {"products": before.num_matvecs, "error": abs(float(before.value) - magnitude) / abs(magnitude)},
             "plain": {"products": plain.num_matvecs, "error": abs(float(plain.value) - magnitude) / abs(magnitude)},
             "engine": {"products": engine.num_products, "error": abs(engine_value - magnitude) / abs(magnitude)},
-            "oracle": {"magnitude": _first_within(free, magnitude, "magnitude", tolerance),
-                       "largest": _first_within(free, largest, "largest", tolerance),
+            "oracle": {"magnitude": _first_within(reference, magnitude, "magnitude", tolerance),
+                       "largest": _first_within(reference, largest, "largest", tolerance),
                        "uniform": _first_within(uniform, magnitude, "magnitude", tolerance),
                        "warm": None if warm is None else _first_within(warm, magnitude, "magnitude", tolerance)},
         })
