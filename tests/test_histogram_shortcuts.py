@@ -337,3 +337,39 @@ def test_half_precision_shortcuts_equal_enumeration(dtype):
     c2.count_outer(expected2, x, delta, theta, dominant=False)
     c2.count_outer(counts2, x, delta, theta, dominant=True)
     assert torch.equal(counts2, expected2)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_rows_longer_than_a_chunk_are_counted_in_slices(chunk, monkeypatch):
+    """One sample with more entries than ``chunk`` (a large embedding's row): counted in column slices, with
+    buffers of at most ``chunk`` entries (not one sample's size), the same counts as the reference."""
+    torch.manual_seed(3)
+    batch, out, width = 3, 40, 25  # 1000 entries per sample
+    x, delta = torch.randn(batch, width, dtype=torch.float64), torch.randn(batch, out, dtype=torch.float64)
+    theta = torch.randn(out, width, dtype=torch.float64)
+    grad_batch = delta.unsqueeze(2) * x.unsqueeze(1)
+    sizes = []
+    made = fast_histograms._Buffers.__init__
+
+    def record(self, size, dtype, device):
+        sizes.append(size)
+        made(self, size, dtype, device)
+
+    monkeypatch.setattr(fast_histograms._Buffers, "__init__", record)
+    bins, range_ = 17, (-1.5, 1.5)
+    expected = hist1d_counts(batch * grad_batch, bins, range_)
+    counter = Hist1dCounter(bins, range_, torch.float64)
+    for count in (lambda c: counter.count_grad_batch(c, grad_batch, chunk=chunk),
+                  lambda c: counter.count_outer_dense(c, x, delta, chunk=chunk)):  # fmt: skip
+        counts = counter.new_counts("cpu")
+        count(counts)
+        assert torch.equal(Hist1dCounter.finish(counts, bins, torch.float64), expected)
+    ranges = ((-1.5, 1.5), (-2.0, 2.0))
+    expected_2d = hist2d_counts(batch * grad_batch, theta, (9, 11), ranges)
+    counter_2d = Hist2dCounter((9, 11), ranges)
+    for count in (lambda c: counter_2d.count_grad_batch(c, grad_batch, theta, chunk=chunk),
+                  lambda c: counter_2d.count_outer_dense(c, x, delta, theta, chunk=chunk)):  # fmt: skip
+        counts = counter_2d.new_counts("cpu")
+        count(counts)
+        assert torch.equal(counter_2d.finish(counts), expected_2d)
+    assert sizes and max(sizes) <= max(chunk, width), sizes

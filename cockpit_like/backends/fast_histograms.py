@@ -114,12 +114,20 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
     return float(torch.tensor(float(value), dtype=dtype))
 
 
-def _chunks_of_grad_batch(grad_batch: torch.Tensor, chunk: int) -> Iterator[torch.Tensor]:
-    """``[rows, P]`` views of ``grad_batch`` reshaped ``[B, P]``, about ``chunk`` entries each."""
+def _chunks_of_grad_batch(grad_batch: torch.Tensor, chunk: int) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """``(part, start, stop)``: views ``[rows, stop - start]`` of ``grad_batch`` reshaped ``[B, P]`` (columns
+    ``start:stop``), about ``chunk`` entries each: a few whole rows at a time, or a row longer than ``chunk``
+    (e.g. one sample's gradient of a large embedding) in slices of ``chunk`` columns."""
     flat = grad_batch.detach().reshape(grad_batch.shape[0], -1)
-    rows = max(1, chunk // max(1, flat.shape[1]))
-    for start in range(0, flat.shape[0], rows):
-        yield flat[start : start + rows]
+    width = flat.shape[1]
+    if width <= chunk:
+        rows = max(1, chunk // max(1, width))
+        for start in range(0, flat.shape[0], rows):
+            yield flat[start : start + rows], 0, width
+        return
+    for row in range(flat.shape[0]):
+        for start in range(0, width, chunk):
+            yield flat[row : row + 1, start : start + chunk], start, min(start + chunk, width)
 
 
 class _Buffers:
@@ -140,16 +148,37 @@ class _Buffers:
         return self.values[:n].view(shape), self.index[:n].view(shape)
 
 
-def _outer_chunks(x: torch.Tensor, delta: torch.Tensor, chunk: int, buffers: _Buffers) -> Iterator[torch.Tensor]:
-    """``delta_i x_i^T`` for a few samples at a time, written into ``buffers.values``."""
+def _outer_chunks(
+    x: torch.Tensor, delta: torch.Tensor, chunk: int, buffers: _Buffers
+) -> Iterator[tuple[torch.Tensor, int, int]]:
+    """``(values, start, stop)``: ``delta_i x_i^T`` for a few samples at a time, or, where one sample has more
+    than ``chunk`` entries, for a few rows ``a`` of one sample at a time, written into ``buffers.values``
+    as ``[rows, stop - start]`` (``start:stop`` the entries of the flattened ``[out, in]``)."""
     batch, out = delta.shape
     width = x.shape[1]
-    rows = max(1, chunk // max(1, out * width))
-    for start in range(0, batch, rows):
-        d, xs = delta[start : start + rows], x[start : start + rows]
-        values, _ = buffers.take((d.shape[0], out, width))
-        torch.mul(d.unsqueeze(2), xs.unsqueeze(1), out=values)
-        yield values.view(d.shape[0], out * width)
+    if out * width <= chunk:
+        rows = max(1, chunk // max(1, out * width))
+        for start in range(0, batch, rows):
+            d, xs = delta[start : start + rows], x[start : start + rows]
+            values, _ = buffers.take((d.shape[0], out, width))
+            torch.mul(d.unsqueeze(2), xs.unsqueeze(1), out=values)
+            yield values.view(d.shape[0], out * width), 0, out * width
+        return
+    rows = max(1, chunk // max(1, width))
+    for i in range(batch):
+        for a in range(0, out, rows):
+            d = delta[i, a : a + rows]
+            values, _ = buffers.take((d.shape[0], width))
+            torch.mul(d.unsqueeze(1), x[i].unsqueeze(0), out=values)
+            yield values.view(1, -1), a * width, (a + d.shape[0]) * width
+
+
+def _outer_size(x: torch.Tensor, delta: torch.Tensor, chunk: int) -> int:
+    """Entries of the largest block :func:`_outer_chunks` yields."""
+    out, width = delta.shape[1], x.shape[1]
+    if out * width <= chunk:
+        return min(max(1, chunk // max(1, out * width)), delta.shape[0]) * out * width
+    return min(max(1, chunk // max(1, width)), out) * width
 
 
 def _truncate(values: torch.Tensor, index: torch.Tensor) -> None:
@@ -408,7 +437,7 @@ class Hist1dCounter:
         pass the whole batch's ``B``)."""
         scale = grad_batch.shape[0] if scale is None else scale
         buffers = _Buffers(min(chunk_size(grad_batch, chunk), grad_batch.numel()), grad_batch.dtype, grad_batch.device)
-        for part in _chunks_of_grad_batch(grad_batch, chunk):
+        for part, _, _ in _chunks_of_grad_batch(grad_batch, chunk):
             self.add(counts, part, scale, buffers)
 
     def count_outer(
@@ -451,15 +480,16 @@ class Hist1dCounter:
     def count_outer_dense(self, counts: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, chunk: int = CHUNK) -> None:
         """:meth:`count_outer` enumerating every product."""
         scale = delta.shape[0]
-        size = max(1, chunk // (delta.shape[1] * x.shape[1])) * delta.shape[1] * x.shape[1]
-        buffers = _Buffers(min(size, delta.numel() * x.shape[1]), delta.dtype, delta.device)
-        for part in _outer_chunks(x, delta, chunk, buffers):
+        buffers = _Buffers(_outer_size(x, delta, chunk), delta.dtype, delta.device)
+        for part, _, _ in _outer_chunks(x, delta, chunk, buffers):
             self.add(counts, part, scale, buffers)
 
 
 def chunk_size(grad_batch: torch.Tensor, chunk: int) -> int:
     """Entries of the largest chunk :func:`_chunks_of_grad_batch` yields."""
     per_sample = max(1, grad_batch[0].numel()) if grad_batch.shape[0] else 1
+    if per_sample > chunk:
+        return chunk
     return max(1, chunk // per_sample) * per_sample
 
 
@@ -694,8 +724,8 @@ class Hist2dCounter:
         scale = grad_batch.shape[0] if scale is None else scale
         theta_index = self.theta_index(theta).to(torch.int32)
         buffers = _Buffers(min(chunk_size(grad_batch, chunk), grad_batch.numel()), grad_batch.dtype, grad_batch.device)
-        for part in _chunks_of_grad_batch(grad_batch, chunk):
-            self.add(counts, part, scale, theta_index, buffers)
+        for part, start, stop in _chunks_of_grad_batch(grad_batch, chunk):
+            self.add(counts, part, scale, theta_index.view(-1)[start:stop], buffers)
 
     def count_outer(self, counts, x, delta, theta, chunk: int = CHUNK, sparse: float | None = None, dominant: bool | None = None) -> None:
         """Count pairs ``(B * delta_i x_i^T, theta)``; ``sparse`` as :meth:`Hist1dCounter.count_outer`.
@@ -740,7 +770,6 @@ class Hist2dCounter:
         """:meth:`count_outer` enumerating every product."""
         scale = delta.shape[0]
         theta_index = self.theta_index(theta).to(torch.int32)
-        size = max(1, chunk // (delta.shape[1] * x.shape[1])) * delta.shape[1] * x.shape[1]
-        buffers = _Buffers(min(size, delta.numel() * x.shape[1]), delta.dtype, delta.device)
-        for part in _outer_chunks(x, delta, chunk, buffers):
-            self.add(counts, part, scale, theta_index, buffers)
+        buffers = _Buffers(_outer_size(x, delta, chunk), delta.dtype, delta.device)
+        for part, start, stop in _outer_chunks(x, delta, chunk, buffers):
+            self.add(counts, part, scale, theta_index.view(-1)[start:stop], buffers)
