@@ -43,7 +43,10 @@ def lookahead_update(
 
     Works for any optimizer whose ``step()`` reads the parameters from
     ``param_groups`` and their state from ``optimizer.state`` (all of
-    ``torch.optim`` and the usual custom subclasses).
+    ``torch.optim`` and the usual custom subclasses). For an element-wise
+    optimizer (:func:`is_elementwise`) only ``params`` are stepped, in parts
+    of at most :data:`LOOKAHEAD_PART_BYTES` of parameters each (one step per
+    part), so the copies that exist at once stay bounded on a large model.
 
     Args:
         optimizer: the optimizer.
@@ -60,8 +63,38 @@ def lookahead_update(
         >>> opt = torch.optim.SGD([w], lr=0.1)      # w.grad = g
         >>> lookahead_update(opt, [w])              # [-0.1 * g]
     """
-    updates = _shadow_step(optimizer, {} if gradients is None else gradients)
+    gradients = {} if gradients is None else gradients
+    if is_elementwise(optimizer):
+        updates = {}
+        for part in _parts(optimizer, params):
+            updates.update(_shadow_step(optimizer, gradients, only=part))
+    else:
+        updates = _shadow_step(optimizer, gradients)
     return [updates[id(p)] if id(p) in updates else torch.zeros_like(p) for p in params]
+
+
+#: an element-wise optimizer's look-ahead steps the parameters in parts of at most this many bytes of
+#: parameters (a larger parameter is a part of its own): its copies of a part's parameters, gradients
+#: and state exist at once, not those of the whole model
+LOOKAHEAD_PART_BYTES = 64 * 2**20
+
+
+def _parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[set[int]]:
+    """The ids of those ``params`` the optimizer holds, in parts of at most :data:`LOOKAHEAD_PART_BYTES`."""
+    wanted = {id(p) for p in params}
+    parts: list[set[int]] = [set()]
+    size = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in wanted:
+                continue
+            nbytes = param.numel() * param.element_size()
+            if parts[-1] and size + nbytes > LOOKAHEAD_PART_BYTES:
+                parts.append(set())
+                size = 0
+            parts[-1].add(id(param))
+            size += nbytes
+    return [part for part in parts if part]
 
 
 def _shadow_step(
