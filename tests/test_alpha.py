@@ -12,7 +12,7 @@ from torch import nn
 from cockpit_like import Cockpit
 from cockpit_like.context import MissingInfoError
 from cockpit_like.functional.alpha import alpha_from_observations
-from cockpit_like.quantities import Alpha
+from cockpit_like.quantities import Alpha, UpdateSize
 from cockpit_like.quantities.alpha import lookahead_update
 from cockpit_like.utils.schedules import linear
 from tests.helpers import make_batch, make_problem, per_sample_grads
@@ -60,7 +60,7 @@ def reference_alpha(start, end, batch_size):
     return -1 if mu[2] < 0 else 2 * tau / (-mu[1] / mu[2]) - 1
 
 
-def run(problem, optimizer, schedule, steps, batch_size=6, bias=True, clip=None, quantities=()):
+def run(problem, optimizer, schedule, steps, batch_size=6, bias=True, clip=None, quantities=(), after_step=None):
     model, lossfunc, individual = make_problem(problem, bias=bias)
     opt = OPTIMIZERS[optimizer](model.parameters())
     alpha = Alpha(schedule)
@@ -87,6 +87,8 @@ def run(problem, optimizer, schedule, steps, batch_size=6, bias=True, clip=None,
             if clip is not None:
                 nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
+            if after_step is not None:
+                after_step(step, model, alpha)
     return alpha, observed
 
 
@@ -124,6 +126,54 @@ def test_clipping_with_sgd_is_exact_and_with_adam_warns():
     # Adam: clipping changes the direction; the result is approximate and says so
     with pytest.warns(UserWarning, match="differs in direction from the optimizer's look-ahead"):
         alpha, _ = run("mlp", "adam", linear(1), 3, clip=1e-3)
+    assert sorted(alpha.get_output()) == [0, 1]
+
+
+def test_the_predicted_update_is_freed_at_the_optimizer_step():
+    """Right after ``optimizer.step()`` Alpha keeps only the start parameters (one copy, shared with
+    UpdateSize), its observations and the settled check: no predicted update or gradient sum through the
+    next forward and backward pass. The values stay those of the brute-force twin."""
+    update_size = UpdateSize(linear(1))
+    seen = []
+
+    def after_step(step, model, alpha):
+        keys = sorted(key for start, key in alpha.cached_keys() if start == step)
+        kept = alpha.load_from_cache(step, "params")
+        shared = update_size.load_from_cache(step, "params")
+        seen.append((keys, all(a is b for a, b in zip(kept, shared))))
+
+    alpha, observed = run("mlp", "adam", linear(1), 4, quantities=(update_size,), after_step=after_step)
+    assert seen == [(["observations", "params", "settled"], True)] * 4
+    for step, value in alpha.get_output().items():
+        assert float(value) == pytest.approx(reference_alpha(observed[step], observed[step + 1], 6), rel=1e-8, abs=1e-10)
+
+
+@pytest.mark.parametrize("optimizer,clip", [("adam", 1e-3), ("momentum", None)])
+def test_settling_at_the_step_equals_checking_at_the_next_step(optimizer, clip, monkeypatch):
+    """The check made right after ``optimizer.step()`` gives the numbers of the check made when the next
+    step begins (with the predicted update and the gradient sum kept until then), warning alike."""
+    def outputs():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alpha, _ = run("mlp", optimizer, linear(1), 4, clip=clip)
+        return alpha.get_output(), sorted({str(w.message)[:40] for w in caught if "Alpha" in str(w.message)})
+
+    settled = outputs()
+    monkeypatch.setattr(Alpha, "_watch_step", lambda self, start, optimizer: None)
+    assert settled == outputs()
+    assert bool(settled[1]) == (clip is not None)
+
+
+def test_parameters_changed_after_the_step_warn():
+    """A change of the parameters after ``optimizer.step()`` (a projection) is not the settled update: Alpha
+    says its value is approximate."""
+    def project(step, model, alpha):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+
+    with pytest.warns(UserWarning, match="differs in direction from the optimizer's look-ahead"):
+        alpha, _ = run("mlp", "adam", linear(1), 3, after_step=project)
     assert sorted(alpha.get_output()) == [0, 1]
 
 
@@ -221,11 +271,21 @@ def test_memory_adam_keeps_no_per_sample_tensor_across_steps():
     assert sorted(alpha.get_output()) == [0, 1, 2]
 
 
+@pytest.mark.parametrize("part_bytes", [None, 1])
 @pytest.mark.parametrize("optimizer", ["momentum", "adam", "custom"])
-def test_lookahead_restores_everything(optimizer):
+def test_lookahead_restores_everything(optimizer, part_bytes, monkeypatch):
+    """The look-ahead equals the real step bitwise and writes nothing; ``part_bytes=1``: an element-wise
+    optimizer's look-ahead steps one parameter at a time (bounded copies), with the same result."""
+    from cockpit_like.utils import optim
+
     model, lossfunc, _ = make_problem("mlp")
     params = list(model.parameters())
     opt = OPTIMIZERS[optimizer](params)
+    steps = []
+    if part_bytes is not None:
+        monkeypatch.setattr(optim, "LOOKAHEAD_PART_BYTES", part_bytes)
+        shadow_step = optim._shadow_step
+        monkeypatch.setattr(optim, "_shadow_step", lambda *a, **k: steps.append(k.get("only")) or shadow_step(*a, **k))
     for step in range(3):
         inputs, labels = make_batch("mlp", 5, seed=step)
         opt.zero_grad()
@@ -245,6 +305,9 @@ def test_lookahead_restores_everything(optimizer):
         opt.step()
         actual = [p.detach() - b for p, b in zip(params, before_params)]
         assert all(torch.equal(a, b) for a, b in zip(actual, predicted))
+    if part_bytes is not None:  # one part per parameter for the element-wise ones, one step for the custom one
+        expected = [None] * 3 if optimizer == "custom" else [{id(p)} for p in params] * 3
+        assert steps == expected
 
 
 def test_missing_info_fails_before_backward():

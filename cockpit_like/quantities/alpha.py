@@ -13,12 +13,18 @@ without keeping per-sample gradients from one step to the next:
   :class:`~cockpit_like.utils.optim.ComputeStep`). With the per-sample gradients of this step
   (kept only until the end of this step) it reduces the slopes
   ``u_{0,i} = g_{t,i}^T d / ||d||`` to their mean and unbiased variance. Kept
-  until step t+1: ``theta_t``, the predicted ``d``, ``sum_i grad_batch_i`` and a
-  few floats, i.e. O(D) memory, nothing per sample.
+  until the optimizer's step: ``theta_t``, the predicted ``d`` and
+  ``sum_i grad_batch_i``. Right after ``optimizer.step()`` (a step post-hook
+  of ``info["optimizer"]``) the actual update is compared with the prediction
+  (below) and only ``theta_t`` (one copy, shared with UpdateSize) and a few
+  floats are kept to step t+1: one copy of the parameters, nothing per sample.
+  Without the hook (no optimizer given, or one without
+  ``register_step_post_hook``) the comparison waits for step t+1.
 - **End step t+1**: the actual ``d = theta_{t+1} - theta_t`` is known when the
   step begins, so the slopes ``u_{1,i} = g_{t+1,i}^T d / ||d||`` are reduced
   layer by layer in the backward pass
-  (:class:`~cockpit_like.backends.per_sample_stats.DirectionalDots`). The
+  (:class:`~cockpit_like.backends.per_sample_stats.DirectionalDots`), each
+  parameter's part of ``d`` made when it is read. The
   prediction is verified: if the actual update has the predicted *direction*
   (slopes depend only on the direction) the result is exact. Otherwise (the
   gradients were changed between backward and ``step()``, e.g. clipping with
@@ -33,20 +39,49 @@ with ``B = info["batch_size"]``. Stored under the start step (``SAVE_SHIFT = 1``
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import step_memo, whole
+from cockpit_like.backends.partitions import is_dtensor, step_memo, whole
 from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
-from cockpit_like.quantities.quantity import TwoStepQuantity
+from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
 from cockpit_like.utils.optim import lookahead_update
 
 __all__ = ["Alpha", "lookahead_update"]  # lookahead_update: re-exported from cockpit_like.utils.optim
 
 
-def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
+class _Steps(Sequence):
+    """``theta_{t+1} - theta_t`` per parameter, each made when it is read (``p - reference``; the last one
+    read is kept for the next block of rows of the same layer), so that no copy of all the parameters
+    exists at once; made all at once where a parameter is sharded (a ``DTensor``: its whole tensor is a
+    collective that every rank makes in the same order)."""
+
+    def __init__(self, params: list[torch.Tensor], reference: list[torch.Tensor]):
+        self._params, self._reference = list(params), list(reference)
+        self._last: tuple[int, torch.Tensor] | None = None
+        self._made = None
+        if any(is_dtensor(p) for p in self._params):
+            self._made = [whole(p.detach()) - r for p, r in zip(self._params, self._reference)]
+
+    def __len__(self) -> int:
+        return len(self._reference)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if self._made is not None:
+            return self._made[index]
+        index = range(len(self))[index]  # IndexError past the end (ends iteration)
+        if self._last is None or self._last[0] != index:
+            self._last = None  # free the previous one first
+            self._last = (index, self._params[index].detach() - self._reference[index])
+        return self._last[1]
+
+
+def _norm(tensors) -> torch.Tensor:
     return torch.sqrt(sum((t**2).sum() for t in tensors))
 
 
@@ -97,9 +132,9 @@ class Alpha(TwoStepQuantity):
         if self.is_end(global_step) and self.is_cached(start, "params"):
             reference = self.load_from_cache(start, "params")
             # the cockpit's params (the same list at every step) were saved at the start step
-            direction = [whole(p.detach()) - r for p, r in zip(self._tracked_params, reference)]
+            direction = _Steps(self._tracked_params, reference)  # one parameter's step at a time
             self._end_direction = (global_step, direction)
-            stats.append(DirectionalDots(self._dots_key(global_step), tuple(direction)))
+            stats.append(DirectionalDots(self._dots_key(global_step), direction))
         return stats
 
     # ---- start step ----------------------------------------------------------
@@ -123,11 +158,50 @@ class Alpha(TwoStepQuantity):
         f0, var_f0 = self._loss_moments(record)
         self._tracked_params = list(record.live_params or params)  # read again at the next step's begin
         keep = lambda step, t=global_step: step <= t  # noqa: E731
-        self.save_to_cache(global_step, "params", [p.detach().clone() for p in params], keep)
+        self.save_to_cache(global_step, "params", parameter_snapshot(params), keep)  # shared with UpdateSize
         self.save_to_cache(global_step, "predicted_update", predicted, keep)
         self.save_to_cache(global_step, "grad_batch_sum", grad_sum, keep)
         mean_u, var_u = sample_mean_and_variance(slopes)
         self.save_to_cache(global_step, "observations", (f0, var_f0, mean_u, var_u), keep)
+        self._watch_step(global_step, record.info.get("optimizer"))
+
+    # ---- the optimizer's step --------------------------------------------------
+    def _watch_step(self, start: int, optimizer) -> None:
+        """Settle the start step's check right after ``optimizer.step()`` (:meth:`_settle`), so that the
+        predicted update and the gradient sum are not kept through the next forward and backward pass."""
+        self._unwatch()
+        register = getattr(optimizer, "register_step_post_hook", None)
+        if callable(register):
+            self._step_hook = register(lambda *_: self._settle(start))
+
+    def _unwatch(self) -> None:
+        handle, self._step_hook = getattr(self, "_step_hook", None), None
+        if handle is not None:
+            handle.remove()
+
+    def _settle(self, start: int) -> None:
+        """After the optimizer's step from ``start``: the actual update ``theta_{t+1} - theta_t`` is known.
+        Keep what the end step reads of the predicted update and the gradient sum (the update's norm,
+        whether its direction is the predicted one, else the exact start slope mean) and free both."""
+        self._unwatch()
+        if not (self.is_cached(start, "predicted_update") and self.is_cached(start, "params")):
+            return
+        reference = self.load_from_cache(start, "params")
+        with torch.no_grad():
+            direction = _Steps(self._tracked_params, reference)
+            tau = _norm(direction).item()
+            settled = {"tau": tau, "same": True, "mean_u0": None}
+            if tau > 0:
+                predicted = self.load_from_cache(start, "predicted_update")
+                settled["same"] = self._same_direction(direction, predicted, _norm(reference).item() / tau)
+                if not settled["same"]:
+                    grad_sum = self.load_from_cache(start, "grad_batch_sum")
+                    settled["mean_u0"] = (_dot(grad_sum, direction) / tau).item()
+        entries = self._cache[start]
+        keep = entries["predicted_update"][1]
+        for key in ("predicted_update", "grad_batch_sum"):
+            entries.pop(key, None)
+        self.save_to_cache(start, "settled", settled, keep)
 
     def _predict_update(self, global_step, record, params, grad_sum):
         optimizer = record.info.get("optimizer")
@@ -209,11 +283,21 @@ class Alpha(TwoStepQuantity):
             return -1  # no step (Cockpit divides by zero here)
         dots = record.stat(DirectionalDots(self._dots_key(global_step)))
         mean_u1, var_u1 = sample_mean_and_variance(batch_size * dots / tau)
-        predicted = self.load_from_cache(start, "predicted_update")
-        reference = self.load_from_cache(start, "params")
-        if not self._same_direction(direction, predicted, _norm(reference).item() / tau):
-            grad_sum = self.load_from_cache(start, "grad_batch_sum")
-            mean_u0 = (_dot(grad_sum, direction) / tau).item()
+        if self.is_cached(start, "settled"):  # checked right after optimizer.step() (_settle)
+            settled = self.load_from_cache(start, "settled")
+            if settled["tau"] != tau:  # the parameters changed after optimizer.step()
+                same, mean_u0 = False, mean_u0 if settled["mean_u0"] is None else settled["mean_u0"]
+            else:
+                same = settled["same"]
+                mean_u0 = mean_u0 if same else settled["mean_u0"]
+        else:
+            predicted = self.load_from_cache(start, "predicted_update")
+            reference = self.load_from_cache(start, "params")
+            same = self._same_direction(direction, predicted, _norm(reference).item() / tau)
+            if not same:
+                grad_sum = self.load_from_cache(start, "grad_batch_sum")
+                mean_u0 = (_dot(grad_sum, direction) / tau).item()
+        if not same:
             warnings.warn(
                 f"Alpha: the update from step {start} to {global_step} differs in direction from "
                 "the optimizer's look-ahead (gradients or parameters changed between backward and "
@@ -237,5 +321,5 @@ class Alpha(TwoStepQuantity):
         if norm_predicted == 0:
             return False
         eps = torch.finfo(actual[0].dtype).eps
-        gap = _norm([a / norm_actual - p / norm_predicted for a, p in zip(actual, predicted)])
+        gap = _norm(a / norm_actual - p / norm_predicted for a, p in zip(actual, predicted))  # one at a time
         return bool(gap <= eps * (1000 + 20 * relative_size))

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cockpit_like.quantities.quantity import TwoStepQuantity
+from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
 
 __all__ = ["Distance", "UpdateSize"]
-
-
-def _snapshot(params: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [param.detach().clone() for param in params]
 
 
 def _block_norms(params: list[torch.Tensor], reference: list[torch.Tensor]) -> list[float]:
@@ -39,7 +35,7 @@ class Distance(TwoStepQuantity):
 
     def _compute_start(self, global_step, params, batch_loss):
         self._reference_step = global_step
-        self.save_to_cache(global_step, "params", _snapshot(params), block_fn=lambda _: True)
+        self.save_to_cache(global_step, "params", parameter_snapshot(params), block_fn=lambda _: True)
 
     def _compute_end(self, global_step, params, batch_loss):
         return _block_norms(params, self.load_from_cache(self._reference_step, "params"))
@@ -56,7 +52,7 @@ class UpdateSize(TwoStepQuantity):
 
     def _compute_start(self, global_step, params, batch_loss):
         self.save_to_cache(
-            global_step, "params", _snapshot(params), block_fn=lambda step, t=global_step: step <= t
+            global_step, "params", parameter_snapshot(params), block_fn=lambda step, t=global_step: step <= t
         )
 
     def _compute_end(self, global_step, params, batch_loss):

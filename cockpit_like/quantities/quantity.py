@@ -35,6 +35,7 @@ __all__ = [
     "KeepUntil",
     "last_blocked_step",
     "to_output",
+    "parameter_snapshot",
 ]
 
 
@@ -375,3 +376,14 @@ def last_blocked_step(block_fn: Callable[[int], bool], start: int, horizon: int 
         middle = (good + bad) // 2
         good, bad = (middle, bad) if block_fn(middle) else (good, middle)
     return good
+
+
+def parameter_snapshot(params) -> list[torch.Tensor]:
+    """Detached copies of ``params``, made once per step and shared by every quantity that keeps them (Alpha,
+    UpdateSize and Distance starting at the same step hold one copy of the parameters, not one each).
+    Nothing may write into them."""
+    from cockpit_like.backends.partitions import step_memo
+
+    params = list(params)
+    key = ("parameter snapshot", tuple(id(p) for p in params))
+    return step_memo(key, lambda: [p.detach().clone() for p in params])
