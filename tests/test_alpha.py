@@ -129,10 +129,16 @@ def test_clipping_with_sgd_is_exact_and_with_adam_warns():
     assert sorted(alpha.get_output()) == [0, 1]
 
 
-def test_the_predicted_update_is_freed_at_the_optimizer_step():
+@pytest.mark.parametrize("eager", [True, False])
+def test_the_predicted_update_is_freed_at_the_optimizer_step(eager, monkeypatch):
     """Right after ``optimizer.step()`` Alpha keeps only the start parameters (one copy, shared with
     UpdateSize), its observations and the settled check: no predicted update or gradient sum through the
-    next forward and backward pass. The values stay those of the brute-force twin."""
+    next forward and backward pass. The values stay those of the brute-force twin, with the update made at
+    once (a small model) or one parameter at a time (``eager=False``, as for a model over 64 MB)."""
+    from cockpit_like.quantities import alpha as alpha_module
+
+    if not eager:  # as for a model over 64 MB: settled at the optimizer's step, made one parameter at a time
+        monkeypatch.setattr(alpha_module, "EAGER_STEP_BYTES", 0)
     update_size = UpdateSize(linear(1))
     seen = []
 
@@ -143,15 +149,23 @@ def test_the_predicted_update_is_freed_at_the_optimizer_step():
         seen.append((keys, all(a is b for a, b in zip(kept, shared))))
 
     alpha, observed = run("mlp", "adam", linear(1), 4, quantities=(update_size,), after_step=after_step)
-    assert seen == [(["observations", "params", "settled"], True)] * 4
+    kept = ["observations", "params", "settled"] if not eager else ["grad_batch_sum", "observations", "params", "predicted_update"]
+    assert seen == [(kept, True)] * 4
+    steps = alpha_module._Steps([torch.ones(3), torch.zeros(2)], [torch.zeros(3), torch.ones(2)])
+    assert (steps._made is None) == (not eager)  # the path this case takes
+    assert [s.tolist() for s in steps] == [[1.0, 1.0, 1.0], [-1.0, -1.0]] and len(steps) == 2
     for step, value in alpha.get_output().items():
         assert float(value) == pytest.approx(reference_alpha(observed[step], observed[step + 1], 6), rel=1e-8, abs=1e-10)
 
 
 @pytest.mark.parametrize("optimizer,clip", [("adam", 1e-3), ("momentum", None)])
 def test_settling_at_the_step_equals_checking_at_the_next_step(optimizer, clip, monkeypatch):
-    """The check made right after ``optimizer.step()`` gives the numbers of the check made when the next
-    step begins (with the predicted update and the gradient sum kept until then), warning alike."""
+    """The check made right after ``optimizer.step()`` (a model over 64 MB) gives the numbers of the check
+    made when the next step begins (with the predicted update and the gradient sum kept until then),
+    warning alike."""
+    from cockpit_like.quantities import alpha as alpha_module
+
+    monkeypatch.setattr(alpha_module, "EAGER_STEP_BYTES", 0)
     def outputs():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -164,9 +178,16 @@ def test_settling_at_the_step_equals_checking_at_the_next_step(optimizer, clip, 
     assert bool(settled[1]) == (clip is not None)
 
 
-def test_parameters_changed_after_the_step_warn():
-    """A change of the parameters after ``optimizer.step()`` (a projection) is not the settled update: Alpha
-    says its value is approximate."""
+@pytest.mark.parametrize("large", [False, True])
+def test_parameters_changed_after_the_step_warn(large, monkeypatch):
+    """A change of the parameters after ``optimizer.step()`` (a projection) is not the predicted update
+    (checked at the next step, or against the update settled at the optimizer's step on a large model):
+    Alpha says its value is approximate."""
+    from cockpit_like.quantities import alpha as alpha_module
+
+    if large:
+        monkeypatch.setattr(alpha_module, "EAGER_STEP_BYTES", 0)
+
     def project(step, model, alpha):
         with torch.no_grad():
             for p in model.parameters():

@@ -356,6 +356,7 @@ def test_rows_longer_than_a_chunk_are_counted_in_slices(chunk, monkeypatch):
         made(self, size, dtype, device)
 
     monkeypatch.setattr(fast_histograms._Buffers, "__init__", record)
+    monkeypatch.setattr(fast_histograms, "SLICE", chunk)
     bins, range_ = 17, (-1.5, 1.5)
     expected = hist1d_counts(batch * grad_batch, bins, range_)
     counter = Hist1dCounter(bins, range_, torch.float64)

@@ -78,6 +78,7 @@ import torch
 
 __all__ = [
     "CHUNK",
+    "SLICE",
     "SPARSE_SHARE",
     "SPARSE_MIN_ENTRIES",
     "SORTED_MIN_ENTRIES",
@@ -89,6 +90,10 @@ __all__ = [
 
 #: entries per chunk (float + int64 buffers of this size stay in cache)
 CHUNK = 1 << 16
+
+#: a sample with more entries than a chunk is counted in slices of this many entries (or of the chunk,
+#: if larger): buffers of ~20 bytes per entry, 20 MB, not one sample's size (a large embedding's row)
+SLICE = 1 << 20
 
 #: the sparse path runs if (max nnz of delta_i) * (max nnz of x_i) < SPARSE_SHARE * out * in
 SPARSE_SHARE = 0.75
@@ -116,8 +121,8 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 
 def _chunks_of_grad_batch(grad_batch: torch.Tensor, chunk: int) -> Iterator[tuple[torch.Tensor, int, int]]:
     """``(part, start, stop)``: views ``[rows, stop - start]`` of ``grad_batch`` reshaped ``[B, P]`` (columns
-    ``start:stop``), about ``chunk`` entries each: a few whole rows at a time, or a row longer than ``chunk``
-    (e.g. one sample's gradient of a large embedding) in slices of ``chunk`` columns."""
+    ``start:stop``): a few whole rows of about ``chunk`` entries at a time, or a row longer than ``chunk``
+    (e.g. one sample's gradient of a large embedding) in slices of :data:`SLICE` columns."""
     flat = grad_batch.detach().reshape(grad_batch.shape[0], -1)
     width = flat.shape[1]
     if width <= chunk:
@@ -125,9 +130,10 @@ def _chunks_of_grad_batch(grad_batch: torch.Tensor, chunk: int) -> Iterator[tupl
         for start in range(0, flat.shape[0], rows):
             yield flat[start : start + rows], 0, width
         return
+    piece = max(chunk, SLICE)
     for row in range(flat.shape[0]):
-        for start in range(0, width, chunk):
-            yield flat[row : row + 1, start : start + chunk], start, min(start + chunk, width)
+        for start in range(0, width, piece):
+            yield flat[row : row + 1, start : start + piece], start, min(start + piece, width)
 
 
 class _Buffers:
@@ -152,7 +158,7 @@ def _outer_chunks(
     x: torch.Tensor, delta: torch.Tensor, chunk: int, buffers: _Buffers
 ) -> Iterator[tuple[torch.Tensor, int, int]]:
     """``(values, start, stop)``: ``delta_i x_i^T`` for a few samples at a time, or, where one sample has more
-    than ``chunk`` entries, for a few rows ``a`` of one sample at a time, written into ``buffers.values``
+    than ``chunk`` entries, for rows ``a`` of one sample, :data:`SLICE` entries at a time, written into ``buffers.values``
     as ``[rows, stop - start]`` (``start:stop`` the entries of the flattened ``[out, in]``)."""
     batch, out = delta.shape
     width = x.shape[1]
@@ -164,7 +170,7 @@ def _outer_chunks(
             torch.mul(d.unsqueeze(2), xs.unsqueeze(1), out=values)
             yield values.view(d.shape[0], out * width), 0, out * width
         return
-    rows = max(1, chunk // max(1, width))
+    rows = max(1, max(chunk, SLICE) // max(1, width))
     for i in range(batch):
         for a in range(0, out, rows):
             d = delta[i, a : a + rows]
@@ -178,7 +184,7 @@ def _outer_size(x: torch.Tensor, delta: torch.Tensor, chunk: int) -> int:
     out, width = delta.shape[1], x.shape[1]
     if out * width <= chunk:
         return min(max(1, chunk // max(1, out * width)), delta.shape[0]) * out * width
-    return min(max(1, chunk // max(1, width)), out) * width
+    return min(max(1, max(chunk, SLICE) // max(1, width)), out) * width
 
 
 def _truncate(values: torch.Tensor, index: torch.Tensor) -> None:
@@ -489,7 +495,7 @@ def chunk_size(grad_batch: torch.Tensor, chunk: int) -> int:
     """Entries of the largest chunk :func:`_chunks_of_grad_batch` yields."""
     per_sample = max(1, grad_batch[0].numel()) if grad_batch.shape[0] else 1
     if per_sample > chunk:
-        return chunk
+        return min(per_sample, max(chunk, SLICE))
     return max(1, chunk // per_sample) * per_sample
 
 
