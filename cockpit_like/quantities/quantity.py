@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
 from cockpit_like.resume import is_plain
