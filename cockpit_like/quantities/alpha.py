@@ -202,13 +202,8 @@ class Alpha(TwoStepQuantity):
         with torch.no_grad():
             direction = _Steps(self._tracked_params, reference)
             tau = _norm(direction).item()
-            settled = {"tau": tau, "same": True, "mean_u0": None}
-            if tau > 0:
-                predicted = self.load_from_cache(start, "predicted_update")
-                settled["same"] = self._same_direction(direction, predicted, _norm(reference).item() / tau)
-                if not settled["same"]:
-                    grad_sum = self.load_from_cache(start, "grad_batch_sum")
-                    settled["mean_u0"] = (_dot(grad_sum, direction) / tau).item()
+            same, mean_u0 = self._check(start, direction, tau) if tau > 0 else (True, None)
+        settled = {"tau": tau, "same": same, "mean_u0": mean_u0}
         entries = self._cache[start]
         keep = entries["predicted_update"][1]
         for key in ("predicted_update", "grad_batch_sum"):
@@ -297,18 +292,11 @@ class Alpha(TwoStepQuantity):
         mean_u1, var_u1 = sample_mean_and_variance(batch_size * dots / tau)
         if self.is_cached(start, "settled"):  # checked right after optimizer.step() (_settle)
             settled = self.load_from_cache(start, "settled")
-            if settled["tau"] != tau:  # the parameters changed after optimizer.step()
-                same, mean_u0 = False, mean_u0 if settled["mean_u0"] is None else settled["mean_u0"]
-            else:
-                same = settled["same"]
-                mean_u0 = mean_u0 if same else settled["mean_u0"]
+            # another norm: the parameters changed after optimizer.step(), not the settled update
+            same, exact = (settled["same"] and settled["tau"] == tau), settled["mean_u0"]
         else:
-            predicted = self.load_from_cache(start, "predicted_update")
-            reference = self.load_from_cache(start, "params")
-            same = self._same_direction(direction, predicted, _norm(reference).item() / tau)
-            if not same:
-                grad_sum = self.load_from_cache(start, "grad_batch_sum")
-                mean_u0 = (_dot(grad_sum, direction) / tau).item()
+            same, exact = self._check(start, direction, tau)
+        mean_u0 = mean_u0 if exact is None else exact
         if not same:
             warnings.warn(
                 f"Alpha: the update from step {start} to {global_step} differs in direction from "
@@ -321,15 +309,26 @@ class Alpha(TwoStepQuantity):
             )
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
 
+    def _check(self, start: int, direction, tau: float) -> tuple[bool, float | None]:
+        """Whether the update from ``start`` (``direction``, of norm ``tau > 0``) has the predicted direction;
+        if not, also the exact start slope mean ``gbar^T d / tau`` (from the kept gradient sum)."""
+        predicted = self.load_from_cache(start, "predicted_update")
+        reference = self.load_from_cache(start, "params")
+        if self._same_direction(direction, predicted, _norm(reference).item() / tau, norm_actual=tau):
+            return True, None
+        grad_sum = self.load_from_cache(start, "grad_batch_sum")
+        return False, (_dot(grad_sum, direction) / tau).item()
+
     @staticmethod
-    def _same_direction(actual: list[torch.Tensor], predicted: list[torch.Tensor], relative_size: float) -> bool:
+    def _same_direction(actual, predicted: list[torch.Tensor], relative_size: float, norm_actual: float | None = None) -> bool:
         """Whether the unit vectors agree up to rounding.
 
         ``theta_{t+1} - theta_t`` carries a rounding error of about ``eps ||theta||``,
         i.e. ``eps * relative_size`` (``relative_size = ||theta_t|| / tau``) relative to
         the step, so a tiny step next to large parameters gets a wider tolerance.
         """
-        norm_actual, norm_predicted = _norm(actual), _norm(predicted)
+        norm_actual = _norm(actual) if norm_actual is None else norm_actual  # ||actual||, if known
+        norm_predicted = _norm(predicted)
         if norm_predicted == 0:
             return False
         eps = torch.finfo(actual[0].dtype).eps
