@@ -94,6 +94,8 @@ class TrackedStep:
                     raise context.MissingInfoError(key, cockpit.name_of(quantity), step)
         if self.micro_batches > 1 and self.active and "batch_size" not in self.info:
             raise context.MissingInfoError("batch_size", f"gradient accumulation (info['micro_batches'] = {self.micro_batches})", step)
+        if "batch_size" in self.info:
+            _check_batch_size(self.info["batch_size"], step)
         self._check_loss()
         create_graph = cockpit.create_graph(step)
         if cockpit._ranks is not None and self.active:
@@ -245,3 +247,14 @@ def _last_items(output: dict, count: int) -> list[tuple[int, Any]]:
         if len(items) == count:
             break
     return items
+
+
+def _check_batch_size(size: Any, step: int) -> None:
+    """``info["batch_size"]`` must be a positive whole number (an int, a NumPy or 0-d tensor integer)."""
+    try:
+        whole = not isinstance(size, bool) and int(size) == size and int(size) >= 1
+    except (TypeError, ValueError, RuntimeError):
+        whole = False
+    if not whole:
+        raise ValueError(f"cockpit step {step}: info['batch_size'] must be a positive int (the number of samples "
+                         f"of this backward pass, e.g. len(x)), got {size!r}")

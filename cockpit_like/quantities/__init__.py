@@ -11,7 +11,7 @@ from cockpit_like.quantities.curvature import HessTrace, TICDiag, TICTrace
 from cockpit_like.quantities.hess_max_ev import HessMaxEV
 from cockpit_like.quantities.hessian_spectrum import HessEigenvalues, HessSpectralDensity, HessTraceEstimate
 from cockpit_like.quantities.kfac_trace import KFACTrace
-from cockpit_like.quantities.learning_rate import LearningRate, Momentum
+from cockpit_like.quantities.learning_rate import BatchSize, LearningRate, Momentum
 from cockpit_like.quantities.curvature_statistics import (
     CurvatureStatistics,
     EKFACSpectrum,
@@ -63,4 +63,5 @@ __all__ = [
     "ActivationStats",
     "LearningRate",
     "Momentum",
+    "BatchSize",
 ]

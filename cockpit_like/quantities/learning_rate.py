@@ -1,10 +1,10 @@
-"""What the optimizer used at a step: :class:`LearningRate`, :class:`Momentum`."""
+"""What the optimizer step used: :class:`LearningRate`, :class:`Momentum`, :class:`BatchSize`."""
 
 from __future__ import annotations
 
 from cockpit_like.quantities.quantity import ByproductQuantity
 
-__all__ = ["LearningRate", "Momentum"]
+__all__ = ["LearningRate", "Momentum", "BatchSize"]
 
 
 class LearningRate(ByproductQuantity):
@@ -60,3 +60,32 @@ class Momentum(ByproductQuantity):
         if any(key in group for group in groups for key in self._ADAPTIVE):
             return float("nan")
         return max(float(group.get("momentum", 0.0) or 0.0) for group in groups)
+
+
+class BatchSize(ByproductQuantity):
+    """The number of samples of the tracked optimizer step: ``info["batch_size"]``.
+
+    Under gradient accumulation and on several ranks this is the step's whole
+    batch (every micro-batch and rank; see ``docs/accumulation.md`` and
+    ``docs/distributed.md``), the batch the update averages over. Stored as an
+    int; nothing is stored at steps whose ``info`` has no ``batch_size`` (it is
+    optional here). The ``small-batch`` diagnosis rule reads it.
+
+    Example::
+
+        cockpit = Cockpit(params, quantities=[BatchSize(linear(1)), ...])
+        with cockpit(step, info={"batch_size": len(x), ...}): ...
+        cockpit.get_output()[step]["BatchSize"]   # 32
+    """
+
+    def _compute(self, global_step, params, batch_loss):
+        from cockpit_like import context
+
+        value = context.get_record(global_step).info.get("batch_size")
+        if value is None:
+            return None
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"info['batch_size'] must be an int (the number of samples of the step), "
+                             f"got {value!r}") from None
