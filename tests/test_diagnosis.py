@@ -126,6 +126,46 @@ def test_noisy_loss_leaves_a_noisy_run_that_learns_alone():
         R.NoisyLoss(z=0)
 
 
+def test_small_batch():
+    """A batch of one whose loss does not fall beyond its noise fires after ``window`` + 1 values; a
+    batch of one that learns, a larger batch, and too few values do not."""
+    flat = noisy(2.0, 30, 0.1, seed=3)  # noise 10% of the level: below noisy-loss's threshold
+    ones = [1] * 30
+    (finding,) = R.SmallBatch().check(history({"Loss": flat, "BatchSize": ones}))
+    assert finding.rule == "small-batch" and finding.evidence["batch_size"] == 1
+    assert finding.evidence["progress"] < 2.0 and finding.step == 29
+    assert R.NoisyLoss().check(history({"Loss": flat})) == []
+    assert R.SmallBatch().check(history({"Loss": flat, "BatchSize": [8] * 30})) == []
+    assert ids(R.SmallBatch(max_batch=8).check(history({"Loss": flat, "BatchSize": [8] * 30}))) == [
+        ("small-batch", None)]
+    assert R.SmallBatch().check(history({"Loss": flat, "BatchSize": [8] + [1] * 29})) != []  # last 21 only
+    assert R.SmallBatch().check(history({"Loss": flat, "BatchSize": [1] * 29 + [2]})) == []
+    assert R.SmallBatch().check(history({"Loss": flat[:20], "BatchSize": ones[:20]})) == []
+    falling = [v * (1 - i / 60) for i, v in enumerate(flat)]
+    assert R.SmallBatch().check(history({"Loss": falling, "BatchSize": ones})) == []
+    # a long run that learned in its first 50 steps and then levelled off for 250: the first 100 values
+    # against the last 100, so it counts as having learned (the last 200 values alone would not show it)
+    long = [v * (2.0 - min(i, 50) / 50) for i, v in enumerate(noisy(1.0, 300, 0.1, seed=5))]
+    assert R.SmallBatch().check(history({"Loss": long, "BatchSize": [1] * 300})) == []
+    stuck = noisy(2.0, 300, 0.1, seed=5)
+    (finding,) = R.SmallBatch().check(history({"Loss": stuck, "BatchSize": [1] * 300}))
+    assert finding.evidence["progress_from"] == 0
+    # batch sizes stored at fewer steps than the loss (tracked later): not enough evidence yet
+    assert R.SmallBatch().check(history({"Loss": flat, "BatchSize": ones[:10]},
+                                        steps=list(range(30)))) == []
+    assert R.SmallBatch().missing(history({"Loss": flat})) == ["BatchSize"]
+    with pytest.raises(ValueError, match="max_batch"):
+        R.SmallBatch(max_batch=0)
+
+
+def test_small_batch_on_a_constant_loss():
+    # no noise at all and no progress (sigma 0): the loss is stuck, the rule fires without dividing by 0
+    (finding,) = R.SmallBatch().check(history({"Loss": [1.0] * 25, "BatchSize": [1] * 25}))
+    assert finding.evidence["noise"] == 0.0 and finding.evidence["progress"] == 0.0
+    falling = [1.0 - 0.01 * i for i in range(25)]  # exactly linear: sigma 0, progress infinite
+    assert R.SmallBatch().check(history({"Loss": falling, "BatchSize": [1] * 25})) == []
+
+
 def test_exploding_gradient():
     start = [[0.3, 0.4]] * 5  # total norm 0.5
     assert R.ExplodingGradient().check(history({"GradNorm": start + [[15.0, 20.0]]})) == []  # exactly 50x

@@ -64,7 +64,8 @@ class Cause:
 _BLOW_UP_SYMPTOMS = ("loss-diverging", "exploding-gradient", "update-ratio-too-large", "step-overshoots",
                      "sharpness-above-stability", "loss-spikes", "dead-units", "vanishing-gradient",
                      "unchanged-parameters", "saturated-units", "loss-not-decreasing", "nonfinite-loss",
-                     "noisy-loss", "noise-dominated", "poor-initialization", "update-ratio-too-small")
+                     "noisy-loss", "small-batch", "noise-dominated", "poor-initialization",
+                     "update-ratio-too-small")
 
 #: every cause the layer can name
 CAUSES: dict[str, Cause] = {
@@ -134,6 +135,7 @@ _DIRECT = {
     "step-too-short": "learning-rate-too-small",
     "overfitting": "overfitting",
     "noisy-loss": "batch-too-small",
+    "small-batch": "batch-too-small",
     "loss-not-decreasing": "labels-do-not-match",
     "noise-dominated": "gradient-noise",
     "nonfinite-origin": "nonfinite-operation",
@@ -169,7 +171,8 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
 #: rules whose findings are mostly symptoms: they name a cause of their own only when seen from the
 #: first tracked step (``evidence["at_start"]``), or when nothing stronger is found near them
 _SYMPTOM_RULES = ("vanishing-gradient", "saturated-units", "dead-units", "unchanged-parameters",
-                  "loss-not-decreasing", "noisy-loss", "update-ratio-too-small", "noise-dominated")
+                  "loss-not-decreasing", "noisy-loss", "small-batch", "update-ratio-too-small",
+                  "noise-dominated")
 
 
 def _weak(finding: Finding) -> bool:

@@ -23,6 +23,7 @@ __all__ = [
     "LossDiverging",
     "LossNotDecreasing",
     "NoisyLoss",
+    "SmallBatch",
     "LargeInputScale",
     "ExplodingGradient",
     "VanishingGradient",
@@ -78,6 +79,12 @@ def _blocks(value: Any) -> np.ndarray | None:
 def _check_positive(name: str, value: float) -> float:
     if not value > 0:
         raise ValueError(f"{name} must be > 0, got {value!r}")
+    return float(value)
+
+
+def _check_nonnegative(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0, got {value!r}")
     return float(value)
 
 
@@ -338,6 +345,44 @@ class LossNotDecreasing(Rule):
         ]
 
 
+def _loss_progress(history: RunHistory, sigma: float, from_start: bool = False) -> tuple[float, float, int]:
+    """How far the loss fell beyond its own noise ``sigma`` (per step): over the last
+    :data:`NOISE_VALUES` values, the earlier half's median minus the later half's (``fall``), in
+    standard errors of that difference (``1.2533 sigma sqrt(2 / h)`` for halves of ``h`` values,
+    ``progress``), and the first step of the comparison. ``from_start``: the first ``h`` values of
+    the run against the last ``h`` (``h`` at most half the run and :data:`NOISE_VALUES` / 2), so
+    that a run that learned and then levelled off counts as having learned."""
+    if from_start:
+        finite = int(np.isfinite(history.scalars("Loss")[1]).sum())
+        half = min(finite // 2, NOISE_VALUES // 2)
+        run_steps, early = history.head("Loss", half)
+        late = history.tail("Loss", half)[1]
+    else:
+        run_steps, run = history.tail("Loss", NOISE_VALUES)
+        half = len(run) // 2
+        early, late = run[:half], run[len(run) - half:]
+    fall = _median(early) - _median(late)
+    scale = 1.2533 * sigma * math.sqrt(2.0 / half)
+    progress = fall / scale if scale > 0 else (math.inf if fall > 0 else -math.inf if fall < 0 else 0.0)
+    return fall, progress, int(run_steps[0])
+
+
+def _held(history: RunHistory, rule: Rule, step: int, failing: bool, margin: bool) -> bool:
+    """Hysteresis for a test that fires below a limit: whether ``rule``'s finding holds at ``step``.
+
+    ``failing`` says whether the test fails at its limit, ``margin`` whether it fails at the limit
+    raised by the rule's ``release`` (a finding that holds stays until the test passes that one, so
+    that a statistic hovering at the limit does not report, clear and report again). The state is
+    kept in ``history.memo`` per rule instance; checking the same step twice gives the same answer.
+    """
+    memo = history.memo.setdefault(f"{rule.id}/held/{id(rule)}", {"step": None, "before": False, "now": False})
+    if memo["step"] != step:
+        memo["before"] = memo["now"] if memo["step"] is not None and memo["step"] < step else False
+        memo["step"] = step
+    memo["now"] = failing or (memo["before"] and margin)
+    return memo["now"]
+
+
 class NoisyLoss(Rule):
     """The loss jumps from step to step far more than it falls: a batch too small for the task.
 
@@ -349,17 +394,21 @@ class NoisyLoss(Rule):
     is not below that of the earlier half by ``z`` standard errors
     (``1.2533 sigma sqrt(2 / h)`` for halves of ``h`` values). A noisy run that
     learns (batches of 8 at a good learning rate) is left alone; a noisy run
-    that does not is named.
+    that does not is named. Once it fires, the finding holds (while the
+    noise stays above ``threshold``) until the progress reaches
+    ``z + release``, so that a loss at the edge does not report, clear and
+    report again.
     """
 
     id = "noisy-loss"
     severity = "warning"
     reads = ("Loss",)
 
-    def __init__(self, window: int = 20, threshold: float = 0.17, z: float = 2.0):
+    def __init__(self, window: int = 20, threshold: float = 0.17, z: float = 2.0, release: float = 1.0):
         self.window = _check_window(window)
         self.threshold = _check_positive("threshold", threshold)
         self.z = _check_positive("z", z)
+        self.release = _check_nonnegative("release", release)
 
     def check(self, history: RunHistory) -> list[Finding]:
         steps, values = history.tail("Loss", self.window + 1)
@@ -371,23 +420,80 @@ class NoisyLoss(Rule):
         sigma = _robust_scale(np.diff(values)) / math.sqrt(2.0)
         relative = sigma / first
         if not relative > self.threshold:
+            _held(history, self, int(steps[-1]), False, False)
             return []
-        run_steps, run = history.tail("Loss", NOISE_VALUES)
-        half = len(run) // 2
-        fall = _median(run[:half]) - _median(run[len(run) - half:])
-        progress = fall / (1.2533 * sigma * math.sqrt(2.0 / half))
-        if progress >= self.z:
+        fall, progress, since = _loss_progress(history, sigma)
+        if not _held(history, self, int(steps[-1]), progress < self.z, progress < self.z + self.release):
             return []
         return [
             self.finding(
                 int(steps[-1]),
                 f"the loss is noisy: it moves by {_g(sigma)} from step to step (a robust scale over steps "
                 f"{int(steps[0])}..{int(steps[-1])}), {_g(100 * relative)}% of the first tracked loss, and it "
-                f"has not fallen beyond that noise since step {int(run_steps[0])} (the later half's median "
+                f"has not fallen beyond that noise since step {since} (the later half's median "
                 f"{_g(fall)} lower, {_g(progress)} standard errors; {_g(self.z)} needed)",
                 fix="use a larger batch (or accumulate gradients over several), or lower the learning rate",
                 evidence={"noise": sigma, "relative": relative, "steps": [int(steps[0]), int(steps[-1])],
-                          "fall": fall, "progress": progress, "progress_from": int(run_steps[0])},
+                          "fall": fall, "progress": progress, "progress_from": since},
+            )
+        ]
+
+
+class SmallBatch(Rule):
+    """Batches of at most ``max_batch`` samples (default 1) and a loss that has not fallen beyond its
+    own noise over ``window`` tracked steps: the gradient of so few samples is mostly noise.
+
+    With one sample per step nothing within a step measures the gradient's
+    noise (``NormTest`` and the other gradient tests need two samples), and a
+    single sample's loss can sit at a healthy batch's noise level, below
+    ``noisy-loss``'s threshold. The rule reads the batch size the cockpit
+    stores (``BatchSize``, the samples of the optimizer step, all
+    micro-batches and ranks together), waits for ``window`` tracked steps of
+    such batches, and fires when the loss's progress test stays below ``z``:
+    the median of the run's first ``h`` values against that of its last
+    ``h`` (``h`` half the run, at most 100), in standard errors of the run's
+    own step-to-step noise (as in ``noisy-loss``, which compares the halves
+    of the last 200 values). A tiny batch that learns, or that learned and
+    levelled off, is left alone. Once it fires, the finding holds until the
+    progress reaches ``z + release``.
+    """
+
+    id = "small-batch"
+    severity = "warning"
+    reads = ("Loss", "BatchSize")
+
+    def __init__(self, max_batch: int = 1, window: int = 20, z: float = 2.0, release: float = 1.0):
+        self.max_batch = _check_window(max_batch, "max_batch")
+        self.window = _check_window(window)
+        self.z = _check_positive("z", z)
+        self.release = _check_nonnegative("release", release)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = history.tail("Loss", self.window + 1)
+        if len(values) < self.window + 1:
+            return []
+        batch_steps, batches = history.tail("BatchSize", self.window + 1)
+        if len(batches) < self.window + 1 or int(batch_steps[0]) > int(steps[0]):
+            return []
+        largest = float(np.max(batches)) if np.isfinite(batches).all() else math.inf
+        if not largest <= self.max_batch:
+            _held(history, self, int(steps[-1]), False, False)
+            return []
+        sigma = _robust_scale(np.diff(values)) / math.sqrt(2.0)
+        fall, progress, since = _loss_progress(history, sigma, from_start=True)
+        if not _held(history, self, int(steps[-1]), progress < self.z, progress < self.z + self.release):
+            return []
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"each step's gradient comes from at most {int(largest)} sample(s) (steps {int(steps[0])}.."
+                f"{int(steps[-1])}), and the loss has not fallen beyond its own noise since step {since} "
+                f"(the later half's median {_g(fall)} lower, {_g(progress)} standard errors of a step-to-step "
+                f"noise of {_g(sigma)}; {_g(self.z)} needed)",
+                fix="use a larger batch (or accumulate gradients over several micro-batches and pass "
+                    "info['micro_batches']), or lower the learning rate",
+                evidence={"batch_size": largest, "noise": sigma, "steps": [int(steps[0]), int(steps[-1])],
+                          "fall": fall, "progress": progress, "progress_from": since},
             )
         ]
 
@@ -1145,6 +1251,7 @@ def default_rules() -> list[Rule]:
         LossDiverging(),
         LossNotDecreasing(),
         NoisyLoss(),
+        SmallBatch(),
         ExplodingGradient(),
         VanishingGradient(),
         UpdateRatioTooSmall(),
