@@ -383,7 +383,37 @@ def _held(history: RunHistory, rule: Rule, step: int, failing: bool, margin: boo
     return memo["now"]
 
 
-class NoisyLoss(Rule):
+class _LossProgress(Rule):
+    """A rule that fires while the loss has not fallen beyond its own noise: the noise ``sigma`` over
+    the last ``window + 1`` values, the progress test of :func:`_loss_progress` below ``z``, held
+    until ``z + release``."""
+
+    def __init__(self, window: int, z: float, release: float):
+        self.window = _check_window(window)
+        self.z = _check_positive("z", z)
+        self.release = _check_nonnegative("release", release)
+
+    def _recent(self, history: RunHistory) -> tuple[np.ndarray, float] | None:
+        """The steps of the last ``window + 1`` finite losses and their noise per step (None: too few)."""
+        steps, values = history.tail("Loss", self.window + 1)
+        if len(values) < self.window + 1:
+            return None
+        return steps, _robust_scale(np.diff(values)) / math.sqrt(2.0)
+
+    def _stalled(self, history: RunHistory, step: int, sigma: float | None,
+                 from_start: bool = False) -> tuple[float, float, int] | None:
+        """``(fall, progress, since)`` when the finding holds at ``step``, else None; ``sigma`` None:
+        the rule's other condition failed (the finding is released)."""
+        if sigma is None:
+            _held(history, self, step, False, False)
+            return None
+        fall, progress, since = _loss_progress(history, sigma, from_start)
+        if not _held(history, self, step, progress < self.z, progress < self.z + self.release):
+            return None
+        return fall, progress, since
+
+
+class NoisyLoss(_LossProgress):
     """The loss jumps from step to step far more than it falls: a batch too small for the task.
 
     ``sigma`` is a robust scale (median absolute deviation) of the steps of
@@ -405,26 +435,20 @@ class NoisyLoss(Rule):
     reads = ("Loss",)
 
     def __init__(self, window: int = 20, threshold: float = 0.17, z: float = 2.0, release: float = 1.0):
-        self.window = _check_window(window)
+        super().__init__(window, z, release)
         self.threshold = _check_positive("threshold", threshold)
-        self.z = _check_positive("z", z)
-        self.release = _check_nonnegative("release", release)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        steps, values = history.tail("Loss", self.window + 1)
-        if len(values) < self.window + 1:
+        recent = self._recent(history)
+        first = float(history.head("Loss", 1)[1][0]) if recent is not None else math.nan
+        if recent is None or not first > 0:
             return []
-        first = float(history.head("Loss", 1)[1][0])
-        if not first > 0:
-            return []
-        sigma = _robust_scale(np.diff(values)) / math.sqrt(2.0)
+        steps, sigma = recent
         relative = sigma / first
-        if not relative > self.threshold:
-            _held(history, self, int(steps[-1]), False, False)
+        stalled = self._stalled(history, int(steps[-1]), sigma if relative > self.threshold else None)
+        if stalled is None:
             return []
-        fall, progress, since = _loss_progress(history, sigma)
-        if not _held(history, self, int(steps[-1]), progress < self.z, progress < self.z + self.release):
-            return []
+        fall, progress, since = stalled
         return [
             self.finding(
                 int(steps[-1]),
@@ -439,7 +463,7 @@ class NoisyLoss(Rule):
         ]
 
 
-class SmallBatch(Rule):
+class SmallBatch(_LossProgress):
     """Batches of at most ``max_batch`` samples (default 1) and a loss that has not fallen beyond its
     own noise over ``window`` tracked steps: the gradient of so few samples is mostly noise.
 
@@ -463,26 +487,23 @@ class SmallBatch(Rule):
     reads = ("Loss", "BatchSize")
 
     def __init__(self, max_batch: int = 1, window: int = 20, z: float = 2.0, release: float = 1.0):
+        super().__init__(window, z, release)
         self.max_batch = _check_window(max_batch, "max_batch")
-        self.window = _check_window(window)
-        self.z = _check_positive("z", z)
-        self.release = _check_nonnegative("release", release)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        steps, values = history.tail("Loss", self.window + 1)
-        if len(values) < self.window + 1:
+        recent = self._recent(history)
+        if recent is None:
             return []
+        steps, sigma = recent
         batch_steps, batches = history.tail("BatchSize", self.window + 1)
         if len(batches) < self.window + 1 or int(batch_steps[0]) > int(steps[0]):
             return []
         largest = float(np.max(batches)) if np.isfinite(batches).all() else math.inf
-        if not largest <= self.max_batch:
-            _held(history, self, int(steps[-1]), False, False)
+        stalled = self._stalled(history, int(steps[-1]), sigma if largest <= self.max_batch else None,
+                                from_start=True)
+        if stalled is None:
             return []
-        sigma = _robust_scale(np.diff(values)) / math.sqrt(2.0)
-        fall, progress, since = _loss_progress(history, sigma, from_start=True)
-        if not _held(history, self, int(steps[-1]), progress < self.z, progress < self.z + self.release):
-            return []
+        fall, progress, since = stalled
         return [
             self.finding(
                 int(steps[-1]),
