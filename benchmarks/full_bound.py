@@ -58,6 +58,7 @@ def measure(problem: str, repeats: int, steps: int) -> dict:
     import torch
     from backpack import extend
     from torch import nn
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from benchmarks import overhead as ob
     from cockpit_like import Cockpit
@@ -80,8 +81,6 @@ def measure(problem: str, repeats: int, steps: int) -> dict:
         return time.perf_counter() - start
 
     def graph_and_products(index: int) -> tuple[float, float]:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         start = time.perf_counter()
         optimizer.zero_grad()
         with sdpa_kernel([SDPBackend.MATH]):  # attention with a second derivative, as the cockpit's hooks set

@@ -353,8 +353,7 @@ def _loss_progress(history: RunHistory, sigma: float, from_start: bool = False) 
     the run against the last ``h`` (``h`` at most half the run and :data:`NOISE_VALUES` / 2), so
     that a run that learned and then levelled off counts as having learned."""
     if from_start:
-        finite = int(np.isfinite(history.scalars("Loss")[1]).sum())
-        half = min(finite // 2, NOISE_VALUES // 2)
+        half = len(history.tail("Loss", NOISE_VALUES)[1]) // 2  # at most NOISE_VALUES / 2, at a bounded cost
         run_steps, early = history.head("Loss", half)
         late = history.tail("Loss", half)[1]
     else:
@@ -491,16 +490,18 @@ class SmallBatch(_LossProgress):
         self.max_batch = _check_window(max_batch, "max_batch")
 
     def check(self, history: RunHistory) -> list[Finding]:
+        batch_steps, batches = history.tail("BatchSize", self.window + 1)  # finite values only
+        if len(batches) < self.window + 1:
+            return []
+        largest = float(np.max(batches))
+        if not largest <= self.max_batch:  # the usual case: nothing more to compute
+            self._stalled(history, int(batch_steps[-1]), None)
+            return []
         recent = self._recent(history)
-        if recent is None:
+        if recent is None or int(batch_steps[0]) > int(recent[0][0]):
             return []
         steps, sigma = recent
-        batch_steps, batches = history.tail("BatchSize", self.window + 1)
-        if len(batches) < self.window + 1 or int(batch_steps[0]) > int(steps[0]):
-            return []
-        largest = float(np.max(batches)) if np.isfinite(batches).all() else math.inf
-        stalled = self._stalled(history, int(steps[-1]), sigma if largest <= self.max_batch else None,
-                                from_start=True)
+        stalled = self._stalled(history, int(steps[-1]), sigma, from_start=True)
         if stalled is None:
             return []
         fall, progress, since = stalled
