@@ -588,6 +588,10 @@ class PredictedSlopes(PerSampleStat):
     ``dots[i] += <grad_batch_p[i], d_p>`` are reduced and they are dropped.
     Memory: ``O(B + D)`` plus the budget, instead of every per-sample gradient
     until the backward pass ends; a few optimizer steps per backward pass.
+    A layer over the reducer's memory budget (made a block of rows at a
+    time) is predicted on its own from its batch sum and its dots are folded
+    in with the blocks the other statistics read (:meth:`accumulate_rows`),
+    so its rows are made once.
 
     Result: ``{"mode": "predicted", "dots": [B], "direction": [d_p], "grad_sum": [g_p]}``;
     with another optimizer (or none) ``{"mode": "retained", "retained": [...]}``
@@ -698,7 +702,30 @@ class PredictedSlopes(PerSampleStat):
         if state["mode"] == "retained":
             state["retained"][index] = kept
             return state
-        return self._hold(state, index, param, kept, 0)  # nothing materialised: made again in blocks
+        if state["mode"] == "predicted":
+            return state  # the dots come with the layer's blocks (accumulate_rows), not from a second pass
+        return self._hold(state, index, param, kept, 0)  # synced: made again in blocks at finalize
+
+    row_form = True
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        """A layer over the memory budget, in the blocks every statistic shares (predicted mode only):
+        its update is predicted from the batch sum (``rows.total()``, made once per layer and shared
+        with the Gram row sums) before its first block, and each block adds its rows' dots."""
+        if state["mode"] != "predicted":
+            return state  # kept whole (accumulate_kept)
+        from cockpit_like.utils.optim import lookahead_parameters
+
+        if rows.start == 0:
+            total = rows.total().reshape(param.shape)
+            state["direction"][index] = lookahead_parameters(state["optimizer"], {param: total})[param]
+            state["grad_sum"][index] = total
+        direction = state["direction"][index]
+        flat = grad_batch.detach().reshape(grad_batch.shape[0], -1)
+        if state["dots"] is None:
+            state["dots"] = flat.new_zeros(rows.batch)
+        state["dots"][rows.start : rows.stop] += flat @ direction.reshape(-1).to(flat.dtype)
+        return state
 
     def finalize(self, state):
         if state["mode"] == "synced":
