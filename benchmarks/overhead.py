@@ -293,8 +293,9 @@ def make_quantities(config: str):
     raise ValueError(f"unknown configuration {config!r}")
 
 
-def run_child(args) -> dict:
-    """Train ``warmup + steps`` steps and return per-step times and peak memory."""
+def _training(args):
+    """The child's model, data and cockpit: ``(train_step, warmup, steps, period)``; ``train_step(step)``
+    runs one whole training step (zero_grad, forward, backward inside the cockpit, ``optimizer.step()``)."""
     import torch
     from backpack import extend
     from torch import nn
@@ -325,18 +326,8 @@ def run_child(args) -> dict:
             model, lossfunc = extend(model), extend(lossfunc)
             cockpit = Cockpit(model.parameters(), quantities=quantities)
 
-    times = []
-    spent = 0.0
-    period = 10 if args.config == "full_every10" else 1
-    step = 0
-    while True:
-        if step >= warmup and len(times) % period == 0:
-            if len(times) >= args.min_steps and spent > args.budget:
-                break  # slow configuration: enough steps for a median within the time budget
-            if len(times) >= steps and (spent >= args.min_time or len(times) >= args.max_steps):
-                break  # fast configurations run more steps, for at least --min-time seconds
+    def train_step(step: int) -> None:
         inputs, labels = batches[step % len(batches)]
-        start = time.perf_counter()
         optimizer.zero_grad()
         outputs = model(inputs)
         if language_model:  # mean token cross-entropy; a sample is a sequence
@@ -358,6 +349,27 @@ def run_child(args) -> dict:
             with cockpit(step, info=info):
                 loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
+
+    period = 10 if args.config == "full_every10" else 1
+    return train_step, warmup, steps, period
+
+
+def run_child(args) -> dict:
+    """Train ``warmup + steps`` steps and return per-step times and peak memory."""
+    import torch
+
+    train_step, warmup, steps, period = _training(args)
+    times = []
+    spent = 0.0
+    step = 0
+    while True:
+        if step >= warmup and len(times) % period == 0:
+            if len(times) >= args.min_steps and spent > args.budget:
+                break  # slow configuration: enough steps for a median within the time budget
+            if len(times) >= steps and (spent >= args.min_time or len(times) >= args.max_steps):
+                break  # fast configurations run more steps, for at least --min-time seconds
+        start = time.perf_counter()
+        train_step(step)
         elapsed = time.perf_counter() - start
         if step >= warmup:
             times.append(elapsed)
@@ -377,6 +389,64 @@ def run_child(args) -> dict:
     }
 
 
+def live_peak(events: list[dict]) -> int:
+    """Peak bytes of the tensors allocated during a profile and not yet freed.
+
+    ``events``: the ``"[memory]"`` events of a chrome trace exported by ``torch.profiler`` with
+    ``profile_memory=True`` (``args``: ``Addr``, ``Bytes``, positive for an allocation, negative for
+    a free). Frees of blocks allocated before the profile started are ignored.
+    """
+    live: dict = {}
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e["ts"]):
+        address, size = event["args"]["Addr"], event["args"]["Bytes"]
+        if size > 0:
+            current += size - live.get(address, 0)
+            live[address] = size
+            peak = max(peak, current)
+        elif address in live:
+            current -= live.pop(address)
+    return peak
+
+
+def profiled_live_peak(work) -> int:
+    """Run ``work()`` under ``torch.profiler`` (CPU allocations recorded) and return :func:`live_peak` of it."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as handle:
+            events = [e for e in json.load(handle)["traceEvents"] if e.get("name") == "[memory]"]
+    return live_peak(events)
+
+
+def run_live_child(args) -> dict:
+    """Peak bytes of live tensors over the first steps, from the allocator's own events (exact; see ``live_peak``).
+
+    Everything the training loop and the cockpit allocate from step 0 on is seen (the model's
+    parameters, made before, are not, for every configuration alike): ``--live-steps`` steps, or for
+    ``full_every10`` through the end step of the second tracked step (steps 0-11).
+    """
+    train_step, _, _, period = _training(args)
+    count = 12 if period == 10 else max(1, args.live_steps)
+
+    def work():
+        for step in range(count):
+            train_step(step)
+
+    return {
+        "problem": args.problem,
+        "config": args.config,
+        "live_steps": count,
+        "live_peak_mb": profiled_live_peak(work) / 2**20,
+    }
+
+
 # ---------------------------------------------------------------------------
 # parent: schedule children, aggregate, write JSON and tables
 # ---------------------------------------------------------------------------
@@ -393,7 +463,7 @@ def child_env() -> dict:
     return env
 
 
-def spawn(problem: str, config: str, steps: int, warmup: int, args) -> dict:
+def spawn(problem: str, config: str, steps: int, warmup: int, args, live: bool = False) -> dict:
     command = [
         sys.executable, str(Path(__file__).resolve()), "--child",
         "--problem", problem, "--config", config,
@@ -404,6 +474,8 @@ def spawn(problem: str, config: str, steps: int, warmup: int, args) -> dict:
     ]  # fmt: skip
     if args.small:
         command.append("--small")
+    if live:
+        command += ["--live", "--live-steps", str(args.live_steps)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -418,6 +490,8 @@ def spawn(problem: str, config: str, steps: int, warmup: int, args) -> dict:
 def aggregate(runs: list[dict], problems: list[str], batch_size: int | None, small: bool = False) -> dict:
     """Per problem and configuration: median time, ratios and added memory from same-round plain runs."""
     results = {}
+    live = {(r["problem"], r["config"]): r for r in runs if r.get("round") == "live" and "live_peak_mb" in r}
+    runs = [r for r in runs if r.get("round") != "live"]
     for problem in problems:
         per_round_plain: dict[int, dict] = {}  # plain ran at the start and at the end of a round
         for rnd in sorted({r["round"] for r in runs}):
@@ -451,6 +525,11 @@ def aggregate(runs: list[dict], problems: list[str], batch_size: int | None, sma
                     entry["added_memory_mb"] = statistics.median(added)
                 entry["maxrss_mb"] = statistics.median(r["maxrss_mb"] for r in ok)
             entries[config] = entry
+        base = live.get((problem, "plain"))
+        for (p, config), measured in live.items():
+            if p == problem and config in entries and base is not None:
+                entries[config]["live_peak_mb"] = measured["live_peak_mb"]
+                entries[config]["live_added_mb"] = measured["live_peak_mb"] - base["live_peak_mb"]
         d, b = num_params(problem, small), batch_size_of(problem, batch_size)
         results[problem] = {
             "num_params": d,
@@ -516,6 +595,25 @@ def _ratio_and_memory_tables(results: dict, problems: list[str], title: str, sou
                 text += f"; target <= {100 * target:.0f}%: {_verdict(frac, target)}"
             row += f" {text}) |"
         lines.append(row)
+    live = [c for c in MAIN_CONFIGS if c != "plain" and any("live_added_mb" in (results[p]["configs"].get(c) or {}) for p in problems)]
+    if live:
+        lines += ["", f"{memory_title} of live tensors added over plain training (MB; exact, from the allocator's "
+                  "events over the first steps, see `live_peak`):", ""]  # fmt: skip
+        lines += ["| configuration |" + "".join(f" {p} |" for p in problems), "|---|" + "---|" * len(problems)]
+        for config in live:
+            row = f"| {ROW_TITLES[config]} |"
+            for p in problems:
+                entry = results[p]["configs"].get(config) or {}
+                if "live_added_mb" not in entry:
+                    row += " - |"
+                    continue
+                frac = entry["live_added_mb"] / results[p]["per_sample_grads_mb"]
+                text = f"{entry['live_added_mb']:.1f} ({100 * frac:.0f}% of B x D x 4"
+                target = memory_targets(p).get(config)
+                if target is not None:
+                    text += f"; target <= {100 * target:.0f}%: {_verdict(frac, target)}"
+                row += f" {text}) |"
+            lines.append(row)
     return lines
 
 
@@ -681,7 +779,14 @@ def parse_args(argv=None):
         "--from-json", default=None,
         help="measure nothing: rebuild the table (and docs, unless --no-docs) from a results JSON",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-live-memory", action="store_true",
+        help="skip the exact measure of added memory (one more process per problem and main "
+        "configuration, profiling the first steps' allocations)",
+    )  # fmt: skip
+    parser.add_argument("--live-steps", type=int, default=3, help="steps profiled for the live-tensor peak")
     # child mode (internal)
+    parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--problem", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
@@ -696,7 +801,7 @@ def main(argv=None) -> int:
         args.warmup = 2 if args.warmup is None else args.warmup
         args.budget = 10.0 if args.budget is None else args.budget
         args.min_time = 0.0 if args.min_time is None else args.min_time
-        print(json.dumps(run_child(args)))
+        print(json.dumps(run_live_child(args) if args.live else run_child(args)))
         return 0
 
     if args.from_json:
@@ -777,6 +882,15 @@ def main(argv=None) -> int:
             print(f"[{done}/{total} {time.time() - started:.0f}s] round {rnd} {problem} {config}: {shown}", flush=True)
             if "times" in result:
                 result["steps"] = len(result.pop("times"))
+
+    if configs and not args.no_live_memory:
+        for problem in problems:  # deterministic: one process per configuration, after the timed rounds
+            for config in ["plain"] + [c for c in configs if c != "nothing"]:
+                result = spawn(problem, config, steps, warmup, args, live=True)
+                result["round"] = "live"
+                runs.append(result)
+                shown = f"{result['live_peak_mb']:.1f} MB" if "live_peak_mb" in result else result["error"][:120]
+                print(f"[live {time.time() - started:.0f}s] {problem} {config}: peak of live tensors {shown}", flush=True)
 
     results = aggregate(runs, problems, args.batch_size, args.small)
     meta = {

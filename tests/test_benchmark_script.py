@@ -56,9 +56,15 @@ def test_json_structure(tiny):
     assert configs["full_every10"]["statistic"] == "mean"
     assert configs["nothing"]["statistic"] == "median"
     # every child process ran with one thread; full_every10 timed a whole period
-    assert all(run["threads"] == 1 for run in data["runs"])
-    assert [run["steps"] for run in data["runs"] if run["config"] == "full_every10"] == [10]
-    assert {run["round"] for run in data["runs"]} == {0}
+    assert all(run["threads"] == 1 for run in data["runs"] if run["round"] != "live")
+    assert [run["steps"] for run in data["runs"] if run["config"] == "full_every10" and run["round"] == 0] == [10]
+    assert {run["round"] for run in data["runs"]} == {0, "live"}
+    # the exact added memory: one profiled process for plain and each main configuration but nothing
+    assert {run["config"] for run in data["runs"] if run["round"] == "live"} == {"plain", "full_every10"}
+    assert configs["full_every10"]["live_added_mb"] == pytest.approx(
+        configs["full_every10"]["live_peak_mb"] - configs["plain"]["live_peak_mb"]
+    )
+    assert "live_added_mb" not in configs["nothing"] and "live_added_mb" not in configs["q:GradNorm"]
 
 
 def test_table_structure(tiny):
@@ -69,6 +75,7 @@ def test_table_structure(tiny):
     assert "business, every step" not in table  # not run
     assert "| GradNorm |" in table
     assert "<= 1.3" in table and "<= 8" in table  # MLP targets from issue 6
+    assert "peak memory of live tensors added" in table.lower()
 
 
 def test_update_doc_replaces_only_between_markers(tmp_path):
@@ -236,3 +243,54 @@ def test_merge_keeps_earlier_problems(tmp_path):
     assert list(results) == ["mlp", "gpt"] and results["gpt"]["num_params"] == 3
     assert results["mlp"]["measured"]["date"] == "2000-01-01"
     assert [(r["problem"], r["config"]) for r in runs] == [("mlp", "plain"), ("gpt", "economy")]
+
+
+def test_live_peak_counts_the_allocations_made_during_the_profile():
+    def event(ts, address, size):
+        return {"ts": ts, "args": {"Addr": address, "Bytes": size}}
+
+    events = [
+        event(4, 1, -100),  # out of order: sorted by time
+        event(0, 1, 100),
+        event(1, 2, 50),  # 150 live: the peak
+        event(2, 9, -400),  # a block from before the profile: ignored
+        event(5, 1, 30),  # the address is reused
+        event(6, 3, 70),  # 50 + 30 + 70
+        event(7, 2, -50),
+    ]
+    assert overhead.live_peak(events) == 150
+    assert overhead.live_peak(events + [event(8, 4, 51)]) == 151
+    assert overhead.live_peak([]) == 0
+
+
+def test_profiled_live_peak_sees_tensors_freed_before_the_end():
+    import torch
+
+    kept = torch.zeros(1)  # allocated before: not counted, and its free is not either
+
+    def work():
+        nonlocal kept
+        a = torch.empty(1 << 18)  # 1 MiB
+        b = torch.empty(1 << 19)  # 2 MiB: 3 MiB live
+        del a, kept
+        c = torch.empty(1 << 17)  # 0.5 MiB: 2.5 MiB live
+        del b, c
+
+    assert overhead.profiled_live_peak(work) == 3 << 20
+
+
+@pytest.mark.parametrize("config", ["plain", "economy", "full_every10"])
+def test_live_child_measures_the_peak_of_the_first_steps(config):
+    import torch
+
+    threads = torch.get_num_threads()
+    args = overhead.parse_args(
+        ["--child", "--live", "--problem", "resnet", "--config", config, "--small", "--steps", "1",
+         "--warmup", "0", "--batch-size", "4", "--live-steps", "2"]
+    )  # fmt: skip
+    try:
+        result = overhead.run_live_child(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert result["live_steps"] == (12 if config == "full_every10" else 2)
+    assert result["live_peak_mb"] > 0
