@@ -23,9 +23,12 @@ below which no implementation of the economy preset's exact histogram gets
 on this machine with these kernels. Linear layers on 2-D inputs are left
 out (their histogram is counted from the factors, without the dense
 entries), so on problems with large ones (3c3d's classifier) the bound is
-lower than what is spent.
+lower than what is spent. A parameter used by several layers (GPT-2's tied
+embedding and output layer) is produced as the sum of its uses, a block of
+rows at a time, and binned once, as the cockpit does.
 
     python benchmarks/economy_bound.py --problems 3c3d,2c2d,gpt,resnet --repeats 5
+    python benchmarks/economy_bound.py --problems gpt2-small --repeats 3   # ~4 minutes
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def measure(problem: str, repeats: int) -> dict:
 
     from benchmarks import overhead as ob
     from cockpit_like.backends.fast_histograms import Hist1dCounter
-    from cockpit_like.backends.module_rules import Factors, rule_for
+    from cockpit_like.backends.module_rules import Factors, rule_for, summed
 
     torch.set_num_threads(1)
     batch_size = ob.batch_size_of(problem, None)
@@ -79,17 +82,22 @@ def measure(problem: str, repeats: int) -> dict:
         return time.perf_counter() - start
 
     def per_layer_rows():
+        uses: dict = {}  # a tied parameter (GPT-2's embedding and output layer): one form, the sum of its uses
         for module, x, delta in seen:
             if delta is None:
                 continue
             forms = rule_for(module)(module, x, delta)
             for name, param in module.named_parameters(recurse=False):
                 form = (forms or {}).get(name)
-                if form is None or isinstance(form, Factors):
-                    continue  # a linear layer on rows: the factor form bins without the dense entries
-                rows = max(1, (256 << 20) // max(1, param.numel() * 4))
-                for start in range(0, form.batch, rows):
-                    yield form.rows(start, min(form.batch, start + rows), param.shape), form.batch
+                if form is not None:
+                    uses.setdefault(id(param), (param, []))[1].append(form)
+        for param, forms in uses.values():
+            if len(forms) == 1 and isinstance(forms[0], Factors):
+                continue  # a linear layer on rows: the factor form bins without the dense entries
+            form = summed(forms, param.shape)
+            rows = max(1, (256 << 20) // max(1, param.numel() * 4))
+            for start in range(0, form.batch, rows):
+                yield form.rows(start, min(form.batch, start + rows), param.shape), form.batch
 
     counter = Hist1dCounter(64, (-1.0, 1.0), torch.float32)
     plain, produce, binned, entries = [], [], [], 0
