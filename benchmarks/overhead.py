@@ -35,7 +35,12 @@ times of the same round and problem; the
 reported ratio is the median over rounds. Memory: each child reports its
 peak resident set size (``ru_maxrss``); a configuration's added memory is
 its peak minus the peak of the ``plain`` process of the same round (all
-children import the same modules, so the baseline cancels).
+children import the same modules, so the baseline cancels). RSS carries
+what the C allocator keeps of freed blocks; the exact figure comes from one
+more child per problem and main configuration (``--live``, after the timed
+rounds; ``--no-live-memory`` skips it): the peak bytes of live tensors over
+the first steps, from ``torch.profiler``'s allocation events
+(:func:`live_peak`), minus plain's.
 
 Usage::
 
