@@ -566,6 +566,33 @@ def _measured(result: dict, meta: dict) -> dict:
     return result.get("measured") or {k: meta.get(k) for k in ("date", "rounds", "steps", "commit")}
 
 
+def _memory_table(results: dict, problems: list[str], key: str, form: str, title: str) -> list[str]:
+    """A table of added memory ``key`` (MB, and % of ``B x D x 4`` against its target) for the main
+    configurations that have it on some problem; no lines if none has."""
+    if key == "live_added_mb":  # measured for some configurations only (not plain itself, not nothing)
+        configs = [c for c in MAIN_CONFIGS if c != "plain" and any(key in (results[p]["configs"].get(c) or {}) for p in problems)]
+    else:
+        configs = [c for c in MAIN_CONFIGS if any(c in results[p]["configs"] for p in problems)]
+    if not configs:
+        return []
+    lines = ["", title, "", "| configuration |" + "".join(f" {p} |" for p in problems), "|---|" + "---|" * len(problems)]
+    for config in configs:
+        row = f"| {ROW_TITLES[config]} |"
+        for p in problems:
+            entry = results[p]["configs"].get(config) or {}
+            if key not in entry:
+                row += " error |" if entry.get("errors") else " - |"
+                continue
+            frac = entry[key] / results[p]["per_sample_grads_mb"]
+            text = f"{form.format(entry[key])} ({100 * frac:.0f}% of B x D x 4"
+            target = memory_targets(p).get(config)
+            if target is not None:
+                text += f"; target <= {100 * target:.0f}%: {_verdict(frac, target)}"
+            row += f" {text}) |"
+        lines.append(row)
+    return lines
+
+
 def _ratio_and_memory_tables(results: dict, problems: list[str], title: str, source: str) -> list[str]:
     time_title = f"{title}time per step" if title else "Time per step"
     lines = ["", f"{time_title}, ratio to plain training (target from {source} in the next column):", ""]
@@ -582,43 +609,15 @@ def _ratio_and_memory_tables(results: dict, problems: list[str], title: str, sou
             row += f" {_fmt_ratio(entry)} | {'<= %g %s' % (target, verdict) if target else '-'} |"
         lines.append(row)
     memory_title = f"{title}peak memory" if title else "Peak memory"
-    lines += ["", f"{memory_title} added over plain training (MB; max RSS of the process minus plain's):", ""]
-    lines += ["| configuration |" + "".join(f" {p} |" for p in problems), "|---|" + "---|" * len(problems)]
-    for config in MAIN_CONFIGS:
-        if not any(config in results[p]["configs"] for p in problems):
-            continue
-        row = f"| {ROW_TITLES[config]} |"
-        for p in problems:
-            entry = results[p]["configs"].get(config) or {}
-            if "added_memory_mb" not in entry:
-                row += " error |" if entry.get("errors") else " - |"
-                continue
-            frac = entry["added_memory_mb"] / results[p]["per_sample_grads_mb"]
-            text = f"{entry['added_memory_mb']:.0f} ({100 * frac:.0f}% of B x D x 4"
-            target = memory_targets(p).get(config)
-            if target is not None:
-                text += f"; target <= {100 * target:.0f}%: {_verdict(frac, target)}"
-            row += f" {text}) |"
-        lines.append(row)
-    live = [c for c in MAIN_CONFIGS if c != "plain" and any("live_added_mb" in (results[p]["configs"].get(c) or {}) for p in problems)]
-    if live:
-        lines += ["", f"{memory_title} of live tensors added over plain training (MB; exact, from the allocator's "
-                  "events over the first steps, see `live_peak`):", ""]  # fmt: skip
-        lines += ["| configuration |" + "".join(f" {p} |" for p in problems), "|---|" + "---|" * len(problems)]
-        for config in live:
-            row = f"| {ROW_TITLES[config]} |"
-            for p in problems:
-                entry = results[p]["configs"].get(config) or {}
-                if "live_added_mb" not in entry:
-                    row += " - |"
-                    continue
-                frac = entry["live_added_mb"] / results[p]["per_sample_grads_mb"]
-                text = f"{entry['live_added_mb']:.1f} ({100 * frac:.0f}% of B x D x 4"
-                target = memory_targets(p).get(config)
-                if target is not None:
-                    text += f"; target <= {100 * target:.0f}%: {_verdict(frac, target)}"
-                row += f" {text}) |"
-            lines.append(row)
+    lines += _memory_table(
+        results, problems, "added_memory_mb", "{:.0f}",
+        f"{memory_title} added over plain training (MB; max RSS of the process minus plain's):",
+    )  # fmt: skip
+    lines += _memory_table(
+        results, problems, "live_added_mb", "{:.1f}",
+        f"{memory_title} of live tensors added over plain training (MB; exact, from the allocator's "
+        "events over the first steps, see `live_peak`):",
+    )  # fmt: skip
     return lines
 
 
