@@ -95,20 +95,32 @@ def test_other_optimizers_retain_and_agree():
 
 
 def test_accumulated_gradients_are_flagged():
-    """p.grad holds two backward passes, the per-sample gradients one: the layer-by-layer prediction differs."""
+    """p.grad holds two backward passes, the per-sample gradients one: the update's direction differs from
+    the layer-by-layer prediction, which the check against the actual update reports at the end step."""
     problem = ZOO["layernorm_mlp"](0)
     model = problem.model
     # with weight decay the update's direction depends on the gradient's size, not only its direction
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.5)
-    cockpit = Cockpit(model.parameters(), quantities=[Alpha(linear(2))], model=model)
+    alpha = Alpha(linear(2))
+    cockpit = Cockpit(model.parameters(), quantities=[alpha], model=model)
     inputs, targets = problem.batch(5, 0)
     problem.sample_losses(model(inputs), targets).mean().backward()  # not zeroed before the step
-    losses = problem.sample_losses(model(inputs), targets)
-    with pytest.warns(UserWarning, match="layer by layer"):
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Full backward hook")
-            with cockpit(0, info={"batch_size": 5, "loss": losses.mean(), "individual_losses": losses.detach(), "optimizer": optimizer}):
+
+    def tracked(step, expect_warning):
+        losses = problem.sample_losses(model(inputs), targets)
+        info = {"batch_size": 5, "loss": losses.mean(), "individual_losses": losses.detach(), "optimizer": optimizer}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with cockpit(step, info=info):
                 losses.mean().backward()
+        messages = [str(w.message) for w in caught if "Full backward hook" not in str(w.message)]
+        assert any("differs in direction" in m for m in messages) == expect_warning, messages
+
+    tracked(0, expect_warning=False)
+    optimizer.step()
+    optimizer.zero_grad()
+    tracked(1, expect_warning=True)
+    assert list(alpha.get_output()) == [0]  # stored, flagged as approximate
 
 
 @pytest.mark.parametrize(

@@ -238,22 +238,14 @@ class Alpha(TwoStepQuantity):
             return [-g for g in grad_sum]
 
     def _predicted_slopes(self, global_step, record, params, result, batch_size):
-        """Slopes from the dots reduced during backward along the per-layer predicted update (element-wise optimizers)."""
+        """Slopes from the dots reduced during backward along the per-layer predicted update (element-wise
+        optimizers). The prediction is checked against the actual update, after ``optimizer.step()``
+        (:meth:`_settle`) or at the end step (:meth:`_check`), as in the retained mode: a second
+        look-ahead of the whole model with ``p.grad`` here would only warn earlier."""
         missing = [i for i, d in enumerate(result["direction"]) if d is None]
         if missing:
             raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
         predicted, grad_sum, dots = result["direction"], result["grad_sum"], result["dots"]
-        full = self._predict_update(global_step, record, params, grad_sum)
-        reference = _norm(params).item()
-        if not self._same_direction(full, predicted, reference / max(_norm(full).item(), 1e-300)):
-            warnings.warn(
-                f"Alpha: at step {global_step} the update predicted layer by layer from the per-sample "
-                "gradients differs from the optimizer's look-ahead with p.grad (gradients accumulated over "
-                "several backward passes, or changed before optimizer.step(), e.g. clipped). The slopes are "
-                "measured along the layer-by-layer prediction, so alpha is approximate.",
-                UserWarning,
-                stacklevel=4,
-            )
         norm = _norm(predicted)
         slopes = torch.zeros_like(dots) if norm == 0 else batch_size * dots / norm
         return grad_sum, predicted, slopes

@@ -135,7 +135,8 @@ def _shadow_step(
             if groups:
                 optimizer.param_groups = groups
                 optimizer.step()
-            return {key: shadow.detach() - param.detach() for key, (param, shadow) in shadows.items()}
+            # the shadows are ours: each becomes its update in place (no third copy of the parameters)
+            return {key: shadow.detach().sub_(param.detach()) for key, (param, shadow) in shadows.items()}
         finally:
             for _, shadow in shadows.values():
                 optimizer.state.pop(shadow, None)
