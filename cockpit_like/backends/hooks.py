@@ -548,6 +548,10 @@ def _graph_nodes(root) -> dict[int, object]:
     return seen
 
 
+#: a watched node that has not run yet (:meth:`HookBackend._watch_sums`)
+_WAITING = object()
+
+
 def _call_nodes(call: "Call") -> list:
     if call.node is not None:
         return [call.node]
@@ -592,6 +596,10 @@ class HookBackend:
         self._handled = handled_elsewhere
         self._errors: list[UncoveredParameterError] = []
         self._consumers: dict[int, list] | None = None
+        #: ``(id(call), id(param))`` -> autograd's gradient of that use (``_WAITING``: its node has not run)
+        self._sums: dict[tuple[int, int], Any] = {}
+        #: forms waiting for their use's sum: ``(id(call), id(param))`` -> ``(param, form)``
+        self._parked: dict[tuple[int, int], tuple] = {}
         self._flat_nodes: set[int] = set()
         self._all_calls = calls
         self.calls = self._assign(calls, handled_elsewhere)
@@ -769,9 +777,21 @@ class HookBackend:
         Row ``b`` of that sum's gradient is row ``b``'s gradient of ``output``: the hooks read it there,
         so the output keeps its shape (nothing is expanded) and nothing is re-run.
         """
+        users = self._consumer_map(self._all_calls).get(id(output.grad_fn), [])
+        if len(users) != 1 or type(users[0]).__name__ != "AddBackward0" or getattr(users[0], "_saved_alpha", 1) != 1:
+            return None
+        add = users[0]
+        edges = [child for child, _ in add.next_functions if child is output.grad_fn]
+        shape = list(add._input_metadata[0].shape) if hasattr(add, "_input_metadata") else None
+        if len(edges) != 1 or shape != [batch, *output.shape[1:]]:
+            return None
+        return add
+
+    def _consumer_map(self, calls: list[Call]) -> dict[int, list]:
+        """``{id(node): nodes that read its output}`` in the graph below ``calls``' outputs (made once)."""
         if self._consumers is None:
             self._consumers = defaultdict(list)
-            starts = [node for call in self._all_calls for node in _call_nodes(call)]
+            starts = [node for call in calls for node in _call_nodes(call)]
             seen = {id(node) for node in starts}
             while starts:
                 node = starts.pop()
@@ -782,15 +802,7 @@ class HookBackend:
                     if id(child) not in seen:
                         seen.add(id(child))
                         starts.append(child)
-        users = self._consumers.get(id(output.grad_fn), [])
-        if len(users) != 1 or type(users[0]).__name__ != "AddBackward0" or getattr(users[0], "_saved_alpha", 1) != 1:
-            return None
-        add = users[0]
-        edges = [child for child, _ in add.next_functions if child is output.grad_fn]
-        shape = list(add._input_metadata[0].shape) if hasattr(add, "_input_metadata") else None
-        if len(edges) != 1 or shape != [batch, *output.shape[1:]]:
-            return None
-        return add
+        return self._consumers
 
     @staticmethod
     def _claim_nested(calls: list[Call], outer: int, claimed: set[int]) -> None:
@@ -824,6 +836,7 @@ class HookBackend:
         """Register the output-gradient pre-hooks (before ``loss.backward()``)."""
         for call in self.calls:
             self._register(call)
+        self._watch_sums()
         self.tracer.live = self
 
     def adopt(self, call: Call) -> None:
@@ -867,6 +880,85 @@ class HookBackend:
         for node, entries in by_node.values():
             self._handles.append(node.register_prehook(partial(self._on_grads, call, entries)))
 
+    # ---- batch sums that the backward pass computes anyway -----------------------------------
+    def _watch_sums(self) -> None:
+        """Where a parameter's batch sum of rows will be needed, take it from the backward pass.
+
+        A tied parameter's rows are the sum of its uses' rows, and a layer over the reducer's memory
+        budget is made a block of rows at a time; statistics such as the Gram row sums read the
+        batch sum of those rows before the first block. For a use whose rule covers the whole
+        gradient that its call passes to the parameter, that sum is the gradient autograd computes
+        for the use (GPT-2's output layer: a 50257 x 768 x 2048 product, not made twice): a hook
+        on the node of the call's own graph that passes it to the parameter reads it, and the
+        use's rows are handed on when it has run. A use gets none (and its sum is made from the
+        rows) unless that node is unambiguous: reached from the call's outputs without leaving the
+        call (no node made before its inputs, e.g. a weight cast cached by autocast for several
+        calls), read by no node outside the call, and the one edge of the call to the parameter.
+        """
+        budget = getattr(self.reducer, "budget_bytes", None)
+        for call in self.calls:
+            if rule_for(call.module) is None or call.consumer is not None:
+                continue
+            params = [
+                p for p in call.params
+                if p.dim() >= 2 and p.dtype in (torch.float32, torch.float64) and p.is_leaf and p.requires_grad
+                and type(p) in (torch.Tensor, nn.Parameter)
+                and (self._uses[id(p)] > 1 or (budget is not None and self._call_batch(call) * p.numel() * 4 > budget))
+            ]  # fmt: skip
+            if not params:
+                continue
+            for key, (node, index) in self._own_edges(call, params).items():
+                self._sums[(id(call), key)] = _WAITING
+                self._handles.append(node.register_hook(partial(self._on_sum, (id(call), key), index)))
+
+    def _own_edges(self, call: Call, params: list[torch.Tensor]) -> dict[int, tuple[Any, int]]:
+        """``{id(param): (node, index)}``: the one edge of ``call``'s own graph into each parameter
+        (see :meth:`_watch_sums`); parameters without one are left out."""
+        inputs = [t for t in _flat_outputs((call.args, call.kwargs)) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not inputs:
+            return {}
+        floor = max(t.grad_fn._sequence_nr() for t in inputs)  # nodes made before the call began
+        stops = {id(t.grad_fn) for t in inputs}
+        roots = _call_nodes(call)
+        inside = {id(node): node for node in roots}
+        stack, wanted = list(roots), {id(p) for p in params}
+        edges: dict[int, list] = defaultdict(list)
+        while stack:
+            node = stack.pop()
+            for index, (child, _) in enumerate(node.next_functions):
+                if child is None or id(child) in stops:
+                    continue
+                variable = getattr(child, "variable", None)  # an AccumulateGrad node
+                if variable is not None:
+                    if id(variable) in wanted:
+                        edges[id(variable)].append((node, index))
+                    continue
+                if id(child) in inside:
+                    continue
+                if child._sequence_nr() <= floor or len(inside) >= 32:
+                    return {}  # the graph leaves the call: not its own
+                inside[id(child)] = child
+                stack.append(child)
+        users = self._consumer_map(self.calls)
+        root_ids = {id(node) for node in roots}
+        for key in inside:
+            if key not in root_ids and any(id(user) not in inside for user in users.get(key, ())):
+                return {}  # a node of the call that something else reads too
+        return {key: found[0] for key, found in edges.items() if len(found) == 1}
+
+    def _on_sum(self, key: tuple[int, int], index: int, grad_inputs, grad_outputs) -> None:
+        """A watched node ran: its gradient for the parameter is the use's batch sum (:meth:`_watch_sums`)."""
+        if key not in self._sums:
+            return
+        grad = grad_inputs[index]
+        with self.tracer.pause():
+            self._sums[key] = None if grad is None else grad.detach()
+            parked = self._parked.pop(key, None)
+            if parked is not None:
+                param, form = parked
+                form.known_sum = self._sums.pop(key)
+                self._deliver(param, form)
+
     def _on_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
         if call.waiting <= 0:
             return
@@ -884,6 +976,11 @@ class HookBackend:
         self.remove_hooks()
         if self._errors:
             raise self._errors[0]
+        # watched nodes that did not run: those uses' sums are made from their rows
+        self._sums = {key: value for key, value in self._sums.items() if value is not _WAITING}
+        parked, self._parked = self._parked, {}
+        for param, form in parked.values():
+            self._deliver(param, form)
         for call in self.calls:
             if call.done:
                 continue
@@ -897,6 +994,7 @@ class HookBackend:
                 self._fallback(call)
         for key in list(self._partial):  # a tied parameter whose other uses got no gradient
             self._deliver_sum(key)
+        self._sums.clear()
 
     def remove_hooks(self) -> None:
         if getattr(self.tracer, "live", None) is self:
@@ -941,6 +1039,12 @@ class HookBackend:
         for name, form in forms.items():
             param = named.get(name)
             if param is not None and id(param) in owned:
+                key = (id(call), id(param))
+                if self._sums.get(key) is _WAITING:  # handed on once autograd's sum for this use is made
+                    self._parked[key] = (param, form)
+                    continue
+                if key in self._sums:
+                    form.known_sum = self._sums.pop(key)
                 self._deliver(param, form)
         call.release()
 

@@ -70,16 +70,17 @@ __all__ = ["Factors", "Sequence", "Dense", "Lazy", "summed", "rule_for", "RULES"
 class Factors:
     """``grad_batch[i] = delta_i x_i^T`` (``kind="weight"``) or ``delta_i`` (``kind="bias"``)."""
 
-    __slots__ = ("kind", "x", "delta")
+    __slots__ = ("kind", "x", "delta", "known_sum")
 
     def __init__(self, kind: str, x: torch.Tensor | None, delta: torch.Tensor):
         self.kind, self.x, self.delta = kind, x, delta
+        self.known_sum = None
 
     def dense(self, shape: torch.Size) -> torch.Tensor:
         return materialize_linear(self.kind, self.x, self.delta).reshape(self.delta.shape[0], *shape)
 
     def feed(self, reducer, param: torch.Tensor) -> None:
-        reducer.reduce_factors(param, self.kind, self.x, self.delta)
+        reducer.reduce_factors(param, self.kind, self.x, self.delta, **_known(self))
 
     @property
     def batch(self) -> int:
@@ -90,22 +91,25 @@ class Factors:
         return materialize_linear(self.kind, x, self.delta[start:stop]).reshape(stop - start, *shape)
 
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        if self.known_sum is not None:
+            return self.known_sum.reshape(shape)
         return linear_sum(self.kind, self.x, self.delta).reshape(shape)
 
 
 class Sequence:
     """``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` reshaped to the parameter's shape."""
 
-    __slots__ = ("a", "b")
+    __slots__ = ("a", "b", "known_sum")
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor):
         self.a, self.b = a, b
+        self.known_sum = None
 
     def dense(self, shape: torch.Size) -> torch.Tensor:
         return materialize_sequence(self.a, self.b, shape)
 
     def feed(self, reducer, param: torch.Tensor) -> None:
-        reducer.reduce_sequence(param, self.a, self.b)
+        reducer.reduce_sequence(param, self.a, self.b, **_known(self))
 
     @property
     def batch(self) -> int:
@@ -115,16 +119,19 @@ class Sequence:
         return materialize_sequence(self.a[start:stop], self.b[start:stop], shape)
 
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        if self.known_sum is not None:
+            return self.known_sum.reshape(shape)
         return sequence_sum(self.a, self.b).reshape(shape)
 
 
 class Dense:
     """``grad_batch`` ``[B, *param.shape]``."""
 
-    __slots__ = ("grad_batch",)
+    __slots__ = ("grad_batch", "known_sum")
 
     def __init__(self, grad_batch: torch.Tensor):
         self.grad_batch = grad_batch
+        self.known_sum = None
 
     def dense(self, shape: torch.Size) -> torch.Tensor:
         return self.grad_batch.reshape(self.grad_batch.shape[0], *shape)
@@ -140,22 +147,25 @@ class Dense:
         return self.grad_batch[start:stop].reshape(stop - start, *shape)
 
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        if self.known_sum is not None:
+            return self.known_sum.reshape(shape)
         return self.grad_batch.sum(0).reshape(shape)
 
 
 class Lazy:
     """``grad_batch`` made a block of rows at a time (a :class:`~cockpit_like.backends.per_sample.LazyRows`)."""
 
-    __slots__ = ("lazy",)
+    __slots__ = ("lazy", "known_sum")
 
     def __init__(self, lazy: LazyRows):
         self.lazy = lazy
+        self.known_sum = None
 
     def dense(self, shape: torch.Size) -> torch.Tensor:
         return self.lazy.make(0, self.lazy.batch).reshape(self.lazy.batch, *shape)
 
     def feed(self, reducer, param: torch.Tensor) -> None:
-        reducer.reduce_lazy(param, self.lazy)
+        reducer.reduce_lazy(param, self.lazy, **_known(self))
 
     @property
     def batch(self) -> int:
@@ -165,6 +175,8 @@ class Lazy:
         return self.lazy.make(start, stop).reshape(stop - start, *shape)
 
     def batch_sum(self, shape: torch.Size) -> torch.Tensor:
+        if self.known_sum is not None:
+            return self.known_sum.reshape(shape)
         return self.lazy.batch_sum().reshape(shape)
 
     def add_rows(self, out: torch.Tensor, start: int, stop: int, shape: torch.Size) -> None:
@@ -177,12 +189,25 @@ class Lazy:
 Form = Factors | Sequence | Dense | Lazy
 
 
+def _known(form) -> dict:
+    """``{"batch_sum": ...}`` for a form whose batch sum is known (autograd's gradient of the use, see
+    :meth:`~cockpit_like.backends.hooks.HookBackend`), else nothing: the reducer makes it if it needs it."""
+    return {} if form.known_sum is None else {"batch_sum": form.known_sum}
+
+
 def _itemsize(form) -> int:
     for name in ("grad_batch", "delta", "a"):
         tensor = getattr(form, name, None)
         if isinstance(tensor, torch.Tensor):
             return max(4, tensor.element_size())
     return max(4, form.lazy.itemsize) if isinstance(form, Lazy) else 4
+
+
+def _shares_memory(rows: torch.Tensor, form) -> bool:
+    """Whether ``rows`` lie in the memory of one of ``form``'s own tensors (its rows are then a view)."""
+    start = rows.untyped_storage().data_ptr()
+    tensors = (getattr(form, name, None) for name in ("grad_batch", "delta", "x", "a", "b"))
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == start for t in tensors)
 
 
 def summed(forms: list, shape: torch.Size) -> "Form":
@@ -197,7 +222,7 @@ def summed(forms: list, shape: torch.Size) -> "Form":
         total = first.rows(start, stop, shape)
         if total.element_size() < 4:
             total = total.float()
-        elif isinstance(first, Dense):  # a view of the form's tensor; the others' rows are new tensors
+        elif _shares_memory(total, first):  # a view of the form's tensor (Dense, a bias's factor): never written
             total = total.clone()
         for form in forms[1:]:
             if isinstance(form, Lazy):
@@ -207,10 +232,12 @@ def summed(forms: list, shape: torch.Size) -> "Form":
         return total
 
     def batch_sum() -> torch.Tensor:
-        total = forms[0].batch_sum(shape)
-        total = total.float() if total.element_size() < 4 else total.clone()
-        for form in forms[1:]:
-            total.add_(form.batch_sum(shape))
+        # a new tensor: a use's sum may be autograd's own gradient (known_sum), never written
+        parts = (form.batch_sum(shape) for form in forms)
+        first = next(parts)
+        total = first.float() if first.element_size() < 4 else None
+        for part in parts:
+            total = first + part if total is None else total.add_(part)
         return total
 
     return Lazy(LazyRows(forms[0].batch, shape, make, max(_itemsize(f) for f in forms), batch_sum))

@@ -355,14 +355,14 @@ class PerSampleReducer:
     def _fits(self, batch: int, param: torch.Tensor, itemsize: int) -> bool:
         return self.keep_grad_batch or batch * param.numel() * itemsize <= self.budget_bytes
 
-    def _reduce_factors(self, index, param, kind, x, delta) -> None:
+    def _reduce_factors(self, index, param, kind, x, delta, batch_sum=None) -> None:
         # materialised at most once, and only if a statistic has no factor form
         materialize = not all(stat.factor_form for stat in self.stats)
         if materialize and not self._fits(delta.shape[0], param, delta.element_size()):
             lazy = LazyRows(
                 delta.shape[0], param.shape,
                 lambda start, stop: materialize_linear(kind, None if x is None else x[start:stop], delta[start:stop]),
-                delta.element_size(), lambda: linear_sum(kind, x, delta),
+                delta.element_size(), self._sum_maker(batch_sum, lambda: linear_sum(kind, x, delta)),
             )  # fmt: skip
             self._compact_then_blocks(
                 index, param, lazy, "factor_form", lambda stat, state: stat.accumulate_factors(state, index, param, kind, x, delta)
@@ -433,14 +433,29 @@ class PerSampleReducer:
         tensor = _upcast(tensor)
         return tensor if self.row_scale == 1.0 else tensor * self.row_scale
 
-    def reduce_factors(self, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> None:
-        """Reduce a parameter given as 2-D factors now (see :meth:`offer_factors`)."""
+    def _sum_maker(self, known: torch.Tensor | None, make):
+        """What makes a layer's batch sum of rows: ``make`` (from the scaled factors), or the sum the
+        backward pass computed anyway (``known``, of the unscaled rows: scaled here, never written)."""
+        if known is None:
+            return make
+
+        def owned() -> torch.Tensor:  # a tensor of the statistics' own: autograd may make ``known`` p.grad
+            total = self._scaled(known)
+            return total.clone() if total is known else total
+
+        return owned
+
+    def reduce_factors(
+        self, param: torch.Tensor, kind: str, x: torch.Tensor | None, delta: torch.Tensor, batch_sum: torch.Tensor | None = None
+    ) -> None:
+        """Reduce a parameter given as 2-D factors now (see :meth:`offer_factors`). ``batch_sum``: the
+        sum of its rows, if known (autograd's gradient of this use), read if a block of rows needs it."""
         x, delta = _upcast(x), self._scaled(delta)
         index = self._index[id(param)]
         self.seen.add(index)
         if self.keep_grad_batch:
             param.grad_batch = materialize_linear(kind, x, delta)
-        self._reduce_factors(index, param, kind, x, delta)
+        self._reduce_factors(index, param, kind, x, delta, batch_sum)
 
     def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
         """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now."""
@@ -451,10 +466,13 @@ class PerSampleReducer:
             param.grad_batch = grad_batch
         self._reduce(index, param, grad_batch)
 
-    def reduce_sequence(self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-        """Reduce ``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` now (see :meth:`PerSampleStat.accumulate_sequence`)."""
+    def reduce_sequence(
+        self, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch_sum: torch.Tensor | None = None
+    ) -> None:
+        """Reduce ``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` now (see :meth:`PerSampleStat.accumulate_sequence`;
+        ``batch_sum`` as in :meth:`reduce_factors`)."""
         if a.shape[1] == 1 and param.dim() == 2 and not self.keep_grad_batch:
-            self.reduce_factors(param, "weight", b[:, 0], a[:, 0])  # one position: the 2-D factor form
+            self.reduce_factors(param, "weight", b[:, 0], a[:, 0], batch_sum)  # one position: the 2-D factor form
             return
         a, b = self._scaled(a), _upcast(b)
         index = self._index[id(param)]
@@ -463,7 +481,7 @@ class PerSampleReducer:
         if materialize and not self._fits(a.shape[0], param, a.element_size()):
             lazy = LazyRows(
                 a.shape[0], param.shape, lambda start, stop: materialize_sequence(a[start:stop], b[start:stop], param.shape),
-                a.element_size(), lambda: sequence_sum(a, b),
+                a.element_size(), self._sum_maker(batch_sum, lambda: sequence_sum(a, b)),
             )  # fmt: skip
             self._compact_then_blocks(
                 index, param, lazy, "sequence_form", lambda stat, state: stat.accumulate_sequence(state, index, param, a, b)
@@ -483,16 +501,19 @@ class PerSampleReducer:
             else:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
 
-    def reduce_lazy(self, param: torch.Tensor, lazy: LazyRows) -> None:
-        """Reduce per-sample gradients that ``lazy`` makes a block of rows at a time (module rules)."""
+    def reduce_lazy(self, param: torch.Tensor, lazy: LazyRows, batch_sum: torch.Tensor | None = None) -> None:
+        """Reduce per-sample gradients that ``lazy`` makes a block of rows at a time (module rules;
+        ``batch_sum`` as in :meth:`reduce_factors`)."""
         index = self._index[id(param)]
         self.seen.add(index)
         if lazy.itemsize < 4 or self.row_scale != 1.0:
-            make, batch_sum = lazy.make, lazy._batch_sum
+            make, sum_of = lazy.make, lazy._batch_sum
             lazy = LazyRows(
                 lazy.batch, lazy.shape, lambda start, stop: self._scaled(make(start, stop)), max(4, lazy.itemsize),
-                None if batch_sum is None else (lambda: self._scaled(batch_sum())),
+                None if sum_of is None else (lambda: self._scaled(sum_of())),
             )  # fmt: skip
+        if batch_sum is not None:
+            lazy = LazyRows(lazy.batch, lazy.shape, lazy.make, lazy.itemsize, self._sum_maker(batch_sum, None), lazy.add_into)
         self._reduce_blocks(index, param, lazy)
 
     def results(self) -> dict[PerSampleStat, Any]:
