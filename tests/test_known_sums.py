@@ -30,12 +30,12 @@ VOCAB, WIDTH, ROWS, LENGTH, STEPS = 23, 6, 4, 5, 3
 
 
 class TiedLM(nn.Module):
-    """Embedding, a linear layer on the sequence, an output layer that is the embedding (weight tying)."""
+    """Embedding (with a padding token), a linear layer on the sequence, an output layer that is the embedding (weight tying)."""
 
     def __init__(self, seed: int):
         super().__init__()
         torch.manual_seed(seed)
-        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.embed = nn.Embedding(VOCAB, WIDTH, padding_idx=0)  # token 0 adds nothing to the embedding
         self.mix = nn.Linear(WIDTH, WIDTH)
         self.out = nn.Linear(WIDTH, VOCAB, bias=False)
         self.out.weight = self.embed.weight
@@ -105,6 +105,7 @@ def _run_lm(budget=None, optimizer_class=torch.optim.Adam, regularizer=0.0, micr
     size = ROWS // micro_batches
     for step in range(STEPS):
         tokens = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
+        tokens[:, -1] = 0  # a padding token in every row
         targets = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=generator)
         optimizer.zero_grad()
         for micro in range(micro_batches):

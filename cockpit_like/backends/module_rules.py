@@ -232,12 +232,19 @@ def summed(forms: list, shape: torch.Size) -> "Form":
         return total
 
     def batch_sum() -> torch.Tensor:
-        # a new tensor: a use's sum may be autograd's own gradient (known_sum), never written
-        parts = (form.batch_sum(shape) for form in forms)
-        first = next(parts)
-        total = first.float() if first.element_size() < 4 else None
-        for part in parts:
-            total = first + part if total is None else total.add_(part)
+        # a use whose sum autograd made (known_sum) first: copied once (never written: it goes on to
+        # p.grad), contiguous (a Linear's is a transposed view); the others are added into the copy
+        ordered = sorted(forms, key=lambda form: form.known_sum is None)
+        total = ordered[0].batch_sum(shape)
+        if ordered[0].known_sum is not None or total.element_size() < 4 or not total.is_contiguous():
+            dtype = torch.promote_types(total.dtype, torch.float32)
+            total = torch.empty_like(total, dtype=dtype, memory_format=torch.contiguous_format).copy_(total)
+        for form in ordered[1:]:
+            lazy = getattr(form, "lazy", None)
+            if form.known_sum is None and lazy is not None and lazy.add_sum_into is not None:
+                lazy.add_sum_into(total)  # an embedding's scatter-add, without a table of its own
+            else:
+                total.add_(form.batch_sum(shape))
         return total
 
     return Lazy(LazyRows(forms[0].batch, shape, make, max(_itemsize(f) for f in forms), batch_sum))
@@ -323,7 +330,14 @@ def _embedding(module: nn.Embedding, tokens: torch.Tensor, delta: torch.Tensor) 
             ids, values = ids[keep], values[keep]
         out.view(count * vocab, width).index_add_(0, ids.reshape(-1), values.reshape(-1, width).to(out.dtype))
 
-    lazy = LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum, add_into)
+    def add_sum_into(out: torch.Tensor) -> None:
+        ids, values = tokens.reshape(-1), delta.reshape(-1, width)
+        if module.padding_idx is not None:
+            keep = ids != module.padding_idx
+            ids, values = ids[keep], values[keep]
+        out.index_add_(0, ids, values.to(out.dtype))
+
+    lazy = LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum, add_into, add_sum_into)
     return {"weight": Lazy(lazy)}
 
 

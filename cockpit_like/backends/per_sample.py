@@ -116,14 +116,16 @@ class LazyRows:
     the rows in blocks of ``block`` rows.
     """
 
-    __slots__ = ("batch", "shape", "make", "itemsize", "block", "_batch_sum", "add_into")
+    __slots__ = ("batch", "shape", "make", "itemsize", "block", "_batch_sum", "add_into", "add_sum_into")
 
-    def __init__(self, batch: int, shape, make, itemsize: int = 4, batch_sum=None, add_into=None):
+    def __init__(self, batch: int, shape, make, itemsize: int = 4, batch_sum=None, add_into=None, add_sum_into=None):
         self.batch, self.shape, self.make, self.itemsize = int(batch), torch.Size(shape), make, itemsize
         self.block = self.batch
         self._batch_sum = batch_sum
         #: ``add_into(out, start, stop)``: add rows ``start:stop`` to ``out`` in place (without building them)
         self.add_into = add_into
+        #: ``add_sum_into(out)``: add the batch sum to ``out`` (shaped like the parameter) in place
+        self.add_sum_into = add_sum_into
 
     @property
     def row_bytes(self) -> int:
@@ -441,7 +443,9 @@ class PerSampleReducer:
 
         def owned() -> torch.Tensor:  # a tensor of the statistics' own: autograd may make ``known`` p.grad
             total = self._scaled(known)
-            return total.clone() if total is known else total
+            if total is known or not total.is_contiguous():  # (a Linear's weight gradient is a transposed view)
+                total = total.clone(memory_format=torch.contiguous_format)
+            return total
 
         return owned
 

@@ -325,5 +325,7 @@ class Alpha(TwoStepQuantity):
         if norm_predicted == 0:
             return False
         eps = torch.finfo(actual[0].dtype).eps
-        gap = _norm(a / norm_actual - p / norm_predicted for a, p in zip(actual, predicted))  # one at a time
+        # || a / |a| - p / |p| || = || a - (|a| / |p|) p || / |a|: one temporary per parameter, one at a time
+        ratio = float(norm_actual / norm_predicted)
+        gap = _norm(torch.sub(a, p, alpha=ratio) for a, p in zip(actual, predicted)) / norm_actual
         return bool(gap <= eps * (1000 + 20 * relative_size))
