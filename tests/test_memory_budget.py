@@ -116,3 +116,30 @@ def test_memory_budget_rejects_nonsense(budget):
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="memory_budget"):
         Cockpit(model.parameters(), quantities=[GradNorm(linear(1))], memory_budget=budget)
+
+
+@pytest.mark.parametrize("optimizer_class, alpha_budget", [(torch.optim.SGD, 0), (torch.optim.SGD, None), (CoupledSGD, 0)])
+def test_a_reused_buffer_for_large_layers_gives_the_same_numbers(optimizer_class, alpha_budget, monkeypatch):
+    """Every sequence layer's ``grad_batch`` made in the reducer's reused buffer where all statistics only
+    read it (``BORROW_BYTES`` = 0): the numbers are unchanged. Alpha's predicted mode reads a layer over
+    its own budget at once (budget 0: lent) but holds smaller ones (default budget on these small layers:
+    never lent), and its retained mode (an optimizer that is not element-wise) keeps every layer."""
+    from cockpit_like.backends.per_sample_stats import PredictedSlopes
+
+    if alpha_budget is not None:
+        monkeypatch.setattr(PredictedSlopes.__init__, "__defaults__", (alpha_budget, False))
+    reference = _run("gpt2", _quantities(), optimizer_class=optimizer_class)
+    lent = []
+    borrowed = per_sample.PerSampleReducer._borrowed
+
+    def spy(self, numel, like):
+        buffer = borrowed(self, numel, like)
+        lent.append(buffer is not None)
+        return buffer
+
+    monkeypatch.setattr(per_sample, "BORROW_BYTES", 0)
+    monkeypatch.setattr(per_sample.PerSampleReducer, "_borrowed", spy)
+    reused = _run("gpt2", _quantities(), optimizer_class=optimizer_class)
+    assert lent
+    assert any(lent) == (optimizer_class is torch.optim.SGD and alpha_budget == 0)
+    assert_nested_close(reused, reference, "reused buffer", rtol=1e-10, atol=1e-13)

@@ -146,6 +146,9 @@ class GramSummary(PerSampleStat):
         row_sums = flat @ flat.sum(0)
         return self._fold(state, diag, row_sums)
 
+    def borrows(self, state, nbytes) -> bool:
+        return not self.synced  # (synced: keeps each layer until finalize)
+
     row_form = True
 
     def keeps(self) -> bool:
@@ -240,6 +243,9 @@ class SquaredNorms(PerSampleStat):
     def accumulate_sequence(self, state, index, param, a, b):
         return self._fold(state, GramSummary._sequence_diag(a.detach(), b.detach()))
 
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads grad_batch during accumulate only
+
     row_form = True
 
     def accumulate_rows(self, state, index, param, grad_batch, rows):
@@ -272,6 +278,9 @@ class SumOfSquares(PerSampleStat):
         state[index] = squared.sum(0) if kind == "bias" else squared.T @ (x * x)
         return state
 
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads grad_batch during accumulate only
+
     row_form = True
 
     def accumulate_rows(self, state, index, param, grad_batch, rows):
@@ -302,6 +311,9 @@ class AbsMax(PerSampleStat):
         if kind == "weight":
             largest = largest * x.abs().amax(1)  # max |delta_i x_i^T| = max|delta_i| max|x_i|
         return self._fold(state, largest.max(), delta.shape[0])
+
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads grad_batch during accumulate only
 
     row_form = True
 
@@ -355,6 +367,9 @@ class Histogram1dCounts(PerSampleStat):
             state[0].count_outer(state[1], x, delta)
         return state
 
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads grad_batch during accumulate only
+
     row_form = True
 
     def accumulate_rows(self, state, index, param, grad_batch, rows):
@@ -406,6 +421,9 @@ class Histogram2dCounts(PerSampleStat):
         state[index] = counter.finish(counts)
         return state
 
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads grad_batch during accumulate only
+
     row_form = True
 
     def accumulate_rows(self, state, index, param, grad_batch, rows):
@@ -456,6 +474,9 @@ class DirectionalDots(PerSampleStat):
         d = self.direction[index].to(a.dtype).reshape(a.shape[2], b.shape[2])
         dots = ((a.detach() @ d) * b.detach()).sum((1, 2))
         return dots if state is None else state.add_(dots)
+
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads grad_batch during accumulate only
 
     row_form = True
 
@@ -705,6 +726,10 @@ class PredictedSlopes(PerSampleStat):
         if state["mode"] == "predicted":
             return state  # the dots come with the layer's blocks (accumulate_rows), not from a second pass
         return self._hold(state, index, param, kept, 0)  # synced: made again in blocks at finalize
+
+    def borrows(self, state, nbytes) -> bool:
+        # a layer held past the call (under the budget, or kept whole in the other modes) must be its own
+        return state["mode"] == "predicted" and state["bytes"] + nbytes > self.budget_bytes
 
     row_form = True
 
