@@ -179,6 +179,13 @@ def test_exploding_gradient():
     # exploding before any update (the first norm is the outlier): at_start, since the first step
     (found,) = R.ExplodingGradient().check(history({"GradNorm": [[60.0, 80.0]] + [[0.3, 0.4]] * 4}))
     assert found.evidence["at_start"] and found.evidence["since"] == 0
+    # at the start the bar is start_factor (20x the median), not factor: exactly 20x is quiet, 25x fires
+    assert R.ExplodingGradient().check(history({"GradNorm": [[6.0, 8.0]] + [[0.3, 0.4]] * 4})) == []
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": [[7.5, 10.0]] + [[0.3, 0.4]] * 4}))
+    assert found.evidence["at_start"] and found.evidence["norm"] == pytest.approx(12.5)
+    assert R.ExplodingGradient(start_factor=30).check(history({"GradNorm": [[7.5, 10.0]] + [[0.3, 0.4]] * 4})) == []
+    with pytest.raises(ValueError, match="start_factor"):
+        R.ExplodingGradient(start_factor=0)
     (found,) = R.ExplodingGradient().check(history({"GradNorm": start + [[math.nan, 1.0]]}))
     assert found.severity == "error"
 
