@@ -19,6 +19,8 @@ OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    # writes the shadows' gradients in place (the look-ahead's lent batch sums are made again)
+    "nesterov_foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, foreach=True),
 }
 
 
@@ -47,6 +49,30 @@ def test_layer_by_layer_equals_retaining_everything(monkeypatch, name, optimizer
     retained = _run(name, optimizer_name)
     assert list(predicted) == list(retained) == [0, 1, 2]
     assert list(predicted.values()) == pytest.approx(list(retained.values()), rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("lent_sums_written", [False, True])
+def test_the_kept_gradient_sum_survives_an_optimizer_that_writes_gradients(lent_sums_written):
+    # the batch sums are lent to the look-ahead uncopied; foreach SGD with Nesterov momentum writes into them,
+    # so they are made again: the kept sum (read when the update's direction turns out different) is exact
+    problem = ZOO["encoder"](0)
+    model = problem.model
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, foreach=lent_sums_written)
+    alpha = Alpha(linear(1))
+    cockpit = Cockpit(params, quantities=[alpha], model=model)
+    for step in range(2):  # the second step has momentum buffers: nesterov adds them into the gradient
+        inputs, targets = problem.batch(5, step)
+        optimizer.zero_grad()
+        losses = problem.sample_losses(problem.forward(model, inputs), targets)
+        info = {"batch_size": 5, "loss": losses.mean(), "individual_losses": losses.detach(), "optimizer": optimizer}
+        with cockpit(step, info=info):
+            losses.mean().backward()
+        grads = [p.grad.clone() for p in params]
+        kept = alpha.load_from_cache(step, "grad_batch_sum")
+        for g, k in zip(grads, kept):
+            assert torch.allclose(k.reshape(g.shape), g, rtol=1e-10, atol=1e-13)
+        optimizer.step()
 
 
 def test_nothing_per_sample_is_kept_with_an_elementwise_optimizer():

@@ -98,7 +98,10 @@ def _parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list
 
 
 def _shadow_step(
-    optimizer: torch.optim.Optimizer, gradients: Mapping[torch.Tensor, torch.Tensor], only: set[int] | None = None
+    optimizer: torch.optim.Optimizer,
+    gradients: Mapping[torch.Tensor, torch.Tensor],
+    only: set[int] | None = None,
+    lend: bool = False,
 ) -> dict[int, torch.Tensor]:
     """``{id(param): update}`` of one ``optimizer.step()`` on shadow copies (all parameters, or those in ``only``).
 
@@ -106,6 +109,9 @@ def _shadow_step(
     parameter's state; the step runs on new group dicts (same hyperparameters)
     holding the shadows. The real parameters, gradients, state and groups are
     never written; the optimizer's plain attributes and torch's CPU RNG are restored.
+    ``lend``: the tensors in ``gradients`` are the caller's own and are given to
+    the shadows as they are, not copied (the optimizer may write into them:
+    torch's foreach SGD with Nesterov momentum does; their ``_version`` tells).
     """
     saved_groups = optimizer.param_groups
     attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
@@ -122,7 +128,8 @@ def _shadow_step(
                     shadow = param.detach().clone().requires_grad_(param.requires_grad)
                     grad = gradients[param] if param in gradients else param.grad
                     if grad is not None:
-                        shadow.grad = grad.detach().to(param.dtype).reshape(param.shape).clone()
+                        grad = grad.detach().to(param.dtype).reshape(param.shape)
+                        shadow.grad = grad if lend and param in gradients else grad.clone()
                     if param in optimizer.state:
                         optimizer.state[shadow] = {
                             k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)
@@ -160,7 +167,7 @@ def is_elementwise(optimizer) -> bool:
 
 
 def lookahead_parameters(
-    optimizer: torch.optim.Optimizer, gradients: Mapping[torch.Tensor, torch.Tensor]
+    optimizer: torch.optim.Optimizer, gradients: Mapping[torch.Tensor, torch.Tensor], lend: bool = False
 ) -> dict[torch.Tensor, torch.Tensor]:
     """``{param: update}``: what ``optimizer.step()`` would do to each ``param`` if its gradient were ``gradients[param]``.
 
@@ -169,9 +176,12 @@ def lookahead_parameters(
     ``O(sum of their sizes)``: for an element-wise optimizer
     (:func:`is_elementwise`) it equals their part of :func:`lookahead_update`,
     and it can run during the backward pass, a few layers at a time. A
-    parameter the optimizer does not hold gets a zero update.
+    parameter the optimizer does not hold gets a zero update. ``lend``: the
+    gradient tensors are the caller's to lend, not copied (see
+    :func:`_shadow_step`; a caller that reads them afterwards checks their
+    ``_version``).
     """
-    updates = _shadow_step(optimizer, gradients, only={id(p) for p in gradients})
+    updates = _shadow_step(optimizer, gradients, only={id(p) for p in gradients}, lend=lend)
     return {p: updates[id(p)] if id(p) in updates else torch.zeros_like(p) for p in gradients}
 
 
