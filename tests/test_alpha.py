@@ -129,16 +129,13 @@ def test_clipping_with_sgd_is_exact_and_with_adam_warns():
     assert sorted(alpha.get_output()) == [0, 1]
 
 
-@pytest.mark.parametrize("eager", [True, False])
-def test_the_predicted_update_is_freed_at_the_optimizer_step(eager, monkeypatch):
+def test_the_predicted_update_is_freed_at_the_optimizer_step():
     """Right after ``optimizer.step()`` Alpha keeps only the start parameters (one copy, shared with
     UpdateSize), its observations and the settled check: no predicted update or gradient sum through the
-    next forward and backward pass. The values stay those of the brute-force twin, with the update made at
-    once (a small model) or one parameter at a time (``eager=False``, as for a model over 64 MB)."""
+    next forward and backward pass. The update is made one parameter at a time; the values stay those
+    of the brute-force twin."""
     from cockpit_like.quantities import alpha as alpha_module
 
-    if not eager:  # as for a model over 64 MB: settled at the optimizer's step, made one parameter at a time
-        monkeypatch.setattr(alpha_module, "EAGER_STEP_BYTES", 0)
     update_size = UpdateSize(linear(1))
     seen = []
 
@@ -149,10 +146,9 @@ def test_the_predicted_update_is_freed_at_the_optimizer_step(eager, monkeypatch)
         seen.append((keys, all(a is b for a, b in zip(kept, shared))))
 
     alpha, observed = run("mlp", "adam", linear(1), 4, quantities=(update_size,), after_step=after_step)
-    kept = ["observations", "params", "settled"] if not eager else ["grad_batch_sum", "observations", "params", "predicted_update"]
-    assert seen == [(kept, True)] * 4
+    assert seen == [(["observations", "params", "settled"], True)] * 4
     steps = alpha_module._Steps([torch.ones(3), torch.zeros(2)], [torch.zeros(3), torch.ones(2)])
-    assert (steps._made is None) == (not eager)  # the path this case takes
+    assert steps._made is None  # one parameter at a time
     assert [s.tolist() for s in steps] == [[1.0, 1.0, 1.0], [-1.0, -1.0]] and len(steps) == 2
     for step, value in alpha.get_output().items():
         assert float(value) == pytest.approx(reference_alpha(observed[step], observed[step + 1], 6), rel=1e-8, abs=1e-10)
@@ -160,12 +156,10 @@ def test_the_predicted_update_is_freed_at_the_optimizer_step(eager, monkeypatch)
 
 @pytest.mark.parametrize("optimizer,clip", [("adam", 1e-3), ("momentum", None)])
 def test_settling_at_the_step_equals_checking_at_the_next_step(optimizer, clip, monkeypatch):
-    """The check made right after ``optimizer.step()`` (a model over 64 MB) gives the numbers of the check
-    made when the next step begins (with the predicted update and the gradient sum kept until then),
-    warning alike."""
-    from cockpit_like.quantities import alpha as alpha_module
+    """The check made right after ``optimizer.step()`` gives the numbers of the check made when the next
+    step begins (an optimizer without a step post-hook: the predicted update and the gradient sum kept
+    until then), warning alike."""
 
-    monkeypatch.setattr(alpha_module, "EAGER_STEP_BYTES", 0)
     def outputs():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -178,15 +172,13 @@ def test_settling_at_the_step_equals_checking_at_the_next_step(optimizer, clip, 
     assert bool(settled[1]) == (clip is not None)
 
 
-@pytest.mark.parametrize("large", [False, True])
-def test_parameters_changed_after_the_step_warn(large, monkeypatch):
+@pytest.mark.parametrize("settled", [False, True])
+def test_parameters_changed_after_the_step_warn(settled, monkeypatch):
     """A change of the parameters after ``optimizer.step()`` (a projection) is not the predicted update
-    (checked at the next step, or against the update settled at the optimizer's step on a large model):
-    Alpha says its value is approximate."""
-    from cockpit_like.quantities import alpha as alpha_module
-
-    if large:
-        monkeypatch.setattr(alpha_module, "EAGER_STEP_BYTES", 0)
+    (against the update settled at the optimizer's step, or checked at the next step where the optimizer
+    has no step post-hook): Alpha says its value is approximate."""
+    if not settled:
+        monkeypatch.setattr(Alpha, "_watch_step", lambda self, start, optimizer: None)
 
     def project(step, model, alpha):
         with torch.no_grad():
