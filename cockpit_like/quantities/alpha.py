@@ -13,9 +13,9 @@ without keeping per-sample gradients from one step to the next:
   :class:`~cockpit_like.utils.optim.ComputeStep`). With the per-sample gradients of this step
   (kept only until the end of this step) it reduces the slopes
   ``u_{0,i} = g_{t,i}^T d / ||d||`` to their mean and unbiased variance. Kept
-  until step t+1: ``theta_t`` (one copy, shared with UpdateSize), the
-  predicted ``d`` and ``sum_i grad_batch_i``, nothing per sample, until the
-  actual update is compared with the prediction (below) right after
+  after the backward pass: ``theta_t`` (one copy, shared with UpdateSize), the
+  predicted ``d`` and ``sum_i grad_batch_i``, nothing per sample. The actual
+  update is compared with the prediction (below) right after
   ``optimizer.step()`` (a step post-hook of ``info["optimizer"]``); then only
   ``theta_t`` and a few floats are kept to step t+1: one copy of the
   parameters. Without the hook (no optimizer given, or one without
