@@ -23,10 +23,11 @@ import torch
 from backpack import backpack, hook_store_io
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian
 
+from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
 from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError
 from cockpit_like.backends.lean_hooks import is_lean
-from cockpit_like.backends.per_sample import PerSampleReducer
+from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 
 __all__ = [
     "StepExecution",
@@ -132,6 +133,8 @@ class StepExecution:
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []
         requests, hooks = list(needs.requests), list(needs.hooks)
+        #: quantities' extension hooks run in the pass and may read its BackPACK buffers there, as in Cockpit
+        self._quantity_hooks = bool(hooks)
         self._memory_budget = memory_budget
         if stats:
             self.reducer = PerSampleReducer(
@@ -163,6 +166,8 @@ class StepExecution:
         self._warnings = None
         self._hooks = hooks
         self._collector = collector
+        #: the curvature factors' replays of this pass (:mod:`cockpit_like.backends.column_blocks`)
+        self._replays: list = []
 
     @staticmethod
     def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool, stats=()) -> bool:
@@ -197,7 +202,7 @@ class StepExecution:
             hooks = list(self._hooks)
             if self._collector is not None:
                 hooks.append(self._collector)
-            exts, hook = self.extensions, _chain(hooks) if hooks else None
+            exts, hook = self._blocked(self.extensions), _chain(hooks) if hooks else None
             if self._create_graph:
                 # backward(create_graph=True) would record everything the hooks compute (Finding 9)
                 from cockpit_like.backends.no_grad import hook_without_autograd, without_autograd
@@ -207,11 +212,25 @@ class StepExecution:
             self._backpack = backpack(*exts, extension_hook=hook)
             self._backpack.__enter__()
 
+    def _blocked(self, extensions: list) -> list:
+        """The extensions to run, the curvature diagonals as recording twins replayed in blocks of columns
+        under the memory budget after the pass (:mod:`cockpit_like.backends.column_blocks`). A user's own
+        extension object is left as it is (their hooks may read its buffers during the pass), and so is every
+        extension at a step where a quantity's extension hook runs in the pass (it may read them too)."""
+        budget = DEFAULT_BUDGET_BYTES if self._memory_budget is None else self._memory_budget
+        self._replays = []
+        if self._quantity_hooks:
+            return list(extensions)
+        exts = []
+        for ext in extensions:
+            if type(ext) in BLOCKED_TYPES and type(ext) not in self._user_types:
+                ext, replay = column_blocks(ext, budget)
+                self._replays.append(replay)
+            exts.append(ext)
+        return exts
+
     def exit(self, exc_type, exc, traceback) -> None:
         """Leave the backends; on an error in ``backward`` raise a clear one (BackPACK's explained)."""
-        if self._warnings is not None:
-            self._warnings.__exit__(None, None, None)
-            self._warnings = None
         if self._backpack is not None:
             self._backpack.__exit__(exc_type, exc, traceback)
             if self._collector is not None:
@@ -219,6 +238,16 @@ class StepExecution:
                     self._collector.make_lean()
                 else:
                     self._collector.forget()
+        replays, self._replays = self._replays, []
+        replay_error = None
+        if exc_type is None and replays:
+            try:
+                for replay in replays:
+                    replay.run()
+            except Exception as error:  # noqa: BLE001 - explained as an error inside backward would be
+                exc_type, exc = type(error), error
+                replay_error = error
+        self._leave_warnings()
         if exc_type is not None:
             if self.hook_backend is not None:
                 self.hook_backend.remove_hooks()
@@ -242,6 +271,8 @@ class StepExecution:
                     "replace the layer with a supported one. BackPACK's curvature extensions also need the "
                     "loss function extended (`lossfunc = backpack.extend(lossfunc)`), which 'auto' cannot check."
                 ) from exc
+            if replay_error is not None:  # raised after backward returned: nothing else propagates it
+                raise replay_error
             return
         if self.hook_backend is not None:
             try:
@@ -253,6 +284,11 @@ class StepExecution:
                     "of the batch on its own; leave these quantities out, or leave this module's "
                     "parameters out of Cockpit(params)."
                 ) from error
+
+    def _leave_warnings(self) -> None:
+        if self._warnings is not None:
+            self._warnings.__exit__(None, None, None)
+            self._warnings = None
 
     # ---- after backward ---------------------------------------------------------------------
     def partition(self, split: bool, rows: int | None = None):
