@@ -136,7 +136,9 @@ class Cockpit:
         memory_budget: most bytes of per-sample gradients materialised at once (default 256 MB,
             :data:`~cockpit_like.backends.per_sample.DEFAULT_BUDGET_BYTES`): a layer whose
             ``[B, *param.shape]`` exceeds it is reduced a block of rows at a time (the same numbers;
-            ``docs/performance.md``). An int, or a string such as ``"64MB"`` or ``"1GB"``.
+            ``docs/performance.md``), and the factors of BackPACK's ``DiagHessian`` / ``DiagGGNExact``
+            are backpropagated a block of columns at a time (``docs/curvature.md``). An int, or a string
+            such as ``"64MB"`` or ``"1GB"``.
     """
 
     def __init__(

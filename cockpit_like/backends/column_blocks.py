@@ -83,6 +83,13 @@ class _Call:
                     delattr(module, name)
 
 
+def _columns_buffer(output: torch.Tensor) -> bool:
+    """Whether a transposed convolution on ``output``'s device and dtype goes through ATen's own
+    ``slow_conv_transpose``, which unfolds the whole batch into a columns buffer (float64 on the CPU;
+    float32 uses oneDNN there, which does not)."""
+    return output.device.type == "cpu" and (output.dtype == torch.float64 or not torch.backends.mkldnn.is_available())
+
+
 _RECORDING_CLASSES: dict[type, type] = {}
 
 
@@ -187,16 +194,16 @@ class ColumnReplay:
     @staticmethod
     def _column_bytes(call: _Call) -> int:
         """Bytes that one column adds while the module's Jacobian is applied: the factors at its output and
-        its largest input (the output alone where no input needs one), and for a convolution the columns buffer of the transposed convolution that
-        applies it on the CPU (``C_in k^2`` numbers per output position, 9-25x the factor on a 3x3-5x5 kernel
-        over few channels)."""
+        its largest input (the output alone where no input needs one), and for a convolution on the CPU
+        without oneDNN (float64) the columns buffer of the transposed convolution that applies it (``C_in k^2``
+        numbers per output position: 9-25x the factor for a 3x3-5x5 kernel over few channels)."""
         output = call.io["output"]
         numbers = output.numel()
         if not call.inputs:  # nothing is passed on (a first layer): only its parameters' diagonals
             return numbers * output.element_size()
         numbers += max(v.numel() for v in call.inputs)
         module = call.module
-        if isinstance(module, torch.nn.modules.conv._ConvNd) and output.dim() > 2:
+        if isinstance(module, torch.nn.modules.conv._ConvNd) and output.dim() > 2 and _columns_buffer(output):
             spatial = max(
                 math.prod(output.shape[2:]),
                 max((math.prod(v.shape[2:]) for n, v in call.io.items() if n != "output" and v.dim() > 2), default=0),
