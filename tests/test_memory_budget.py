@@ -56,22 +56,23 @@ def blocks(monkeypatch):
 
 
 # mlp, cnn: BackPACK (factors, unfolded convolutions); the others: module hooks (sequence factors,
-# convolutions and group norms, embeddings, GPT-2's tied input/output embedding, a custom layer)
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "encoder", "resnet_groupnorm", "custom"])
+# convolutions and group norms, embeddings, GPT-2's tied input/output embedding, a custom layer and a GRU,
+# both by the torch.func fallback: vmap, and the loop over rows for the GRU)
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt2", "encoder", "resnet_groupnorm", "custom", "gru"])
 def test_a_tiny_budget_gives_the_same_numbers(name, blocks):
     reference = _run(name, _quantities())
     assert blocks() == 0  # every layer of these small models fits the default budget
     tiny = _run(name, _quantities(), memory_budget=1)
     if name == "mlp":  # every statistic reads a linear layer's factors: nothing per-sample is materialised
         assert blocks() == 0
-    elif name != "custom":  # (custom: its own layer's rows come whole from the torch.func fallback)
+    else:
         assert blocks() >= STEPS * ROWS  # at least one block per row of some layer at every step
     names = {key for values in reference.values() for key in values}
     assert {"Alpha", "NormTest", "InnerTest", "OrthoTest", "GradHist1d", "GradHist2d", "MeanGSNR"} <= names
     assert_nested_close(tiny, reference, f"{name} budget 1 byte", rtol=1e-10, atol=1e-13)
 
 
-@pytest.mark.parametrize("name", ["cnn", "gpt2"])
+@pytest.mark.parametrize("name", ["cnn", "gpt2", "custom"])
 def test_a_budget_of_a_few_rows_gives_the_same_numbers(name, blocks):
     """Blocks of several rows (the last one shorter): 4 rows of the largest layer fit."""
     model = _problem(name)[0]
@@ -143,3 +144,38 @@ def test_a_reused_buffer_for_large_layers_gives_the_same_numbers(optimizer_class
     assert lent
     assert any(lent) == (optimizer_class is torch.optim.SGD and alpha_budget == 0)
     assert_nested_close(reused, reference, "reused buffer", rtol=1e-10, atol=1e-13)
+
+
+def test_the_torch_func_fallback_stays_under_the_budget():
+    """A layer without a per-layer rule (the zoo's custom ``Scaled``, 256 x 256 mixing matrix: 0.5 MB per
+    row, 16 MB for a batch of 32 in float64) is re-run a block of rows at a time under the budget: the
+    numbers of the default, and a peak of live tensors lower by most of the whole ``[B, *p.shape]``."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.overhead import profiled_live_peak
+    from tests.zoo import Scaled
+
+    def run(budget):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 256), Scaled(256), nn.Linear(256, 3)).to(torch.float64)
+        quantities = [GradNorm(linear(1)), NormTest(linear(1)), GradHist1d(linear(1))]
+        cockpit = Cockpit(model.parameters(), quantities=quantities, model=model, memory_budget=budget)
+        generator = torch.Generator().manual_seed(1)
+        inputs = torch.randn(32, 16, generator=generator, dtype=torch.float64)
+        labels = torch.randint(0, 3, (32,), generator=generator)
+
+        def step():
+            model.zero_grad()
+            losses = nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+            with cockpit(0, info={"batch_size": 32, "individual_losses": losses, "loss": losses.mean()}):
+                losses.mean().backward()
+
+        peak = profiled_live_peak(step)
+        return {k: v for k, v in cockpit.get_output()[0].items() if k != "Time"}, peak
+
+    (whole, whole_peak), (blocked, blocked_peak) = run(None), run(1 << 20)
+    assert_nested_close(blocked, whole, "fallback in blocks of rows", rtol=1e-10, atol=1e-13)
+    rows = 32 * 256 * 256 * 8
+    assert whole_peak - blocked_peak > 0.5 * rows, (whole_peak, blocked_peak)

@@ -105,7 +105,8 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, is_hf_conv1d, rule_for, summed
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, Lazy, is_hf_conv1d, rule_for, summed
+from cockpit_like.backends.per_sample import LazyRows
 
 __all__ = [
     "ModelTracer",
@@ -1108,12 +1109,17 @@ class HookBackend:
                 self._deliver_forms(call, forms)
                 return
         batch = self._batch(call)
-        results = per_sample_grads(
-            call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer,
-            recorded=call.entries, shared=call.consumer is not None,
-        )
-        for param, grad_batch in zip(call.params, results):
-            self._deliver(param, Dense(grad_batch))
+        arguments = (call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer)
+        options = {"recorded": call.entries, "shared": call.consumer is not None}
+        budget = getattr(self.reducer, "budget_bytes", None)
+        row_bytes = sum(p.numel() * max(4, p.element_size()) for p in call.params)
+        if budget is not None and batch > 1 and batch * row_bytes > budget:
+            # over the memory budget: each parameter's rows re-run a block at a time as the reducer takes them
+            for param, lazy in zip(call.params, per_sample_grad_rows(*arguments, **options)):
+                self._deliver(param, Lazy(lazy))
+        else:
+            for param, grad_batch in zip(call.params, per_sample_grads(*arguments, **options)):
+                self._deliver(param, Dense(grad_batch))
         call.release()
 
     def _batch(self, call: Call) -> int:
@@ -1176,76 +1182,144 @@ def per_sample_grads(
     added to the batch; its inputs are not split. ``recorded``: the outputs of the
     forward pass, which the re-run must reproduce (else an error says why not).
     """
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters():
-        names.setdefault(id(p), name)
-    param_names = [names[id(p)] for p in params]
-    args, kwargs = list(args or ()), dict(kwargs or {})
-    # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
-    slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
-    structure, values, dims = [], [], []
-    for position, value in slots:
-        leaves, spec = tree_flatten(value)
-        structure.append((len(leaves), spec))
-        for leaf in leaves:
-            values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
-            dims.append(None if shared else _batched(module, position, leaf, batch))
-    out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
-    if any(d is None for d in out_dims):
-        raise UncoveredParameterError(
-            f"{type(module).__name__}: an output has no batch dimension of size {batch} (shapes "
-            f"{[list(g.shape) for g in grads]}), so the cockpit cannot tell the rows' gradients apart. If "
-            "the output is shared by all rows (e.g. a table broadcast over the batch), return it with a "
-            "batch dimension (`table.expand(batch_size, *table.shape)`) or with a leading dimension of 1."
-        )
-    batched = [k for k, d in enumerate(dims) if d is not None]
-
-    def run(p: dict, rows: list) -> tuple:
-        current = list(values)
-        for k, row in zip(batched, rows):
-            current[k] = row
-        rebuilt, offset = [], 0
-        for count, spec in structure:
-            rebuilt.append(tree_unflatten(current[offset : offset + count], spec))
-            offset += count
-        call_args = rebuilt[: len(args)]
-        call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
-        out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
-        return tuple(out[i] for i in want)
-
-    with tracer.pause():
-        try:
-            detached = {name: p.detach() for name, p in zip(param_names, params)}
-            results, outputs = _vmapped(run, detached, param_names, values, batched, dims, grads, out_dims)
-        except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing): loop
-            live = dict(zip(param_names, params))
-            results, outputs = _looped(run, live, params, values, batched, dims, grads, out_dims, batch)
-    if recorded is not None and any(isinstance(t, Shell) for t in recorded):
-        # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
-        # of the whole batch, i.e. the rows are independent (dropout is refused before)
-        with tracer.pause(), torch.no_grad():
-            whole = run({name: p.detach() for name, p in zip(param_names, params)}, [values[k] for k in batched])
-        # a shared output (leading 1) was recorded as its expansion over the rows
-        recorded = [o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(whole, recorded)]
-    if recorded is not None and not _same_outputs(outputs, recorded):
-        raise UncoveredParameterError(
-            f"{type(module).__name__}: re-running it row by row to get per-sample gradients did not reproduce "
-            "the outputs of the training step's forward pass, so its rows are not independent or its forward "
-            "pass depends on state (a key/value cache filled by earlier forward passes: pass use_cache=False "
-            "while training; random numbers: set dropout to 0 or call .eval(); a loss or statistic over the "
-            "whole batch computed inside it)."
-        )
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
+    results, outputs = rerun.rows(0, batch)
+    rerun.check(outputs, recorded, 0, batch)
     return results
 
 
+def per_sample_grad_rows(
+    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
+    shared: bool = False,
+) -> list[LazyRows]:
+    """:func:`per_sample_grads` a block of rows at a time: per parameter a
+    :class:`~cockpit_like.backends.per_sample.LazyRows` whose ``make(start, stop)``
+    re-runs rows ``start:stop`` for that parameter alone (each block's outputs
+    checked against ``recorded`` once), so that no ``[B, *p.shape]`` exists when
+    the reducer takes blocks under its budget. A parameter's blocks re-run the
+    module's rows once each: ``len(params)`` re-runs of the batch in all."""
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
+    checked: set[tuple[int, int]] = set()
+
+    def maker(index: int):
+        def make(start: int, stop: int) -> torch.Tensor:
+            results, outputs = rerun.rows(start, stop, only=index)
+            if (start, stop) not in checked:
+                rerun.check(outputs, recorded, start, stop)
+                checked.add((start, stop))
+            return results[0]
+
+        return make
+
+    return [LazyRows(batch, p.shape, maker(k), max(4, p.element_size())) for k, p in enumerate(params)]
+
+
+class _Rerun:
+    """A module call prepared for re-running rows (:func:`per_sample_grads`)."""
+
+    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared):
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        self.module, self.params, self.tracer, self.batch = module, list(params), tracer, batch
+        self.param_names = [names[id(p)] for p in params]
+        args, kwargs = list(args or ()), dict(kwargs or {})
+        # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
+        slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
+        structure, values, dims = [], [], []
+        for position, value in slots:
+            leaves, spec = tree_flatten(value)
+            structure.append((len(leaves), spec))
+            for leaf in leaves:
+                values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
+                dims.append(None if shared else _batched(module, position, leaf, batch))
+        out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
+        if any(d is None for d in out_dims):
+            raise UncoveredParameterError(
+                f"{type(module).__name__}: an output has no batch dimension of size {batch} (shapes "
+                f"{[list(g.shape) for g in grads]}), so the cockpit cannot tell the rows' gradients apart. If "
+                "the output is shared by all rows (e.g. a table broadcast over the batch), return it with a "
+                "batch dimension (`table.expand(batch_size, *table.shape)`) or with a leading dimension of 1."
+            )
+        self.values, self.dims, self.out_dims, self.grads = values, dims, out_dims, list(grads)
+        self.batched = [k for k, d in enumerate(dims) if d is not None]
+        self.want = want
+        self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
+
+        def run(p: dict, rows: list) -> tuple:
+            current = list(values)
+            for k, row in zip(self.batched, rows):
+                current[k] = row
+            rebuilt, offset = [], 0
+            for count, spec in structure:
+                rebuilt.append(tree_unflatten(current[offset : offset + count], spec))
+                offset += count
+            call_args = rebuilt[: len(args)]
+            call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
+            out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
+            return tuple(out[i] for i in want)
+
+        self.run = run
+
+    def rows(self, start: int, stop: int, only: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``([stop - start, *p.shape] per parameter (or for ``params[only]``), the re-run's outputs)``."""
+        count = stop - start
+        whole = start == 0 and stop == self.batch
+        values = list(self.values)
+        if not whole:
+            for k in self.batched:
+                values[k] = values[k].narrow(self.dims[k], start, count)
+        grads = self.grads if whole else [g.narrow(d, start, count) for g, d in zip(self.grads, self.out_dims)]
+        chosen = range(len(self.params)) if only is None else [only]
+        names = [self.param_names[k] for k in chosen]
+        with self.tracer.pause():
+            try:
+                detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
+                return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+            except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing): loop
+                live = dict(zip(self.param_names, self.params))
+                params = [self.params[k] for k in chosen]
+                return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
+
+    def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
+        """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""
+        if recorded is None:
+            return
+        if any(isinstance(t, Shell) for t in recorded):
+            # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
+            # of the whole batch, i.e. the rows are independent (dropout is refused before); made once
+            if self._whole is None:
+                with self.tracer.pause(), torch.no_grad():
+                    self._whole = self.run(
+                        {name: p.detach() for name, p in zip(self.param_names, self.params)},
+                        [self.values[k] for k in self.batched],
+                    )
+            # a shared output (leading 1) was recorded as its expansion over the rows
+            recorded = [
+                o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(self._whole, recorded)
+            ]
+        if not (start == 0 and stop == self.batch):
+            recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
+        if not _same_outputs(outputs, recorded):
+            raise UncoveredParameterError(
+                f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
+                "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
+                "its forward pass depends on state (a key/value cache filled by earlier forward passes: pass "
+                "use_cache=False while training; random numbers: set dropout to 0 or call .eval(); a loss or "
+                "statistic over the whole batch computed inside it)."
+            )
+
+
 def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
-    """``([B, *p.shape] per name, the re-run's outputs)``."""
+    """``([B, *p.shape] per name in ``names``, the re-run's outputs)``; the other parameters are constants."""
     count = len(batched)
+    constants = {name: value for name, value in detached.items() if name not in names}
+    variables = {name: detached[name] for name in names}
 
     def one(*sample):
         rows = [row.unsqueeze(dims[k]) for k, row in zip(batched, sample[:count])]
         cotangents = tuple(g.unsqueeze(d) for g, d in zip(sample[count:], out_dims))
-        out, back = vjp(lambda p: run(p, rows), detached)
+        out, back = vjp(lambda p: run({**constants, **p}, rows), variables)
         return tuple(o.squeeze(d) for o, d in zip(out, out_dims)), back(cotangents)[0]
 
     in_dims = tuple(dims[k] for k in batched) + tuple(out_dims)
@@ -1257,7 +1331,7 @@ def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
 
 
 def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
-    """The same as :func:`_vmapped` by a loop over the rows."""
+    """The same as :func:`_vmapped` by a loop over the rows (gradients of ``params`` only)."""
     per_param: list[list[torch.Tensor]] = [[] for _ in params]
     per_output: list[list[torch.Tensor]] = [[] for _ in grads]
     for row in range(batch):
