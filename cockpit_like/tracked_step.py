@@ -96,6 +96,7 @@ class TrackedStep:
             raise context.MissingInfoError("batch_size", f"gradient accumulation (info['micro_batches'] = {self.micro_batches})", step)
         if "batch_size" in self.info:
             _check_batch_size(self.info["batch_size"], step)
+            _check_losses_match(self.info, step, self.micro_batches)
         self._check_loss()
         create_graph = cockpit.create_graph(step)
         if cockpit._ranks is not None and self.active:
@@ -258,3 +259,25 @@ def _check_batch_size(size: Any, step: int) -> None:
     if not whole:
         raise ValueError(f"cockpit step {step}: info['batch_size'] must be a positive int (the number of samples "
                          f"of this backward pass, e.g. len(x)), got {size!r}")
+
+
+def _check_losses_match(info: dict, step: int, micro_batches: int) -> None:
+    """``info["individual_losses"]`` (a 1-D tensor, one loss per sample) must have ``info["batch_size"]`` entries:
+    both describe this backward pass's rows. Passing the optimizer step's batch instead of the micro-batch's
+    would otherwise scale every per-sample quantity silently (TIC by the number of micro-batches)."""
+    losses = info.get("individual_losses")
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1:
+        return
+    size = int(info["batch_size"])
+    if losses.shape[0] != size:
+        hint = (
+            f" With gradient accumulation (info['micro_batches'] = {micro_batches}) both are the micro-batch's."
+            if micro_batches > 1
+            else " Under DDP both are this rank's."
+        )
+        raise ValueError(
+            f"cockpit step {step}: info['batch_size'] is {size} but info['individual_losses'] has "
+            f"{losses.shape[0]} entries; both must count the samples of this backward pass (one loss per "
+            f"sample, batch_size = len(individual_losses)).{hint}"
+        )
+

@@ -195,3 +195,25 @@ def test_curvature_statistics_and_diagnosis_on_the_accumulated_step(name, micro_
     if name == "layernorm_mlp":  # GELU modules (the encoder's ReLU is functional, which ActivationStats cannot see)
         assert "ActivationStats" in names
     _assert_close(outputs[micro_batches], outputs[1], f"extras {name} K={micro_batches}")
+
+
+def test_batch_size_must_count_the_individual_losses():
+    """Passing the optimizer step's batch size with the micro-batch's losses (or any other mismatch) would
+    scale the per-sample quantities silently (TIC by K): a clear error instead, naming both numbers."""
+    from cockpit_like.quantities import TICTrace
+
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[TICTrace(linear(1), curvature="diag_ggn_exact")])
+    inputs, labels = make_batch("mlp", 4, 9)
+    outputs = model(inputs[:2])
+    loss = lossfunc(outputs, labels[:2])
+    info = {"batch_size": 4, "individual_losses": individual(outputs, labels[:2]), "loss": loss, "micro_batches": 2}
+    with pytest.raises(ValueError, match=r"batch_size'\] is 4 but info\['individual_losses'\] has 2 entries.*micro-batch"):
+        with cockpit(0, info=info):
+            (loss / 2).backward()
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    info = {"batch_size": 3, "individual_losses": individual(outputs, labels), "loss": loss}
+    with pytest.raises(ValueError, match="is 3 but .* has 4 entries"):
+        with cockpit(1, info=info):
+            loss.backward()
