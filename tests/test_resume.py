@@ -10,7 +10,6 @@ import io
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
