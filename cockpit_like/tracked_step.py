@@ -280,4 +280,3 @@ def _check_losses_match(info: dict, step: int, micro_batches: int) -> None:
             f"{losses.shape[0]} entries; both must count the samples of this backward pass (one loss per "
             f"sample, batch_size = len(individual_losses)).{hint}"
         )
-

@@ -13,8 +13,8 @@ a residual is ``1024 x B x 1024`` numbers.
 
 Every diagonal is a sum over columns (``sign * (J^T m_v)^2`` per column ``m_v``),
 so the columns can be taken a few at a time. :func:`column_blocks` gives an
-extension a *recording twin* (same class and settings, as
-:func:`~cockpit_like.backends.no_grad.without_autograd` does): during the
+extension a *recording twin* (same class and settings, by
+:func:`~cockpit_like.backends.no_grad.twin_class`, as ``without_autograd`` does): during the
 backward pass it only records each module's call (its stored inputs and
 output, which BackPACK would free after the module's hook, and the output
 gradient where a rule reads it: the loss and the curved activations).
@@ -44,6 +44,8 @@ from backpack.extensions.mat_to_mat_jac_base import MatToJacMat
 from backpack.extensions.secondorder.diag_hessian.diag_h_base import DiagHBaseModule
 from backpack.utils.module_classification import is_loss
 
+from cockpit_like.backends.no_grad import twin_class
+
 __all__ = ["ColumnReplay", "column_blocks", "BLOCKED_TYPES"]
 
 #: the extension types whose factors are taken in blocks of columns (exact types: a subclass may keep
@@ -60,6 +62,7 @@ class _Call:
     io: dict  # "output", "input0", ...: what BackPACK's forward hook stored on the module
     g_inp: tuple
     g_out: tuple
+    curved: bool  # DiagHessian: an activation with a nonzero second derivative (a residual starts here)
 
     @property
     def inputs(self) -> list[torch.Tensor]:
@@ -90,19 +93,11 @@ def _columns_buffer(output: torch.Tensor) -> bool:
     return output.device.type == "cpu" and (output.dtype == torch.float64 or not torch.backends.mkldnn.is_available())
 
 
-_RECORDING_CLASSES: dict[type, type] = {}
+def _recording_call(_original):
+    def __call__(self, module, g_inp, g_out):
+        self._cockpit_column_replay.record(module, g_inp, g_out)
 
-
-def _recording_class(cls: type) -> type:
-    if cls not in _RECORDING_CLASSES:
-
-        def __call__(self, module, g_inp, g_out):
-            self._cockpit_column_replay.record(module, g_inp, g_out)
-
-        _RECORDING_CLASSES[cls] = type(
-            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        )
-    return _RECORDING_CLASSES[cls]
+    return __call__
 
 
 def column_blocks(extension, budget_bytes: int) -> tuple[object, "ColumnReplay"]:
@@ -116,7 +111,7 @@ def column_blocks(extension, budget_bytes: int) -> tuple[object, "ColumnReplay"]
     if type(extension) not in BLOCKED_TYPES:
         raise TypeError(f"column_blocks: expected one of {[t.__name__ for t in BLOCKED_TYPES]}, got {type(extension).__name__}")
     replay = ColumnReplay(extension, budget_bytes)
-    twin = object.__new__(_recording_class(type(extension)))
+    twin = object.__new__(twin_class(type(extension), "record", _recording_call))
     twin.__dict__ = dict(vars(extension), _cockpit_column_replay=replay)
     return twin, replay
 
@@ -144,9 +139,11 @@ class ColumnReplay:
         while hasattr(module, f"input{index}"):
             io[f"input{index}"] = getattr(module, f"input{index}")
             index += 1
-        keep = is_loss(module) or self._curved(module_extension, module)
+        curved = self._curved(module_extension, module)
+        keep = curved or is_loss(module)
         nothing = lambda grads: tuple(None for _ in grads)  # noqa: E731 - no other rule reads them
-        self._calls.append(_Call(module, module_extension, io, nothing(g_inp), tuple(g_out) if keep else nothing(g_out)))
+        g_out = tuple(g_out) if keep else nothing(g_out)
+        self._calls.append(_Call(module, module_extension, io, nothing(g_inp), g_out, curved))
 
     def _curved(self, module_extension, module) -> bool:
         """Whether the module adds a residual (``DiagHessian``: an activation with a nonzero second derivative)."""
@@ -224,7 +221,7 @@ class ColumnReplay:
             else:
                 yield "loss", factor.shape[0], lambda a, b, m=factor: m[a:b]
             return
-        if not self._curved(call.extension, module):
+        if not call.curved:
             return
         if not call.extension.derivatives.hessian_is_diagonal(module):
             raise NotImplementedError(f"DiagHessian: the second derivative of {type(module).__name__} is not diagonal")

@@ -1243,7 +1243,7 @@ class _Rerun:
             )
         self.values, self.dims, self.out_dims, self.grads = values, dims, out_dims, list(grads)
         self.batched = [k for k, d in enumerate(dims) if d is not None]
-        self.want = want
+        self._vmap = True  # until vmap fails on this module once (then every block takes the loop)
         self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
 
         def run(p: dict, rows: list) -> tuple:
@@ -1273,13 +1273,15 @@ class _Rerun:
         chosen = range(len(self.params)) if only is None else [only]
         names = [self.param_names[k] for k in chosen]
         with self.tracer.pause():
-            try:
-                detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
-                return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
-            except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing): loop
-                live = dict(zip(self.param_names, self.params))
-                params = [self.params[k] for k in chosen]
-                return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
+            if self._vmap:
+                try:
+                    detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
+                    return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+                except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
+                    self._vmap = False
+            live = dict(zip(self.param_names, self.params))
+            params = [self.params[k] for k in chosen]
+            return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
 
     def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
         """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""

@@ -24,23 +24,29 @@ from typing import Callable
 
 import torch
 
-__all__ = ["without_autograd", "hook_without_autograd"]
+__all__ = ["without_autograd", "hook_without_autograd", "twin_class"]
 
-_TWIN_CLASSES: dict[type, type] = {}
+_TWIN_CLASSES: dict[tuple[type, str], type] = {}
 
 
-def _twin_class(cls: type) -> type:
-    if cls not in _TWIN_CLASSES:
-        call = cls.__call__
-
-        def __call__(self, module, g_inp, g_out):
-            with torch.no_grad():
-                return call(self, module, g_inp, g_out)
-
-        _TWIN_CLASSES[cls] = type(
-            cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+def twin_class(cls: type, kind: str, wrap: Callable) -> type:
+    """A subclass of a BackPACK extension class ``cls``, with its name, whose ``__call__`` (the backward
+    hook) is ``wrap(cls.__call__)``; one class per ``(cls, kind)``. BackPACK's type checks and the
+    cockpit's merging see the original class."""
+    key = (cls, kind)
+    if key not in _TWIN_CLASSES:
+        _TWIN_CLASSES[key] = type(
+            cls.__name__, (cls,), {"__call__": wrap(cls.__call__), "__module__": cls.__module__, "__qualname__": cls.__qualname__}
         )
-    return _TWIN_CLASSES[cls]
+    return _TWIN_CLASSES[key]
+
+
+def _no_grad_call(call: Callable) -> Callable:
+    def __call__(self, module, g_inp, g_out):
+        with torch.no_grad():
+            return call(self, module, g_inp, g_out)
+
+    return __call__
 
 
 def without_autograd(extension):
@@ -50,7 +56,7 @@ def without_autograd(extension):
     so whatever the twin stores (``p.<savefield>``, saved quantities) is what
     the original would have stored.
     """
-    twin = object.__new__(_twin_class(type(extension)))
+    twin = object.__new__(twin_class(type(extension), "no_grad", _no_grad_call))
     twin.__dict__ = extension.__dict__
     return twin
 
