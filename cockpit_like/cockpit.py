@@ -48,13 +48,7 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
                 f"Cockpit(params): parameter #{index} is a {type(param).__name__}, not a tensor; "
                 "pass model.parameters()"
             )
-        if not param.requires_grad:
-            raise ValueError(
-                f"Cockpit(params): parameter #{index} (shape {list(param.shape)}) has "
-                "requires_grad=False, so it gets no gradient. Pass only trainable parameters, "
-                "e.g. [p for p in model.parameters() if p.requires_grad]."
-            )
-        checked.append(param)
+        checked.append(param)  # frozen parameters (requires_grad=False) are tracked as such (checks["frozen"])
     if not checked:
         raise ValueError("Cockpit(params): no parameters given")
     return checked
@@ -89,7 +83,9 @@ class Cockpit:
     """Tracks quantities of a training run.
 
     Args:
-        params: the parameters to watch (all need ``requires_grad=True``).
+        params: the parameters to watch, e.g. ``model.parameters()``. Frozen ones (``requires_grad=False``)
+            and ones a step does not use count as zero gradients, and each tracked step's
+            ``checks`` record names them (``docs/your_training_loop.md#self-checks``).
         quantities: :class:`~cockpit_like.quantities.quantity.Quantity` instances.
         stream_to: optional path; every tracked step is appended to
             ``stream_to + ".jsonl"`` as soon as it is computed, so a crash
@@ -109,10 +105,11 @@ class Cockpit:
             batch and is computed on every rank, other ranks keep nothing
             (their :meth:`get_output` is ``{}``). Ignored in one process.
         distributed_timeout: seconds a rank waits in one of the cockpit's own
-            collectives before it raises (default: torch's default for a new
-            process group), and for the other ranks at the first tracked step,
-            where the cockpit creates its process group (the constructor runs
-            no collective).
+            collectives before it raises :class:`DistributedStepError` (default 120 s,
+            so that a cockpit missing on a rank is an error within minutes rather than
+            after torch's 30-minute default; ``None``: torch's default), and for the
+            other ranks at the first tracked step, where the cockpit creates its
+            process group (the constructor runs no collective).
         diagnose: run diagnosis rules after each tracked step and each
             :meth:`log` (``True``: every built-in rule; or a list of
             :class:`~cockpit_like.diagnosis.Rule` instances); nothing runs on
@@ -150,7 +147,7 @@ class Cockpit:
         model: torch.nn.Module | None = None,
         lean_hooks: bool = True,
         log_rank: int | None = 0,
-        distributed_timeout: float | None = None,
+        distributed_timeout: float | None = 120.0,
         diagnose: Any = False,
         on_finding: Callable[[Finding], Any] | None = None,
         record_nonfinite: bool | str = True,
@@ -182,6 +179,13 @@ class Cockpit:
         #: the optimizer step whose backward passes (micro-batches) are being collected
         self._partitions: StepPartitions | None = None
         self._micro: tuple[int, int, int] | None = None  # (step, backward passes done, micro_batches)
+        #: the last backward pass of a step whose end is not declared: finished by :meth:`_flush`
+        self._pending: Any = None
+        #: the loop was seen to run several backward passes per optimizer step without declaring them
+        self._accumulates = False
+        #: a backpropagated loss was seen scaled (BackPACK's Hessian diagonal then gets the GGN beside it)
+        self._scaled_losses = False
+        self._hooked_optimizers: list[Any] = []
         self._active_cache: tuple[int, list[Quantity]] | None = None
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
         if on_finding is not None and not callable(on_finding):
@@ -381,7 +385,15 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
-        micro, count = self._micro_batch(global_step, info or {})
+        pending = self._pending
+        if pending is not None and pending.step == global_step and "micro_batches" not in (info or {}):
+            # another backward pass of the step whose end was not declared: one more partition of its rows
+            pending._execution.free()
+            self._pending = None
+            micro, count = len(self._partitions.partitions), len(self._partitions.partitions) + 1
+        else:
+            self._flush()
+            micro, count = self._micro_batch(global_step, info or {})
         tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
@@ -412,7 +424,34 @@ class Cockpit:
             tracked.__exit__(None, None, None)
         else:
             tracked.__exit__(type(error), error, error.__traceback__)
-        self._recorder.after_step(tracked.step, tracked.info, tracked=error is None and tracked.completed)
+        if self._pending is tracked:
+            self._watch_optimizer(tracked.info.get("optimizer"))
+        self._recorder.after_step(
+            tracked.step, tracked.info, tracked=error is None and (tracked.completed or self._pending is tracked)
+        )
+
+    def _flush(self) -> None:
+        """Finish the step whose end was not declared (its optimizer stepped, the next step begins, or the
+        output is read): merge its backward passes, check them and track its quantities."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.finish()
+
+    def _watch_optimizer(self, optimizer: Any) -> None:
+        """Finish a pending step right before ``optimizer`` updates the parameters (a step pre-hook)."""
+        if optimizer is None or any(known() is optimizer for known, _ in self._hooked_optimizers):
+            return
+        import weakref
+
+        me = weakref.ref(self)
+
+        def before_step(opt, args, kwargs) -> None:
+            cockpit = me()
+            if cockpit is not None and cockpit._pending is not None:
+                cockpit._flush()
+
+        handle = optimizer.register_step_pre_hook(before_step)
+        self._hooked_optimizers.append((weakref.ref(optimizer), handle))
 
     def _micro_batch(self, step: int, info: dict) -> tuple[int, int]:
         """``(index, count)`` of the backward pass that begins: its place among the step's micro-batches."""
@@ -465,6 +504,7 @@ class Cockpit:
     # ---- output ----------------------------------------------------------------
     def get_output(self) -> dict[int, dict[str, Any]]:
         """``{global_step: {name: value}}`` of everything tracked and logged."""
+        self._flush()
         merged: dict[int, dict[str, Any]] = {}
         for quantity in self.quantities:
             name = self.name_of(quantity)
@@ -484,6 +524,22 @@ class Cockpit:
     def _store_skipped(self, step: int, why: dict[str, Any]) -> None:
         if self.keeps_output:
             self._output.store_skipped(step, why)
+
+    def _store_checks(self, step: int, checks: dict[str, Any]) -> None:
+        if self.keeps_output:
+            self._output.store_checks(step, checks)
+
+    @property
+    def checks(self) -> dict[int, dict[str, Any]]:
+        """``{step: checks}`` of every tracked step: the self-checks' record (``docs/your_training_loop.md#self-checks``)."""
+        self._flush()
+        return {step: dict(record) for step, record in self._output.checks.items()}
+
+    @property
+    def invalid_steps(self) -> dict[int, list[dict[str, Any]]]:
+        """``{step: failed checks}`` of the tracked steps that failed a self-check (their per-sample
+        quantities stored no value)."""
+        return {step: list(record["failed"]) for step, record in self.checks.items() if not record["valid"]}
 
     def log(
         self,
@@ -510,6 +566,7 @@ class Cockpit:
 
         Under DDP only the log rank writes; other ranks return ``None``.
         """
+        self._flush()
         if not self.keeps_output:
             return None
         path = write_log(logpath, self.get_output(), self.metadata())
@@ -561,6 +618,7 @@ class Cockpit:
         """
         from cockpit_like.resume import cockpit_state
 
+        self._flush()
         return cockpit_state(self, with_output)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -632,6 +690,7 @@ class Cockpit:
 
     def close(self) -> None:
         """Close the streaming log (nothing is lost if you never call this)."""
+        self._flush()
         self._output.close()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from cockpit_like.checks.invariants import CHECKS_KEY
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Finding
 from cockpit_like.logs import StreamWriter
 
@@ -35,6 +36,8 @@ class RunOutput:
         self.findings: dict[int, dict[str, list[dict[str, Any]]]] = {}
         #: ``{step: why}`` of the steps a GradScaler skipped
         self.skipped: dict[int, dict[str, Any]] = {}
+        #: ``{step: checks}``: the self-checks of each tracked step (:mod:`cockpit_like.checks`)
+        self.checks: dict[int, dict[str, Any]] = {}
         self.stream: StreamWriter | None = None
         self.listeners: list[Listener] = []
 
@@ -64,6 +67,10 @@ class RunOutput:
         self.skipped[step] = dict(why)
         self.publish(step, {SKIPPED_KEY: dict(why)})
 
+    def store_checks(self, step: int, checks: dict[str, Any]) -> None:
+        self.checks[step] = dict(checks)
+        self.publish(step, {CHECKS_KEY: dict(checks)})
+
     def store_findings(self, found: list[Finding], cleared: list[dict[str, Any]]) -> None:
         """Store findings and clearances under their steps; stream each touched list whole (the reader keeps
         the last line's). Listeners get findings through ``on_finding`` instead."""
@@ -89,6 +96,8 @@ class RunOutput:
             merged.setdefault(step, {}).update({key: list(found) for key, found in values.items()})
         for step, why in self.skipped.items():
             merged.setdefault(step, {})[SKIPPED_KEY] = dict(why)
+        for step, checks in self.checks.items():
+            merged.setdefault(step, {})[CHECKS_KEY] = dict(checks)
 
     def close(self) -> None:
         if self.stream is not None:

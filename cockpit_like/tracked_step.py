@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, loss_scale
 from cockpit_like.backends.step import StepExecution
+from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
+from cockpit_like.checks.probe import probe_directions, project
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.quantities.needs import StepNeeds
 from cockpit_like.quantities.quantity import Quantity
@@ -75,7 +78,17 @@ class TrackedStep:
         self._execution: StepExecution | None = None
         self._loss_is_finite = True
         self._loss_finite: bool | None | object = _UNCHECKED
-        self._split = micro_batches > 1 or cockpit._ranks is not None
+        #: the step's end is not known in advance: more backward passes of this step may follow, and the
+        #: step is finished when the optimizer steps or the next step begins (undeclared micro-batches)
+        self.open_ended = (
+            "micro_batches" not in info and cockpit._ranks is None and _is_optimizer(info.get("optimizer"))
+        )
+        self._split = micro_batches > 1 or cockpit._ranks is not None or (self.open_ended and cockpit._accumulates)
+        self._factor: LossFactor | None = None
+        self._probe: GradientProbe | None = None
+        #: names of the quantities that read the per-sample decomposition or BackPACK's buffers
+        self._decomposed: set[str] = set()
+        self._fingerprint: dict[int, float] | None = None
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> TrackedStep:
@@ -97,18 +110,26 @@ class TrackedStep:
         if "batch_size" in self.info:
             _check_batch_size(self.info["batch_size"], step)
             _check_losses_match(self.info, step, self.micro_batches)
+        check_losses_mean(self.info, step)
         self._check_loss()
         create_graph = cockpit.create_graph(step)
         if cockpit._ranks is not None and self.active:
             owners = tuple(cockpit.name_of(q) for q in self.active if q.create_graph(step))
             cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, self.last, owners)
         needs = StepNeeds.collect(self.active, step, cockpit.name_of, self.user_exts, create_graph)
+        self._decomposed = set(needs.owners) | {name for name, _ in needs.requests if name != "the user's *exts"}
+        if needs.stats:  # the self-check of the per-sample decomposition (cockpit_like.checks.probe)
+            self._probe = GradientProbe(seed=_probe_seed(step))
+            needs = replace(needs, stats=tuple(needs.stats) + (self._probe,))
         if self._split:  # the form each backward pass computes when the step has several (equal results)
             needs = needs.partitioned()
         if self.active and (cockpit._partitions is None or cockpit._partitions.step != step):
             scaler = grad_scale(self.info, step)
             factor = scaler * loss_scale(self.info, step)
             cockpit._partitions = StepPartitions(step, factor, skippable=scaler != 1.0)
+            cockpit._partitions.checks = StepChecks(step)
+            cockpit._partitions.checks.assumed = factor / max(self.micro_batches, 1)
+            cockpit._partitions.declared = self.micro_batches
         scale = cockpit._partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(
@@ -121,10 +142,13 @@ class TrackedStep:
                 info=self.info,
                 row_scale=self.micro_batches / scale,
                 memory_budget=cockpit.memory_budget,
+                scaled_losses=cockpit._scaled_losses,
             )
         except BaseException:
             cockpit._tracer.drop_calls()
             raise
+        if self.active:
+            self._factor = LossFactor(self.info.get("loss"), on_factor=self._execution.observe_loss_factor)
         if self.debug:
             print(
                 f"[cockpit_like|step {step}] quantities: {[cockpit.name_of(q) for q in self.active]}; "
@@ -159,38 +183,113 @@ class TrackedStep:
         cockpit = self.cockpit
         ranks = cockpit._ranks if self.active else None
         partitions = cockpit._partitions
+        factor = self._factor
+        if factor is not None:
+            factor.remove()
         try:
             execution.exit(exc_type, exc, traceback)
             if exc_type is None and self.active:
-                partitions.add(execution.partition(self._split))
+                partition = execution.partition(self._split)
+                partition.factor = None if factor is None else factor.factor
+                partition.split = self._split
+                partitions.add(partition)
+                partitions.checks.factors.append(partition.factor)
+                for note in execution.notes:
+                    partitions.checks.note(note)
         except BaseException:
             self._abandon(ranks, execution)
             raise
         if exc_type is not None:
             self._abandon(ranks, execution)
             return False
-        if not self.active or not self.last:  # untracked, or more micro-batches to come
+        if not self.active:
             execution.free()
             return False
+        if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
+            self._fingerprint = _fingerprint(cockpit.params, self.step)
+            cockpit._pending = self
+            return False
+        if not self.last:  # more declared micro-batches to come
+            execution.free()
+            return False
+        self.finish()
+        return False
+
+    def finish(self) -> None:
+        """Merge the step's backward passes, check them, track the quantities and publish what they stored."""
+        cockpit, execution = self.cockpit, self._execution
+        ranks = cockpit._ranks if self.active else None
+        partitions = cockpit._partitions
         cockpit._partitions = None
+        if cockpit._pending is self:
+            cockpit._pending = None
+        checks: StepChecks = partitions.checks
         new_values: dict[int, dict[str, Any]] = {}
         params = cockpit.params
-        view = StepGradients(params, partitions.scale)
+        scale, changed = self._step_scale(partitions, checks)
+        if scale is None:  # the gradients are gone (cleared before the step finished)
+            execution.free()
+            cockpit._store_checks(self.step, checks.to_dict())
+            return
+        if changed is not None:
+            checks.note(
+                f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
+                "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
+            )
+        _record_coverage(checks, params, cockpit._names_of_params())
+        if all(p.grad is None for p in params):
+            execution.free()
+            raise RuntimeError(
+                f"cockpit step {self.step}: no tracked parameter got a gradient. Call loss.backward() inside "
+                "the cockpit's block, and pass the parameters the loss depends on to Cockpit(params)."
+            )
+        view = StepGradients(params, scale)
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
-            if partitions.skippable and not gradients_finite(params):
-                cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": partitions.scale})
-                return False
-            view.apply()  # unscaled, whole gradients (GradScaler, FSDP2)
+            skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
+            if skippable and not gradients_finite(params):
+                cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
+                return
+            view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
                 ranks.unscale_graph_grads(view)
-            stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
+            if len(partitions.partitions) > 1 and not all(p.split for p in partitions.partitions):
+                checks.fail(
+                    "backward_passes",
+                    f"step {self.step} had {len(partitions.partitions)} backward passes, but the first was computed "
+                    "as the whole step (nothing said more would follow), so they cannot be merged exactly. The "
+                    "cockpit has learned that this loop accumulates: from the next tracked step on, the backward "
+                    "passes of a step are merged (or declare info['micro_batches'] = the number of backward passes "
+                    "per optimizer step).",
+                )
+                cockpit._accumulates = True
+                stats, info = {}, partitions.partitions[-1].info
+            else:
+                stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
+                if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
+                    cockpit._accumulates = True
+            if self._probe is not None and self._probe in stats:
+                names = cockpit._param_name_list()
+                checks.compare_probe(stats[self._probe], self._probe.seed, view.params,
+                                     lambda p: p.grad, lambda i: names[i])  # fmt: skip
+            if execution.curvature_unscaled:
+                checks.fail(
+                    "loss_factor",
+                    f"the backpropagated loss was {checks.factors[-1]:g} x info['loss'] where {checks.assumed:g} was "
+                    "assumed, and BackPACK's Hessian diagonal of a scaled loss cannot be corrected at this step (it "
+                    "needs the GGN diagonal, which the cockpit now computes beside it from the next step on)",
+                )
+                cockpit._scaled_losses = True
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params,
             )
             context._activate(record)
+            skipped = set() if checks.valid else self._decomposed
+            skipped |= execution.left_out_owners(self._decomposed)
             for quantity in self.active:
+                if cockpit.name_of(quantity) in skipped:
+                    continue
                 self._track(quantity, new_values, view.params)
             self.completed = True
             if not cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
@@ -204,10 +303,47 @@ class TrackedStep:
             if ranks is not None:
                 ranks.end_step()
             execution.free()
+        cockpit._store_checks(self.step, checks.to_dict())
         for step, values in sorted(new_values.items()):
             cockpit._output.publish(step, values)
         cockpit._diagnose(new_values)
-        return False
+
+    def _step_scale(self, partitions: StepPartitions, checks: StepChecks) -> tuple[float | None, float | None]:
+        """The factor between the accumulated gradients and the step's mean-loss gradient, and the uniform
+        factor by which the gradients changed after backward (``None``: unchanged).
+
+        Each backward pass ``k`` propagated ``f_k x`` its mean loss (``f_k`` seen by the hook on
+        ``info["loss"]``, else what was declared); with ``K`` equal passes the step's mean-loss gradient
+        is ``p.grad / (f K)``."""
+        passes = len(partitions.partitions)
+        factors = [p.factor for p in partitions.partitions]
+        if all(f is not None for f in factors):
+            if any(abs(f - factors[0]) > 1e-6 * abs(factors[0]) for f in factors):
+                checks.fail("loss_factor", f"the backward passes of step {self.step} propagated their losses with "
+                            f"different factors {factors}; the accumulated gradient cannot be unscaled")
+            scale = factors[0] * passes
+        else:
+            scale = partitions.scale * passes / max(partitions.declared, 1) if partitions.declared > 1 else partitions.scale
+        if self._fingerprint is None:
+            return scale, None
+        now = _fingerprint(self.cockpit.params, self.step)
+        before = self._fingerprint
+        if all(v is None for v in now.values()) and any(v is not None for v in before.values()):
+            reason = (f"the gradients were cleared before step {self.step} was finished: the step ends when "
+                      "info['optimizer'] steps or the next step begins")
+            if scale / passes > 1.0:
+                self.cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
+            checks.fail("gradient", reason)
+            return None, None
+        ratios = [now[i] / before[i] for i in before if before[i] and now.get(i) is not None]
+        if not ratios or all(abs(r - 1.0) <= 1e-6 for r in ratios):
+            return scale, None
+        if all(abs(r - ratios[0]) <= 1e-5 * abs(ratios[0]) for r in ratios):
+            return scale * ratios[0], ratios[0]
+        checks.fail("gradient", f"the gradients of step {self.step} changed between the end of the backward pass and "
+                    "the optimizer step, and not by one factor (per-parameter clipping? an optimizer wrapper?): the "
+                    "cockpit cannot tell the gradient the per-sample rows belong to")
+        return scale, None
 
     def _abandon(self, ranks, execution: StepExecution) -> None:
         """The backward pass failed: the step is dropped (other ranks are told), buffers freed."""
@@ -238,6 +374,35 @@ class TrackedStep:
 
 _MISSING = object()
 _UNCHECKED = object()
+
+
+def _is_optimizer(value: Any) -> bool:
+    return isinstance(value, torch.optim.Optimizer)
+
+
+def _probe_seed(step: int) -> int:
+    """The seed of a step's probe directions (the cockpit's own, independent of every user stream)."""
+    return 0x5EED_C0C0 + 7 * int(step)
+
+
+def _fingerprint(params: list[torch.Tensor], step: int) -> dict[int, float | None]:
+    """A projection of each gradient on a fixed random direction: compared at the step's end, it tells
+    whether (and by which factor) the gradients changed after the backward pass."""
+    seed = _probe_seed(step) + 1
+    with torch.no_grad():
+        return {
+            index: None if p.grad is None else float(project(p.grad, probe_directions(seed, index, p.shape, p.device)))
+            for index, p in enumerate(params)
+        }
+
+
+def _record_coverage(checks: StepChecks, params: list[torch.Tensor], names: dict[int, str]) -> None:
+    """Which tracked parameters are frozen, and which got no gradient at this step."""
+    def name(index: int, param: torch.Tensor) -> str:
+        return names.get(id(param), f"param_{index}")
+
+    checks.frozen = [name(i, p) for i, p in enumerate(params) if not p.requires_grad]
+    checks.no_gradient = [name(i, p) for i, p in enumerate(params) if p.requires_grad and p.grad is None]
 
 
 def _last_items(output: dict, count: int) -> list[tuple[int, Any]]:

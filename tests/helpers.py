@@ -163,6 +163,11 @@ def assert_nested_close(actual, expected, where: str = "", rtol: float = 1e-8, a
     if isinstance(expected, dict):
         assert isinstance(actual, dict) and set(actual) == set(expected), f"{where}: keys {set(actual)} != {set(expected)}"
         for key in expected:
+            if key == "checks" and isinstance(expected[key], dict) and "valid" in expected[key]:
+                # a step's self-checks describe how it was computed (backward passes, loss factor, rounding):
+                # runs of the same step in other forms agree on whether it is valid, not on those details
+                assert actual[key]["valid"] == expected[key]["valid"], f"{where}.checks: {actual[key]} vs {expected[key]}"
+                continue
             assert_nested_close(actual[key], expected[key], f"{where}.{key}", rtol, atol)
     elif isinstance(expected, (list, tuple)):
         assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{where}: {actual!r} != {expected!r}"

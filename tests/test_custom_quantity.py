@@ -50,5 +50,5 @@ def test_two_step_custom_quantity():
 def test_example_script_runs():
     output = main(steps=3)
     assert sorted(output) == [0, 1, 2]
-    assert set(output[0]) == {"LargestSampleGradNorm", "LossChange"}
+    assert set(output[0]) - {"checks"} == {"LargestSampleGradNorm", "LossChange"}
     assert set(output[1]) == {"LargestSampleGradNorm"}

@@ -41,10 +41,29 @@ class NeedsExtension(SingleStepQuantity):
         return [getattr(p, self.field).sum() for p in params]
 
 
-def test_params_must_require_grad():
-    frozen = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
-    with pytest.raises(ValueError, match=r"parameter #1 \(shape \[2, 3\]\) has requires_grad=False"):
-        Cockpit([torch.zeros(2, requires_grad=True), frozen])
+def test_frozen_params_are_tracked_and_named():
+    """Issue 34: frozen parameters are accepted (they were refused); each tracked step names them, and their
+    gradient counts as zero."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNorm(linear(1))], model=model)
+    x = torch.randn(5, 3)
+    loss = model(x).square().mean()
+    with cockpit(0, info={"batch_size": 5, "loss": loss}):
+        loss.backward()
+    checks = cockpit.get_output()[0]["checks"]
+    assert checks["valid"] and checks["frozen"] == ["0.weight"] and checks["no_gradient"] == []
+    norms = cockpit.get_output()[0]["GradNorm"]
+    assert norms[0] == 0.0 and norms[1] == pytest.approx(model[0].bias.grad.norm().item())
+    assert model[0].weight.grad is None  # the zero the quantities saw is not left behind
+
+
+def test_no_gradient_at_all_is_a_clear_error():
+    model = torch.nn.Linear(3, 2)
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNorm(linear(1))], model=model)
+    with pytest.raises(RuntimeError, match="no tracked parameter got a gradient"):
+        with cockpit(0, info={"batch_size": 5}):
+            pass
 
 
 @pytest.mark.parametrize(
@@ -222,7 +241,7 @@ def test_two_instances_of_a_class_get_distinct_keys():
             loss.backward()
         param.grad = None
     output = cockpit.get_output()
-    assert sorted(output[1]) == ["GradNorm"] and sorted(output[2]) == ["GradNorm", "GradNorm_1"]
+    assert sorted(output[1]) == ["GradNorm", "checks"] and sorted(output[2]) == ["GradNorm", "GradNorm_1", "checks"]
     assert [cockpit.name_of(q) for q in norms] == ["GradNorm", "GradNorm_1"]
 
 

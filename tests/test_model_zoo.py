@@ -87,7 +87,7 @@ def test_presets_match_brute_force(name, label):
         for got, want in zip(obs["outputs"], obs["outputs_without_cockpit"]):
             assert got.shape == want.shape and torch.equal(got, want), step
         expected = set(PRESETS[label]) - ({"Alpha", "UpdateSize"} if step == STEPS - 1 else set())
-        assert set(out[step]) == expected, step
+        assert set(out[step]) - {"checks"} == expected, step
         for key, value in out[step].items():
             assert _finite(value), (step, key)
         grads, params = obs["grads"], obs["params"]

@@ -593,7 +593,7 @@ class HookBackend:
         self._deferred: list[Call] = []
         self._uses: dict[int, int] = defaultdict(int)
         self._partial: dict[int, list] = {}
-        self._params = {id(p): p for p in params}
+        self._params = {id(p): p for p in params if p.requires_grad}  # a frozen parameter has no rows
         self._handled = handled_elsewhere
         self._errors: list[UncoveredParameterError] = []
         self._consumers: dict[int, list] | None = None

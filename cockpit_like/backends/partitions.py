@@ -220,10 +220,14 @@ class Partition:
         info: its ``info`` dict (``loss``, ``individual_losses``).
     """
 
-    __slots__ = ("rows", "finish", "fields", "info")
+    __slots__ = ("rows", "finish", "fields", "info", "factor", "split")
 
     def __init__(self, rows: int, finish: Callable[[], dict], fields: dict, info: dict):
         self.rows, self.finish, self.fields, self.info = rows, finish, fields, info
+        #: the factor between the root it propagated and its ``info["loss"]`` (None: not seen)
+        self.factor: float | None = None
+        #: computed in the form that merges with other backward passes
+        self.split = True
 
 
 class StepPartitions:
@@ -239,6 +243,10 @@ class StepPartitions:
     def __init__(self, step: int, scale: float = 1.0, skippable: bool = False):
         self.step, self.scale, self.skippable = step, float(scale), bool(skippable)
         self.partitions: list[Partition] = []
+        #: the step's self-checks (:class:`~cockpit_like.checks.StepChecks`), set by the tracked step
+        self.checks = None
+        #: ``info["micro_batches"]`` as declared (1: not declared)
+        self.declared = 1
 
     @property
     def rows(self) -> int:
@@ -416,10 +424,12 @@ class StepGradients:
                     stand_in.grad = grad if self.scale == 1.0 else grad * inverse
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
-        elif self.scale != 1.0:
+        elif self.scale != 1.0 or any(p.grad is None for p in self._originals):
             self._saved = [p.grad for p in self._originals]
             for param, grad in zip(self._originals, self._saved):
-                if grad is not None:
+                if grad is None:  # not in the step's graph (unused, frozen): its gradient is zero
+                    param.grad = torch.zeros_like(param)
+                elif self.scale != 1.0:
                     param.grad = grad * inverse
         _VIEW = self
 

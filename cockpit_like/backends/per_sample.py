@@ -243,6 +243,14 @@ class PerSampleStat:
         """Keep a layer given in blocks (``kept.batch_sum()``, ``kept.dots(direction)``)."""
         raise NotImplementedError
 
+    #: whether :meth:`accumulate_sum` folds in a layer given in blocks of rows from its batch sum alone
+    #: (``LazyRows.batch_sum``: no rows are made for the statistic)
+    sum_form: ClassVar[bool] = False
+
+    def accumulate_sum(self, state: Any, index: int, param: torch.Tensor, batch_sum: torch.Tensor) -> Any:
+        """Fold in a layer from ``sum_i grad_batch[i]`` (shaped like the parameter); see :attr:`sum_form`."""
+        raise NotImplementedError
+
     #: whether :meth:`accumulate_module` wants each layer call's input and output gradient (hook backend)
     module_form: ClassVar[bool] = False
 
@@ -409,6 +417,12 @@ class PerSampleReducer:
         blocks (row forms), kept whole as ``lazy`` (statistics that keep), or, for a statistic with neither,
         materialised whole (over budget)."""
         others = [k for k in range(len(self.stats)) if k not in compact]
+        summed = [k for k in others if self.stats[k].sum_form and not self.keep_grad_batch]
+        if summed:  # statistics that read only the batch sum (the self-check's probe): no rows made for them
+            total = lazy.batch_sum()
+            for k in summed:
+                self._states[k] = self.stats[k].accumulate_sum(self._states[k], index, param, total)
+            others = [k for k in others if k not in summed]
         if not others:
             return
         lazy.block = max(1, self.budget_bytes // lazy.row_bytes)

@@ -19,13 +19,15 @@ May import torch, BackPACK and :mod:`cockpit_like.backends`.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from backpack import backpack, hook_store_io
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError
+from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, couples_samples
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 
@@ -107,7 +109,8 @@ class StepExecution:
     """
 
     def __init__(
-        self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0, memory_budget=None
+        self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0, memory_budget=None,
+        scaled_losses=False,
     ):
         self.step = step
         self.info = info or {}
@@ -130,6 +133,21 @@ class StepExecution:
             else:  # nothing here reads the forward calls
                 tracer.drop_calls()
         self._tracer, self._batch_size = tracer, batch_size
+        #: what this pass left out and why (the step's ``checks["notes"]``)
+        self.notes: list[str] = []
+        self._left_out: set[str] = set()
+        coupling = [call.module for call in calls if couples_samples(call.module)]
+        if stats and coupling and not raw_batch_grad:
+            # BatchNorm in training mode: every row's gradient depends on the other rows, so per-sample
+            # gradients are undefined; the quantities that read them are left out of this step
+            kinds = sorted({type(module).__name__ for module in coupling})
+            self.notes.append(
+                f"per-sample quantities {sorted(needs.owners)} left out: {', '.join(kinds)} in training mode "
+                "normalises with the whole batch's statistics, so a row's gradient depends on the other rows "
+                "(model.eval() on the norms, or GroupNorm / LayerNorm, gives them back)"
+            )
+            self._left_out = set(needs.owners)
+            stats = []
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []
         requests, hooks = list(needs.requests), list(needs.hooks)
@@ -157,7 +175,9 @@ class StepExecution:
         #: ``1 / row_scale``: the factor between the backpropagated loss and this pass's mean loss
         self._loss_scale = 1.0 / float(row_scale)
         self._added_ggn = False
-        if self._loss_scale != 1.0 and any(isinstance(ext, DiagHessian) for _, ext in requests):
+        #: BackPACK's Hessian diagonal of a scaled loss could not be corrected (no GGN diagonal beside it)
+        self.curvature_unscaled = False
+        if (self._loss_scale != 1.0 or scaled_losses) and any(isinstance(ext, DiagHessian) for _, ext in requests):
             if not any(isinstance(ext, DiagGGNExact) for _, ext in requests):
                 requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
                 self._added_ggn = True
@@ -179,6 +199,20 @@ class StepExecution:
         if any(stat.module_form for stat in stats):
             return False
         return any(backpack_computes_per_sample(call.module) for call in calls)
+
+    def observe_loss_factor(self, factor: float) -> None:
+        """The factor between the propagated root and ``info["loss"]``, seen by a hook on the loss before any
+        layer's gradient (:class:`~cockpit_like.checks.LossFactor`): the per-sample rows are scaled by its
+        inverse, whatever was declared."""
+        if not (factor != 0.0 and math.isfinite(factor)):
+            return
+        self._loss_scale = float(factor)
+        if self.reducer is not None:
+            self.reducer.row_scale = 1.0 / float(factor)
+
+    def left_out_owners(self, decomposed: set[str]) -> set[str]:
+        """The quantities whose per-sample statistics this pass left out (see :attr:`notes`)."""
+        return set(self._left_out)
 
     def describe(self) -> str:
         shown = [describe(e) for e in self.extensions]
@@ -335,6 +369,8 @@ class StepExecution:
             diag_h, ggn = getattr(param, "diag_h", None), getattr(param, "diag_ggn_exact", None)
             if diag_h is not None and ggn is not None:
                 param.diag_h = ggn + (diag_h - ggn) * inverse
+            elif diag_h is not None:
+                self.curvature_unscaled = True
             if self._added_ggn and hasattr(param, "diag_ggn_exact"):
                 delattr(param, "diag_ggn_exact")
 
@@ -387,13 +423,22 @@ class StepExecution:
         params = self.params
         if self.reducer is not None:
             missing = [i for i in range(len(params)) if i not in self.reducer.seen]
-            if missing:
+            if missing and len(missing) == len(params) and all(p.grad is None for p in params):
                 raise NotExtendedError(self._uncovered_message(missing))
+            for index in missing:
+                # no per-sample rows: the parameter is not in this pass's graph (an unused branch, an expert
+                # without tokens, a frozen parameter), so each row's gradient is zero. Where that is wrong (a
+                # parameter used outside its module's forward), the step's gradient check fails.
+                self.reducer.reduce_lazy(params[index], _zero_rows(int(self._batch_size or 1), params[index]))
         for ext in self.extensions:
             field = getattr(ext, "savefield", None)
             if field is None or (field == "grad_batch" and self.reducer is not None):
                 continue
             missing = [i for i, p in enumerate(params) if not hasattr(p, field)]
+            if missing and len(missing) < len(params) and field in _ZERO_FIELDS:
+                for index in [i for i in missing if not params[i].requires_grad or params[i].grad is None]:
+                    setattr(params[index], field, torch.zeros_like(params[index]))  # not in the graph: zero
+                missing = [i for i, p in enumerate(params) if not hasattr(p, field)]
             if len(missing) == len(params):
                 raise NotExtendedError(
                     f"step {self.step}: BackPACK computed no {describe(ext)} ('{field}') for any "
@@ -446,6 +491,22 @@ class StepExecution:
             for field in fields:
                 if hasattr(param, field):
                     delattr(param, field)
+
+
+#: BackPACK savefields shaped like the parameter, zero for a parameter outside the pass's graph
+_ZERO_FIELDS = frozenset({"diag_h", "diag_ggn_exact", "diag_ggn_mc", "sum_grad_squared", "variance", "batch_l2", "batch_dot"})
+
+
+def _zero_rows(batch: int, param: torch.Tensor):
+    """The per-sample gradients of a parameter outside the pass's graph: ``batch`` zero rows, made lazily."""
+    from cockpit_like.backends.per_sample import LazyRows
+
+    dtype = param.dtype if param.dtype.is_floating_point else torch.float32
+    return LazyRows(
+        batch, param.shape,
+        lambda start, stop: torch.zeros(stop - start, *param.shape, dtype=dtype, device=param.device),
+        torch.finfo(dtype).bits // 8, lambda: torch.zeros(param.shape, dtype=dtype, device=param.device),
+    )  # fmt: skip
 
 
 def _from_backpack(exc: BaseException) -> bool:

@@ -1,0 +1,28 @@
+"""Self-checks of a tracked step: invariants that hold whenever its decomposition is right.
+
+Every tracked step verifies, cheaply, what the cockpit would otherwise assume
+about the training loop (``docs/your_training_loop.md#self-checks``):
+
+- :mod:`~cockpit_like.checks.probe`: the per-sample gradients, as the
+  statistics reduced them, average to the gradient autograd accumulated for
+  the step (one random rank-one projection per layer, a per-sample statistic
+  of its own);
+- :mod:`~cockpit_like.checks.loss_factor`: the factor between what was
+  backpropagated and ``info["loss"]``, seen exactly by a hook on the loss
+  tensor (an undeclared ``GradScaler``, a loss divided by the number of
+  micro-batches), which the cockpit then uses;
+- :mod:`~cockpit_like.checks.invariants`: the mean of ``info["individual_losses"]``
+  is ``info["loss"]``; the comparison of the probe with the gradient; the
+  ``checks`` record stored with each tracked step.
+
+A step that fails a check is stored as invalid, with the reason, and the
+quantities that read its per-sample decomposition store no value for it.
+
+May import torch and :mod:`cockpit_like.backends.per_sample` (the statistic base class).
+"""
+
+from cockpit_like.checks.invariants import CHECKS_KEY, StepChecks, check_losses_mean
+from cockpit_like.checks.loss_factor import LossFactor
+from cockpit_like.checks.probe import GradientProbe
+
+__all__ = ["CHECKS_KEY", "StepChecks", "LossFactor", "GradientProbe", "check_losses_mean"]

@@ -1,0 +1,172 @@
+"""The invariants of a tracked step and the ``checks`` record stored with it.
+
+``get_output()[step]["checks"]`` of every tracked step (streamed like any
+value)::
+
+    {"valid": True,                 # False: the step failed a check (see "failed")
+     "failed": [],                  # [{"check": "gradient", "reason": "...", ...}]
+     "backward_passes": 1,          # backward passes merged into the optimizer step
+     "loss_factor": 1.0,            # d(backpropagated root) / d info["loss"], seen by a hook (None: not seen)
+     "assumed_factor": 1.0,         # what the declarations (grad_scaler, micro_batches, loss_scale) said
+     "gradient": {"layers": 4, "worst": 3e-8, "tolerance": 2.4e-4},
+     "no_gradient": [],             # tracked parameters that got no gradient at this step (zero rows)
+     "frozen": [],                  # tracked parameters with requires_grad=False
+     "notes": []}                   # what was left out and why (e.g. BatchNorm in training mode)
+
+May import torch and :mod:`cockpit_like.checks.probe`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cockpit_like.checks.probe import probe_directions, project
+
+__all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for"]
+
+#: the output key of a tracked step's self-checks
+CHECKS_KEY = "checks"
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    """Relative tolerance of the gradient check for gradients computed in ``dtype``: ``2000 eps`` within
+    ``[1e-10, 0.05]`` (float64 1e-10, float32 2.4e-4, float16 and bfloat16 0.05)."""
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 1e-7
+    return min(0.05, max(1e-10, 2000.0 * eps))
+
+
+def check_losses_mean(info: dict, step: int) -> None:
+    """``info["loss"]`` must be the mean of ``info["individual_losses"]`` (the documented form), else a clear error.
+
+    Both describe this backward pass's rows. A loss averaged over every token of a padded batch is not
+    the mean of each row's own token mean; a loss with an extra term (weight decay, an auxiliary loss)
+    is not the mean of the rows' losses without it.
+    """
+    loss, losses = info.get("loss"), info.get("individual_losses")
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.numel() == 0:
+        return
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            return
+        dtype = loss.dtype
+        loss_value = float(loss.detach().reshape(-1)[0])
+    elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        dtype, loss_value = losses.dtype, float(loss)
+    else:
+        return
+    detached = losses.detach()
+    mean = float(detached.to(torch.float64).mean())
+    if not (math.isfinite(mean) and math.isfinite(loss_value)):
+        return  # the non-finite loss is handled (and recorded) elsewhere
+    wide = detached.dtype if detached.dtype.is_floating_point else torch.float32
+    eps = max(torch.finfo(wide).eps, torch.finfo(dtype).eps if dtype.is_floating_point else 0.0)
+    scale = float(detached.to(torch.float64).abs().mean()) + abs(loss_value)
+    if abs(mean - loss_value) <= 64 * eps * scale + 1e-300:
+        return
+    raise ValueError(
+        f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
+        f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
+        "backward pass's rows. Common causes: a loss averaged over all tokens of a padded batch while each row's "
+        "loss is its own token mean (give each row its token sum divided by the batch's mean number of tokens, "
+        "or average the loss over rows); a loss with an extra term such as weight decay or an auxiliary loss "
+        "(add the term to every row's loss); a sum-reduced loss (use reduction='mean', or divide by the batch "
+        "size); losses of another batch than the loss."
+    )
+
+
+class StepChecks:
+    """The self-checks of one tracked optimizer step, gathered over its backward passes."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.failed: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.factors: list[float | None] = []
+        self.assumed: float = 1.0
+        self.gradient: dict[str, Any] | None = None
+        self.no_gradient: list[str] = []
+        self.frozen: list[str] = []
+
+    @property
+    def valid(self) -> bool:
+        return not self.failed
+
+    def fail(self, check: str, reason: str, **details: Any) -> None:
+        self.failed.append({"check": check, "reason": reason, **details})
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    # ---- the gradient check --------------------------------------------------------------
+    def compare_probe(
+        self,
+        probe: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        seed: int,
+        params: list[torch.Tensor],
+        grad_of: Callable[[torch.Tensor], torch.Tensor | None],
+        name_of: Callable[[int], str],
+    ) -> None:
+        """Compare each layer's projected sum of per-sample rows with the projected step gradient."""
+        worst, worst_at, tolerance_seen, offenders = 0.0, None, 0.0, []
+        for index, (total, absolute) in probe.items():
+            param = params[index]
+            grad = grad_of(param)
+            dirs = probe_directions(seed, index, param.shape, param.device)
+            expected = 0.0 if grad is None else float(project(grad, dirs))
+            got, spread = float(total), float(absolute)
+            dtype = param.dtype if grad is None else grad.dtype
+            tolerance = tolerance_for(dtype)
+            tolerance_seen = max(tolerance_seen, tolerance)
+            scale = max(spread, abs(got), abs(expected))
+            if not (math.isfinite(got) and math.isfinite(expected)):
+                error = math.inf if math.isfinite(got) != math.isfinite(expected) or got != expected else 0.0
+                if not math.isfinite(got) and not math.isfinite(expected):
+                    continue  # a non-finite gradient: the non-finite handling speaks for it
+            else:
+                error = 0.0 if scale == 0.0 else abs(got - expected) / scale
+            if error > worst:
+                worst, worst_at = error, index
+            if error > tolerance:
+                offenders.append((index, got, expected, error))
+        self.gradient = {"layers": len(probe), "worst": worst, "tolerance": tolerance_seen}
+        if worst_at is not None:
+            self.gradient["worst_at"] = name_of(worst_at)
+        if offenders:
+            shown = ", ".join(f"{name_of(i)} (rows {got:.6g}, gradient {want:.6g})" for i, got, want, _ in offenders[:3])
+            more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
+            self.fail(
+                "gradient",
+                f"the per-sample gradients do not average to the gradient autograd accumulated for step {self.step} "
+                f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
+                "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
+                "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
+                "backward pass outside the cockpit's block, gradients changed in place before the step ended, or a "
+                "layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
+                "per-sample quantities out for such steps (docs/your_training_loop.md#self-checks).",
+                parameters=[name_of(i) for i, *_ in offenders],
+            )
+
+    # ---- the record ---------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        seen = [f for f in self.factors if f is not None]
+        factor = None
+        if seen and len(seen) == len(self.factors):
+            factor = seen[0] if all(f == seen[0] for f in seen) else [float(f) for f in seen]
+        record: dict[str, Any] = {
+            "valid": self.valid,
+            "failed": [dict(f) for f in self.failed],
+            "backward_passes": len(self.factors),
+            "loss_factor": factor,
+            "assumed_factor": self.assumed,
+            "no_gradient": list(self.no_gradient),
+            "frozen": list(self.frozen),
+            "notes": list(self.notes),
+        }
+        if self.gradient is not None:
+            record["gradient"] = dict(self.gradient)
+        return record

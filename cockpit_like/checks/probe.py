@@ -1,0 +1,129 @@
+"""A random rank-one projection of each layer's sum of per-sample gradients.
+
+:class:`GradientProbe` is a per-sample statistic like the others: it sees
+every layer's rows in whatever form the backend offers them (factors,
+sequence factors, ``grad_batch``, blocks of rows) *after* the reducer scaled
+them, and keeps, per parameter, the projection
+
+    c_p = < sum_i grad_batch_p[i], u_p v_p^T >  (float64)
+
+with ``u_p, v_p`` standard normal vectors (``p`` viewed as a
+``shape[0] x rest`` matrix; a 1-D parameter gets one dense vector). Since
+``sum_i grad_batch[i]`` is the gradient of the pass's mean loss, ``c_p``
+equals ``<p.grad / scale, u v^T>`` when the decomposition is right; a
+backward pass the hooks did not see, a second-order term, a wrong loss
+factor or a layer computed twice all make them differ. ``u^T G v`` has
+standard deviation ``||G||_F``, so one projection per layer catches any
+error of the size of the tolerance with probability close to one. The cost
+is ``O(B (out + in))`` per linear layer in factor form.
+
+The directions come from the cockpit's own generator, seeded by ``(seed,
+parameter index)``: the user's random streams are untouched, and every rank
+and micro-batch draws the same ones.
+
+May import torch and :mod:`cockpit_like.backends.per_sample`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from cockpit_like.backends.per_sample import PerSampleStat, sequence_sum
+
+__all__ = ["GradientProbe", "probe_directions", "project"]
+
+_MASK = (1 << 62) - 1
+
+
+def probe_directions(seed: int, index: int, shape: torch.Size, device) -> tuple[torch.Tensor, ...]:
+    """The probe of parameter ``index``: ``(u, v)`` for a parameter of two or more dimensions, else ``(r,)``."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + index * 7919 + 17) & _MASK)
+    if len(shape) >= 2:
+        rows = shape[0]
+        rest = shape.numel() // max(rows, 1)
+        u = torch.randn(rows, generator=generator, dtype=torch.float64)
+        v = torch.randn(rest, generator=generator, dtype=torch.float64)
+        return u.to(device), v.to(device)
+    return (torch.randn(max(shape.numel(), 1), generator=generator, dtype=torch.float64).to(device),)
+
+
+def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``<tensor, u v^T>`` (or ``<tensor, r>``) in float64; ``tensor`` is shaped like the parameter."""
+    flat = tensor.detach().to(torch.float64)
+    if len(directions) == 2:
+        u, v = directions
+        return u @ flat.reshape(u.shape[0], -1) @ v
+    (r,) = directions
+    return flat.reshape(-1) @ r
+
+
+@dataclass(frozen=True)
+class GradientProbe(PerSampleStat):
+    """Per parameter index: ``(c_p, a_p)``, the projection of the sum of the (scaled) rows and the sum of
+    the rows' absolute projections (the scale of float rounding when rows cancel; ``c_p`` alone where
+    the rows come only as their sum)."""
+
+    seed: int = 0
+    factor_form: ClassVar[bool] = True
+    sequence_form: ClassVar[bool] = True
+    #: reads only the batch sum of a layer given in blocks of rows (``LazyRows.batch_sum``)
+    sum_form: ClassVar[bool] = True
+
+    def init(self, params: list[torch.Tensor]) -> Any:
+        return {"dirs": {}, "sums": {}}
+
+    def _dirs(self, state, index: int, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        dirs = state["dirs"].get(index)
+        if dirs is None:
+            dirs = state["dirs"][index] = probe_directions(self.seed, index, param.shape, param.device)
+        return dirs
+
+    @staticmethod
+    def _add(state, index: int, total: torch.Tensor, absolute: torch.Tensor | None) -> Any:
+        known = state["sums"].get(index)
+        absolute = total.abs() if absolute is None else absolute
+        state["sums"][index] = (total, absolute) if known is None else (known[0] + total, known[1] + absolute)
+        return state
+
+    def accumulate(self, state, index, param, grad_batch):
+        dirs = self._dirs(state, index, param)
+        rows = grad_batch.detach().to(torch.float64)
+        if len(dirs) == 2:
+            u, v = dirs
+            per_row = torch.einsum("r,brc,c->b", u, rows.reshape(rows.shape[0], u.shape[0], -1), v)
+        else:
+            per_row = rows.reshape(rows.shape[0], -1) @ dirs[0]
+        return self._add(state, index, per_row.sum(), per_row.abs().sum())
+
+    def accumulate_factors(self, state, index, param, kind, x, delta):
+        dirs = self._dirs(state, index, param)
+        delta = delta.detach().to(torch.float64)
+        if kind == "bias":
+            per_row = delta @ dirs[0]
+        else:
+            u, v = dirs
+            per_row = (delta @ u) * (x.detach().to(torch.float64) @ v)
+        return self._add(state, index, per_row.sum(), per_row.abs().sum())
+
+    def accumulate_sequence(self, state, index, param, a, b):
+        dirs = self._dirs(state, index, param)
+        if len(dirs) == 2 and a.shape[-1] == dirs[0].shape[0] and b.shape[-1] == dirs[1].shape[0]:
+            u, v = dirs
+            per_row = ((a.detach().to(torch.float64) @ u) * (b.detach().to(torch.float64) @ v)).sum(1)
+            return self._add(state, index, per_row.sum(), per_row.abs().sum())
+        total = sequence_sum(a.detach().to(torch.float64), b.detach().to(torch.float64)).reshape(param.shape)
+        return self._add(state, index, project(total, dirs), None)
+
+    def accumulate_sum(self, state, index, param, batch_sum: torch.Tensor):
+        """A layer given only as the sum of its (scaled) rows."""
+        return self._add(state, index, project(batch_sum, self._dirs(state, index, param)), None)
+
+    def finalize(self, state):
+        return {index: pair for index, pair in sorted(state["sums"].items())}
+
+    def across_ranks(self, result, reduction):
+        parts = {index: (reduction.mean(total), reduction.mean(absolute)) for index, (total, absolute) in result.items()}
+        return lambda: {index: (total(), absolute()) for index, (total, absolute) in parts.items()}
