@@ -186,6 +186,10 @@ class Cockpit:
         #: a backpropagated loss was seen scaled (BackPACK's Hessian diagonal then gets the GGN beside it)
         self._scaled_losses = False
         self._hooked_optimizers: list[Any] = []
+        #: ``(step, names of its decomposed quantities)`` of the step finished last
+        self._finished: tuple[int, set[str]] | None = None
+        #: steps found invalid after they were stored: late values of their decomposed quantities are dropped
+        self._invalid_steps: set[int] = set()
         self._active_cache: tuple[int, list[Quantity]] | None = None
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
         if on_finding is not None and not callable(on_finding):
@@ -385,8 +389,9 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
-        pending = self._pending
-        if pending is not None and pending.step == global_step and "micro_batches" not in (info or {}):
+        pending, ignored = self._pending, False
+        undeclared = "micro_batches" not in (info or {}) and self._micro is None
+        if pending is not None and pending.step == global_step and undeclared:
             # another backward pass of the step whose end was not declared: one more partition of its rows
             pending._execution.free()
             self._pending = None
@@ -394,7 +399,14 @@ class Cockpit:
         else:
             self._flush()
             micro, count = self._micro_batch(global_step, info or {})
-        tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
+            finished = self._finished
+            if undeclared and finished is not None and finished[0] == global_step:
+                # a further backward pass of a step already finished as a whole: its values describe only the
+                # first pass's rows; they are withdrawn and the step is stored as invalid, and the cockpit now
+                # finishes steps when the optimizer steps (the next ones are merged)
+                self._invalidate(global_step, finished[1])
+                ignored = True
+        tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count, ignored=ignored)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
             with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
@@ -429,6 +441,32 @@ class Cockpit:
         self._recorder.after_step(
             tracked.step, tracked.info, tracked=error is None and (tracked.completed or self._pending is tracked)
         )
+
+    def _invalidate(self, step: int, decomposed: set[str]) -> None:
+        """A finished step turned out to have more backward passes: withdraw its values (they describe the
+        first pass, not the optimizer step)."""
+        self._accumulates = True
+        self._invalid_steps.add(step)
+        withdrawn = []
+        for quantity in self.quantities:
+            name = self.name_of(quantity)
+            if name in decomposed and step in quantity.output:
+                del quantity.output[step]
+                withdrawn.append(name)
+        self._output.retract(step, withdrawn)
+        record = dict(self._output.checks.get(step, {"failed": [], "notes": []}))
+        record["valid"] = False
+        record["failed"] = list(record.get("failed", [])) + [{
+            "check": "backward_passes",
+            "reason": (
+                f"step {step} got another backward pass after it was finished as a whole, so its values described "
+                "only the first pass and were withdrawn. The cockpit has learned that this loop "
+                "accumulates: from now on a step ends when info['optimizer'] steps (or the next step begins), and its "
+                "backward passes are merged. Declaring info['micro_batches'] merges them from the first step on."
+            ),
+            "withdrawn": withdrawn,
+        }]
+        self._store_checks(step, record)
 
     def _flush(self) -> None:
         """Finish the step whose end was not declared (its optimizer stepped, the next step begins, or the

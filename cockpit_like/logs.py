@@ -243,6 +243,12 @@ class StreamWriter:
         if values:
             self._line({"step": int(step), "values": encode(values)})
 
+    def retract(self, step: int, names: list[str]) -> None:
+        """Values of ``step`` streamed earlier that no longer hold (a step found invalid after it was stored):
+        the reader drops them."""
+        if names:
+            self._line({"step": int(step), "retract": sorted(names)})
+
     def close(self) -> None:
         if self._handle is None and not self._closed:
             self._open()  # a run without steps still leaves its header
@@ -281,7 +287,10 @@ def _read_stream(lines: list[str], path: Path) -> tuple[dict, dict[int, dict[str
         if "step" not in document and "metadata" in document:  # updated metadata
             metadata = document["metadata"]
             continue
-        steps.setdefault(int(document["step"]), {}).update(decode(document["values"]))
+        values = steps.setdefault(int(document["step"]), {})
+        for name in document.get("retract", ()):
+            values.pop(name, None)
+        values.update(decode(document.get("values", {})))
     return metadata, steps
 
 

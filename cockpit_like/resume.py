@@ -26,6 +26,7 @@ import torch
 
 from cockpit_like.diagnosis.findings import DIAGNOSIS_KEYS, Finding
 from cockpit_like.logs import EPOCH_KEYS, _read_stream, stream_holds
+from cockpit_like.checks.invariants import CHECKS_KEY
 from cockpit_like.run_output import SKIPPED_KEY
 
 __all__ = ["FORMAT", "VERSION", "StateMismatchError", "pack", "unpack", "is_plain", "cockpit_state", "load_cockpit_state"]
@@ -160,6 +161,7 @@ def cockpit_state(cockpit, with_output: bool | None = None) -> dict[str, Any]:
         "epoch_logs": pack(cockpit._output.epoch_logs, params, "cockpit.log(...) values") if with_output else None,
         "findings": pack(cockpit._output.findings, where="findings") if with_output else None,
         "skipped": pack(cockpit._output.skipped, where="skipped steps") if with_output else None,
+        "checks": pack(cockpit._output.checks, where="self-checks") if with_output else None,
         "diagnosis": _diagnosis_state(cockpit),
         "stream": pointer,
     }
@@ -361,6 +363,12 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
     else:
         cockpit._output.skipped = {
             step: dict(values[SKIPPED_KEY]) for step, values in sorted(streamed.items()) if SKIPPED_KEY in values
+        }
+    if state.get("checks") is not None:  # checkpoints of earlier versions have no "checks"
+        cockpit._output.checks = unpack(state["checks"])
+    else:
+        cockpit._output.checks = {
+            step: dict(values[CHECKS_KEY]) for step, values in sorted(streamed.items()) if CHECKS_KEY in values
         }
     _restore_diagnosis(cockpit, state.get("diagnosis"))
     cockpit._next_step = int(state["next_step"])

@@ -67,6 +67,11 @@ class RunOutput:
         self.skipped[step] = dict(why)
         self.publish(step, {SKIPPED_KEY: dict(why)})
 
+    def retract(self, step: int, names: list[str]) -> None:
+        """Values of ``step`` already streamed that no longer hold: the stream says so (the reader drops them)."""
+        if self.stream is not None:
+            self.stream.retract(step, names)
+
     def store_checks(self, step: int, checks: dict[str, Any]) -> None:
         self.checks[step] = dict(checks)
         self.publish(step, {CHECKS_KEY: dict(checks)})

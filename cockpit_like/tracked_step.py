@@ -64,7 +64,10 @@ class TrackedStep:
     the quantities are tracked.
     """
 
-    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool, micro: int, micro_batches: int):
+    def __init__(
+        self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool, micro: int, micro_batches: int,
+        ignored: bool = False,
+    ):
         self.cockpit = cockpit
         self.step = global_step
         self.user_exts = exts
@@ -81,21 +84,24 @@ class TrackedStep:
         #: the step's end is not known in advance: more backward passes of this step may follow, and the
         #: step is finished when the optimizer steps or the next step begins (undeclared micro-batches)
         self.open_ended = (
-            "micro_batches" not in info and cockpit._ranks is None and _is_optimizer(info.get("optimizer"))
-        )
-        self._split = micro_batches > 1 or cockpit._ranks is not None or (self.open_ended and cockpit._accumulates)
+            cockpit._accumulates and "micro_batches" not in info and cockpit._ranks is None
+            and _is_optimizer(info.get("optimizer"))
+        )  # fmt: skip
+        self._split = micro_batches > 1 or cockpit._ranks is not None or self.open_ended
+        #: a backward pass of a step already withdrawn (see Cockpit._invalidate): nothing is computed
+        self.ignored = ignored
         self._factor: LossFactor | None = None
         self._probe: GradientProbe | None = None
         #: names of the quantities that read the per-sample decomposition or BackPACK's buffers
         self._decomposed: set[str] = set()
-        self._fingerprint: dict[int, float] | None = None
+        self._fingerprint: dict[int, float | None] | None = None
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> TrackedStep:
         cockpit, step = self.cockpit, self.step
         cockpit._next_step = step + 1 if self.last else step  # the next forward pass belongs to this step
-        self.active = list(cockpit._active_at(step))
-        if not self.active and not self.user_exts:
+        self.active = [] if self.ignored else list(cockpit._active_at(step))
+        if not self.active and (not self.user_exts or self.ignored):
             cockpit._tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
             if self.debug:
                 print(f"[cockpit_like|step {step}] nothing scheduled")
@@ -304,6 +310,14 @@ class TrackedStep:
                 ranks.end_step()
             execution.free()
         cockpit._store_checks(self.step, checks.to_dict())
+        tracked_names = {cockpit.name_of(q) for q in self.active}
+        cockpit._finished = (self.step, tracked_names)
+        for step in [s for s in new_values if s in cockpit._invalid_steps]:  # late values of a withdrawn step
+            for name in [n for n in new_values[step] if n in tracked_names]:
+                del new_values[step][name]
+                for quantity in self.active:
+                    if cockpit.name_of(quantity) == name:
+                        quantity.output.pop(step, None)
         for step, values in sorted(new_values.items()):
             cockpit._output.publish(step, values)
         cockpit._diagnose(new_values)
