@@ -62,18 +62,19 @@ def batchnorm_mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
 
 
-class GRUClassifier(nn.Module):
-    """Sequences [B, 4, 3] -> GRU(3, 5) -> last hidden state -> Linear(5, 4)."""
+class RNNClassifier(nn.Module):
+    """Sequences [B, 4, 3] -> GRU or LSTM (3, 5) -> last hidden state -> Linear(5, 4)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, cell: str = "GRU", seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.rnn = nn.GRU(3, 5, batch_first=True)
+        self.rnn = getattr(nn, cell)(3, 5, batch_first=True)
         self.head = nn.Linear(5, 4)
         self.to(DTYPE)
 
     def forward(self, x):
         _, h = self.rnn(x)
+        h = h[0] if isinstance(h, tuple) else h  # LSTM: (h, c)
         return self.head(h[-1])
 
 
