@@ -143,6 +143,67 @@ class WithUnused(nn.Module):
         return self.last(torch.tanh(self.first(x)))
 
 
+class TiedLM(nn.Module):
+    """Token ids [B, T] -> Embedding(11, 6) -> Tanh -> logits with the embedding table tied as the output layer."""
+
+    VOCAB = 11
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(self.VOCAB, 6)
+        self.bias = nn.Parameter(torch.zeros(self.VOCAB))
+        self.to(DTYPE)
+
+    def forward(self, tokens):
+        return torch.tanh(self.embed(tokens)) @ self.embed.weight.T + self.bias
+
+
+class TinyMoE(nn.Module):
+    """Top-1 routing of rows to 3 experts (Linear 6-8, Tanh, weighted by the gate), then Linear(8, 4).
+    The gate's bias keeps expert 2 from getting any row (an expert that gets no tokens)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.gate = nn.Linear(6, 3)
+        self.experts = nn.ModuleList([nn.Linear(6, 8) for _ in range(3)])
+        self.head = nn.Linear(8, 4)
+        with torch.no_grad():
+            self.gate.bias[2] = -50.0
+        self.to(DTYPE)
+
+    def forward(self, x):
+        weights = torch.softmax(self.gate(x), dim=1)
+        chosen = weights.argmax(1)
+        hidden = x.new_zeros(len(x), 8)
+        for e, expert in enumerate(self.experts):
+            rows = chosen == e
+            if rows.any():
+                hidden[rows] = torch.tanh(expert(x[rows])) * weights[rows, e : e + 1]
+        return self.head(hidden)
+
+
+class LossInForward(nn.Module):
+    """Hugging Face style: ``model(x, labels=y)`` returns a dict with the logits and the mean loss."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        self.body = mlp(seed)
+
+    def forward(self, x, labels=None):
+        logits = self.body(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+def dropout_mlp(seed: int = 0, p: float = 0.3) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(p), nn.Linear(8, 4)).to(DTYPE)
+
+
 # ----------------------------------------------------------------------------------------------------
 # data
 

@@ -183,6 +183,73 @@ def test_bce_with_logits_multilabel():
 
 
 # ----------------------------------------------------------------------------------------------------
+# model-side habits
+
+
+def test_hugging_face_style_loss_inside_forward():
+    """``out = model(x, labels=y); out["loss"].backward()``: the outermost module returns a scalar."""
+    model, twin = zoo.LossInForward(), zoo.LossInForward()
+    params, tparams = list(model.parameters()), list(twin.parameters())
+    cockpit = Cockpit(params, quantities=first_order(), model=model)
+    optimizer = torch.optim.AdamW(params, lr=0.01)
+    refs = {}
+    for step in range(STEPS):
+        x, y = zoo.classification(ROWS, step)
+        snapshot(twin, model)
+        grads, values = row_grads(tparams, lambda i: twin(x[i : i + 1], labels=y[i : i + 1])["loss"], ROWS)
+        optimizer.zero_grad()
+        out = model(x, labels=y)
+        info = {"batch_size": ROWS, "individual_losses": ce_rows(out["logits"], y), "loss": out["loss"], "optimizer": optimizer}
+        with cockpit(step, info=info):
+            out["loss"].backward()
+        check_twin(params, grads)
+        optimizer.step()
+        refs[step] = reference(grads, values)
+    check_all(cockpit, refs)
+
+
+def test_dropout_in_training_mode():
+    """nn.Dropout in training mode: the reference replays the loop's masks (same seed, same shape),
+    so this also checks that the cockpit leaves the user's random stream and forward pass alone."""
+    model, twin = zoo.dropout_mlp(), zoo.dropout_mlp()
+    params, tparams = list(model.parameters()), list(twin.parameters())
+    cockpit = Cockpit(params, quantities=first_order(), model=model)
+    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    refs = {}
+    for step in range(STEPS):
+        x, y = zoo.classification(ROWS, step)
+        snapshot(twin, model)
+        torch.manual_seed(50 + step)
+        mask = F.dropout(torch.ones(ROWS, 8, dtype=torch.float64), 0.3, training=True)
+
+        def row_loss(i):
+            hidden = torch.tanh(twin[0](x[i : i + 1])) * mask[i]
+            return ce_rows(twin[3](hidden), y[i : i + 1])[0]
+
+        grads, values = row_grads(tparams, row_loss, ROWS)
+        optimizer.zero_grad()
+        torch.manual_seed(50 + step)
+        losses = ce_rows(model(x), y)
+        with cockpit(step, info=info_of(losses, optimizer)):
+            losses.mean().backward()
+        check_twin(params, grads)
+        optimizer.step()
+        refs[step] = reference(grads, values)
+    check_all(cockpit, refs)
+
+
+def test_tied_embedding_language_model():
+    """The embedding table is also the output layer (weight tying), padded batch, mean over tokens."""
+    check_all(*_lm_loop(zoo.TiedLM))
+
+
+def test_mixture_of_experts_with_an_expert_that_gets_no_rows():
+    """Top-1 routing; expert 2 never gets a row, so it has no gradient: the step runs."""
+    cockpit, refs = standard_loop(zoo.TinyMoE)
+    check_all(cockpit, refs)
+
+
+# ----------------------------------------------------------------------------------------------------
 # optimizers and what runs between backward and step
 
 
@@ -515,9 +582,9 @@ def _lm_rows(logits, targets):
     return token.sum(1) * len(targets) / tokens
 
 
-def test_embedding_lm_with_padding_mean_over_tokens():
-    """The loss is the mean over all non-padding tokens; each row's term is ``B * row sum / N``."""
-    model, twin = zoo.TinyLM(), zoo.TinyLM()
+def _lm_loop(factory):
+    """The loss is the mean over all non-padding tokens; row i's term is ``B * (row i's token sum) / N``."""
+    model, twin = factory(), factory()
     params, tparams = list(model.parameters()), list(twin.parameters())
     cockpit = Cockpit(params, quantities=first_order(), model=model)
     optimizer = torch.optim.AdamW(params, lr=0.01)
@@ -543,7 +610,12 @@ def test_embedding_lm_with_padding_mean_over_tokens():
         check_twin(params, grads)
         optimizer.step()
         refs[step] = reference(grads, values)
-    check_all(cockpit, refs)
+    return cockpit, refs
+
+
+def test_embedding_lm_with_padding_mean_over_tokens():
+    """Embedding(padding_idx=0) + Linear; the loss is the mean over all non-padding tokens."""
+    check_all(*_lm_loop(zoo.TinyLM))
 
 
 def test_per_row_token_means_with_a_token_mean_loss_is_a_clear_error():
@@ -649,18 +721,23 @@ def _held_constant_rows(twin, x, y):
 
 
 def test_batchnorm_in_training_mode_economy_preset():
-    """The run never stops; GradNorm, Loss, BatchSize exact; the per-sample quantities are absent
-    with a note in checks, or exact in the form 'batch statistics held constant'."""
+    """The run never stops; GradNorm, Loss, BatchSize, Distance, UpdateSize exact; the per-sample
+    quantities are absent with a note in checks (or a failed check), or exact in the form 'batch
+    statistics held constant' (g_i with the whole batch's mean and variance as constants)."""
     model, twin = zoo.batchnorm_mlp(), zoo.batchnorm_mlp()
     params, tparams = list(model.parameters()), list(twin.parameters())
     cockpit = Cockpit(params, quantities=configuration("economy") + [BatchSize(linear(1))], model=model)
     optimizer = torch.optim.SGD(params, lr=0.1)
+    thetas = []  # the parameters each step used
     for step in range(STEPS):
         x, y = zoo.classification(ROWS, step)
         snapshot(twin, model)
+        thetas.append([p.detach().clone() for p in params])
         full_loss = ce_rows(twin(x), y).mean()
         true_grads = torch.autograd.grad(full_loss, tparams)
         held, values = row_grads(tparams, lambda i: _held_constant_rows(twin, x, y)[i], ROWS)
+        for g_held, g_true in zip(held[2:], true_grads[2:]):  # the batch statistics do not depend on
+            torch.testing.assert_close(g_held.mean(0), g_true, rtol=1e-10, atol=1e-13)  # BN's affine and later
         optimizer.zero_grad()
         losses = ce_rows(model(x), y)
         with cockpit(step, info=info_of(losses, optimizer)):
@@ -683,6 +760,14 @@ def test_batchnorm_in_training_mode_economy_preset():
                     assert_invalid_checks(checks, f"step {step} {name}")
                 else:
                     assert "batchnorm" in str(checks).lower().replace(" ", ""), checks
+    # the quantities that need no per-sample gradient run exactly (UpdateSize of the last step needs
+    # a next step)
+    for step in range(STEPS):
+        distance = [float((a - b).norm()) for a, b in zip(thetas[step], thetas[0])]
+        assert_exact(cockpit, step, "Distance", distance)
+    for step in range(STEPS - 1):
+        update = [float((a - b).norm()) for a, b in zip(thetas[step + 1], thetas[step])]
+        assert_exact(cockpit, step, "UpdateSize", update)
 
 
 # ----------------------------------------------------------------------------------------------------
