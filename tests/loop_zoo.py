@@ -199,6 +199,48 @@ class LossInForward(nn.Module):
         return out
 
 
+class ScaleShift(nn.Module):
+    """A custom layer no built-in rule knows: ``x * weight + bias`` elementwise."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, features))
+        self.bias = nn.Parameter(torch.linspace(-0.1, 0.1, features))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def custom_layer_mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), ScaleShift(8), nn.Linear(8, 4)).to(DTYPE)
+
+
+def weight_norm_mlp(seed: int = 0) -> nn.Sequential:
+    """The first layer's weight reparametrised by torch.nn.utils.parametrizations.weight_norm."""
+    model = mlp(seed)
+    torch.nn.utils.parametrizations.weight_norm(model[0])
+    return model
+
+
+class SharedLayer(nn.Module):
+    """One Linear(8, 8) applied twice on the same rows (weight sharing across depth, ALBERT style)."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 4)
+        self.to(DTYPE)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h)) + h
+        h = torch.tanh(self.shared(h)) + h
+        return self.out(h)
+
+
 def dropout_mlp(seed: int = 0, p: float = 0.3) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(p), nn.Linear(8, 4)).to(DTYPE)

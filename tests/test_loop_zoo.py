@@ -249,6 +249,18 @@ def test_mixture_of_experts_with_an_expert_that_gets_no_rows():
     check_all(cockpit, refs)
 
 
+def test_custom_layer_without_a_rule():
+    check_all(*standard_loop(zoo.custom_layer_mlp))
+
+
+def test_weight_norm_parametrization():
+    check_all(*standard_loop(zoo.weight_norm_mlp))
+
+
+def test_one_layer_applied_twice_on_the_same_rows():
+    check_all(*standard_loop(zoo.SharedLayer))
+
+
 # ----------------------------------------------------------------------------------------------------
 # optimizers and what runs between backward and step
 
@@ -479,6 +491,30 @@ def test_micro_batches_undeclared_with_optimizer_in_info(strict):
 def test_micro_batches_undeclared_backpack_extended(strict):
     # STRICT: the same on a BackPACK-extended Sequential, with the histogram's counts over all rows
     check_all(*_micro_batch_loop(declared=False, extended=True, hist=True), strict=strict)
+
+
+def test_first_micro_batch_outside_the_cockpit():
+    """The old way: the first micro-batch's backward pass outside the with block, the second inside.
+    p.grad holds both; the cockpit never saw the first one's rows, so its per-sample statistics can
+    only be invalid (the self-check 'mean of per-sample gradients = accumulated gradient' fails)."""
+    model, twin = zoo.mlp(), zoo.mlp()
+    params, tparams = list(model.parameters()), list(twin.parameters())
+    cockpit = Cockpit(params, quantities=first_order(), model=model)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    refs, size = {}, ROWS // 2
+    for step in range(STEPS):
+        x, y = zoo.classification(ROWS, step)
+        snapshot(twin, model)
+        grads, values = row_grads(tparams, lambda i: ce_rows(twin(x[i : i + 1]), y[i : i + 1])[0], ROWS)
+        optimizer.zero_grad()
+        (ce_rows(model(x[:size]), y[:size]).mean() / 2).backward()
+        losses = ce_rows(model(x[size:]), y[size:])
+        with cockpit(step, info=info_of(losses, optimizer)):
+            (losses.mean() / 2).backward()
+        check_twin(params, grads)
+        optimizer.step()
+        refs[step] = reference(grads, values)
+    check_all(cockpit, refs)
 
 
 def test_two_losses_backpropagated_in_one_step():
