@@ -36,8 +36,6 @@ from torch import nn
 
 DTYPE = torch.float64
 RTOL = 1e-7
-#: quantities every loop checks
-FIRST_ORDER = ("GradNorm", "NormTest", "InnerTest", "OrthoTest", "Loss", "BatchSize")
 
 
 # ----------------------------------------------------------------------------------------------------

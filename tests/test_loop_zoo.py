@@ -238,11 +238,13 @@ def test_dropout_in_training_mode():
     check_all(cockpit, refs)
 
 
+@pytest.mark.xfail(strict=False, reason="today: a silently wrong number: the tied output use of the embedding is missed (NormTest 0.351 vs 0.755)")
 def test_tied_embedding_language_model():
     """The embedding table is also the output layer (weight tying), padded batch, mean over tokens."""
     check_all(*_lm_loop(zoo.TiedLM))
 
 
+@pytest.mark.xfail(strict=False, reason="today: NotExtendedError for the expert that got no rows")
 def test_mixture_of_experts_with_an_expert_that_gets_no_rows():
     """Top-1 routing; expert 2 never gets a row, so it has no gradient: the step runs."""
     cockpit, refs = standard_loop(zoo.TinyMoE)
@@ -253,6 +255,7 @@ def test_custom_layer_without_a_rule():
     check_all(*standard_loop(zoo.custom_layer_mlp))
 
 
+@pytest.mark.xfail(strict=False, reason="today: the torch.func re-run crashes on weight_norm (RuntimeError: Mismatch in shape)")
 def test_weight_norm_parametrization():
     check_all(*standard_loop(zoo.weight_norm_mlp))
 
@@ -314,6 +317,7 @@ def _compile_works() -> bool:
         return False
 
 
+@pytest.mark.xfail(strict=False, reason="today: the original module's call between steps makes the next tracked step raise UncoveredParameterError")
 def test_compiled_model_and_its_original_module_between_steps():
     """``torch.compile(model)`` trained; the original module called with gradients on between steps
     (a sanity check and a saliency map)."""
@@ -383,6 +387,7 @@ def test_cockpit_only_every_other_step():
 # scaled losses (issue 34's first row and its relatives): STRICT, the numbers are demanded
 
 
+@pytest.mark.xfail(strict=False, reason="today: every statistic is 1024x too large (GradNorm 357 vs 0.349), no check")
 @STRICT
 def test_undeclared_loss_scale_1024(strict):
     # STRICT: an undeclared GradScaler-like factor must still give the unscaled numbers
@@ -390,6 +395,7 @@ def test_undeclared_loss_scale_1024(strict):
     check_all(cockpit, refs, strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: GradNorm 4x too small (0.0873 vs 0.349), no check")
 @STRICT
 def test_undeclared_loss_divided_by_4(strict):
     # STRICT: a loss divided by K without declaring it
@@ -397,6 +403,7 @@ def test_undeclared_loss_divided_by_4(strict):
     check_all(cockpit, refs, strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: GradNorm 4x too small on the BackPACK path, no check")
 @STRICT
 def test_undeclared_loss_divided_by_4_backpack_with_curvature(strict):
     # STRICT: the same on a BackPACK-extended Sequential, with the Hessian diagonal
@@ -404,6 +411,7 @@ def test_undeclared_loss_divided_by_4_backpack_with_curvature(strict):
     check_all(cockpit, refs, strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: GradNorm B=8x too large (2.79 vs 0.349), no check")
 def test_sum_reduction_backward_with_the_mean_in_info():
     """``losses.sum().backward()`` while info["loss"] is the mean: a factor B the cockpit is not told
     about (no info key declares a reduction): exact or invalid."""
@@ -440,6 +448,7 @@ def test_grad_scaler_declared(strict):
     check_all(*_grad_scaler_loop(declared=True), strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: without info['grad_scaler'] every statistic is 1024x too large, no check")
 @STRICT
 def test_grad_scaler_undeclared(strict):
     # STRICT: torch.amp.GradScaler("cpu") without info["grad_scaler"] (someone coming from Cockpit)
@@ -481,18 +490,21 @@ def test_micro_batches_declared(strict):
     check_all(*_micro_batch_loop(declared=True), strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: only the last micro-batch's rows: NormTest 0.676 vs 1.017, no check")
 @STRICT
 def test_micro_batches_undeclared_with_optimizer_in_info(strict):
     # STRICT: two micro-batches, the same step, no info["micro_batches"], the optimizer in info
     check_all(*_micro_batch_loop(declared=False), strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: only the last micro-batch's rows: NormTest 0.676 vs 1.017, no check")
 @STRICT
 def test_micro_batches_undeclared_backpack_extended(strict):
     # STRICT: the same on a BackPACK-extended Sequential, with the histogram's counts over all rows
     check_all(*_micro_batch_loop(declared=False, extended=True, hist=True), strict=strict)
 
 
+@pytest.mark.xfail(strict=False, reason="today: the per-sample statistics see only the second micro-batch: NormTest 0.676 vs 1.017, no check")
 def test_first_micro_batch_outside_the_cockpit():
     """The old way: the first micro-batch's backward pass outside the with block, the second inside.
     p.grad holds both; the cockpit never saw the first one's rows, so its per-sample statistics can
@@ -517,6 +529,7 @@ def test_first_micro_batch_outside_the_cockpit():
     check_all(cockpit, refs)
 
 
+@pytest.mark.xfail(strict=False, reason="today: the per-sample statistics see only the first backward pass: NormTest 0.839 vs 0.912, no check")
 def test_two_losses_backpropagated_in_one_step():
     """``l1.backward(retain_graph=True); l2.backward()`` in one with block: a main loss and a logit
     penalty ``0.5 * mean(out^2)``; row i's term is ``ce_i + 0.5 * mean_c out_ic^2``."""
@@ -545,6 +558,7 @@ def test_two_losses_backpropagated_in_one_step():
     check_all(cockpit, refs)
 
 
+@pytest.mark.xfail(strict=False, reason="today: NormTest is NaN (brute force 0.216), no check")
 def test_gradient_penalty_double_backward():
     """WGAN-GP / R1 style: ``loss + 10 * mean_i ||d f(x_i)[0] / dx_i||^2`` with create_graph=True."""
     model, twin = zoo.mlp(), zoo.mlp()
@@ -573,6 +587,7 @@ def test_gradient_penalty_double_backward():
     check_all(cockpit, refs)
 
 
+@pytest.mark.xfail(strict=False, reason="today: D called on 4 + 4 rows raises UncoveredParameterError (no batch dimension of size 8)")
 def test_gan_discriminator_called_on_real_and_fake_rows():
     """The discriminator step: D called on real rows and on (detached) fake rows, loss the mean over
     all 2B rows; then a generator step through D outside the cockpit. Exact or invalid."""
@@ -654,6 +669,7 @@ def test_embedding_lm_with_padding_mean_over_tokens():
     check_all(*_lm_loop(zoo.TinyLM))
 
 
+@pytest.mark.xfail(strict=False, reason="today: mean(individual_losses) != loss is accepted silently")
 def test_per_row_token_means_with_a_token_mean_loss_is_a_clear_error():
     """Each row's own token mean as individual_losses while the loss is the mean over all tokens:
     their means differ; the with block raises a ValueError naming both numbers."""
@@ -711,6 +727,7 @@ def _no_gradient_loop(factory, use_aux=None, steps: int = STEPS):
     return cockpit, refs, model, no_grad
 
 
+@pytest.mark.xfail(strict=False, reason="today: NotExtendedError at the step where the aux head gets no gradient")
 def test_head_used_only_on_some_steps():
     """An auxiliary head in the loss on even steps only: on odd steps ``aux`` gets no gradient."""
     cockpit, refs, _, no_grad = _no_gradient_loop(zoo.TwoHeads, use_aux=lambda step: step % 2 == 0)
@@ -718,6 +735,7 @@ def test_head_used_only_on_some_steps():
     check_all(cockpit, refs)
 
 
+@pytest.mark.xfail(strict=False, reason="today: RuntimeError from GradNorm (a parameter without gradient)")
 @STRICT
 def test_parameters_the_loss_never_uses(strict):
     # STRICT: unused parameters: the step runs and the numbers are exact; checks name them
@@ -725,9 +743,11 @@ def test_parameters_the_loss_never_uses(strict):
     check_all(cockpit, refs, strict=strict)
     for step in refs:
         checks = cockpit.get_output()[step]["checks"]
-        assert set(checks["no_gradient"]) >= no_grad[step] == {"unused.weight", "unused.bias", "mask_emb"}
+        assert no_grad[step] == {"unused.weight", "unused.bias", "mask_emb"}
+        assert set(checks["no_gradient"]) >= no_grad[step]
 
 
+@pytest.mark.xfail(strict=False, reason="today: Cockpit(params) refuses parameters with requires_grad=False")
 @STRICT
 def test_frozen_layers_in_cockpit_model_parameters(strict):
     # STRICT: frozen layers passed to Cockpit(model.parameters()): the run goes on, the numbers are
@@ -756,6 +776,7 @@ def _held_constant_rows(twin, x, y):
     return ce_rows(head(torch.tanh(normed)), y)
 
 
+@pytest.mark.xfail(strict=False, reason="today: BatchNormInTrainingError stops the run")
 def test_batchnorm_in_training_mode_economy_preset():
     """The run never stops; GradNorm, Loss, BatchSize, Distance, UpdateSize exact; the per-sample
     quantities are absent with a note in checks (or a failed check), or exact in the form 'batch
