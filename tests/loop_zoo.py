@@ -87,8 +87,13 @@ class TinyEncoder(nn.Module):
         self.head = nn.Linear(8, 3)
         self.to(DTYPE)
 
-    def forward(self, x):
-        return self.head(self.layer(self.embed(x)).mean(1))
+    def forward(self, x, padding=None):
+        """``padding``: [B, T] bool, True at padded positions (masked in attention and in the pooling)."""
+        if padding is None:
+            return self.head(self.layer(self.embed(x)).mean(1))
+        hidden = self.layer(self.embed(x), src_key_padding_mask=padding)
+        keep = (~padding).to(hidden.dtype)[:, :, None]
+        return self.head((hidden * keep).sum(1) / keep.sum(1))
 
 
 class TinyLM(nn.Module):

@@ -164,6 +164,29 @@ def test_tiny_transformer_encoder_layer():
     check_all(*standard_loop(zoo.TinyEncoder, data, rows=6))
 
 
+def test_transformer_encoder_with_a_key_padding_mask():
+    """Rows of different lengths: src_key_padding_mask in attention, masked mean pooling."""
+    model, twin = zoo.TinyEncoder(), zoo.TinyEncoder()
+    params, tparams = list(model.parameters()), list(twin.parameters())
+    cockpit = Cockpit(params, quantities=first_order(), model=model)
+    optimizer = torch.optim.AdamW(params, lr=0.01)
+    refs, rows = {}, 6
+    padding = torch.zeros(rows, 3, dtype=torch.bool)
+    padding[1, 2] = padding[3, 1:] = padding[4, 2] = True
+    for step in range(STEPS):
+        x, y = zoo.classification(rows, step, (3, 4), classes=3)
+        snapshot(twin, model)
+        grads, values = row_grads(tparams, lambda i: ce_rows(twin(x[i : i + 1], padding[i : i + 1]), y[i : i + 1])[0], rows)
+        optimizer.zero_grad()
+        losses = ce_rows(model(x, padding), y)
+        with cockpit(step, info=info_of(losses, optimizer)):
+            losses.mean().backward()
+        check_twin(params, grads)
+        optimizer.step()
+        refs[step] = reference(grads, values)
+    check_all(cockpit, refs)
+
+
 # ----------------------------------------------------------------------------------------------------
 # losses
 
