@@ -200,6 +200,15 @@ class TrackedStep:
                 partition.split = self._split
                 partitions.add(partition)
                 partitions.checks.factors.append(partition.factor)
+                if factor is not None and factor.watched and factor.factor is None:
+                    partitions.checks.fail(
+                        "loss_factor",
+                        f"info['loss'] got no gradient in the backward pass of step {self.step}: the tensor that was "
+                        "backpropagated is neither info['loss'] nor computed from it, so the factor between the "
+                        "backpropagated loss and the per-row losses (a GradScaler, a division by the number of "
+                        "micro-batches) cannot be seen. Pass the loss you call backward() on (or the one a GradScaler "
+                        "scales) as info['loss'], or a detached value to state that no factor is applied.",
+                    )
                 for note in execution.notes:
                     partitions.checks.note(note)
         except BaseException:
@@ -291,7 +300,13 @@ class TrackedStep:
                 loss_is_finite=self._loss_is_finite, live_params=params,
             )
             context._activate(record)
-            skipped = set() if checks.valid else self._decomposed
+            # a wrong loss factor or unmerged backward passes spoil every gradient: no numbers at all; a failed
+            # gradient check spoils what reads the per-sample decomposition (the gradient itself is autograd's)
+            spoiled = {f["check"] for f in checks.failed}
+            if spoiled & {"loss_factor", "backward_passes"}:
+                skipped = {cockpit.name_of(q) for q in self.active}
+            else:
+                skipped = set() if checks.valid else set(self._decomposed)
             skipped |= execution.left_out_owners(self._decomposed)
             for quantity in self.active:
                 if cockpit.name_of(quantity) in skipped:

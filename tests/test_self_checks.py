@@ -1,0 +1,180 @@
+"""Issue 34: the self-checks of a tracked step, and mutations of the per-sample path that they must catch."""
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit, read_log
+from cockpit_like.backends.per_sample import PerSampleReducer
+from cockpit_like.backends.step import StepExecution
+from cockpit_like.checks import GradientProbe, check_losses_mean
+from cockpit_like.checks.probe import probe_directions, project
+from cockpit_like.quantities import GradNorm, InnerTest, NormTest
+from cockpit_like.utils.schedules import linear
+
+ROWS = 8
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def data(step, rows=ROWS):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(rows, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (rows,), generator=generator)
+
+
+def quantities():
+    return [GradNorm(linear(1)), NormTest(linear(1)), InnerTest(linear(1))]
+
+
+def train(factor=1.0, steps=2, micro_batches=None, stream_to=None, two_losses=False):
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / factor)  # the same run whatever the factor
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model, stream_to=stream_to)
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = data(step)
+        parts = [(x, y)] if micro_batches is None else list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
+        for xs, ys in parts:
+            outputs = model(xs)
+            losses = nn.functional.cross_entropy(outputs, ys, reduction="none")
+            loss = losses.mean()
+            info = {"batch_size": len(ys), "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+            with cockpit(step, info=info):
+                if two_losses:
+                    loss.backward(retain_graph=True)
+                    outputs.square().mean().backward()
+                else:
+                    (loss * factor / len(parts)).backward()
+        optimizer.step()
+    return cockpit
+
+
+def test_a_plain_step_is_valid_and_says_what_it_checked():
+    checks = train().get_output()[0]["checks"]
+    assert checks["valid"] and checks["failed"] == [] and checks["backward_passes"] == 1
+    assert checks["loss_factor"] == 1.0 and checks["gradient"]["layers"] == 4
+    assert checks["gradient"]["worst"] < checks["gradient"]["tolerance"] == 1e-10
+
+
+def test_an_undeclared_loss_factor_is_seen_and_used():
+    plain, scaled = train().get_output(), train(factor=1024.0).get_output()
+    for step in plain:
+        assert scaled[step]["checks"]["loss_factor"] == 1024.0 and scaled[step]["checks"]["valid"]
+        for name in ("GradNorm", "NormTest", "InnerTest"):
+            assert scaled[step][name] == pytest.approx(plain[step][name], rel=1e-10)
+
+
+def test_mutation_ignoring_the_loss_factor_fails_the_gradient_check(monkeypatch):
+    """Break the per-sample path: the rows keep the factor the hook saw. The check must fail the step."""
+    monkeypatch.setattr(StepExecution, "observe_loss_factor", lambda self, factor: None)
+    output = train(factor=1024.0).get_output()
+    for values in output.values():
+        assert not values["checks"]["valid"]
+        assert [f["check"] for f in values["checks"]["failed"]] == ["gradient"]
+        assert "NormTest" not in values and "InnerTest" not in values  # no number rather than a wrong one
+        assert "GradNorm" in values  # autograd's gradient, unscaled by the seen factor, is still right
+
+
+def test_mutation_dropping_the_second_backward_pass_rows_fails_the_gradient_check(monkeypatch):
+    """Break the per-sample path: the second micro-batch's rows reach the statistics as zeros."""
+    made = []
+    original = PerSampleReducer.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self)
+        if len(made) % 2 == 0:  # every second backward pass of a step
+            self._scaled = lambda tensor: torch.zeros_like(tensor, dtype=torch.float64 if tensor.dtype == torch.float64 else tensor.dtype)
+
+    monkeypatch.setattr(PerSampleReducer, "__init__", init)
+    model = mlp()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    x, y = data(0)
+    for xs, ys in zip(x.chunk(2), y.chunk(2)):
+        outputs = model(xs)
+        losses = nn.functional.cross_entropy(outputs, ys, reduction="none")
+        loss = losses.mean()
+        info = {"batch_size": len(ys), "individual_losses": losses, "loss": loss, "micro_batches": 2}
+        with cockpit(0, info=info):
+            (loss / 2).backward()
+    checks = cockpit.get_output()[0]["checks"]
+    assert not checks["valid"] and checks["failed"][0]["check"] == "gradient"
+    assert "NormTest" not in cockpit.get_output()[0]
+
+
+def test_two_losses_in_one_block_are_stored_invalid_with_the_reason():
+    output = train(two_losses=True).get_output()
+    for values in output.values():
+        failed = values["checks"]["failed"]
+        assert failed and failed[0]["check"] == "gradient" and "second backward pass" in failed[0]["reason"]
+        assert "NormTest" not in values and "GradNorm" in values
+
+
+def test_undeclared_micro_batches_first_step_withdrawn_then_merged_exactly(tmp_path):
+    whole = train(steps=3).get_output()
+    accumulated = train(steps=3, micro_batches=2, stream_to=tmp_path / "run")
+    output = accumulated.get_output()
+    assert not output[0]["checks"]["valid"] and output[0]["checks"]["failed"][0]["check"] == "backward_passes"
+    assert set(output[0]) == {"checks"}  # every value of the first pass was withdrawn
+    for step in (1, 2):
+        assert output[step]["checks"]["valid"] and output[step]["checks"]["backward_passes"] == 2
+        for name in ("GradNorm", "NormTest", "InnerTest"):
+            assert output[step][name] == pytest.approx(whole[step][name], rel=1e-10)
+    streamed = read_log(tmp_path / "run.jsonl")  # the stream on disk agrees with the log in memory
+    assert set(streamed[0]) == {"checks"} and streamed[1]["NormTest"] == output[1]["NormTest"]
+
+
+def test_the_mean_of_the_losses_must_be_the_loss():
+    losses = torch.tensor([1.0, 2.0, 4.0])
+    check_losses_mean({"loss": losses.mean(), "individual_losses": losses}, 0)
+    with pytest.raises(ValueError, match=r"info\['loss'\] is 3.5 but the mean of info\['individual_losses'\] is 2.3333333"):
+        check_losses_mean({"loss": torch.tensor(3.5), "individual_losses": losses}, 0)
+
+
+@pytest.mark.parametrize("form", ["factors", "sequence", "grad_batch", "sum"])
+def test_the_probe_equals_the_projection_of_the_brute_force_row_sum(form):
+    torch.manual_seed(1)
+    param = torch.zeros(4, 3, dtype=torch.float64)
+    a, b = torch.randn(6, 5, 4, dtype=torch.float64), torch.randn(6, 5, 3, dtype=torch.float64)
+    rows = torch.einsum("btr,btc->brc", a, b)  # brute force: each row's gradient
+    probe = GradientProbe(seed=3)
+    state = probe.init([param])
+    if form == "factors":
+        state = probe.accumulate_factors(state, 0, param, "weight", b[:, 0], a[:, 0])
+        rows = torch.einsum("br,bc->brc", a[:, 0], b[:, 0])
+    elif form == "sequence":
+        state = probe.accumulate_sequence(state, 0, param, a, b)
+    elif form == "grad_batch":
+        state = probe.accumulate(state, 0, param, rows)
+    else:
+        state = probe.accumulate_sum(state, 0, param, rows.sum(0))
+    total, _ = probe.finalize(state)[0]
+    u, v = probe_directions(3, 0, param.shape, param.device)
+    assert float(total) == pytest.approx(float(u @ rows.sum(0) @ v), rel=1e-12)
+    assert float(project(rows.sum(0), (u, v))) == pytest.approx(float(total), rel=1e-12)
+
+
+def test_the_probe_leaves_the_user_random_streams_alone():
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    probe_directions(1, 2, torch.Size([7, 3]), "cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_batch_norm_in_training_mode_runs_the_rest_and_notes_what_was_left_out():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    x, y = data(0)
+    outputs = model(x)
+    losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    loss = losses.mean()
+    with cockpit(0, info={"batch_size": ROWS, "individual_losses": losses, "loss": loss}):
+        loss.backward()
+    values = cockpit.get_output()[0]
+    assert values["checks"]["valid"] and "BatchNorm1d in training mode" in values["checks"]["notes"][0]
+    assert "NormTest" not in values and "InnerTest" not in values
+    assert values["GradNorm"] == pytest.approx([p.grad.norm().item() for p in model.parameters()], rel=1e-12)
