@@ -23,6 +23,11 @@ import torch
 from cockpit_like import Cockpit
 from cockpit_like.context import get_individual_losses
 from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
+from cockpit_like.quantities.utils_transforms import (
+    BatchGradTransformsHook,
+    BatchGradTransformsHook_SumGradSquared,
+    sum_grad_squared_transform,
+)
 from cockpit_like.utils.schedules import linear
 from tests.helpers import dense_hessian, make_batch, make_problem, per_sample_grads
 from tests.zoo import ZOO
@@ -125,3 +130,23 @@ def test_tic_default_curvature_reads_hutchinson_where_backpack_cannot_run():
         loss.backward(create_graph=cockpit.create_graph(0))
     assert quantity._curvature == "hutchinson" and quantity.curvature == "auto"
     assert cockpit.get_output()[0]["TICDiag"] is not None
+
+
+# ---- Cockpit._merge_batch_grad_transform_hooks -----------------------------------------------------
+def test_merge_batch_grad_transform_hooks_as_in_cockpit():
+    def same(t):
+        return t
+
+    first = BatchGradTransformsHook({"x": lambda t: t, "y": same})
+    second = BatchGradTransformsHook({"v": lambda t: t, "y": same})
+    merged = Cockpit._merge_batch_grad_transform_hooks([first, second])
+    assert isinstance(merged, BatchGradTransformsHook)
+    assert sorted(merged._transforms) == ["v", "x", "y"]
+    assert merged._transforms["x"] is first._transforms["x"] and merged._transforms["v"] is second._transforms["v"]
+    assert merged._transforms["y"] is same  # the same function under one name: kept once
+    with pytest.raises(ValueError, match="two different transforms under the name 'x'"):
+        Cockpit._merge_batch_grad_transform_hooks([first, BatchGradTransformsHook({"x": lambda t: t})])
+    ready_made = Cockpit._merge_batch_grad_transform_hooks(
+        [BatchGradTransformsHook_SumGradSquared(), BatchGradTransformsHook_SumGradSquared()]
+    )
+    assert ready_made._transforms == {"sum_grad_squared": sum_grad_squared_transform}
