@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backpack.extensions import BatchGrad, DiagHessian
+from torch import nn
 
 from cockpit_like import Cockpit
 from cockpit_like.context import get_individual_losses
-from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
+from cockpit_like.quantities import CABS, HessTrace, TICDiag, TICTrace
 from cockpit_like.quantities.utils_transforms import (
     BatchGradTransformsHook,
     BatchGradTransformsHook_SumGradSquared,
@@ -150,3 +152,55 @@ def test_merge_batch_grad_transform_hooks_as_in_cockpit():
         [BatchGradTransformsHook_SumGradSquared(), BatchGradTransformsHook_SumGradSquared()]
     )
     assert ready_made._transforms == {"sum_grad_squared": sum_grad_squared_transform}
+
+
+# ---- BackPACK buffers in and after the block -------------------------------------------------------
+def test_tic_puts_sum_grad_squared_on_the_params_and_user_exts_keep_theirs():
+    """Cockpit's test_backpack_extensions: TICDiag and the user's own DiagHessian in ``*exts``."""
+    seen_inside, seen_after = {}, {}
+
+    def inside(step, params):
+        seen_inside[step] = [
+            (p.diag_h.detach().clone(), p.grad_batch_transforms["sum_grad_squared"].detach().clone()) for p in params
+        ]
+
+    def after(step, params):
+        seen_after[step] = [(hasattr(p, "diag_h"), hasattr(p, "grad_batch_transforms")) for p in params]
+
+    _, refs = _loop([TICDiag(linear(1))], (DiagHessian(),), inside=inside, after=after)
+    for step, (grads, hessian) in refs.items():
+        diagonals = hessian.diagonal().split([g[0].numel() for g in grads])
+        for (diag_h, squares), g, diagonal in zip(seen_inside[step], grads, diagonals):
+            torch.testing.assert_close(squares, (g**2).sum(0) / BATCH**2, rtol=1e-10, atol=1e-14)  # Cockpit's scaling
+            torch.testing.assert_close(diag_h.flatten(), diagonal, rtol=1e-10, atol=1e-12)
+        assert seen_after[step] == [(True, False)] * len(grads)  # the user's diag_h stays, the transforms go
+
+
+def test_user_batch_grad_in_exts_stays_on_the_params_after_the_step():
+    """A user's own ``BatchGrad`` in ``*exts``: ``p.grad_batch`` (``g_i / B``) is left on the parameters."""
+    kept = {}
+
+    def after(step, params):
+        kept[step] = [p.grad_batch.detach().clone() for p in params]
+
+    _, refs = _loop([CABS(linear(1)), TICDiag(linear(1))], (BatchGrad(),), after=after)
+    for step, (grads, _) in refs.items():
+        for grad_batch, g in zip(kept[step], grads):
+            torch.testing.assert_close(grad_batch, g / BATCH, rtol=1e-10, atol=1e-14)
+
+
+def test_a_quantitys_own_sum_grad_squared_transform_is_not_overwritten():
+    """A transform a quantity asked for under the name "sum_grad_squared" keeps its value next to TIC's."""
+
+    def ones(grad_batch):
+        return torch.ones(())
+
+    class Own(TICDiag):
+        def extension_hooks(self, global_step):
+            return [BatchGradTransformsHook({"sum_grad_squared": ones})]
+
+        def _compute(self, global_step, params, batch_loss):
+            return [float(p.grad_batch_transforms["sum_grad_squared"]) for p in params]
+
+    cockpit, _ = _loop([TICDiag(linear(1)), Own(linear(1))], steps=1)
+    assert cockpit.get_output()[0]["Own"] == [1.0] * len(cockpit.params)

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from cockpit_like.backends.per_sample import PerSampleStat
+from cockpit_like.backends.per_sample import GRAD_BATCH_TRANSFORMS, PerSampleStat, publish_transform_results
 
 __all__ = [
     "BatchGradTransformsHook",
@@ -51,7 +51,7 @@ __all__ = [
     "sum_grad_squared_transform",
 ]
 
-SAVEFIELD = "grad_batch_transforms"
+SAVEFIELD = GRAD_BATCH_TRANSFORMS
 
 
 def _apply(transforms: Iterable[tuple[str, Callable]], param: torch.Tensor, grad_batch: torch.Tensor) -> dict:
@@ -80,7 +80,7 @@ class GradBatchTransforms(PerSampleStat):
 
     def accumulate(self, state, index, param, grad_batch):
         results = _apply(self.transforms, param, grad_batch)
-        setattr(param, SAVEFIELD, results)
+        publish_transform_results(param, results)  # next to what built-in statistics publish there
         state[index] = results
         return state
 
