@@ -731,6 +731,19 @@ class Cockpit:
         self._flush()
         self._output.close()
 
+    @staticmethod
+    def _merge_batch_grad_transform_hooks(batch_grad_transform_hooks: list) -> Any:
+        """Cockpit's private merge of ``BatchGradTransformsHook``s, kept for code written against it.
+
+        Returns one ``BatchGradTransformsHook`` with every transform (the same
+        function under one name once); two different functions under one name
+        raise ``ValueError``. The cockpit itself merges the hooks of a step into
+        one per-sample statistic (:mod:`cockpit_like.quantities.utils_transforms`).
+        """
+        from cockpit_like.quantities.utils_transforms import merge_into_hook
+
+        return merge_into_hook(batch_grad_transform_hooks)
+
 
 class _AnyTracked:
     """The schedule of the diagnosis feeds: a step is tracked when one of ``quantities`` tracks it."""

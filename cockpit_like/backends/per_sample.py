@@ -53,10 +53,32 @@ __all__ = [
     "DEFAULT_BUDGET_BYTES",
     "materialize_linear",
     "materialize_sequence",
+    "GRAD_BATCH_TRANSFORMS",
+    "publish_transform_results",
 ]
 
 #: default bound on the per-sample gradients materialised at once (one block of one layer's rows)
 DEFAULT_BUDGET_BYTES = 256 << 20
+
+#: the attribute where Cockpit's ``BatchGradTransformsHook`` leaves its results on a parameter
+GRAD_BATCH_TRANSFORMS = "grad_batch_transforms"
+
+
+def publish_transform_results(param: torch.Tensor, results: dict[str, Any], overwrite: bool = True) -> None:
+    """Add ``results`` to ``param.grad_batch_transforms`` (a dict, created on first use), as Cockpit's hooks do.
+
+    Statistics that stand in for one of Cockpit's transforms publish their
+    result under Cockpit's name with ``overwrite=False``, so that a transform
+    a quantity asked for under the same name keeps its own value. The
+    attribute is one of the statistic's ``param_fields``: the cockpit deletes
+    it when the step's quantities have run.
+    """
+    current = getattr(param, GRAD_BATCH_TRANSFORMS, None)
+    merged = dict(current) if isinstance(current, dict) else {}
+    for name, value in results.items():
+        if overwrite or name not in merged:
+            merged[name] = value
+    setattr(param, GRAD_BATCH_TRANSFORMS, merged)
 
 #: a layer's ``grad_batch`` of at least this many bytes is made in a buffer the reducer reuses for the next
 #: such layers of the step, where every statistic only reads it (:meth:`PerSampleStat.borrows`): glibc

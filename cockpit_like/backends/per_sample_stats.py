@@ -51,12 +51,19 @@ convolution on its unfolded input: ``gb[i] = sum_t a_it b_it^T``, ``a``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
 from cockpit_like.backends.partitions import step_grad, step_memo, whole
-from cockpit_like.backends.per_sample import PerSampleStat, Rows, sequence_sum
+from cockpit_like.backends.per_sample import (
+    GRAD_BATCH_TRANSFORMS,
+    PerSampleStat,
+    Rows,
+    publish_transform_results,
+    sequence_sum,
+)
 
 __all__ = [
     "GramSummary",
@@ -262,21 +269,37 @@ class SquaredNorms(PerSampleStat):
 
 @dataclass(frozen=True)
 class SumOfSquares(PerSampleStat):
-    """Per parameter ``s_p = sum_i grad_batch_p[i]**2 = (1/B^2) sum_i g_{i,p}**2`` (shaped like ``p``)."""
+    """Per parameter ``s_p = sum_i grad_batch_p[i]**2 = (1/B^2) sum_i g_{i,p}**2`` (shaped like ``p``).
+
+    As Cockpit's ``BatchGradTransformsHook_SumGradSquared`` (which TIC, MeanGSNR,
+    CABS and EarlyStopping ask for there), ``s_p`` is also put on the parameter
+    as ``p.grad_batch_transforms["sum_grad_squared"]`` once its layer is
+    reduced, and deleted with the other buffers after the step. That view is
+    Cockpit's, of one backward pass on one process: with several backward
+    passes per step (micro-batches) or ranks, the attribute holds this
+    process's first pass, and the step record the merged value.
+    """
+
+    param_fields: ClassVar[tuple[str, ...]] = (GRAD_BATCH_TRANSFORMS,)
 
     def init(self, params):
         return [None] * len(params)
 
     factor_form = True
 
+    @staticmethod
+    def _publish(state, index, param):
+        publish_transform_results(param, {"sum_grad_squared": state[index]}, overwrite=False)
+        return state
+
     def accumulate(self, state, index, param, grad_batch):
         state[index] = (grad_batch.detach() ** 2).sum(0)
-        return state
+        return self._publish(state, index, param)
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
         squared = delta * delta
         state[index] = squared.sum(0) if kind == "bias" else squared.T @ (x * x)
-        return state
+        return self._publish(state, index, param)
 
     def borrows(self, state, nbytes) -> bool:
         return True  # reads grad_batch during accumulate only
@@ -286,7 +309,7 @@ class SumOfSquares(PerSampleStat):
     def accumulate_rows(self, state, index, param, grad_batch, rows):
         part = (grad_batch.detach() ** 2).sum(0)
         state[index] = part if rows.start == 0 else state[index].add_(part)
-        return state
+        return self._publish(state, index, param)  # the same tensor, added to in place by later blocks
 
     def across_ranks(self, result, reduction):
         # s_p * B_r^2 = sum_i g_ip^2 adds up over ranks

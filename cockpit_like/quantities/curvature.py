@@ -111,7 +111,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         self, track_schedule, verbose: bool = False, curvature: str = "auto", hutchinson_samples: int = 4
     ):
         super().__init__(track_schedule, verbose=verbose)
-        self._curvature = _check_curvature(curvature, type(self).__name__)
+        self._requested = _check_curvature(curvature, type(self).__name__)
         if isinstance(hutchinson_samples, bool) or not isinstance(hutchinson_samples, int) or hutchinson_samples < 1:
             raise ValueError(
                 f"{type(self).__name__}(hutchinson_samples=...) needs a positive int, got {hutchinson_samples!r}"
@@ -121,7 +121,27 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
 
     @property
     def curvature(self) -> str:
-        return self._curvature
+        """The ``curvature`` argument as given (``"auto"`` stays ``"auto"``)."""
+        return self._requested
+
+    @property
+    def _curvature(self) -> str:
+        """Cockpit's attribute: the curvature by Cockpit's name, ``"auto"`` resolved.
+
+        Subclasses written for Cockpit read ``self._curvature`` (Cockpit's own
+        tests compare it with ``"diag_h"``, the default there). ``"auto"`` reads
+        as what it chose: ``"diag_h"`` where BackPACK computes the diagonal (and
+        before the model is known), else ``"hutchinson"``; an explicit choice
+        reads as given. Assigning it sets the curvature anew.
+        """
+        if self._requested == "auto":
+            return self.method
+        return self._requested
+
+    @_curvature.setter
+    def _curvature(self, curvature: str) -> None:
+        self._requested = _check_curvature(curvature, type(self).__name__)
+        self._method = None if curvature == "auto" else curvature
 
     @property
     def method(self) -> str:
@@ -134,7 +154,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def adapt_to_models(self, models: list) -> None:
         from cockpit_like.backends.step import backpack_curvature_compatible
 
-        choice = self._CHOICE_BY_MODEL.get(self._curvature)
+        choice = self._CHOICE_BY_MODEL.get(self._requested)
         if choice is not None:
             exact, estimator = choice
             self._method = exact if backpack_curvature_compatible(models, CURVATURES[exact]()) else estimator
@@ -164,8 +184,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return self._need() is not None and self.should_compute(global_step)
 
     def settings(self) -> dict:
-        settings = {"curvature": self._curvature}
-        if self._curvature in ESTIMATORS or self.method != self._curvature:
+        settings = {"curvature": self._requested}
+        if self._requested in ESTIMATORS or self.method != self._requested:
             settings["computed_with"] = self.method
             if self.method == "hutchinson":
                 settings["hutchinson_samples"] = self._samples

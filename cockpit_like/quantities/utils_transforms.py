@@ -35,12 +35,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from cockpit_like.backends.per_sample import PerSampleStat
+from cockpit_like.backends.per_sample import GRAD_BATCH_TRANSFORMS, PerSampleStat, publish_transform_results
 
 __all__ = [
     "BatchGradTransformsHook",
     "GradBatchTransforms",
     "merge_transform_hooks",
+    "merge_into_hook",
     "split_transform_hooks",
     "BatchGradTransformsHook_BatchL2Grad",
     "BatchGradTransformsHook_BatchDotGrad",
@@ -50,7 +51,7 @@ __all__ = [
     "sum_grad_squared_transform",
 ]
 
-SAVEFIELD = "grad_batch_transforms"
+SAVEFIELD = GRAD_BATCH_TRANSFORMS
 
 
 def _apply(transforms: Iterable[tuple[str, Callable]], param: torch.Tensor, grad_batch: torch.Tensor) -> dict:
@@ -79,7 +80,7 @@ class GradBatchTransforms(PerSampleStat):
 
     def accumulate(self, state, index, param, grad_batch):
         results = _apply(self.transforms, param, grad_batch)
-        setattr(param, SAVEFIELD, results)
+        publish_transform_results(param, results)  # next to what built-in statistics publish there
         state[index] = results
         return state
 
@@ -125,12 +126,9 @@ class BatchGradTransformsHook:
         return f"BatchGradTransformsHook({sorted(self._transforms)})"
 
 
-def merge_transform_hooks(hooks: Iterable[BatchGradTransformsHook]) -> GradBatchTransforms:
-    """One statistic with the transforms of all ``hooks``.
-
-    Raises:
-        ValueError: two different functions under one name.
-    """
+def _merged_transforms(hooks: Iterable[BatchGradTransformsHook]) -> dict[str, Callable]:
+    """``{name: function}`` of all ``hooks``; one name must name equal functions (for plain functions
+    and lambdas: the same object, as Cockpit checks by ``id``; equal bound methods count as one)."""
     merged: dict[str, Callable] = {}
     for hook in hooks:
         for name, function in hook._transforms.items():
@@ -140,7 +138,34 @@ def merge_transform_hooks(hooks: Iterable[BatchGradTransformsHook]) -> GradBatch
                     f"({merged[name]!r} and {function!r}); give them different names"
                 )
             merged[name] = function
+    return merged
+
+
+def merge_transform_hooks(hooks: Iterable[BatchGradTransformsHook]) -> GradBatchTransforms:
+    """One statistic with the transforms of all ``hooks``.
+
+    Raises:
+        ValueError: two different functions under one name.
+    """
+    merged = _merged_transforms(hooks)
     return GradBatchTransforms(tuple(sorted(merged.items(), key=lambda item: item[0])))
+
+
+def merge_into_hook(hooks: Iterable[BatchGradTransformsHook]) -> BatchGradTransformsHook:
+    """One ``BatchGradTransformsHook`` with the transforms of all ``hooks`` (Cockpit's merge).
+
+    The same name with the same function is kept once; the merged hook
+    holds the very function objects it was given (the first of equal ones).
+
+    Raises:
+        ValueError: two different functions under one name.
+
+    Example:
+        >>> merged = merge_into_hook([BatchGradTransformsHook_BatchL2Grad(), BatchGradTransformsHook_BatchL2Grad()])
+        >>> sorted(merged._transforms)
+        ['batch_l2']
+    """
+    return BatchGradTransformsHook(_merged_transforms(hooks))
 
 
 def split_transform_hooks(hooks: Iterable[Any]) -> tuple[list, list[BatchGradTransformsHook]]:
