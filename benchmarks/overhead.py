@@ -325,11 +325,14 @@ def _training(args):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     cockpit = None
     if quantities is not None:
+        import os
+
+        checks = os.environ.get("COCKPIT_LIKE_SELF_CHECKS", "1") != "0"  # --no-self-checks: their cost
         if args.problem in HOOK_PROBLEMS:  # not extended: the hook backend
-            cockpit = Cockpit(model.parameters(), quantities=quantities, model=model)
+            cockpit = Cockpit(model.parameters(), quantities=quantities, model=model, self_checks=checks)
         else:
             model, lossfunc = extend(model), extend(lossfunc)
-            cockpit = Cockpit(model.parameters(), quantities=quantities)
+            cockpit = Cockpit(model.parameters(), quantities=quantities, self_checks=checks)
 
     def train_step(step: int) -> None:
         inputs, labels = batches[step % len(batches)]
@@ -759,6 +762,10 @@ def parse_args(argv=None):
     )  # fmt: skip
     parser.add_argument("--small", action="store_true", help="tiny gpt/resnet models (for tests)")
     parser.add_argument(
+        "--no-self-checks", action="store_true",
+        help="cockpits without their self-checks (Cockpit(self_checks=False)): to measure what the checks cost",
+    )
+    parser.add_argument(
         "--merge", default=None,
         help="a results JSON of an earlier run: its problems not measured now are kept "
         "(in the JSON and the table), e.g. benchmarks/results/overhead.json",
@@ -799,6 +806,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.no_self_checks:
+        os.environ["COCKPIT_LIKE_SELF_CHECKS"] = "0"  # the children inherit it (child_env)
     if args.child:
         args.batch_size = batch_size_of(args.problem, args.batch_size)
         args.steps = args.steps or 10

@@ -136,6 +136,10 @@ class Cockpit:
             ``docs/performance.md``), and the factors of BackPACK's ``DiagHessian`` / ``DiagGGNExact``
             are backpropagated a block of columns at a time (``docs/curvature.md``). An int, or a string
             such as ``"64MB"`` or ``"1GB"``.
+        self_checks: check at every tracked step that the per-sample decomposition matches the gradient
+            autograd accumulated, see the loss factor on ``info["loss"]`` and check
+            ``mean(individual_losses) == loss`` (``docs/your_training_loop.md#self-checks``). ``False``
+            exists to measure their cost; the numbers are then unverified.
     """
 
     def __init__(
@@ -154,8 +158,11 @@ class Cockpit:
         record_dir: str | os.PathLike | None = None,
         diagnosis_feeds: bool = True,
         memory_budget: int | str | None = None,
+        self_checks: bool = True,
     ):
         self.params = _check_params(params)
+        #: run the self-checks at every tracked step (``False`` only to measure their cost: unverified numbers)
+        self.self_checks = bool(self_checks)
         #: bytes of per-sample gradients materialised at once (``None``: the default, 256 MB)
         self.memory_budget = _parse_bytes(memory_budget)
         if model is not None and not isinstance(model, torch.nn.Module):

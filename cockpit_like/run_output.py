@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cockpit_like.checks.invariants import CHECKS_KEY
+from cockpit_like.checks.invariants import CHECKS_KEY, notable
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Finding
 from cockpit_like.logs import StreamWriter
 
@@ -38,6 +38,8 @@ class RunOutput:
         self.skipped: dict[int, dict[str, Any]] = {}
         #: ``{step: checks}``: the self-checks of each tracked step (:mod:`cockpit_like.checks`)
         self.checks: dict[int, dict[str, Any]] = {}
+        #: the steps whose checks are in the output and the stream (see :meth:`store_checks`)
+        self.shown_checks: set[int] = set()
         self.stream: StreamWriter | None = None
         self.listeners: list[Listener] = []
 
@@ -73,8 +75,13 @@ class RunOutput:
             self.stream.retract(step, names)
 
     def store_checks(self, step: int, checks: dict[str, Any]) -> None:
+        """Keep a step's self-checks; stream them and show them in the output when they say something (a
+        failed check, a note, frozen parameters or ones without a gradient, a loss factor or a number of
+        backward passes other than declared): a plain valid step stays as it was."""
         self.checks[step] = dict(checks)
-        self.publish(step, {CHECKS_KEY: dict(checks)})
+        if notable(checks):
+            self.shown_checks.add(step)
+            self.publish(step, {CHECKS_KEY: dict(checks)})
 
     def store_findings(self, found: list[Finding], cleared: list[dict[str, Any]]) -> None:
         """Store findings and clearances under their steps; stream each touched list whole (the reader keeps
@@ -101,8 +108,8 @@ class RunOutput:
             merged.setdefault(step, {}).update({key: list(found) for key, found in values.items()})
         for step, why in self.skipped.items():
             merged.setdefault(step, {})[SKIPPED_KEY] = dict(why)
-        for step, checks in self.checks.items():
-            merged.setdefault(step, {})[CHECKS_KEY] = dict(checks)
+        for step in self.shown_checks:
+            merged.setdefault(step, {})[CHECKS_KEY] = dict(self.checks[step])
 
     def close(self) -> None:
         if self.stream is not None:

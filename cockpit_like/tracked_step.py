@@ -116,7 +116,8 @@ class TrackedStep:
         if "batch_size" in self.info:
             _check_batch_size(self.info["batch_size"], step)
             _check_losses_match(self.info, step, self.micro_batches)
-        check_losses_mean(self.info, step)
+        if cockpit.self_checks:
+            check_losses_mean(self.info, step)
         self._check_loss()
         create_graph = cockpit.create_graph(step)
         if cockpit._ranks is not None and self.active:
@@ -124,7 +125,7 @@ class TrackedStep:
             cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, self.last, owners)
         needs = StepNeeds.collect(self.active, step, cockpit.name_of, self.user_exts, create_graph)
         self._decomposed = set(needs.owners) | {name for name, _ in needs.requests if name != "the user's *exts"}
-        if needs.stats:  # the self-check of the per-sample decomposition (cockpit_like.checks.probe)
+        if needs.stats and cockpit.self_checks:  # the self-check of the per-sample decomposition (checks.probe)
             self._probe = GradientProbe(seed=_probe_seed(step))
             needs = replace(needs, stats=tuple(needs.stats) + (self._probe,))
         if self._split:  # the form each backward pass computes when the step has several (equal results)
@@ -136,6 +137,7 @@ class TrackedStep:
             cockpit._partitions.checks = StepChecks(step)
             cockpit._partitions.checks.assumed = factor / max(self.micro_batches, 1)
             cockpit._partitions.declared = self.micro_batches
+            cockpit._partitions.checks.declared = self.micro_batches
         scale = cockpit._partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(
@@ -153,7 +155,7 @@ class TrackedStep:
         except BaseException:
             cockpit._tracer.drop_calls()
             raise
-        if self.active:
+        if self.active and cockpit.self_checks:
             self._factor = LossFactor(self.info.get("loss"), on_factor=self._execution.observe_loss_factor)
         if self.debug:
             print(
@@ -201,13 +203,11 @@ class TrackedStep:
                 partitions.add(partition)
                 partitions.checks.factors.append(partition.factor)
                 if factor is not None and factor.watched and factor.factor is None:
-                    partitions.checks.fail(
-                        "loss_factor",
-                        f"info['loss'] got no gradient in the backward pass of step {self.step}: the tensor that was "
-                        "backpropagated is neither info['loss'] nor computed from it, so the factor between the "
-                        "backpropagated loss and the per-row losses (a GradScaler, a division by the number of "
-                        "micro-batches) cannot be seen. Pass the loss you call backward() on (or the one a GradScaler "
-                        "scales) as info['loss'], or a detached value to state that no factor is applied.",
+                    partitions.checks.note(
+                        "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "
+                        "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "
+                        "seen and the declared factor was used. Pass the loss you call backward() on (or the one a "
+                        "GradScaler scales) as info['loss']."
                     )
                 for note in execution.notes:
                     partitions.checks.note(note)

@@ -1,11 +1,12 @@
 """The invariants of a tracked step and the ``checks`` record stored with it.
 
-``get_output()[step]["checks"]`` of every tracked step (streamed like any
-value)::
+``Cockpit.checks[step]`` of every tracked step; in ``get_output()[step]["checks"]``
+and the stream when they say something beyond "valid as declared" (:func:`notable`)::
 
     {"valid": True,                 # False: the step failed a check (see "failed")
      "failed": [],                  # [{"check": "gradient", "reason": "...", ...}]
      "backward_passes": 1,          # backward passes merged into the optimizer step
+     "declared_passes": 1,          # info["micro_batches"] (1: not declared)
      "loss_factor": 1.0,            # d(backpropagated root) / d info["loss"], seen by a hook (None: not seen)
      "assumed_factor": 1.0,         # what the declarations (grad_scaler, micro_batches, loss_scale) said
      "gradient": {"layers": 4, "worst": 3e-8, "tolerance": 2.4e-4},
@@ -26,7 +27,7 @@ import torch
 
 from cockpit_like.checks.probe import probe_directions, project
 
-__all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for"]
+__all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for", "notable"]
 
 #: the output key of a tracked step's self-checks
 CHECKS_KEY = "checks"
@@ -78,6 +79,16 @@ def check_losses_mean(info: dict, step: int) -> None:
     )
 
 
+def notable(record: dict[str, Any]) -> bool:
+    """Whether a step's checks say anything beyond "valid as declared" (then they are streamed and shown)."""
+    if not record.get("valid", True) or record.get("notes") or record.get("frozen") or record.get("no_gradient"):
+        return True
+    factor, assumed = record.get("loss_factor"), record.get("assumed_factor", 1.0)
+    if isinstance(factor, list) or (factor is not None and abs(factor - assumed) > 1e-9 * max(abs(assumed), 1e-300)):
+        return True
+    return record.get("backward_passes", 1) != record.get("declared_passes", 1)
+
+
 class StepChecks:
     """The self-checks of one tracked optimizer step, gathered over its backward passes."""
 
@@ -87,6 +98,8 @@ class StepChecks:
         self.notes: list[str] = []
         self.factors: list[float | None] = []
         self.assumed: float = 1.0
+        #: ``info["micro_batches"]`` as declared (1: none)
+        self.declared: int = 1
         self.gradient: dict[str, Any] | None = None
         self.no_gradient: list[str] = []
         self.frozen: list[str] = []
@@ -161,6 +174,7 @@ class StepChecks:
             "valid": self.valid,
             "failed": [dict(f) for f in self.failed],
             "backward_passes": len(self.factors),
+            "declared_passes": self.declared,
             "loss_factor": factor,
             "assumed_factor": self.assumed,
             "no_gradient": list(self.no_gradient),
