@@ -60,7 +60,7 @@ def test_overlapping_steps():
     inputs, labels = make_batch("mlp", 8, seed=0)
     loss = lossfunc(model(inputs), labels)
     info = {"batch_size": 8, "loss": loss}
-    info["individual_losses"] = torch.zeros(8)
+    info["individual_losses"] = torch.full((8,), loss.item())  # mean(individual_losses) == loss
     cockpit.begin(1, info=info)
     with pytest.raises(RuntimeError, match="step 1 is still open"):
         cockpit.begin(2, info=info)
@@ -85,7 +85,7 @@ def test_end_with_error_stores_nothing():
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy", track_schedule=lambda step: step > 0))
     inputs, labels = make_batch("mlp", 8, seed=0)
     loss = lossfunc(model(inputs), labels)
-    info = {"batch_size": 8, "loss": loss, "individual_losses": torch.zeros(8)}
+    info = {"batch_size": 8, "loss": loss, "individual_losses": torch.full((8,), loss.item())}
     cockpit.begin(1, info=info)
     cockpit.end(ValueError("the framework's backward failed"))
     assert cockpit.get_output() == {} and cockpit.open_step is None

@@ -165,11 +165,15 @@ def test_distance_reference_is_the_first_step_seen():
     assert distance.cached_keys() == [(3, "params")]
 
 
-def test_grad_norm_error_for_parameter_without_gradient():
+def test_grad_norm_of_a_parameter_without_gradient_is_zero_and_named():
+    """Issue 34: a tracked parameter the loss does not use has a zero gradient (it was an error)."""
     model, lossfunc, individual = make_problem("mlp")
     unused = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
     cockpit = Cockpit([*model.parameters(), unused], quantities=[quantities.GradNorm(schedules.linear(1))])
     loss = lossfunc(model(torch.randn(4, 3, 4, dtype=torch.float64)), torch.tensor([0, 1, 2, 3]))
-    with pytest.raises(RuntimeError, match=r"parameter #6 \(shape \[3\]\) has no gradient after backward"):
-        with cockpit(0, info={"loss": loss}):
-            loss.backward()
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    values = cockpit.get_output()[0]
+    assert values["GradNorm"][6] == 0.0
+    assert values["GradNorm"][:6] == pytest.approx([p.grad.norm().item() for p in model.parameters()], rel=1e-12)
+    assert values["checks"]["no_gradient"] == ["param_6"] and unused.grad is None

@@ -68,8 +68,9 @@ def test_grad_scaler_reports_the_unscaled_gradient(preset, micro_batches):
     _assert_close(scaled, reference, f"{preset}/K={micro_batches}", rtol=1e-10)
 
 
-def test_without_the_scaler_in_info_the_numbers_are_scaled():
-    """The check above can fail: a scaled backward pass the cockpit is not told about is 2**16 times off."""
+def test_without_the_scaler_in_info_the_factor_is_seen():
+    """Issue 34: a scaled backward pass the cockpit is not told about (it was 2**16 times off) is seen on
+    info['loss'] and unscaled: the numbers of the plain run, and the step's checks say what was seen."""
     reference = _run("economy").get_output()
     model, lossfunc, individual = make_problem("mlp")
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
@@ -81,7 +82,10 @@ def test_without_the_scaler_in_info_the_numbers_are_scaled():
     with cockpit(0, info=info):
         (loss * 2.0**16).backward()
     ratio = sum(cockpit.get_output()[0]["GradNorm"]) / sum(reference[0]["GradNorm"])
-    assert ratio == pytest.approx(2.0**16)
+    assert ratio == pytest.approx(1.0, rel=1e-10)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(reference[0]["NormTest"], rel=1e-10)
+    checks = cockpit.get_output()[0]["checks"]
+    assert checks["valid"] and checks["loss_factor"] == 2.0**16 and checks["assumed_factor"] == 1.0
 
 
 def test_a_skipped_step_is_stored_as_skipped(tmp_path):
@@ -101,8 +105,9 @@ def test_a_skipped_step_is_stored_as_skipped(tmp_path):
         inputs, labels = make_batch("mlp", ROWS, step)
         optimizer.zero_grad()
         outputs = model(inputs.float())
-        loss = lossfunc(outputs, labels) * (4.0 if step == 1 else 1.0)  # 4 x 1.4 x 2**127 overflows float32
-        info = {"batch_size": ROWS, "individual_losses": individual(outputs, labels), "loss": loss,
+        factor = 4.0 if step == 1 else 1.0  # 4 x 1.4 x 2**127 overflows float32
+        loss = lossfunc(outputs, labels) * factor
+        info = {"batch_size": ROWS, "individual_losses": individual(outputs, labels) * factor, "loss": loss,
                 "optimizer": optimizer, "grad_scaler": scaler}  # fmt: skip
         with cockpit(step, info=info):
             scaler.scale(loss).backward()

@@ -34,10 +34,15 @@ CHECKS_KEY = "checks"
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
-    """Relative tolerance of the gradient check for gradients computed in ``dtype``: ``2000 eps`` within
-    ``[1e-10, 0.05]`` (float64 1e-10, float32 2.4e-4, float16 and bfloat16 0.05)."""
-    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 1e-7
-    return min(0.05, max(1e-10, 2000.0 * eps))
+    """Relative tolerance of the gradient check for gradients in ``dtype``, relative to the sum of the rows'
+    absolute projections: float64 1e-10; float32 5e-3 (under autocast, products made in half precision
+    accumulate into float32 gradients: 2.4e-4 was reached on an fp16 MLP); float16 and bfloat16 0.05. A
+    wrong decomposition (a missed loss term, a wrong factor) is off by tens of percent."""
+    if dtype == torch.float64:
+        return 1e-10
+    if dtype in (torch.float16, torch.bfloat16):
+        return 0.05
+    return 5e-3
 
 
 def check_losses_mean(info: dict, step: int) -> None:
@@ -126,14 +131,14 @@ class StepChecks:
     ) -> None:
         """Compare each layer's projected sum of per-sample rows with the projected step gradient."""
         worst, worst_at, tolerance_seen, offenders = 0.0, None, 0.0, []
-        for index, (total, absolute) in probe.items():
+        for index, (total, absolute, *low) in probe.items():
             param = params[index]
             grad = grad_of(param)
             dirs = probe_directions(seed, index, param.shape, param.device)
             expected = 0.0 if grad is None else float(project(grad, dirs))
             got, spread = float(total), float(absolute)
             dtype = param.dtype if grad is None else grad.dtype
-            tolerance = tolerance_for(dtype)
+            tolerance = tolerance_for(torch.float16 if low else dtype)  # rows made in half precision: looser
             tolerance_seen = max(tolerance_seen, tolerance)
             scale = max(spread, abs(got), abs(expected))
             if not (math.isfinite(got) and math.isfinite(expected)):

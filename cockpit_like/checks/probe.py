@@ -73,7 +73,13 @@ class GradientProbe(PerSampleStat):
     sum_form: ClassVar[bool] = True
 
     def init(self, params: list[torch.Tensor]) -> Any:
-        return {"dirs": {}, "sums": {}}
+        return {"dirs": {}, "sums": {}, "low": set()}
+
+    @staticmethod
+    def _precision(state, index: int, *tensors) -> None:
+        """Remember the parameters whose rows came in half precision (autocast): a looser tolerance."""
+        if any(t is not None and t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+            state["low"].add(index)
 
     def _dirs(self, state, index: int, param: torch.Tensor) -> tuple[torch.Tensor, ...]:
         dirs = state["dirs"].get(index)
@@ -89,6 +95,7 @@ class GradientProbe(PerSampleStat):
         return state
 
     def accumulate(self, state, index, param, grad_batch):
+        self._precision(state, index, grad_batch)
         dirs = self._dirs(state, index, param)
         rows = grad_batch.detach().to(torch.float64)
         if len(dirs) == 2:
@@ -99,6 +106,7 @@ class GradientProbe(PerSampleStat):
         return self._add(state, index, per_row.sum(), per_row.abs().sum())
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
+        self._precision(state, index, x, delta)
         dirs = self._dirs(state, index, param)
         delta = delta.detach().to(torch.float64)
         if kind == "bias":
@@ -109,6 +117,7 @@ class GradientProbe(PerSampleStat):
         return self._add(state, index, per_row.sum(), per_row.abs().sum())
 
     def accumulate_sequence(self, state, index, param, a, b):
+        self._precision(state, index, a, b)
         dirs = self._dirs(state, index, param)
         if len(dirs) == 2 and a.shape[-1] == dirs[0].shape[0] and b.shape[-1] == dirs[1].shape[0]:
             u, v = dirs
@@ -122,8 +131,9 @@ class GradientProbe(PerSampleStat):
         return self._add(state, index, project(batch_sum, self._dirs(state, index, param)), None)
 
     def finalize(self, state):
-        return {index: pair for index, pair in sorted(state["sums"].items())}
+        """``{index: (c_p, a_p)}``; a third entry ``True`` where the rows came in half precision."""
+        return {index: pair + ((True,) if index in state["low"] else ()) for index, pair in sorted(state["sums"].items())}
 
     def across_ranks(self, result, reduction):
-        parts = {index: (reduction.mean(total), reduction.mean(absolute)) for index, (total, absolute) in result.items()}
-        return lambda: {index: (total(), absolute()) for index, (total, absolute) in parts.items()}
+        parts = {index: (reduction.mean(entry[0]), reduction.mean(entry[1]), entry[2:]) for index, entry in result.items()}
+        return lambda: {index: (total(), absolute()) + low for index, (total, absolute, low) in parts.items()}
