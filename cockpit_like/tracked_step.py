@@ -300,15 +300,8 @@ class TrackedStep:
                 loss_is_finite=self._loss_is_finite, live_params=params,
             )
             context._activate(record)
-            # a wrong loss factor or unmerged backward passes spoil every gradient: no numbers at all; a failed
-            # gradient check spoils what reads the per-sample decomposition (the gradient itself is autograd's)
-            spoiled = {f["check"] for f in checks.failed}
-            reinterpreted = any(f is not None and abs(f - checks.assumed) > 1e-9 * abs(checks.assumed) for f in checks.factors)
-            if spoiled & {"loss_factor", "backward_passes"} or ("gradient" in spoiled and reinterpreted):
-                # (a failed gradient check under a factor other than declared: the factor may be what is wrong)
-                skipped = {cockpit.name_of(q) for q in self.active}
-            else:
-                skipped = set() if checks.valid else set(self._decomposed)
+            # a step that failed a check stores no numbers (never a wrong one): its checks say why
+            skipped = set() if checks.valid else {cockpit.name_of(q) for q in self.active}
             skipped |= execution.left_out_owners(self._decomposed)
             for quantity in self.active:
                 if cockpit.name_of(quantity) in skipped:

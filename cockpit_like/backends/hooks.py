@@ -164,6 +164,8 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
         return
+    if not tracer.in_forward():
+        tracer.stray = True  # a call outside the model's forward pass (its original module under torch.compile)
     calls.append(noted)  # a Call only at tracked steps
 
 
@@ -318,6 +320,8 @@ class ModelTracer:
         self.batch = 0
         #: forward passes of the models since the calls were last taken
         self.passes = 0
+        #: a call was noted outside the roots' forward passes since the last step (see take_calls)
+        self.stray = False
 
     # ---- installing ---------------------------------------------------------------
     def attach(self, root: nn.Module) -> None:
@@ -412,15 +416,16 @@ class ModelTracer:
         calls, passes = [Call(*noted) for noted in self.calls], self.passes
         for position, call in enumerate(calls):
             call.position = position
+        stray = self.stray
         self.drop_calls()
-        if passes > 1 and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+        if (passes > 1 or stray) and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             reachable = _graph_nodes(loss.grad_fn)
             calls = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
         return calls
 
     def drop_calls(self) -> None:
         """Forget the calls noted since the last step (a step that tracks nothing)."""
-        self.calls, self.passes, self.opened = [], 0, {}
+        self.calls, self.passes, self.opened, self.stray = [], 0, {}, False
 
     @contextlib.contextmanager
     def pause(self):
@@ -733,6 +738,18 @@ class HookBackend:
         names = [self._param_name(p) for p in call.params]
         shapes = [list(t.shape) for t in _flat_outputs(call.output) if t.grad_fn is not None]
         call.params = []
+        batch = self._call_batch(call)
+        sizes = [c.batch for c in calls if c.module is call.module]
+        if len(sizes) > 1 and sum(sizes) == batch:  # one module on several parts of the rows (a GAN's D)
+            self._errors.append(UncoveredParameterError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)} was called {len(sizes)} times "
+                f"in this step's forward pass, on {' + '.join(str(n) for n in sizes)} = {batch} rows: one module on "
+                "different rows of the batch (a GAN discriminator on real and on fake rows) gives no call whose "
+                f"outputs carry all {batch} rows, so the rows' gradients of {names} cannot be told apart. Call it "
+                "once on the concatenated rows (torch.cat([real, fake])) and split its output, or track the "
+                "per-sample quantities at the steps that call it once."
+            ))
+            return
         # raised by finish(), after the backward pass, where the step adds the quantities that need it
         self._errors.append(UncoveredParameterError(
             f"{type(call.module).__name__} layer {self._module_name(call.module)}: its outputs (shapes {shapes}) or "
