@@ -132,8 +132,10 @@ def assert_same_log(got: dict, expected: dict, skip=("Time",), rtol=1e-9, atol=1
     """Every step and quantity but ``skip`` equal (nested lists/dicts compared leaf by leaf)."""
     assert sorted(got) == sorted(expected)
     for step in expected:
-        names = set(expected[step]) - set(skip)
+        names = set(expected[step]) - set(skip) - {"checks"}  # the self-checks: compared by validity below
         assert set(got[step]) - set(skip) - {"checks"} == names, step
+        if "checks" in expected[step] or "checks" in got[step]:
+            assert expected[step].get("checks", {"valid": True})["valid"] == got[step].get("checks", {"valid": True})["valid"], step
         for name in names:
             _assert_close(got[step][name], expected[step][name], f"step {step} {name}", rtol, atol)
 

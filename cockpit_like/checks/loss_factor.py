@@ -9,7 +9,7 @@ undeclared ``GradScaler`` or a divided loss still gives the numbers of the
 plain mean loss; ``info["grad_scaler"]`` / ``info["micro_batches"]`` become
 declarations it checks instead of assumptions it needs.
 
-May import torch.
+May import torch and :mod:`cockpit_like.backends.internal`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from cockpit_like.backends.internal import cockpit_work
 
 __all__ = ["LossFactor"]
 
@@ -46,7 +48,8 @@ class LossFactor:
 
     def _seen(self, grad: torch.Tensor) -> None:
         self.calls += 1
-        value = float(grad.detach().reshape(-1)[0])
+        with cockpit_work():  # the cockpit's own work: not part of a recorded step
+            value = float(grad.detach().reshape(-1)[0])
         if self.factor is None:
             self.factor = value
         else:  # a second pass through the same loss (retain_graph): the gradients add up

@@ -94,6 +94,9 @@ class GradientProbe(PerSampleStat):
         state["sums"][index] = (total, absolute) if known is None else (known[0] + total, known[1] + absolute)
         return state
 
+    def borrows(self, state, nbytes) -> bool:
+        return True  # reads a grad_batch during the call only
+
     def accumulate(self, state, index, param, grad_batch):
         self._precision(state, index, grad_batch)
         dirs = self._dirs(state, index, param)
