@@ -167,8 +167,8 @@ class StepChecks:
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
                 "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
-                "backward pass outside the cockpit's block, gradients changed in place before the step ended, or a "
-                "layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
+                "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
+                "optimizer.zero_grad()), gradients changed in place before the step ended, or a layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
                 "per-sample quantities out for such steps (docs/your_training_loop.md#self-checks).",
                 parameters=[name_of(i) for i, *_ in offenders],
             )
