@@ -180,3 +180,50 @@ def test_batch_norm_in_training_mode_runs_the_rest_and_notes_what_was_left_out()
     assert values["checks"]["valid"] and "BatchNorm1d in training mode" in values["checks"]["notes"][0]
     assert "NormTest" not in values and "InnerTest" not in values
     assert values["GradNorm"] == pytest.approx([p.grad.norm().item() for p in model.parameters()], rel=1e-12)
+
+
+class _TwiceReturned(nn.Module):
+    """Returns its output twice (as DeBERTa's encoder returns its last hidden state again at the end of the
+    tuple of hidden states) and reads a table of its own as a weight (computed by its torch.func re-run)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 4)
+        self.table = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x)) * self.table
+        return h, (h,)
+
+
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.out = _TwiceReturned(), nn.Linear(4, 3)
+
+    def forward(self, x):
+        h, _ = self.body(x)
+        return self.out(h)
+
+
+def test_an_output_returned_twice_is_counted_once():
+    """Found by the gradient check on DeBERTa: a re-run's vjp got a cotangent for each copy of the same output,
+    so the table's rows were twice its gradient. Exact against a loop of autograd over rows."""
+    torch.manual_seed(0)
+    model = _Head().double()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    x, y = data(0)
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    loss = losses.mean()
+    with cockpit(0, info={"batch_size": ROWS, "individual_losses": losses, "loss": loss}):
+        loss.backward()
+    assert cockpit.checks[0]["valid"] and cockpit.checks[0]["gradient"]["worst"] < 1e-12
+    rows = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+            nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))])
+        for i in range(ROWS)
+    ])  # fmt: skip
+    mean = rows.mean(0)
+    # NormTest (QUANTITIES.md): sqrt(sum_i ||g_i - g||^2 / ((B - 1) B ||g||^2))
+    expected = ((rows - mean).square().sum() / (ROWS * (ROWS - 1)) / mean.square().sum()).sqrt().item()
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-10)

@@ -887,7 +887,13 @@ class HookBackend:
         else:
             flat = _flat_outputs(call.output)
             nodes = [t.grad_fn for t in flat]
-        want = [i for i, node in enumerate(nodes) if node is not None]
+        want, seen = [], set()
+        for i, node in enumerate(nodes):
+            # the same tensor returned twice (DeBERTa's encoder: its last hidden state also ends the tuple of hidden
+            # states) is one output: a cotangent for each copy would count its gradient twice in the re-run's vjp
+            if node is not None and (id(node), flat[i].output_nr) not in seen:
+                seen.add((id(node), flat[i].output_nr))
+                want.append(i)
         call.want = want
         call.entries = [flat[i] for i in want]
         call.grads = [None] * len(want)
