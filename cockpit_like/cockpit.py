@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 from cockpit_like.backends.distributed import RankGroup
-from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
+from cockpit_like.backends.hooks import BatchNormInTrainingError
 from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
+from cockpit_like.backends.tracer import ModelTracer
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
