@@ -22,17 +22,18 @@ from typing import Any
 
 import torch
 from cockpit_like.backends.distributed import RankGroup
-from cockpit_like.backends.hooks import BatchNormInTrainingError, ModelTracer
+from cockpit_like.backends.hooks import BatchNormInTrainingError
 from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
-from cockpit_like.backends.partitions import StepPartitions, micro_batches_of
+from cockpit_like.backends.partitions import micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
+from cockpit_like.backends.tracer import ModelTracer
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.run_output import RunOutput
-from cockpit_like.tracked_step import StepContext, TrackedStep
+from cockpit_like.tracked_step import StepContext, StepEnvironment, StepRun, TrackedStep
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
 
@@ -175,7 +176,8 @@ class Cockpit:
         self._module_collector = ModuleCollector() if lean_hooks else None
         #: the ranks of a DistributedDataParallel run (None in one process)
         self._ranks = RankGroup.detect(log_rank, distributed_timeout)
-        self._next_step = 0
+        #: what the tracked steps share across steps (:class:`~cockpit_like.tracked_step.StepRun`)
+        self._run = StepRun()
         self._param_names: dict[int, str] = {}
         self.quantities: list[Quantity] = []
         self._names: dict[int, str] = {}
@@ -183,20 +185,7 @@ class Cockpit:
         #: cockpit.log figures, findings, skipped steps; the stream and the listeners
         self._output = RunOutput()
         self._open_step: TrackedStep | None = None
-        #: the optimizer step whose backward passes (micro-batches) are being collected
-        self._partitions: StepPartitions | None = None
-        self._micro: tuple[int, int, int] | None = None  # (step, backward passes done, micro_batches)
-        #: the last backward pass of a step whose end is not declared: finished by :meth:`_flush`
-        self._pending: Any = None
-        #: the loop was seen to run several backward passes per optimizer step without declaring them
-        self._accumulates = False
-        #: a backpropagated loss was seen scaled (BackPACK's Hessian diagonal then gets the GGN beside it)
-        self._scaled_losses = False
         self._hooked_optimizers: list[Any] = []
-        #: ``(step, names of its decomposed quantities)`` of the step finished last
-        self._finished: tuple[int, set[str]] | None = None
-        #: steps found invalid after they were stored: late values of their decomposed quantities are dropped
-        self._invalid_steps: set[int] = set()
         self._active_cache: tuple[int, list[Quantity]] | None = None
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
         if on_finding is not None and not callable(on_finding):
@@ -219,6 +208,14 @@ class Cockpit:
             paused=lambda: self._tracer.paused or in_cockpit_work(),
             is_tracked=lambda step: any(q.is_active(step) for q in self.quantities),
         )
+        #: what a tracked step needs from the cockpit, as one value (:mod:`cockpit_like.tracked_step`)
+        self._env = StepEnvironment(
+            params=self.params, tracer=self._tracer, collector=self._module_collector, ranks=self._ranks,
+            output=self._output, run=self._run, memory_budget=self.memory_budget, self_checks=self.self_checks,
+            keeps_output=lambda: self.keeps_output, active_at=self._active_at, create_graph=self.create_graph,
+            name_of=self.name_of, param_names=self._names_of_params, param_name_list=self._param_name_list,
+            models=self.models, diagnose=self._diagnose,
+        )  # fmt: skip
         for quantity in quantities or []:
             self.add(quantity)
         if model is not None:
@@ -380,7 +377,7 @@ class Cockpit:
         """The context manager around ``loss.backward()`` for ``global_step``
         (:meth:`begin` on entry, :meth:`end` on exit)."""
         _check_step_arguments(global_step, info)
-        return StepContext(self, global_step, exts, info or {}, debug)
+        return StepContext(self.begin, self.end, global_step, exts, info or {}, debug)
 
     def begin(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False) -> None:
         """Open ``global_step``: call before ``loss.backward()``, then :meth:`end`.
@@ -396,30 +393,30 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
-        pending, ignored = self._pending, False
-        undeclared = "micro_batches" not in (info or {}) and self._micro is None
+        pending, ignored = self._run.pending, False
+        undeclared = "micro_batches" not in (info or {}) and self._run.micro is None
         if pending is not None and pending.step == global_step and undeclared:
             # another backward pass of the step whose end was not declared: one more partition of its rows
             pending._execution.free()
-            self._pending = None
-            micro, count = len(self._partitions.partitions), len(self._partitions.partitions) + 1
+            self._run.pending = None
+            micro, count = len(self._run.partitions.partitions), len(self._run.partitions.partitions) + 1
         else:
             self._flush()
             micro, count = self._micro_batch(global_step, info or {})
-            finished = self._finished
+            finished = self._run.finished
             if undeclared and finished is not None and finished[0] == global_step:
                 # a further backward pass of a step already finished as a whole: its values describe only the
                 # first pass's rows; they are withdrawn and the step is stored as invalid, and the cockpit now
                 # finishes steps when the optimizer steps (the next ones are merged)
                 self._invalidate(global_step, finished[1])
                 ignored = True
-        tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count, ignored=ignored)
+        tracked = TrackedStep(self._env, global_step, exts, info or {}, debug, micro, count, ignored=ignored)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
             with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:
-            self._micro, self._partitions = None, None  # the step is abandoned: the next one starts afresh
+            self._run.micro, self._run.partitions = None, None  # the step is abandoned: the next one starts afresh
             raise
         self._open_step = tracked
 
@@ -437,23 +434,23 @@ class Cockpit:
             )
         self._open_step = None
         done = tracked.micro + 1
-        self._micro = None if error is not None or done == tracked.micro_batches else (tracked.step, done, tracked.micro_batches)
+        self._run.micro = None if error is not None or done == tracked.micro_batches else (tracked.step, done, tracked.micro_batches)
         self._recorder.step_ends(tracked.step, tracked.info, error)
         if error is None:
             tracked.__exit__(None, None, None)
         else:
             tracked.__exit__(type(error), error, error.__traceback__)
-        if self._pending is tracked:
+        if self._run.pending is tracked:
             self._watch_optimizer(tracked.info.get("optimizer"))
         self._recorder.after_step(
-            tracked.step, tracked.info, tracked=error is None and (tracked.completed or self._pending is tracked)
+            tracked.step, tracked.info, tracked=error is None and (tracked.completed or self._run.pending is tracked)
         )
 
     def _invalidate(self, step: int, decomposed: set[str]) -> None:
         """A finished step turned out to have more backward passes: withdraw its values (they describe the
         first pass, not the optimizer step)."""
-        self._accumulates = True
-        self._invalid_steps.add(step)
+        self._run.accumulates = True
+        self._run.invalid_steps.add(step)
         withdrawn = []
         for quantity in self.quantities:
             name = self.name_of(quantity)
@@ -478,7 +475,7 @@ class Cockpit:
     def _flush(self) -> None:
         """Finish the step whose end was not declared (its optimizer stepped, the next step begins, or the
         output is read): merge its backward passes, check them and track its quantities."""
-        pending, self._pending = self._pending, None
+        pending, self._run.pending = self._run.pending, None
         if pending is not None:
             pending.finish()
 
@@ -492,7 +489,7 @@ class Cockpit:
 
         def before_step(opt, args, kwargs) -> None:
             cockpit = me()
-            if cockpit is not None and cockpit._pending is not None:
+            if cockpit is not None and cockpit._run.pending is not None:
                 cockpit._flush()
 
         handle = optimizer.register_step_pre_hook(before_step)
@@ -501,7 +498,7 @@ class Cockpit:
     def _micro_batch(self, step: int, info: dict) -> tuple[int, int]:
         """``(index, count)`` of the backward pass that begins: its place among the step's micro-batches."""
         count = micro_batches_of(info, step)
-        progress = self._micro
+        progress = self._run.micro
         if progress is not None and progress[0] == step:
             if "micro_batches" in info and count != progress[2]:
                 raise ValueError(
@@ -510,7 +507,7 @@ class Cockpit:
                 )
             return progress[1], progress[2]
         if progress is not None:
-            self._micro, self._partitions = None, None
+            self._run.micro, self._run.partitions = None, None
             raise RuntimeError(
                 f"cockpit step {step} begins, but step {progress[0]} saw only {progress[1]} of its "
                 f"info['micro_batches'] = {progress[2]} backward passes. Enter the cockpit around each "
@@ -518,6 +515,15 @@ class Cockpit:
                 "of micro-batches of that optimizer step (fewer at the end of an epoch: pass that number)."
             )
         return 0, count
+
+    @property
+    def _next_step(self) -> int:
+        """The step the next forward pass belongs to."""
+        return self._run.next_step
+
+    @_next_step.setter
+    def _next_step(self, step: int) -> None:
+        self._run.next_step = int(step)
 
     @property
     def open_step(self) -> int | None:
@@ -566,13 +572,8 @@ class Cockpit:
         non-finite gradients): no quantity is stored for them (``docs/your_training_loop.md``)."""
         return {step: dict(why) for step, why in self._output.skipped.items()}
 
-    def _store_skipped(self, step: int, why: dict[str, Any]) -> None:
-        if self.keeps_output:
-            self._output.store_skipped(step, why)
-
     def _store_checks(self, step: int, checks: dict[str, Any]) -> None:
-        if self.keeps_output:
-            self._output.store_checks(step, checks)
+        self._env.store_checks(step, checks)
 
     @property
     def checks(self) -> dict[int, dict[str, Any]]:

@@ -8,8 +8,13 @@ partitions (:mod:`cockpit_like.backends.partitions`), tracks the quantities
 and hands what they stored to the cockpit (stream, listeners, diagnosis).
 :class:`StepContext` is what ``with cockpit(step, info=...)`` returns.
 
-May import torch, :mod:`cockpit_like.backends`, the quantity base modules and
-:mod:`cockpit_like.context`; the cockpit passes itself in.
+The cockpit hands each step what it needs as one explicit value,
+:class:`StepEnvironment` (its parameters, tracer, ranks, output and callables
+for names and schedules), and the state its steps share across steps,
+:class:`StepRun`; this module never imports the cockpit.
+
+May import torch, :mod:`cockpit_like.backends`, :mod:`cockpit_like.checks`, the quantity base
+modules, :mod:`cockpit_like.run_output` and :mod:`cockpit_like.context`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,9 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,28 +37,78 @@ from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finit
 from cockpit_like.quantities.needs import StepNeeds
 from cockpit_like.quantities.quantity import Quantity
 
-if TYPE_CHECKING:
-    from cockpit_like.cockpit import Cockpit
+__all__ = ["TrackedStep", "StepContext", "StepEnvironment", "StepRun"]
 
-__all__ = ["TrackedStep", "StepContext"]
+
+@dataclass
+class StepRun:
+    """What the tracked steps of one cockpit share across steps (owned by the cockpit, changed by its steps)."""
+
+    #: the step the next forward pass belongs to
+    next_step: int = 0
+    #: the optimizer step whose backward passes (micro-batches) are being collected
+    partitions: StepPartitions | None = None
+    #: ``(step, backward passes done, micro_batches)`` of a step with declared micro-batches in progress
+    micro: tuple[int, int, int] | None = None
+    #: the last backward pass of a step whose end is not declared, finished at the optimizer's step
+    pending: Any = None
+    #: the loop was seen to run several backward passes per optimizer step without declaring them
+    accumulates: bool = False
+    #: a backpropagated loss was seen scaled (BackPACK's Hessian diagonal then gets the GGN beside it)
+    scaled_losses: bool = False
+    #: ``(step, names of the quantities it tracked)`` of the step finished last
+    finished: tuple[int, set[str]] | None = None
+    #: steps found invalid after they were stored: late values of their quantities are dropped
+    invalid_steps: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class StepEnvironment:
+    """What a tracked step needs from its cockpit, as one explicit value."""
+
+    params: list[torch.Tensor]
+    tracer: Any
+    collector: Any
+    ranks: Any
+    output: Any
+    run: StepRun
+    memory_budget: int | None
+    self_checks: bool
+    keeps_output: Callable[[], bool]
+    active_at: Callable[[int], list[Quantity]]
+    create_graph: Callable[[int], bool]
+    name_of: Callable[[Quantity], str]
+    param_names: Callable[[], dict[int, str]]
+    param_name_list: Callable[[], list[str]]
+    models: Callable[[], list[torch.nn.Module]]
+    diagnose: Callable[[dict[int, dict[str, Any]]], None]
+
+    def store_skipped(self, step: int, why: dict[str, Any]) -> None:
+        if self.keeps_output():
+            self.output.store_skipped(step, why)
+
+    def store_checks(self, step: int, record: dict[str, Any]) -> None:
+        if self.keeps_output():
+            self.output.store_checks(step, record)
 
 
 class StepContext:
-    """What ``cockpit(step, ...)`` returns: ``with`` calls ``begin`` and ``end``."""
+    """What ``cockpit(step, ...)`` returns: ``with`` calls the cockpit's ``begin`` and ``end``."""
 
-    def __init__(self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool):
-        self.cockpit = cockpit
+    def __init__(self, begin: Callable[..., None], end: Callable[[BaseException | None], None], global_step: int,
+                 exts: tuple, info: dict, debug: bool):  # fmt: skip
+        self._begin, self._end = begin, end
         self.step = global_step
         self.exts = exts
         self.info = info
         self.debug = debug
 
     def __enter__(self) -> StepContext:
-        self.cockpit.begin(self.step, *self.exts, info=self.info, debug=self.debug)
+        self._begin(self.step, *self.exts, info=self.info, debug=self.debug)
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
-        self.cockpit.end(exc)
+        self._end(exc)
         return False
 
 
@@ -65,10 +122,10 @@ class TrackedStep:
     """
 
     def __init__(
-        self, cockpit: Cockpit, global_step: int, exts: tuple, info: dict, debug: bool, micro: int, micro_batches: int,
-        ignored: bool = False,
+        self, env: StepEnvironment, global_step: int, exts: tuple, info: dict, debug: bool, micro: int,
+        micro_batches: int, ignored: bool = False,
     ):
-        self.cockpit = cockpit
+        self.env = env
         self.step = global_step
         self.user_exts = exts
         self.info = info
@@ -84,10 +141,10 @@ class TrackedStep:
         #: the step's end is not known in advance: more backward passes of this step may follow, and the
         #: step is finished when the optimizer steps or the next step begins (undeclared micro-batches)
         self.open_ended = (
-            cockpit._accumulates and "micro_batches" not in info and cockpit._ranks is None
+            env.run.accumulates and "micro_batches" not in info and env.ranks is None
             and _is_optimizer(info.get("optimizer"))
         )  # fmt: skip
-        self._split = micro_batches > 1 or cockpit._ranks is not None or self.open_ended
+        self._split = micro_batches > 1 or env.ranks is not None or self.open_ended
         #: a backward pass of a step already withdrawn (see Cockpit._invalidate): nothing is computed
         self.ignored = ignored
         self._factor: LossFactor | None = None
@@ -98,11 +155,11 @@ class TrackedStep:
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> TrackedStep:
-        cockpit, step = self.cockpit, self.step
-        cockpit._next_step = step + 1 if self.last else step  # the next forward pass belongs to this step
-        self.active = [] if self.ignored else list(cockpit._active_at(step))
+        env, step = self.env, self.step
+        env.run.next_step = step + 1 if self.last else step  # the next forward pass belongs to this step
+        self.active = [] if self.ignored else list(env.active_at(step))
         if not self.active and (not self.user_exts or self.ignored):
-            cockpit._tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
+            env.tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
             if self.debug:
                 print(f"[cockpit_like|step {step}] nothing scheduled")
             return self
@@ -110,56 +167,56 @@ class TrackedStep:
         for quantity in self.active:
             for key in sorted(quantity.required_info(step)):
                 if key not in self.info:
-                    raise context.MissingInfoError(key, cockpit.name_of(quantity), step)
+                    raise context.MissingInfoError(key, env.name_of(quantity), step)
         if self.micro_batches > 1 and self.active and "batch_size" not in self.info:
             raise context.MissingInfoError("batch_size", f"gradient accumulation (info['micro_batches'] = {self.micro_batches})", step)
         if "batch_size" in self.info:
             _check_batch_size(self.info["batch_size"], step)
             _check_losses_match(self.info, step, self.micro_batches)
-        if cockpit.self_checks:
+        if env.self_checks:
             check_losses_mean(self.info, step)
         self._check_loss()
-        create_graph = cockpit.create_graph(step)
-        if cockpit._ranks is not None and self.active:
-            owners = tuple(cockpit.name_of(q) for q in self.active if q.create_graph(step))
-            cockpit._ranks.check_step(step, cockpit.models(), self.info, create_graph, self.last, owners)
-        needs = StepNeeds.collect(self.active, step, cockpit.name_of, self.user_exts, create_graph)
+        create_graph = env.create_graph(step)
+        if env.ranks is not None and self.active:
+            owners = tuple(env.name_of(q) for q in self.active if q.create_graph(step))
+            env.ranks.check_step(step, env.models(), self.info, create_graph, self.last, owners)
+        needs = StepNeeds.collect(self.active, step, env.name_of, self.user_exts, create_graph)
         self._decomposed = set(needs.owners) | {name for name, _ in needs.requests if name != "the user's *exts"}
-        if needs.stats and cockpit.self_checks:  # the self-check of the per-sample decomposition (checks.probe)
+        if needs.stats and env.self_checks:  # the self-check of the per-sample decomposition (checks.probe)
             self._probe = GradientProbe(seed=_probe_seed(step))
             needs = replace(needs, stats=tuple(needs.stats) + (self._probe,))
         if self._split:  # the form each backward pass computes when the step has several (equal results)
             needs = needs.partitioned()
-        if self.active and (cockpit._partitions is None or cockpit._partitions.step != step):
+        if self.active and (env.run.partitions is None or env.run.partitions.step != step):
             scaler = grad_scale(self.info, step)
             factor = scaler * loss_scale(self.info, step)
-            cockpit._partitions = StepPartitions(step, factor, skippable=scaler != 1.0)
-            cockpit._partitions.checks = StepChecks(step)
-            cockpit._partitions.checks.assumed = factor / max(self.micro_batches, 1)
-            cockpit._partitions.declared = self.micro_batches
-            cockpit._partitions.checks.declared = self.micro_batches
-        scale = cockpit._partitions.scale if self.active else 1.0
+            env.run.partitions = StepPartitions(step, factor, skippable=scaler != 1.0)
+            env.run.partitions.checks = StepChecks(step)
+            env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
+            env.run.partitions.declared = self.micro_batches
+            env.run.partitions.checks.declared = self.micro_batches
+        scale = env.run.partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(
                 step,
-                cockpit.params,
+                env.params,
                 needs,
-                tracer=cockpit._tracer,
-                collector=cockpit._module_collector,
-                names=cockpit._names_of_params(),
+                tracer=env.tracer,
+                collector=env.collector,
+                names=env.param_names(),
                 info=self.info,
                 row_scale=self.micro_batches / scale,
-                memory_budget=cockpit.memory_budget,
-                scaled_losses=cockpit._scaled_losses,
+                memory_budget=env.memory_budget,
+                scaled_losses=env.run.scaled_losses,
             )
         except BaseException:
-            cockpit._tracer.drop_calls()
+            env.tracer.drop_calls()
             raise
-        if self.active and cockpit.self_checks:
+        if self.active and env.self_checks:
             self._factor = LossFactor(self.info.get("loss"), on_factor=self._execution.observe_loss_factor)
         if self.debug:
             print(
-                f"[cockpit_like|step {step}] quantities: {[cockpit.name_of(q) for q in self.active]}; "
+                f"[cockpit_like|step {step}] quantities: {[env.name_of(q) for q in self.active]}; "
                 f"{self._execution.describe()}; per-sample statistics: {list(needs.stats)}; "
                 f"create_graph: {create_graph}; backward pass {self.micro + 1} of {self.micro_batches}"
             )
@@ -188,9 +245,9 @@ class TrackedStep:
         execution = self._execution
         if execution is None:
             return False
-        cockpit = self.cockpit
-        ranks = cockpit._ranks if self.active else None
-        partitions = cockpit._partitions
+        env = self.env
+        ranks = env.ranks if self.active else None
+        partitions = env.run.partitions
         factor = self._factor
         if factor is not None:
             factor.remove()
@@ -221,8 +278,8 @@ class TrackedStep:
             execution.free()
             return False
         if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
-            self._fingerprint = _fingerprint(cockpit.params, self.step)
-            cockpit._pending = self
+            self._fingerprint = _fingerprint(env.params, self.step)
+            env.run.pending = self
             return False
         if not self.last:  # more declared micro-batches to come
             execution.free()
@@ -232,26 +289,26 @@ class TrackedStep:
 
     def finish(self) -> None:
         """Merge the step's backward passes, check them, track the quantities and publish what they stored."""
-        cockpit, execution = self.cockpit, self._execution
-        ranks = cockpit._ranks if self.active else None
-        partitions = cockpit._partitions
-        cockpit._partitions = None
-        if cockpit._pending is self:
-            cockpit._pending = None
+        env, execution = self.env, self._execution
+        ranks = env.ranks if self.active else None
+        partitions = env.run.partitions
+        env.run.partitions = None
+        if env.run.pending is self:
+            env.run.pending = None
         checks: StepChecks = partitions.checks
         new_values: dict[int, dict[str, Any]] = {}
-        params = cockpit.params
+        params = env.params
         scale, changed = self._step_scale(partitions, checks)
         if scale is None:  # the gradients are gone (cleared before the step finished)
             execution.free()
-            cockpit._store_checks(self.step, checks.to_dict())
+            env.store_checks(self.step, checks.to_dict())
             return
         if changed is not None:
             checks.note(
                 f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
                 "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
             )
-        _record_coverage(checks, params, cockpit._names_of_params())
+        _record_coverage(checks, params, env.param_names())
         if all(p.grad is None for p in params):
             execution.free()
             raise RuntimeError(
@@ -263,7 +320,7 @@ class TrackedStep:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
             if skippable and not gradients_finite(params):
-                cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
+                env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
                 return
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
@@ -277,14 +334,14 @@ class TrackedStep:
                     "passes of a step are merged (or declare info['micro_batches'] = the number of backward passes "
                     "per optimizer step).",
                 )
-                cockpit._accumulates = True
+                env.run.accumulates = True
                 stats, info = {}, partitions.partitions[-1].info
             else:
                 stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
                 if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
-                    cockpit._accumulates = True
+                    env.run.accumulates = True
             if self._probe is not None and self._probe in stats:
-                names = cockpit._param_name_list()
+                names = env.param_name_list()
                 checks.compare_probe(stats[self._probe], self._probe.seed, view.params,
                                      lambda p: p.grad, lambda i: names[i])  # fmt: skip
             if execution.curvature_unscaled:
@@ -294,21 +351,21 @@ class TrackedStep:
                     "assumed, and BackPACK's Hessian diagonal of a scaled loss cannot be corrected at this step (it "
                     "needs the GGN diagonal, which the cockpit now computes beside it from the next step on)",
                 )
-                cockpit._scaled_losses = True
+                env.run.scaled_losses = True
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params,
             )
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
-            skipped = set() if checks.valid else {cockpit.name_of(q) for q in self.active}
+            skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
             skipped |= execution.left_out_owners(self._decomposed)
             for quantity in self.active:
-                if cockpit.name_of(quantity) in skipped:
+                if env.name_of(quantity) in skipped:
                     continue
                 self._track(quantity, new_values, view.params)
             self.completed = True
-            if not cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
+            if not env.keeps_output():  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
                     for step in new_values:
                         quantity.output.pop(step, None)
@@ -319,18 +376,18 @@ class TrackedStep:
             if ranks is not None:
                 ranks.end_step()
             execution.free()
-        cockpit._store_checks(self.step, checks.to_dict())
-        tracked_names = {cockpit.name_of(q) for q in self.active}
-        cockpit._finished = (self.step, tracked_names)
-        for step in [s for s in new_values if s in cockpit._invalid_steps]:  # late values of a withdrawn step
+        env.store_checks(self.step, checks.to_dict())
+        tracked_names = {env.name_of(q) for q in self.active}
+        env.run.finished = (self.step, tracked_names)
+        for step in [s for s in new_values if s in env.run.invalid_steps]:  # late values of a withdrawn step
             for name in [n for n in new_values[step] if n in tracked_names]:
                 del new_values[step][name]
                 for quantity in self.active:
-                    if cockpit.name_of(quantity) == name:
+                    if env.name_of(quantity) == name:
                         quantity.output.pop(step, None)
         for step, values in sorted(new_values.items()):
-            cockpit._output.publish(step, values)
-        cockpit._diagnose(new_values)
+            env.output.publish(step, values)
+        env.diagnose(new_values)
 
     def _step_scale(self, partitions: StepPartitions, checks: StepChecks) -> tuple[float | None, float | None]:
         """The factor between the accumulated gradients and the step's mean-loss gradient, and the uniform
@@ -350,13 +407,13 @@ class TrackedStep:
             scale = partitions.scale * passes / max(partitions.declared, 1) if partitions.declared > 1 else partitions.scale
         if self._fingerprint is None:
             return scale, None
-        now = _fingerprint(self.cockpit.params, self.step)
+        now = _fingerprint(self.env.params, self.step)
         before = self._fingerprint
         if all(v is None for v in now.values()) and any(v is not None for v in before.values()):
             reason = (f"the gradients were cleared before step {self.step} was finished: the step ends when "
                       "info['optimizer'] steps or the next step begins")
             if scale / passes > 1.0:
-                self.cockpit._store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
+                self.env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
             checks.fail("gradient", reason)
             return None, None
         ratios = [now[i] / before[i] for i in before if before[i] and now.get(i) is not None]
@@ -371,13 +428,13 @@ class TrackedStep:
 
     def _abandon(self, ranks, execution: StepExecution) -> None:
         """The backward pass failed: the step is dropped (other ranks are told), buffers freed."""
-        self.cockpit._partitions = None
+        self.env.run.partitions = None
         if ranks is not None:  # tell the other ranks (backends/distributed.py)
-            ranks.abandon_step(self.step, self.cockpit.params, int(self.info.get("batch_size", 0)))
+            ranks.abandon_step(self.step, self.env.params, int(self.info.get("batch_size", 0)))
         execution.free()
 
     def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
-        name = self.cockpit.name_of(quantity)
+        name = self.env.name_of(quantity)
         before = dict(_last_items(quantity.output, 2))
         try:
             quantity.track(self.step, params, self.info.get("loss"))

@@ -26,7 +26,7 @@ def _no_kernel_choice_leaks():
     """The cockpit picks the math attention kernel for forward passes whose step needs the graph and
     puts back what was there when the pass ends (even when it raises). A test after which the choice
     is still changed fails here, and the choice is put back so later tests run as they would alone."""
-    from cockpit_like.backends.hooks import _graph_kernels
+    from cockpit_like.backends.tracer import _graph_kernels
 
     before = _kernel_state()
     yield

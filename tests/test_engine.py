@@ -417,7 +417,7 @@ def test_a_cockpit_gone_during_a_forward_pass_puts_the_kernels_back(how):
     """The graph kernels a forward pass took for a cockpit go back when the pass ends even if that
     cockpit was collected (or its hooks removed) while the pass ran: a leak would leave every later
     forward pass of the process on the math attention kernel, changing what other models compute."""
-    from cockpit_like.backends.hooks import _graph_kernels
+    from cockpit_like.backends.tracer import _graph_kernels
     from torch.nn.attention import _cur_sdpa_kernel_backends
 
     def settings():

@@ -1,29 +1,22 @@
 """The hook backend: per-sample gradients of any module, without BackPACK.
 
-Two pieces:
+Three modules, from the bottom up:
 
-- :class:`ModelTracer`, installed once on the model (``Cockpit(model=...)``,
-  or found at the model's first forward pass with PyTorch's global module
-  hooks). During *every* forward pass with gradients enabled it notes the
-  calls of modules with tracked parameters in their subtree (and of batch
-  norms, which couple the samples): a pre-hook notes where the call began, a
-  forward hook appends it (two small list operations). The list is handed over
-  or dropped whenever the cockpit is entered, so a step that tracks nothing
-  costs that append and nothing else. On steps that need the graph (e.g.
-  Hessian-vector products) the model's forward runs with PyTorch's math
-  attention kernel and without cuDNN (whose recurrent layers have no double
-  backward), so that the backward pass is twice differentiable.
-- :class:`HookBackend`, built for one tracked step from the noted calls. It
-  registers a pre-hook on the autograd node of each call's outputs, so it
-  receives the gradient of the loss w.r.t. the outputs during the backward
-  pass, and turns (inputs, output gradients) into per-sample gradients:
-  by a per-layer rule (:mod:`cockpit_like.backends.module_rules`) while the
-  backward pass runs, layer by layer, or, for any other module that owns
-  parameters, by ``torch.func`` (``functional_call`` + ``vmap`` of ``vjp``,
-  one sample per row; a loop over samples where ``vmap`` cannot run, e.g.
-  recurrent layers) right after the backward pass. The results go to the
-  same :class:`~cockpit_like.backends.per_sample.PerSampleReducer` that
-  BackPACK's path feeds, so every statistic is written once.
+- :mod:`cockpit_like.backends.tracer`: :class:`~cockpit_like.backends.tracer.ModelTracer`,
+  installed once on the model, notes the forward calls of the modules with
+  tracked parameters in their subtree during every forward pass.
+- :mod:`cockpit_like.backends.rerun`: the ``torch.func`` re-run
+  (``functional_call`` + ``vmap`` of ``vjp``, a loop over rows where ``vmap``
+  cannot run) for modules without a per-layer rule.
+- this module: :class:`HookBackend`, built for one tracked step from the noted
+  calls. It registers a pre-hook on the autograd node of each call's outputs,
+  so it receives the gradient of the loss w.r.t. the outputs during the
+  backward pass, and turns (inputs, output gradients) into per-sample
+  gradients: by a per-layer rule (:mod:`cockpit_like.backends.module_rules`)
+  while the backward pass runs, layer by layer, or, for any other module that
+  owns parameters, by the re-run right after the backward pass. The results
+  go to the same :class:`~cockpit_like.backends.per_sample.PerSampleReducer`
+  that BackPACK's path feeds, so every statistic is written once.
 
 A parameter used by several calls (weight tying: GPT-2's input embedding is
 its output layer; a module applied twice) gets the sum of its calls'
@@ -82,37 +75,38 @@ from the shapes and the autograd graph of the forward pass):
   qualifying call (a model that returns its loss) the step raises
   :class:`UncoveredParameterError` naming the layer and the parameters.
 
-Every fallback re-run must reproduce the recorded outputs of the forward pass
-(a key/value cache argument, filled by the call itself, is left out); if it
-does not (state, a coupled batch), :class:`UncoveredParameterError` says so.
-The cockpit never changes what the model computes: outputs are returned as
-they are (the forward hook returns ``None``).
-
-May import torch and :mod:`cockpit_like.backends` only.
+May import torch and :mod:`cockpit_like.backends` (the tracer and the re-run
+included). ``ModelTracer`` and ``UncoveredParameterError`` are re-exported
+from here; the re-run's ``per_sample_grads`` is called through this module's
+name for it (so ``monkeypatch.setattr(hooks, "per_sample_grads", ...)`` works).
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import weakref
 from collections import defaultdict
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, Lazy, is_hf_conv1d, rule_for, summed
-from cockpit_like.backends.per_sample import LazyRows
+from cockpit_like.backends.rerun import (
+    UncoveredParameterError,
+    _batch_dim,
+    _batched,
+    _random_submodule,
+    per_sample_grad_rows,
+    per_sample_grads,
+)
+from cockpit_like.backends.tracer import Call, ModelTracer, Shell, _call_nodes, _flat_outputs, _graph_nodes
 
 __all__ = [
-    "ModelTracer",
+    "ModelTracer",  # re-exported from cockpit_like.backends.tracer
     "HookBackend",
     "BatchNormInTrainingError",
-    "UncoveredParameterError",
+    "UncoveredParameterError",  # re-exported from cockpit_like.backends.rerun
     "couples_samples",
 ]
 
@@ -121,320 +115,11 @@ class BatchNormInTrainingError(RuntimeError):
     """A batch norm in training mode mixes the samples: per-sample quantities are undefined."""
 
 
-class UncoveredParameterError(RuntimeError):
-    """A tracked parameter got no per-sample gradient from any backend."""
-
-
 def couples_samples(module: nn.Module) -> bool:
     """Whether ``module`` normalises with statistics of the current batch (batch norm in training mode)."""
     if not isinstance(module, nn.modules.batchnorm._BatchNorm):
         return False
     return module.training or not module.track_running_stats
-
-
-# ---- the tracer ---------------------------------------------------------------------
-_TRACERS: "weakref.WeakValueDictionary[int, ModelTracer]" = weakref.WeakValueDictionary()
-_IDS = itertools.count()
-
-
-def _record(tracer_id: int, module, args, kwargs, output) -> None:
-    # a module-level function bound by functools.partial to an int: a pickled model carries no
-    # tracer; a deep copy's hooks report to the same tracer, whose step ignores calls that are not
-    # part of its backward pass
-    tracer = _TRACERS.get(tracer_id)
-    if tracer is None or tracer.paused or not torch.is_grad_enabled():
-        return
-    calls = tracer.calls
-    if len(calls) >= tracer.MAX_CALLS:  # forward passes never backpropagated inside the cockpit
-        calls.clear()
-    if tracer.batch == 0 and tracer.in_forward():  # found by the global hook, which sees no keyword inputs
-        tracer.batch = _leading_dim(args, kwargs)
-    node = output.grad_fn if isinstance(output, torch.Tensor) else None
-    # where the call began: the calls noted since then are the calls it made (its descendants)
-    opened = tracer.opened.get(id(module))
-    start = opened.pop() if opened else len(calls)
-    if start == len(calls) and not module._parameters and not module._modules:
-        return  # a leaf without parameters (activations, dropout, pooling): nothing to compute, nothing kept
-    if type(module) not in RECOMPUTE_RULES:
-        # the outputs' shapes and graph nodes, not their values: autograd keeps what the backward pass needs,
-        # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
-        output = tree_map(_shell, output)
-    # the output is returned unchanged: the cockpit never changes what the model computes
-    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)))
-    if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
-        tracer.live.adopt(Call(*noted))
-        return
-    if not tracer.in_forward():
-        tracer.stray = True  # a call outside the model's forward pass (its original module under torch.compile)
-    calls.append(noted)  # a Call only at tracked steps
-
-
-class Shell:
-    """A recorded output without its values: shape, dtype, device and graph node (see :func:`_record`)."""
-
-    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr")
-
-    def __init__(self, shape, dtype, device, grad_fn, output_nr):
-        self.shape, self.dtype, self.device, self.grad_fn, self.output_nr = torch.Size(shape), dtype, device, grad_fn, output_nr
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-    def expand(self, *shape) -> "Shell":
-        return Shell(shape, self.dtype, self.device, self.grad_fn, self.output_nr)
-
-    def zeros(self) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-
-
-def _shell(value):
-    if isinstance(value, torch.Tensor):
-        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr)
-    return value
-
-
-def _open(tracer_id: int, module, args) -> None:
-    tracer = _TRACERS.get(tracer_id)
-    if tracer is None or tracer.paused or not torch.is_grad_enabled():
-        return
-    tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
-
-
-def _leading_dim(args, kwargs) -> int:
-    for value in itertools.chain(args, (kwargs or {}).values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.shape[0]
-    return 0
-
-
-def _before_root(tracer_id: int, module, args, kwargs) -> None:
-    tracer = _TRACERS.get(tracer_id)
-    if tracer is not None and not tracer.paused:
-        tracer.enter_forward(args, kwargs, module)
-
-
-def _after_root(tracer_id: int, held: list, module, args, output) -> None:
-    tracer = _TRACERS.get(tracer_id)
-    if tracer is not None:
-        tracer.exit_forward()
-    else:  # the tracer was collected during the forward pass: put back the kernels it took
-        _put_back(held, 1)
-
-
-def _put_back(held: list, count: int | None = None) -> None:
-    """Pop ``count`` (all: ``None``) entries of a tracer's kernel stack, releasing the graph kernels
-    of those that hold them. The stack is shared with the root's forward hooks, so the kernels go
-    back even when the tracer itself is gone or removed before its forward pass ended."""
-    while held and (count is None or count > 0):
-        if held.pop():
-            _graph_kernels.release()
-        if count is not None:
-            count -= 1
-
-
-class Call:
-    """One recorded forward call of a module."""
-
-    __slots__ = (
-        "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
-        "start", "position", "climbed", "consumer", "flat",
-    )
-
-    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0):
-        self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
-        #: rows of the forward pass that made the call (0: unknown)
-        self.batch = batch
-        #: index of the first call noted after this one began: calls ``start ..`` before it are its descendants
-        self.start = start
-        #: index of this call among the calls noted since the last step (set by ``take_calls``)
-        self.position = -1
-        #: parameters of descendants that climbed here (their own calls cannot tell the rows apart)
-        self.climbed = False
-        #: for an output shared by the rows (leading 1) that is added to a batched tensor: that addition's
-        #: node, whose output gradient holds each row's gradient of the shared output
-        self.consumer = None
-        #: the call ran on rows flattened to ``[B*k, ...]`` (sample-major): its rule sees ``[B, k, ...]``
-        self.flat = False
-        self.params: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor | None] = []
-        self.waiting = 0
-        self.entries: list[torch.Tensor] = []
-        self.want: list[int] = []
-        self.done = False
-
-    def fresh(self) -> "Call":
-        """The same recorded call with no backward state (for another backward pass)."""
-        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start)
-        call.position = self.position
-        return call
-
-    def release(self) -> None:
-        """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
-        self.args = self.kwargs = self.output = self.node = None
-        self.entries, self.grads = [], []
-
-
-class ModelTracer:
-    """Notes the forward calls the hook backend needs (see the module docstring).
-
-    Args:
-        params: the tracked parameters.
-        wants_graph: ``() -> bool``, whether the coming backward pass will need
-            the graph (then the forward pass uses the math attention kernel).
-        on_attach: ``() -> None``, called after a model was attached.
-        on_forward: ``(root, args, kwargs) -> None``, called when an outermost
-            forward pass of an attached model begins (with gradients enabled and
-            the tracer not paused), e.g. to start recording a step.
-    """
-
-    #: calls kept at most between two cockpit steps (older ones are dropped)
-    MAX_CALLS = 200_000
-
-    def __init__(
-        self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None, on_forward=None
-    ):
-        self.id = next(_IDS)
-        _TRACERS[self.id] = self
-        self._tracked = {id(p) for p in params}
-        self._wants_graph = wants_graph
-        self._on_attach = on_attach
-        self._on_forward = on_forward
-        #: ``(module, args, kwargs, output, node, batch, start)`` of each noted call since the last step
-        self.calls: list[tuple] = []
-        #: ``id(module) -> [len(calls) when each of its running calls began]``
-        self.opened: dict[int, list[int]] = {}
-        self.paused = False
-        self.roots: list[weakref.ref] = []
-        self._covered: set[int] = set()
-        #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
-        #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
-        self._named: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # (all, direct)
-        #: the hook backend of the backward pass under way (it adopts calls made during it)
-        self.live: HookBackend | None = None
-        self._handles: list[Any] = []
-        self._global_handle = None
-        self._kernel_stack: list[bool] = []  # per forward pass: it holds the graph kernels
-        weakref.finalize(self, _put_back, self._kernel_stack)  # collected mid-pass: put them back
-        self._batches: list[int] = []
-        #: rows of the model's current forward pass (0 outside one)
-        self.batch = 0
-        #: forward passes of the models since the calls were last taken
-        self.passes = 0
-        #: a call was noted outside the roots' forward passes since the last step (see take_calls)
-        self.stray = False
-
-    # ---- installing ---------------------------------------------------------------
-    def attach(self, root: nn.Module) -> None:
-        """Install the recording hooks on ``root`` and its submodules."""
-        if any(ref() is root for ref in self.roots):
-            return
-        if not isinstance(root, nn.Module):
-            raise TypeError(f"Cockpit(model=...) takes an nn.Module, got {type(root).__name__}")
-        for module in root.modules():
-            # every module with tracked parameters in its subtree: the ones that own them, and the
-            # enclosing modules that per-sample gradients may climb to (see the module docstring)
-            if any(id(p) in self._tracked for p in module.parameters()) or isinstance(
-                module, nn.modules.batchnorm._BatchNorm
-            ):
-                self._handles.append(module.register_forward_pre_hook(partial(_open, self.id)))
-                self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
-                named = dict(module.named_parameters())
-                direct = {name: p for name, p in named.items() if "." not in name}
-                self._named[id(module)] = (named, direct)
-        self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
-        self._handles.append(root.register_forward_hook(partial(_after_root, self.id, self._kernel_stack), always_call=True))
-        self._covered |= {id(p) for p in root.parameters()}
-        self.roots.append(weakref.ref(root))
-        self._on_attach()
-
-    def discover(self) -> None:
-        """Attach to the model at its first forward pass (PyTorch's global module pre-hook)."""
-        if self._global_handle is None and not self.covers_all():
-            self._global_handle = nn.modules.module.register_module_forward_pre_hook(partial(_discover, self.id))
-
-    def covers_all(self) -> bool:
-        return self._tracked <= self._covered
-
-    def named_params(self, module: nn.Module, recurse: bool = True) -> dict[str, torch.Tensor]:
-        """``module``'s parameters by name as the cockpit attached it (else as it is now)."""
-        kept = self._named.get(id(module))
-        if kept is None:
-            return dict(module.named_parameters(recurse=recurse))
-        return kept[0] if recurse else kept[1]
-
-    def _found(self, module: nn.Module, args: tuple) -> None:
-        if self.paused or not torch.is_grad_enabled():
-            return
-        if not any(id(p) in self._tracked and id(p) not in self._covered for p in module.parameters()):
-            return
-        self.attach(module)
-        self.enter_forward(args, {}, module)  # this call's pre-hooks were registered too late for this call
-        self.opened.setdefault(id(module), []).append(len(self.calls))
-        if self.covers_all() and self._global_handle is not None:
-            self._global_handle.remove()
-            self._global_handle = None
-
-    def remove(self) -> None:
-        """Remove every hook (and put back the graph kernels of a forward pass still running)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        if self._global_handle is not None:
-            self._global_handle.remove()
-            self._global_handle = None
-        _put_back(self._kernel_stack)
-
-    # ---- the model's forward pass ------------------------------------------------------
-    def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
-        """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
-        if not self._batches:
-            self.passes += 1
-            if self._on_forward is not None and root is not None and torch.is_grad_enabled():
-                self._on_forward(root, args, kwargs)
-        self._batches.append(self.batch)
-        self.batch = _leading_dim(args, kwargs)
-        wants = self._wants_graph()
-        if wants:
-            _graph_kernels.acquire()
-        self._kernel_stack.append(wants)
-
-    def in_forward(self) -> bool:
-        return bool(self._batches)
-
-    def exit_forward(self) -> None:
-        _put_back(self._kernel_stack, 1)
-        if self._batches:
-            self.batch = self._batches.pop()
-
-    # ---- per step -----------------------------------------------------------------------
-    def take_calls(self, loss: torch.Tensor | None = None) -> list[Call]:
-        """The calls noted since the last step (the list is emptied).
-
-        With several forward passes since then and the step's ``loss``, only
-        the calls whose outputs the loss depends on (graph reachability).
-        """
-        calls, passes = [Call(*noted) for noted in self.calls], self.passes
-        for position, call in enumerate(calls):
-            call.position = position
-        stray = self.stray
-        self.drop_calls()
-        if (passes > 1 or stray) and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
-            reachable = _graph_nodes(loss.grad_fn)
-            calls = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
-        return calls
-
-    def drop_calls(self) -> None:
-        """Forget the calls noted since the last step (a step that tracks nothing)."""
-        self.calls, self.passes, self.opened, self.stray = [], 0, {}, False
-
-    @contextlib.contextmanager
-    def pause(self):
-        """No recording (the fallback re-runs modules)."""
-        previous, self.paused = self.paused, True
-        try:
-            yield
-        finally:
-            self.paused = previous
 
 
 @contextlib.contextmanager
@@ -455,36 +140,6 @@ def _whole_parameters(module: nn.Module):
     finally:
         for owner, name, param in swapped:
             owner._parameters[name] = param
-
-
-class _GraphKernels:
-    """Kernels with a second derivative for forward passes whose step needs the graph: the math
-    attention kernel, recurrent layers without cuDNN. Process-wide and counted: the first forward pass
-    that needs them sets them, the last one that ends puts back what was there before, whichever
-    tracers (several cockpits on one model) enter and leave in whichever order."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self._context: contextlib.ExitStack | None = None
-
-    def acquire(self) -> None:
-        if self.depth == 0:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            context = contextlib.ExitStack()
-            context.enter_context(sdpa_kernel([SDPBackend.MATH]))
-            context.enter_context(torch.backends.cudnn.flags(enabled=False))
-            self._context = context
-        self.depth += 1
-
-    def release(self) -> None:
-        self.depth -= 1
-        if self.depth == 0 and self._context is not None:
-            context, self._context = self._context, None
-            context.close()
-
-
-_graph_kernels = _GraphKernels()
 
 
 def _uncalled_descendant_params(module, called, handled_elsewhere, tracked) -> list[torch.Tensor]:
@@ -538,44 +193,11 @@ def _used_params(roots: list) -> set[int]:
     return used
 
 
-def _graph_nodes(root) -> dict[int, object]:
-    """``{id: node}`` of every autograd node the backward pass from ``root`` visits.
-
-    The nodes are kept (the values): autograd's Python objects for graph nodes
-    exist only while referenced, and a freed one's ``id`` can be reused by the
-    object of another node, which would then look visited.
-    """
-    seen, stack = {id(root): root}, [root]
-    while stack:
-        for child, _ in stack.pop().next_functions:
-            if child is not None and id(child) not in seen:
-                seen[id(child)] = child
-                stack.append(child)
-    return seen
-
-
 #: a watched node that has not run yet (:meth:`HookBackend._watch_sums`)
 _WAITING = object()
 
 
-def _call_nodes(call: "Call") -> list:
-    if call.node is not None:
-        return [call.node]
-    return [t.grad_fn for t in _flat_outputs(call.output) if t.grad_fn is not None]
-
-
-def _discover(tracer_id: int, module, args) -> None:
-    tracer = _TRACERS.get(tracer_id)
-    if tracer is not None:
-        tracer._found(module, args)
-
-
 # ---- the backend of one step ------------------------------------------------------------
-def _flat_outputs(output) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten(output)
-    return [leaf for leaf in leaves if isinstance(leaf, (torch.Tensor, Shell))]
-
-
 class HookBackend:
     """Per-sample gradients of the recorded calls for one step (see the module docstring).
 
@@ -1156,242 +778,3 @@ class HookBackend:
             f"cannot tell the batch size of a call of {type(call.module).__name__}: pass "
             "info['batch_size'] to the cockpit"
         )
-
-
-def _random_submodule(module: nn.Module) -> str | None:
-    """A description of dropout that ``module`` would apply in its forward pass (training mode), else ``None``."""
-    for name, child in module.named_modules():
-        if not child.training:
-            continue
-        where = f"'{name}'" if name else "itself"
-        if isinstance(child, nn.modules.dropout._DropoutNd) and child.p > 0:
-            return f"{type(child).__name__}(p={child.p}) {where}"
-        if isinstance(child, (nn.MultiheadAttention, nn.RNNBase)) and getattr(child, "dropout", 0) > 0:
-            return f"{type(child).__name__}(dropout={child.dropout}) {where}"
-    return None
-
-
-def _batch_dim(module: nn.Module, position: int | str, tensor: torch.Tensor) -> int:
-    """The dimension that indexes samples in an argument of ``module`` (0 but for recurrent layers)."""
-    if isinstance(module, nn.RNNBase):
-        if position in (0, "input"):
-            return 0 if module.batch_first else 1
-        return 1  # hidden states: [layers * directions, B, H]
-    return 0
-
-
-def _batched(module, position, tensor, batch) -> int | None:
-    if not isinstance(tensor, (torch.Tensor, Shell)) or tensor.dim() == 0:
-        return None
-    dim = _batch_dim(module, position, tensor)
-    if dim < tensor.dim() and tensor.shape[dim] == batch:
-        return dim
-    return None
-
-
-def per_sample_grads(
-    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
-    shared: bool = False,
-) -> list[torch.Tensor]:
-    """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
-
-    ``out_k`` are the module's flattened tensor outputs at the indices ``want``
-    and ``grads`` their gradients. ``torch.func``: ``vmap`` over the rows of
-    ``vjp`` of ``functional_call`` (each row run as a batch of one); where
-    ``vmap`` cannot run the module (recurrent layers, routing), a loop over the rows
-    with ``torch.autograd.grad``. Tensors inside tuples, lists and dicts of the
-    arguments are split too. ``shared``: the module computed one output shared by
-    all rows (leading 1), whose rows' gradients ``grads`` come from where it was
-    added to the batch; its inputs are not split. ``recorded``: the outputs of the
-    forward pass, which the re-run must reproduce (else an error says why not).
-    """
-    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
-    results, outputs = rerun.rows(0, batch)
-    rerun.check(outputs, recorded, 0, batch)
-    return results
-
-
-def per_sample_grad_rows(
-    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
-    shared: bool = False,
-) -> list[LazyRows]:
-    """:func:`per_sample_grads` a block of rows at a time: per parameter a
-    :class:`~cockpit_like.backends.per_sample.LazyRows` whose ``make(start, stop)``
-    re-runs rows ``start:stop`` for that parameter alone (each block's outputs
-    checked against ``recorded`` once), so that no ``[B, *p.shape]`` exists when
-    the reducer takes blocks under its budget. A parameter's blocks re-run the
-    module's rows once each: ``len(params)`` re-runs of the batch in all."""
-    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
-    checked: set[tuple[int, int]] = set()
-
-    def maker(index: int):
-        def make(start: int, stop: int) -> torch.Tensor:
-            results, outputs = rerun.rows(start, stop, only=index)
-            if (start, stop) not in checked:
-                rerun.check(outputs, recorded, start, stop)
-                checked.add((start, stop))
-            return results[0]
-
-        return make
-
-    return [LazyRows(batch, p.shape, maker(k), max(4, p.element_size())) for k, p in enumerate(params)]
-
-
-class _Rerun:
-    """A module call prepared for re-running rows (:func:`per_sample_grads`)."""
-
-    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared):
-        names: dict[int, str] = {}
-        for name, p in module.named_parameters():
-            names.setdefault(id(p), name)
-        self.module, self.params, self.tracer, self.batch = module, list(params), tracer, batch
-        self.param_names = [names[id(p)] for p in params]
-        args, kwargs = list(args or ()), dict(kwargs or {})
-        # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
-        slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
-        structure, values, dims = [], [], []
-        for position, value in slots:
-            leaves, spec = tree_flatten(value)
-            structure.append((len(leaves), spec))
-            for leaf in leaves:
-                values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
-                dims.append(None if shared else _batched(module, position, leaf, batch))
-        out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
-        if any(d is None for d in out_dims):
-            raise UncoveredParameterError(
-                f"{type(module).__name__}: an output has no batch dimension of size {batch} (shapes "
-                f"{[list(g.shape) for g in grads]}), so the cockpit cannot tell the rows' gradients apart. If "
-                "the output is shared by all rows (e.g. a table broadcast over the batch), return it with a "
-                "batch dimension (`table.expand(batch_size, *table.shape)`) or with a leading dimension of 1."
-            )
-        self.values, self.dims, self.out_dims, self.grads = values, dims, out_dims, list(grads)
-        self.batched = [k for k, d in enumerate(dims) if d is not None]
-        self._vmap = True  # until vmap fails on this module once (then every block takes the loop)
-        self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
-
-        def run(p: dict, rows: list) -> tuple:
-            current = list(values)
-            for k, row in zip(self.batched, rows):
-                current[k] = row
-            rebuilt, offset = [], 0
-            for count, spec in structure:
-                rebuilt.append(tree_unflatten(current[offset : offset + count], spec))
-                offset += count
-            call_args = rebuilt[: len(args)]
-            call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
-            out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
-            return tuple(out[i] for i in want)
-
-        self.run = run
-
-    def rows(self, start: int, stop: int, only: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``([stop - start, *p.shape] per parameter (or for ``params[only]``), the re-run's outputs)``."""
-        count = stop - start
-        whole = start == 0 and stop == self.batch
-        values = list(self.values)
-        if not whole:
-            for k in self.batched:
-                values[k] = values[k].narrow(self.dims[k], start, count)
-        grads = self.grads if whole else [g.narrow(d, start, count) for g, d in zip(self.grads, self.out_dims)]
-        chosen = range(len(self.params)) if only is None else [only]
-        names = [self.param_names[k] for k in chosen]
-        with self.tracer.pause():
-            if self._vmap:
-                try:
-                    detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
-                    return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
-                except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
-                    self._vmap = False
-            live = dict(zip(self.param_names, self.params))
-            params = [self.params[k] for k in chosen]
-            return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
-
-    def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
-        """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""
-        if recorded is None:
-            return
-        if any(isinstance(t, Shell) for t in recorded):
-            # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
-            # of the whole batch, i.e. the rows are independent (dropout is refused before); made once
-            if self._whole is None:
-                with self.tracer.pause(), torch.no_grad():
-                    self._whole = self.run(
-                        {name: p.detach() for name, p in zip(self.param_names, self.params)},
-                        [self.values[k] for k in self.batched],
-                    )
-            # a shared output (leading 1) was recorded as its expansion over the rows
-            recorded = [
-                o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(self._whole, recorded)
-            ]
-        if not (start == 0 and stop == self.batch):
-            recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
-        if not _same_outputs(outputs, recorded):
-            raise UncoveredParameterError(
-                f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
-                "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
-                "its forward pass depends on state (a key/value cache filled by earlier forward passes: pass "
-                "use_cache=False while training; random numbers: set dropout to 0 or call .eval(); a loss or "
-                "statistic over the whole batch computed inside it)."
-            )
-
-
-def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
-    """``([B, *p.shape] per name in ``names``, the re-run's outputs)``; the other parameters are constants."""
-    count = len(batched)
-    constants = {name: value for name, value in detached.items() if name not in names}
-    variables = {name: detached[name] for name in names}
-
-    def one(*sample):
-        rows = [row.unsqueeze(dims[k]) for k, row in zip(batched, sample[:count])]
-        cotangents = tuple(g.unsqueeze(d) for g, d in zip(sample[count:], out_dims))
-        out, back = vjp(lambda p: run({**constants, **p}, rows), variables)
-        return tuple(o.squeeze(d) for o, d in zip(out, out_dims)), back(cotangents)[0]
-
-    in_dims = tuple(dims[k] for k in batched) + tuple(out_dims)
-    with torch.enable_grad():
-        outputs, result = vmap(one, in_dims=in_dims, out_dims=(tuple(out_dims), 0))(
-            *[values[k] for k in batched], *grads
-        )
-    return [result[name].detach() for name in names], [o.detach() for o in outputs]
-
-
-def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
-    """The same as :func:`_vmapped` by a loop over the rows (gradients of ``params`` only)."""
-    per_param: list[list[torch.Tensor]] = [[] for _ in params]
-    per_output: list[list[torch.Tensor]] = [[] for _ in grads]
-    for row in range(batch):
-        rows = [values[k].narrow(dims[k], row, 1) for k in batched]
-        cotangents = [g.narrow(d, row, 1) for g, d in zip(grads, out_dims)]
-        with torch.enable_grad():
-            out = run(live, rows)
-            results = torch.autograd.grad(out, params, cotangents, allow_unused=True)
-        for k, (p, g) in enumerate(zip(params, results)):
-            per_param[k].append(torch.zeros_like(p) if g is None else g.detach())
-        for k, o in enumerate(out):
-            per_output[k].append(o.detach())
-    outputs = [torch.cat(rows, d) for rows, d in zip(per_output, out_dims)]
-    return [torch.stack(rows) for rows in per_param], outputs
-
-
-def _replayable(value):
-    """An argument as the re-run may see it: a key/value cache (Hugging Face's ``Cache``, filled by this
-    very call) is left out, since re-running would append to it; the output check catches the rest."""
-    if hasattr(value, "get_seq_length") and hasattr(value, "update"):
-        return None
-    return value
-
-
-def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor]) -> bool:
-    """Equal up to rounding: the largest difference within ``tolerance * (1 + largest |value|)``, with a
-    tolerance by precision (a re-run of a whole stack row by row rounds differently from the batch)."""
-    for new, old in zip(recomputed, recorded):
-        old = old.detach()
-        if new.shape != old.shape:
-            return False
-        if not old.numel():
-            continue
-        tolerance = {torch.float64: 1e-7, torch.float32: 1e-3}.get(old.dtype, 2e-2)
-        scale = 1 + float(old.abs().max())
-        if not float((new.to(old.dtype) - old).abs().max()) <= tolerance * scale:  # NaN fails too
-            return False
-    return True

@@ -100,7 +100,7 @@ class StepExecution:
         step: the global step (for messages).
         params: the tracked parameters.
         needs: the step's merged needs (:class:`~cockpit_like.quantities.needs.StepNeeds`).
-        tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer` (or ``None``).
+        tracer: the cockpit's :class:`~cockpit_like.backends.tracer.ModelTracer` (or ``None``).
         collector: the lean-hooks collector (or ``None``).
         names: ``id(param) -> readable name``.
         info: the step's ``info`` dict (``batch_size`` if given).

@@ -102,7 +102,7 @@ class Recorder:
     """Arms, runs and stores the records of one cockpit (see the module docstring).
 
     Args:
-        tracer: the cockpit's :class:`~cockpit_like.backends.hooks.ModelTracer`.
+        tracer: the cockpit's :class:`~cockpit_like.backends.tracer.ModelTracer`.
         params: the tracked parameters.
         auto: record the first step with a non-finite loss or gradient (``True``;
             ``"tracked"``: check the loss only on tracked steps, no device sync on

@@ -1,0 +1,275 @@
+"""The ``torch.func`` re-run: per-sample gradients of a recorded call by re-running it row by row.
+
+For a module without a per-layer rule, the hook backend hands the recorded
+call (inputs, output gradients) to :func:`per_sample_grads` (or, over the
+memory budget, :func:`per_sample_grad_rows`, a block of rows at a time):
+``functional_call`` + ``vmap`` of ``vjp``, one sample per row; a loop over
+samples with ``torch.autograd.grad`` where ``vmap`` cannot run (recurrent
+layers, routing). A sample is one row of the batch: every tensor argument
+whose leading dimension is the batch size is split along it (``nn.RNNBase``
+without ``batch_first``: along dimension 1, and its hidden state always along
+dimension 1; ``_batch_dim``, ``_batched``).
+
+Every re-run must reproduce the recorded outputs of the forward pass (a
+key/value cache argument, filled by the call itself, is left out); if it does
+not (state, a coupled batch), :class:`UncoveredParameterError` says so.
+
+May import torch, :mod:`cockpit_like.backends.tracer` and
+:mod:`cockpit_like.backends.per_sample` only; never
+:mod:`~cockpit_like.backends.hooks` (which imports this module).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from cockpit_like.backends.per_sample import LazyRows
+from cockpit_like.backends.tracer import Shell, _flat_outputs
+
+__all__ = ["UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
+
+
+class UncoveredParameterError(RuntimeError):
+    """A tracked parameter got no per-sample gradient from any backend."""
+
+
+def _random_submodule(module: nn.Module) -> str | None:
+    """A description of dropout that ``module`` would apply in its forward pass (training mode), else ``None``."""
+    for name, child in module.named_modules():
+        if not child.training:
+            continue
+        where = f"'{name}'" if name else "itself"
+        if isinstance(child, nn.modules.dropout._DropoutNd) and child.p > 0:
+            return f"{type(child).__name__}(p={child.p}) {where}"
+        if isinstance(child, (nn.MultiheadAttention, nn.RNNBase)) and getattr(child, "dropout", 0) > 0:
+            return f"{type(child).__name__}(dropout={child.dropout}) {where}"
+    return None
+
+
+def _batch_dim(module: nn.Module, position: int | str, tensor: torch.Tensor) -> int:
+    """The dimension that indexes samples in an argument of ``module`` (0 but for recurrent layers)."""
+    if isinstance(module, nn.RNNBase):
+        if position in (0, "input"):
+            return 0 if module.batch_first else 1
+        return 1  # hidden states: [layers * directions, B, H]
+    return 0
+
+
+def _batched(module, position, tensor, batch) -> int | None:
+    if not isinstance(tensor, (torch.Tensor, Shell)) or tensor.dim() == 0:
+        return None
+    dim = _batch_dim(module, position, tensor)
+    if dim < tensor.dim() and tensor.shape[dim] == batch:
+        return dim
+    return None
+
+
+def per_sample_grads(
+    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
+    shared: bool = False,
+) -> list[torch.Tensor]:
+    """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
+
+    ``out_k`` are the module's flattened tensor outputs at the indices ``want``
+    and ``grads`` their gradients. ``torch.func``: ``vmap`` over the rows of
+    ``vjp`` of ``functional_call`` (each row run as a batch of one); where
+    ``vmap`` cannot run the module (recurrent layers, routing), a loop over the rows
+    with ``torch.autograd.grad``. Tensors inside tuples, lists and dicts of the
+    arguments are split too. ``shared``: the module computed one output shared by
+    all rows (leading 1), whose rows' gradients ``grads`` come from where it was
+    added to the batch; its inputs are not split. ``recorded``: the outputs of the
+    forward pass, which the re-run must reproduce (else an error says why not).
+    """
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
+    results, outputs = rerun.rows(0, batch)
+    rerun.check(outputs, recorded, 0, batch)
+    return results
+
+
+def per_sample_grad_rows(
+    module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
+    shared: bool = False,
+) -> list[LazyRows]:
+    """:func:`per_sample_grads` a block of rows at a time: per parameter a
+    :class:`~cockpit_like.backends.per_sample.LazyRows` whose ``make(start, stop)``
+    re-runs rows ``start:stop`` for that parameter alone (each block's outputs
+    checked against ``recorded`` once), so that no ``[B, *p.shape]`` exists when
+    the reducer takes blocks under its budget. A parameter's blocks re-run the
+    module's rows once each: ``len(params)`` re-runs of the batch in all."""
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
+    checked: set[tuple[int, int]] = set()
+
+    def maker(index: int):
+        def make(start: int, stop: int) -> torch.Tensor:
+            results, outputs = rerun.rows(start, stop, only=index)
+            if (start, stop) not in checked:
+                rerun.check(outputs, recorded, start, stop)
+                checked.add((start, stop))
+            return results[0]
+
+        return make
+
+    return [LazyRows(batch, p.shape, maker(k), max(4, p.element_size())) for k, p in enumerate(params)]
+
+
+class _Rerun:
+    """A module call prepared for re-running rows (:func:`per_sample_grads`)."""
+
+    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared):
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters():
+            names.setdefault(id(p), name)
+        self.module, self.params, self.tracer, self.batch = module, list(params), tracer, batch
+        self.param_names = [names[id(p)] for p in params]
+        args, kwargs = list(args or ()), dict(kwargs or {})
+        # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
+        slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
+        structure, values, dims = [], [], []
+        for position, value in slots:
+            leaves, spec = tree_flatten(value)
+            structure.append((len(leaves), spec))
+            for leaf in leaves:
+                values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
+                dims.append(None if shared else _batched(module, position, leaf, batch))
+        out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
+        if any(d is None for d in out_dims):
+            raise UncoveredParameterError(
+                f"{type(module).__name__}: an output has no batch dimension of size {batch} (shapes "
+                f"{[list(g.shape) for g in grads]}), so the cockpit cannot tell the rows' gradients apart. If "
+                "the output is shared by all rows (e.g. a table broadcast over the batch), return it with a "
+                "batch dimension (`table.expand(batch_size, *table.shape)`) or with a leading dimension of 1."
+            )
+        self.values, self.dims, self.out_dims, self.grads = values, dims, out_dims, list(grads)
+        self.batched = [k for k, d in enumerate(dims) if d is not None]
+        self._vmap = True  # until vmap fails on this module once (then every block takes the loop)
+        self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
+
+        def run(p: dict, rows: list) -> tuple:
+            current = list(values)
+            for k, row in zip(self.batched, rows):
+                current[k] = row
+            rebuilt, offset = [], 0
+            for count, spec in structure:
+                rebuilt.append(tree_unflatten(current[offset : offset + count], spec))
+                offset += count
+            call_args = rebuilt[: len(args)]
+            call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
+            out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
+            return tuple(out[i] for i in want)
+
+        self.run = run
+
+    def rows(self, start: int, stop: int, only: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``([stop - start, *p.shape] per parameter (or for ``params[only]``), the re-run's outputs)``."""
+        count = stop - start
+        whole = start == 0 and stop == self.batch
+        values = list(self.values)
+        if not whole:
+            for k in self.batched:
+                values[k] = values[k].narrow(self.dims[k], start, count)
+        grads = self.grads if whole else [g.narrow(d, start, count) for g, d in zip(self.grads, self.out_dims)]
+        chosen = range(len(self.params)) if only is None else [only]
+        names = [self.param_names[k] for k in chosen]
+        with self.tracer.pause():
+            if self._vmap:
+                try:
+                    detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
+                    return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+                except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
+                    self._vmap = False
+            live = dict(zip(self.param_names, self.params))
+            params = [self.params[k] for k in chosen]
+            return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
+
+    def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
+        """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""
+        if recorded is None:
+            return
+        if any(isinstance(t, Shell) for t in recorded):
+            # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
+            # of the whole batch, i.e. the rows are independent (dropout is refused before); made once
+            if self._whole is None:
+                with self.tracer.pause(), torch.no_grad():
+                    self._whole = self.run(
+                        {name: p.detach() for name, p in zip(self.param_names, self.params)},
+                        [self.values[k] for k in self.batched],
+                    )
+            # a shared output (leading 1) was recorded as its expansion over the rows
+            recorded = [
+                o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(self._whole, recorded)
+            ]
+        if not (start == 0 and stop == self.batch):
+            recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
+        if not _same_outputs(outputs, recorded):
+            raise UncoveredParameterError(
+                f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
+                "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
+                "its forward pass depends on state (a key/value cache filled by earlier forward passes: pass "
+                "use_cache=False while training; random numbers: set dropout to 0 or call .eval(); a loss or "
+                "statistic over the whole batch computed inside it)."
+            )
+
+
+def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
+    """``([B, *p.shape] per name in ``names``, the re-run's outputs)``; the other parameters are constants."""
+    count = len(batched)
+    constants = {name: value for name, value in detached.items() if name not in names}
+    variables = {name: detached[name] for name in names}
+
+    def one(*sample):
+        rows = [row.unsqueeze(dims[k]) for k, row in zip(batched, sample[:count])]
+        cotangents = tuple(g.unsqueeze(d) for g, d in zip(sample[count:], out_dims))
+        out, back = vjp(lambda p: run({**constants, **p}, rows), variables)
+        return tuple(o.squeeze(d) for o, d in zip(out, out_dims)), back(cotangents)[0]
+
+    in_dims = tuple(dims[k] for k in batched) + tuple(out_dims)
+    with torch.enable_grad():
+        outputs, result = vmap(one, in_dims=in_dims, out_dims=(tuple(out_dims), 0))(
+            *[values[k] for k in batched], *grads
+        )
+    return [result[name].detach() for name in names], [o.detach() for o in outputs]
+
+
+def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
+    """The same as :func:`_vmapped` by a loop over the rows (gradients of ``params`` only)."""
+    per_param: list[list[torch.Tensor]] = [[] for _ in params]
+    per_output: list[list[torch.Tensor]] = [[] for _ in grads]
+    for row in range(batch):
+        rows = [values[k].narrow(dims[k], row, 1) for k in batched]
+        cotangents = [g.narrow(d, row, 1) for g, d in zip(grads, out_dims)]
+        with torch.enable_grad():
+            out = run(live, rows)
+            results = torch.autograd.grad(out, params, cotangents, allow_unused=True)
+        for k, (p, g) in enumerate(zip(params, results)):
+            per_param[k].append(torch.zeros_like(p) if g is None else g.detach())
+        for k, o in enumerate(out):
+            per_output[k].append(o.detach())
+    outputs = [torch.cat(rows, d) for rows, d in zip(per_output, out_dims)]
+    return [torch.stack(rows) for rows in per_param], outputs
+
+
+def _replayable(value):
+    """An argument as the re-run may see it: a key/value cache (Hugging Face's ``Cache``, filled by this
+    very call) is left out, since re-running would append to it; the output check catches the rest."""
+    if hasattr(value, "get_seq_length") and hasattr(value, "update"):
+        return None
+    return value
+
+
+def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor]) -> bool:
+    """Equal up to rounding: the largest difference within ``tolerance * (1 + largest |value|)``, with a
+    tolerance by precision (a re-run of a whole stack row by row rounds differently from the batch)."""
+    for new, old in zip(recomputed, recorded):
+        old = old.detach()
+        if new.shape != old.shape:
+            return False
+        if not old.numel():
+            continue
+        tolerance = {torch.float64: 1e-7, torch.float32: 1e-3}.get(old.dtype, 2e-2)
+        scale = 1 + float(old.abs().max())
+        if not float((new.to(old.dtype) - old).abs().max()) <= tolerance * scale:  # NaN fails too
+            return False
+    return True

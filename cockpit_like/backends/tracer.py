@@ -1,0 +1,410 @@
+"""The model tracer: notes the forward calls that the hook backend needs.
+
+:class:`ModelTracer` is installed once on the model (``Cockpit(model=...)``,
+or found at the model's first forward pass with PyTorch's global module
+hooks). During *every* forward pass with gradients enabled it notes the
+calls of modules with tracked parameters in their subtree (and of batch
+norms, which couple the samples): a pre-hook notes where the call began, a
+forward hook appends it (two small list operations). The list is handed over
+or dropped whenever the cockpit is entered, so a step that tracks nothing
+costs that append and nothing else. On steps that need the graph (e.g.
+Hessian-vector products) the model's forward runs with PyTorch's math
+attention kernel and without cuDNN (whose recurrent layers have no double
+backward), so that the backward pass is twice differentiable
+(``_graph_kernels``). The cockpit never changes what the model computes:
+outputs are returned as they are (the forward hook returns ``None``).
+
+Here also live what a noted call is made of (:class:`Call`, :class:`Shell`
+for an output kept without its values) and the walks of the autograd graph
+from a call's outputs (``_flat_outputs``, ``_call_nodes``, ``_graph_nodes``)
+that the hook backend and the re-run share.
+
+May import torch and :mod:`cockpit_like.backends.module_rules` only; never
+:mod:`~cockpit_like.backends.hooks` or :mod:`~cockpit_like.backends.rerun`
+(they import this module).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import weakref
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES
+
+__all__ = ["ModelTracer", "Call", "Shell"]
+
+
+# ---- the tracer ---------------------------------------------------------------------
+_TRACERS: "weakref.WeakValueDictionary[int, ModelTracer]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def _record(tracer_id: int, module, args, kwargs, output) -> None:
+    # a module-level function bound by functools.partial to an int: a pickled model carries no
+    # tracer; a deep copy's hooks report to the same tracer, whose step ignores calls that are not
+    # part of its backward pass
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is None or tracer.paused or not torch.is_grad_enabled():
+        return
+    calls = tracer.calls
+    if len(calls) >= tracer.MAX_CALLS:  # forward passes never backpropagated inside the cockpit
+        calls.clear()
+    if tracer.batch == 0 and tracer.in_forward():  # found by the global hook, which sees no keyword inputs
+        tracer.batch = _leading_dim(args, kwargs)
+    node = output.grad_fn if isinstance(output, torch.Tensor) else None
+    # where the call began: the calls noted since then are the calls it made (its descendants)
+    opened = tracer.opened.get(id(module))
+    start = opened.pop() if opened else len(calls)
+    if start == len(calls) and not module._parameters and not module._modules:
+        return  # a leaf without parameters (activations, dropout, pooling): nothing to compute, nothing kept
+    if type(module) not in RECOMPUTE_RULES:
+        # the outputs' shapes and graph nodes, not their values: autograd keeps what the backward pass needs,
+        # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
+        output = tree_map(_shell, output)
+    # the output is returned unchanged: the cockpit never changes what the model computes
+    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)))
+    if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
+        tracer.live.adopt(Call(*noted))
+        return
+    if not tracer.in_forward():
+        tracer.stray = True  # a call outside the model's forward pass (its original module under torch.compile)
+    calls.append(noted)  # a Call only at tracked steps
+
+
+class Shell:
+    """A recorded output without its values: shape, dtype, device and graph node (see :func:`_record`)."""
+
+    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr")
+
+    def __init__(self, shape, dtype, device, grad_fn, output_nr):
+        self.shape, self.dtype, self.device, self.grad_fn, self.output_nr = torch.Size(shape), dtype, device, grad_fn, output_nr
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def expand(self, *shape) -> "Shell":
+        return Shell(shape, self.dtype, self.device, self.grad_fn, self.output_nr)
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+
+def _shell(value):
+    if isinstance(value, torch.Tensor):
+        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr)
+    return value
+
+
+def _open(tracer_id: int, module, args) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is None or tracer.paused or not torch.is_grad_enabled():
+        return
+    tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
+
+
+def _leading_dim(args, kwargs) -> int:
+    for value in itertools.chain(args, (kwargs or {}).values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value.shape[0]
+    return 0
+
+
+def _before_root(tracer_id: int, module, args, kwargs) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is not None and not tracer.paused:
+        tracer.enter_forward(args, kwargs, module)
+
+
+def _after_root(tracer_id: int, held: list, module, args, output) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is not None:
+        tracer.exit_forward()
+    else:  # the tracer was collected during the forward pass: put back the kernels it took
+        _put_back(held, 1)
+
+
+def _put_back(held: list, count: int | None = None) -> None:
+    """Pop ``count`` (all: ``None``) entries of a tracer's kernel stack, releasing the graph kernels
+    of those that hold them. The stack is shared with the root's forward hooks, so the kernels go
+    back even when the tracer itself is gone or removed before its forward pass ended."""
+    while held and (count is None or count > 0):
+        if held.pop():
+            _graph_kernels.release()
+        if count is not None:
+            count -= 1
+
+
+class Call:
+    """One recorded forward call of a module."""
+
+    __slots__ = (
+        "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
+        "start", "position", "climbed", "consumer", "flat",
+    )
+
+    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0):
+        self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        #: rows of the forward pass that made the call (0: unknown)
+        self.batch = batch
+        #: index of the first call noted after this one began: calls ``start ..`` before it are its descendants
+        self.start = start
+        #: index of this call among the calls noted since the last step (set by ``take_calls``)
+        self.position = -1
+        #: parameters of descendants that climbed here (their own calls cannot tell the rows apart)
+        self.climbed = False
+        #: for an output shared by the rows (leading 1) that is added to a batched tensor: that addition's
+        #: node, whose output gradient holds each row's gradient of the shared output
+        self.consumer = None
+        #: the call ran on rows flattened to ``[B*k, ...]`` (sample-major): its rule sees ``[B, k, ...]``
+        self.flat = False
+        self.params: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor | None] = []
+        self.waiting = 0
+        self.entries: list[torch.Tensor] = []
+        self.want: list[int] = []
+        self.done = False
+
+    def fresh(self) -> "Call":
+        """The same recorded call with no backward state (for another backward pass)."""
+        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start)
+        call.position = self.position
+        return call
+
+    def release(self) -> None:
+        """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
+        self.args = self.kwargs = self.output = self.node = None
+        self.entries, self.grads = [], []
+
+
+class ModelTracer:
+    """Notes the forward calls the hook backend needs (see the module docstring).
+
+    Args:
+        params: the tracked parameters.
+        wants_graph: ``() -> bool``, whether the coming backward pass will need
+            the graph (then the forward pass uses the math attention kernel).
+        on_attach: ``() -> None``, called after a model was attached.
+        on_forward: ``(root, args, kwargs) -> None``, called when an outermost
+            forward pass of an attached model begins (with gradients enabled and
+            the tracer not paused), e.g. to start recording a step.
+    """
+
+    #: calls kept at most between two cockpit steps (older ones are dropped)
+    MAX_CALLS = 200_000
+
+    def __init__(
+        self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None, on_forward=None
+    ):
+        self.id = next(_IDS)
+        _TRACERS[self.id] = self
+        self._tracked = {id(p) for p in params}
+        self._wants_graph = wants_graph
+        self._on_attach = on_attach
+        self._on_forward = on_forward
+        #: ``(module, args, kwargs, output, node, batch, start)`` of each noted call since the last step
+        self.calls: list[tuple] = []
+        #: ``id(module) -> [len(calls) when each of its running calls began]``
+        self.opened: dict[int, list[int]] = {}
+        self.paused = False
+        self.roots: list[weakref.ref] = []
+        self._covered: set[int] = set()
+        #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
+        #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
+        self._named: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # (all, direct)
+        #: the hook backend of the backward pass under way (it adopts calls made during it): a
+        #: :class:`~cockpit_like.backends.hooks.HookBackend`, not imported here (hooks imports this module)
+        self.live: Any = None
+        self._handles: list[Any] = []
+        self._global_handle = None
+        self._kernel_stack: list[bool] = []  # per forward pass: it holds the graph kernels
+        weakref.finalize(self, _put_back, self._kernel_stack)  # collected mid-pass: put them back
+        self._batches: list[int] = []
+        #: rows of the model's current forward pass (0 outside one)
+        self.batch = 0
+        #: forward passes of the models since the calls were last taken
+        self.passes = 0
+        #: a call was noted outside the roots' forward passes since the last step (see take_calls)
+        self.stray = False
+
+    # ---- installing ---------------------------------------------------------------
+    def attach(self, root: nn.Module) -> None:
+        """Install the recording hooks on ``root`` and its submodules."""
+        if any(ref() is root for ref in self.roots):
+            return
+        if not isinstance(root, nn.Module):
+            raise TypeError(f"Cockpit(model=...) takes an nn.Module, got {type(root).__name__}")
+        for module in root.modules():
+            # every module with tracked parameters in its subtree: the ones that own them, and the
+            # enclosing modules that per-sample gradients may climb to (see the module docstring)
+            if any(id(p) in self._tracked for p in module.parameters()) or isinstance(
+                module, nn.modules.batchnorm._BatchNorm
+            ):
+                self._handles.append(module.register_forward_pre_hook(partial(_open, self.id)))
+                self._handles.append(module.register_forward_hook(partial(_record, self.id), with_kwargs=True))
+                named = dict(module.named_parameters())
+                direct = {name: p for name, p in named.items() if "." not in name}
+                self._named[id(module)] = (named, direct)
+        self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
+        self._handles.append(root.register_forward_hook(partial(_after_root, self.id, self._kernel_stack), always_call=True))
+        self._covered |= {id(p) for p in root.parameters()}
+        self.roots.append(weakref.ref(root))
+        self._on_attach()
+
+    def discover(self) -> None:
+        """Attach to the model at its first forward pass (PyTorch's global module pre-hook)."""
+        if self._global_handle is None and not self.covers_all():
+            self._global_handle = nn.modules.module.register_module_forward_pre_hook(partial(_discover, self.id))
+
+    def covers_all(self) -> bool:
+        return self._tracked <= self._covered
+
+    def named_params(self, module: nn.Module, recurse: bool = True) -> dict[str, torch.Tensor]:
+        """``module``'s parameters by name as the cockpit attached it (else as it is now)."""
+        kept = self._named.get(id(module))
+        if kept is None:
+            return dict(module.named_parameters(recurse=recurse))
+        return kept[0] if recurse else kept[1]
+
+    def _found(self, module: nn.Module, args: tuple) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        if not any(id(p) in self._tracked and id(p) not in self._covered for p in module.parameters()):
+            return
+        self.attach(module)
+        self.enter_forward(args, {}, module)  # this call's pre-hooks were registered too late for this call
+        self.opened.setdefault(id(module), []).append(len(self.calls))
+        if self.covers_all() and self._global_handle is not None:
+            self._global_handle.remove()
+            self._global_handle = None
+
+    def remove(self) -> None:
+        """Remove every hook (and put back the graph kernels of a forward pass still running)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._global_handle is not None:
+            self._global_handle.remove()
+            self._global_handle = None
+        _put_back(self._kernel_stack)
+
+    # ---- the model's forward pass ------------------------------------------------------
+    def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
+        """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
+        if not self._batches:
+            self.passes += 1
+            if self._on_forward is not None and root is not None and torch.is_grad_enabled():
+                self._on_forward(root, args, kwargs)
+        self._batches.append(self.batch)
+        self.batch = _leading_dim(args, kwargs)
+        wants = self._wants_graph()
+        if wants:
+            _graph_kernels.acquire()
+        self._kernel_stack.append(wants)
+
+    def in_forward(self) -> bool:
+        return bool(self._batches)
+
+    def exit_forward(self) -> None:
+        _put_back(self._kernel_stack, 1)
+        if self._batches:
+            self.batch = self._batches.pop()
+
+    # ---- per step -----------------------------------------------------------------------
+    def take_calls(self, loss: torch.Tensor | None = None) -> list[Call]:
+        """The calls noted since the last step (the list is emptied).
+
+        With several forward passes since then and the step's ``loss``, only
+        the calls whose outputs the loss depends on (graph reachability).
+        """
+        calls, passes = [Call(*noted) for noted in self.calls], self.passes
+        for position, call in enumerate(calls):
+            call.position = position
+        stray = self.stray
+        self.drop_calls()
+        if (passes > 1 or stray) and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+            reachable = _graph_nodes(loss.grad_fn)
+            calls = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
+        return calls
+
+    def drop_calls(self) -> None:
+        """Forget the calls noted since the last step (a step that tracks nothing)."""
+        self.calls, self.passes, self.opened, self.stray = [], 0, {}, False
+
+    @contextlib.contextmanager
+    def pause(self):
+        """No recording (the fallback re-runs modules)."""
+        previous, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = previous
+
+
+class _GraphKernels:
+    """Kernels with a second derivative for forward passes whose step needs the graph: the math
+    attention kernel, recurrent layers without cuDNN. Process-wide and counted: the first forward pass
+    that needs them sets them, the last one that ends puts back what was there before, whichever
+    tracers (several cockpits on one model) enter and leave in whichever order."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self._context: contextlib.ExitStack | None = None
+
+    def acquire(self) -> None:
+        if self.depth == 0:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            context = contextlib.ExitStack()
+            context.enter_context(sdpa_kernel([SDPBackend.MATH]))
+            context.enter_context(torch.backends.cudnn.flags(enabled=False))
+            self._context = context
+        self.depth += 1
+
+    def release(self) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self._context is not None:
+            context, self._context = self._context, None
+            context.close()
+
+
+_graph_kernels = _GraphKernels()
+
+
+def _graph_nodes(root) -> dict[int, object]:
+    """``{id: node}`` of every autograd node the backward pass from ``root`` visits.
+
+    The nodes are kept (the values): autograd's Python objects for graph nodes
+    exist only while referenced, and a freed one's ``id`` can be reused by the
+    object of another node, which would then look visited.
+    """
+    seen, stack = {id(root): root}, [root]
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and id(child) not in seen:
+                seen[id(child)] = child
+                stack.append(child)
+    return seen
+
+
+def _call_nodes(call: "Call") -> list:
+    if call.node is not None:
+        return [call.node]
+    return [t.grad_fn for t in _flat_outputs(call.output) if t.grad_fn is not None]
+
+
+def _discover(tracer_id: int, module, args) -> None:
+    tracer = _TRACERS.get(tracer_id)
+    if tracer is not None:
+        tracer._found(module, args)
+
+
+def _flat_outputs(output) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(output)
+    return [leaf for leaf in leaves if isinstance(leaf, (torch.Tensor, Shell))]
