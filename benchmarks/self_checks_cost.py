@@ -26,6 +26,8 @@ from benchmarks import overhead  # noqa: E402
 
 def measure(problems: list[str], rounds: int, steps: int, warmup: int, small: bool = False) -> dict:
     args = overhead.parse_args(["--steps", str(steps), "--warmup", str(warmup)] + (["--small"] if small else []))
+    args.budget = 8.0 if args.budget is None else args.budget  # overhead.main's defaults for a full run
+    args.min_time = 1.0 if args.min_time is None else args.min_time
     runs: dict[str, dict[str, list[float]]] = {p: {"plain": [], "checked": [], "unchecked": []} for p in problems}
     for round_ in range(rounds):
         for problem in problems:
