@@ -56,6 +56,9 @@ class StepRun:
     accumulates: bool = False
     #: a backpropagated loss was seen scaled (BackPACK's Hessian diagonal then gets the GGN beside it)
     scaled_losses: bool = False
+    #: the loop was seen to run several backward passes inside one block (two losses): the hook backend sums
+    #: each call's output gradients over them from then on
+    multi_pass: bool = False
     #: ``(step, names of the quantities it tracked)`` of the step finished last
     finished: tuple[int, set[str]] | None = None
     #: steps found invalid after they were stored: late values of their quantities are dropped
@@ -208,6 +211,7 @@ class TrackedStep:
                 row_scale=self.micro_batches / scale,
                 memory_budget=env.memory_budget,
                 scaled_losses=env.run.scaled_losses,
+                accumulate_passes=env.run.multi_pass,
             )
         except BaseException:
             env.tracer.drop_calls()
@@ -268,6 +272,19 @@ class TrackedStep:
                     )
                 for note in execution.notes:
                     partitions.checks.note(note)
+                if execution.repeated_passes:
+                    learned = execution.merges_passes and not env.run.multi_pass
+                    partitions.checks.fail(
+                        "backward_passes",
+                        f"several backward passes ran inside the cockpit's block at step {self.step} (two losses with "
+                        "retain_graph=True, or the same loss twice), and the per-sample rows saw only one of them"
+                        + (". The cockpit has learned that this loop does so: from the next tracked step on it sums "
+                           "each layer's output gradients over the block's backward passes (exact)" if learned else
+                           " (BackPACK's hooks cannot sum them: backpropagate the sum of the losses once)")
+                        + ".",
+                    )
+                    if learned:
+                        env.run.multi_pass = True
         except BaseException:
             self._abandon(ranks, execution)
             raise

@@ -210,10 +210,19 @@ class HookBackend:
         tracer: paused while the fallback re-runs modules.
         batch_size: rows of the batch (``info["batch_size"]``), or ``None`` to take
             the leading dimension of each call's first input.
+        accumulate_passes: several backward passes run through this forward pass (two losses,
+            ``retain_graph=True``): each call's output gradients are summed over the passes and its
+            per-sample gradients made after them (exact: a row's gradient is linear in them).
+
+    Attributes:
+        repeated: a call got output gradients after it was processed (a second backward pass through the
+            same forward pass, which the statistics then did not see).
     """
 
-    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None):
+    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, accumulate_passes=False):
         self.reducer = reducer
+        self.accumulate_passes = bool(accumulate_passes)
+        self.repeated = False
         self.tracer = tracer
         self.batch_size = batch_size
         self._handles: list[Any] = []
@@ -476,7 +485,8 @@ class HookBackend:
         """Register the output-gradient pre-hooks (before ``loss.backward()``)."""
         for call in self.calls:
             self._register(call)
-        self._watch_sums()
+        if not self.accumulate_passes:  # a use's sum of one pass is not the sum over the passes
+            self._watch_sums()
         self.tracer.live = self
 
     def adopt(self, call: Call) -> None:
@@ -606,7 +616,21 @@ class HookBackend:
                 self._deliver(param, form)
 
     def _on_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
+        if self.accumulate_passes:  # summed over the backward passes; processed in finish()
+            with self.tracer.pause():
+                for nr, slot in entries:
+                    grad = grad_outputs[nr]
+                    if grad is None:
+                        continue
+                    if call.grads[slot] is None:
+                        call.waiting -= 1
+                        call.grads[slot] = grad.detach()
+                    else:
+                        call.grads[slot] = call.grads[slot] + grad.detach()
+            return
         if call.waiting <= 0:
+            if call.done and any(grad_outputs[nr] is not None for nr, _ in entries):
+                self.repeated = True  # another backward pass through a call already processed
             return
         with self.tracer.pause():  # the cockpit's own work: not part of a recorded step
             for nr, slot in entries:

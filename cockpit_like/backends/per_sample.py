@@ -350,6 +350,8 @@ class PerSampleReducer:
         self._pending: dict[int, tuple] = {}
         self._buffer: torch.Tensor | None = None  # see _borrowed
         self.seen: set[int] = set()
+        #: a parameter's rows were offered twice by BackPACK's hooks (two backward passes in one block)
+        self.repeated = False
         #: indices of the statistics that read layer inputs and output gradients (:meth:`observe_module`)
         self.module_stats = [k for k, stat in enumerate(stats) if stat.module_form]
 
@@ -382,6 +384,7 @@ class PerSampleReducer:
             pending = self._pending.pop(id(param), None)
             if pending is not None:
                 kind, x, delta, grad_batch = pending
+                self.repeated |= index in self.seen  # a second backward pass through BackPACK's hooks
                 self.seen.add(index)
                 if kind == "lazy":
                     self.reduce_lazy(param, grad_batch)
@@ -393,6 +396,7 @@ class PerSampleReducer:
             grad_batch = getattr(param, "grad_batch", None)
             if grad_batch is None:
                 continue
+            self.repeated |= index in self.seen
             self.seen.add(index)
             self._reduce(index, param, self._scaled(grad_batch))
             if not self.keep_grad_batch:

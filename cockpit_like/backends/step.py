@@ -110,7 +110,7 @@ class StepExecution:
 
     def __init__(
         self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0, memory_budget=None,
-        scaled_losses=False,
+        scaled_losses=False, accumulate_passes=False,
     ):
         self.step = step
         self.info = info or {}
@@ -133,6 +133,7 @@ class StepExecution:
             else:  # nothing here reads the forward calls
                 tracer.drop_calls()
         self._tracer, self._batch_size = tracer, batch_size
+        self.merges_passes = False
         #: what this pass left out and why (the step's ``checks["notes"]``)
         self.notes: list[str] = []
         self._left_out: set[str] = set()
@@ -171,7 +172,12 @@ class StepExecution:
                 hooks.insert(0, self.reducer)
             handled = backpack_computes_per_sample if use_backpack else (lambda module: False)
             if calls:
-                self.hook_backend = HookBackend(calls, params, self.reducer, handled, tracer, batch_size=batch_size)
+                self.hook_backend = HookBackend(
+                    calls, params, self.reducer, handled, tracer, batch_size=batch_size,
+                    accumulate_passes=accumulate_passes and not use_backpack,
+                )  # fmt: skip
+            #: the hook backend alone computes the per-sample rows (so it can sum several backward passes)
+            self.merges_passes = self.hook_backend is not None and not use_backpack
         #: ``1 / row_scale``: the factor between the backpropagated loss and this pass's mean loss
         self._loss_scale = 1.0 / float(row_scale)
         self._added_ggn = False
@@ -209,6 +215,13 @@ class StepExecution:
         self._loss_scale = float(factor)
         if self.reducer is not None:
             self.reducer.row_scale = 1.0 / float(factor)
+
+    @property
+    def repeated_passes(self) -> bool:
+        """More than one backward pass ran inside the block and the per-sample rows saw only one of them
+        (or saw them as separate rows)."""
+        hooks = self.hook_backend is not None and self.hook_backend.repeated
+        return hooks or (self.reducer is not None and self.reducer.repeated)
 
     def left_out_owners(self, decomposed: set[str]) -> set[str]:
         """The quantities whose per-sample statistics this pass left out (see :attr:`notes`)."""
