@@ -226,6 +226,8 @@ class PerSampleStat:
 
     #: whether :meth:`accumulate_sequence` works on sequence factors without materialising ``grad_batch``
     sequence_form: ClassVar[bool] = False
+    #: with a sequence form: read the factors even when ``grad_batch`` is materialised for other statistics
+    prefers_factors: ClassVar[bool] = False
 
     def accumulate_sequence(
         self, state: Any, index: int, param: torch.Tensor, a: torch.Tensor, b: torch.Tensor
@@ -558,7 +560,7 @@ class PerSampleReducer:
             if self.keep_grad_batch:
                 param.grad_batch = grad_batch
         for k, stat in enumerate(self.stats):
-            if stat.sequence_form and grad_batch is None:
+            if stat.sequence_form and (grad_batch is None or stat.prefers_factors):
                 self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b)
             else:
                 self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
