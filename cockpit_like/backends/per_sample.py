@@ -446,6 +446,8 @@ class PerSampleReducer:
         materialised whole (over budget)."""
         others = [k for k in range(len(self.stats)) if k not in compact]
         summed = [k for k in others if self.stats[k].sum_form and not self.keep_grad_batch]
+        lazy.block = max(1, self.budget_bytes // lazy.row_bytes)  # a batch sum made from rows: blocks too
+        total = None
         if summed:  # statistics that read only the batch sum (the self-check's probe): no rows made for them
             total = lazy.batch_sum()
             for k in summed:
@@ -453,7 +455,6 @@ class PerSampleReducer:
             others = [k for k in others if k not in summed]
         if not others:
             return
-        lazy.block = max(1, self.budget_bytes // lazy.row_bytes)
         if self.keep_grad_batch or lazy.block >= lazy.batch:
             grad_batch = lazy.make(0, lazy.batch)
             if self.keep_grad_batch:
@@ -471,7 +472,7 @@ class PerSampleReducer:
             elif not stat.keeps():
                 whole.append(k)
         if rowed:
-            memo: dict = {}  # what the blocks of this layer share
+            memo: dict = {} if total is None else {"total": total}  # what the blocks of this layer share
             for start, stop, rows in lazy.blocks():
                 self.blocks += 1
                 span = Rows(start, stop, lazy, memo)
