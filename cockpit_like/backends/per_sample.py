@@ -445,15 +445,15 @@ class PerSampleReducer:
         blocks (row forms), kept whole as ``lazy`` (statistics that keep), or, for a statistic with neither,
         materialised whole (over budget)."""
         others = [k for k in range(len(self.stats)) if k not in compact]
-        summed = [k for k in others if self.stats[k].sum_form and not self.keep_grad_batch]
-        lazy.block = max(1, self.budget_bytes // lazy.row_bytes)  # a batch sum made from rows: blocks too
-        total = None
-        if summed:  # statistics that read only the batch sum (the self-check's probe): no rows made for them
-            total = lazy.batch_sum()
-            for k in summed:
-                self._states[k] = self.stats[k].accumulate_sum(self._states[k], index, param, total)
-            others = [k for k in others if k not in summed]
         if not others:
+            return
+        lazy.block = max(1, self.budget_bytes // lazy.row_bytes)  # a batch sum made from rows: blocks too
+        if not self.keep_grad_batch and all(self.stats[k].sum_form for k in others):
+            # only statistics that read the batch sum (the self-check's probe): no rows are made for them; where
+            # other statistics read the rows, these read the same rows (their sum is what the others use)
+            total = lazy.batch_sum()
+            for k in others:
+                self._states[k] = self.stats[k].accumulate_sum(self._states[k], index, param, total)
             return
         if self.keep_grad_batch or lazy.block >= lazy.batch:
             grad_batch = lazy.make(0, lazy.batch)
@@ -472,7 +472,7 @@ class PerSampleReducer:
             elif not stat.keeps():
                 whole.append(k)
         if rowed:
-            memo: dict = {} if total is None else {"total": total}  # what the blocks of this layer share
+            memo: dict = {}  # what the blocks of this layer share
             for start, stop, rows in lazy.blocks():
                 self.blocks += 1
                 span = Rows(start, stop, lazy, memo)

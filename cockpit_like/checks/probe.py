@@ -72,8 +72,10 @@ class GradientProbe(PerSampleStat):
     seed: int = 0
     factor_form: ClassVar[bool] = True
     sequence_form: ClassVar[bool] = True
-    #: reads only the batch sum of a layer given in blocks of rows (``LazyRows.batch_sum``)
+    #: reads only the batch sum of a layer given in blocks of rows (``LazyRows.batch_sum``) where no other
+    #: statistic makes its rows; reads the blocks the others make otherwise
     sum_form: ClassVar[bool] = True
+    row_form: ClassVar[bool] = True
 
     def init(self, params: list[torch.Tensor]) -> Any:
         return {"dirs": {}, "sums": {}, "low": set()}
@@ -149,6 +151,10 @@ class GradientProbe(PerSampleStat):
             return self._add(state, index, per_row.sum(), per_row.abs().sum())
         total = sequence_sum(a, b).reshape(param.shape)
         return self._add(state, index, project(total, self._dirs(state, index, param)), None)
+
+    def accumulate_rows(self, state, index, param, grad_batch, rows):
+        """A block of a layer's rows (the blocks add up)."""
+        return self.accumulate(state, index, param, grad_batch)
 
     def accumulate_sum(self, state, index, param, batch_sum: torch.Tensor):
         """A layer given only as the sum of its (scaled) rows."""
