@@ -7,8 +7,8 @@ with full re-orthogonalisation
 Hessian-vector products of the mean loss through the graph of ``p.grad``
 (:func:`~cockpit_like.backends.hvp.hessian_vector_product`). Its start block is
 ``probes`` Rademacher vectors (unbiased probes for spectral density and trace,
-rank 0's draw on every rank; see :func:`step_generator`: the torch RNG is read,
-never advanced) followed by the warm
+the same draw on every rank; see :func:`step_generator`: the cockpit's own
+generator, seeded per step; torch's RNG is never read or advanced) followed by the warm
 start: the previous tracked step's top and bottom Ritz vectors, which the
 quantities keep and hand back in :class:`WarmStart`. The result, a
 :class:`~cockpit_like.functional.krylov.KrylovDecomposition`, gives the
@@ -27,13 +27,13 @@ May import torch and :mod:`cockpit_like.functional`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
 
 from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import hessian_vector_product
+from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_trace, lanczos_decomposition
 
 __all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademacher", "step_generator"]
@@ -64,16 +64,16 @@ class WarmStart:
 
 
 def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
-    """A generator seeded from the torch RNG's state, the step and ``purpose``; the torch RNG is not advanced.
+    """The cockpit's generator for ``purpose`` at ``step`` (:func:`cockpit_like.backends.randomness.generator`).
 
-    So the draws of the engine do not depend on how many other draws happened
-    at the step (a quantity gives the same numbers alone and with others, also
-    at later steps), the training's own random stream (dropout, shuffling) is
-    the same with and without the cockpit, and seeding torch reproduces them.
+    Seeded from the cockpit's fixed seed, the step and ``purpose`` only: the
+    draws of the engine do not depend on how many other draws happened at the
+    step or before (a quantity gives the same numbers alone and with others),
+    and torch's own generators are neither read nor advanced, so the
+    training's random stream (dropout, shuffling) is the same with and without
+    the cockpit.
     """
-    state = torch.get_rng_state().numpy().tobytes()
-    digest = hashlib.sha256(state + f"|{step}|{purpose}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return generator(step, purpose, device)
 
 
 def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:

@@ -14,7 +14,8 @@ with ``record.stat(need)``): Hutchinson's estimate of the Hessian diagonal,
 unbiased for ``diag(H)``; summed over a parameter's entries it is
 Hutchinson's unbiased estimate of the trace of that parameter's Hessian
 block, ``E[v^T H_pp v] = tr H_pp``. Its variance per entry ``j`` is
-``(1/m) sum_{k != j} H_jk^2``. The vectors come from the torch RNG.
+``(1/m) sum_{k != j} H_jk^2``. The vectors come from the cockpit's own
+generator, seeded per step (:mod:`cockpit_like.backends.randomness`).
 
 May import torch only.
 """
@@ -152,8 +153,11 @@ class HutchinsonDiagonal:
         matvec = hessian_vector_product(params, "Hutchinson's estimator (curvature='hutchinson')", local=True)
         size = sum(p.numel() for p in params)
         total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+        from cockpit_like.backends.randomness import generator
+
+        draws = generator(execution.step, "hutchinson diagonal", total.device)
         for _ in range(self.samples):
-            v = torch.randint(0, 2, (size,), device=total.device).to(total.dtype).mul_(2).sub_(1)
+            v = torch.randint(0, 2, (size,), device=total.device, generator=draws).to(total.dtype).mul_(2).sub_(1)
             total.add_(v * matvec(v))
         total.div_(self.samples)
         return [piece.view_as(p) for piece, p in zip(total.split([p.numel() for p in params]), params)]
@@ -161,10 +165,9 @@ class HutchinsonDiagonal:
     def across_ranks(self, result, reduction):
         """Under DDP: the batch-weighted mean of the ranks' estimates (``v * (H v)`` is linear in ``H``).
 
-        With the torch RNG in the same state on every rank (the same seed) the
-        ranks draw the same ``v_k``, and the result is the estimate of one
-        process on the global batch with these ``v_k``; otherwise it is still
-        an unbiased estimate of the global diagonal.
+        Every rank draws the same ``v_k`` (the cockpit's generator is seeded by
+        the step), so the result is the estimate of one process on the global
+        batch with these ``v_k``.
         """
         parts = [reduction.mean(d) for d in result]
         return lambda: [part() for part in parts]

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from cockpit_like.backends.curvature_engine import DEFAULT_RTOL
-from cockpit_like.backends.distributed import same_on_all_ranks
+from cockpit_like.backends.randomness import generator
 from cockpit_like.backends.hvp import MissingGraphError, hessian_vector_product
 from cockpit_like.functional.eigen import power_iteration
 from cockpit_like.quantities.hessian_spectrum import KrylovQuantity
@@ -43,7 +43,7 @@ class HessMaxEV(KrylovQuantity):
       ``eigsh(k=1, which="LA")``.
 
     ``accelerate=False`` runs Cockpit's plain power iteration instead, with
-    products of its own (from ``torch.rand_like`` per parameter, stop rule
+    products of its own (from ``U[0, 1)`` entries per parameter, drawn by the cockpit's generator, stop rule
     ``|lambda_prev - lambda| <= atol + rtol |lambda|``, default ``rtol=1e-3``),
     for bit-for-bit comparisons with Cockpit; ``atol`` only matters there.
 
@@ -55,8 +55,8 @@ class HessMaxEV(KrylovQuantity):
     residual stop instead of the power iteration (the value is the
     eigenvalue's to ``rtol``, where Cockpit's may be far off), optional warm
     starts (``warm_start=True``), a Rademacher probe
-    (drawn from a generator seeded by the torch RNG's state and the step, which is
-    read, not advanced) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
+    (drawn from the cockpit's own generator, seeded by a fixed seed and the step:
+    :mod:`cockpit_like.backends.randomness`; torch's RNG is not touched) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
 
     Args:
         track_schedule: when to compute.
@@ -133,16 +133,16 @@ class HessMaxEV(KrylovQuantity):
         return float(values[0])
 
     def _plain_power_iteration(self, global_step, params) -> float:
-        """Cockpit's algorithm: power iteration from ``torch.rand_like`` per parameter (or the last vector)."""
+        """Cockpit's algorithm: power iteration from ``U[0, 1)`` entries per parameter (or the last vector)."""
         matvec = hessian_vector_product(params, "HessMaxEV")
-        result = power_iteration(matvec, self._start_vector(params), max_iter=self._max_iter, rtol=self._rtol,
+        result = power_iteration(matvec, self._start_vector(params, global_step), max_iter=self._max_iter, rtol=self._rtol,
                                  atol=self._atol)
         self._previous = result.vector.detach()
         self.hvp_counts[global_step] = result.num_matvecs
         self.converged[global_step] = result.converged
         return float(result.value)
 
-    def _start_vector(self, params: list[torch.Tensor]) -> torch.Tensor:
+    def _start_vector(self, params: list[torch.Tensor], global_step: int) -> torch.Tensor:
         size = sum(p.numel() for p in params)
         previous = self._previous
         if (
@@ -155,4 +155,7 @@ class HessMaxEV(KrylovQuantity):
         ):
             return previous.to(params[0].device)
         # under DDP every rank starts from rank 0's draw (cockpit_like.backends.distributed)
-        return same_on_all_ranks(torch.cat([torch.rand_like(p).reshape(-1) for p in params]))
+        # the cockpit's generator (torch's RNG untouched), seeded by the step: the same draw on every rank
+        draws = generator(global_step, "power iteration start", params[0].device)
+        return torch.cat([torch.rand(p.shape, dtype=p.dtype, device=p.device, generator=draws).reshape(-1)
+                          for p in params])
