@@ -25,12 +25,12 @@ class HessMaxEV(KrylovQuantity):
 
     The value is read from the step's shared Lanczos decomposition
     (:class:`~cockpit_like.backends.curvature_engine.LanczosNeed`, block
-    Lanczos with full re-orthogonalisation from a Rademacher probe and the
+    Lanczos with full re-orthogonalisation from two Rademacher probes and the
     previous step's top and bottom Ritz vectors with ``warm_start=True``), whose products every
     curvature quantity tracked at the step shares (:class:`HessEigenvalues`,
     :class:`HessSpectralDensity`, :class:`HessTraceEstimate`). It stops on
-    residuals: once the largest and the smallest Ritz values have the error
-    estimate ``min(r, r^2 / gap) <= rtol * max|theta|`` (``r = ||H x - theta x||``,
+    residuals: once the largest and the smallest Ritz values have the residual
+    ``r <= rtol * max|theta|`` (``r = ||H x - theta x||``,
     default ``rtol=1e-2``); an eigenvalue always lies within ``r`` of the value. Never
     on two consecutive estimates agreeing, which can stop
     before the iteration found the eigenvalue.
@@ -66,7 +66,7 @@ class HessMaxEV(KrylovQuantity):
             Lanczos engine, see :class:`~cockpit_like.quantities.hessian_spectrum.KrylovQuantity`).
         accelerate: False: Cockpit's plain power iteration (products of its own).
         max_iter: most Hessian-vector products per step.
-        rtol: tolerance of the Lanczos error estimates (``None``: 1e-2; the power iteration's stop tolerance with
+        rtol: tolerance of the Lanczos residuals (``None``: 1e-2; the power iteration's stop tolerance with
             ``accelerate=False``, ``None``: 1e-3).
         atol: absolute tolerance of the plain power iteration only.
 
