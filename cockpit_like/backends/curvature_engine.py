@@ -34,9 +34,9 @@ import torch
 from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import hessian_vector_product
 from cockpit_like.backends.randomness import generator
-from cockpit_like.functional.krylov import KrylovDecomposition, deflated_trace, lanczos_decomposition
+from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace, lanczos_decomposition
 
-__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "step_generator"]
+__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "step_generator"]
 
 #: tolerance of the shared decomposition: the extreme Ritz values' residuals are then ``<= rtol * max|theta|``
 DEFAULT_RTOL = 1e-2
@@ -155,4 +155,60 @@ class KrylovTrace:
 
     def across_ranks(self, result, reduction):
         """Under DDP: the same on every rank already."""
+        return lambda: result
+
+
+@dataclass(frozen=True)
+class DeflatedDiagonal:
+    """Need: the Hessian diagonal, exact on the step's Lanczos space, Hutchinson on the rest (``samples`` products).
+
+    With ``Q`` the ``m`` multiplied basis vectors of the decomposition
+    (:class:`LanczosNeed`, rows), ``P = Q^T Q`` and ``H Q^T = Q^T T + R^T E``
+    (``R`` the basis vectors not yet multiplied, ``E`` their coefficients: all
+    known from the decomposition, no product),
+
+        diag(H) = diag(Q^T T Q) + 2 diag(Q^T (E^T R)) + diag((I - P) H (I - P)),
+
+    the first two terms exact, the last by Hutchinson,
+    ``(1/K) sum_k g_k * ((I - P) H (I - P) g_k)`` with Rademacher ``g_k`` from
+    the cockpit's generator (one product each): unbiased for ``diag(H)``, with
+    the variance of Hutchinson on the Hessian less its dominant directions,
+    which the Lanczos space holds. Summed over a parameter's entries it is an
+    unbiased estimate of that block's trace, whose standard error is that of
+    the ``K`` samples' block sums (the exact part has none).
+
+    The math is :func:`~cockpit_like.functional.krylov.deflated_diagonal`.
+
+    Result: ``{"diagonal": [tensor per param], "block_errors": [float per param],
+    "trace_error": float, "products": K}``.
+    """
+
+    samples: int = 4
+    lanczos: LanczosNeed = field(default_factory=LanczosNeed)
+
+    whole_step = True
+
+    def compute(self, execution) -> dict:
+        decomposition = execution.whole_step_result(self.lanczos)
+        params = execution.params
+        sizes = [p.numel() for p in params]
+        matvec = hessian_vector_product(params, _OWNER)
+        dtype, device = params[0].dtype, params[0].device
+        draws = rademacher(self.samples, sum(sizes), dtype, device, step_generator(execution.step, "deflated diagonal", device))
+        diagonal, estimates = deflated_diagonal(matvec, decomposition, draws)
+        blocks = torch.stack([piece.sum(1) for piece in estimates.split(sizes, dim=1)], dim=1).to(torch.float64).cpu()
+        if self.samples > 1:  # the exact part has no error; the samples' block sums are i.i.d.
+            block_errors = (blocks.std(dim=0) / self.samples**0.5).tolist()
+            trace_error = float(blocks.sum(1).std() / self.samples**0.5)
+        else:
+            block_errors, trace_error = [float("nan")] * len(sizes), float("nan")
+        return {
+            "diagonal": [piece.view_as(p) for piece, p in zip(diagonal.split(sizes), params)],
+            "block_errors": block_errors,
+            "trace_error": trace_error,
+            "products": self.samples,
+        }
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the same on every rank already (global products, the same draws)."""
         return lambda: result

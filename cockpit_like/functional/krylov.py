@@ -51,6 +51,7 @@ __all__ = [
     "gaussian_density",
     "quadrature_moments",
     "deflated_trace",
+    "deflated_diagonal",
 ]
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
@@ -328,3 +329,46 @@ def deflated_trace(
     if len(values) > 1:
         spread = math.sqrt(sum((v - outside) ** 2 for v in values) / (len(values) - 1) / len(values))
     return inside + outside, spread
+
+
+def deflated_diagonal(
+    matvec: MatVec, decomposition: KrylovDecomposition, samples: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The diagonal of ``A``: exact on the Krylov space, Hutchinson on the rest (Hutch++ for the diagonal).
+
+    With ``Q`` the ``m`` multiplied basis vectors (rows), ``P = Q^T Q``, and
+    ``A Q^T = Q^T T + R^T E`` (``R`` the basis vectors not yet multiplied,
+    ``E`` their coefficients; both in the decomposition, no product):
+
+        diag(A) = diag(Q^T T Q) + 2 diag(Q^T E^T R) + diag((I - P) A (I - P)),
+
+    the last term by Hutchinson, ``g * ((I - P) A (I - P) g)`` for each row
+    ``g`` of ``samples`` (Rademacher; one product each). Unbiased for
+    ``diag(A)`` given the space; exact when the space is invariant.
+
+    Returns:
+        ``(diagonal estimate, [k, n] the samples' estimates of diag((I - P) A (I - P)))``.
+    """
+    m = decomposition.num_products
+    Q = decomposition.basis[:m]
+    dtype, device = Q.dtype, Q.device
+    n = decomposition.basis.shape[1]
+    exact = torch.zeros(n, dtype=dtype, device=device)
+    if m:
+        T = decomposition.projection.to(dtype=dtype, device=device)
+        exact = (Q * (T @ Q)).sum(0)
+        rest = decomposition.basis[m:]
+        if rest.shape[0]:
+            E = decomposition.coefficients[m : m + rest.shape[0], :m].to(dtype=dtype, device=device)
+            exact = exact + 2 * (Q * (E.T @ rest)).sum(0)
+
+    def deflate(v: torch.Tensor) -> torch.Tensor:
+        for _ in range(2):
+            if m:
+                v = v - Q.T @ (Q @ v)
+        return v
+
+    rows = [g.to(dtype) * deflate(matvec(deflate(g.to(dtype)))) for g in samples]
+    estimates = torch.stack(rows) if rows else torch.zeros(0, n, dtype=dtype, device=device)
+    diagonal = exact + (estimates.mean(0) if rows else 0)
+    return diagonal, estimates

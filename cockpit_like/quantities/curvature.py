@@ -29,9 +29,17 @@ On any model (no BackPACK needed):
   logits of the mean cross-entropy loss, classes last) and
   ``create_graph=cockpit.create_graph(step)``; logged as
   ``computed_with: "sampled_ggn_mc"``;
+- ``"hutch++"``: the diagonal exact on the step's Lanczos space (the engine's
+  decomposition that HessMaxEV reads, shared with it) plus Hutchinson's
+  estimate on the rest from ``hutchinson_samples`` more products
+  (:class:`~cockpit_like.backends.curvature_engine.DeflatedDiagonal`):
+  unbiased like ``"hutchinson"``, with the variance of the Hessian less its
+  dominant directions. Each step's standard error is kept in
+  ``standard_errors[step]`` (per block for HessTrace, of the value for
+  TICTrace);
 - ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
-  else ``"hutchinson"``; decided when the cockpit learns the model, and
+  else ``"hutch++"``; decided when the cockpit learns the model, and
   written to the log metadata (``settings()["computed_with"]``). Without a
   known model, ``"diag_h"``.
 
@@ -51,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
+from cockpit_like.backends.curvature_engine import DeflatedDiagonal
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 from cockpit_like.backends.sampled import SampledGGNDiagonal
@@ -69,7 +78,7 @@ CURVATURES = {
 
 
 #: curvature choices that need no BackPACK extension
-ESTIMATORS = ("hutchinson", "auto")
+ESTIMATORS = ("hutchinson", "hutch++", "auto")
 
 
 class UnknownCurvatureError(ValueError, KeyError):
@@ -85,7 +94,8 @@ def _check_curvature(curvature: str, owner: str) -> str:
             f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
             f"{list(CURVATURES) + list(ESTIMATORS)} (BackPACK's Hessian diagonal, exact GGN diagonal, "
             "Monte-Carlo GGN diagonal; Hutchinson's estimate from Hessian-vector products on any "
-            "model; 'auto': the exact Hessian diagonal where BackPACK can, else Hutchinson)"
+            "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'auto': the exact Hessian "
+            "diagonal where BackPACK can, else 'hutch++')"
         )
     return curvature
 
@@ -118,6 +128,9 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             )
         self._samples = hutchinson_samples
         self._method: str | None = None if curvature == "auto" else curvature
+        #: ``{step: standard error}`` of the estimators (``"hutch++"``), beside each stored value
+        self.standard_errors: dict = {}
+        self._errors: dict | None = None
 
     @property
     def curvature(self) -> str:
@@ -129,7 +142,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return self._method or "diag_h"
 
     #: curvature -> (BackPACK's field where the models allow it, the estimator on any other model)
-    _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutchinson"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
+    _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutch++"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
 
     def adapt_to_models(self, models: list) -> None:
         from cockpit_like.backends.step import backpack_curvature_compatible
@@ -142,6 +155,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def _need(self):
         if self.method == "hutchinson":
             return HutchinsonDiagonal(self._samples)
+        if self.method == "hutch++":
+            return DeflatedDiagonal(self._samples)
         if self.method == "sampled_ggn_mc":
             return SampledGGNDiagonal(1)
         return None
@@ -167,14 +182,18 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         settings = {"curvature": self._curvature}
         if self._curvature in ESTIMATORS or self.method != self._curvature:
             settings["computed_with"] = self.method
-            if self.method == "hutchinson":
+            if self.method in ("hutchinson", "hutch++"):
                 settings["hutchinson_samples"] = self._samples
         return settings
 
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
         need = self._need()
         if need is not None:
-            return get_record(global_step).stat(need)
+            result = get_record(global_step).stat(need)
+            if isinstance(need, DeflatedDiagonal):
+                self._errors = result
+                return result["diagonal"]
+            return result
         return _diagonals(params, self.method, type(self).__name__)
 
 
@@ -191,7 +210,11 @@ class HessTrace(_DiagCurvatureQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        return [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
+        self._errors = None
+        traces = [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
+        if self._errors is not None:
+            self.standard_errors[global_step] = list(self._errors["block_errors"])
+        return traces
 
 
 class _TIC(_DiagCurvatureQuantity):
@@ -251,7 +274,10 @@ class TICTrace(_TIC):
     """
 
     def _compute(self, global_step, params, batch_loss):
+        self._errors = None
         batch_size, squares, diagonals = self._inputs(global_step, params)
         numerator = batch_size * sum(s.sum() for s in squares)
         denominator = sum(c.sum() for c in diagonals) + self._epsilon
+        if self._errors is not None:  # first order in the trace's error: N / t^2 * se(t)
+            self.standard_errors[global_step] = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
         return float(numerator / denominator)
