@@ -704,7 +704,7 @@ def test_curvature_presets_run(name, label):
         if step + 1 < STEPS:
             assert out[step]["Alpha"] == pytest.approx(reference_alpha(obs, observed[step + 1], BATCH), rel=1e-8, abs=1e-10)
     settings = {q["name"]: q["settings"] for q in cockpit.metadata()["quantities"]}
-    assert settings["HessTrace"]["computed_with"] == settings["TICDiag"]["computed_with"] == "hutch++"
+    assert settings["HessTrace"]["computed_with"] == settings["TICDiag"]["computed_with"] == "hutchinson"
 
 
 def dense_hessian(problem: Problem, inputs, targets) -> torch.Tensor:

@@ -44,7 +44,7 @@ def test_defaults_run_on_a_model_backpack_cannot_handle(cls):
     value = cockpit.get_output()[0][cls.__name__]
     assert value is not None
     settings = cockpit.quantities[0].settings()
-    assert settings["computed_with"] == ("empirical" if cls is KFACTrace else "hutch++"), settings
+    assert settings["computed_with"] == ("empirical" if cls is KFACTrace else "hutchinson"), settings
 
 
 @pytest.mark.parametrize("cls, exact", [(HessTrace, "diag_h"), (TICDiag, "diag_h"), (TICTrace, "diag_h"), (KFACTrace, "kfac")])

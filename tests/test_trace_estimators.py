@@ -106,3 +106,23 @@ def test_shares_the_decomposition_and_gives_the_same_value_alone_and_with_hessma
     _train_step([maxev, together])
     assert alone.get_output()[0] == together.get_output()[0]
     assert alone.standard_errors[0] == together.standard_errors[0]
+
+
+def test_hutchinson_stores_the_standard_errors_of_its_own_samples():
+    """curvature='hutchinson' (the 'auto' choice off BackPACK): the block traces' standard errors of the same draws."""
+    trace = HessTrace(schedules.linear(1), curvature="hutchinson")
+    tic = TICTrace(schedules.linear(1), curvature="hutchinson")
+    model, hessian = _train_step([trace, tic])
+    from cockpit_like.backends import randomness
+
+    D = hessian.shape[0]
+    draws = randomness.generator(0, "hutchinson diagonal")
+    samples = [torch.randint(0, 2, (D,), generator=draws).to(DT) * 2 - 1 for _ in range(4)]
+    estimates = torch.stack([v * (hessian @ v) for v in samples])
+    sizes = block_sizes(model)
+    blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
+    assert trace.get_output()[0] == pytest.approx(blocks.mean(0).tolist(), rel=1e-8, abs=1e-12)
+    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-8, abs=1e-12)
+    total, total_error = blocks.sum(1).mean().item(), (blocks.sum(1).std() / 2).item()
+    numerator = tic.get_output()[0] * (total + 1e-7)
+    assert tic.standard_errors[0] == pytest.approx(abs(numerator) / (total + 1e-7) ** 2 * total_error, rel=1e-6)

@@ -34,14 +34,21 @@ On any model (no BackPACK needed):
   estimate on the rest from ``hutchinson_samples`` more products
   (:class:`~cockpit_like.backends.curvature_engine.DeflatedDiagonal`):
   unbiased like ``"hutchinson"``, with the variance of the Hessian less its
-  dominant directions. Each step's standard error is kept in
-  ``standard_errors[step]`` (per block for HessTrace, of the value for
-  TICTrace);
+  dominant directions; an option, not the default: on 12 models it lowered
+  the median error of the trace only from 70% to 52% of the value, for the
+  cost of the decomposition where HessMaxEV does not pay it already
+  (``benchmarks/trace_estimators.py``, docs/curvature.md);
 - ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
-  else ``"hutch++"``; decided when the cockpit learns the model, and
+  else ``"hutchinson"``; decided when the cockpit learns the model, and
   written to the log metadata (``settings()["computed_with"]``). Without a
   known model, ``"diag_h"``.
+
+With ``"hutchinson"`` and ``"hutch++"`` each step's standard error is kept
+beside the stored value, in ``standard_errors[step]``: per parameter block
+for HessTrace (from the samples' block sums), of the value for TICTrace
+(first order in the trace's error, ``N / t^2 * se(t)``); none for TICDiag
+and the BackPACK diagonals (exact, or one Monte-Carlo sample).
 
 TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
 (``grad_batch[i] = g_i / B`` for a mean loss), read from the shared
@@ -95,7 +102,7 @@ def _check_curvature(curvature: str, owner: str) -> str:
             f"{list(CURVATURES) + list(ESTIMATORS)} (BackPACK's Hessian diagonal, exact GGN diagonal, "
             "Monte-Carlo GGN diagonal; Hutchinson's estimate from Hessian-vector products on any "
             "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'auto': the exact Hessian "
-            "diagonal where BackPACK can, else 'hutch++')"
+            "diagonal where BackPACK can, else 'hutchinson')"
         )
     return curvature
 
@@ -142,7 +149,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return self._method or "diag_h"
 
     #: curvature -> (BackPACK's field where the models allow it, the estimator on any other model)
-    _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutch++"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
+    _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutchinson"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
 
     def adapt_to_models(self, models: list) -> None:
         from cockpit_like.backends.step import backpack_curvature_compatible
@@ -193,7 +200,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             if isinstance(need, DeflatedDiagonal):
                 self._errors = result
                 return result["diagonal"]
-            return result
+            self._errors = getattr(result, "errors", None)
+            return list(result)
         return _diagonals(params, self.method, type(self).__name__)
 
 
