@@ -11,13 +11,14 @@ All three quantities read a diagonal ``c`` of the curvature of the
   diagonal of the generalized Gauss-Newton ``(1/B) sum_i J_i^T ∇²_f l_i J_i``;
 - ``"diag_ggn_mc"``: :class:`backpack.extensions.DiagGGNMC` with one sample,
   the same with ``∇²_f l_i`` replaced by a Monte-Carlo estimate (random: it
-  uses the torch RNG during backward).
+  draws in BackPACK's hook, from torch's generator seeded by the cockpit per
+  step and restored after: :mod:`cockpit_like.backends.randomness`).
 
 On any model (no BackPACK needed):
 
 - ``"hutchinson"``: Hutchinson's estimate ``(1/m) sum_k v_k * (H v_k)`` of
   ``diag(∇²L)`` from ``m = hutchinson_samples`` Hessian-vector products with
-  Rademacher vectors (unbiased, random: torch RNG; noisy per entry, so
+  Rademacher vectors (unbiased, random: the cockpit's generator; noisy per entry, so
   ``TICDiag`` with it can be far off, while traces average the noise out);
   needs ``loss.backward(create_graph=cockpit.create_graph(step))``, and the
   quantities of one step share one estimate
