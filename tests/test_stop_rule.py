@@ -110,3 +110,20 @@ def test_judge_accepts_either_end_only_when_their_magnitudes_tie():
     assert not wrong["within"]
     low = stop_rule.judge(0.703, -0.670, 0.646, -0.670, 0.646, 0.703, 1e-2)
     assert not low["within"]
+
+
+def test_hessmaxev_says_when_its_budget_ran_out():
+    from cockpit_like import Cockpit
+    from cockpit_like.quantities import HessMaxEV
+    from cockpit_like.utils import schedules
+    from tests.helpers import make_batch, make_problem
+
+    model, lossfunc, _ = make_problem("mlp")
+    quantity = HessMaxEV(schedules.linear(1), max_iter=3)
+    cockpit = Cockpit(model.parameters(), quantities=[quantity])
+    inputs, labels = make_batch("mlp", 6, seed=0)
+    loss = lossfunc(model(inputs), labels)
+    with pytest.warns(RuntimeWarning, match="did not converge in 3 Hessian-vector products"):
+        with cockpit(0, info={"loss": loss}):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    assert quantity.converged[0] is False and quantity.hvp_counts[0] == 3

@@ -127,10 +127,19 @@ class HessMaxEV(KrylovQuantity):
     def _compute(self, global_step, params, batch_loss):
         if not self._accelerate:
             return self._plain_power_iteration(global_step, params)
-        values = self.decomposition(global_step).ritz_values()
-        if not self._use_power or abs(float(values[-1])) >= abs(float(values[0])):
-            return float(values[-1])
-        return float(values[0])
+        decomposition = self.decomposition(global_step)
+        values = decomposition.ritz_values()
+        top = not self._use_power or abs(float(values[-1])) >= abs(float(values[0]))
+        if not decomposition.converged:
+            residual = float(decomposition.error_bounds()[-1 if top else 0])
+            warnings.warn(
+                f"HessMaxEV: step {global_step}: Lanczos did not converge in {decomposition.num_products} "
+                f"Hessian-vector products (max_iter={self._max_iter}); the stored value is within {residual:.3g} "
+                "of an eigenvalue but may not be the extreme one (converged[step] is False). Raise max_iter.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return float(values[-1] if top else values[0])
 
     def _plain_power_iteration(self, global_step, params) -> float:
         """Cockpit's algorithm: power iteration from ``U[0, 1)`` entries per parameter (or the last vector)."""
