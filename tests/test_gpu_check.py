@@ -27,12 +27,15 @@ def test_dry_run_plans_the_cuda_tests_and_the_three_problems():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert any("tests/test_cuda.py" in line and line.startswith("would run: timeout 180") for line in lines)
+    runs = [line for line in lines if line.startswith("would run:") and "overhead.py" in line]
+    assert [line.split()[3] for line in runs] == ["80", "80", "110"]  # per-problem limits: 270 s with the tests' 180
+    assert all("--merge" in line and "--device cuda" in line for line in runs)
     children = [line for line in lines if "--child" in line]
     for problem in ("gpt", "resnet", "gpt2-small"):
         for config in ("plain", "economy", "full_every10"):
             assert any(f"--problem {problem} --config {config} " in c for c in children), (problem, config)
     assert all(c.endswith("--device cuda") and "--steps 5" in c for c in children)
-    assert lines[-1] == "12 child processes planned (1 rounds, device cuda)"  # plain twice per problem
+    assert lines.count("4 child processes planned (1 rounds, device cuda)") == 3  # plain twice per problem
 
 
 @pytest.mark.parametrize("args,message", [(["--steps", "x"], "positive integer"), (["--bogus"], "unknown argument")])
