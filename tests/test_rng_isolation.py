@@ -85,12 +85,15 @@ def test_every_preset_leaves_a_run_with_dropout_bitwise_alone(kind, preset):
     _assert_same_run(reference, tracked)
 
 
-def test_backpack_monte_carlo_extensions_leave_the_run_alone_and_draw_per_step():
-    """DiagGGNMC and KFAC sample labels inside BackPACK from the global generator: seeded per step, restored."""
+@pytest.mark.parametrize("graph", [False, True])
+def test_backpack_monte_carlo_extensions_leave_the_run_alone_and_draw_per_step(graph):
+    """DiagGGNMC and KFAC sample labels inside BackPACK from the global generator: seeded per step, restored
+    (also at steps that keep the graph, where the extensions run as twins without autograd)."""
     schedule = schedules.linear(1)
 
     def quantities():
-        return [HessTrace(schedule, curvature="diag_ggn_mc"), KFACTrace(schedule, curvature="kfac")]
+        extra = [HessMaxEV(schedule)] if graph else []
+        return [HessTrace(schedule, curvature="diag_ggn_mc"), KFACTrace(schedule, curvature="kfac")] + extra
 
     reference = _run("extended")
     first, second = _run("extended", quantities), _run("extended", quantities)
