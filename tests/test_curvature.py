@@ -107,7 +107,7 @@ def test_against_dense_reference(problem, bias, batch_size, curvature):
 def test_diag_ggn_mc_by_replaying_the_rng(problem, bias, batch_size):
     """BackPACK draws one label per sample from Categorical(softmax(f_n)) during backward, in the loss
     module's hook (the extension's first hook call of the step), from the global generator that the cockpit
-    seeds with ``derive_seed(step, "DiagGGNMC", 1)`` for the call (and restores after it)."""
+    seeds with ``derive_seed(step, "DiagGGNMC", 1, sum of the logits)`` for the call (and restores after it)."""
     model, lossfunc, individual = make_problem(problem, bias=bias)
     schedule = schedules.linear(1)
     qs = [HessTrace(schedule, curvature="diag_ggn_mc"), TICDiag(schedule, curvature="diag_ggn_mc")]
@@ -115,9 +115,10 @@ def test_diag_ggn_mc_by_replaying_the_rng(problem, bias, batch_size):
     refs = {}
 
     def record(step, model, inputs, labels):
-        seed = randomness.derive_seed(step, "DiagGGNMC", 1)
         with torch.no_grad():
-            probs = model(inputs).softmax(dim=1)
+            logits = model(inputs)
+            probs = logits.softmax(dim=1)
+        seed = randomness.derive_seed(step, "DiagGGNMC", 1, float(logits.sum()))
         torch.manual_seed(seed)
         sampled = torch.distributions.Categorical(probs).sample(torch.Size([1]))[0]
         roots = (probs - nn.functional.one_hot(sampled, probs.shape[1]).to(probs.dtype)) / math.sqrt(len(inputs))

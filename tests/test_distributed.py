@@ -368,7 +368,7 @@ def _job_monte_carlo(rank: int) -> dict:
         loss.backward()
     from cockpit_like.backends.randomness import derive_seed
 
-    torch.manual_seed(derive_seed(0, "DiagGGNMC", 1))  # the same draws again (the loss module's hook is the first
+    torch.manual_seed(derive_seed(0, "DiagGGNMC", 1, float(outputs.detach().sum())))  # the same draws again (the loss module's hook is the first
     model.zero_grad()  # call of the step), BackPACK alone on this rank's batch
     with backpack(DiagGGNMC(mc_samples=1)):
         lossfunc(model(inputs), labels).backward()

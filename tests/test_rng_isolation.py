@@ -156,3 +156,22 @@ def test_seeded_global_rng_restores_the_state_also_on_an_error():
 def test_derived_seeds_differ_by_step_and_purpose():
     seeds = {randomness.derive_seed(step, purpose) for step in range(4) for purpose in ("a", "b")}
     assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_sampling_hooks_draw_independently_per_backward_pass_and_reproducibly():
+    """The seed of a sampling hook call: step, extension, call count and the module's input (micro-batches differ)."""
+    from types import SimpleNamespace
+
+    call = randomness._seeded_call(lambda self, module, g_inp, g_out: torch.rand(4))
+
+    def hook_draw(inputs):
+        twin = SimpleNamespace(_cockpit_step=3, _cockpit_calls=0)
+        return call(twin, SimpleNamespace(input0=inputs), (), (torch.zeros(1),))
+
+    torch.manual_seed(5)
+    expected_next = torch.rand(2)
+    torch.manual_seed(5)
+    first, second = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])
+    assert torch.equal(hook_draw(first), hook_draw(first.clone()))
+    assert not torch.equal(hook_draw(first), hook_draw(second))
+    assert torch.equal(torch.rand(2), expected_next)  # the caller's stream untouched

@@ -47,6 +47,7 @@ __all__ = [
     "seeded_global_rng",
     "seeded_sampling",
     "SAMPLING_EXTENSIONS",
+    "input_fingerprint",
 ]
 
 #: the cockpit's seed unless :func:`set_seed` changes it
@@ -130,11 +131,25 @@ def _seeded_call(call):
             return call(self, module, g_inp, g_out)
         self._cockpit_calls += 1
         device = g_out[0].device if g_out and isinstance(g_out[0], torch.Tensor) else "cpu"
-        seed = derive_seed(step, type(self).__name__, self._cockpit_calls)
+        seed = derive_seed(step, type(self).__name__, self._cockpit_calls, input_fingerprint(module))
         with seeded_global_rng(seed, device):
             return call(self, module, g_inp, g_out)
 
     return __call__
+
+
+def input_fingerprint(module) -> float:
+    """``sum(module.input0)`` (BackPACK keeps the module's input there; 0.0 if absent), a float.
+
+    Part of the seed of a sampling hook call, so that the backward passes of
+    one optimizer step (micro-batches of gradient accumulation, whose inputs
+    differ) draw independent numbers, while the same pass on the same data
+    draws the same (reproducible, alone or with other quantities).
+    """
+    tensor = getattr(module, "input0", None)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+        return 0.0
+    return float(tensor.detach().sum())
 
 
 def seeded_sampling(extension, step: int):
@@ -143,7 +158,8 @@ def seeded_sampling(extension, step: int):
     The twin shares the original's ``__dict__`` (savefield, hyperparameters,
     results; see :func:`cockpit_like.backends.no_grad.twin_class`) and keeps
     the step and a count of its hook calls in slots of its own, so the ``k``-th
-    hook call at step ``s`` draws from the seed ``derive_seed(s, name, k)``.
+    hook call of a backward pass at step ``s`` draws from the seed
+    ``derive_seed(s, name, k, input_fingerprint(module))``.
     """
     if not SAMPLING_EXTENSIONS or not isinstance(extension, SAMPLING_EXTENSIONS):
         return extension
