@@ -26,7 +26,7 @@ def _twin(problem, inputs, targets, step):
     params = list(model.parameters())
     logits = _logits(problem, problem.forward(model, inputs))
     flat = logits.reshape(-1, logits.shape[-1])
-    draws = randomness.generator(step, "sampled ggn labels")
+    draws = randomness.generator(step, "sampled ggn labels", "cpu", float(flat.detach().sum()))
     labels = torch.multinomial(torch.softmax(flat.detach(), dim=1), 1, generator=draws).squeeze(1).reshape(logits.shape[:-1])
     positions = flat.shape[0]
     squares = [torch.zeros_like(p) for p in params]

@@ -62,7 +62,8 @@ class SampledGGNDiagonal:
         logits = logits_from_info(execution.info, "curvature='diag_ggn_mc' on a model BackPACK cannot handle")
         positions = logits.shape[0]
         total = None
-        draws = generator(execution.step, "sampled ggn labels", logits.device)
+        # the logits' sum in the seed: each backward pass of the step (micro-batch) draws its own labels
+        draws = generator(execution.step, "sampled ggn labels", logits.device, float(logits.detach().sum()))
         for _ in range(self.samples):
             sampled = sample_cross_entropy(logits, draws)
             squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]

@@ -34,7 +34,8 @@ class SampledLayerLogs:
 
     def compute(self, execution) -> dict:
         logits = logits_from_info(execution.info, "fisher='mc'")
-        sampled = sample_cross_entropy(logits, generator(execution.step, "sampled fisher labels", logits.device, self.key))
+        seed_parts = (self.key, float(logits.detach().sum()))  # each backward pass (micro-batch) draws its own
+        sampled = sample_cross_entropy(logits, generator(execution.step, "sampled fisher labels", logits.device, *seed_parts))
         stat = LayerLogs(self.key, self.plan)
         return execution.per_sample_pass(sampled, [stat])[stat]
 
