@@ -42,9 +42,18 @@ rounds; ``--no-live-memory`` skips it): the peak bytes of live tensors over
 the first steps, from ``torch.profiler``'s allocation events
 (:func:`live_peak`), minus plain's.
 
+On a GPU (``--device cuda``) the model, the data and the cockpit's work run
+on the first CUDA device; each timed step ends with ``torch.cuda.synchronize()``,
+and each child also reports ``torch.cuda.max_memory_allocated()`` over its
+steps (``cuda_peak_mb``; a configuration's ``cuda_added_mb`` is its peak minus
+that of the same round's ``plain``). The live-tensor profile is CPU only and
+is skipped. ``--dry-run`` prints the child commands of the plan and exits
+(no CUDA needed: how the arguments are tested on a CPU machine).
+
 Usage::
 
     python benchmarks/overhead.py            # full run, updates docs/performance.md
+    python benchmarks/overhead.py --device cuda --problems gpt,resnet --configs economy,full_every10 --no-docs
     python benchmarks/overhead.py --quick    # about a minute, MLP only, prints the table
     python benchmarks/overhead.py --problems gpt,resnet --merge benchmarks/results/overhead.json
         # measure two problems, keep the others' figures from the previous run
@@ -318,7 +327,12 @@ def _training(args):
     if args.config == "nothing":
         warmup = max(warmup, 1)  # step 0, the only tracked one, is never timed
 
-    batches = make_batches(args.problem, model, shape, args.batch_size)
+    device = torch.device(getattr(args, "device", "cpu") or "cpu")
+    model = model.to(device)
+    batches = [
+        (inputs.to(device), targets.to(device))
+        for inputs, targets in make_batches(args.problem, model, shape, args.batch_size)
+    ]
     lossfunc = nn.CrossEntropyLoss()
     individual = nn.CrossEntropyLoss(reduction="none")
     language_model = args.problem in LANGUAGE_MODELS
@@ -367,6 +381,11 @@ def run_child(args) -> dict:
     import torch
 
     train_step, warmup, steps, period = _training(args)
+    cuda = (getattr(args, "device", "cpu") or "cpu").startswith("cuda")
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     spent = 0.0
     step = 0
@@ -376,8 +395,10 @@ def run_child(args) -> dict:
                 break  # slow configuration: enough steps for a median within the time budget
             if len(times) >= steps and (spent >= args.min_time or len(times) >= args.max_steps):
                 break  # fast configurations run more steps, for at least --min-time seconds
+        synchronize()
         start = time.perf_counter()
         train_step(step)
+        synchronize()
         elapsed = time.perf_counter() - start
         if step >= warmup:
             times.append(elapsed)
@@ -385,7 +406,7 @@ def run_child(args) -> dict:
         elif step == 0 and elapsed > args.budget / 4 and period == 1:
             warmup = 1  # very slow steps: one warm-up step is enough
         step += 1
-    return {
+    result = {
         "problem": args.problem,
         "config": args.config,
         "batch_size": args.batch_size,
@@ -395,6 +416,10 @@ def run_child(args) -> dict:
         "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "threads": torch.get_num_threads(),
     }
+    if cuda:
+        result["device"] = torch.cuda.get_device_name()
+        result["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return result
 
 
 def live_peak(events: list[dict]) -> int:
@@ -471,7 +496,8 @@ def child_env() -> dict:
     return env
 
 
-def spawn(problem: str, config: str, steps: int, warmup: int, args, live: bool = False) -> dict:
+def child_command(problem: str, config: str, steps: int, warmup: int, args, live: bool = False) -> list[str]:
+    """The command line of one child process."""
     command = [
         sys.executable, str(Path(__file__).resolve()), "--child",
         "--problem", problem, "--config", config,
@@ -484,6 +510,13 @@ def spawn(problem: str, config: str, steps: int, warmup: int, args, live: bool =
         command.append("--small")
     if live:
         command += ["--live", "--live-steps", str(args.live_steps)]
+    if getattr(args, "device", "cpu") != "cpu":
+        command += ["--device", args.device]
+    return command
+
+
+def spawn(problem: str, config: str, steps: int, warmup: int, args, live: bool = False) -> dict:
+    command = child_command(problem, config, steps, warmup, args, live)
     try:
         done = subprocess.run(command, capture_output=True, text=True, env=child_env(), timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -532,6 +565,12 @@ def aggregate(runs: list[dict], problems: list[str], batch_size: int | None, sma
                     entry["ratio_min"], entry["ratio_max"] = min(ratios), max(ratios)
                     entry["added_memory_mb"] = statistics.median(added)
                 entry["maxrss_mb"] = statistics.median(r["maxrss_mb"] for r in ok)
+                if all("cuda_peak_mb" in r for r in ok):
+                    entry["cuda_peak_mb"] = statistics.median(r["cuda_peak_mb"] for r in ok)
+                    plain_peaks = [r["cuda_peak_mb"] for r in runs if r["problem"] == problem
+                                   and r["config"] == "plain" and "cuda_peak_mb" in r]
+                    if plain_peaks:
+                        entry["cuda_added_mb"] = entry["cuda_peak_mb"] - statistics.median(plain_peaks)
             entries[config] = entry
         base = live.get((problem, "plain"))
         for (p, config), measured in live.items():
@@ -624,6 +663,36 @@ def _ratio_and_memory_tables(results: dict, problems: list[str], title: str, sou
     return lines
 
 
+def _cuda_memory_table(results: dict, problems: list[str], meta: dict) -> list[str]:
+    """Peak ``torch.cuda.max_memory_allocated`` per configuration (``--device cuda`` runs only)."""
+    configs = []
+    for p in problems:
+        for config, entry in results[p]["configs"].items():
+            if "cuda_peak_mb" in entry and config not in configs:
+                configs.append(config)
+    if not configs:
+        return []
+    lines = [
+        "",
+        f"GPU memory on {meta.get('device', 'cuda')}: peak `torch.cuda.max_memory_allocated()` over the timed "
+        "steps in MB (added over plain's in brackets).",
+        "",
+        "| problem | " + " | ".join(configs) + " |",
+        "|---|" + "---|" * len(configs),
+    ]
+    for p in problems:
+        cells = []
+        for config in configs:
+            entry = results[p]["configs"].get(config, {})
+            if "cuda_peak_mb" not in entry:
+                cells.append("-")
+                continue
+            added = entry.get("cuda_added_mb")
+            cells.append(f"{entry['cuda_peak_mb']:.0f}" + (f" (+{added:.0f})" if added is not None and config != "plain" else ""))
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(results: dict, meta: dict) -> str:
     """The markdown tables: main configurations (BackPACK problems, then hook-backend problems), then each quantity alone."""
     problems = list(results)
@@ -631,7 +700,9 @@ def markdown(results: dict, meta: dict) -> str:
     merged = len({(w.get("date"), w.get("commit"), w.get("rounds")) for w in when.values()}) > 1
     batches = sorted({results[p].get("batch_size", meta.get("batch_size")) for p in problems})
     lines = [
-        f"Measured {meta['date']} on {meta['machine']}, torch {meta['torch']}, one thread per process; "
+        f"Measured {meta['date']} on {meta['machine']}"
+        + (f", device {meta['device']}" if meta.get("device", "cpu") != "cpu" else "")
+        + f", torch {meta['torch']}, one thread per process; "
         f"{meta['rounds']} round(s) of {meta['steps']} timed steps (quantities alone: "
         f"{meta['quantity_rounds']} round(s) of {meta['quantity_steps']} steps), "
         + (f"batch {batches[0]}. " if len(batches) == 1 else "batch size B per problem below. ")
@@ -661,6 +732,7 @@ def markdown(results: dict, meta: dict) -> str:
     for group, title, source in groups:
         if group:
             lines += _ratio_and_memory_tables(results, group, title, source)
+    lines += _cuda_memory_table(results, problems, meta)
     quantity_configs = []
     for p in problems:
         quantity_configs += [c for c in results[p]["configs"] if c.startswith("q:") and c not in quantity_configs]
@@ -796,6 +868,12 @@ def parse_args(argv=None):
         "configuration, profiling the first steps' allocations)",
     )  # fmt: skip
     parser.add_argument("--live-steps", type=int, default=3, help="steps profiled for the live-tensor peak")
+    parser.add_argument(
+        "--device", default="cpu",
+        help="cpu, or cuda / cuda:N: run model, data and cockpit there (synchronised timing, "
+        "torch.cuda.max_memory_allocated per child; the live-tensor profile is skipped)",
+    )  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true", help="print the planned child commands and exit")
     # child mode (internal)
     parser.add_argument("--live", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -866,6 +944,15 @@ def main(argv=None) -> int:
 
     import torch
 
+    if args.device != "cpu":
+        if not args.device.startswith("cuda"):
+            raise SystemExit(f"--device: expected cpu, cuda or cuda:N, got {args.device!r}")
+        args.no_live_memory = True  # the allocator profile below is of CPU allocations
+        if not args.dry_run and not torch.cuda.is_available():
+            raise SystemExit(
+                f"--device {args.device}: torch.cuda.is_available() is False on this machine "
+                f"(torch {torch.__version__}); run it where a GPU is, or use --dry-run to check the plan"
+            )
     rng = random.Random(args.seed)
     runs = []
     started = time.time()
@@ -879,6 +966,12 @@ def main(argv=None) -> int:
         plain = [(p, "plain", steps) for p in problems]
         plan.append(plain + jobs + (plain[::-1] if jobs else []))
     total = sum(len(jobs) for jobs in plan)
+    if args.dry_run:
+        for rnd, jobs in enumerate(plan):
+            for problem, config, n in jobs:
+                print(" ".join(child_command(problem, config, n, warmup, args)))
+        print(f"{total} child processes planned ({rounds} rounds, device {args.device})")
+        return 0
     done = 0
     for rnd, jobs in enumerate(plan):
         for problem, config, n in jobs:
@@ -911,6 +1004,7 @@ def main(argv=None) -> int:
         "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".replace("  ", " "),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "device": args.device if args.device == "cpu" else f"{args.device} ({torch.cuda.get_device_name()})",
         "rounds": rounds,
         "steps": steps,
         "warmup": warmup,

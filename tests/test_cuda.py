@@ -67,3 +67,45 @@ def test_zoo_on_cuda(name):
     output = cockpit.get_output()
     for key in ("HessMaxEV", "HessTrace", "TICDiag", "GradHist2d", "Alpha", "NormTest"):
         assert key in output[1]
+
+
+def _dropout_run(preset, device, steps=3):
+    """Parameters after ``steps`` steps of an MLP with dropout on random data, and the next CPU and CUDA draws."""
+    from backpack import extend
+    from torch import nn
+
+    torch.manual_seed(0)
+    torch.cuda.manual_seed_all(0)
+    model = extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3)).to(device))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = None if preset is None else Cockpit(model.parameters(), quantities=configuration(preset))
+    for step in range(steps):
+        inputs, labels = torch.rand(5, 6, device=device), torch.randint(0, 3, (5,), device=device)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        if cockpit is None:
+            loss.backward()
+        else:
+            info = {"loss": loss, "batch_size": 5, "optimizer": optimizer,
+                    "individual_losses": torch.nn.functional.cross_entropy(outputs, labels, reduction="none")}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with cockpit(step, info=info):
+                    loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], torch.rand(3), torch.rand(3, device=device)
+
+
+@pytest.mark.parametrize("preset", ["economy", "business", "full"])
+def test_the_cockpit_leaves_cpu_and_cuda_rng_alone(preset):
+    """Issue 37: dropout masks and random data on the GPU are the same with and without the cockpit."""
+    device = torch.device("cuda")
+    reference, again = _dropout_run(None, device), _dropout_run(None, device)
+    if not all(torch.equal(a, b) for a, b in zip(reference[0], again[0])):
+        pytest.skip("plain training is not bitwise reproducible on this GPU (nondeterministic kernels)")
+    tracked = _dropout_run(preset, device)
+    for expected, actual in zip(reference[0], tracked[0]):
+        assert torch.equal(expected, actual), (expected - actual).abs().max()
+    assert torch.equal(reference[1], tracked[1]) and torch.equal(reference[2], tracked[2])

@@ -11,6 +11,7 @@ import math
 import pytest
 
 from cockpit_like.backends.per_sample_stats import SumOfSquares
+from cockpit_like.backends import randomness
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev
@@ -104,7 +105,9 @@ def test_against_dense_reference(problem, bias, batch_size, curvature):
 
 @pytest.mark.parametrize("problem,bias,batch_size", [("mlp", True, 6), ("cnn", False, 4)])
 def test_diag_ggn_mc_by_replaying_the_rng(problem, bias, batch_size):
-    """BackPACK draws one label per sample from Categorical(softmax(f_n)) during backward."""
+    """BackPACK draws one label per sample from Categorical(softmax(f_n)) during backward, in the loss
+    module's hook (the extension's first hook call of the step), from the global generator that the cockpit
+    seeds with ``derive_seed(step, "DiagGGNMC", 1, sum of the logits)`` for the call (and restores after it)."""
     model, lossfunc, individual = make_problem(problem, bias=bias)
     schedule = schedules.linear(1)
     qs = [HessTrace(schedule, curvature="diag_ggn_mc"), TICDiag(schedule, curvature="diag_ggn_mc")]
@@ -112,15 +115,15 @@ def test_diag_ggn_mc_by_replaying_the_rng(problem, bias, batch_size):
     refs = {}
 
     def record(step, model, inputs, labels):
-        seed = 4321 + step
         with torch.no_grad():
-            probs = model(inputs).softmax(dim=1)
+            logits = model(inputs)
+            probs = logits.softmax(dim=1)
+        seed = randomness.derive_seed(step, "DiagGGNMC", 1, float(logits.sum()))
         torch.manual_seed(seed)
         sampled = torch.distributions.Categorical(probs).sample(torch.Size([1]))[0]
         roots = (probs - nn.functional.one_hot(sampled, probs.shape[1]).to(probs.dtype)) / math.sqrt(len(inputs))
         diag = dense_ggn(model, inputs, labels, output_sqrt=roots).diagonal()
         refs[step] = ([d.sum().item() for d in split(diag, model)], tic_refs(diag, model, inputs, labels)[0])
-        torch.manual_seed(seed)  # the cockpit's backward pass draws the same labels
 
     train(model, lossfunc, individual, cockpit, problem, steps=3, batch_size=batch_size, record=record)
     output = cockpit.get_output()

@@ -177,25 +177,28 @@ def test_negative_dominant_eigenvalue_is_reported_like_cockpit():
 
 
 def test_spectral_density_and_traces_against_the_dense_twin():
-    """Same probe (same RNG state): the stored quadrature is the dense Hessian's for that probe, the
-    Hutchinson trace is D u^T H u, and Hutch++ is the dense twin with the same draws."""
+    """Same probes (the cockpit's generator of the step): the stored quadrature is the dense Hessian's for
+    those probes (averaged), the Hutchinson trace is the mean of D u^T H u, and Hutch++ is the dense twin
+    with the same draws."""
     density = HessSpectralDensity(schedules.linear(1), rtol=1e-10)
     hutchpp = HessTraceEstimate(schedules.linear(1), rtol=1e-10, samples=3)
     hutchinson = HessTraceEstimate(schedules.linear(1), rtol=1e-10, method="hutchinson")
     cockpit, hessians, states = _run("mlp", [density, hutchpp, hutchinson], batch_size=4, steps=(0, 1))
     for step, hessian in hessians.items():
         D = hessian.shape[0]
-        torch.set_rng_state(states[step])  # the engine reads the RNG state (does not advance it)
-        probe = curvature_engine.rademacher(1, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
+        P = curvature_engine.DEFAULT_PROBES
+        probe = curvature_engine.rademacher(P, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
         samples = curvature_engine.rademacher(3, D, DT, "cpu", curvature_engine.step_generator(step, "hutch++"))
         twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
         value = density.get_output()[step]
         assert value["dimension"] == D and len(value["nodes"]) == twin.num_products
         nodes, weights = torch.tensor(value["nodes"], dtype=DT), torch.tensor(value["weights"], dtype=DT)
-        u = probe[0] / math.sqrt(D)
-        moments = torch.stack([u @ torch.linalg.matrix_power(hessian, j) @ u for j in range(6)])
+        units = probe / math.sqrt(D)
+        moments = torch.stack([
+            torch.stack([u @ torch.linalg.matrix_power(hessian, j) @ u for u in units]).mean() for j in range(6)
+        ])
         torch.testing.assert_close(quadrature_moments(nodes, weights, 5), moments, rtol=1e-7, atol=1e-10)
-        expected_hutchinson = (probe[0] @ hessian @ probe[0]).item()
+        expected_hutchinson = torch.stack([r @ hessian @ r for r in probe]).mean().item()
         assert hutchinson.get_output()[step]["trace"] == pytest.approx(expected_hutchinson, rel=1e-8)
         expected, _ = deflated_trace(lambda v: hessian @ v, twin, samples)
         out = hutchpp.get_output()[step]
@@ -299,7 +302,7 @@ def test_arguments_and_settings():
     with pytest.warns(FutureWarning, match="atol"):
         HessMaxEV(schedules.linear(1), atol=1e-3)
     assert HessTraceEstimate(schedules.linear(1)).settings() == {
-        "max_products": 100, "rtol": 1e-2, "probes": 1, "warm_start": False, "method": "hutch++", "samples": 4
+        "max_products": 100, "rtol": 1e-2, "probes": 2, "warm_start": False, "method": "hutch++", "samples": 4
     }
     quantity = HessEigenvalues(schedules.linear(2))
     assert quantity.create_graph(0) and not quantity.create_graph(1)

@@ -352,7 +352,8 @@ def _job_cockpit_on_one_rank(rank: int) -> dict:
 
 
 def _job_monte_carlo(rank: int) -> dict:
-    """diag_ggn_mc with a different seed per rank: the global trace and each rank's own estimate with its draws."""
+    """diag_ggn_mc: the global trace and each rank's own estimate with its draws (the cockpit seeds BackPACK's
+    sampling per step and hook call, the same seed on every rank; the ranks' rows differ, so their labels do)."""
     from backpack import backpack
     from backpack.extensions import DiagGGNMC
 
@@ -361,14 +362,14 @@ def _job_monte_carlo(rank: int) -> dict:
     cockpit = Cockpit(model.parameters(), [HessTrace(linear(1), curvature="diag_ggn_mc")], model=net, log_rank=None)
     inputs, labels = batch(GLOBAL_BATCH, 0)
     inputs, labels = inputs[_rows(rank)], labels[_rows(rank)]
-    torch.manual_seed(7 + rank)  # different draws on the ranks, on purpose
-    state = torch.get_rng_state()
     outputs = net(inputs)
     loss = lossfunc(outputs, labels)
     with cockpit(0, info={"batch_size": 4, "loss": loss}):
         loss.backward()
-    torch.set_rng_state(state)  # the same draws again, BackPACK alone on this rank's batch
-    model.zero_grad()
+    from cockpit_like.backends.randomness import derive_seed
+
+    torch.manual_seed(derive_seed(0, "DiagGGNMC", 1, float(outputs.detach().sum())))  # the same draws again (the loss module's hook is the first
+    model.zero_grad()  # call of the step), BackPACK alone on this rank's batch
     with backpack(DiagGGNMC(mc_samples=1)):
         lossfunc(model(inputs), labels).backward()
     return {"mc_global": cockpit.get_output()[0]["HessTrace"], "mc_local": [p.diag_ggn_mc.sum().item() for p in model.parameters()]}
@@ -531,7 +532,7 @@ def test_cockpit_on_one_rank_only_raises_within_the_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_monte_carlo_ggn_is_the_mean_of_the_ranks_estimates(ranks):
-    """diag_ggn_mc under DDP: each rank samples its own labels; the global trace is the batch-weighted mean of the
+    """diag_ggn_mc under DDP: each rank samples labels for its own rows; the global trace is the batch-weighted mean of the
     ranks' one-sample estimates (equal batches: the mean), the same on every rank. No comparison with one process:
     its draws differ (docs/distributed.md)."""
     assert ranks[0]["mc_global"] == ranks[1]["mc_global"]

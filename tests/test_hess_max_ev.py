@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cockpit_like import Cockpit
+from cockpit_like.backends import randomness
 from cockpit_like.functional.eigen import accelerated_power_iteration, lanczos, power_iteration
 from cockpit_like.quantities import HessMaxEV, HessTrace
 from cockpit_like.quantities.hess_max_ev import MissingGraphError
@@ -95,7 +96,7 @@ def test_accelerated_power_iteration_edge_cases():
 
 def test_plain_power_option_is_cockpits_power_iteration():
     """accelerate=False, warm_start=False: Cockpit's algorithm, i.e. power_iteration from
-    torch.rand_like per parameter, value for value."""
+    U[0, 1) entries per parameter (drawn by the cockpit's generator of the step, not torch's), value for value."""
     model, lossfunc, individual = make_problem("mlp")
     quantity = HessMaxEV(schedules.linear(1), accelerate=False, warm_start=False)
     cockpit = Cockpit(model.parameters(), quantities=[quantity])
@@ -105,8 +106,8 @@ def test_plain_power_option_is_cockpits_power_iteration():
     with cockpit(0, info={"loss": loss}):
         loss.backward(create_graph=cockpit.create_graph(0))
     hessian = dense_hessian(model, inputs, labels)
-    torch.manual_seed(3)
-    start = torch.cat([torch.rand_like(p).reshape(-1) for p in model.parameters()])
+    draws = randomness.generator(0, "power iteration start")
+    start = torch.cat([torch.rand(p.shape, dtype=p.dtype, generator=draws).reshape(-1) for p in model.parameters()])
     expected = power_iteration(lambda v: hessian @ v, start)
     assert quantity.hvp_counts[0] == expected.num_matvecs
     assert quantity.get_output()[0] == pytest.approx(expected.value, rel=1e-9)

@@ -16,6 +16,7 @@ from torch import nn
 from torch.func import functional_call
 
 from cockpit_like import Cockpit
+from cockpit_like.backends import randomness
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
 from cockpit_like.utils.configuration import configuration
@@ -67,12 +68,12 @@ def test_the_twin_agrees_with_finite_differences(name):
     torch.testing.assert_close(dense, dense.T, rtol=1e-10, atol=1e-12)
 
 
-def _twin_diagonal(dense: torch.Tensor, samples: int, seed: int) -> torch.Tensor:
-    """The estimator with the same Rademacher draws, from the dense Hessian."""
-    torch.manual_seed(seed)
+def _twin_diagonal(dense: torch.Tensor, samples: int, step: int) -> torch.Tensor:
+    """The estimator with the same Rademacher draws (the cockpit's generator of the step), from the dense Hessian."""
+    draws = randomness.generator(step, "hutchinson diagonal")
     total = torch.zeros(dense.shape[0], dtype=dense.dtype)
     for _ in range(samples):
-        v = torch.randint(0, 2, (dense.shape[0],)).to(dense.dtype) * 2 - 1
+        v = torch.randint(0, 2, (dense.shape[0],), generator=draws).to(dense.dtype) * 2 - 1
         total += v * (dense @ v)
     return total / samples
 
@@ -94,10 +95,9 @@ def test_hutchinson_quantities_match_the_dense_twin(name):
     grads = per_sample_grads_loop(problem, inputs, targets, params)
     outputs = problem.forward(model, inputs)
     loss = problem.sample_losses(outputs, targets).mean()
-    torch.manual_seed(7)  # the estimator draws after the backward pass, from this state
     with cockpit(0, info={"batch_size": batch, "loss": loss}):
         loss.backward(create_graph=cockpit.create_graph(0))
-    diagonal = _twin_diagonal(dense, samples, seed=7)
+    diagonal = _twin_diagonal(dense, samples, step=0)
     sizes = [p.numel() for p in params]
     blocks = diagonal.split(sizes)
     output = cockpit.get_output()[0]

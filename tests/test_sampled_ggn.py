@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from cockpit_like import Cockpit
+from cockpit_like.backends import randomness
 from cockpit_like.quantities import HessTrace, TICDiag
 from cockpit_like.utils.schedules import linear
 from tests.zoo import ZOO
@@ -18,14 +19,15 @@ def _logits(problem, outputs):
     return outputs.logits[:, :-1] if hasattr(outputs, "logits") else outputs
 
 
-def _twin(problem, inputs, targets, seed):
-    """``N sum_i gb_i^2`` with the same draws, per-row gradients by a loop of autograd.grad."""
+def _twin(problem, inputs, targets, step):
+    """``N sum_i gb_i^2`` with the same draws (the cockpit's generator of the step), per-row gradients by a
+    loop of autograd.grad."""
     model = problem.model
     params = list(model.parameters())
-    torch.manual_seed(seed)
     logits = _logits(problem, problem.forward(model, inputs))
     flat = logits.reshape(-1, logits.shape[-1])
-    labels = torch.multinomial(torch.softmax(flat.detach(), dim=1), 1).squeeze(1).reshape(logits.shape[:-1])
+    draws = randomness.generator(step, "sampled ggn labels", "cpu", float(flat.detach().sum()))
+    labels = torch.multinomial(torch.softmax(flat.detach(), dim=1), 1, generator=draws).squeeze(1).reshape(logits.shape[:-1])
     positions = flat.shape[0]
     squares = [torch.zeros_like(p) for p in params]
     for i in range(len(inputs)):
@@ -47,10 +49,9 @@ def test_sampled_ggn_diagonal_matches_the_twin(name):
     cockpit = Cockpit(model.parameters(), quantities=[quantity], model=model)
     assert quantity.method == "sampled_ggn_mc" and cockpit.create_graph(0)
     assert quantity.settings() == {"curvature": "diag_ggn_mc", "computed_with": "sampled_ggn_mc"}
-    expected = _twin(problem, inputs, targets, seed=11)
+    expected = _twin(problem, inputs, targets, step=0)
     outputs = problem.forward(model, inputs)
     loss = problem.sample_losses(outputs, targets).mean()
-    torch.manual_seed(11)  # nothing draws between here and the sampling after the backward pass
     with cockpit(0, info={"batch_size": 4, "loss": loss, "outputs": _logits(problem, outputs)}):
         loss.backward(create_graph=cockpit.create_graph(0))
     assert cockpit.get_output()[0]["HessTrace"] == pytest.approx([float(e.sum()) for e in expected], rel=1e-9, abs=1e-13)

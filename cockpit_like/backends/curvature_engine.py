@@ -7,8 +7,8 @@ with full re-orthogonalisation
 Hessian-vector products of the mean loss through the graph of ``p.grad``
 (:func:`~cockpit_like.backends.hvp.hessian_vector_product`). Its start block is
 ``probes`` Rademacher vectors (unbiased probes for spectral density and trace,
-rank 0's draw on every rank; see :func:`step_generator`: the torch RNG is read,
-never advanced) followed by the warm
+the same draw on every rank; see :func:`step_generator`: the cockpit's own
+generator, seeded per step; torch's RNG is never read or advanced) followed by the warm
 start: the previous tracked step's top and bottom Ritz vectors, which the
 quantities keep and hand back in :class:`WarmStart`. The result, a
 :class:`~cockpit_like.functional.krylov.KrylovDecomposition`, gives the
@@ -27,20 +27,23 @@ May import torch and :mod:`cockpit_like.functional`.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
 
 from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import hessian_vector_product
-from cockpit_like.functional.krylov import KrylovDecomposition, deflated_trace, lanczos_decomposition
+from cockpit_like.backends.randomness import generator
+from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace, lanczos_decomposition
 
-__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DEFAULT_RTOL", "rademacher", "step_generator"]
+__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "step_generator"]
 
-#: tolerance of the shared decomposition: the extreme Ritz values' error estimates
-#: ``min(r, r^2 / gap)`` are then ``<= rtol * max|theta|``
+#: tolerance of the shared decomposition: the extreme Ritz values' residuals are then ``<= rtol * max|theta|``
 DEFAULT_RTOL = 1e-2
+
+#: Rademacher start vectors of the block: with one, a draw nearly orthogonal to the top eigenvector lets
+#: Lanczos converge to the second of a near-tied end first (measured in benchmarks/stop_rule.py)
+DEFAULT_PROBES = 2
 
 _OWNER = "the curvature engine (HessMaxEV, HessEigenvalues, HessSpectralDensity, HessTraceEstimate)"
 
@@ -64,16 +67,16 @@ class WarmStart:
 
 
 def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
-    """A generator seeded from the torch RNG's state, the step and ``purpose``; the torch RNG is not advanced.
+    """The cockpit's generator for ``purpose`` at ``step`` (:func:`cockpit_like.backends.randomness.generator`).
 
-    So the draws of the engine do not depend on how many other draws happened
-    at the step (a quantity gives the same numbers alone and with others, also
-    at later steps), the training's own random stream (dropout, shuffling) is
-    the same with and without the cockpit, and seeding torch reproduces them.
+    Seeded from the cockpit's fixed seed, the step and ``purpose`` only: the
+    draws of the engine do not depend on how many other draws happened at the
+    step or before (a quantity gives the same numbers alone and with others),
+    and torch's own generators are neither read nor advanced, so the
+    training's random stream (dropout, shuffling) is the same with and without
+    the cockpit.
     """
-    state = torch.get_rng_state().numpy().tobytes()
-    digest = hashlib.sha256(state + f"|{step}|{purpose}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return generator(step, purpose, device)
 
 
 def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
@@ -88,14 +91,14 @@ class LanczosNeed:
 
     Args:
         max_products: most Hessian-vector products.
-        rtol: stop once the largest and the smallest Ritz values have error estimates ``<= rtol * max|theta|``.
+        rtol: stop once the largest and the smallest Ritz values have residuals ``<= rtol * max|theta|``.
         probes: Rademacher start vectors (spectral density and trace probes).
         warm: the previous step's Ritz vectors, multiplied after the probes (``None``: a cold start).
     """
 
     max_products: int = 100
     rtol: float = DEFAULT_RTOL
-    probes: int = 1
+    probes: int = DEFAULT_PROBES
     warm: WarmStart | None = field(default=None)
 
     #: computed once per optimizer step, after its last backward pass (through the accumulated p.grad)
@@ -152,4 +155,60 @@ class KrylovTrace:
 
     def across_ranks(self, result, reduction):
         """Under DDP: the same on every rank already."""
+        return lambda: result
+
+
+@dataclass(frozen=True)
+class DeflatedDiagonal:
+    """Need: the Hessian diagonal, exact on the step's Lanczos space, Hutchinson on the rest (``samples`` products).
+
+    With ``Q`` the ``m`` multiplied basis vectors of the decomposition
+    (:class:`LanczosNeed`, rows), ``P = Q^T Q`` and ``H Q^T = Q^T T + R^T E``
+    (``R`` the basis vectors not yet multiplied, ``E`` their coefficients: all
+    known from the decomposition, no product),
+
+        diag(H) = diag(Q^T T Q) + 2 diag(Q^T (E^T R)) + diag((I - P) H (I - P)),
+
+    the first two terms exact, the last by Hutchinson,
+    ``(1/K) sum_k g_k * ((I - P) H (I - P) g_k)`` with Rademacher ``g_k`` from
+    the cockpit's generator (one product each): unbiased for ``diag(H)``, with
+    the variance of Hutchinson on the Hessian less its dominant directions,
+    which the Lanczos space holds. Summed over a parameter's entries it is an
+    unbiased estimate of that block's trace, whose standard error is that of
+    the ``K`` samples' block sums (the exact part has none).
+
+    The math is :func:`~cockpit_like.functional.krylov.deflated_diagonal`.
+
+    Result: ``{"diagonal": [tensor per param], "block_errors": [float per param],
+    "trace_error": float, "products": K}``.
+    """
+
+    samples: int = 4
+    lanczos: LanczosNeed = field(default_factory=LanczosNeed)
+
+    whole_step = True
+
+    def compute(self, execution) -> dict:
+        decomposition = execution.whole_step_result(self.lanczos)
+        params = execution.params
+        sizes = [p.numel() for p in params]
+        matvec = hessian_vector_product(params, _OWNER)
+        dtype, device = params[0].dtype, params[0].device
+        draws = rademacher(self.samples, sum(sizes), dtype, device, step_generator(execution.step, "deflated diagonal", device))
+        diagonal, estimates = deflated_diagonal(matvec, decomposition, draws)
+        blocks = torch.stack([piece.sum(1) for piece in estimates.split(sizes, dim=1)], dim=1).to(torch.float64).cpu()
+        if self.samples > 1:  # the exact part has no error; the samples' block sums are i.i.d.
+            block_errors = (blocks.std(dim=0) / self.samples**0.5).tolist()
+            trace_error = float(blocks.sum(1).std() / self.samples**0.5)
+        else:
+            block_errors, trace_error = [float("nan")] * len(sizes), float("nan")
+        return {
+            "diagonal": [piece.view_as(p) for piece, p in zip(diagonal.split(sizes), params)],
+            "block_errors": block_errors,
+            "trace_error": trace_error,
+            "products": self.samples,
+        }
+
+    def across_ranks(self, result, reduction):
+        """Under DDP: the same on every rank already (global products, the same draws)."""
         return lambda: result

@@ -14,7 +14,8 @@ with ``record.stat(need)``): Hutchinson's estimate of the Hessian diagonal,
 unbiased for ``diag(H)``; summed over a parameter's entries it is
 Hutchinson's unbiased estimate of the trace of that parameter's Hessian
 block, ``E[v^T H_pp v] = tr H_pp``. Its variance per entry ``j`` is
-``(1/m) sum_{k != j} H_jk^2``. The vectors come from the torch RNG.
+``(1/m) sum_{k != j} H_jk^2``. The vectors come from the cockpit's own
+generator, seeded per step (:mod:`cockpit_like.backends.randomness`).
 
 May import torch only.
 """
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MissingGraphError", "hessian_vector_product", "HutchinsonDiagonal", "graph_limit"]
+__all__ = ["MissingGraphError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit"]
 
 
 class MissingGraphError(RuntimeError):
@@ -133,11 +134,29 @@ def graph_limit(error: BaseException) -> str | None:
     return None
 
 
+class DiagonalEstimate(list):
+    """One estimated diagonal tensor per parameter; ``errors``: the estimator's standard errors (or None)."""
+
+    errors: dict | None = None
+
+
+def _standard_errors(blocks: torch.Tensor) -> dict:
+    """``{"block_errors", "trace_error"}`` from ``[samples, params]`` i.i.d. block sums (NaN from one sample)."""
+    count = blocks.shape[0]
+    if count < 2:
+        return {"block_errors": [float("nan")] * blocks.shape[1], "trace_error": float("nan")}
+    return {
+        "block_errors": (blocks.std(dim=0) / count**0.5).tolist(),
+        "trace_error": float(blocks.sum(1).std() / count**0.5),
+    }
+
+
 @dataclass(frozen=True)
 class HutchinsonDiagonal:
     """Need: Hutchinson's estimate of the Hessian diagonal of the mean loss from ``samples`` products.
 
-    Result: one tensor per tracked parameter, shaped like it (see the module docstring).
+    Result: one tensor per tracked parameter, shaped like it (see the module docstring), in a
+    :class:`DiagonalEstimate` whose ``errors`` are the standard errors of the block traces and of the total.
     """
 
     samples: int = 4
@@ -152,19 +171,28 @@ class HutchinsonDiagonal:
         matvec = hessian_vector_product(params, "Hutchinson's estimator (curvature='hutchinson')", local=True)
         size = sum(p.numel() for p in params)
         total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+        from cockpit_like.backends.randomness import generator
+
+        draws = generator(execution.step, "hutchinson diagonal", total.device)
+        sizes = [p.numel() for p in params]
+        blocks = []
         for _ in range(self.samples):
-            v = torch.randint(0, 2, (size,), device=total.device).to(total.dtype).mul_(2).sub_(1)
-            total.add_(v * matvec(v))
+            v = torch.randint(0, 2, (size,), device=total.device, generator=draws).to(total.dtype).mul_(2).sub_(1)
+            sample = v * matvec(v)
+            total.add_(sample)
+            blocks.append(torch.stack([piece.sum() for piece in sample.split(sizes)]))
         total.div_(self.samples)
-        return [piece.view_as(p) for piece, p in zip(total.split([p.numel() for p in params]), params)]
+        result = DiagonalEstimate(piece.view_as(p) for piece, p in zip(total.split(sizes), params))
+        result.errors = _standard_errors(torch.stack(blocks).to(torch.float64).cpu())
+        return result
 
     def across_ranks(self, result, reduction):
-        """Under DDP: the batch-weighted mean of the ranks' estimates (``v * (H v)`` is linear in ``H``).
+        """Under DDP: the batch-weighted mean of the ranks' estimates (``v * (H v)`` is linear in ``H``);
+        the standard errors are not combined (not kept under DDP).
 
-        With the torch RNG in the same state on every rank (the same seed) the
-        ranks draw the same ``v_k``, and the result is the estimate of one
-        process on the global batch with these ``v_k``; otherwise it is still
-        an unbiased estimate of the global diagonal.
+        Every rank draws the same ``v_k`` (the cockpit's generator is seeded by
+        the step), so the result is the estimate of one process on the global
+        batch with these ``v_k``.
         """
         parts = [reduction.mean(d) for d in result]
         return lambda: [part() for part in parts]

@@ -3,8 +3,8 @@
 For a cross-entropy loss that is the mean over ``N`` positions (rows, or
 rows times tokens), ``L = (1/N) sum_n CE(f_n, y_n)``, the generalized
 Gauss-Newton matrix is ``G = (1/N) sum_n J_n^T (diag(p_n) - p_n p_n^T) J_n``
-with ``p_n = softmax(f_n)``. With labels ``ŷ_n`` drawn from ``p_n`` (torch
-RNG), ``s_n = p_n - e_ŷn`` has ``E[s_n s_n^T] = diag(p_n) - p_n p_n^T``, so for
+with ``p_n = softmax(f_n)``. With labels ``ŷ_n`` drawn from ``p_n`` (the
+cockpit's generator, seeded per step: :mod:`cockpit_like.backends.randomness`), ``s_n = p_n - e_ŷn`` has ``E[s_n s_n^T] = diag(p_n) - p_n p_n^T``, so for
 the sampled loss ``L~ = (1/N) sum_n CE(f_n, ŷ_n)`` and its per-row gradients
 ``gb_i`` (rows ``i``, each summing its positions, ``gb_i = (1/N) sum_t J_it^T s_it``),
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from cockpit_like.backends.per_sample_stats import SumOfSquares
+from cockpit_like.backends.randomness import generator
 
 __all__ = ["SampledGGNDiagonal", "logits_from_info", "sample_cross_entropy"]
 
@@ -44,10 +45,10 @@ def logits_from_info(info: dict, what: str) -> torch.Tensor:
     return outputs.reshape(-1, outputs.shape[-1])
 
 
-def sample_cross_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """The mean cross-entropy of ``logits`` ``[N, C]`` with labels drawn from ``softmax(logits)`` (torch RNG)."""
+def sample_cross_entropy(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` ``[N, C]`` with labels drawn from ``softmax(logits)`` by ``generator``."""
     with torch.no_grad():
-        labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1).squeeze(1)
+        labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1, generator=generator).squeeze(1)
     return torch.nn.functional.cross_entropy(logits, labels)
 
 
@@ -61,8 +62,10 @@ class SampledGGNDiagonal:
         logits = logits_from_info(execution.info, "curvature='diag_ggn_mc' on a model BackPACK cannot handle")
         positions = logits.shape[0]
         total = None
+        # the logits' sum in the seed: each backward pass of the step (micro-batch) draws its own labels
+        draws = generator(execution.step, "sampled ggn labels", logits.device, float(logits.detach().sum()))
         for _ in range(self.samples):
-            sampled = sample_cross_entropy(logits)
+            sampled = sample_cross_entropy(logits, draws)
             squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
             total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
         return [t.mul_(positions / self.samples) for t in total]

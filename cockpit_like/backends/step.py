@@ -30,6 +30,7 @@ from cockpit_like.backends.extensions import describe, merge_extensions
 from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, couples_samples
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
+from cockpit_like.backends.randomness import seeded_sampling
 
 __all__ = [
     "StepExecution",
@@ -256,6 +257,8 @@ class StepExecution:
 
                 exts = [without_autograd(ext) for ext in exts]
                 hook = None if hook is None else hook_without_autograd(hook)
+            # BackPACK's Monte-Carlo extensions draw in their hooks: from a per-step seed, the user's RNG restored
+            exts = [seeded_sampling(ext, self.step) for ext in exts]
             self._backpack = backpack(*exts, extension_hook=hook)
             self._backpack.__enter__()
 

@@ -11,13 +11,14 @@ All three quantities read a diagonal ``c`` of the curvature of the
   diagonal of the generalized Gauss-Newton ``(1/B) sum_i J_i^T ∇²_f l_i J_i``;
 - ``"diag_ggn_mc"``: :class:`backpack.extensions.DiagGGNMC` with one sample,
   the same with ``∇²_f l_i`` replaced by a Monte-Carlo estimate (random: it
-  uses the torch RNG during backward).
+  draws in BackPACK's hook, from torch's generator seeded by the cockpit per
+  step and restored after: :mod:`cockpit_like.backends.randomness`).
 
 On any model (no BackPACK needed):
 
 - ``"hutchinson"``: Hutchinson's estimate ``(1/m) sum_k v_k * (H v_k)`` of
   ``diag(∇²L)`` from ``m = hutchinson_samples`` Hessian-vector products with
-  Rademacher vectors (unbiased, random: torch RNG; noisy per entry, so
+  Rademacher vectors (unbiased, random: the cockpit's generator; noisy per entry, so
   ``TICDiag`` with it can be far off, while traces average the noise out);
   needs ``loss.backward(create_graph=cockpit.create_graph(step))``, and the
   quantities of one step share one estimate
@@ -29,11 +30,26 @@ On any model (no BackPACK needed):
   logits of the mean cross-entropy loss, classes last) and
   ``create_graph=cockpit.create_graph(step)``; logged as
   ``computed_with: "sampled_ggn_mc"``;
+- ``"hutch++"``: the diagonal exact on the step's Lanczos space (the engine's
+  decomposition that HessMaxEV reads, shared with it) plus Hutchinson's
+  estimate on the rest from ``hutchinson_samples`` more products
+  (:class:`~cockpit_like.backends.curvature_engine.DeflatedDiagonal`):
+  unbiased like ``"hutchinson"``, with the variance of the Hessian less its
+  dominant directions; an option, not the default: on 12 models it lowered
+  the median error of the trace only from 70% to 52% of the value, for the
+  cost of the decomposition where HessMaxEV does not pay it already
+  (``benchmarks/trace_estimators.py``, docs/curvature.md);
 - ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
   else ``"hutchinson"``; decided when the cockpit learns the model, and
   written to the log metadata (``settings()["computed_with"]``). Without a
   known model, ``"diag_h"``.
+
+With ``"hutchinson"`` and ``"hutch++"`` each step's standard error is kept
+beside the stored value, in ``standard_errors[step]``: per parameter block
+for HessTrace (from the samples' block sums), of the value for TICTrace
+(first order in the trace's error, ``N / t^2 * se(t)``); none for TICDiag
+and the BackPACK diagonals (exact, or one Monte-Carlo sample).
 
 TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
 (``grad_batch[i] = g_i / B`` for a mean loss), read from the shared
@@ -51,6 +67,7 @@ from __future__ import annotations
 import torch
 
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
+from cockpit_like.backends.curvature_engine import DeflatedDiagonal
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 from cockpit_like.backends.sampled import SampledGGNDiagonal
@@ -69,7 +86,7 @@ CURVATURES = {
 
 
 #: curvature choices that need no BackPACK extension
-ESTIMATORS = ("hutchinson", "auto")
+ESTIMATORS = ("hutchinson", "hutch++", "auto")
 
 
 class UnknownCurvatureError(ValueError, KeyError):
@@ -85,7 +102,8 @@ def _check_curvature(curvature: str, owner: str) -> str:
             f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
             f"{list(CURVATURES) + list(ESTIMATORS)} (BackPACK's Hessian diagonal, exact GGN diagonal, "
             "Monte-Carlo GGN diagonal; Hutchinson's estimate from Hessian-vector products on any "
-            "model; 'auto': the exact Hessian diagonal where BackPACK can, else Hutchinson)"
+            "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'auto': the exact Hessian "
+            "diagonal where BackPACK can, else 'hutchinson')"
         )
     return curvature
 
@@ -118,6 +136,9 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             )
         self._samples = hutchinson_samples
         self._method: str | None = None if curvature == "auto" else curvature
+        #: ``{step: standard error}`` of the estimators (``"hutch++"``), beside each stored value
+        self.standard_errors: dict = {}
+        self._errors: dict | None = None
 
     @property
     def curvature(self) -> str:
@@ -162,6 +183,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def _need(self):
         if self.method == "hutchinson":
             return HutchinsonDiagonal(self._samples)
+        if self.method == "hutch++":
+            return DeflatedDiagonal(self._samples)
         if self.method == "sampled_ggn_mc":
             return SampledGGNDiagonal(1)
         return None
@@ -187,14 +210,19 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         settings = {"curvature": self._requested}
         if self._requested in ESTIMATORS or self.method != self._requested:
             settings["computed_with"] = self.method
-            if self.method == "hutchinson":
+            if self.method in ("hutchinson", "hutch++"):
                 settings["hutchinson_samples"] = self._samples
         return settings
 
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
         need = self._need()
         if need is not None:
-            return get_record(global_step).stat(need)
+            result = get_record(global_step).stat(need)
+            if isinstance(need, DeflatedDiagonal):
+                self._errors = result
+                return result["diagonal"]
+            self._errors = getattr(result, "errors", None)
+            return list(result)
         return _diagonals(params, self.method, type(self).__name__)
 
 
@@ -211,7 +239,11 @@ class HessTrace(_DiagCurvatureQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        return [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
+        self._errors = None
+        traces = [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
+        if self._errors is not None:
+            self.standard_errors[global_step] = list(self._errors["block_errors"])
+        return traces
 
 
 class _TIC(_DiagCurvatureQuantity):
@@ -271,7 +303,10 @@ class TICTrace(_TIC):
     """
 
     def _compute(self, global_step, params, batch_loss):
+        self._errors = None
         batch_size, squares, diagonals = self._inputs(global_step, params)
         numerator = batch_size * sum(s.sum() for s in squares)
         denominator = sum(c.sum() for c in diagonals) + self._epsilon
+        if self._errors is not None:  # first order in the trace's error: N / t^2 * se(t)
+            self.standard_errors[global_step] = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
         return float(numerator / denominator)

@@ -7,7 +7,7 @@ import warnings
 import torch
 
 from cockpit_like.backends.curvature_engine import DEFAULT_RTOL
-from cockpit_like.backends.distributed import same_on_all_ranks
+from cockpit_like.backends.randomness import generator
 from cockpit_like.backends.hvp import MissingGraphError, hessian_vector_product
 from cockpit_like.functional.eigen import power_iteration
 from cockpit_like.quantities.hessian_spectrum import KrylovQuantity
@@ -25,12 +25,12 @@ class HessMaxEV(KrylovQuantity):
 
     The value is read from the step's shared Lanczos decomposition
     (:class:`~cockpit_like.backends.curvature_engine.LanczosNeed`, block
-    Lanczos with full re-orthogonalisation from a Rademacher probe and the
+    Lanczos with full re-orthogonalisation from two Rademacher probes and the
     previous step's top and bottom Ritz vectors with ``warm_start=True``), whose products every
     curvature quantity tracked at the step shares (:class:`HessEigenvalues`,
     :class:`HessSpectralDensity`, :class:`HessTraceEstimate`). It stops on
-    residuals: once the largest and the smallest Ritz values have the error
-    estimate ``min(r, r^2 / gap) <= rtol * max|theta|`` (``r = ||H x - theta x||``,
+    residuals: once the largest and the smallest Ritz values have the residual
+    ``r <= rtol * max|theta|`` (``r = ||H x - theta x||``,
     default ``rtol=1e-2``); an eigenvalue always lies within ``r`` of the value. Never
     on two consecutive estimates agreeing, which can stop
     before the iteration found the eigenvalue.
@@ -43,7 +43,7 @@ class HessMaxEV(KrylovQuantity):
       ``eigsh(k=1, which="LA")``.
 
     ``accelerate=False`` runs Cockpit's plain power iteration instead, with
-    products of its own (from ``torch.rand_like`` per parameter, stop rule
+    products of its own (from ``U[0, 1)`` entries per parameter, drawn by the cockpit's generator, stop rule
     ``|lambda_prev - lambda| <= atol + rtol |lambda|``, default ``rtol=1e-3``),
     for bit-for-bit comparisons with Cockpit; ``atol`` only matters there.
 
@@ -55,8 +55,8 @@ class HessMaxEV(KrylovQuantity):
     residual stop instead of the power iteration (the value is the
     eigenvalue's to ``rtol``, where Cockpit's may be far off), optional warm
     starts (``warm_start=True``), a Rademacher probe
-    (drawn from a generator seeded by the torch RNG's state and the step, which is
-    read, not advanced) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
+    (drawn from the cockpit's own generator, seeded by a fixed seed and the step:
+    :mod:`cockpit_like.backends.randomness`; torch's RNG is not touched) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
 
     Args:
         track_schedule: when to compute.
@@ -66,7 +66,7 @@ class HessMaxEV(KrylovQuantity):
             Lanczos engine, see :class:`~cockpit_like.quantities.hessian_spectrum.KrylovQuantity`).
         accelerate: False: Cockpit's plain power iteration (products of its own).
         max_iter: most Hessian-vector products per step.
-        rtol: tolerance of the Lanczos error estimates (``None``: 1e-2; the power iteration's stop tolerance with
+        rtol: tolerance of the Lanczos residuals (``None``: 1e-2; the power iteration's stop tolerance with
             ``accelerate=False``, ``None``: 1e-3).
         atol: absolute tolerance of the plain power iteration only.
 
@@ -127,22 +127,31 @@ class HessMaxEV(KrylovQuantity):
     def _compute(self, global_step, params, batch_loss):
         if not self._accelerate:
             return self._plain_power_iteration(global_step, params)
-        values = self.decomposition(global_step).ritz_values()
-        if not self._use_power or abs(float(values[-1])) >= abs(float(values[0])):
-            return float(values[-1])
-        return float(values[0])
+        decomposition = self.decomposition(global_step)
+        values = decomposition.ritz_values()
+        top = not self._use_power or abs(float(values[-1])) >= abs(float(values[0]))
+        if not decomposition.converged:
+            residual = float(decomposition.error_bounds()[-1 if top else 0])
+            warnings.warn(
+                f"HessMaxEV: step {global_step}: Lanczos did not converge in {decomposition.num_products} "
+                f"Hessian-vector products (max_iter={self._max_iter}); the stored value is within {residual:.3g} "
+                "of an eigenvalue but may not be the extreme one (converged[step] is False). Raise max_iter.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return float(values[-1] if top else values[0])
 
     def _plain_power_iteration(self, global_step, params) -> float:
-        """Cockpit's algorithm: power iteration from ``torch.rand_like`` per parameter (or the last vector)."""
+        """Cockpit's algorithm: power iteration from ``U[0, 1)`` entries per parameter (or the last vector)."""
         matvec = hessian_vector_product(params, "HessMaxEV")
-        result = power_iteration(matvec, self._start_vector(params), max_iter=self._max_iter, rtol=self._rtol,
+        result = power_iteration(matvec, self._start_vector(params, global_step), max_iter=self._max_iter, rtol=self._rtol,
                                  atol=self._atol)
         self._previous = result.vector.detach()
         self.hvp_counts[global_step] = result.num_matvecs
         self.converged[global_step] = result.converged
         return float(result.value)
 
-    def _start_vector(self, params: list[torch.Tensor]) -> torch.Tensor:
+    def _start_vector(self, params: list[torch.Tensor], global_step: int) -> torch.Tensor:
         size = sum(p.numel() for p in params)
         previous = self._previous
         if (
@@ -155,4 +164,7 @@ class HessMaxEV(KrylovQuantity):
         ):
             return previous.to(params[0].device)
         # under DDP every rank starts from rank 0's draw (cockpit_like.backends.distributed)
-        return same_on_all_ranks(torch.cat([torch.rand_like(p).reshape(-1) for p in params]))
+        # the cockpit's generator (torch's RNG untouched), seeded by the step: the same draw on every rank
+        draws = generator(global_step, "power iteration start", params[0].device)
+        return torch.cat([torch.rand(p.shape, dtype=p.dtype, device=p.device, generator=draws).reshape(-1)
+                          for p in params])

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from cockpit_like.backends.curvature_engine import DEFAULT_RTOL, KrylovTrace, LanczosNeed, WarmStart
+from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, KrylovTrace, LanczosNeed, WarmStart
 from cockpit_like.context import get_record
 from cockpit_like.functional.krylov import KrylovDecomposition
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -42,10 +42,13 @@ class KrylovQuantity(SingleStepQuantity):
         track_schedule: when to compute.
         verbose: print each value.
         max_products: most Hessian-vector products per step.
-        rtol: stop once the largest and smallest Ritz values have error estimates
-            ``min(r, r^2 / gap) <= rtol * max|theta|`` (``r = ||H x - theta x||``; an eigenvalue
+        rtol: stop once the largest and smallest Ritz values have residuals
+            ``r <= rtol * max|theta|`` (``r = ||H x - theta x||``; an eigenvalue
             always lies within ``r``).
-        probes: Rademacher probe vectors at the start of the block (density, trace).
+        probes: Rademacher start vectors of the block (density, trace). Two by default: with one, a start
+            vector nearly orthogonal to the top eigenvector (a few percent of draws) lets Lanczos converge to
+            the second eigenvalue of a near-tied or clustered end first, with a small residual; two random
+            starts make that rare (``benchmarks/stop_rule.py``, docs/curvature.md).
         warm_start: also start from the previous tracked step's top and bottom Ritz vectors
             (block Lanczos: the probe's Krylov space grows at full rate, so a warm start cannot make
             the result worse, but each degree costs a product per start vector; measured on the
@@ -62,7 +65,7 @@ class KrylovQuantity(SingleStepQuantity):
         verbose: bool = False,
         max_products: int = 100,
         rtol: float = DEFAULT_RTOL,
-        probes: int = 1,
+        probes: int = DEFAULT_PROBES,
         warm_start: bool = False,
     ):
         super().__init__(track_schedule, verbose=verbose)
@@ -114,8 +117,8 @@ class HessEigenvalues(KrylovQuantity):
     """The largest and the smallest eigenvalue of the Hessian ``∇²L`` of the mean loss.
 
     Extreme Ritz values of the shared Lanczos decomposition; each is within
-    its residual of an eigenvalue, and its error estimate
-    ``min(r, r^2 / gap)`` is at most ``rtol * max|theta|``. A negative ``smallest`` shows directions of negative curvature.
+    its residual of an eigenvalue, and where ``converged`` that residual is at
+    most ``rtol * max|theta|``. A negative ``smallest`` shows directions of negative curvature.
 
     Stored value: ``{"largest": float, "smallest": float, "products": int, "converged": bool}``.
 

@@ -51,7 +51,8 @@ class KFACTrace(SingleStepQuantity):
     - ``"kflr"``: :class:`backpack.extensions.KFLR`, the exact loss Hessian
       is backpropagated (exact for a single linear layer with MSE loss);
     - ``"kfac"``: :class:`backpack.extensions.KFAC`, a Monte-Carlo estimate
-      with ``mc_samples`` sampled labels (random: uses the torch RNG);
+      with ``mc_samples`` sampled labels (random: drawn in BackPACK's hook from torch's generator, seeded by
+      the cockpit per step and restored after);
     - ``"empirical"`` (any model, no BackPACK): the empirical Fisher of the
       mean loss, ``F = (1/B) sum_n g_n g_n^T``, from the curvature statistics
       logged in the same backward pass (:mod:`cockpit_like.statistics`, a

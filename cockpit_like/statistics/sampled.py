@@ -2,7 +2,7 @@
 
 For a cross-entropy loss that is the mean over ``N`` positions, with labels
 ``ŷ_n`` drawn from the model's predictive distribution ``softmax(f_n)``
-(torch RNG), the output gradients of the sampled loss ``(1/N) sum_n CE(f_n, ŷ_n)``
+(the cockpit's generator, seeded per step and key: :mod:`cockpit_like.backends.randomness`), the output gradients of the sampled loss ``(1/N) sum_n CE(f_n, ŷ_n)``
 have ``E[s s^T] = diag(p) - p p^T``, the loss Hessian w.r.t. the logits: their
 covariance (``backward`` log) is KFAC's ``G`` of the Fisher (= GGN for
 cross-entropy), one sample per position, instead of the empirical Fisher's.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cockpit_like.backends.randomness import generator
 from cockpit_like.backends.sampled import logits_from_info, sample_cross_entropy
 from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
 
@@ -32,7 +33,9 @@ class SampledLayerLogs:
     plan: StatisticsPlan = field(compare=False, hash=False, repr=False, default=None)
 
     def compute(self, execution) -> dict:
-        sampled = sample_cross_entropy(logits_from_info(execution.info, "fisher='mc'"))
+        logits = logits_from_info(execution.info, "fisher='mc'")
+        seed_parts = (self.key, float(logits.detach().sum()))  # each backward pass (micro-batch) draws its own
+        sampled = sample_cross_entropy(logits, generator(execution.step, "sampled fisher labels", logits.device, *seed_parts))
         stat = LayerLogs(self.key, self.plan)
         return execution.per_sample_pass(sampled, [stat])[stat]
 

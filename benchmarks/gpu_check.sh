@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 37, item 5): fits in 8 minutes on one GPU.
+#
+#   1. the CUDA tests (tests/test_cuda.py: the zoo on CUDA, per-sample statistics
+#      against a loop of autograd.grad, the full preset with Hessian-vector products);
+#   2. benchmarks/overhead.py --device cuda: plain, economy and full every 10th step
+#      on gpt, resnet and gpt2-small, one round, with the peak
+#      torch.cuda.max_memory_allocated of every child.
+#
+# Usage:
+#   benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--steps N] [--problems a,b] [--python PY]
+#
+#   --dry-run    print what would run (and check the benchmark's plan) without a GPU
+#   --out DIR    where the logs, the JSON and the markdown table go (default: $OUT or
+#                benchmarks/results/gpu_check)
+#   --steps N    timed steps per child (default 10; full every 10th times whole periods)
+#   --problems   default gpt,resnet,gpt2-small
+#   --python     the interpreter (default: $PYTHON, else python)
+#
+# Time limits: the tests 180 s, the benchmark 80 s for gpt and resnet and 110 s for gpt2-small
+# (each child at most 60 s), 450 s in all, so the whole check stays under 8 minutes even when a
+# step hangs; every problem's figures are merged into one JSON as it finishes.
+# Paths with spaces are not supported (the benchmark command is word-split).
+set -u
+
+dry_run=0
+out="${OUT:-}"
+steps=10
+problems="gpt,resnet,gpt2-small"
+python="${PYTHON:-python}"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry_run=1; shift ;;
+        --out) out="${2:?--out needs a directory}"; shift 2 ;;
+        --steps) steps="${2:?--steps needs a number}"; shift 2 ;;
+        --problems) problems="${2:?--problems needs a list}"; shift 2 ;;
+        --python) python="${2:?--python needs an interpreter}"; shift 2 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+done
+case "$steps" in
+    ''|*[!0-9]*) echo "gpu_check.sh: --steps must be a positive integer, got '$steps'" >&2; exit 2 ;;
+esac
+
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${out:-$root/benchmarks/results/gpu_check}"
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" MPLBACKEND=Agg
+
+tests=(timeout 180 "$python" -m pytest -q -p no:cacheprovider "$root/tests/test_cuda.py")
+# one benchmark run per problem, each under its own limit, merged into one JSON: a problem that runs out
+# of time loses only its own figures (gpt2-small gets the most: 124M parameters)
+bench_command() {  # $1 = problem
+    echo "$python" "$root/benchmarks/overhead.py" --device cuda --problems "$1" \
+        --configs economy,full_every10 --quantities none --rounds 1 --steps "$steps" --warmup 2 \
+        --timeout 60 --budget 20 --no-docs --out "$out/overhead_cuda.json" --merge "$out/overhead_cuda.json" \
+        --table "$out/overhead_cuda.md"
+}
+limit_of() { case "$1" in gpt2-small) echo 110 ;; *) echo 80 ;; esac; }
+IFS=, read -r -a problem_list <<< "$problems"
+
+if [ "$dry_run" = 1 ]; then
+    echo "would run: ${tests[*]}"
+    for problem in "${problem_list[@]}"; do
+        echo "would run: timeout $(limit_of "$problem") $(bench_command "$problem")"
+        # the benchmark checks its own arguments and prints its plan (no GPU needed)
+        $(bench_command "$problem") --dry-run || exit $?
+    done
+    exit 0
+fi
+
+mkdir -p "$out"
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true
+    "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'NO CUDA')"
+} | tee "$out/device.txt"
+
+start=$(date +%s)
+"${tests[@]}" 2>&1 | tee "$out/test_cuda.log"
+tests_rc=${PIPESTATUS[0]}
+echo "tests: exit $tests_rc after $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+
+bench_rc=0
+for problem in "${problem_list[@]}"; do
+    start=$(date +%s)
+    timeout "$(limit_of "$problem")" $(bench_command "$problem") 2>&1 | tee -a "$out/overhead_cuda.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" = 0 ] || bench_rc=$rc
+    echo "benchmark $problem: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$out/summary.txt"
+done
+
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]

@@ -1,0 +1,87 @@
+"""The prepared GPU check and ``overhead.py --device cuda``, tested for their arguments on a CPU (issue 37, item 5)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "benchmarks" / "gpu_check.sh"
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import overhead  # noqa: E402
+
+
+def _check(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    return subprocess.run(["bash", str(CHECK), *args], capture_output=True, text=True, env=env, timeout=120, cwd=ROOT)
+
+
+def test_dry_run_plans_the_cuda_tests_and_the_three_problems():
+    done = _check("--dry-run", "--steps", "5")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any("tests/test_cuda.py" in line and line.startswith("would run: timeout 180") for line in lines)
+    runs = [line for line in lines if line.startswith("would run:") and "overhead.py" in line]
+    assert [line.split()[3] for line in runs] == ["80", "80", "110"]  # per-problem limits: 270 s with the tests' 180
+    assert all("--merge" in line and "--device cuda" in line for line in runs)
+    children = [line for line in lines if "--child" in line]
+    for problem in ("gpt", "resnet", "gpt2-small"):
+        for config in ("plain", "economy", "full_every10"):
+            assert any(f"--problem {problem} --config {config} " in c for c in children), (problem, config)
+    assert all(c.endswith("--device cuda") and "--steps 5" in c for c in children)
+    assert lines.count("4 child processes planned (1 rounds, device cuda)") == 3  # plain twice per problem
+
+
+@pytest.mark.parametrize("args,message", [(["--steps", "x"], "positive integer"), (["--bogus"], "unknown argument")])
+def test_bad_arguments_fail_clearly(args, message):
+    done = _check(*args)
+    assert done.returncode == 2 and message in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_overhead_on_cuda_without_a_gpu_says_so():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--device", "cuda", "--problems", "mlp",
+         "--configs", "economy", "--quantities", "none", "--rounds", "1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode != 0 and "torch.cuda.is_available() is False" in done.stderr
+    with pytest.raises(SystemExit, match="expected cpu, cuda"):
+        overhead.main(["--device", "tpu", "--problems", "mlp", "--quantities", "none", "--dry-run"])
+
+
+def test_child_command_carries_the_device_and_the_table_shows_cuda_memory():
+    args = overhead.parse_args(["--device", "cuda:1"])
+    args.budget, args.min_time = 8.0, 1.0
+    command = overhead.child_command("gpt", "economy", 4, 1, args)
+    assert command[-2:] == ["--device", "cuda:1"]
+    assert "--device" not in overhead.child_command("gpt", "economy", 4, 1, _cpu_args())
+    results = {"gpt": {"num_params": 10, "batch_size": 2, "per_sample_grads_mb": 0.0, "configs": {
+        "plain": {"time_s": 0.01, "cuda_peak_mb": 100.0, "rounds": 1},
+        "economy": {"time_s": 0.02, "cuda_peak_mb": 150.0, "cuda_added_mb": 50.0, "rounds": 1},
+    }}}
+    lines = overhead._cuda_memory_table(results, ["gpt"], {"device": "cuda (NVIDIA H100)"})
+    assert "| gpt | 100 | 150 (+50) |" in lines and any("NVIDIA H100" in line for line in lines)
+    assert overhead._cuda_memory_table({"mlp": {"configs": {"plain": {"time_s": 1.0}}}}, ["mlp"], {}) == []
+
+
+def _cpu_args():
+    args = overhead.parse_args([])
+    args.budget, args.min_time = 8.0, 1.0
+    return args
+
+
+def test_a_cpu_child_with_an_explicit_device_runs():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), "--child", "--problem", "mlp", "--config", "plain",
+         "--steps", "2", "--warmup", "0", "--batch-size", "4", "--budget", "5", "--min-time", "0", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"config": "plain"' in done.stdout and "cuda_peak_mb" not in done.stdout

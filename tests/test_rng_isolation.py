@@ -1,0 +1,177 @@
+"""The cockpit leaves the run alone: its random draws never touch torch's generators (issue 37, item 2).
+
+A training loop with dropout and random data (``torch.rand`` / ``torch.randint``
+in the loop) must give bitwise the same parameters, and the same next
+``torch.rand``, with and without the cockpit, for every preset, on a model
+BackPACK extends and on one it does not (hooks, Hutchinson's products). And a
+quantity's value must not depend on which other quantities are tracked.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.backends import randomness
+from cockpit_like.quantities import HessMaxEV, HessTrace, KFACTrace, TICDiag
+from cockpit_like.utils import schedules
+from cockpit_like.utils.configuration import PRESETS, configuration
+
+
+class Residual(nn.Module):
+    """Not a Sequential of supported layers: BackPACK's curvature cannot run, the hooks and products do."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(x + self.inner(x))))
+
+
+def _model(kind: str):
+    if kind == "extended":
+        return extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3)))
+    return Residual()
+
+
+def _run(kind: str, quantities_factory=None, steps: int = 3):
+    """Parameters after ``steps`` SGD steps, the next ``torch.rand``, and the cockpit (or None)."""
+    torch.manual_seed(0)
+    model = _model(kind)
+    lossfunc = extend(nn.CrossEntropyLoss()) if kind == "extended" else nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = None
+    if quantities_factory is not None:
+        cockpit = Cockpit(model.parameters(), quantities=quantities_factory(), model=model)
+    for step in range(steps):
+        inputs, labels = torch.rand(5, 6), torch.randint(0, 3, (5,))
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        if cockpit is None:
+            loss.backward()
+        else:
+            info = {
+                "loss": loss,
+                "individual_losses": nn.functional.cross_entropy(outputs, labels, reduction="none"),
+                "batch_size": 5,
+                "optimizer": optimizer,
+                "outputs": outputs,
+            }
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()], torch.rand(4), cockpit
+
+
+def _assert_same_run(reference, run):
+    for expected, actual in zip(reference[0], run[0]):
+        assert torch.equal(expected, actual), (expected - actual).abs().max()
+    assert torch.equal(reference[1], run[1])
+
+
+@pytest.mark.parametrize("kind", ["extended", "not extended"])
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_leaves_a_run_with_dropout_bitwise_alone(kind, preset):
+    reference = _run(kind)
+    tracked = _run(kind, lambda: configuration(preset))
+    assert tracked[2].get_output()  # the cockpit did track something
+    _assert_same_run(reference, tracked)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_backpack_monte_carlo_extensions_leave_the_run_alone_and_draw_per_step(graph):
+    """DiagGGNMC and KFAC sample labels inside BackPACK from the global generator: seeded per step, restored
+    (also at steps that keep the graph, where the extensions run as twins without autograd)."""
+    schedule = schedules.linear(1)
+
+    def quantities():
+        extra = [HessMaxEV(schedule)] if graph else []
+        return [HessTrace(schedule, curvature="diag_ggn_mc"), KFACTrace(schedule, curvature="kfac")] + extra
+
+    reference = _run("extended")
+    first, second = _run("extended", quantities), _run("extended", quantities)
+    _assert_same_run(reference, first)
+    # the draws are the cockpit's: the same run gives the same Monte-Carlo values
+    assert first[2].get_output() == second[2].get_output()
+    traces = [first[2].get_output()[step]["HessTrace"] for step in range(3)]
+    assert traces[0] != traces[1]  # and not one fixed draw (different parameters, different labels)
+
+
+def test_curvature_values_do_not_depend_on_the_other_quantities():
+    """HessMaxEV (Lanczos probe) and Hutchinson's HessTrace give the same numbers alone and in the full preset."""
+    schedule = schedules.linear(1)
+    for kind in ("extended", "not extended"):
+        alone = _run(kind, lambda: [HessMaxEV(schedule)])[2].get_output()
+        full = _run(kind, lambda: configuration("full", schedule))[2].get_output()
+        for step in range(3):
+            assert alone[step]["HessMaxEV"] == full[step]["HessMaxEV"]
+    hutchinson = _run("not extended", lambda: [HessTrace(schedule, curvature="hutchinson")])[2].get_output()
+    with_others = _run(
+        "not extended",
+        lambda: [HessMaxEV(schedule), TICDiag(schedule, curvature="hutchinson"), HessTrace(schedule, curvature="hutchinson")],
+    )[2].get_output()
+    for step in range(3):
+        assert hutchinson[step]["HessTrace"] == with_others[step]["HessTrace"]
+
+
+def test_plain_power_iteration_leaves_the_run_alone():
+    reference = _run("extended")
+    _assert_same_run(reference, _run("extended", lambda: [HessMaxEV(schedules.linear(1), accelerate=False)]))
+
+
+def test_the_cockpit_seed_changes_the_draws_and_nothing_else():
+    schedule = schedules.linear(1)
+    before = _run("not extended", lambda: [HessTrace(schedule, curvature="hutchinson")])
+    try:
+        randomness.set_seed(12345)
+        after = _run("not extended", lambda: [HessTrace(schedule, curvature="hutchinson")])
+    finally:
+        randomness.set_seed(randomness.DEFAULT_SEED)
+    _assert_same_run(before, after)
+    assert before[2].get_output()[0]["HessTrace"] != after[2].get_output()[0]["HessTrace"]
+
+
+def test_seeded_global_rng_restores_the_state_also_on_an_error():
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    with pytest.raises(KeyError):
+        with randomness.seeded_global_rng(randomness.derive_seed(0, "x")):
+            inside = torch.rand(3)
+            raise KeyError("inside")
+    assert torch.equal(torch.rand(3), expected)
+    with randomness.seeded_global_rng(randomness.derive_seed(0, "x")):
+        assert torch.equal(torch.rand(3), inside)  # the same seed, the same draw
+    with pytest.raises(ValueError, match="int"):
+        randomness.set_seed("7")
+
+
+def test_derived_seeds_differ_by_step_and_purpose():
+    seeds = {randomness.derive_seed(step, purpose) for step in range(4) for purpose in ("a", "b")}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+
+
+def test_sampling_hooks_draw_independently_per_backward_pass_and_reproducibly():
+    """The seed of a sampling hook call: step, extension, call count and the module's input (micro-batches differ)."""
+    from types import SimpleNamespace
+
+    call = randomness._seeded_call(lambda self, module, g_inp, g_out: torch.rand(4))
+
+    def hook_draw(inputs):
+        twin = SimpleNamespace(_cockpit_step=3, _cockpit_calls=0)
+        return call(twin, SimpleNamespace(input0=inputs), (), (torch.zeros(1),))
+
+    torch.manual_seed(5)
+    expected_next = torch.rand(2)
+    torch.manual_seed(5)
+    first, second = torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5])
+    assert torch.equal(hook_draw(first), hook_draw(first.clone()))
+    assert not torch.equal(hook_draw(first), hook_draw(second))
+    assert torch.equal(torch.rand(2), expected_next)  # the caller's stream untouched
