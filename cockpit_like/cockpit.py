@@ -31,6 +31,7 @@ from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, fi
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
+from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput
 from cockpit_like.tracked_step import StepContext, TrackedStep
 
@@ -179,6 +180,7 @@ class Cockpit:
         #: cockpit.log figures, findings, skipped steps; the stream and the listeners
         self._output = RunOutput()
         self._open_step: TrackedStep | None = None
+        self._quiet = QuietStep()  # PyTorch's full-backward-hook warning, while a step is open (quiet.py)
         #: the optimizer step whose backward passes (micro-batches) are being collected
         self._partitions: StepPartitions | None = None
         self._micro: tuple[int, int, int] | None = None  # (step, backward passes done, micro_batches)
@@ -382,12 +384,16 @@ class Cockpit:
                 "before beginning the next one."
             )
         micro, count = self._micro_batch(global_step, info or {})
+        if micro == 0 and self._active_at(global_step):  # a step is stored once (a notebook cell run again)
+            self._output.check_new_step(global_step, (q.output for q in self.quantities))
         tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
+            self._quiet.open()
             with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:
+            self._quiet.close()
             self._micro, self._partitions = None, None  # the step is abandoned: the next one starts afresh
             raise
         self._open_step = tracked
@@ -407,11 +413,16 @@ class Cockpit:
         self._open_step = None
         done = tracked.micro + 1
         self._micro = None if error is not None or done == tracked.micro_batches else (tracked.step, done, tracked.micro_batches)
-        self._recorder.step_ends(tracked.step, tracked.info, error)
-        if error is None:
-            tracked.__exit__(None, None, None)
-        else:
-            tracked.__exit__(type(error), error, error.__traceback__)
+        try:
+            self._recorder.step_ends(tracked.step, tracked.info, error)
+            if error is None:
+                tracked.__exit__(None, None, None)
+            else:
+                tracked.__exit__(type(error), error, error.__traceback__)
+        finally:
+            self._quiet.close()
+        if error is None and tracked.completed:
+            self._output.note_tracked(tracked.step)
         self._recorder.after_step(tracked.step, tracked.info, tracked=error is None and tracked.completed)
 
     def _micro_batch(self, step: int, info: dict) -> tuple[int, int]:

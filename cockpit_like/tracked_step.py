@@ -190,8 +190,15 @@ class TrackedStep:
                 loss_is_finite=self._loss_is_finite, live_params=params,
             )
             context._activate(record)
-            for quantity in self.active:
-                self._track(quantity, new_values, view.params)
+            try:
+                for quantity in self.active:
+                    self._track(quantity, new_values, view.params)
+            except BaseException:  # a quantity failed: the step stores nothing, so memory agrees with the stream
+                names = {cockpit.name_of(quantity): quantity for quantity in self.active}
+                for step, values in new_values.items():
+                    for name in values:
+                        names[name].output.pop(step, None)
+                raise
             self.completed = True
             if not cockpit.keeps_output:  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
