@@ -18,6 +18,7 @@ from cockpit_like.plotting.data import RunData, load_source
 from cockpit_like.plotting.instruments import DrawOptions
 from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.layout import MAX_LAYER_PANELS, PRIMARY_SIZE, SECONDARY_SIZE, Layout, build_layout
+from cockpit_like.utils.jupyter import in_jupyter_kernel
 
 __all__ = ["CockpitPlotter", "DashboardFigure", "save_dashboard", "interactive_backend", "in_jupyter_kernel"]
 
@@ -39,26 +40,6 @@ def interactive_backend() -> bool:
 
         interactive = rcsetup.interactive_bk
     return backend in {name.lower() for name in interactive} or backend.startswith("module://ipympl")
-
-
-def in_jupyter_kernel() -> bool:
-    """Whether this runs in a Jupyter kernel (ipykernel: Jupyter, JupyterLab, VS Code, a remote kernel).
-
-    Looks at the running IPython shell, not at matplotlib's backend: a kernel
-    has a frontend that shows images even when the backend (``inline``) opens
-    no window. A plain ``ipython`` terminal is not a kernel. IPython is not
-    imported here: where no IPython runs, it is not in ``sys.modules``.
-    """
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return False
-    try:
-        shell = ipython.get_ipython()
-    except Exception:  # an IPython that is half imported or torn down
-        return False
-    if shell is None:
-        return False
-    return getattr(shell, "kernel", None) is not None or "IPKernelApp" in getattr(shell, "config", {})
 
 
 def _png(fig: Figure, dpi: float) -> bytes:
@@ -412,6 +393,7 @@ def save_dashboard(
     secondary_screen: bool = False,
     plot_title: str | None = None,
     show_log_iter: bool = False,
+    progress: bool | None = False,
     **savefig_kwargs: Any,
 ) -> Path:
     """Render a saved run to an image file and return its path.
@@ -424,9 +406,11 @@ def save_dashboard(
         secondary_screen: include the secondary screen.
         plot_title: figure title (default: the log name and last step).
         show_log_iter: logarithmic step axis.
+        progress: a progress bar while the log is read (as in
+            :func:`cockpit_like.read_log`; ``cockpit-like plot`` passes None).
         **savefig_kwargs: passed to ``Figure.savefig`` (e.g. ``dpi=150``).
     """
-    from cockpit_like.logs import _resolve
+    from cockpit_like.logs import _resolve, read_log
 
     resolved = _resolve(logpath)
     target = Path(output) if output is not None else resolved.with_suffix(".png")
@@ -434,8 +418,11 @@ def save_dashboard(
     if not target.suffix:
         target = target.with_name(target.name + ".png")
     plotter = CockpitPlotter(secondary_screen=secondary_screen)
+    steps = read_log(resolved, progress=progress)
+    if plot_title is None:
+        plot_title = CockpitPlotter._title(None, RunData(steps), str(resolved))
     plotter.plot(
-        resolved, show_plot=False, save_plot=True, savedir=target.parent, savename=target.stem,
+        steps, show_plot=False, save_plot=True, savedir=target.parent, savename=target.stem,
         savefig_kwargs={"format": fmt, **savefig_kwargs}, plot_title=plot_title,
         show_log_iter=show_log_iter,
     )
