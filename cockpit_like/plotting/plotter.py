@@ -178,7 +178,9 @@ class CockpitPlotter:
                 self._windowed = True
                 return self.fig
             except Exception as error:  # e.g. a GUI backend without a display
-                warnings.warn(f"[cockpit_like] cannot open a plot window ({error}); drawing off-screen",
+                warnings.warn(f"[cockpit_like] cannot open a plot window ({error}); drawing off-screen. Set "
+                              "MPLBACKEND=Agg to draw off-screen without trying, and pass save_plot=True to "
+                              "write the picture to a file",
                               RuntimeWarning, stacklevel=3)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
