@@ -385,7 +385,7 @@ class Cockpit:
             )
         micro, count = self._micro_batch(global_step, info or {})
         if micro == 0 and self._active_at(global_step):  # a step is stored once (a notebook cell run again)
-            self._output.check_new_step(global_step, (q.output for q in self.quantities))
+            self._output.check_new_step(global_step, (q.output for q in self.quantities), "micro_batches" in (info or {}))
         tracked = TrackedStep(self, global_step, exts, info or {}, debug, micro, count)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:

@@ -108,10 +108,15 @@ class RunOutput:
                 last.append(next(reversed(output)))
         return max(last) if last else None
 
-    def check_new_step(self, step: int, outputs: Iterable[dict[int, Any]] = (), stream_hint: str = "") -> None:
-        """Raise :class:`StepAlreadyTrackedError` if ``step`` is at or before :meth:`last_stored_step`."""
+    def check_new_step(self, step: int, outputs: Iterable[dict[int, Any]] = (), declared: bool = False) -> None:
+        """Raise :class:`StepAlreadyTrackedError` if ``step`` is before :meth:`last_stored_step`, or is that step
+        again with ``declared`` micro-batches (``info["micro_batches"]``).
+
+        The last step again *without* declared micro-batches is let through: it is a loop that accumulates
+        gradients without saying so (a further backward pass of the step), which the step engine handles.
+        """
         last = self.last_stored_step(outputs)
-        if last is None or step > last:
+        if last is None or step > last or (step == last and not declared):
             return
         stream = f" (and its stream {self.stream.path} holds them)" if self.stream is not None else ""
         raise StepAlreadyTrackedError(

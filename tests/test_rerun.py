@@ -50,14 +50,25 @@ def test_going_on_after_the_last_step_is_fine(tmp_path):
     model, lossfunc, individual = make_problem("mlp")
     cockpit = make_cockpit(model, tmp_path)
     train(model, lossfunc, individual, cockpit, "mlp", steps=3)
-    with pytest.raises(StepAlreadyTrackedError, match="up to 2"):
-        _step(model, lossfunc, individual, cockpit, 2)
+    with pytest.raises(StepAlreadyTrackedError, match="step 1: .*up to 2"):
+        _step(model, lossfunc, individual, cockpit, 1)
     _step(model, lossfunc, individual, cockpit, 3)
     _step(model, lossfunc, individual, cockpit, 7)
     with pytest.raises(StepAlreadyTrackedError, match="step 5: .*up to 7"):
         _step(model, lossfunc, individual, cockpit, 5)  # backwards, though 5 itself was never tracked
     memory, disk = memory_and_disk(cockpit, tmp_path)
     assert memory == disk and sorted(disk) == [0, 1, 2, 3, 7]
+
+
+def test_the_last_step_again_without_declared_micro_batches_is_left_to_the_engine(tmp_path):
+    """A further backward pass of the last step, undeclared, is a loop that accumulates without saying so (the
+    step engine's case), not a re-run; declared (info["micro_batches"]), the step is complete and refused."""
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.Loss(linear(1))])
+    train(model, lossfunc, individual, cockpit, "mlp", steps=2)
+    _step(model, lossfunc, individual, cockpit, 1)  # not refused
+    with pytest.raises(StepAlreadyTrackedError, match="step 1: .*up to 1"):
+        _step(model, lossfunc, individual, cockpit, 1, micro_batches=2)
 
 
 def test_a_step_without_scheduled_quantities_is_not_checked(tmp_path):
