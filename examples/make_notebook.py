@@ -41,7 +41,7 @@ individual_lossfunc = torch.nn.CrossEntropyLoss(reduction="none")
 optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
 
 cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), stream_to="runs/notebook")
-plotter = CockpitPlotter(notebook_dpi=30)   # a small image for this file; the default is 80 dpi"""),
+plotter = CockpitPlotter(notebook_dpi=50, notebook_colors=128)  # a small image for this file (default: 80 dpi, full colour)"""),
     ("markdown", """## Train, watching the dashboard
 
 The image below the cell is created by the first `plot` call and updated by the later ones."""),

@@ -462,3 +462,25 @@ def test_equal_gradient_tests_are_all_visible_in_the_picture():
         expected = 0.9 * np.asarray(to_rgb(COLORS[name])) + 0.1
         close = np.all(np.abs(panel - expected) < 0.12, axis=-1)  # antialiased edges blend
         assert close.sum() > 50, f"the {name} series is hidden ({close.sum()} pixels)"
+
+
+def test_notebook_image_options():
+    import io
+
+    from PIL import Image
+
+    from cockpit_like.plotting import DashboardFigure
+
+    plotter = CockpitPlotter(notebook_dpi=40, notebook_colors=64)
+    fig = plotter.plot(_equal_series_log(), show_plot=False)
+    assert isinstance(fig, DashboardFigure)
+    small = Image.open(io.BytesIO(fig._repr_png_()))
+    assert small.size == (640, 360) and small.mode == "P" and len(small.getcolors()) <= 64
+    quantized = fig._repr_png_()
+    fig.notebook_colors = None
+    full = fig._repr_png_()
+    assert Image.open(io.BytesIO(full)).mode == "RGBA" and len(full) > 2 * len(quantized)
+    for bad in ({"notebook_dpi": 0}, {"notebook_dpi": True}, {"notebook_colors": 1}, {"notebook_colors": 300},
+                {"notebook_colors": 64.0}):
+        with pytest.raises(ValueError, match="CockpitPlotter"):
+            CockpitPlotter(**bad)
