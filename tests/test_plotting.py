@@ -484,3 +484,22 @@ def test_notebook_image_options():
                 {"notebook_colors": 64.0}):
         with pytest.raises(ValueError, match="CockpitPlotter"):
             CockpitPlotter(**bad)
+
+
+def test_a_terminal_ipython_is_not_a_kernel(monkeypatch):
+    """The dashboard goes to a notebook display only in a kernel; ``ipython`` in a terminal is headless."""
+    IPython = pytest.importorskip("IPython")
+    from cockpit_like.utils.jupyter import in_jupyter_kernel
+
+    assert not in_jupyter_kernel()  # pytest: no shell
+
+    class Shell:
+        config = {}
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
+    assert not in_jupyter_kernel()  # a terminal shell
+    Shell.kernel = object()
+    assert in_jupyter_kernel()
+    del Shell.kernel
+    Shell.config = {"IPKernelApp": {}}
+    assert in_jupyter_kernel()

@@ -222,3 +222,22 @@ def test_the_warning_is_hidden_in_a_step_that_fails(tmp_path):
         with cockpit(0, info={"batch_size": 0, "loss": torch.tensor(1.0)}):
             pass
     assert warnings.filters == filters  # the filter of the refused step is gone
+
+
+class Interrupted(quantities.GradNorm):
+    """Ctrl-C (a BaseException) while the step's quantities are computed, after Loss stored its value."""
+
+    def _compute(self, global_step, params, batch_loss):
+        if global_step == 1:
+            raise KeyboardInterrupt
+        return super()._compute(global_step, params, batch_loss)
+
+
+def test_memory_and_stream_agree_after_an_interrupt_mid_step(tmp_path):
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.Loss(linear(1)), Interrupted(linear(1))],
+                      stream_to=tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt):
+        train(model, lossfunc, individual, cockpit, "mlp", steps=3)
+    memory, disk = memory_and_disk(cockpit, tmp_path)
+    assert memory == disk and sorted(disk) == [0]
