@@ -24,15 +24,16 @@ sys.path.insert(0, str(ROOT))
 BEGIN, END = "<!-- corpus-table:begin -->", "<!-- corpus-table:end -->"
 
 
-def run_corpus(specs, cache: str | None = None) -> list[dict]:
+def run_corpus(specs, cache: str | None = None, progress: bool | None = None) -> list[dict]:
     from cockpit_like.corpus import train
+    from cockpit_like.utils.progress import progress as progress_bar
 
     stored = {}
     if cache and os.path.exists(cache):
         with open(cache, "rb") as handle:
             stored = pickle.load(handle)
     runs = []
-    for spec in specs:
+    for spec in progress_bar(specs, len(specs), "corpus runs", progress, unit="run"):
         if spec.name not in stored:
             stored[spec.name] = train(spec)
         runs.append(stored[spec.name])
@@ -80,6 +81,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--show", action="store_true", help="one line per run")
     parser.add_argument("--update-doc", action="store_true", help="write the tables into docs/diagnosis.md")
     parser.add_argument("--json", help="write the summaries to this JSON file")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal anyway)")
     args = parser.parse_args(argv)
     specs = corpus(settings=args.settings)
     halves = split(specs)
@@ -87,7 +89,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     summaries, per_step = {}, {}
     for name in names:
-        runs = run_corpus(halves[name], args.cache)
+        runs = run_corpus(halves[name], args.cache, progress=False if args.no_progress else None)
         scored, per_step[name] = score(runs)
         summaries[name] = summarize(scored)
         if args.show:

@@ -114,11 +114,16 @@ def _print_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
+def _progress(args: argparse.Namespace) -> bool | None:
+    """A progress bar while a long log is read: on a terminal, after half a second; never with --no-progress."""
+    return False if getattr(args, "no_progress", False) else None
+
+
 def _cmd_summary(args: argparse.Namespace) -> int:
     from cockpit_like.logs import _resolve, read_log_with_metadata
 
     path = _resolve(args.log)
-    metadata, steps = read_log_with_metadata(path)
+    metadata, steps = read_log_with_metadata(path, progress=_progress(args))
     rows = summary_rows(steps)
     first, final = (min(steps), max(steps)) if steps else (None, None)
     library = metadata.get("library", "?")
@@ -139,7 +144,8 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     kwargs = {} if args.dpi is None else {"dpi": args.dpi}
     if args.log_iter:
         kwargs["show_log_iter"] = True
-    path = save_dashboard(args.log, args.output, secondary_screen=args.secondary, plot_title=args.title, **kwargs)
+    path = save_dashboard(args.log, args.output, secondary_screen=args.secondary, plot_title=args.title,
+                          progress=_progress(args), **kwargs)
     print(f"wrote {path}")
     return 0
 
@@ -185,7 +191,7 @@ def _cmd_influence(args: argparse.Namespace) -> int:
     from cockpit_like.quantities.curvature_statistics import influence_rows
 
     path = _resolve(args.log)
-    _, steps = read_log_with_metadata(path)
+    _, steps = read_log_with_metadata(path, progress=_progress(args))
     rows = influence_rows(steps, step=args.step, top=args.top, name=args.quantity)
     if not rows:
         print(f"{path}: no SelfInfluence values" + ("" if args.step is None else f" at step {args.step}"))
@@ -209,9 +215,11 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--title", help="figure title (default: the log name and last step)")
     plot.add_argument("--dpi", type=float, help="resolution (default: matplotlib's, 100)")
     plot.add_argument("--log-iter", action="store_true", help="logarithmic step axis")
+    plot.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
     plot.set_defaults(handler=_cmd_plot)
     summary = commands.add_parser("summary", help="print the last value of every tracked quantity")
     summary.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    summary.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
     summary.set_defaults(handler=_cmd_summary)
     export = commands.add_parser("export", help="write a saved run to TensorBoard, Weights & Biases or MLflow")
     export.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
@@ -238,6 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     influence.add_argument("--top", type=int, default=20, metavar="N", help="rows to print (default 20)")
     influence.add_argument("--step", type=int, metavar="S", help="only this step")
     influence.add_argument("--quantity", metavar="NAME", help="only this quantity (default: every SelfInfluence)")
+    influence.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
     influence.set_defaults(handler=_cmd_influence)
     diagnose = commands.add_parser(
         "diagnose", help="list the run's findings (automatic diagnosis); exit status 1 if one is an error"

@@ -32,6 +32,7 @@ from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, fi
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
+from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput
 from cockpit_like.tracked_step import StepContext, StepEnvironment, StepRun, TrackedStep
 
@@ -186,6 +187,7 @@ class Cockpit:
         self._output = RunOutput()
         self._open_step: TrackedStep | None = None
         self._hooked_optimizers: list[Any] = []
+        self._quiet = QuietStep()  # PyTorch's full-backward-hook warning, while a step is open (quiet.py)
         self._active_cache: tuple[int, list[Quantity]] | None = None
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
         if on_finding is not None and not callable(on_finding):
@@ -403,6 +405,8 @@ class Cockpit:
         else:
             self._flush()
             micro, count = self._micro_batch(global_step, info or {})
+            if micro == 0 and self._active_at(global_step):  # a step is stored once (a notebook cell run again)
+                self._output.check_new_step(global_step, (q.output for q in self.quantities), not undeclared)
             finished = self._run.finished
             if undeclared and finished is not None and finished[0] == global_step:
                 # a further backward pass of a step already finished as a whole: its values describe only the
@@ -413,9 +417,11 @@ class Cockpit:
         tracked = TrackedStep(self._env, global_step, exts, info or {}, debug, micro, count, ignored=ignored)
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
+            self._quiet.open()
             with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:
+            self._quiet.close()
             self._run.micro, self._run.partitions = None, None  # the step is abandoned: the next one starts afresh
             raise
         self._open_step = tracked
@@ -435,11 +441,14 @@ class Cockpit:
         self._open_step = None
         done = tracked.micro + 1
         self._run.micro = None if error is not None or done == tracked.micro_batches else (tracked.step, done, tracked.micro_batches)
-        self._recorder.step_ends(tracked.step, tracked.info, error)
-        if error is None:
-            tracked.__exit__(None, None, None)
-        else:
-            tracked.__exit__(type(error), error, error.__traceback__)
+        try:
+            self._recorder.step_ends(tracked.step, tracked.info, error)
+            if error is None:
+                tracked.__exit__(None, None, None)
+            else:
+                tracked.__exit__(type(error), error, error.__traceback__)
+        finally:
+            self._quiet.close()
         if self._run.pending is tracked:
             self._watch_optimizer(tracked.info.get("optimizer"))
         self._recorder.after_step(

@@ -268,10 +268,19 @@ def stream_holds(path: str | os.PathLike, offset: int, tail: str) -> bool:
         return handle.read(len(data)) == data
 
 
-def _read_stream(lines: list[str], path: Path) -> tuple[dict, dict[int, dict[str, Any]]]:
+def _progress(iterable, total: int, path: Path, unit: str, enabled: bool | None):
+    if enabled is False:
+        return iterable
+    from cockpit_like.utils.progress import progress
+
+    # shown only if the reading takes more than half a second (unless asked for)
+    return progress(iterable, total, f"reading {path.name}", enabled, unit=unit, delay=0.0 if enabled else 0.5)
+
+
+def _read_stream(lines: list[str], path: Path, progress: bool | None = False) -> tuple[dict, dict[int, dict[str, Any]]]:
     metadata: dict = {}
     steps: dict[int, dict[str, Any]] = {}
-    for number, line in enumerate(lines):
+    for number, line in enumerate(_progress(lines, len(lines), path, "line", progress)):
         if not line.strip():
             continue
         try:
@@ -313,8 +322,8 @@ def _resolve(path: str | os.PathLike) -> Path:
     )
 
 
-def read_log_with_metadata(path: str | os.PathLike) -> tuple[dict, dict[int, dict[str, Any]]]:
-    """``(metadata, {step: {name: value}})`` from any log form."""
+def read_log_with_metadata(path: str | os.PathLike, progress: bool | None = False) -> tuple[dict, dict[int, dict[str, Any]]]:
+    """``(metadata, {step: {name: value}})`` from any log form (``progress``: as in :func:`read_log`)."""
     path = _resolve(path)
     text = path.read_text()
     stripped = text.lstrip()
@@ -326,22 +335,28 @@ def read_log_with_metadata(path: str | os.PathLike) -> tuple[dict, dict[int, dic
         if isinstance(document, dict):
             if document.get("schema") == _FULL:
                 _check_version(document, path)
-                steps = {int(k): decode(v) for k, v in document["steps"].items()}
+                items = document["steps"].items()
+                steps = {int(k): decode(v) for k, v in _progress(items, len(items), path, "step", progress)}
                 return document.get("metadata", {}), steps
             if all(key.lstrip("-").isdigit() for key in document):  # a Cockpit log
-                return {"library": "cockpit"}, {int(k): decode(v) for k, v in document.items()}
+                items = document.items()
+                return {"library": "cockpit"}, {int(k): decode(v) for k, v in _progress(items, len(items), path, "step", progress)}
             raise ValueError(f"{path} is JSON but not a cockpit log")
-    return _read_stream(text.split("\n"), path)
+    return _read_stream(text.split("\n"), path, progress)
 
 
-def read_log(path: str | os.PathLike) -> dict[int, dict[str, Any]]:
+def read_log(path: str | os.PathLike, progress: bool | None = False) -> dict[int, dict[str, Any]]:
     """Load a log written by :meth:`Cockpit.write`, a streaming log, or a Cockpit log.
 
     Args:
         path: the file, with or without ``.json`` / ``.jsonl``.
+        progress: a progress bar on stderr while the steps are decoded
+            (tqdm; :func:`cockpit_like.utils.progress.progress`): True always,
+            None in a terminal or a notebook once it takes over half a second
+            (what ``cockpit-like plot`` / ``influence`` use), False never.
 
     Returns:
         ``{global_step: {quantity_name: value}}`` as :meth:`Cockpit.get_output`
         gives it, with arrays as nested lists and non-finite floats restored.
     """
-    return read_log_with_metadata(path)[1]
+    return read_log_with_metadata(path, progress)[1]

@@ -11,19 +11,28 @@ May import :mod:`cockpit_like.logs` and :mod:`cockpit_like.diagnosis` (the findi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from cockpit_like.checks.invariants import CHECKS_KEY, notable
 from cockpit_like.diagnosis import CLEARED_KEY, FINDINGS_KEY, Finding
 from cockpit_like.logs import StreamWriter
 
-__all__ = ["RunOutput", "SKIPPED_KEY"]
+__all__ = ["RunOutput", "SKIPPED_KEY", "StepAlreadyTrackedError"]
 
 #: the output key of a tracked step whose optimizer step a GradScaler skipped
 SKIPPED_KEY = "skipped"
 
 Listener = Callable[[int, dict[str, Any]], None]
+
+
+class StepAlreadyTrackedError(ValueError):
+    """A step number at or before a step this cockpit has already stored (e.g. a notebook cell run again).
+
+    Tracking it would replace stored values in memory while the stream on
+    disk keeps the first ones, so the cockpit refuses before the backward
+    pass, and nothing is stored or streamed (docs/notebooks.md).
+    """
 
 
 class RunOutput:
@@ -42,6 +51,8 @@ class RunOutput:
         self.shown_checks: set[int] = set()
         self.stream: StreamWriter | None = None
         self.listeners: list[Listener] = []
+        #: the last step whose quantities were tracked (noted on every rank, also where no output is kept)
+        self.last_tracked: int | None = None
 
     # ---- who hears of it ------------------------------------------------------------
     def publish(self, step: int, values: dict[str, Any], listeners: bool = True) -> None:
@@ -99,6 +110,41 @@ class RunOutput:
             touched.setdefault(step, set()).add(CLEARED_KEY)
         for step, keys in sorted(touched.items()):
             self.publish(step, {key: self.findings[step][key] for key in sorted(keys)}, listeners=False)
+
+    # ---- steps are stored once ------------------------------------------------------------
+    def note_tracked(self, step: int) -> None:
+        """``step``'s quantities were tracked (or the step was skipped by a GradScaler)."""
+        self.last_tracked = step if self.last_tracked is None else max(self.last_tracked, step)
+
+    def last_stored_step(self, outputs: Iterable[dict[int, Any]] = ()) -> int | None:
+        """The last step tracked so far: :attr:`last_tracked`, the skipped steps, and the last key of each of
+        ``outputs`` (the quantities' ``{step: value}``, also those restored by ``load_state_dict``; stored in
+        step order, so the last key is the largest: O(1) per quantity)."""
+        last = [self.last_tracked] if self.last_tracked is not None else []
+        last += [max(self.skipped)] if self.skipped else []
+        for output in outputs:
+            if output:
+                last.append(next(reversed(output)))
+        return max(last) if last else None
+
+    def check_new_step(self, step: int, outputs: Iterable[dict[int, Any]] = (), declared: bool = False) -> None:
+        """Raise :class:`StepAlreadyTrackedError` if ``step`` is before :meth:`last_stored_step`, or is that step
+        again with ``declared`` micro-batches (``info["micro_batches"]``).
+
+        The last step again *without* declared micro-batches is let through: it is a loop that accumulates
+        gradients without saying so (a further backward pass of the step), which the step engine handles.
+        """
+        last = self.last_stored_step(outputs)
+        if last is None or step > last or (step == last and not declared):
+            return
+        stream = f" (and its stream {self.stream.path} holds them)" if self.stream is not None else ""
+        raise StepAlreadyTrackedError(
+            f"cockpit step {step}: this cockpit has already tracked steps up to {last}{stream}; tracking step "
+            f"{step} again would replace what it stored. This happens when a notebook cell with the training loop "
+            "is run a second time. To start a new run, create a new Cockpit (with a new stream_to path) and a new "
+            f"plotter; to go on with this run, continue the step numbers after {last} (e.g. "
+            f"`enumerate(loader, start={last + 1})`)."
+        )
 
     def merge_into(self, merged: dict[int, dict[str, Any]]) -> None:
         """Add the stored values to ``{step: {key: value}}`` (copies of the lists and dicts)."""

@@ -377,10 +377,17 @@ class TrackedStep:
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
             skipped |= execution.left_out_owners(self._decomposed)
-            for quantity in self.active:
-                if env.name_of(quantity) in skipped:
-                    continue
-                self._track(quantity, new_values, view.params)
+            try:
+                for quantity in self.active:
+                    if env.name_of(quantity) in skipped:
+                        continue
+                    self._track(quantity, new_values, view.params)
+            except BaseException:  # a quantity failed: the step stores nothing, so memory agrees with the stream
+                names = {env.name_of(quantity): quantity for quantity in self.active}
+                for step, values in new_values.items():
+                    for name in values:
+                        names[name].output.pop(step, None)
+                raise
             self.completed = True
             if not env.keeps_output():  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
@@ -396,6 +403,7 @@ class TrackedStep:
         env.store_checks(self.step, checks.to_dict())
         tracked_names = {env.name_of(q) for q in self.active}
         env.run.finished = (self.step, tracked_names)
+        env.output.note_tracked(self.step)
         for step in [s for s in new_values if s in env.run.invalid_steps]:  # late values of a withdrawn step
             for name in [n for n in new_values[step] if n in tracked_names]:
                 del new_values[step][name]

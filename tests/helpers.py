@@ -78,14 +78,15 @@ def train(
     batch_size: int = 8,
     optimizer: torch.optim.Optimizer | None = None,
     record: Callable | None = None,
+    start: int = 0,
 ) -> None:
-    """A plain training loop with the cockpit around every backward pass.
+    """A plain training loop with the cockpit around every backward pass (steps ``start, start + 1, ...``).
 
     ``record(step, model, inputs, labels)`` is called before each backward
     pass (with the parameters of that step) so tests can compute references.
     """
     optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
+    for step in range(start, start + steps):
         inputs, labels = make_batch(problem, batch_size, seed=1000 + step)
         if record is not None:
             record(step, model, inputs, labels)

@@ -447,7 +447,7 @@ def test_clearing_is_stored(tmp_path):
     cockpit.diagnosis.rules[0].limit = 0.0
     train(model, lossfunc, individual, cockpit, "mlp", steps=2)
     cockpit.diagnosis.rules[0].limit = 1e9  # the finding clears at the next step
-    train(model, lossfunc, individual, cockpit, "mlp", steps=3)  # steps 0..2 again: stored under the same steps
+    train(model, lossfunc, individual, cockpit, "mlp", steps=1, start=2)  # step 2: the finding clears
     output = cockpit.get_output()
     cleared = [entry for values in output.values() for entry in values.get(CLEARED_KEY, [])]
     assert cleared == [{"rule": "loss-above-limit", "layer": None, "found_at": 0}]

@@ -177,3 +177,62 @@ def test_encode_rejects_unknown_objects():
     with pytest.raises(TypeError, match="cannot write a object to a cockpit log"):
         encode(object())
     assert decode(encode({"a": (1, 2.0)})) == {"a": [1, 2.0]}
+
+
+# ---- a progress line while a long log is read (issue 35) -------------------------------------------
+def _long_logs(tmp_path, steps: int = 60) -> tuple[Path, Path]:
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.Loss(linear(1))], stream_to=tmp_path / "long")
+    train(model, lossfunc, individual, cockpit, "mlp", steps=steps)
+    cockpit.close()
+    return Path(cockpit.write(tmp_path / "long")), Path(cockpit.stream_path)
+
+
+def test_reading_shows_a_progress_line_when_asked(tmp_path, capsys):
+    whole, stream = _long_logs(tmp_path)
+    capsys.readouterr()
+    lines = len(stream.read_text().split("\n"))
+    for path, unit, count in ((stream, "line", lines), (whole, "step", 60)):
+        quiet = read_log(path)
+        assert capsys.readouterr().err == ""
+        shown = read_log(path, progress=True)
+        err = capsys.readouterr().err
+        assert shown == quiet and sorted(shown) == list(range(60))
+        assert f"reading {path.name}:" in err and f"0/{count} " in err and f"{unit}/s" in err
+
+
+def test_automatic_progress_waits_half_a_second(tmp_path, capsys):
+    """``progress=None`` (the command line's): a log read in well under half a second shows nothing."""
+    _, stream = _long_logs(tmp_path, steps=5)
+    capsys.readouterr()
+    read_log(stream, progress=None)
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_in_a_kernel_without_ipywidgets_is_a_text_line(monkeypatch, capsys):
+    import warnings
+
+    import tqdm.std
+
+    from cockpit_like.utils import progress as module
+
+    monkeypatch.setattr(module, "in_jupyter_kernel", lambda: True)
+    real_find_spec = module.importlib.util.find_spec
+    monkeypatch.setattr(module.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "ipywidgets" else real_find_spec(name, *args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # tqdm.auto would warn "IProgress not found"
+        bar = module.progress(range(3), 3, "work", enabled=None)
+    assert type(bar) is tqdm.std.tqdm and not bar.disable  # shown in a notebook although stderr is no terminal
+    assert list(bar) == [0, 1, 2]
+    bar.close()
+
+
+def test_command_line_no_progress(tmp_path, capsys):
+    from cockpit_like.cli import main
+
+    whole, _ = _long_logs(tmp_path, steps=5)
+    assert main(["plot", str(whole), "-o", str(tmp_path / "p.png"), "--no-progress", "--dpi", "30"]) == 0
+    assert main(["summary", str(whole), "--no-progress"]) == 0
+    assert main(["influence", str(whole), "--no-progress"]) == 0
+    assert "reading" not in capsys.readouterr().err

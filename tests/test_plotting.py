@@ -375,3 +375,131 @@ def test_secondary_screen_shows_logged_curvature_when_tracked():
     assert not set(CURVATURE_INSTRUMENTS) & set(plain.axes)
     plain.plot(cockpit, show_plot=False)
     assert set(CURVATURE_INSTRUMENTS) <= set(plain.axes)
+
+
+# ---- series that coincide stay visible (issue 35) ---------------------------------------------------
+def _equal_series_log(steps: int = 40) -> dict:
+    """Every panel with several series gets series equal to 1e-9 (the norm and orthogonality tests of a GPT-2
+    run were 0.908 and 0.902: one line hid the other)."""
+    log = {}
+    for step in range(steps):
+        v = 0.9 + 0.05 * math.sin(step / 5)
+        values = {
+            "NormTest": v, "InnerTest": v + 1e-9, "OrthoTest": v - 1e-9,
+            "Distance": [v], "UpdateSize": [v],
+            "TICDiag": v, "TICTrace": v,
+            "KFACTrace": {"trace_total": v, "frobenius_total": v},
+            "SelfInfluence": {"max": v, "mean": v},
+            "PreconditionedGradNorm": {"value": v, "grad_norm_squared": v},
+            "MyFirst": v, "MySecond": v, "MyThird": v,
+            "Loss": v,
+        }
+        if step % 10 == 9:
+            values.update(train_loss=v, valid_loss=v, test_loss=v, train_accuracy=v, valid_accuracy=v, test_accuracy=v)
+        log[step] = values
+    return log
+
+
+def _series_lines(ax) -> list:
+    """The lines of an instrument's series: labelled, tagged with a gid, not reference lines."""
+    return [line for line in ax.get_lines()
+            if line.get_gid() and not line.get_label().startswith("_") and len(line.get_xdata())]
+
+
+MULTI_SERIES_PANELS = {"grad_tests": 3, "distance": 2, "tic": 2, "kfac_trace": 2, "loss": 4, "accuracy": 3,
+                       "custom": 3, "self_influence": 2, "preconditioned_grad_norm": 2}
+
+
+def test_equal_series_differ_by_style_and_show_through():
+    plotter = CockpitPlotter(secondary_screen=True)
+    plotter.plot(_equal_series_log(), show_plot=False, debug=True)
+    found = {}
+    for key, ax in plotter.axes.items():
+        lines = _series_lines(ax)
+        if len(lines) < 2:
+            continue
+        found[key] = len(lines)
+        styles = [(str(line.get_linestyle()), line.get_marker()) for line in lines]
+        assert len(set(styles)) == len(lines), f"{key}: series share a line style and marker: {styles}"
+        stacked = sorted(lines, key=lambda line: line.get_zorder())
+        assert [line.get_zorder() for line in stacked] == sorted({line.get_zorder() for line in lines}), key
+        assert stacked[0].get_linestyle() == "-"
+        assert all(line.get_linestyle() not in ("-", "None") for line in stacked[1:]), (
+            f"{key}: a solid line on top hides the ones below")
+        assert all(line.get_alpha() is not None and line.get_alpha() < 1 for line in lines), key
+        assert all(line.get_markerfacecolor() == "none" for line in lines), key
+        legend = ax.get_legend()
+        assert legend is not None
+        handles = {text.get_text(): handle for text, handle in zip(legend.get_texts(), legend.legend_handles)}
+        for line in lines:  # the legend shows each series as drawn
+            assert handles[line.get_label()].get_linestyle() == line.get_linestyle(), (key, line.get_label())
+    assert found == MULTI_SERIES_PANELS
+
+
+def test_a_single_series_keeps_a_plain_line():
+    plotter = CockpitPlotter()
+    plotter.plot({step: {"GradNorm": [1.0 + step]} for step in range(10)}, show_plot=False)
+    (line,) = _series_lines(plotter.axes["grad_norm"])
+    assert line.get_linestyle() == "-" and line.get_marker() in ("None", "", None) and line.get_alpha() is None
+
+
+def test_equal_gradient_tests_are_all_visible_in_the_picture():
+    """Rendered: the pixels of each test's colour are there, although the three series are equal."""
+    from matplotlib.colors import to_rgb
+
+    from cockpit_like.plotting.instruments import COLORS
+
+    plotter = CockpitPlotter()
+    fig = plotter.plot(_equal_series_log(), show_plot=False)
+    ax = plotter.axes["grad_tests"]
+    ax.get_legend().remove()
+    fig.canvas.draw()
+    image = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(float) / 255
+    box = ax.get_window_extent()
+    height = image.shape[0]
+    panel = image[int(height - box.y1):int(height - box.y0), int(box.x0):int(box.x1)]
+    for name in ("blue", "orange", "green"):  # NormTest, InnerTest, OrthoTest at alpha 0.9 over white
+        expected = 0.9 * np.asarray(to_rgb(COLORS[name])) + 0.1
+        close = np.all(np.abs(panel - expected) < 0.12, axis=-1)  # antialiased edges blend
+        assert close.sum() > 50, f"the {name} series is hidden ({close.sum()} pixels)"
+
+
+def test_notebook_image_options():
+    import io
+
+    from PIL import Image
+
+    from cockpit_like.plotting import DashboardFigure
+
+    plotter = CockpitPlotter(notebook_dpi=40, notebook_colors=64)
+    fig = plotter.plot(_equal_series_log(), show_plot=False)
+    assert isinstance(fig, DashboardFigure)
+    small = Image.open(io.BytesIO(fig._repr_png_()))
+    assert small.size == (640, 360) and small.mode == "P" and len(small.getcolors()) <= 64
+    quantized = fig._repr_png_()
+    fig.notebook_colors = None
+    full = fig._repr_png_()
+    assert Image.open(io.BytesIO(full)).mode == "RGBA" and len(full) > 2 * len(quantized)
+    for bad in ({"notebook_dpi": 0}, {"notebook_dpi": True}, {"notebook_colors": 1}, {"notebook_colors": 300},
+                {"notebook_colors": 64.0}):
+        with pytest.raises(ValueError, match="CockpitPlotter"):
+            CockpitPlotter(**bad)
+
+
+def test_a_terminal_ipython_is_not_a_kernel(monkeypatch):
+    """The dashboard goes to a notebook display only in a kernel; ``ipython`` in a terminal is headless."""
+    IPython = pytest.importorskip("IPython")
+    from cockpit_like.utils.jupyter import in_jupyter_kernel
+
+    assert not in_jupyter_kernel()  # pytest: no shell
+
+    class Shell:
+        config = {}
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: Shell())
+    assert not in_jupyter_kernel()  # a terminal shell
+    Shell.kernel = object()
+    assert in_jupyter_kernel()
+    del Shell.kernel
+    Shell.config = {"IPKernelApp": {}}
+    assert in_jupyter_kernel()

@@ -84,7 +84,9 @@ class Diagnosis:
             except Exception as error:  # a rule must never stop training
                 self._failed[rule.id] = f"{type(error).__name__}: {error}"
                 warnings.warn(
-                    f"[cockpit_like] diagnosis rule {rule.id} failed and is disabled: {self._failed[rule.id]}",
+                    f"[cockpit_like] diagnosis rule {rule.id} failed and is disabled: {self._failed[rule.id]}. "
+                    "The other rules and the training go on; this is a bug of the rule: please report it with "
+                    "this message",
                     RuntimeWarning,
                     stacklevel=2,
                 )

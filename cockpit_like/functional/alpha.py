@@ -57,7 +57,8 @@ def fit_quadratic(
     if np.any(variances == 0):
         warnings.warn(
             f"Alpha: a variance of the fit is exactly zero {variances.tolist()} (values, slopes); "
-            f"using {ZERO_VARIANCE} instead",
+            f"using {ZERO_VARIANCE} instead. This happens with one sample per batch or identical samples; track "
+            "Alpha with batches of several different samples for a meaningful fit",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -16,6 +16,7 @@ from cockpit_like.plotting.instruments import (
     _SMALL,
     _TITLE,
     COLORS,
+    SERIES_STYLES,
     DrawOptions,
     Instrument,
     _legend,
@@ -91,7 +92,8 @@ def draw_ekfac_spectrum(ax, data: RunData, options: DrawOptions) -> None:
     palette = [c for k, c in COLORS.items() if k != "purple"]
     for index, (name, layer) in enumerate(list(value.get("layers", {}).items())[:6]):
         ax.stairs(np.maximum(np.asarray(layer["counts"], dtype=float), 0.5), edges, baseline=0.5,
-                  color=palette[index % len(palette)], linewidth=1.0, gid=f"ekfac:{name}", label=name)  # fmt: skip
+                  color=palette[index % len(palette)], linewidth=1.2, gid=f"ekfac:{name}", label=name,
+                  linestyle=SERIES_STYLES[index % len(SERIES_STYLES)][0], alpha=0.9, zorder=2.0 + 0.01 * index)  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("eigenvalue", fontsize=8, labelpad=1)

@@ -10,6 +10,12 @@ Artists carry ``gid`` tags so that tests (and curious users) can find what
 was drawn: ``"raw:<name>"`` for the raw points of a time series (one point
 per tracked step), ``"smooth:<name>"`` for its smoothed curve, and
 ``"not-tracked"`` for the blank-panel label.
+
+Series that share a panel differ by more than colour (:func:`series_style`):
+each has its own line style and an open marker every few points, staggered,
+slightly transparent, drawn first to last from the bottom up; so two series
+with (nearly) the same values stay visible, and tell apart in the legend,
+also in grey-scale print.
 """
 
 from __future__ import annotations
@@ -35,6 +41,34 @@ COLORS = {
 }
 _TITLE = {"fontsize": 10, "fontweight": "bold"}
 _SMALL = 7.5
+
+#: (line style, marker) of the series of one panel, in drawing order: the first is solid, the later ones have
+#: gaps through which the earlier ones show where they coincide
+SERIES_STYLES = (
+    ("-", "o"),
+    ("--", "s"),
+    ("-.", "^"),
+    (":", "D"),
+    ((0, (6, 2, 1, 2, 1, 2)), "v"),
+    ((0, (1, 3)), "P"),
+)
+
+
+def series_style(index: int, count: int, points: int) -> dict:
+    """``Axes.plot`` keywords of series ``index`` of the ``count`` series of one panel (``points`` long).
+
+    One series alone keeps a plain solid line. Several get :data:`SERIES_STYLES`
+    (by index), an open marker every ``points // 8`` points, offset by series
+    so that the markers of equal series do not cover each other, alpha 0.9,
+    and a z-order that grows with the index.
+    """
+    if count < 2:
+        return {}
+    linestyle, marker = SERIES_STYLES[index % len(SERIES_STYLES)]
+    every = max(1, points // 8)
+    return {"linestyle": linestyle, "marker": marker, "markevery": ((index * every) // count, every),
+            "markersize": 4.5, "markerfacecolor": "none", "markeredgewidth": 1.1, "alpha": 0.9,
+            "zorder": 2.0 + 0.01 * index}
 
 
 @dataclass(frozen=True)
@@ -98,14 +132,16 @@ def _log_if_positive(ax, *arrays: np.ndarray) -> None:
 
 
 def timeseries(ax, name: str, steps: np.ndarray, values: np.ndarray, color: str, label: str | None = None,
-               smoothed: bool = True) -> None:
-    """Raw points (one per tracked step) and a smoothed curve."""
+               smoothed: bool = True, style: dict | None = None) -> None:
+    """Raw points (one per tracked step) and a smoothed curve (``style``: :func:`series_style`)."""
     label = label or name
-    ax.plot(steps, values, linestyle="none", marker=".", markersize=3, alpha=0.35, color=color, gid=f"raw:{name}")
+    style = {"linewidth": 1.6, **(style or {})}
+    ax.plot(steps, values, linestyle="none", marker=".", markersize=3, alpha=0.35, color=color, gid=f"raw:{name}",
+            zorder=style.get("zorder", 2.0))
     if smoothed and len(values) > 1:
-        ax.plot(steps, smooth(values), color=color, linewidth=1.6, label=label, gid=f"smooth:{name}")
+        ax.plot(steps, smooth(values), color=color, label=label, gid=f"smooth:{name}", **style)
     else:
-        ax.plot([], [], color=color, linewidth=1.6, label=label)
+        ax.plot([], [], color=color, label=label, **{k: v for k, v in style.items() if k != "markevery"})
 
 
 def _legend(ax, **kwargs) -> None:
@@ -126,8 +162,8 @@ def _series_panel(ax, data: RunData, options: DrawOptions, title: str, curves, n
         not_tracked(ax, title, needs)
         return False
     ax.set_title(title, **_TITLE)
-    for name, steps, values, color, label in curves:
-        timeseries(ax, name, steps, values, color, label)
+    for index, (name, steps, values, color, label) in enumerate(curves):
+        timeseries(ax, name, steps, values, color, label, style=series_style(index, len(curves), len(steps)))
     if logy:
         _log_if_positive(ax, *[c[2] for c in curves])
     ax.set_ylabel(ylabel, fontsize=8)
@@ -395,16 +431,25 @@ def draw_loss(ax, data: RunData, options: DrawOptions) -> None:
         not_tracked(ax, title, ["Loss"], "add Loss, or pass train_loss= to cockpit.log(...)")
         return
     ax.set_title(title, **_TITLE)
+    count = int(bool(len(steps))) + len(logged)
     if len(steps):
-        timeseries(ax, "Loss", steps, values, COLORS["grey"], "mini-batch loss")
+        timeseries(ax, "Loss", steps, values, COLORS["grey"], "mini-batch loss", style=series_style(0, count, len(steps)))
     colors = {"train_loss": COLORS["blue"], "valid_loss": COLORS["orange"], "test_loss": COLORS["green"]}
-    for key, key_steps, key_values in logged:
-        ax.plot(key_steps, key_values, marker="o", markersize=3.5, linewidth=1.4, color=colors[key],
-                label=key.replace("_", " "), gid=f"raw:{key}")
+    for index, (key, key_steps, key_values) in enumerate(logged, start=count - len(logged)):
+        _logged_line(ax, key, key_steps, key_values, colors[key], key.replace("_", " "), index, count)
     _log_if_positive(ax, values, *[entry[2] for entry in logged])
     ax.set_ylabel("loss", fontsize=8)
     _step_axis(ax, options)
     _legend(ax, loc="best")
+
+
+def _logged_line(ax, key: str, steps: np.ndarray, values: np.ndarray, color: str, label: str, index: int,
+                 count: int) -> None:
+    """A figure of ``cockpit.log``: a point per logged step, joined; several in a panel as :func:`series_style`."""
+    style = {"marker": "o", "markersize": 3.5, "linewidth": 1.4}
+    if count > 1:
+        style.update(series_style(index, count, len(steps)), markevery=1)  # few points: mark each
+    ax.plot(steps, values, color=color, label=label, gid=f"raw:{key}", **style)
 
 
 def draw_accuracy(ax, data: RunData, options: DrawOptions) -> None:
@@ -417,9 +462,8 @@ def draw_accuracy(ax, data: RunData, options: DrawOptions) -> None:
         not_tracked(ax, title, [], "pass train_accuracy= / valid_accuracy= to cockpit.log(...)")
         return
     ax.set_title(title, **_TITLE)
-    for key, key_steps, key_values in logged:
-        ax.plot(key_steps, key_values, marker="o", markersize=3.5, linewidth=1.4, color=colors[key],
-                label=key.split("_")[0], gid=f"raw:{key}")
+    for index, (key, key_steps, key_values) in enumerate(logged):
+        _logged_line(ax, key, key_steps, key_values, colors[key], key.split("_")[0], index, len(logged))
     ax.set_ylabel("accuracy", fontsize=8)
     _step_axis(ax, options)
     _legend(ax, loc="lower right")

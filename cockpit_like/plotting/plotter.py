@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import os
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -15,10 +18,14 @@ from cockpit_like.plotting.data import RunData, load_source
 from cockpit_like.plotting.instruments import DrawOptions
 from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.layout import MAX_LAYER_PANELS, PRIMARY_SIZE, SECONDARY_SIZE, Layout, build_layout
+from cockpit_like.utils.jupyter import in_jupyter_kernel
 
-__all__ = ["CockpitPlotter", "save_dashboard", "interactive_backend"]
+__all__ = ["CockpitPlotter", "DashboardFigure", "save_dashboard", "interactive_backend", "in_jupyter_kernel"]
 
 _warned_headless = False
+
+#: resolution of the image a notebook shows (16 x 9 inches -> 1280 x 720 pixels)
+NOTEBOOK_DPI = 80
 
 
 def interactive_backend() -> bool:
@@ -33,6 +40,58 @@ def interactive_backend() -> bool:
 
         interactive = rcsetup.interactive_bk
     return backend in {name.lower() for name in interactive} or backend.startswith("module://ipympl")
+
+
+def _png(fig: Figure, dpi: float, colors: int | None = None) -> bytes:
+    """The PNG of ``fig``; with ``colors``, quantized to a palette of that many colours (3-5x smaller)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi, facecolor="white")
+    if colors is None:
+        return buffer.getvalue()
+    from PIL import Image  # matplotlib's own dependency
+
+    buffer.seek(0)
+    quantized = Image.open(buffer).convert("RGB").quantize(colors)
+    small = io.BytesIO()
+    quantized.save(small, format="png", optimize=True)
+    return small.getvalue()
+
+
+def _execution_count() -> int | None:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return None if shell is None else getattr(shell, "execution_count", None)
+
+
+class DashboardFigure(Figure):
+    """The dashboard's figure where no window shows it: a matplotlib ``Figure`` that IPython shows as an image.
+
+    In a notebook, a cell whose last expression is this figure (or
+    ``display(fig)``) shows it as a PNG, with or without ``%matplotlib
+    inline``. In the cell where :meth:`CockpitPlotter.plot` has just updated
+    its live display, it shows nothing more: that display *is* the picture
+    (so ``plotter.plot(cockpit)`` as a cell's last expression, or
+    ``display(plotter.plot(cockpit))`` in a loop, leaves one image, updated
+    in place). In a later cell, ``plotter.fig`` shows a still copy.
+    """
+
+    #: resolution of the PNG shown by IPython
+    notebook_dpi: float = NOTEBOOK_DPI
+    #: colours of its palette (None: full colour)
+    notebook_colors: int | None = None
+    #: the execution count of the cell whose live display shows this figure (None: not shown live)
+    _cockpit_like_live_in: int | None = None
+
+    def _repr_png_(self) -> bytes:
+        return _png(self, self.notebook_dpi, self.notebook_colors)
+
+    def _ipython_display_(self) -> None:
+        if self._cockpit_like_live_in is not None and self._cockpit_like_live_in == _execution_count():
+            return  # the live display of this cell already shows this figure
+        from IPython.display import display
+
+        display({"image/png": base64.b64encode(self._repr_png_()).decode("ascii"), "text/plain": repr(self)},
+                raw=True)
 
 
 def _layer_panels(data: RunData) -> int:
@@ -51,6 +110,24 @@ class CockpitPlotter:
             EarlyStopping, other scalar quantities and per-layer 2-D
             histograms); the figure grows from 16 x 9 to 16 x 14 inches.
         figsize: override the figure size in inches.
+        notebook_dpi: resolution of the image shown in a Jupyter notebook
+            (default 80: 1280 x 720 pixels for the primary screen).
+        notebook_colors: quantize that image to a palette of this many
+            colours (e.g. 64: 3-5x smaller, for slow links to a remote kernel
+            or notebooks saved with their outputs; about 0.1 s more per
+            update); default None: full colour.
+
+    Where it shows (``show_plot=True``), decided at the first :meth:`plot` call:
+
+    - an interactive matplotlib backend (Qt, Tk, macOS, ``nbagg``, ``ipympl``'s
+      ``widget``): a window or canvas, redrawn in place;
+    - otherwise, in a Jupyter kernel (the default ``inline`` backend, no
+      magic needed): **one image display per plotter and cell**, replaced in
+      place at each call (a display handle: ``display_data`` at the cell's
+      first call, then ``update_display_data``); the title carries the last
+      step. A cell run again shows a new display. See docs/notebooks.md;
+    - otherwise (a script under Agg, CI, ssh): nothing is shown, and one
+      warning says how to save the picture instead.
 
     Attributes:
         fig: the figure of the last :meth:`plot` call (reused by later calls).
@@ -61,7 +138,12 @@ class CockpitPlotter:
         show_log_iter: the ``show_log_iter`` of the last :meth:`plot` call.
         last_saved: the path written by the last ``save_plot=True`` call.
         last_timing: seconds spent in the last call, split into ``read``,
-            ``draw`` (instruments) and ``render`` (canvas draw and save).
+            ``draw`` (instruments) and ``render`` (canvas draw, save, show);
+            in a notebook also ``notebook_png`` (the PNG of the display, part
+            of ``render``).
+        last_image_bytes: the size of the last notebook image in bytes.
+        display_handle: the IPython display handle of the notebook image
+            (``None`` outside notebooks and before the first call).
 
     Example:
         >>> plotter = CockpitPlotter()
@@ -72,7 +154,16 @@ class CockpitPlotter:
         >>> plotter.plot("logs/run", show_plot=False, save_plot=True, savedir="figs")
     """
 
-    def __init__(self, secondary_screen: bool = False, figsize: tuple[float, float] | None = None):
+    def __init__(self, secondary_screen: bool = False, figsize: tuple[float, float] | None = None,
+                 notebook_dpi: float = NOTEBOOK_DPI, notebook_colors: int | None = None):
+        if isinstance(notebook_dpi, bool) or not (isinstance(notebook_dpi, (int, float)) and notebook_dpi > 0):
+            raise ValueError(f"CockpitPlotter(notebook_dpi={notebook_dpi!r}): need a positive number of dots per inch, e.g. 80")
+        if notebook_colors is not None and (isinstance(notebook_colors, bool) or not isinstance(notebook_colors, int)
+                                            or not 2 <= notebook_colors <= 256):
+            raise ValueError(f"CockpitPlotter(notebook_colors={notebook_colors!r}): need None (full colour) or a "
+                             "palette size from 2 to 256, e.g. 64")
+        self.notebook_dpi = float(notebook_dpi)
+        self.notebook_colors = notebook_colors
         self.secondary_screen = bool(secondary_screen)
         self.figsize = tuple(figsize) if figsize is not None else (SECONDARY_SIZE if secondary_screen else PRIMARY_SIZE)
         self.fig: Figure | None = None
@@ -84,6 +175,10 @@ class CockpitPlotter:
         self.debug = False
         self._layout: Layout | None = None
         self._windowed = False
+        #: the IPython display handle of the live notebook image (None: not shown in a notebook yet)
+        self.display_handle = None
+        self.last_image_bytes: int | None = None
+        self._display_cell: int | None = None
 
     # ---- figure management -------------------------------------------------------
     def _figure(self, show_plot: bool) -> Figure:
@@ -103,11 +198,15 @@ class CockpitPlotter:
                 self._windowed = True
                 return self.fig
             except Exception as error:  # e.g. a GUI backend without a display
-                warnings.warn(f"[cockpit_like] cannot open a plot window ({error}); drawing off-screen",
+                warnings.warn(f"[cockpit_like] cannot open a plot window ({error}); drawing off-screen. Set "
+                              "MPLBACKEND=Agg to draw off-screen without trying, and pass save_plot=True to "
+                              "write the picture to a file",
                               RuntimeWarning, stacklevel=3)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-        self.fig = Figure(figsize=self.figsize)
+        self.fig = DashboardFigure(figsize=self.figsize)
+        self.fig.notebook_dpi = self.notebook_dpi
+        self.fig.notebook_colors = self.notebook_colors
         FigureCanvasAgg(self.fig)
         self._windowed = False
         return self.fig
@@ -162,9 +261,11 @@ class CockpitPlotter:
             source: a :class:`~cockpit_like.Cockpit` (live), a path to a log
                 (``.json``/``.jsonl``, with or without the suffix), or an
                 output dict ``{step: {name: value}}``.
-            show_plot: show the window (updated in place on later calls). With
-                a non-interactive backend (Agg, no display) nothing is shown
-                and a one-time warning suggests ``save_plot=True``.
+            show_plot: show the dashboard, updated in place on later calls: in
+                a window with an interactive backend, as one image display in
+                a Jupyter notebook (see the class docstring). Headless (Agg
+                outside a kernel) nothing is shown and a one-time warning
+                suggests ``save_plot=True``.
             block: block until the window is closed (only with ``show_plot``).
             save_plot: write the figure to ``savedir/savename[savename_append].<format>``.
             savedir: folder for the file; default: the log's folder when
@@ -181,7 +282,9 @@ class CockpitPlotter:
                 (otherwise an instrument that fails shows the error in its panel).
 
         Returns:
-            The matplotlib figure; ``None`` when ``source`` is a cockpit on a
+            The matplotlib figure (a :class:`DashboardFigure` where no window
+            shows it: in a notebook it renders as an image, and adds nothing
+            in the cell whose live display it just updated); ``None`` when ``source`` is a cockpit on a
             DistributedDataParallel rank that keeps no output (only its
             ``log_rank`` plots, docs/distributed.md).
         """
@@ -215,6 +318,7 @@ class CockpitPlotter:
         fig.suptitle(self._title(plot_title, data, logpath), fontsize=13, fontweight="bold", y=0.997, va="top")
         drawn = time.perf_counter()
 
+        self.last_timing = {}
         if save_plot:
             self.last_saved = self._save(fig, logpath, savedir, savename, savename_append, savefig_kwargs)
             if debug:
@@ -222,7 +326,8 @@ class CockpitPlotter:
         if show_plot:
             self._show(fig, block)
         end = time.perf_counter()
-        self.last_timing = {"read": read - start, "draw": drawn - read, "render": end - drawn, "total": end - start}
+        self.last_timing = {"read": read - start, "draw": drawn - read, "render": end - drawn, "total": end - start,
+                            **self.last_timing}
         if debug:
             print(
                 "[cockpit_like|plot] "
@@ -256,14 +361,39 @@ class CockpitPlotter:
         fig.savefig(path, format=fmt, **kwargs)
         return path
 
+    def _show_in_notebook(self, fig: Figure) -> None:
+        """Show ``fig`` in this plotter's notebook display: created by the first call in a cell, replaced by
+        the later calls in that cell (a cell run again has lost its old outputs, so it gets a new display)."""
+        from IPython.display import display
+
+        began = time.perf_counter()
+        png = _png(fig, self.notebook_dpi, self.notebook_colors)
+        bundle = {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": fig.get_suptitle() or repr(fig)}
+        cell = _execution_count()
+        if self.display_handle is None or self._display_cell != cell:
+            self.display_handle = display(bundle, raw=True, display_id=True)
+            self._display_cell = cell
+        else:
+            self.display_handle.update(bundle, raw=True)
+        if isinstance(fig, DashboardFigure):
+            fig._cockpit_like_live_in = cell
+        self.last_timing["notebook_png"] = time.perf_counter() - began
+        self.last_image_bytes = len(png)
+
     def _show(self, fig: Figure, block: bool) -> None:
         global _warned_headless
         if not self._windowed:
+            if in_jupyter_kernel():
+                self._show_in_notebook(fig)
+                return
             if not _warned_headless:
                 _warned_headless = True
                 warnings.warn(
-                    "[cockpit_like] no interactive matplotlib backend (headless run); the cockpit is "
-                    "drawn but not shown. Use plot(..., save_plot=True) to write it to a file.",
+                    "[cockpit_like] the cockpit is drawn but not shown: matplotlib's backend "
+                    f"({matplotlib.get_backend()}) opens no window and this is not a Jupyter kernel (a script "
+                    "under Agg, CI, ssh). To see it, pass plot(..., save_plot=True) to write an image (or follow "
+                    "the stream with `cockpit-like watch runs/NAME.jsonl -o live.png`); pass show_plot=False "
+                    "to draw without showing and without this warning.",
                     UserWarning,
                     stacklevel=3,
                 )
@@ -286,6 +416,7 @@ def save_dashboard(
     secondary_screen: bool = False,
     plot_title: str | None = None,
     show_log_iter: bool = False,
+    progress: bool | None = False,
     **savefig_kwargs: Any,
 ) -> Path:
     """Render a saved run to an image file and return its path.
@@ -298,9 +429,11 @@ def save_dashboard(
         secondary_screen: include the secondary screen.
         plot_title: figure title (default: the log name and last step).
         show_log_iter: logarithmic step axis.
+        progress: a progress bar while the log is read (as in
+            :func:`cockpit_like.read_log`; ``cockpit-like plot`` passes None).
         **savefig_kwargs: passed to ``Figure.savefig`` (e.g. ``dpi=150``).
     """
-    from cockpit_like.logs import _resolve
+    from cockpit_like.logs import _resolve, read_log
 
     resolved = _resolve(logpath)
     target = Path(output) if output is not None else resolved.with_suffix(".png")
@@ -308,8 +441,11 @@ def save_dashboard(
     if not target.suffix:
         target = target.with_name(target.name + ".png")
     plotter = CockpitPlotter(secondary_screen=secondary_screen)
+    steps = read_log(resolved, progress=progress)
+    if plot_title is None:
+        plot_title = CockpitPlotter._title(None, RunData(steps), str(resolved))
     plotter.plot(
-        resolved, show_plot=False, save_plot=True, savedir=target.parent, savename=target.stem,
+        steps, show_plot=False, save_plot=True, savedir=target.parent, savename=target.stem,
         savefig_kwargs={"format": fmt, **savefig_kwargs}, plot_title=plot_title,
         show_log_iter=show_log_iter,
     )

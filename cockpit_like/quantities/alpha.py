@@ -207,7 +207,8 @@ class Alpha(TwoStepQuantity):
         if optimizer is None:
             warnings.warn(
                 f"Alpha: no info['optimizer'] at step {global_step}; assuming the update points "
-                "along the negative gradient (exact for plain SGD; checked at the next step)",
+                "along the negative gradient (exact for plain SGD; checked at the next step). Pass "
+                "info['optimizer'] = optimizer to cockpit(step, info=...) to use your optimizer's update",
                 UserWarning,
                 stacklevel=4,
             )
@@ -222,7 +223,9 @@ class Alpha(TwoStepQuantity):
             warnings.warn(
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
                 f"{global_step} ({type(error).__name__}: {error}); assuming the update points along "
-                "the negative gradient (checked at the next step)",
+                "the negative gradient (checked at the next step). Alpha needs an optimizer whose step() "
+                "can run on a copy of the state (the torch.optim optimizers do); otherwise track Alpha with "
+                "plain SGD only",
                 UserWarning,
                 stacklevel=4,
             )
@@ -287,7 +290,8 @@ class Alpha(TwoStepQuantity):
                 "the optimizer's look-ahead (gradients or parameters changed between backward and "
                 "optimizer.step(), or info['optimizer'] is missing/does not do the update). The "
                 "start slope's variance is measured along the predicted direction, so alpha at "
-                f"step {start} is approximate.",
+                f"step {start} is approximate. Call optimizer.step() right after the `with cockpit(...)` "
+                "block, without changing gradients or parameters in between, and pass info['optimizer'].",
                 UserWarning,
                 stacklevel=4,
             )

@@ -96,7 +96,8 @@ class HessMaxEV(KrylovQuantity):
         if not plain and atol != 1e-6:
             warnings.warn(
                 "HessMaxEV(atol=...) only applies to Cockpit's plain power iteration (accelerate=False); "
-                "the Lanczos solver stops on residuals (rtol) and ignores it",
+                "the Lanczos solver stops on residuals (rtol) and ignores it. Drop atol= (use rtol=), or pass "
+                "accelerate=False for the plain power iteration",
                 FutureWarning,
                 stacklevel=2,
             )

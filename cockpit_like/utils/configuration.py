@@ -44,7 +44,7 @@ def quantities_cls_for_configuration(label: str) -> list[type]:
     if missing:
         warnings.warn(
             f"configuration {label!r}: {missing} are not implemented yet in this version of "
-            "cockpit_like and are left out",
+            "cockpit_like and are left out; pass Cockpit(..., quantities=[...]) to choose the quantities yourself",
             UserWarning,
             stacklevel=2,
         )

@@ -330,7 +330,8 @@ class Recorder:
             notes.append(f"The re-run stopped in {stage}: {type(error).__name__}: {error}. The record ends there.")
             warnings.warn(
                 f"[cockpit_like] step {step}: recording the non-finite {what} failed in {stage} "
-                f"({type(error).__name__}: {error}); the record holds what ran before",
+                f"({type(error).__name__}: {error}); the record holds what ran before and training goes on. "
+                "Its notes (cockpit.records[step]) say where it stopped",
                 RuntimeWarning,
                 stacklevel=4,
             )
