@@ -238,3 +238,17 @@ def test_an_output_returned_twice_is_counted_once():
     # NormTest (QUANTITIES.md): sqrt(sum_i ||g_i - g||^2 / ((B - 1) B ||g||^2))
     expected = ((rows - mean).square().sum() / (ROWS * (ROWS - 1)) / mean.square().sum()).sqrt().item()
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-10)
+
+
+def test_the_dashboard_title_says_which_steps_failed_and_what_is_frozen():
+    from cockpit_like.plotting.data import RunData
+    from cockpit_like.plotting.plotter import CockpitPlotter
+
+    steps = {
+        0: {"Loss": 1.0, "checks": {"valid": False, "failed": [{"check": "gradient", "reason": "..."}], "frozen": ["a"]}},
+        1: {"Loss": 0.9, "checks": {"valid": True, "failed": [], "frozen": ["a", "b"], "no_gradient": ["c"]}},
+    }
+    data = RunData(steps)
+    title = CockpitPlotter._title(None, data, "run.json")
+    assert "1 step failed a self-check, no numbers (last: 0, gradient)" in title
+    assert "2 frozen parameters" in title and "1 without a gradient" in title

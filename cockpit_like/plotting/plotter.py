@@ -346,7 +346,7 @@ class CockpitPlotter:
         skipped, _ = data.values("skipped")  # steps a GradScaler skipped (docs/your_training_loop.md)
         if skipped:
             title += f" | {len(skipped)} step{'s' if len(skipped) > 1 else ''} skipped by the GradScaler (last: {skipped[-1]})"
-        return title
+        return title + _checks_note(data)
 
     @staticmethod
     def _save(fig: Figure, logpath, savedir, savename: str, savename_append, savefig_kwargs) -> Path:
@@ -408,6 +408,27 @@ class CockpitPlotter:
             plt.show(block=False)
         fig.canvas.draw_idle()
         fig.canvas.flush_events()
+
+
+def _checks_note(data: RunData) -> str:
+    """What the self-checks said (docs/your_training_loop.md#self-checks): the steps stored without numbers
+    because a check failed, and the frozen parameters and ones without a gradient at the last step."""
+    steps, records = data.values("checks")
+    records = [r for r in records if isinstance(r, dict)]
+    invalid = [(s, r) for s, r in zip(steps, records) if r.get("valid") is False]
+    note = ""
+    if invalid:
+        step, record = invalid[-1]
+        kinds = ", ".join(sorted({f.get("check", "?") for f in record.get("failed", [])}))
+        note += f" | {len(invalid)} step{'s' if len(invalid) > 1 else ''} failed a self-check, no numbers (last: {step}, {kinds})"
+    if records:
+        last = records[-1]
+        frozen, missing = len(last.get("frozen") or []), len(last.get("no_gradient") or [])
+        if frozen:
+            note += f" | {frozen} frozen parameter{'s' if frozen > 1 else ''}"
+        if missing:
+            note += f" | {missing} without a gradient"
+    return note
 
 
 def save_dashboard(
