@@ -217,7 +217,10 @@ class TrackedStep:
             env.tracer.drop_calls()
             raise
         if self.active and env.self_checks:
-            self._factor = LossFactor(self.info.get("loss"), on_factor=self._execution.observe_loss_factor)
+            self._factor = LossFactor(
+                self.info.get("loss"), on_factor=self._execution.observe_loss_factor,
+                losses=self.info.get("individual_losses"), outputs=self._execution.root_outputs,
+            )  # fmt: skip
         if self.debug:
             print(
                 f"[cockpit_like|step {step}] quantities: {[env.name_of(q) for q in self.active]}; "
@@ -263,7 +266,7 @@ class TrackedStep:
                 partition.split = self._split
                 partitions.add(partition)
                 partitions.checks.factors.append(partition.factor)
-                if factor is not None and factor.watched and factor.factor is None:
+                if factor is not None and factor.factor is None and (factor.watched or factor._handles):
                     partitions.checks.note(
                         "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "
                         "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "

@@ -134,6 +134,9 @@ class StepExecution:
             else:  # nothing here reads the forward calls
                 tracer.drop_calls()
         self._tracer, self._batch_size = tracer, batch_size
+        #: the model's outputs with the batch's rows (recorded shapes and graph nodes): where the self-check reads
+        #: the loss factor when ``info["loss"]`` is not backpropagated (:class:`~cockpit_like.checks.LossFactor`)
+        self.root_outputs = _root_outputs(tracer, calls, batch_size)
         self.merges_passes = False
         #: what this pass left out and why (the step's ``checks["notes"]``)
         self.notes: list[str] = []
@@ -189,6 +192,8 @@ class StepExecution:
                 requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
                 self._added_ggn = True
         self.extensions = merge_extensions(requests)
+        if self.extensions or hooks:  # BackPACK's hooks on the outputs would run again at the check's capture
+            self.root_outputs = []
         self._create_graph = needs.create_graph
         self._warnings = None
         self._hooks = hooks
@@ -507,6 +512,24 @@ class StepExecution:
             for field in fields:
                 if hasattr(param, field):
                     delattr(param, field)
+
+
+def _root_outputs(tracer, calls: list, batch_size) -> list:
+    """The floating outputs of the models' own calls this step whose leading dimension is the batch's rows."""
+    if tracer is None or not calls or not batch_size:
+        return []
+    from cockpit_like.backends.tracer import _flat_outputs
+
+    roots = {id(ref()) for ref in tracer.roots}
+    found = []
+    for call in reversed(calls):  # the outermost call is noted last
+        if id(call.module) in roots:
+            for output in _flat_outputs(call.output):
+                if getattr(output, "grad_fn", None) is not None and output.dtype.is_floating_point and output.dim() > 0 \
+                        and output.shape[0] == int(batch_size):  # fmt: skip
+                    found.append(output)
+            break
+    return found
 
 
 #: BackPACK savefields shaped like the parameter, zero for a parameter outside the pass's graph

@@ -9,12 +9,21 @@ undeclared ``GradScaler`` or a divided loss still gives the numbers of the
 plain mean loss; ``info["grad_scaler"]`` / ``info["micro_batches"]`` become
 declarations it checks instead of assumptions it needs.
 
+Where ``info["loss"]`` is not the tensor backpropagated (a loss computed
+apart for logging), the factor is read at the model's output instead: the
+gradient ``delta`` that reaches it is ``f`` times the gradient of
+``mean(info["individual_losses"])`` there, which one small backward pass
+through the loss function gives (only in that case, before any layer's
+gradient); where ``delta`` is not a multiple of it (the backpropagated loss
+has other terms), no factor is taken.
+
 May import torch and :mod:`cockpit_like.backends.internal`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -37,27 +46,94 @@ class LossFactor:
         calls: how many times the loss got a gradient (more than once: several backward passes through it).
     """
 
-    def __init__(self, loss, on_factor: Callable[[float], None] | None = None):
+    def __init__(self, loss, on_factor: Callable[[float], None] | None = None, losses=None, outputs=()):
         self.factor: float | None = None
+        #: where the factor was seen: ``"loss"`` (a hook on ``info["loss"]``) or ``"output"`` (the model's output)
+        self.seen_at: str | None = None
         self.calls = 0
         self._on_factor = on_factor
         self._handle = None
+        self._handles: list = []
         self.watched = isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1
         if self.watched:
             self._handle = loss.register_hook(self._seen)
+        # where info["loss"] is not what is backpropagated: the gradient at the model's output against the
+        # gradient of mean(individual_losses) there (one small backward pass through the loss function, only then)
+        self._losses = losses if isinstance(losses, torch.Tensor) and losses.grad_fn is not None and losses.dim() == 1 else None
+        if self._losses is not None:
+            # the backpropagated loss computed from info["individual_losses"] (scaler.scale(losses.mean())): each row's
+            # loss gets f / B
+            self._handles.append(self._losses.register_hook(self._at_rows))
+            for output in outputs:
+                node = getattr(output, "grad_fn", None)
+                # not at a module's full backward hook (BackPACK's extend): capturing there would run it again
+                if node is not None and not type(node).__name__.startswith("BackwardHookFunction"):
+                    self._handles.append(node.register_prehook(partial(self._at_output, node, output.output_nr)))
+                    break
 
     def _seen(self, grad: torch.Tensor) -> None:
         self.calls += 1
         with cockpit_work():  # the cockpit's own work: not part of a recorded step
             value = float(grad.detach().reshape(-1)[0])
         if self.factor is None:
-            self.factor = value
+            self.factor, self.seen_at = value, "loss"
         else:  # a second pass through the same loss (retain_graph): the gradients add up
             self.factor += value
         if self._on_factor is not None and self.calls == 1:
             self._on_factor(value)
 
+    def _at_rows(self, grad: torch.Tensor) -> None:
+        """``info["individual_losses"]`` got its gradient: ``f / B`` on every row if the root is ``f`` times their mean."""
+        if self.factor is not None or self.calls:
+            return
+        with cockpit_work():
+            rows = grad.detach().to(torch.float64).reshape(-1)
+            total = float(rows.sum())
+            spread = float((rows - rows.mean()).abs().max()) if rows.numel() else 0.0
+        if total != 0.0 and spread <= 1e-6 * abs(float(rows.mean())):
+            self.factor, self.seen_at = total, "rows"
+            if self._on_factor is not None:
+                self._on_factor(total)
+
+    def _at_output(self, node, output_nr: int, grad_outputs) -> None:
+        """The model's output got its gradient ``delta``: if ``info["loss"]`` did not show the factor, it is
+        ``f`` in ``delta = f * d mean(individual_losses) / d output`` where that holds (checked)."""
+        if self.factor is not None or self.calls or self._losses is None:
+            return
+        delta = grad_outputs[output_nr]
+        if delta is None:
+            return
+        from torch.autograd.graph import GradientEdge
+
+        with cockpit_work(), torch.enable_grad():
+            losses = self._losses
+            try:
+                (expected,) = torch.autograd.grad(
+                    losses, [GradientEdge(node, output_nr)], grad_outputs=torch.full_like(losses, 1.0 / losses.numel()),
+                    retain_graph=True, allow_unused=True,
+                )  # fmt: skip
+            except RuntimeError:  # the losses' graph is gone or does not reach the output
+                return
+            if expected is None:
+                return
+            delta, expected = delta.detach().to(torch.float64), expected.detach().to(torch.float64)
+            norm = float((expected * expected).sum())
+            if not norm > 0.0:
+                return
+            factor = float((delta * expected).sum()) / norm
+            residual = float((delta - factor * expected).norm()) / max(float(delta.norm()), 1e-300)
+            low = grad_outputs[output_nr].dtype
+            tolerance = 1e-6 if low == torch.float64 else (1e-3 if low == torch.float32 else 5e-2)
+            if factor != 0.0 and residual <= tolerance:
+                self.factor, self.seen_at = factor, "output"
+                if self._on_factor is not None:
+                    self._on_factor(factor)
+
     def remove(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._losses = None
