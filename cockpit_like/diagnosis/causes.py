@@ -111,13 +111,32 @@ CAUSES: dict[str, Cause] = {
               ()),
         Cause("gradient-noise", "gradient noise dominates the mini-batch gradient",
               "a larger batch would give cleaner steps (a suggestion, not a fault)", ()),
-        Cause("other", "a finding no known cause explains", "see the finding's fix", ()),
+        Cause("gradients-accumulate", "the gradients add up over steps: optimizer.zero_grad() is not called "
+              "(or is called after backward)", "call optimizer.zero_grad() (or model.zero_grad()) once per "
+              "optimizer step, before loss.backward(); when accumulating on purpose, divide the loss by the "
+              "number of micro-batches and zero after the step", _BLOW_UP_SYMPTOMS),
+        Cause("saturated-output", "the output is squashed before the loss (e.g. softmax before "
+              "CrossEntropyLoss, which applies its own): the loss barely varies and barely falls",
+              "pass raw logits to CrossEntropyLoss / BCEWithLogitsLoss (remove the final softmax or sigmoid), "
+              "or use NLLLoss on log_softmax", ("loss-not-decreasing", "update-ratio-too-small",
+                                                "vanishing-gradient", "step-too-short")),
+        Cause("data-changed", "the loss rose mid-run with no change in the learning rate and no blow-up of "
+              "the updates before it: the data changed (constant inputs, wrong labels)",
+              "check the data pipeline at that step: a loader that repeats one batch, inputs zeroed or "
+              "constant, labels shuffled or re-encoded", ("loss-not-decreasing", "noisy-loss",
+                                                          "update-ratio-too-small", "exploding-gradient")),
+        Cause("weight-decay-too-large", "weight decay far too strong: every weight shrinks toward 0",
+              "lower the weight decay (with AdamW the decay per step is lr x weight_decay)",
+              ("loss-not-decreasing", "vanishing-gradient", "update-ratio-too-large", "unchanged-parameters",
+               "dead-units", "update-ratio-too-small", "noisy-loss")),
+        Cause("other", "cause unknown: no known cause fits these findings", "see the finding's fix", ()),
     )
 }
 
 #: the order in which causes win when their evidence is found within ``slack`` steps of each other
-CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "learning-rate-too-large",
-               "nonfinite-operation", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
+CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "gradients-accumulate",
+               "weight-decay-too-large", "learning-rate-too-large", "nonfinite-operation", "data-changed",
+               "saturated-output", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
                "batch-too-small", "labels-do-not-match", "gradient-noise", "other")
 
 _DIRECT = {
@@ -139,6 +158,10 @@ _DIRECT = {
     "loss-not-decreasing": "labels-do-not-match",
     "noise-dominated": "gradient-noise",
     "nonfinite-origin": "nonfinite-operation",
+    "learning-rate-jump": "learning-rate-too-large",
+    "weights-shrinking": "weight-decay-too-large",
+    "gradients-accumulate": "gradients-accumulate",
+    "saturated-output": "saturated-output",
 }
 
 
@@ -148,6 +171,8 @@ _OWN.setdefault("learning-rate-too-large", set()).update({"exploding-gradient", 
 _OWN.setdefault("exploding-gradient", set()).add("exploding-gradient")
 _OWN.setdefault("nonfinite-operation", set()).update({"nonfinite-loss", "exploding-gradient"})
 _OWN.setdefault("frozen-layer", set()).add("unchanged-parameters")
+_OWN.setdefault("data-changed", set()).update({"loss-diverging", "loss-jump"})
+_OWN.setdefault("learning-rate-too-large", set()).add("loss-jump")
 
 
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
@@ -161,6 +186,10 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
         return "learning-rate-too-large"
     if rule == "nonfinite-loss":
         return _nonfinite_cause(finding, findings)
+    if rule == "loss-diverging" and _data_changed(finding, findings):
+        return "data-changed"
+    if rule == "loss-jump":
+        return "data-changed" if _data_changed(finding, findings) else "learning-rate-too-large"
     if rule == "vanishing-gradient" and finding.evidence.get("zero"):
         return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
     if rule == "unchanged-parameters":
@@ -192,6 +221,26 @@ def _nonfinite_cause(finding: Finding, findings: Iterable[Finding]) -> str:
                 other.rule == "exploding-gradient" and other.severity != "error")):
             return "learning-rate-too-large"
     return "nonfinite-operation"
+
+
+#: rules whose findings say the learning rate or the updates grew: a loss that rises after them is theirs
+_GROWTH = ("learning-rate-jump", "update-ratio-too-large", "exploding-gradient", "step-overshoots",
+           "sharpness-above-stability", "gradients-accumulate", "weights-shrinking")
+
+
+def _data_changed(finding: Finding, findings: Iterable[Finding]) -> bool:
+    """A loss that rose from its best moving median (not from the start), with the learning rate at most
+    1.5x what it was at that best, and no finding of growing updates or rates before the rise: the
+    data changed, not the recipe."""
+    evidence = finding.evidence
+    if evidence.get("from_first", finding.rule != "loss-jump"):
+        return False
+    ratio = evidence.get("rate_ratio")
+    if not isinstance(ratio, (int, float)) or not ratio <= 1.5:
+        return False
+    start = since(finding)
+    return not any(other.rule in _GROWTH and since(other) <= start + 2 and other is not finding
+                   for other in findings)
 
 
 @dataclass
