@@ -1,8 +1,8 @@
 """Score the diagnosis rules on the labelled corpus (``cockpit_like.corpus``), both halves, or on
 generated runs from families held out from tuning (``cockpit_like.corpus_generator``).
 
-    python benchmarks/diagnosis_corpus.py --generated 170 --cache gen.pkl --update-doc
-        # 170 runs from the tuning families and 170 from the held-out ones: train (or read the
+    python benchmarks/diagnosis_corpus.py --generated 170 --held-out 340 --cache gen.pkl --update-doc
+        # 170 runs from the tuning families and 340 from the held-out ones: train (or read the
         # cache), diagnose, print the table with 95% intervals, write it into docs/diagnosis.md
 
     python benchmarks/diagnosis_corpus.py                 # train, diagnose, print the tables
@@ -76,8 +76,9 @@ def update_doc(table: str, path: Path, begin: str = BEGIN, end: str = END) -> bo
 
 
 def run_generated(count: int, cache: str | None = None, seed: int = 0, show: bool = False,
-                  log=print) -> tuple[dict[str, list[dict]], dict[str, int], dict[str, float]]:
-    """Generate ``count`` runs per half, train them (or read them from ``cache``), drop the healthy
+                  log=print, held_out: int | None = None) -> tuple[dict[str, list[dict]], dict[str, int], dict[str, float]]:
+    """Generate ``count`` runs from the tuning families (and ``held_out``, default ``count``, from the
+    held-out ones), train them (or read them from ``cache``), drop the healthy
     draws that fail their own loss check, diagnose and score the rest; return
     ``(scored runs per half, dropped healthy draws per half, rules' seconds per tracked step per half)``."""
     from cockpit_like.corpus_generator import generate, train_generated
@@ -91,7 +92,8 @@ def run_generated(count: int, cache: str | None = None, seed: int = 0, show: boo
     halves, dropped, cost = {}, {}, {}
     for half in ("tuning", "held-out"):
         scored, seconds, steps, dropped[half] = [], 0.0, 0, 0
-        for spec in generate(half, count, seed=seed):
+        number = count if half == "tuning" or held_out is None else held_out
+        for spec in generate(half, number, seed=seed):
             key = f"{half}/{spec.name}"
             if key not in stored:
                 try:
@@ -140,12 +142,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--generated", type=int, metavar="COUNT",
                         help="score COUNT generated runs per half (tuning / held-out families) instead")
     parser.add_argument("--seed", type=int, default=0, help="the generator's seed (with --generated)")
+    parser.add_argument("--held-out", type=int, help="runs from the held-out families (default: as --generated)")
     args = parser.parse_args(argv)
     if args.generated:
         from cockpit_like.diagnosis.scoring import format_generated
 
         started = time.perf_counter()
-        halves, dropped, cost = run_generated(args.generated, args.cache, args.seed, args.show)
+        halves, dropped, cost = run_generated(args.generated, args.cache, args.seed, args.show,
+                                              held_out=args.held_out)
         table = format_generated(halves, dropped, cost)
         print(table)
         print(f"\n{sum(len(v) for v in halves.values())} runs scored; {time.perf_counter() - started:.0f} s")

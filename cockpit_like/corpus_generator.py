@@ -88,8 +88,8 @@ FAULTS = {
                "0 from step k (a freeze meant for another layer)"),
     "exploding-recurrence": ("exploding-gradient", "recurrent weights with a spectral radius of 2.5-4 "
                              "(tanh or ReLU recurrence)"),
-    "label-noise-mid": ("data-changed", "labels replaced at random from step k (a data bug mid-run)"),
-    "constant-inputs-mid": ("data-changed", "every input replaced by the same one from step k"),
+    "label-noise-mid": ("labels-do-not-match", "labels replaced at random from step k (a data bug mid-run)"),
+    "constant-inputs-mid": ("labels-do-not-match", "every input replaced by the same one from step k"),
     "shuffled-labels": ("labels-do-not-match", "labels shuffled against the inputs from the start"),
     "weight-decay": ("weight-decay-too-large", "weight decay that shrinks every weight by 3-6% per step"),
     "unnormalized": ("unnormalized-inputs", "inputs 30-255x their normalized scale"),

@@ -105,10 +105,12 @@ CAUSES: dict[str, Cause] = {
         Cause("batch-too-small", "the batch is too small: gradient noise swamps the signal",
               "use a larger batch (or accumulate gradients), or lower the learning rate",
               ("noise-dominated", "loss-not-decreasing")),
-        Cause("labels-do-not-match", "the loss does not fall although the parameters move at a normal rate: "
-              "the labels may not match the inputs", "check the data pipeline: that labels and inputs are "
-              "shuffled together, the label encoding, and that the task is learnable (try to overfit one batch)",
-              ()),
+        Cause("labels-do-not-match", "the data does not match: the loss does not fall although the parameters "
+              "move at a normal rate, or it rose mid-run with no change in the learning rate and no growth of the "
+              "updates before it (labels shuffled or replaced, inputs constant)", "check the data pipeline: that "
+              "labels and inputs are shuffled together, the label encoding, a loader that repeats one batch or "
+              "zeroes the inputs, and that the task is learnable (try to overfit one batch)",
+              ("loss-not-decreasing", "noisy-loss", "update-ratio-too-small")),
         Cause("gradient-noise", "gradient noise dominates the mini-batch gradient",
               "a larger batch would give cleaner steps (a suggestion, not a fault)", ()),
         Cause("gradients-accumulate", "the gradients add up over steps: optimizer.zero_grad() is not called "
@@ -120,11 +122,6 @@ CAUSES: dict[str, Cause] = {
               "pass raw logits to CrossEntropyLoss / BCEWithLogitsLoss (remove the final softmax or sigmoid), "
               "or use NLLLoss on log_softmax", ("loss-not-decreasing", "update-ratio-too-small",
                                                 "vanishing-gradient", "step-too-short")),
-        Cause("data-changed", "the loss rose mid-run with no change in the learning rate and no blow-up of "
-              "the updates before it: the data changed (constant inputs, wrong labels)",
-              "check the data pipeline at that step: a loader that repeats one batch, inputs zeroed or "
-              "constant, labels shuffled or re-encoded", ("loss-not-decreasing", "noisy-loss",
-                                                          "update-ratio-too-small", "exploding-gradient")),
         Cause("weight-decay-too-large", "weight decay far too strong: every weight shrinks toward 0",
               "lower the weight decay (with AdamW the decay per step is lr x weight_decay)",
               ("loss-not-decreasing", "vanishing-gradient", "update-ratio-too-large", "unchanged-parameters",
@@ -135,7 +132,7 @@ CAUSES: dict[str, Cause] = {
 
 #: the order in which causes win when their evidence is found within ``slack`` steps of each other
 CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "gradients-accumulate",
-               "weight-decay-too-large", "learning-rate-too-large", "nonfinite-operation", "data-changed",
+               "weight-decay-too-large", "learning-rate-too-large", "nonfinite-operation",
                "saturated-output", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
                "batch-too-small", "labels-do-not-match", "gradient-noise", "other")
 
@@ -162,6 +159,7 @@ _DIRECT = {
     "weights-shrinking": "weight-decay-too-large",
     "gradients-accumulate": "gradients-accumulate",
     "saturated-output": "saturated-output",
+    "exploding-recurrence": "exploding-gradient",
 }
 
 
@@ -171,7 +169,7 @@ _OWN.setdefault("learning-rate-too-large", set()).update({"exploding-gradient", 
 _OWN.setdefault("exploding-gradient", set()).add("exploding-gradient")
 _OWN.setdefault("nonfinite-operation", set()).update({"nonfinite-loss", "exploding-gradient"})
 _OWN.setdefault("frozen-layer", set()).add("unchanged-parameters")
-_OWN.setdefault("data-changed", set()).update({"loss-diverging", "loss-jump"})
+_OWN.setdefault("labels-do-not-match", set()).update({"loss-diverging", "loss-jump"})
 _OWN.setdefault("learning-rate-too-large", set()).add("loss-jump")
 
 
@@ -187,9 +185,9 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     if rule == "nonfinite-loss":
         return _nonfinite_cause(finding, findings)
     if rule == "loss-diverging" and _data_changed(finding, findings):
-        return "data-changed"
+        return "labels-do-not-match"
     if rule == "loss-jump":
-        return "data-changed" if _data_changed(finding, findings) else "learning-rate-too-large"
+        return "labels-do-not-match" if _data_changed(finding, findings) else "learning-rate-too-large"
     if rule == "vanishing-gradient" and finding.evidence.get("zero"):
         return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
     if rule == "unchanged-parameters":

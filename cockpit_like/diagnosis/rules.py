@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from cockpit_like.diagnosis.findings import Finding
+from cockpit_like.diagnosis.findings import STRENGTHS, Finding
 from cockpit_like.diagnosis import recipe
 from cockpit_like.diagnosis.history import RunHistory, block_values, to_float
 from cockpit_like.diagnosis.rule import Rule
@@ -44,6 +44,7 @@ __all__ = [
     "GradientsAccumulate",
     "SaturatedOutput",
     "LossJump",
+    "ExplodingRecurrence",
     "default_rules",
 ]
 
@@ -68,8 +69,6 @@ def _g(value: float) -> str:
     return f"{value:.3g}"
 
 
-#: how strong a finding's evidence is, weakest first (``evidence["strength"]``)
-STRENGTHS = ("suggestive", "moderate", "strong", "conclusive")
 
 
 def _strength(margin: float, moderate: float, strong: float) -> str:
@@ -201,6 +200,7 @@ class NonFiniteLoss(Rule):
 
     id = "nonfinite-loss"
     severity = "error"
+    strength = "conclusive"
     reads = ("Loss",)
 
     def check(self, history: RunHistory) -> list[Finding]:
@@ -358,6 +358,7 @@ class LossNotDecreasing(Rule):
 
     id = "loss-not-decreasing"
     severity = "warning"
+    strength = "strong"  # z = 4 standard errors
     reads = ("Loss",)
 
     def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.03, z: float = 4.0,
@@ -950,6 +951,7 @@ class UnchangedParameters(Rule):
 
     id = "unchanged-parameters"
     severity = "warning"
+    strength = "strong"  # exactly zero for several steps
 
     def __init__(self, window: int = 3, tolerance: float = 0.0):
         self.window = _check_window(window)
@@ -1218,6 +1220,7 @@ class DeadUnits(_ActivationShare):
 
     id = "dead-units"
     severity = "warning"
+    strength = "strong"
     field = "dead_fraction"
 
     def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 8):
@@ -1424,6 +1427,51 @@ class Overfitting(Rule):
         ]
 
 
+
+class ExplodingRecurrence(Rule):
+    """At the first tracked step, an activation module called more than once per sample (a recurrence:
+    more rows than ``BatchSize``) has outputs of scale (rms) above ``limit`` (ReLU-like), or more than
+    ``saturated`` of its outputs saturated (tanh, sigmoid): the recurrence amplifies its state through
+    time before any update, and so does the gradient through time."""
+
+    id = "exploding-recurrence"
+    severity = "warning"
+    reads = ("ActivationStats", "BatchSize")
+
+    def __init__(self, limit: float = 10.0, saturated: float = 0.5):
+        self.limit = _check_positive("limit", limit)
+        self.saturated = _check_positive("saturated", saturated)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        first = history.first("ActivationStats", 1)
+        if not first or not isinstance(first[0][1], Mapping):
+            return []
+        step, value = first[0]
+        batch = to_float(history.get("BatchSize", step))
+        found = []
+        for layer, stats in value.items():
+            if not isinstance(stats, Mapping) or not to_float(stats.get("samples", 0)) > batch:
+                continue
+            bounded = stats.get("kind") in ("tanh", "sigmoid")
+            measure = to_float(stats.get("saturated_fraction")) if bounded else to_float(stats.get("rms"))
+            limit = self.saturated if bounded else self.limit
+            if not measure > limit:
+                continue
+            what = f"{_g(100 * measure)}% of its outputs saturated" if bounded else f"outputs of scale {_g(measure)} (rms)"
+            found.append(self.finding(
+                step,
+                f"the recurrent activation {layer} ({stats.get('kind', '?')}, {int(to_float(stats.get('samples')) // batch)} "
+                f"calls per sample) has {what} at the first tracked step {step}, before any update: the recurrence "
+                "amplifies its state through time",
+                fix="initialize the recurrent weights with a spectral radius at most 1 (orthogonal init), clip "
+                "gradients, or use gated cells (LSTM/GRU)",
+                layer=layer,
+                evidence={"measure": measure, "limit": limit, "since": int(step), "at_start": True,
+                          "strength": _strength(math.log10(measure / limit), 0.3, 1.0) if not bounded else "moderate"},
+            ))
+        return found
+
+
 # ---- the recipe --------------------------------------------------------------------------------------
 class LearningRateJump(Rule):
     """The learning rate jumped above ``factor`` x the largest rate stored before (a schedule bug: a
@@ -1540,7 +1588,7 @@ class GradientsAccumulate(Rule):
     severity = "warning"
     reads = ("GradNorm",)
 
-    def __init__(self, window: int = 10, share: float = 0.7, smooth: float = 0.12, growth: float = 3.0):
+    def __init__(self, window: int = 10, share: float = 0.8, smooth: float = 0.1, growth: float = 3.0):
         self.window = _check_window(window)
         self.share = float(share)
         self.smooth = _check_positive("smooth", smooth)
@@ -1598,13 +1646,20 @@ class SaturatedOutput(Rule):
         self.flat = _check_positive("flat", flat)
 
     def check(self, history: RunHistory) -> list[Finding]:
-        steps, values = history.head("Loss", self.window)
-        if len(values) < self.window:
+        memo = history.memo.setdefault(f"{self.id}/{id(self)}", {})
+        if memo.get("version") != history.version("Loss"):
+            memo.clear()
+            memo["version"] = history.version("Loss")
+        if "quiet" not in memo:  # the first window never changes: judged once
+            steps, values = history.head("Loss", self.window)
+            if len(values) < self.window:
+                return []
+            center = _median(values)
+            noise = _robust_scale(np.diff(values)) / math.sqrt(2.0)
+            memo.update(quiet=bool(center > 0 and noise < self.quiet * center), steps=steps, center=center, noise=noise)
+        if not memo["quiet"]:
             return []
-        center = _median(values)
-        noise = _robust_scale(np.diff(values)) / math.sqrt(2.0)
-        if not (center > 0 and noise < self.quiet * center):
-            return []
+        steps, center, noise = memo["steps"], memo["center"], memo["noise"]
         share = recipe.loss_share(history)
         if not share > self.flat:
             return []
@@ -1697,4 +1752,5 @@ def default_rules() -> list[Rule]:
         GradientsAccumulate(),
         SaturatedOutput(),
         LossJump(),
+        ExplodingRecurrence(),
     ]
