@@ -80,7 +80,8 @@ def run_generated(count: int, cache: str | None = None, seed: int = 0, show: boo
     """Generate ``count`` runs from the tuning families (and ``held_out``, default ``count``, from the
     held-out ones), train them (or read them from ``cache``), drop the healthy
     draws that fail their own loss check, diagnose and score the rest; return
-    ``(scored runs per half, dropped healthy draws per half, rules' seconds per tracked step per half)``."""
+    ``(scored runs per half, (healthy draws that failed their loss check, runs whose training raised)
+    per half, rules' seconds per tracked step per half)``."""
     from cockpit_like.corpus_generator import generate, train_generated
     from cockpit_like.diagnosis import diagnose
     from cockpit_like.diagnosis.scoring import score_run
@@ -89,9 +90,9 @@ def run_generated(count: int, cache: str | None = None, seed: int = 0, show: boo
     if cache and os.path.exists(cache):
         with open(cache, "rb") as handle:
             stored = pickle.load(handle)
-    halves, dropped, cost = {}, {}, {}
+    halves, dropped, failed, cost = {}, {}, {}, {}
     for half in ("tuning", "held-out"):
-        scored, seconds, steps, dropped[half] = [], 0.0, 0, 0
+        scored, seconds, steps, dropped[half], failed[half] = [], 0.0, 0, 0, 0
         number = count if half == "tuning" or held_out is None else held_out
         for spec in generate(half, number, seed=seed):
             key = f"{half}/{spec.name}"
@@ -106,7 +107,7 @@ def run_generated(count: int, cache: str | None = None, seed: int = 0, show: boo
             run = stored[key]
             if "error" in run:
                 log(f"{half:9s} {spec.name}: training failed ({run['error'][:200]})")
-                dropped[half] += 1
+                failed[half] += 1
                 continue
             if spec.fault is None and not run["healthy_check"]["passed"]:
                 dropped[half] += 1
@@ -125,7 +126,7 @@ def run_generated(count: int, cache: str | None = None, seed: int = 0, show: boo
     if cache:
         with open(cache, "wb") as handle:
             pickle.dump(stored, handle)
-    return halves, dropped, cost
+    return halves, {half: (dropped[half], failed[half]) for half in halves}, cost
 
 
 def main(argv=None) -> dict:

@@ -491,8 +491,8 @@ def train_generated(run: GeneratedRun) -> dict[str, Any]:
     cockpit = Cockpit(params, quantities=quantities, model=model)
     generator = torch.Generator().manual_seed(run.seed + 1)
     shuffled = None
-    if run.fault == "shuffled-labels":
-        shuffled = targets[torch.randperm(len(targets), generator=generator)]
+    if run.fault == "shuffled-labels":  # (language modelling: the next tokens of another sequence)
+        shuffled = (inputs if targets is None else targets)[torch.randperm(len(inputs), generator=generator)]
     double_softmax = run.fault == "double-softmax"
     losses = []
     with warnings.catch_warnings():
@@ -505,7 +505,7 @@ def train_generated(run: GeneratedRun) -> dict[str, Any]:
             rows = torch.randint(0, len(inputs), (run.batch,), generator=generator)
             x = inputs[rows].clone()
             if run.data == "tokens-lm":
-                x, y = x[:, :-1], x[:, 1:].clone()
+                x, y = x[:, :-1], (x if shuffled is None else shuffled[rows])[:, 1:].clone()
             else:
                 y = (shuffled if shuffled is not None else targets)[rows].clone()
             if step >= run.onset and run.fault == "label-noise-mid":

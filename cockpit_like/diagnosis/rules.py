@@ -361,7 +361,7 @@ class LossNotDecreasing(Rule):
     strength = "strong"  # z = 4 standard errors
     reads = ("Loss",)
 
-    def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.03, z: float = 4.0,
+    def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.04, z: float = 4.0,
                  max_rise: float = 0.5, max_quarter: int = 50):
         self.window = _check_window(window)
         self.max_quarter = _check_window(max_quarter, "max_quarter")
@@ -1201,13 +1201,25 @@ class _ActivationShare(Rule):
 
     def check(self, history: RunHistory) -> list[Finding]:
         steps, shares = self._shares(history)
-        return [
-            self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"), fix=self.fix,
-                         layer=layer, evidence={self.field: share, "kind": kind, "steps": steps, "since": steps[0],
-                                                "at_start": steps[0] == history.first("ActivationStats", 1)[0][0]})
-            for layer, (kind, share) in shares.items()
-            if share > self.threshold
-        ]
+        found = []
+        for layer, (kind, share) in shares.items():
+            if not share > self.threshold:
+                continue
+            evidence = {self.field: share, "kind": kind, "steps": steps, "since": steps[0],
+                        "at_start": steps[0] == history.first("ActivationStats", 1)[0][0],
+                        "developed": self._developed(history, layer)}
+            found.append(self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"),
+                                      fix=self.fix, layer=layer, evidence=evidence))
+        return found
+
+    def _developed(self, history: RunHistory, layer: str) -> bool:
+        """Whether the layer's share was below half the threshold at the first tracked step (the units
+        were alive at the start and went off later)."""
+        first = history.first("ActivationStats", 1)
+        stats = first[0][1].get(layer) if first and isinstance(first[0][1], Mapping) else None
+        if not isinstance(stats, Mapping) or self.field not in stats:
+            return False
+        return bool(to_float(stats[self.field]) < 0.5 * self.threshold)
 
 
 class DeadUnits(_ActivationShare):

@@ -240,10 +240,11 @@ def _rate(successes: int, trials: int) -> str:
     return f"{successes}/{trials} = {100 * successes / trials:.1f}% [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
 
 
-def format_generated(halves: Mapping[str, list[dict[str, Any]]], dropped: Mapping[str, int] | None = None,
+def format_generated(halves: Mapping[str, list[dict[str, Any]]], dropped: Mapping[str, Any] | None = None,
                      cost: Mapping[str, float] | None = None) -> str:
     """Markdown tables for generated runs scored with :func:`score_run` (each with ``"fault"``), per half:
-    rates with 95% Wilson intervals; ``dropped``: healthy draws that failed their own check;
+    rates with 95% Wilson intervals; ``dropped``: per half, healthy draws that failed their own check
+    (or a pair: those, and runs whose training raised);
     ``cost``: the rules' seconds per tracked step."""
     names = list(halves)
     lines = ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -259,7 +260,13 @@ def format_generated(halves: Mapping[str, list[dict[str, Any]]], dropped: Mappin
 
     row("runs (problem / healthy)", lambda r, n: f"{len(r)} ({len(problems(r))} / {len(healthy(r))})")
     if dropped is not None:
-        row("healthy draws left out (failed their own loss check)", lambda r, n: str(dropped.get(n, 0)))
+        def left_out(r, n):
+            value = dropped.get(n, 0)
+            return " + ".join(str(v) for v in value) if isinstance(value, (tuple, list)) else str(value)
+
+        row("left out: healthy draws that failed their own loss check" + (
+            " + runs whose training raised" if any(isinstance(v, (tuple, list)) for v in dropped.values()) else ""),
+            left_out)
     row("healthy runs with an alarm (95% interval)",
         lambda r, n: _rate(sum(bool(s["alarms"]) for s in healthy(r)), len(healthy(r))))
     row("alarms per healthy run", lambda r, n: _cell(sum(s["alarms"] for s in healthy(r)) / max(len(healthy(r)), 1)))
