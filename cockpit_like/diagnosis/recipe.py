@@ -104,12 +104,16 @@ def adaptive(history: RunHistory) -> bool:
     return not math.isfinite(to_float(history.last("Momentum")[0][1]))
 
 
-def loss_share(history: RunHistory, count: int = 5) -> float:
+def loss_share(history: RunHistory, count: int = 5, before_updates: bool = False) -> float:
     """The median of the last ``count`` finite losses as a share of the median of the first ``count``
-    (below 1: the loss fell); NaN when there are too few or the start is not positive."""
+    (below 1: the loss fell); NaN when there are too few or the start is not positive.
+    ``before_updates``: the start is the smaller of that median and the first tracked loss (a blow-up
+    in the first steps does not count as a high start)."""
     _, first = history.head("Loss", count)
     _, last = history.tail("Loss", count)
     if len(first) < count or len(last) < count:
         return math.nan
     start = float(np.median(first))
+    if before_updates:
+        start = min(start, float(first[0]))
     return float(np.median(last)) / start if start > 0 else math.nan

@@ -361,7 +361,7 @@ class LossNotDecreasing(Rule):
     strength = "strong"  # z = 4 standard errors
     reads = ("Loss",)
 
-    def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.04, z: float = 4.0,
+    def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.03, z: float = 4.0,
                  max_rise: float = 0.5, max_quarter: int = 50):
         self.window = _check_window(window)
         self.max_quarter = _check_window(max_quarter, "max_quarter")
@@ -1265,8 +1265,9 @@ class DeadUnits(_ActivationShare):
         first = history.first("ActivationStats", 1)[0][0]
         kept = []
         for finding in found:
-            if finding.evidence.get("developed") and (finding.step - first < self.settle
-                                                      or recipe.loss_share(history) < self.learning):
+            if finding.evidence.get("developed") and (
+                    finding.step - first < self.settle
+                    or recipe.loss_share(history, before_updates=True) < self.learning):
                 continue  # units alive at the start: wait, and let a run that learns well keep its loss of units
             kept.append(finding)
         return kept
