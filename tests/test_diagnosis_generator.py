@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import math
-import random
 import warnings
 
 import numpy as np
