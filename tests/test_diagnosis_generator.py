@@ -249,3 +249,31 @@ def test_ci_slice_of_held_out_families(fault):
     else:
         assert loud and loud[0].cause == run.problem, (run.name, [i.cause for i in loud])
         assert loud[0].step >= run.onset - 1
+
+
+def test_benchmark_command_regenerates_the_generated_table(tmp_path, capsys):
+    """``benchmarks/diagnosis_corpus.py --generated N --held-out M`` trains, scores and writes the table
+    between the doc's markers (here with two runs per half into a copy of the markers)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "diagnosis_corpus.py"
+    spec = importlib.util.spec_from_file_location("_diagnosis_corpus_generated", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    torch.set_num_threads(1)
+    figures = tmp_path / "figures.json"
+    halves = script.main(["--generated", "2", "--held-out", "3", "--seed", "5", "--cache", str(tmp_path / "runs.pkl"),
+                          "--json", str(figures)])
+    assert set(halves) == {"tuning", "held-out"}
+    table = capsys.readouterr().out
+    assert "| figure | tuning | held-out |" in table and "healthy runs with an alarm (95% interval)" in table
+    saved = json.loads(figures.read_text())
+    left = {"tuning": 2, "held-out": 3}
+    for half, runs in saved.items():
+        assert len(runs) <= left[half] and all(r["family"].split("/")[0] in ARCHITECTURES for r in runs)
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"a\n{script.GENERATED_BEGIN}\nold\n{script.GENERATED_END}\nb\n")
+    assert script.update_doc("new", doc, script.GENERATED_BEGIN, script.GENERATED_END)
+    assert doc.read_text() == f"a\n{script.GENERATED_BEGIN}\nnew\n{script.GENERATED_END}\nb\n"
