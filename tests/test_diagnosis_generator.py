@@ -180,6 +180,15 @@ def test_causes_of_the_new_rules():
     raised = f("learning-rate-jump", since=9)
     assert cause_of(jump, [raised, jump]) == "learning-rate-too-large"
     assert cause_of(f("loss-jump", rate_ratio=100.0, since=10)) == "learning-rate-too-large"
+    # a forgotten zero_grad makes every step larger: with a gradients-accumulate finding in the run, the
+    # large updates are its symptoms (unless the schedule raised the rate)
+    large = f("update-ratio-too-large", since=8)
+    summed = f("gradients-accumulate", since=12)
+    assert cause_of(large) == "learning-rate-too-large" and cause_of(large, [large, summed]) == "gradients-accumulate"
+    assert cause_of(large, [large, summed, raised]) == "learning-rate-too-large"
+    # a gradient that vanishes from the first step is the initialization; one that vanishes later is not
+    assert cause_of(f("vanishing-gradient", at_start=True)) == "poor-initialization"
+    assert cause_of(f("vanishing-gradient", at_start=False)) == "learning-rate-too-large"
 
 
 # ---- severity ---------------------------------------------------------------------------------------

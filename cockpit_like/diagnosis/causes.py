@@ -173,9 +173,23 @@ _OWN.setdefault("labels-do-not-match", set()).update({"loss-diverging", "loss-ju
 _OWN.setdefault("learning-rate-too-large", set()).add("loss-jump")
 
 
+#: findings that a forgotten zero_grad produces too (the summed gradient makes every step larger): read as
+#: its symptoms when the run has a ``gradients-accumulate`` finding and no ``learning-rate-jump``
+_ACCUMULATION_SYMPTOMS = ("update-ratio-too-large", "loss-diverging", "exploding-gradient", "loss-jump",
+                          "step-overshoots", "nonfinite-loss")
+
+
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
     rule = finding.rule
+    findings = list(findings)
+    if rule in _ACCUMULATION_SYMPTOMS and not finding.evidence.get("at_start"):
+        rules = {f.rule for f in findings}
+        if "gradients-accumulate" in rules and "learning-rate-jump" not in rules:
+            return "gradients-accumulate"
+    if rule in ("vanishing-gradient", "saturated-units") and finding.evidence.get("at_start") is False and not (
+            finding.evidence.get("zero")):
+        return "learning-rate-too-large"  # it set in after training began: large updates, not the initialization
     if rule == "exploding-gradient":
         if finding.evidence.get("at_start"):
             return "exploding-gradient"
