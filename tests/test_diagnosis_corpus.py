@@ -106,7 +106,9 @@ def test_loss_diverging_and_exploding_gradient_see_an_early_blow_up():
     # the issue's run: SGD lr 40 on a ReLU MLP, loss 2.3, 76, 5000 ... within three steps
     problem, healthy = twin("lr-huge-mlp-sgd", lr=0.1)
     found = alarms(problem)
-    assert found["loss-diverging"][0].step <= 5 and found["loss-diverging"][0].severity == "error"
+    # issue 36: a warning at once, an error once the divergence is sustained (not a 3-step spike)
+    assert found["loss-diverging"][0].step <= 5 and found["loss-diverging"][0].severity == "warning"
+    assert [f.severity for f in found["loss-diverging"]][-1] == "error" and found["loss-diverging"][-1].step <= 12
     assert found["exploding-gradient"][0].step <= 5
     assert found["update-ratio-too-large"][0].evidence["since"] == 0  # the first update is a spike
     assert not {"loss-diverging", "exploding-gradient", "update-ratio-too-large"} & set(alarms(healthy))
@@ -463,5 +465,7 @@ def test_the_issue_runs_on_the_economy_preset(optimizer, lr, cause):
     if cause is None:
         assert loud == []
     else:
-        assert loud[0].cause == cause and loud[0].step == 0
+        # issue 36: Adam's first 10 updates are not read by update-ratio-too-large (an adaptive optimizer's
+        # first steps are large by design); the divergence of the loss shows from step 1
+        assert loud[0].cause == cause and loud[0].step <= 1
         assert {"dead-units", "vanishing-gradient"} <= {f.rule for f in loud[0].symptoms}

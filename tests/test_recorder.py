@@ -7,6 +7,7 @@ passes of the same model at the same parameters.
 from __future__ import annotations
 
 import copy
+import math
 import json
 import runpy
 import subprocess
@@ -581,3 +582,47 @@ def test_the_example_run_finds_the_overflowing_cosh(tmp_path):
     assert origin["inputs"][0]["max"] > 89.0  # cosh(89.5) > float32's largest number
     namespace = runpy.run_path(result["program"])
     assert namespace["main"]() == 0
+
+
+# ---- issue 36: intended infinities, torch.compile names -----------------------------------------------
+class MaskedScores(nn.Module):
+    """Attention-like scores over 4 positions, masked where ``mask`` is true, then a softmax: a row
+    whose every position is masked is all -inf, and the softmax makes NaN of it (0 / 0)."""
+
+    def __init__(self, additive: bool):
+        super().__init__()
+        self.additive = additive
+        self.mask = torch.zeros(5, 4, dtype=torch.bool)
+
+    def forward(self, x):
+        if self.additive:  # the caller's additive mask: 0 where allowed, -inf where masked
+            bias = torch.zeros(self.mask.shape, dtype=x.dtype).masked_fill(self.mask, -math.inf)
+            return torch.softmax(x + bias, dim=-1)
+        return torch.softmax(x.masked_fill(self.mask, -math.inf), dim=-1)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_a_fully_masked_row_blames_the_softmax_not_the_mask(tmp_path, additive):
+    torch.manual_seed(0)
+    scores = MaskedScores(additive)
+    model = nn.Sequential(nn.Linear(4, 4), scores, nn.Linear(4, 3)).to(DTYPE)
+    cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model, record_dir=tmp_path)
+
+    def mask_a_row(step):
+        scores.mask = torch.zeros(5, 4, dtype=torch.bool)
+        if step == 1:
+            scores.mask[2] = True  # every position of row 2 masked
+
+    with pytest.warns(RuntimeWarning, match="loss is nan"):
+        train(model, cockpit, 2, _batch, nn.CrossEntropyLoss(), mask_a_row)
+    origin = cockpit.records[1].first_nonfinite
+    assert origin["kind"] == "operation" and "softmax" in origin["op"] and origin["module"] == "1"
+    assert origin["outputs"][0]["nan"] > 0
+    assert "intended infinity" in origin["message"]
+
+
+def test_module_names_under_torch_compile_are_the_users():
+    from cockpit_like.diagnosis.recorder.tape import user_name
+
+    assert user_name("_orig_mod.0") == "0" and user_name("_orig_mod.block._orig_mod.fc") == "block.fc"
+    assert user_name("encoder.layer.1") == "encoder.layer.1" and user_name("_orig_mod") == "_orig_mod"

@@ -8,6 +8,9 @@ What lives here:
   values the rules read;
 - :mod:`~cockpit_like.diagnosis.rule`: :class:`Rule`, the contract of a rule;
 - :mod:`~cockpit_like.diagnosis.rules`: the built-in rules;
+- :mod:`~cockpit_like.diagnosis.recipe`: what the rules know of the training
+  recipe (the scheduled learning rate, an adaptive optimizer, how far the
+  loss came), read from stored values;
 - :mod:`~cockpit_like.diagnosis.causes`: the cause layer, :func:`group_findings`
   (the findings of one incident as one :class:`Incident`: cause, evidence,
   symptoms, fix);

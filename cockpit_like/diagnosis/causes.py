@@ -105,19 +105,35 @@ CAUSES: dict[str, Cause] = {
         Cause("batch-too-small", "the batch is too small: gradient noise swamps the signal",
               "use a larger batch (or accumulate gradients), or lower the learning rate",
               ("noise-dominated", "loss-not-decreasing")),
-        Cause("labels-do-not-match", "the loss does not fall although the parameters move at a normal rate: "
-              "the labels may not match the inputs", "check the data pipeline: that labels and inputs are "
-              "shuffled together, the label encoding, and that the task is learnable (try to overfit one batch)",
-              ()),
+        Cause("labels-do-not-match", "the data does not match: the loss does not fall although the parameters "
+              "move at a normal rate, or it rose mid-run with no change in the learning rate and no growth of the "
+              "updates before it (labels shuffled or replaced, inputs constant)", "check the data pipeline: that "
+              "labels and inputs are shuffled together, the label encoding, a loader that repeats one batch or "
+              "zeroes the inputs, and that the task is learnable (try to overfit one batch)",
+              ("loss-not-decreasing", "noisy-loss", "update-ratio-too-small")),
         Cause("gradient-noise", "gradient noise dominates the mini-batch gradient",
               "a larger batch would give cleaner steps (a suggestion, not a fault)", ()),
-        Cause("other", "a finding no known cause explains", "see the finding's fix", ()),
+        Cause("gradients-accumulate", "the gradients add up over steps: optimizer.zero_grad() is not called "
+              "(or is called after backward)", "call optimizer.zero_grad() (or model.zero_grad()) once per "
+              "optimizer step, before loss.backward(); when accumulating on purpose, divide the loss by the "
+              "number of micro-batches and zero after the step", _BLOW_UP_SYMPTOMS),
+        Cause("saturated-output", "the output is squashed before the loss (e.g. softmax before "
+              "CrossEntropyLoss, which applies its own): the loss barely varies and barely falls",
+              "pass raw logits to CrossEntropyLoss / BCEWithLogitsLoss (remove the final softmax or sigmoid), "
+              "or use NLLLoss on log_softmax", ("loss-not-decreasing", "update-ratio-too-small",
+                                                "vanishing-gradient", "step-too-short")),
+        Cause("weight-decay-too-large", "weight decay far too strong: every weight shrinks toward 0",
+              "lower the weight decay (with AdamW the decay per step is lr x weight_decay)",
+              ("loss-not-decreasing", "vanishing-gradient", "update-ratio-too-large", "unchanged-parameters",
+               "dead-units", "update-ratio-too-small", "noisy-loss")),
+        Cause("other", "cause unknown: no known cause fits these findings", "see the finding's fix", ()),
     )
 }
 
 #: the order in which causes win when their evidence is found within ``slack`` steps of each other
-CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "learning-rate-too-large",
-               "nonfinite-operation", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
+CAUSE_ORDER = ("unnormalized-inputs", "exploding-gradient", "poor-initialization", "gradients-accumulate",
+               "weight-decay-too-large", "learning-rate-too-large", "nonfinite-operation",
+               "saturated-output", "frozen-layer", "dead-units", "learning-rate-too-small", "overfitting",
                "batch-too-small", "labels-do-not-match", "gradient-noise", "other")
 
 _DIRECT = {
@@ -139,6 +155,11 @@ _DIRECT = {
     "loss-not-decreasing": "labels-do-not-match",
     "noise-dominated": "gradient-noise",
     "nonfinite-origin": "nonfinite-operation",
+    "learning-rate-jump": "learning-rate-too-large",
+    "weights-shrinking": "weight-decay-too-large",
+    "gradients-accumulate": "gradients-accumulate",
+    "saturated-output": "saturated-output",
+    "exploding-recurrence": "exploding-gradient",
 }
 
 
@@ -148,11 +169,27 @@ _OWN.setdefault("learning-rate-too-large", set()).update({"exploding-gradient", 
 _OWN.setdefault("exploding-gradient", set()).add("exploding-gradient")
 _OWN.setdefault("nonfinite-operation", set()).update({"nonfinite-loss", "exploding-gradient"})
 _OWN.setdefault("frozen-layer", set()).add("unchanged-parameters")
+_OWN.setdefault("labels-do-not-match", set()).update({"loss-diverging", "loss-jump"})
+_OWN.setdefault("learning-rate-too-large", set()).add("loss-jump")
+
+
+#: findings that a forgotten zero_grad produces too (the summed gradient makes every step larger): read as
+#: its symptoms when the run has a ``gradients-accumulate`` finding and no ``learning-rate-jump``
+_ACCUMULATION_SYMPTOMS = ("update-ratio-too-large", "loss-diverging", "exploding-gradient", "loss-jump",
+                          "step-overshoots", "nonfinite-loss")
 
 
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
     rule = finding.rule
+    findings = list(findings)
+    if rule in _ACCUMULATION_SYMPTOMS and not finding.evidence.get("at_start"):
+        rules = {f.rule for f in findings}
+        if "gradients-accumulate" in rules and "learning-rate-jump" not in rules:
+            return "gradients-accumulate"
+    if rule in ("vanishing-gradient", "saturated-units") and finding.evidence.get("at_start") is False and not (
+            finding.evidence.get("zero")):
+        return "learning-rate-too-large"  # it set in after training began: large updates, not the initialization
     if rule == "exploding-gradient":
         if finding.evidence.get("at_start"):
             return "exploding-gradient"
@@ -161,8 +198,14 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
         return "learning-rate-too-large"
     if rule == "nonfinite-loss":
         return _nonfinite_cause(finding, findings)
+    if rule == "loss-diverging" and _data_changed(finding, findings):
+        return "labels-do-not-match"
+    if rule == "loss-jump":
+        return "labels-do-not-match" if _data_changed(finding, findings) else "learning-rate-too-large"
     if rule == "vanishing-gradient" and finding.evidence.get("zero"):
         return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
+    if rule == "dead-units" and not finding.evidence.get("at_start", True) and finding.evidence.get("developed"):
+        return "learning-rate-too-large"  # units alive at the start, killed later: large updates pushed them off
     if rule == "unchanged-parameters":
         return "frozen-layer" if finding.evidence.get("has_gradient") else "dead-units"
     return _DIRECT.get(rule, "other")
@@ -192,6 +235,26 @@ def _nonfinite_cause(finding: Finding, findings: Iterable[Finding]) -> str:
                 other.rule == "exploding-gradient" and other.severity != "error")):
             return "learning-rate-too-large"
     return "nonfinite-operation"
+
+
+#: rules whose findings say the learning rate or the updates grew: a loss that rises after them is theirs
+_GROWTH = ("learning-rate-jump", "update-ratio-too-large", "exploding-gradient", "step-overshoots",
+           "sharpness-above-stability", "gradients-accumulate", "weights-shrinking")
+
+
+def _data_changed(finding: Finding, findings: Iterable[Finding]) -> bool:
+    """A loss that rose from its best moving median (not from the start), with the learning rate at most
+    1.5x what it was at that best, and no finding of growing updates or rates before the rise: the
+    data changed, not the recipe."""
+    evidence = finding.evidence
+    if evidence.get("from_first", finding.rule != "loss-jump"):
+        return False
+    ratio = evidence.get("rate_ratio")
+    if not isinstance(ratio, (int, float)) or not ratio <= 1.5:
+        return False
+    start = since(finding)
+    return not any(other.rule in _GROWTH and since(other) <= start + 2 and other is not finding
+                   for other in findings)
 
 
 @dataclass

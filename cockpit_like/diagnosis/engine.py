@@ -1,7 +1,8 @@
 """Running rules: :class:`Diagnosis` (live, fed step by step) and :func:`diagnose` (a log).
 
 A finding is *reported* once per ``(rule, layer)``: when a rule's
-:meth:`~cockpit_like.diagnosis.rule.Rule.check` first returns it. It stays
+:meth:`~cockpit_like.diagnosis.rule.Rule.check` first returns it, and again
+when its severity rises (a divergence that turns out to be sustained). It stays
 *active* while the rule keeps returning it, and is *cleared* when the rule
 stops (the clearing is stored too, so the dashboard lists only active ones).
 """
@@ -14,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cockpit_like.diagnosis.causes import Incident, group_findings
-from cockpit_like.diagnosis.findings import Finding, active_findings, findings_in
+from cockpit_like.diagnosis.findings import Finding, active_findings, findings_in, severity_rank
 from cockpit_like.diagnosis.history import RunHistory
 from cockpit_like.diagnosis.rule import Rule
 from cockpit_like.diagnosis.rules import default_rules
@@ -93,7 +94,7 @@ class Diagnosis:
                 continue
             holding = {finding.key: finding for finding in current}
             for key, finding in holding.items():
-                if key not in self.active:
+                if key not in self.active or severity_rank(finding.severity) > severity_rank(self.active[key].severity):
                     self.active[key] = finding
                     self.reported.append(finding)
                     new.append(finding)

@@ -12,6 +12,10 @@ from typing import Any
 
 #: severities, least to most severe
 SEVERITIES = ("info", "warning", "error")
+#: how strong a finding's evidence is (``evidence["strength"]``), weakest first: ``suggestive`` (just past
+#: a threshold), ``moderate``, ``strong`` (far past it, or several independent signs), ``conclusive``
+#: (non-finite values, a divergence sustained for many steps)
+STRENGTHS = ("suggestive", "moderate", "strong", "conclusive")
 
 
 @dataclass

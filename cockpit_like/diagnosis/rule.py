@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from cockpit_like.diagnosis.findings import SEVERITIES, Finding
+from cockpit_like.diagnosis.findings import SEVERITIES, STRENGTHS, Finding
 from cockpit_like.diagnosis.history import RunHistory
 
 __all__ = ["Rule"]
@@ -50,11 +50,15 @@ class Rule:
     id: ClassVar[str] = ""
     severity: ClassVar[str] = "warning"
     reads: ClassVar[tuple[str, ...]] = ()
+    #: the evidence strength of a finding that does not set ``evidence["strength"]`` itself
+    strength: ClassVar[str] = "moderate"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if cls.severity not in SEVERITIES:
             raise ValueError(f"{cls.__name__}.severity must be one of {SEVERITIES}, got {cls.severity!r}")
+        if cls.strength not in STRENGTHS:
+            raise ValueError(f"{cls.__name__}.strength must be one of {STRENGTHS}, got {cls.strength!r}")
 
     # ---- what the engine asks ------------------------------------------------------
     def missing(self, history: RunHistory) -> list[str]:
@@ -84,7 +88,11 @@ class Rule:
         evidence: dict[str, Any] | None = None,
         severity: str | None = None,
     ) -> Finding:
-        """A :class:`Finding` of this rule."""
+        """A :class:`Finding` of this rule; ``evidence["strength"]`` defaults to the class's :attr:`strength`
+        (an error about a non-finite value: ``conclusive``)."""
+        evidence = dict(evidence or {})
+        if "strength" not in evidence:
+            evidence["strength"] = "conclusive" if severity == "error" else self.strength
         return Finding(
             rule=self.id,
             severity=severity or self.severity,
@@ -92,7 +100,7 @@ class Rule:
             message=message,
             fix=fix,
             layer=layer,
-            evidence=evidence or {},
+            evidence=evidence,
         )
 
     def __repr__(self) -> str:

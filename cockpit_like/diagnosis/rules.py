@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from cockpit_like.diagnosis.findings import Finding
+from cockpit_like.diagnosis.findings import STRENGTHS, Finding
+from cockpit_like.diagnosis import recipe
 from cockpit_like.diagnosis.history import RunHistory, block_values, to_float
 from cockpit_like.diagnosis.rule import Rule
 
@@ -38,6 +39,12 @@ __all__ = [
     "PoorInitialization",
     "UnchangedParameters",
     "Overfitting",
+    "LearningRateJump",
+    "WeightsShrinking",
+    "GradientsAccumulate",
+    "SaturatedOutput",
+    "LossJump",
+    "ExplodingRecurrence",
     "default_rules",
 ]
 
@@ -60,6 +67,16 @@ def _column_median(matrix: np.ndarray) -> np.ndarray:
 
 def _g(value: float) -> str:
     return f"{value:.3g}"
+
+
+
+
+def _strength(margin: float, moderate: float, strong: float) -> str:
+    """``suggestive`` below ``moderate``, ``moderate`` below ``strong``, else ``strong``: how far a
+    statistic is past its threshold, in the rule's own units (a log ratio, standard errors, steps)."""
+    if not margin >= moderate:
+        return "suggestive"
+    return "moderate" if margin < strong else "strong"
 
 
 def _finite(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -183,6 +200,7 @@ class NonFiniteLoss(Rule):
 
     id = "nonfinite-loss"
     severity = "error"
+    strength = "conclusive"
     reads = ("Loss",)
 
     def check(self, history: RunHistory) -> list[Finding]:
@@ -216,8 +234,19 @@ class LossDiverging(Rule):
     ``r > log(min_factor)`` and ``r > z * sigma`` (a smaller rise that is
     still far outside the run's noise); in both cases
     the rise must also exceed ``min_gap`` x the first tracked loss (a loss
-    that went from 0.02 to 0.07 late in a run has not diverged). The loss is
+    that went from 0.02 to 0.07 late in a run has not diverged), and
+    ``min_gap_best`` x it when measured from the best moving median (a noisy
+    late phase of a run near a loss of 0 swings by several times its best
+    median: on the generated corpus's tuning families, healthy runs rose by up
+    to 0.36 x their first loss so). With batches of at most ``small_batch``
+    samples the median is over ``small_batch_window`` losses. The loss is
     assumed positive (cross-entropy, squared error).
+
+    Severity: ``warning`` at first; ``error`` once the divergence is
+    sustained (the median of the last ``sustain`` losses above ``factor`` x
+    the reference and none back below ``min_factor`` x it), so that a
+    3-step spike after a step decay is not an error. The engine reports the
+    finding again when its severity rises.
     """
 
     id = "loss-diverging"
@@ -225,8 +254,13 @@ class LossDiverging(Rule):
     reads = ("Loss",)
 
     def __init__(self, window: int = 3, factor: float = 3.0, min_factor: float = 1.15, z: float = 12.0,
-                 min_gap: float = 0.1):
+                 min_gap: float = 0.1, sustain: int = 8, min_gap_best: float = 0.5, small_batch: int = 2,
+                 small_batch_window: int = 9):
         self.window = _check_window(window)
+        self.min_gap_best = float(min_gap_best)
+        self.small_batch = int(small_batch)
+        self.small_batch_window = _check_window(small_batch_window, "small_batch_window")
+        self.sustain = _check_window(sustain, "sustain")
         self.min_gap = float(min_gap)
         self.factor = _check_positive("factor", factor)
         self.min_factor = _check_positive("min_factor", min_factor)
@@ -252,10 +286,13 @@ class LossDiverging(Rule):
         return memo["best"], memo["at"]
 
     def check(self, history: RunHistory) -> list[Finding]:
-        if history.count("Loss") - history.nonfinite("Loss")[1] < self.window + 1:
+        window = self.window
+        if history.has("BatchSize") and to_float(history.last("BatchSize")[0][1]) <= self.small_batch:
+            window = max(window, self.small_batch_window)  # the loss of one or two samples is mostly noise
+        if history.count("Loss") - history.nonfinite("Loss")[1] < window + 1:
             return []
         first_steps, first_values = history.head("Loss", 1)
-        steps, values = history.tail("Loss", self.window)
+        steps, values = history.tail("Loss", window)
         first, recent = float(first_values[0]), _median(values)
         best, best_step = self._best(history)
         reference, where = (first, int(first_steps[0])) if first <= best else (best, best_step)
@@ -266,21 +303,39 @@ class LossDiverging(Rule):
         far = rise > math.log(self.factor) and (reference == first or rise > self.z * sigma)
         if not (far or (rise > math.log(self.min_factor) and rise > self.z * sigma)):
             return []
-        if recent - reference <= self.min_gap * first:  # small in the loss's own units (late, low losses)
+        gap = self.min_gap if reference == first else self.min_gap_best
+        if recent - reference <= gap * first:  # small in the loss's own units (late, low losses)
             return []
         step = int(steps[-1])
         what = "the first tracked loss" if reference == first else "the best moving median"
+        sustained = self._sustained(history, reference, where)
+        lr_then, lr_now = recipe.rate_at(history, where), recipe.rate_at(history, step)
         return [
             self.finding(
                 step,
                 f"the loss is diverging: its median over the last {self.window} tracked steps is {_g(recent)}, "
                 f"{_g(recent / reference)}x {what} ({_g(reference)} at step {where}); the run's own noise is "
-                f"{_g(100 * sigma)}% per step",
+                f"{_g(100 * sigma)}% per step"
+                + (f"; it has stayed above {_g(self.factor)}x for {self.sustain} steps" if sustained else
+                   " (an error once it stays there for " + f"{self.sustain} steps)"),
                 fix="lower the learning rate (e.g. by 10x), add warm-up or gradient clipping",
                 evidence={"recent": recent, "reference": reference, "reference_step": where, "noise": sigma,
-                          "window": self.window, "steps": [int(steps[0]), step], "since": int(steps[0])},
+                          "window": self.window, "steps": [int(steps[0]), step], "since": int(steps[0]),
+                          "sustained": sustained, "from_first": reference == first,
+                          "rate_ratio": (lr_now / lr_then) if lr_then > 0 else math.nan,
+                          "strength": "conclusive" if sustained else _strength(
+                              rise / max(self.z * sigma, 1e-12), 1.5, 3.0)},
+                severity="error" if sustained else "warning",
             )
         ]
+
+    def _sustained(self, history: RunHistory, reference: float, where: int) -> bool:
+        """Whether the last ``sustain`` finite losses, all after ``where``, have a median above
+        ``factor`` x ``reference`` and none of them is back below ``min_factor`` x it."""
+        steps, values = history.tail("Loss", self.sustain)
+        if len(values) < self.sustain or int(steps[0]) <= where:
+            return False
+        return bool(_median(values) > self.factor * reference and values.min() > self.min_factor * reference)
 
 
 class LossNotDecreasing(Rule):
@@ -303,6 +358,7 @@ class LossNotDecreasing(Rule):
 
     id = "loss-not-decreasing"
     severity = "warning"
+    strength = "strong"  # z = 4 standard errors
     reads = ("Loss",)
 
     def __init__(self, window: int = 5, min_values: int = 40, min_decrease: float = 0.03, z: float = 4.0,
@@ -426,18 +482,25 @@ class NoisyLoss(_LossProgress):
     that does not is named. Once it fires, the finding holds (while the
     noise stays above ``threshold``) until the progress reaches
     ``z + release``, so that a loss at the edge does not report, clear and
-    report again.
+    report again. Where ``BatchSize`` is stored, batches above ``max_batch``
+    (default 8) are left alone: the rule names a batch too small, and a
+    regression loss of batches of 16 swings by 40% of its start while it
+    learns.
     """
 
     id = "noisy-loss"
     severity = "warning"
     reads = ("Loss",)
 
-    def __init__(self, window: int = 20, threshold: float = 0.17, z: float = 2.0, release: float = 1.0):
+    def __init__(self, window: int = 20, threshold: float = 0.17, z: float = 2.0, release: float = 1.0,
+                 max_batch: int = 8):
         super().__init__(window, z, release)
         self.threshold = _check_positive("threshold", threshold)
+        self.max_batch = _check_window(max_batch, "max_batch")
 
     def check(self, history: RunHistory) -> list[Finding]:
+        if history.has("BatchSize") and to_float(history.last("BatchSize")[0][1]) > self.max_batch:
+            return []  # a noisy loss from a batch of more than max_batch samples is the task's, not the batch's
         recent = self._recent(history)
         first = float(history.head("Loss", 1)[1][0]) if recent is not None else math.nan
         if recent is None or not first > 0:
@@ -612,8 +675,29 @@ class ExplodingGradient(Rule):
         ]
 
 
+def _structurally_zero(history: RunHistory, ratio: float = 1e-4) -> set[int]:
+    """Vectors (biases, norm scales) whose gradient was below ``ratio`` x the largest layer's at the
+    first stored ``GradNorm``: a bias right before a normalization layer gets no gradient by design
+    (the normalization removes it), so its silence is not a finding."""
+    first = history.first("GradNorm", 1)
+    memo = history.memo.setdefault("structurally-zero", {})
+    key = (first[0][0] if first else None, history.version("GradNorm"), ratio)
+    if memo.get("key") != key:
+        found: set[int] = set()
+        row = block_values(first[0][1]) if first else None
+        if row is not None and np.isfinite(row).all() and row.max() > 0:
+            found = {i for i in range(len(row)) if (history.param_ndim(i) or 2) < 2 and row[i] < ratio * row.max()}
+        memo.update(key=key, value=found)
+    return memo["value"]
+
+
 class VanishingGradient(Rule):
-    """A layer's gradient norm is below ``ratio`` x the largest layer's (median over ``window`` steps) or below ``floor``."""
+    """A layer's gradient norm is below ``ratio`` x the largest layer's (median over ``window`` steps) or below ``floor``.
+
+    A vector (bias, norm scale) whose gradient was already below ``1e-4`` x
+    the largest at the first stored step is skipped while other layers get a
+    gradient: a bias right before a BatchNorm/GroupNorm gets none by design.
+    """
 
     id = "vanishing-gradient"
     severity = "warning"
@@ -641,7 +725,11 @@ class VanishingGradient(Rule):
         median = _column_median(norms)
         found = []
         steps = [step for step, _ in recent]
+        silent = _structurally_zero(history)
         for index in range(norms.shape[1]):
+            if index in silent and norms.shape[1] > 1 and not (norms[:, [i for i in range(norms.shape[1])
+                                                                          if i not in silent]] == 0).all():
+                continue  # a bias before a normalization: no gradient by design
             if relative[index] < self.ratio or median[index] < self.floor:
                 layer = history.param_name(index)
                 found.append(
@@ -744,45 +832,114 @@ class _UpdateRatio(Rule):
 
 
 class UpdateRatioTooSmall(_UpdateRatio):
-    """Updates below ``threshold`` x the parameter norm (exactly zero updates: ``unchanged-parameters``)."""
+    """Updates below ``threshold`` x the parameter norm (exactly zero updates: ``unchanged-parameters``),
+    unless the recipe explains them.
+
+    Small updates are not a finding when the learning rate was *scheduled*
+    small: below ``scheduled`` x the largest rate so far (a cosine tail, a
+    step decay), or rising over the window (warm-up, the first half of a
+    one-cycle schedule); nor when the loss fell below ``learning`` x its
+    start (the run learned; its gradient shrank because it converged).
+    """
 
     id = "update-ratio-too-small"
     severity = "warning"
     bound = "expected at least"
     fix = "raise the learning rate (for this layer's parameter group); check weight decay and gradient scaling"
 
-    def __init__(self, threshold: float = 1e-4, window: int = 5, include_biases: bool = False):
+    def __init__(self, threshold: float = 1e-4, window: int = 5, include_biases: bool = False,
+                 scheduled: float = 0.5, learning: float = 0.8):
         super().__init__(threshold, window, include_biases)
+        self.scheduled = _check_positive("scheduled", scheduled)
+        self.learning = _check_positive("learning", learning)
 
     def _wrong(self, ratio: float) -> bool:
         return 0.0 < ratio < self.threshold
 
+    def check(self, history: RunHistory) -> list[Finding]:
+        found = self._ratios(history)
+        if found is None or len(found[0]) < self.window:
+            return []
+        steps = found[0]
+        share = recipe.scheduled_share(history, steps[-1])
+        if (math.isfinite(share) and share < self.scheduled) or recipe.warming_up(history, steps[0], steps[-1]):
+            return []  # the schedule made the rate small
+        if recipe.loss_share(history) < self.learning:
+            return []  # the run learned: small updates of a converging run are not a finding
+        findings = super().check(history)
+        for finding in findings:
+            finding.evidence.update(scheduled_share=share, strength=_strength(
+                math.log10(self.threshold / max(finding.evidence["ratio"], 1e-300)), 0.5, 1.5))
+        return findings
+
 
 class UpdateRatioTooLarge(_UpdateRatio):
-    """Updates above ``threshold`` x the parameter norm (median over ``window`` steps), or a single
-    update above ``spike`` x the norm (a blow-up: reported at once, without waiting for a window)."""
+    """Updates above ``threshold`` x the parameter norm (median over ``window`` steps) while the loss
+    has not fallen below ``learning`` x its start, or a single update above ``spike`` x the norm (a
+    blow-up: reported at once, without waiting for a window).
+
+    An adaptive optimizer (Adam, RMSprop, Adagrad: ``Momentum`` NaN) takes
+    large first steps by design (RMSprop's first step is 10x its learning
+    rate per coordinate): its first ``adaptive_steps`` tracked steps are
+    not looked at.
+
+    The defaults (0.3, a spike of 1.0) were set on the generated corpus's
+    tuning families, where healthy tiny models reached window medians of
+    0.2-0.4 in their first steps (Adagrad, SGD at a step-decay peak) and
+    learning rates 30-300x too large 0.34-100.
+    """
 
     id = "update-ratio-too-large"
     severity = "warning"
     bound = "expected at most"
     fix = "lower the learning rate (for this layer's parameter group) or add warm-up"
 
-    def __init__(self, threshold: float = 0.1, window: int = 5, include_biases: bool = False,
-                 spike: float | None = 0.2):
+    def __init__(self, threshold: float = 0.3, window: int = 5, include_biases: bool = False,
+                 spike: float | None = 1.0, adaptive_steps: int = 10, learning: float = 0.8):
         super().__init__(threshold, window, include_biases)
         self.spike = None if spike is None else _check_positive("spike", spike)
+        self.adaptive_steps = int(_check_nonnegative("adaptive_steps", adaptive_steps))
+        self.learning = _check_positive("learning", learning)
 
     def _wrong(self, ratio: float) -> bool:
         return ratio > self.threshold
 
+    def _falling(self, history: RunHistory, steps: list[int]) -> bool:
+        """Whether the loss fell over the window by more than ``falling`` x its first value (large
+        updates that make progress are the recipe's, e.g. Adagrad's early steps)."""
+        loss_steps, losses = history.tail("Loss", 4 * self.window)
+        inside = losses[loss_steps >= steps[0]]
+        if len(inside) < 4:
+            return False
+        first, half = float(history.head("Loss", 1)[1][0]), len(inside) // 2
+        return bool(_median(inside[:half]) - _median(inside[-half:]) > self.falling * first)
+
+    falling: float = 0.02
+
     def check(self, history: RunHistory) -> list[Finding]:
-        findings = super().check(history)
-        if self.spike is None:
-            return findings
         found = self._ratios(history)
         if found is None:
-            return findings
+            return []
         steps, ratios = found
+        if recipe.adaptive(history):
+            start = history.first("UpdateSize", 1)[0][0] + self.adaptive_steps
+            keep = [i for i, step in enumerate(steps) if step >= start]
+            steps, ratios = [steps[i] for i in keep], ratios[keep]
+            if not steps:
+                return []
+        findings = []
+        if len(steps) >= self.window and not recipe.loss_share(history) < self.learning and not self._falling(
+                history, steps):
+            median = _column_median(ratios)
+            for index in self._layers(history, ratios.shape[1]):
+                ratio = float(median[index])
+                if math.isfinite(ratio) and self._wrong(ratio):
+                    finding = self._finding(history, index, steps, ratio,
+                                            f"median over steps {steps[0]}..{steps[-1]}", steps[0])
+                    finding.evidence["strength"] = _strength(math.log10(ratio / self.threshold), 0.3, 1.0)
+                    findings.append(finding)
+        if self.spike is None:
+            return findings
         seen = {f.layer for f in findings}
         for index in self._layers(history, ratios.shape[1]):
             column = ratios[:, index]
@@ -791,7 +948,7 @@ class UpdateRatioTooLarge(_UpdateRatio):
             at = int(np.nanargmax(column))
             finding = self._finding(history, index, steps, float(column[at]), f"at step {steps[at]}", steps[at])
             finding.message += f"; a single update above {_g(self.spike)} x the norm is a blow-up"
-            finding.evidence["spike"] = self.spike
+            finding.evidence.update(spike=self.spike, strength=_strength(math.log10(column[at] / self.spike), 0.3, 1.0))
             findings.append(finding)
         return findings
 
@@ -807,6 +964,7 @@ class UnchangedParameters(Rule):
 
     id = "unchanged-parameters"
     severity = "warning"
+    strength = "strong"  # exactly zero for several steps
 
     def __init__(self, window: int = 3, tolerance: float = 0.0):
         self.window = _check_window(window)
@@ -830,7 +988,10 @@ class UnchangedParameters(Rule):
         what = "update" if name == "UpdateSize" else "distance to the start"
         gradients = [block_values(history.get("GradNorm", step)) for step in steps]
         found = []
+        silent = _structurally_zero(history) if history.has("GradNorm") else set()
         for i in np.flatnonzero(still):
+            if i in silent:
+                continue  # a bias before a normalization: no gradient, no update, by design
             known = [g[i] for g in gradients if g is not None and i < len(g) and math.isfinite(g[i])]
             has_gradient = bool(known) and all(g > 0 for g in known)
             found.append(self.finding(
@@ -1053,13 +1214,25 @@ class _ActivationShare(Rule):
 
     def check(self, history: RunHistory) -> list[Finding]:
         steps, shares = self._shares(history)
-        return [
-            self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"), fix=self.fix,
-                         layer=layer, evidence={self.field: share, "kind": kind, "steps": steps, "since": steps[0],
-                                                "at_start": steps[0] == history.first("ActivationStats", 1)[0][0]})
-            for layer, (kind, share) in shares.items()
-            if share > self.threshold
-        ]
+        found = []
+        for layer, (kind, share) in shares.items():
+            if not share > self.threshold:
+                continue
+            evidence = {self.field: share, "kind": kind, "steps": steps, "since": steps[0],
+                        "at_start": steps[0] == history.first("ActivationStats", 1)[0][0],
+                        "developed": self._developed(history, layer)}
+            found.append(self.finding(steps[-1], self._message(layer, kind, share, f"{steps[0]}..{steps[-1]}"),
+                                      fix=self.fix, layer=layer, evidence=evidence))
+        return found
+
+    def _developed(self, history: RunHistory, layer: str) -> bool:
+        """Whether the layer's share was at most the threshold at the first tracked step (the units were
+        alive at the start, by the rule's own measure, and went off later)."""
+        first = history.first("ActivationStats", 1)
+        stats = first[0][1].get(layer) if first and isinstance(first[0][1], Mapping) else None
+        if not isinstance(stats, Mapping) or self.field not in stats:
+            return False
+        return bool(to_float(stats[self.field]) <= self.threshold)
 
 
 class DeadUnits(_ActivationShare):
@@ -1067,15 +1240,37 @@ class DeadUnits(_ActivationShare):
 
     Steps with fewer than ``min_samples`` rows (default 8) are not counted:
     with one sample, half of the units of a healthy ReLU layer are off for
-    "every sample".
+    "every sample". Units that were alive at the first tracked step and died
+    later are reported only after ``settle`` tracked steps and while the loss
+    has not fallen below ``learning`` x its start: a CNN with Adagrad or
+    RMSprop loses half its units in its first (large) steps and still trains
+    well (seen on the generated corpus's tuning families).
     """
 
     id = "dead-units"
     severity = "warning"
+    strength = "strong"
     field = "dead_fraction"
 
-    def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 8):
+    def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 8, learning: float = 0.7,
+                 settle: int = 10):
         super().__init__(threshold, window, min_samples)
+        self.learning = _check_positive("learning", learning)
+        self.settle = _check_window(settle, "settle")
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        found = super().check(history)
+        if not found:
+            return found
+        first = history.first("ActivationStats", 1)[0][0]
+        kept = []
+        for finding in found:
+            if finding.evidence.get("developed") and (
+                    finding.step - first < self.settle
+                    or recipe.loss_share(history, before_updates=True) < self.learning):
+                continue  # units alive at the start: wait, and let a run that learns well keep its loss of units
+            kept.append(finding)
+        return kept
     fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
 
     def _message(self, layer: str, kind: str, share: float, span: str) -> str:
@@ -1105,7 +1300,9 @@ class LargeInputScale(Rule):
     can have changed it: above ``limit`` (default 10), the inputs are most
     likely not normalized (pixels in 0..255, raw features). Bounded
     activations (tanh, sigmoid) are skipped; their saturation is
-    ``saturated-units``' business.
+    ``saturated-units``' business. So is a layer called more than once per
+    sample (more rows than ``BatchSize``: the activation of a recurrence,
+    whose large outputs are the recurrence exploding, not the inputs).
     """
 
     id = "large-input-scale"
@@ -1123,6 +1320,9 @@ class LargeInputScale(Rule):
         layer, stats = next(iter(value.items()))
         if not isinstance(stats, Mapping) or stats.get("kind") in ("tanh", "sigmoid"):
             return []
+        batch = to_float(history.get("BatchSize", step)) if history.has("BatchSize") else math.nan
+        if to_float(stats.get("samples", 0)) > batch:
+            return []  # called more than once per sample: a recurrence, whose scale is its own
         rms = to_float(stats.get("rms"))
         if not rms > self.limit:
             return []
@@ -1273,6 +1473,311 @@ class Overfitting(Rule):
         ]
 
 
+
+class ExplodingRecurrence(Rule):
+    """At the first tracked step, an activation module called more than once per sample (a recurrence:
+    more rows than ``BatchSize``) has outputs of scale (rms) above ``limit`` (ReLU-like), or more than
+    ``saturated`` of its outputs saturated (tanh, sigmoid): the recurrence amplifies its state through
+    time before any update, and so does the gradient through time."""
+
+    id = "exploding-recurrence"
+    severity = "warning"
+    reads = ("ActivationStats", "BatchSize")
+
+    def __init__(self, limit: float = 10.0, saturated: float = 0.5):
+        self.limit = _check_positive("limit", limit)
+        self.saturated = _check_positive("saturated", saturated)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        first = history.first("ActivationStats", 1)
+        if not first or not isinstance(first[0][1], Mapping):
+            return []
+        step, value = first[0]
+        batch = to_float(history.get("BatchSize", step))
+        found = []
+        for layer, stats in value.items():
+            if not isinstance(stats, Mapping) or not to_float(stats.get("samples", 0)) > batch:
+                continue
+            bounded = stats.get("kind") in ("tanh", "sigmoid")
+            measure = to_float(stats.get("saturated_fraction")) if bounded else to_float(stats.get("rms"))
+            limit = self.saturated if bounded else self.limit
+            if not measure > limit:
+                continue
+            what = f"{_g(100 * measure)}% of its outputs saturated" if bounded else f"outputs of scale {_g(measure)} (rms)"
+            found.append(self.finding(
+                step,
+                f"the recurrent activation {layer} ({stats.get('kind', '?')}, {int(to_float(stats.get('samples')) // batch)} "
+                f"calls per sample) has {what} at the first tracked step {step}, before any update: the recurrence "
+                "amplifies its state through time",
+                fix="initialize the recurrent weights with a spectral radius at most 1 (orthogonal init), clip "
+                "gradients, or use gated cells (LSTM/GRU)",
+                layer=layer,
+                evidence={"measure": measure, "limit": limit, "since": int(step), "at_start": True,
+                          "strength": _strength(math.log10(measure / limit), 0.3, 1.0) if not bounded else "moderate"},
+            ))
+        return found
+
+
+# ---- the recipe --------------------------------------------------------------------------------------
+class LearningRateJump(Rule):
+    """The learning rate jumped above ``factor`` x the largest rate stored before (a schedule bug: a
+    scheduler stepped with the wrong unit, a multiplier applied twice, a restart far above the peak).
+
+    Reads the tracked ``LearningRate`` (the largest of the parameter groups)
+    or the logged ``learning_rate``. Warm-up and one-cycle schedules rise by
+    far less than ``factor`` (default 5) per step; the finding holds while
+    the rate stays above ``factor`` x the peak before the jump.
+    """
+
+    id = "learning-rate-jump"
+    severity = "warning"
+
+    def __init__(self, factor: float = 5.0):
+        self.factor = _check_positive("factor", factor)
+
+    def missing(self, history: RunHistory) -> list[str]:
+        return [] if recipe.rate_name(history) else ["LearningRate or learning_rate"]
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = recipe.rates(history)
+        if len(values) < 2:
+            return []
+        memo = history.memo.setdefault(f"{self.id}/{id(self)}", {})
+        name = recipe.rate_name(history)
+        if memo.get("version") != history.version(name) or memo.get("done", 0) > len(values):
+            memo.update(version=history.version(name), done=1, best=values[0] if math.isfinite(values[0]) else 0.0,
+                        jump=None)
+        for index in range(memo["done"], len(values)):
+            value = values[index]
+            if memo["jump"] is None and memo["best"] > 0 and value > self.factor * memo["best"]:
+                memo["jump"] = (int(steps[index]), memo["best"], float(value))
+            if math.isfinite(value) and memo["jump"] is None:
+                memo["best"] = max(memo["best"], value)
+        memo["done"] = len(values)
+        if memo["jump"] is None:
+            return []
+        at, before, after = memo["jump"]
+        if not values[-1] > self.factor * before:
+            return []
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the learning rate jumped to {_g(after)} at step {at}, {_g(after / before)}x the largest rate "
+                f"before it ({_g(before)}); it is {_g(values[-1])} now",
+                fix="check the learning-rate schedule (a scheduler stepped per batch instead of per epoch, a "
+                "multiplier applied twice, a restart far above the peak)",
+                evidence={"step": at, "before": before, "after": after, "since": at,
+                          "strength": "strong" if after > 10 * self.factor * before else "moderate"},
+            )
+        ]
+
+
+class WeightsShrinking(Rule):
+    """The total norm of the weights (``ParamNorm`` of parameters with two or more dimensions) fell
+    below ``shrink`` x its first stored value: weight decay far too strong pulls every weight to 0.
+
+    Healthy runs grow their weights or keep them (on the generated corpus's
+    tuning families the smallest ratio of a healthy run was 0.99); a decay
+    of 3-6% per step halves them within 10-20 steps.
+    """
+
+    id = "weights-shrinking"
+    severity = "warning"
+    reads = ("ParamNorm",)
+
+    def __init__(self, shrink: float = 0.7):
+        if not 0.0 < shrink < 1.0:
+            raise ValueError(f"shrink must lie in (0, 1), got {shrink!r}")
+        self.shrink = float(shrink)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, rows = history.series("ParamNorm", block_values)
+        if len(rows) < 2 or rows[0] is None or rows[-1] is None or len(rows[0]) != len(rows[-1]):
+            return []
+        weights = [i for i in range(len(rows[0])) if (history.param_ndim(i) or 2) >= 2]
+        if not weights:
+            return []
+        first = float(np.sqrt(np.sum(rows[0][weights] ** 2)))
+        now = float(np.sqrt(np.sum(rows[-1][weights] ** 2)))
+        if not (first > 0 and math.isfinite(now) and now < self.shrink * first):
+            return []
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the weights shrink: their total norm is {_g(now)} at step {steps[-1]}, {_g(now / first)}x its "
+                f"first value {_g(first)} (step {steps[0]})",
+                fix="lower the weight decay (typical: 1e-4..5e-4 for SGD, 0.01..0.1 for AdamW); with AdamW the "
+                "decay per step is lr x weight_decay",
+                evidence={"first": first, "now": now, "ratio": now / first, "since": int(steps[0]),
+                          "strength": _strength(math.log(self.shrink * first / now), 0.2, 0.7)},
+            )
+        ]
+
+
+
+class GradientsAccumulate(Rule):
+    """The total gradient norm grows steadily and smoothly: gradients are summed over steps (a
+    forgotten ``optimizer.zero_grad()``).
+
+    Over the last ``window`` tracked steps: the norm rose at a ``share`` of
+    them, its median relative change per step is below ``smooth`` (each step
+    adds one mini-batch gradient to a growing sum, so the sum changes by a
+    shrinking fraction; a fresh mini-batch gradient changes by 10-50% per
+    step), and it is above ``growth`` x the first tracked norm. Thresholds set
+    on the generated corpus's tuning families (seeds 0 and 1): healthy runs
+    leaving a plateau with large batches grew smoothly to 4.4x their first
+    norm; runs with a forgotten ``zero_grad`` reached 7-14x within 11 steps,
+    changing by 2-10% per step.
+    """
+
+    id = "gradients-accumulate"
+    severity = "warning"
+    reads = ("GradNorm",)
+
+    def __init__(self, window: int = 10, share: float = 0.8, smooth: float = 0.1, growth: float = 6.0):
+        self.window = _check_window(window)
+        self.share = float(share)
+        self.smooth = _check_positive("smooth", smooth)
+        self.growth = _check_positive("growth", growth)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, totals = history.series("GradNorm", _total_norm)
+        if len(totals) < self.window + 1:
+            return []
+        recent = np.asarray(totals[-self.window - 1:])
+        first = totals[0]
+        if not (np.isfinite(recent).all() and math.isfinite(first) and first > 0 and recent[-1] > self.growth * first):
+            return []
+        change = np.diff(recent)
+        relative = _median(np.abs(change) / recent[1:])
+        rising = float((change > 0).mean())
+        if not (rising >= self.share and relative < self.smooth):
+            return []
+        since = int(steps[-self.window - 1])
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the gradient norm grows steadily: {_g(recent[-1])} at step {steps[-1]}, {_g(recent[-1] / first)}x "
+                f"the first ({_g(first)}), rising at {_g(100 * rising)}% of the last {self.window} steps by a median "
+                f"{_g(100 * relative)}% per step; a sum of gradients grows so (is optimizer.zero_grad() called?)",
+                fix="call optimizer.zero_grad() once per optimizer step, before loss.backward()",
+                evidence={"norm": float(recent[-1]), "first": first, "rising": rising, "relative_change": relative,
+                          "since": since, "strength": _strength(self.smooth / max(relative, 1e-12), 1.5, 3.0)},
+            )
+        ]
+
+
+class SaturatedOutput(Rule):
+    """The loss barely varies between batches from the start and does not fall: the outputs are
+    squashed before the loss (softmax before ``CrossEntropyLoss``, sigmoid before
+    ``BCEWithLogitsLoss``), so every sample's loss sits near the same value.
+
+    Over the first ``window`` finite losses and over the last ``window``
+    (once there are ``patience``): their robust noise per step (``1.4826 MAD``
+    of the steps over sqrt 2) is below ``quiet`` x their median, and the
+    median of the last 5 is above ``flat`` x that of the first 5 (a healthy
+    CNN or GRU whose initial logits are near 0 starts as quiet, and its
+    plateau breaks within 30 steps). Set on the generated corpus's tuning families: healthy runs had
+    a relative noise of at least 0.003 over their first 15 losses, runs with
+    softmax before cross-entropy on 10 or 16 classes 0.0006-0.0011 (on two
+    classes the loss of a squashed output still varies, and the rule does
+    not see it).
+    """
+
+    id = "saturated-output"
+    severity = "warning"
+    reads = ("Loss",)
+
+    def __init__(self, window: int = 15, quiet: float = 0.0015, flat: float = 0.95, patience: int = 30):
+        self.window = _check_window(window)
+        self.patience = _check_window(patience, "patience")
+        self.quiet = _check_positive("quiet", quiet)
+        self.flat = _check_positive("flat", flat)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        memo = history.memo.setdefault(f"{self.id}/{id(self)}", {})
+        if memo.get("version") != history.version("Loss"):
+            memo.clear()
+            memo["version"] = history.version("Loss")
+        if "quiet" not in memo:  # the first window never changes: judged once
+            steps, values = history.head("Loss", self.window)
+            if len(values) < self.window:
+                return []
+            center = _median(values)
+            noise = _robust_scale(np.diff(values)) / math.sqrt(2.0)
+            memo.update(quiet=bool(center > 0 and noise < self.quiet * center), steps=steps, center=center, noise=noise)
+        if not memo["quiet"] or history.count("Loss") < self.patience:
+            return []
+        steps, center, noise = memo["steps"], memo["center"], memo["noise"]
+        _, recent = history.tail("Loss", self.window)
+        late_center = _median(recent)
+        if not (late_center > 0 and _robust_scale(np.diff(recent)) / math.sqrt(2.0) < self.quiet * late_center):
+            return []  # a plateau that broke: its loss varies now
+        share = recipe.loss_share(history)
+        if not share > self.flat:
+            return []
+        return [
+            self.finding(
+                int(history.tail("Loss", 1)[0][-1]),
+                f"the loss barely varies from batch to batch: {_g(100 * noise / center)}% of its value over steps "
+                f"{int(steps[0])}..{int(steps[-1])}, and it has not fallen (now {_g(share)}x its start): the outputs "
+                "look squashed before the loss",
+                fix="pass raw logits to CrossEntropyLoss / BCEWithLogitsLoss: remove a final softmax or sigmoid",
+                evidence={"relative_noise": noise / center, "loss_share": share, "since": int(steps[0]),
+                          "strength": _strength(math.log10(self.quiet * center / max(noise, 1e-300)), 0.2, 0.6)},
+            )
+        ]
+
+
+class LossJump(Rule):
+    """The loss jumped to a higher level mid-run: the median of the last ``after`` finite losses is
+    above the median of the ``before`` losses preceding them by more than ``gap`` x the first loss and
+    ``z`` x their noise, after the run had learned (that median below ``learned`` x the first loss).
+
+    Read in context by the cause layer: with the learning rate raised or the
+    updates grown before it, the learning rate; otherwise the data changed.
+    """
+
+    id = "loss-jump"
+    severity = "warning"
+    reads = ("Loss",)
+
+    def __init__(self, before: int = 10, after: int = 5, gap: float = 0.2, z: float = 6.0, learned: float = 0.9):
+        self.before = _check_window(before, "before")
+        self.after = _check_window(after, "after")
+        self.gap = _check_positive("gap", gap)
+        self.z = _check_positive("z", z)
+        self.learned = _check_positive("learned", learned)
+
+    def check(self, history: RunHistory) -> list[Finding]:
+        steps, values = history.tail("Loss", self.before + self.after)
+        if len(values) < self.before + self.after:
+            return []
+        first = float(history.head("Loss", 1)[1][0])
+        early, late = values[: self.before], values[self.before:]
+        level, now = _median(early), _median(late)
+        noise = _robust_scale(np.diff(early)) / math.sqrt(2.0)
+        jump = now - level
+        if not (first > 0 and level < self.learned * first and jump > self.gap * first and jump > self.z * noise):
+            return []
+        if late.min() <= level:
+            return []  # not a new level: a spike among values back at the old one
+        since = int(steps[self.before])
+        rate_then, rate_now = recipe.rate_at(history, int(steps[0])), recipe.rate_at(history, int(steps[-1]))
+        return [
+            self.finding(
+                int(steps[-1]),
+                f"the loss jumped from {_g(level)} (median of steps {int(steps[0])}..{int(steps[self.before - 1])}) "
+                f"to {_g(now)} (steps {since}..{int(steps[-1])}), {_g(jump / first)}x the first loss",
+                fix="check the learning-rate schedule at that step, then the data pipeline (constant or zeroed "
+                "inputs, labels replaced)",
+                evidence={"before": level, "after": now, "first": first, "noise": noise, "since": since,
+                          "rate_ratio": (rate_now / rate_then) if rate_then > 0 else math.nan,
+                          "strength": _strength(jump / max(self.z * noise, 1e-12), 1.5, 3.0)},
+            )
+        ]
+
+
 def default_rules() -> list[Rule]:
     """One instance of every built-in rule with default thresholds."""
     return [
@@ -1295,4 +1800,10 @@ def default_rules() -> list[Rule]:
         PoorInitialization(),
         LargeInputScale(),
         Overfitting(),
+        LearningRateJump(),
+        WeightsShrinking(),
+        GradientsAccumulate(),
+        SaturatedOutput(),
+        LossJump(),
+        ExplodingRecurrence(),
     ]

@@ -37,12 +37,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import math
+
 import numpy as np
 
 from cockpit_like.diagnosis.causes import cause_of, group_findings
 from cockpit_like.diagnosis.findings import Finding, severity_rank
 
-__all__ = ["score_run", "summarize", "format_summary", "INFO_LABELS"]
+__all__ = ["score_run", "summarize", "format_summary", "format_generated", "wilson", "INFO_LABELS"]
 
 #: the corpus label each ``info`` rule's suggestion points at (its cause is not a labelled fault)
 INFO_LABELS = {"step-too-short": "learning-rate-too-small", "noise-dominated": "batch-too-small"}
@@ -217,4 +219,87 @@ def format_summary(halves: Mapping[str, Mapping[str, Any]]) -> str:
                 + f" | {label} | " + " / ".join(
                     "-" if not g.get("label_runs") else f"{_cell(g.get('recall'), True)} of {g['label_runs']}"
                     for g in got) + " |")
+    return "\n".join(lines)
+
+
+def wilson(successes: int, trials: int, z: float = 1.96) -> tuple[float, float] | None:
+    """The Wilson score interval of a rate ``successes / trials`` (95% for ``z = 1.96``); None for no trials."""
+    if trials <= 0:
+        return None
+    p = successes / trials
+    denominator = 1.0 + z * z / trials
+    center = (p + z * z / (2 * trials)) / denominator
+    half = z * np.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denominator
+    return float(max(0.0, center - half)), float(min(1.0, center + half))
+
+
+def _rate(successes: int, trials: int) -> str:
+    interval = wilson(successes, trials)
+    if interval is None:
+        return "-"
+    return f"{successes}/{trials} = {100 * successes / trials:.1f}% [{100 * interval[0]:.1f}, {100 * interval[1]:.1f}]"
+
+
+def format_generated(halves: Mapping[str, list[dict[str, Any]]], dropped: Mapping[str, Any] | None = None,
+                     cost: Mapping[str, float] | None = None) -> str:
+    """Markdown tables for generated runs scored with :func:`score_run` (each with ``"fault"``), per half:
+    rates with 95% Wilson intervals; ``dropped``: per half, healthy draws that failed their own check
+    (or a pair: those, and runs whose training raised);
+    ``cost``: the rules' seconds per tracked step."""
+    names = list(halves)
+    lines = ["| figure | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+
+    def row(label: str, get) -> None:
+        lines.append(f"| {label} | " + " | ".join(get(halves[n], n) for n in names) + " |")
+
+    def problems(runs):
+        return [s for s in runs if s["problem"] is not None]
+
+    def healthy(runs):
+        return [s for s in runs if s["problem"] is None]
+
+    row("runs (problem / healthy)", lambda r, n: f"{len(r)} ({len(problems(r))} / {len(healthy(r))})")
+    if dropped is not None:
+        def left_out(r, n):
+            value = dropped.get(n, 0)
+            return " + ".join(str(v) for v in value) if isinstance(value, (tuple, list)) else str(value)
+
+        row("left out: healthy draws that failed their own loss check" + (
+            " + runs whose training raised" if any(isinstance(v, (tuple, list)) for v in dropped.values()) else ""),
+            left_out)
+    row("healthy runs with an alarm (95% interval)",
+        lambda r, n: _rate(sum(bool(s["alarms"]) for s in healthy(r)), len(healthy(r))))
+    row("alarms per healthy run", lambda r, n: _cell(sum(s["alarms"] for s in healthy(r)) / max(len(healthy(r)), 1)))
+    row("recall", lambda r, n: _rate(sum(s["detected"] for s in problems(r)), len(problems(r))))
+    row("cause named first", lambda r, n: _rate(sum(bool(s["root_cause"]) for s in problems(r)), len(problems(r))))
+    row("median delay (steps)", lambda r, n: _cell(_median([s["delay"] for s in problems(r) if s["delay"] is not None])))
+    row("problem runs with an alarm before the onset", lambda r, n: str(sum(bool(s["early_alarms"]) for s in problems(r))))
+    if cost is not None:
+        row("rules' cost per tracked step", lambda r, n: f"{1e3 * cost.get(n, math.nan):.2f} ms")
+    lines += ["", "Per rule (" + " / ".join(names) + "): healthy runs it alarmed on (95% interval), and the problem "
+              "runs it alarmed on", "", "| rule | " + " | ".join(f"false alarms ({n})" for n in names)
+              + " | " + " | ".join(f"problem runs ({n})" for n in names) + " |", "|---|" + "---|" * (2 * len(names))]
+    rules = sorted({rule for n in names for s in halves[n] for rule in s["per_rule"]})
+    for rule in rules:
+        cells = [_rate(sum(rule in s["per_rule"] for s in healthy(halves[n])), len(healthy(halves[n]))) for n in names]
+        cells += [str(sum(rule in s["per_rule"] for s in problems(halves[n]))) for n in names]
+        lines.append(f"| `{rule}` | " + " | ".join(cells) + " |")
+    lines += ["", "Per fault (" + " / ".join(names) + "): runs, detected, cause named first, median delay; the "
+              "first causes named (held-out half)", "",
+              "| fault | expected cause | runs | detected | cause first | median delay | first causes named |",
+              "|---|---|---|---|---|---|---|"]
+    faults = sorted({s["fault"] for n in names for s in problems(halves[n])})
+    for fault in faults:
+        per = {n: [s for s in problems(halves[n]) if s["fault"] == fault] for n in names}
+        expected = next(s["problem"] for n in names for s in per[n])
+        cells = [" / ".join(str(len(per[n])) for n in names),
+                 " / ".join(str(sum(s["detected"] for s in per[n])) for n in names),
+                 " / ".join(str(sum(bool(s["root_cause"]) for s in per[n])) for n in names),
+                 " / ".join(_cell(_median([s["delay"] for s in per[n] if s["delay"] is not None])) for n in names)]
+        last = per[names[-1]]
+        named = {}
+        for s in last:
+            named[str(s["first_cause"])] = named.get(str(s["first_cause"]), 0) + 1
+        lines.append(f"| {fault} | {expected} | " + " | ".join(cells) + " | "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(named.items(), key=lambda kv: -kv[1])) + " |")
     return "\n".join(lines)

@@ -169,12 +169,41 @@ class Record:
             return False
         return self.value(value_id).get("nonfinite", 0) > 0
 
+    def _intended(self, op: dict[str, Any], value_id: int) -> bool:
+        """Whether ``value_id``, an output of ``op``, holds infinities put there on purpose (a mask): its
+        non-finite entries are all infinite, none NaN, and either ``op`` makes them from a constant
+        (``masked_fill(mask, -inf)``, ``where``, ``full``: :data:`_MASK_MAKERS`) or passes on an
+        infinity-only input without making NaN (an addition of the caller's -inf mask, a view:
+        :data:`_MASK_PASSERS`)."""
+        info = self.value(value_id)
+        if info.get("nan", 0) or not info.get("nonfinite", 0):
+            return False
+        base = op["op"].split(".")[1] if op["op"].count(".") >= 2 else op["op"]
+        inputs = [self.value(v) for v in op["inputs"] if self._nonfinite(v)]
+        if any(i.get("nan", 0) for i in inputs):
+            return False
+        if base in _MASK_MAKERS:
+            return all(v in self._masks or not self._nonfinite(v) for v in op["inputs"])
+        return base in _MASK_PASSERS and bool(inputs) and all(v in self._masks or not self._nonfinite(v)
+                                                               or self._external(v) for v in op["inputs"])
+
+    def _external(self, value_id: int) -> bool:
+        """Whether a value came into the step from outside (made by no recorded operation)."""
+        return value_id not in self._made
+
     def _find_first_nonfinite(self) -> dict[str, Any] | None:
+        self._made = {v for op in self.ops for v in op["outputs"]}
+        self._masks: set[int] = set()  # values holding intended infinities (masks), found on the way
         for op in self.ops:
             bad = [v for v in op["outputs"] if self._nonfinite(v)]
             if not bad:
                 continue
-            bad_inputs = [v for v in op["inputs"] if self._nonfinite(v)]
+            if all(self._intended(op, v) for v in bad):
+                self._masks.update(bad)
+                continue
+            bad = [v for v in bad if v not in self._masks]
+            bad_inputs = [v for v in op["inputs"] if self._nonfinite(v) and v not in self._masks]
+            masks_in = [v for v in op["inputs"] if v in self._masks]
             inputs = [_range_of(v, self.value(v)) for v in op["inputs"]]
             outputs = [_range_of(v, self.value(v)) for v in bad]
             if bad_inputs:  # finite outputs so far: a non-finite value came in from outside (a parameter, the batch)
@@ -187,9 +216,11 @@ class Record:
             else:
                 shown = "; ".join(_describe_range(r) for r in inputs if "min" in r or "nonfinite" in r)
                 produced = "; ".join(_describe_range(r) for r in outputs)
+                what = "finite inputs" if not masks_in else (
+                    "finite inputs and an intended infinity (a mask: " + ", ".join(f"v{v}" for v in masks_in) + ")")
                 message = (
                     f"{op['op']} in {_where(op)} (op {op['index']}, {op['phase']} pass) produced the first "
-                    f"non-finite value ({produced}) from finite inputs ({shown or 'no tensor inputs'})"
+                    f"non-finite value ({produced}) from {what} ({shown or 'no tensor inputs'})"
                 )
                 kind = "operation"
             return {
@@ -264,6 +295,14 @@ def read_record(path: str | os.PathLike) -> Record:
 
 
 _PHASE_ORDER = ["forward", "loss", "backward", "after-backward"]
+
+
+#: operations that put infinities in on purpose (attention masks), and operations that pass them on
+_MASK_MAKERS = {"masked_fill", "masked_fill_", "where", "fill", "fill_", "full", "full_like", "new_full",
+                "scalar_tensor", "lift_fresh", "lift_fresh_copy", "index_put", "index_put_"}
+_MASK_PASSERS = {"add", "add_", "sub", "sub_", "clone", "copy_", "_to_copy", "view", "_unsafe_view", "reshape",
+                 "expand", "unsqueeze", "squeeze", "slice", "select", "t", "transpose", "permute", "contiguous",
+                 "repeat", "alias", "detach", "to", "masked_fill", "masked_fill_", "where"}
 
 
 def _where(op: dict[str, Any]) -> str:

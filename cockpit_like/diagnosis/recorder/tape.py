@@ -123,6 +123,13 @@ def encode_argument(value: Any, tensor_id: Callable[[torch.Tensor], int]) -> Any
     return {"repr": repr(value)}
 
 
+def user_name(name: str) -> str:
+    """A module path as the user wrote it: ``torch.compile`` wraps the model in an ``OptimizedModule``
+    whose submodules are found under ``_orig_mod.`` (``_orig_mod.0`` is the user's ``0``)."""
+    parts = [part for part in name.split(".") if part != "_orig_mod"]
+    return ".".join(parts) if parts else name
+
+
 class Tape(TorchDispatchMode):
     """Notes the aten operations of one step (see the module docstring).
 
@@ -145,7 +152,7 @@ class Tape(TorchDispatchMode):
     ):
         super().__init__()
         self.root = root
-        self.names = names
+        self.names = {key: user_name(name) for key, name in names.items()}
         self.paused = paused
         self.max_ops = max_ops
         self.summaries = summaries
