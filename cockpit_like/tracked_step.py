@@ -242,7 +242,8 @@ class TrackedStep:
             loss = self.info["loss"]
             warnings.warn(
                 f"[cockpit_like] step {self.step}: the loss is {float(loss.detach() if isinstance(loss, torch.Tensor) else loss):g}; quantities "
-                "that cannot be computed store NaN for this step",
+                "that cannot be computed store NaN for this step. cockpit.records (docs/recorder.md) names the operation "
+                "that made the first non-finite value; lower the learning rate, clip the gradients or check the inputs",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -471,7 +472,8 @@ class TrackedStep:
                 raise
             warnings.warn(
                 f"[cockpit_like] step {self.step}: {name} failed on the non-finite loss "
-                f"({type(error).__name__}: {error}); storing NaN",
+                f"({type(error).__name__}: {error}); storing NaN. Find where the loss became non-finite with "
+                "cockpit.records (docs/recorder.md)",
                 RuntimeWarning,
                 stacklevel=4,
             )
