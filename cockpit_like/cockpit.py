@@ -216,7 +216,7 @@ class Cockpit:
             output=self._output, run=self._run, memory_budget=self.memory_budget, self_checks=self.self_checks,
             keeps_output=lambda: self.keeps_output, active_at=self._active_at, create_graph=self.create_graph,
             name_of=self.name_of, param_names=self._names_of_params, param_name_list=self._param_name_list,
-            models=self.models, diagnose=self._diagnose,
+            models=self.models, diagnose=self._diagnose, report=self.add_finding,
         )  # fmt: skip
         for quantity in quantities or []:
             self.add(quantity)

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, loss_scale
+from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.probe import probe_directions, project
+from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.quantities.needs import StepNeeds
 from cockpit_like.quantities.quantity import Quantity
@@ -59,6 +60,8 @@ class StepRun:
     #: the loop was seen to run several backward passes inside one block (two losses): the hook backend sums
     #: each call's output gradients over them from then on
     multi_pass: bool = False
+    #: the diagnosis heard of stale gradients (a forgotten zero_grad) once
+    stale_reported: bool = False
     #: ``(step, names of the quantities it tracked)`` of the step finished last
     finished: tuple[int, set[str]] | None = None
     #: steps found invalid after they were stored: late values of their quantities are dropped
@@ -85,6 +88,8 @@ class StepEnvironment:
     param_name_list: Callable[[], list[str]]
     models: Callable[[], list[torch.nn.Module]]
     diagnose: Callable[[dict[int, dict[str, Any]]], None]
+    #: store a finding of the cockpit's own (and call ``on_finding``)
+    report: Callable[[Any], None]
 
     def store_skipped(self, step: int, why: dict[str, Any]) -> None:
         if self.keeps_output():
@@ -195,6 +200,8 @@ class TrackedStep:
             factor = scaler * loss_scale(self.info, step)
             env.run.partitions = StepPartitions(step, factor, skippable=scaler != 1.0)
             env.run.partitions.checks = StepChecks(step)
+            if env.self_checks:  # what p.grad held before this step's first backward pass (zero after zero_grad)
+                env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
             env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
             env.run.partitions.declared = self.micro_batches
             env.run.partitions.checks.declared = self.micro_batches
@@ -361,10 +368,12 @@ class TrackedStep:
                 stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
                 if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
                     env.run.accumulates = True
+            names = env.param_name_list()
+            if checks.stale:
+                self._judge_stale(checks, names, scale)
             if self._probe is not None and self._probe in stats:
-                names = env.param_name_list()
                 checks.compare_probe(stats[self._probe], self._probe.seed, view.params,
-                                     lambda p: p.grad, lambda i: names[i])  # fmt: skip
+                                     lambda p: p.grad, lambda i: names[i], stale_scale=scale)  # fmt: skip
             if execution.curvature_unscaled:
                 checks.fail(
                     "loss_factor",
@@ -417,6 +426,44 @@ class TrackedStep:
         for step, values in sorted(new_values.items()):
             env.output.publish(step, values)
         env.diagnose(new_values)
+
+    def _judge_stale(self, checks: StepChecks, names: list[str], scale: float) -> None:
+        """Gradients that were not zero when the step's first backward pass began: for parameters the optimizer
+        updates, the step's gradient is not its own (a forgotten ``zero_grad``): the step fails and the
+        diagnosis hears of it once; for others (left out of the optimizer, so never zeroed) a note."""
+        optimizer = self.info.get("optimizer")
+        optimized = None
+        if _is_optimizer(optimizer):
+            optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        params = self.env.params
+        stale = [i for i in checks.stale if optimized is None or id(params[i]) in optimized]
+        others = [i for i in checks.stale if i not in stale]
+        if others:
+            checks.note(
+                f"p.grad of {', '.join(names[i] for i in others[:3])}{' ...' if len(others) > 3 else ''} (not in "
+                "info['optimizer'], so never zeroed) holds gradients of earlier steps: GradNorm and the quantities "
+                "that read p.grad see their sum; the per-sample check compared this step's part"
+            )
+        if not stale:
+            return
+        shown = ", ".join(names[i] for i in stale[:3]) + (" ..." if len(stale) > 3 else "")
+        checks.fail(
+            "stale_gradient",
+            f"p.grad of {len(stale)} parameters ({shown}) was not zero when the backward pass of step {self.step} "
+            "began, so the gradient of the step adds up gradients of earlier backward passes: a forgotten "
+            "optimizer.zero_grad() (or a backward pass outside the cockpit's block). Call optimizer.zero_grad() before "
+            "each optimizer step's first backward pass.",
+            parameters=[names[i] for i in stale],
+        )
+        if not self.env.run.stale_reported:
+            self.env.run.stale_reported = True
+            self.env.report(Finding(
+                rule="gradients-accumulate", severity="warning", step=self.step,
+                message=(f"the gradients add up over steps: p.grad was not zero when step {self.step}'s backward pass "
+                         f"began ({len(stale)} parameters, e.g. {names[stale[0]]}); the cockpit's self-check saw it"),
+                fix="call optimizer.zero_grad() before each optimizer step's first backward pass",
+                evidence={"strength": "conclusive", "parameters": len(stale), "source": "self-check"},
+            ))  # fmt: skip
 
     def _step_scale(self, partitions: StepPartitions, checks: StepChecks) -> tuple[float | None, float | None]:
         """The factor between the accumulated gradients and the step's mean-loss gradient, and the uniform
@@ -505,6 +552,21 @@ def _fingerprint(params: list[torch.Tensor], step: int) -> dict[int, float | Non
             index: None if p.grad is None else float(project(p.grad, probe_directions(seed, index, p.shape, p.device)))
             for index, p in enumerate(params)
         }
+
+
+def _stale_gradients(params: list[torch.Tensor], seed: int) -> dict[int, float]:
+    """``{index: projection}`` of the parameters whose p.grad is not zero before the step's backward pass (the probe's
+    directions; nothing to read after ``zero_grad()``, which sets it to None)."""
+    stale = {}
+    with torch.no_grad():
+        for index, param in enumerate(params):
+            grad = param.grad
+            if grad is None or is_dtensor(grad):
+                continue
+            value = float(project(grad, probe_directions(seed, index, param.shape, param.device)))
+            if value != 0.0:
+                stale[index] = value
+    return stale
 
 
 def _record_coverage(checks: StepChecks, params: list[torch.Tensor], names: dict[int, str]) -> None:

@@ -150,7 +150,8 @@ def test_accumulated_gradients_are_flagged():
     tracked(1, expect_warning=False)
     assert list(alpha.get_output()) == []
     failed = cockpit.invalid_steps[0]
-    assert failed[0]["check"] == "gradient" and "zero_grad" in failed[0]["reason"]
+    assert failed[0]["check"] == "stale_gradient" and "zero_grad" in failed[0]["reason"]
+    assert [f.rule for f in cockpit.findings] == ["gradients-accumulate"]  # the self-check's own finding, once
 
 
 @pytest.mark.parametrize(

@@ -536,11 +536,17 @@ def test_mc_fisher_is_the_empirical_fisher_of_labels_sampled_from_the_model(name
     with pytest.raises(MissingInfoError, match="outputs"):
         with cockpit(0, info={"batch_size": 8, "loss": loss}):
             pass
-    torch.manual_seed(5)
     with cockpit(0, info={"batch_size": 8, "loss": loss, "outputs": outputs}):
         loss.backward(create_graph=cockpit.create_graph(0))
-    torch.manual_seed(5)  # each quantity draws its own labels, in the order of the quantities
-    sampled, sampled_again = (torch.multinomial(torch.softmax(outputs.detach(), dim=1), 1).squeeze(1) for _ in range(2))
+    # each quantity draws its own labels from the cockpit's generator, seeded by the step, its key and the logits
+    # (issue 37: the user's random stream is not used)
+    from cockpit_like.backends.randomness import generator
+
+    def draw(owner):
+        seeded = generator(0, "sampled fisher labels", outputs.device, owner._key, float(outputs.detach().sum()))
+        return torch.multinomial(torch.softmax(outputs.detach(), dim=1), 1, generator=seeded).squeeze(1)
+
+    sampled, sampled_again = draw(quantity), draw(influence)
     for kind in ("kfac", "ekfac"):
         reference = _curvlinops_dense(kind, model, inputs, sampled)
         torch.testing.assert_close(cockpit.curvature(kind=kind, quantity=quantity).to_dense(), reference, rtol=1e-9, atol=1e-12)

@@ -252,3 +252,48 @@ def test_the_dashboard_title_says_which_steps_failed_and_what_is_frozen():
     title = CockpitPlotter._title(None, data, "run.json")
     assert "1 step failed a self-check, no numbers (last: 0, gradient)" in title
     assert "2 frozen parameters" in title and "1 without a gradient" in title
+
+
+def test_a_distributed_mistake_is_an_error_within_two_minutes_by_default():
+    """Issue 34: a cockpit on rank 0 only waited torch's 30 minutes; the cockpit's collectives now give up after
+    120 s unless told otherwise (tests/test_distributed.py runs the mistake itself with a short timeout)."""
+    import inspect
+
+    assert inspect.signature(Cockpit).parameters["distributed_timeout"].default == 120.0
+
+
+def test_a_forgotten_zero_grad_fails_the_step_and_is_reported_once():
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    for step in range(3):  # no optimizer.zero_grad()
+        x, y = data(step)
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        loss = losses.mean()
+        with cockpit(step, info={"batch_size": ROWS, "individual_losses": losses, "loss": loss, "optimizer": optimizer}):
+            loss.backward()
+        optimizer.step()
+    assert "checks" not in cockpit.get_output()[0]  # the first step starts from no gradient
+    for step in (1, 2):
+        failed = cockpit.invalid_steps[step]
+        assert [f["check"] for f in failed] == ["stale_gradient"] and "zero_grad" in failed[0]["reason"]
+    assert [(f.rule, f.step) for f in cockpit.findings] == [("gradients-accumulate", 1)]
+
+
+def test_parameters_left_out_of_the_optimizer_are_noted_not_failed():
+    """A layer frozen by leaving it out of the optimizer: its p.grad is never zeroed. The step stays valid (the
+    per-sample check compares this step's part) and a note says what p.grad holds."""
+    model = mlp()
+    optimizer = torch.optim.SGD(list(model[2].parameters()), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    for step in range(2):
+        optimizer.zero_grad()
+        x, y = data(step)
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        loss = losses.mean()
+        with cockpit(step, info={"batch_size": ROWS, "individual_losses": losses, "loss": loss, "optimizer": optimizer}):
+            loss.backward()
+        optimizer.step()
+    checks = cockpit.checks[1]
+    assert checks["valid"] and "not in info['optimizer']" in checks["notes"][0] and "0.weight" in checks["notes"][0]
+    assert "NormTest" in cockpit.get_output()[1]

@@ -109,6 +109,8 @@ class StepChecks:
         self.gradient: dict[str, Any] | None = None
         self.no_gradient: list[str] = []
         self.frozen: list[str] = []
+        #: ``{index: projection}`` of the gradients p.grad held before the step's first backward pass
+        self.stale: dict[int, float] = {}
 
     @property
     def valid(self) -> bool:
@@ -129,8 +131,10 @@ class StepChecks:
         params: list[torch.Tensor],
         grad_of: Callable[[torch.Tensor], torch.Tensor | None],
         name_of: Callable[[int], str],
+        stale_scale: float = 1.0,
     ) -> None:
-        """Compare each layer's projected sum of per-sample rows with the projected step gradient."""
+        """Compare each layer's projected sum of per-sample rows with the projected step gradient (less what p.grad
+        held before the step, :attr:`stale`, divided by ``stale_scale``, the factor of the gradients' view)."""
         worst, worst_at, tolerance_seen, offenders = 0.0, None, 0.0, []
         # a layer whose gradient cancels to rounding noise (a key bias under softmax: 1e-23 where the others are
         # 1e-1) is compared at a thousandth of the largest layer's scale, not at its own noise
@@ -140,6 +144,7 @@ class StepChecks:
             grad = grad_of(param)
             dirs = probe_directions(seed, index, param.shape, param.device)
             expected = 0.0 if grad is None else float(project(grad, dirs))
+            expected -= self.stale.get(index, 0.0) / stale_scale
             got, spread = float(total), float(absolute)
             dtype = param.dtype if grad is None else grad.dtype
             tolerance = tolerance_for(torch.float16 if low else dtype)  # rows made in half precision: looser
