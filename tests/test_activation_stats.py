@@ -145,6 +145,7 @@ def test_no_activation_modules_warns_and_stores_nothing():
     cockpit = Cockpit(list(model.parameters()), quantities=[ActivationStats(linear(1))], model=model)
     with pytest.warns(RuntimeWarning, match="functional activations"):
         for step in range(2):
+            model.zero_grad()
             loss = model(torch.randn(4, 3, dtype=DTYPE)).sum()
             with cockpit(step, info={"loss": loss}):
                 loss.backward()

@@ -388,12 +388,14 @@ def test_batch_size_is_the_optimizer_steps_whole_batch():
     model = torch.nn.Linear(3, 2)
     cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1)), BatchSize(linear(1))])
     for step, sizes in enumerate([[5], [3, 3, 3]]):
+        model.zero_grad()
         for rows in sizes:
             loss = model(torch.ones(rows, 3)).pow(2).mean() / len(sizes)
             with cockpit(step, info={"loss": loss, "batch_size": rows, "micro_batches": len(sizes)}):
                 loss.backward()
     output = cockpit.get_output()
     assert output[0]["BatchSize"] == 5 and output[1]["BatchSize"] == 9
+    model.zero_grad()
     loss = model(torch.ones(4, 3)).pow(2).mean()
     with cockpit(2, info={"loss": loss}):  # no batch size given: nothing stored, no error
         loss.backward()

@@ -20,6 +20,7 @@ from tests.helpers import make_batch, make_problem, per_sample_grads
 
 def one_step(cockpit, model, lossfunc, step=0, info=None, exts=(), problem="mlp", batch_size=6):
     inputs, labels = make_batch(problem, batch_size, seed=step)
+    model.zero_grad()  # each step's gradient its own (the self-checks fail a step with stale gradients)
     loss = lossfunc(model(inputs), labels)
     info = {"loss": loss, "batch_size": batch_size} if info is None else info
     with cockpit(step, *exts, info=info):
@@ -351,6 +352,7 @@ def test_schedules_are_asked_once_per_step_and_again_after_add():
     assert 2 in cockpit.get_output() and 1 not in cockpit.get_output()
     # a quantity added between the forward pass and the step is tracked at that step
     inputs, labels = make_batch("mlp", 6, seed=3)
+    model.zero_grad()
     loss = lossfunc(model(inputs), labels)
     cockpit.add(quantities.Loss(lambda step: True))
     with cockpit(3, info={"loss": loss, "batch_size": 6}):

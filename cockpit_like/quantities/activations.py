@@ -192,6 +192,11 @@ class ActivationStats(SingleStepQuantity):
 
         return hook
 
+    def skip(self, global_step: int) -> None:
+        """Nothing is stored for this step: the forward hooks go, as after a tracked step."""
+        self._remove_hooks()
+        self._tallies, self._armed_step = {}, None
+
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()

@@ -180,6 +180,10 @@ class Quantity:
             getattr(self, name).load_state_dict(value)
 
     # ---- computing ---------------------------------------------------------
+    def skip(self, global_step: int) -> None:
+        """``global_step`` was scheduled but stores nothing (it failed a self-check, or what it needs was left
+        out): release what :meth:`prepare_forward` set up for it. The default does nothing."""
+
     def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
         """Compute and store the value if the schedule asks for it."""
         if self.should_compute(global_step):
@@ -241,6 +245,8 @@ class TwoStepQuantity(Quantity):
     def __init__(self, track_schedule: Callable[[int], bool], verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)
         self._cache: dict[int, dict[str, tuple[Any, Callable[[int], bool]]]] = {}
+        #: start steps that stored nothing (:meth:`skip`): their end computes nothing
+        self._skipped_starts: set[int] = set()
 
     def is_start(self, global_step: int) -> bool:
         return self.should_compute(global_step)
@@ -255,9 +261,20 @@ class TwoStepQuantity(Quantity):
     def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
         if self.is_start(global_step):
             self._compute_start(global_step, params, batch_loss)
-        if self.is_end(global_step):
+        start = global_step - self.SAVE_SHIFT
+        if self.is_end(global_step) and start not in self._skipped_starts:
             value = self._compute_end(global_step, params, batch_loss)
-            self._store(global_step - self.SAVE_SHIFT, value)
+            self._store(start, value)
+        self._skipped_starts.discard(start)
+        self.clean_cache(global_step)
+
+    def skip(self, global_step: int) -> None:
+        """The step stores nothing: no start information is kept (its end stores nothing either), and the
+        value whose end this step was is not computed."""
+        super().skip(global_step)
+        if self.is_start(global_step):
+            self._skipped_starts.add(global_step)
+        self._skipped_starts.discard(global_step - self.SAVE_SHIFT)
         self.clean_cache(global_step)
 
     def _compute_start(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
@@ -308,7 +325,7 @@ class TwoStepQuantity(Quantity):
                 del self._cache[step]
 
     # ---- resuming a run ------------------------------------------------------
-    _STATE_SKIP = Quantity._STATE_SKIP + ("_cache",)
+    _STATE_SKIP = Quantity._STATE_SKIP + ("_cache", "_skipped_starts")
 
     def state_dict(self) -> dict[str, Any]:
         """:meth:`Quantity.state_dict` plus the live cache entries.
