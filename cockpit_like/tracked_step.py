@@ -539,9 +539,14 @@ def _is_optimizer(value: Any) -> bool:
     return isinstance(value, torch.optim.Optimizer)
 
 
+#: steps that share the probe's directions (drawn again every so many steps, kept in between)
+PROBE_PERIOD = 16
+
+
 def _probe_seed(step: int) -> int:
-    """The seed of a step's probe directions (the cockpit's own, independent of every user stream)."""
-    return 0x5EED_C0C0 + 7 * int(step)
+    """The seed of a step's probe directions (the cockpit's own generator, independent of every user stream):
+    new directions every :data:`PROBE_PERIOD` steps."""
+    return 0x5EED_C0C0 + 7 * (int(step) // PROBE_PERIOD)
 
 
 def _fingerprint(params: list[torch.Tensor], step: int) -> dict[int, float | None]:

@@ -38,8 +38,24 @@ __all__ = ["GradientProbe", "probe_directions", "project"]
 _MASK = (1 << 62) - 1
 
 
+_DIRECTIONS: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
 def probe_directions(seed: int, index: int, shape: torch.Size, device) -> tuple[torch.Tensor, ...]:
-    """The probe of parameter ``index``: ``(u, v)`` for a parameter of two or more dimensions, else ``(r,)``."""
+    """The probe of parameter ``index``: ``(u, v)`` for a parameter of two or more dimensions, else ``(r,)``.
+
+    Kept for the seed in use (a few vectors of each parameter's side lengths), so that a step's probe,
+    its gradient check and the next steps with the same seed draw nothing again."""
+    key = (seed, index, tuple(shape), str(device))
+    found = _DIRECTIONS.get(key)
+    if found is None:
+        if len(_DIRECTIONS) >= 2048:
+            _DIRECTIONS.clear()  # bounded: earlier seeds' directions are not needed any more
+        found = _DIRECTIONS[key] = _draw(seed, index, torch.Size(shape), device)
+    return found
+
+
+def _draw(seed: int, index: int, shape: torch.Size, device) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed((seed * 1_000_003 + index * 7919 + 17) & _MASK)
     if len(shape) >= 2:
         rows = shape[0]
