@@ -36,6 +36,7 @@ from cockpit_like.backends.per_sample import PerSampleStat, sequence_sum
 __all__ = ["GradientProbe", "probe_directions", "project"]
 
 _MASK = (1 << 62) - 1
+_HALF = (torch.float16, torch.bfloat16)
 
 
 _DIRECTIONS: dict[tuple, tuple[torch.Tensor, ...]] = {}
@@ -99,8 +100,10 @@ class GradientProbe(PerSampleStat):
     @staticmethod
     def _precision(state, index: int, *tensors) -> None:
         """Remember the parameters whose rows came in half precision (autocast): a looser tolerance."""
-        if any(t is not None and t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
-            state["low"].add(index)
+        for t in tensors:
+            if t is not None and t.dtype in _HALF:
+                state["low"].add(index)
+                return
 
     def _dirs(self, state, index: int, param: torch.Tensor, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
         """The parameter's directions in ``dtype`` (the rows' own: no copy of the rows in another dtype)."""
@@ -114,10 +117,23 @@ class GradientProbe(PerSampleStat):
 
     @staticmethod
     def _add(state, index: int, total: torch.Tensor, absolute: torch.Tensor | None) -> Any:
-        total = total.to(torch.float64)
-        absolute = total.abs() if absolute is None else absolute.to(torch.float64)
+        """Add ``(total, absolute)`` (``absolute``: ``|total|`` when None) to the parameter's float64 pair."""
+        pair = torch.stack((total, total.abs() if absolute is None else absolute))
         known = state["sums"].get(index)
-        state["sums"][index] = (total, absolute) if known is None else (known[0] + total, known[1] + absolute)
+        if known is None:
+            state["sums"][index] = pair.to(torch.float64)
+        else:
+            known.add_(pair)
+        return state
+
+    def _add_rows(self, state, index: int, per_row: torch.Tensor) -> Any:
+        """Fold in the rows' projections ``per_row`` ``[B]``: their sum and the sum of their absolute values."""
+        pair = torch.stack((per_row.sum(), per_row.abs().sum()))
+        known = state["sums"].get(index)
+        if known is None:
+            state["sums"][index] = pair.to(torch.float64)
+        else:
+            known.add_(pair)
         return state
 
     @staticmethod
@@ -139,7 +155,7 @@ class GradientProbe(PerSampleStat):
             per_row = (rows.reshape(batch * u.shape[0], -1) @ v).reshape(batch, -1) @ u  # two matrix-vector products
         else:
             per_row = rows.reshape(batch, -1) @ dirs[0]
-        return self._add(state, index, per_row.sum(), per_row.abs().sum())
+        return self._add_rows(state, index, per_row)
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
         self._precision(state, index, x, delta)
@@ -150,7 +166,7 @@ class GradientProbe(PerSampleStat):
         else:
             u, v = dirs
             per_row = (delta @ u) * (self._wide(x).to(delta.dtype) @ v)
-        return self._add(state, index, per_row.sum(), per_row.abs().sum())
+        return self._add_rows(state, index, per_row)
 
     #: with ``grad_batch`` materialised for other statistics, the sequence factors are still cheaper to read:
     #: ``O(B T (R + C))`` against ``O(B R C)``
@@ -164,7 +180,7 @@ class GradientProbe(PerSampleStat):
         if len(dirs) == 2 and a.shape[-1] == dirs[0].shape[0] and b.shape[-1] == dirs[1].shape[0]:
             u, v = dirs
             per_row = ((a @ u) * (b @ v)).sum(1)
-            return self._add(state, index, per_row.sum(), per_row.abs().sum())
+            return self._add_rows(state, index, per_row)
         total = sequence_sum(a, b).reshape(param.shape)
         return self._add(state, index, project(total, self._dirs(state, index, param)), None)
 
@@ -178,7 +194,8 @@ class GradientProbe(PerSampleStat):
 
     def finalize(self, state):
         """``{index: (c_p, a_p)}``; a third entry ``True`` where the rows came in half precision."""
-        return {index: pair + ((True,) if index in state["low"] else ()) for index, pair in sorted(state["sums"].items())}
+        return {index: (pair[0], pair[1]) + ((True,) if index in state["low"] else ())
+                for index, pair in sorted(state["sums"].items())}  # fmt: skip
 
     def across_ranks(self, result, reduction):
         parts = {index: (reduction.mean(entry[0]), reduction.mean(entry[1]), entry[2:]) for index, entry in result.items()}
