@@ -128,13 +128,7 @@ class GradientProbe(PerSampleStat):
 
     def _add_rows(self, state, index: int, per_row: torch.Tensor) -> Any:
         """Fold in the rows' projections ``per_row`` ``[B]``: their sum and the sum of their absolute values."""
-        pair = torch.stack((per_row.sum(), per_row.abs().sum()))
-        known = state["sums"].get(index)
-        if known is None:
-            state["sums"][index] = pair.to(torch.float64)
-        else:
-            known.add_(pair)
-        return state
+        return self._add(state, index, per_row.sum(), per_row.abs().sum())
 
     @staticmethod
     def _wide(tensor: torch.Tensor) -> torch.Tensor:
