@@ -157,8 +157,6 @@ class TrackedStep:
         self.ignored = ignored
         self._factor: LossFactor | None = None
         self._probe: GradientProbe | None = None
-        #: names of the quantities that read the per-sample decomposition or BackPACK's buffers
-        self._decomposed: set[str] = set()
         self._fingerprint: dict[int, float | None] | None = None
 
     # ---- enter: collect the needs -----------------------------------------------
@@ -189,7 +187,6 @@ class TrackedStep:
             owners = tuple(env.name_of(q) for q in self.active if q.create_graph(step))
             env.ranks.check_step(step, env.models(), self.info, create_graph, self.last, owners)
         needs = StepNeeds.collect(self.active, step, env.name_of, self.user_exts, create_graph)
-        self._decomposed = set(needs.owners) | {name for name, _ in needs.requests if name != "the user's *exts"}
         if needs.stats and env.self_checks:  # the self-check of the per-sample decomposition (checks.probe)
             self._probe = GradientProbe(seed=_probe_seed(step))
             needs = replace(needs, stats=tuple(needs.stats) + (self._probe,))
@@ -203,7 +200,6 @@ class TrackedStep:
             if env.self_checks:  # what p.grad held before this step's first backward pass (zero after zero_grad)
                 env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
             env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
-            env.run.partitions.declared = self.micro_batches
             env.run.partitions.checks.declared = self.micro_batches
         scale = env.run.partitions.scale if self.active else 1.0
         try:
@@ -271,10 +267,9 @@ class TrackedStep:
             if exc_type is None and self.active:
                 partition = execution.partition(self._split)
                 partition.factor = None if factor is None else factor.factor
-                partition.split = self._split
                 partitions.add(partition)
                 partitions.checks.factors.append(partition.factor)
-                if factor is not None and factor.factor is None and (factor.watched or factor._handles):
+                if factor is not None and factor.factor is None and factor.seeable:
                     partitions.checks.note(
                         "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "
                         "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "
@@ -353,21 +348,9 @@ class TrackedStep:
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
                 ranks.unscale_graph_grads(view)
-            if len(partitions.partitions) > 1 and not all(p.split for p in partitions.partitions):
-                checks.fail(
-                    "backward_passes",
-                    f"step {self.step} had {len(partitions.partitions)} backward passes, but the first was computed "
-                    "as the whole step (nothing said more would follow), so they cannot be merged exactly. The "
-                    "cockpit has learned that this loop accumulates: from the next tracked step on, the backward "
-                    "passes of a step are merged (or declare info['micro_batches'] = the number of backward passes "
-                    "per optimizer step).",
-                )
+            stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
+            if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
                 env.run.accumulates = True
-                stats, info = {}, partitions.partitions[-1].info
-            else:
-                stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
-                if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
-                    env.run.accumulates = True
             names = env.param_name_list()
             if checks.stale:
                 self._judge_stale(checks, names, scale)
@@ -389,7 +372,7 @@ class TrackedStep:
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
-            skipped |= execution.left_out_owners(self._decomposed)
+            skipped |= execution.left_out_owners()
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:
@@ -481,7 +464,8 @@ class TrackedStep:
                             f"different factors {factors}; the accumulated gradient cannot be unscaled")
             scale = factors[0] * passes
         else:
-            scale = partitions.scale * passes / max(partitions.declared, 1) if partitions.declared > 1 else partitions.scale
+            declared = checks.declared
+            scale = partitions.scale * passes / declared if declared > 1 else partitions.scale
         if self._fingerprint is None:
             return scale, None
         now = _fingerprint(self.env.params, self.step)

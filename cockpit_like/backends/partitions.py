@@ -220,14 +220,12 @@ class Partition:
         info: its ``info`` dict (``loss``, ``individual_losses``).
     """
 
-    __slots__ = ("rows", "finish", "fields", "info", "factor", "split")
+    __slots__ = ("rows", "finish", "fields", "info", "factor")
 
     def __init__(self, rows: int, finish: Callable[[], dict], fields: dict, info: dict):
         self.rows, self.finish, self.fields, self.info = rows, finish, fields, info
         #: the factor between the root it propagated and its ``info["loss"]`` (None: not seen)
         self.factor: float | None = None
-        #: computed in the form that merges with other backward passes
-        self.split = True
 
 
 class StepPartitions:
@@ -245,8 +243,6 @@ class StepPartitions:
         self.partitions: list[Partition] = []
         #: the step's self-checks (:class:`~cockpit_like.checks.StepChecks`), set by the tracked step
         self.checks = None
-        #: ``info["micro_batches"]`` as declared (1: not declared)
-        self.declared = 1
 
     @property
     def rows(self) -> int:

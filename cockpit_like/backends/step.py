@@ -229,7 +229,7 @@ class StepExecution:
         hooks = self.hook_backend is not None and self.hook_backend.repeated
         return hooks or (self.reducer is not None and self.reducer.repeated)
 
-    def left_out_owners(self, decomposed: set[str]) -> set[str]:
+    def left_out_owners(self) -> set[str]:
         """The quantities whose per-sample statistics this pass left out (see :attr:`notes`)."""
         return set(self._left_out)
 

@@ -70,6 +70,8 @@ class LossFactor:
                 if node is not None and not type(node).__name__.startswith("BackwardHookFunction"):
                     self._handles.append(node.register_prehook(partial(self._at_output, node, output.output_nr)))
                     break
+        #: the factor can be seen at all (a tensor loss, or per-row losses with their graph)
+        self.seeable = self.watched or bool(self._handles)
 
     def _seen(self, grad: torch.Tensor) -> None:
         self.calls += 1
