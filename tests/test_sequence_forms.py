@@ -74,7 +74,7 @@ def test_the_reducer_materialises_once_and_keeps_factors_where_it_did_not():
     stats = [RetainedGradBatch(), GramSummary(), Histogram1dCounts(bins=8, range=(-2.0, 2.0)), SumOfSquares(), AbsMax()]
     calls = []
     original = GramSummary.accumulate_sequence
-    GramSummary.accumulate_sequence = lambda self, *args: calls.append("sequence") or original(self, *args)
+    GramSummary.accumulate_sequence = lambda self, *args, **kwargs: calls.append("sequence") or original(self, *args, **kwargs)
     try:
         reducer = PerSampleReducer(stats, [param], keep_grad_batch=False)
         reducer.reduce_sequence(param, a, b)
@@ -94,3 +94,38 @@ def test_the_reducer_materialises_once_and_keeps_factors_where_it_did_not():
     reducer = PerSampleReducer([RetainedGradBatch()], [param], keep_grad_batch=False)
     reducer.reduce_sequence(param, a[:, :1], b[:, :1])
     assert isinstance(reducer.results()[RetainedGradBatch()][0], RetainedFactors)
+
+
+@pytest.mark.parametrize("with_histogram", [False, True])  # sequence factors only / grad_batch materialised
+def test_a_batch_sum_read_anyway_is_made_once_and_the_probe_reads_it(with_histogram, monkeypatch):
+    """GramSummary reads each layer's sum of rows; the reducer makes it once and the self-check's probe projects it
+    (no pass over the rows of its own), with the same numbers as the probe on the rows and GramSummary alone."""
+    from cockpit_like.backends import per_sample
+    from cockpit_like.checks.probe import GradientProbe, probe_directions, project
+
+    a, b = _factors(4, 6, 5, 3, seed=3)
+    param = torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.float64))
+    gb = _dense(a, b, param.shape)
+    made, rows_read = [], []
+    original_sum = per_sample.sequence_sum
+    monkeypatch.setattr(per_sample, "sequence_sum", lambda *args: made.append(1) or original_sum(*args))
+    monkeypatch.setattr(GradientProbe, "accumulate_sequence", lambda *args: rows_read.append(1) or args[1])
+    extra = [Histogram1dCounts(bins=8, range=(-2.0, 2.0))] if with_histogram else []
+    probe = GradientProbe(seed=5)
+    reducer = PerSampleReducer([GramSummary(), *extra, probe], [param], keep_grad_batch=False)
+    reducer.reduce_sequence(param, a, b)
+    results = reducer.results()
+    assert rows_read == []
+    assert len(made) == (0 if with_histogram else 1)
+    total, absolute = results[probe][0]
+    expected = float(project(gb.sum(0), probe_directions(5, 0, param.shape, "cpu")))
+    assert float(total) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert float(absolute) == pytest.approx(abs(expected), rel=1e-12)
+    alone = GramSummary().accumulate(None, 0, param, gb)
+    for x, y in zip(results[GramSummary()], alone):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    # without a statistic that reads the sum, the probe reads the rows (its own sequence form)
+    reducer = PerSampleReducer([DirectionalDots("d", (torch.ones(5, 3, dtype=torch.float64),)), GradientProbe(seed=5)],
+                               [param], keep_grad_batch=False)
+    reducer.reduce_sequence(param, a, b)
+    assert rows_read == [1]

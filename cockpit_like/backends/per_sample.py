@@ -267,9 +267,17 @@ class PerSampleStat:
         """Keep a layer given in blocks (``kept.batch_sum()``, ``kept.dots(direction)``)."""
         raise NotImplementedError
 
-    #: whether :meth:`accumulate_sum` folds in a layer given in blocks of rows from its batch sum alone
-    #: (``LazyRows.batch_sum``: no rows are made for the statistic)
+    #: whether :meth:`accumulate_sum` folds in a layer from its batch sum alone: where the layer comes in blocks
+    #: of rows (``LazyRows.batch_sum``: no rows are made for the statistic), and where another statistic reads
+    #: the batch sum anyway (:meth:`reads_batch_sum`: the reducer makes it once, the statistic reads it instead
+    #: of the rows)
     sum_form: ClassVar[bool] = False
+
+    def reads_batch_sum(self, state: Any) -> bool:
+        """Whether :meth:`accumulate` and :meth:`accumulate_sequence` take ``batch_sum=`` (the layer's
+        ``sum_i grad_batch[i]``, shaped like the parameter): the reducer then makes it once per layer for
+        every statistic that reads it. ``False`` unless a statistic says so."""
+        return False
 
     def accumulate_sum(self, state: Any, index: int, param: torch.Tensor, batch_sum: torch.Tensor) -> Any:
         """Fold in a layer from ``sum_i grad_batch[i]`` (shaped like the parameter); see :attr:`sum_form`."""
@@ -405,8 +413,24 @@ class PerSampleReducer:
                 del param.grad_batch
 
     def _reduce(self, index: int, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
+        shared = self._shared_sum(lambda: grad_batch.sum(0))
         for k, stat in enumerate(self.stats):
-            self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+            self._states[k] = self._accumulate_dense(k, stat, index, param, grad_batch, shared)
+
+    def _shared_sum(self, make) -> torch.Tensor | None:
+        """The layer's batch sum of rows, made once (``make()``) if a statistic reads it (:meth:`PerSampleStat.reads_batch_sum`)."""
+        if any(stat.reads_batch_sum(state) for stat, state in zip(self.stats, self._states)):
+            return make()
+        return None
+
+    def _accumulate_dense(self, k: int, stat: PerSampleStat, index: int, param, grad_batch, shared) -> Any:
+        """``stat`` folds in a layer's ``grad_batch``, or the batch sum ``shared`` where it reads that."""
+        state = self._states[k]
+        if shared is not None and stat.sum_form:
+            return stat.accumulate_sum(state, index, param, shared.reshape(param.shape))
+        if shared is not None and stat.reads_batch_sum(state):
+            return stat.accumulate(state, index, param, grad_batch, batch_sum=shared)
+        return stat.accumulate(state, index, param, grad_batch)
 
     def _fits(self, batch: int, param: torch.Tensor, itemsize: int) -> bool:
         return self.keep_grad_batch or batch * param.numel() * itemsize <= self.budget_bytes
@@ -560,11 +584,21 @@ class PerSampleReducer:
             grad_batch = materialize_sequence(a, b, param.shape, self._borrowed(a.shape[0] * param.numel(), a))
             if self.keep_grad_batch:
                 param.grad_batch = grad_batch
+        # a batch sum that a statistic reads anyway (the gradient tests' GramSummary) is made once; statistics
+        # with a sum form (the self-check's probe) then read it instead of the rows
+        shared = self._shared_sum(
+            (lambda: sequence_sum(a, b).reshape(param.shape)) if grad_batch is None else (lambda: grad_batch.sum(0))
+        )
         for k, stat in enumerate(self.stats):
-            if stat.sequence_form and (grad_batch is None or stat.prefers_factors):
+            if shared is not None and (stat.sum_form or (grad_batch is None and stat.reads_batch_sum(self._states[k]))):
+                if stat.sum_form:
+                    self._states[k] = stat.accumulate_sum(self._states[k], index, param, shared)
+                else:
+                    self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b, batch_sum=shared)
+            elif stat.sequence_form and (grad_batch is None or stat.prefers_factors):
                 self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b)
             else:
-                self._states[k] = stat.accumulate(self._states[k], index, param, grad_batch)
+                self._states[k] = self._accumulate_dense(k, stat, index, param, grad_batch, shared)
 
     def reduce_lazy(self, param: torch.Tensor, lazy: LazyRows, batch_sum: torch.Tensor | None = None) -> None:
         """Reduce per-sample gradients that ``lazy`` makes a block of rows at a time (module rules;

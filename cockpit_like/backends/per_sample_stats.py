@@ -144,13 +144,16 @@ class GramSummary(PerSampleStat):
         projections = reduction.cat(result[1] * reduction.local_batch)
         return lambda: (diag.value / reduction.batch**2, projections.value / reduction.batch)
 
-    def accumulate(self, state, index, param, grad_batch):
+    def reads_batch_sum(self, state) -> bool:
+        return not self.synced  # the row sums read the layer's sum of rows (synced: p.grad at finalize)
+
+    def accumulate(self, state, index, param, grad_batch, batch_sum=None):
         if self.synced:
             diag = torch.linalg.vector_norm(_flat(grad_batch.detach()), dim=1).square_()
             return self._keep(state, param, RetainedDense(grad_batch.detach()), diag)
         flat = _flat(grad_batch.detach())
         diag = torch.linalg.vector_norm(flat, dim=1).square_()
-        row_sums = flat @ flat.sum(0)
+        row_sums = flat @ (flat.sum(0) if batch_sum is None else batch_sum.reshape(-1).to(flat.dtype))
         return self._fold(state, diag, row_sums)
 
     def borrows(self, state, nbytes) -> bool:
@@ -198,11 +201,12 @@ class GramSummary(PerSampleStat):
 
     sequence_form = True
 
-    def accumulate_sequence(self, state, index, param, a, b):
+    def accumulate_sequence(self, state, index, param, a, b, batch_sum=None):
         a, b = a.detach(), b.detach()
         if self.synced:
             return self._keep(state, param, RetainedSequence(a, b, param.shape), self._sequence_diag(a, b))
-        total = sequence_sum(a, b)  # sum_k gb_k as an R x C matrix
+        # sum_k gb_k as an R x C matrix
+        total = sequence_sum(a, b) if batch_sum is None else batch_sum.reshape(a.shape[2], b.shape[2]).to(a.dtype)
         row_sums = ((a @ total) * b).sum((1, 2))
         return self._fold(state, self._sequence_diag(a, b), row_sums)
 

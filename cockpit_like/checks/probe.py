@@ -15,7 +15,10 @@ backward pass the hooks did not see, a second-order term, a wrong loss
 factor or a layer computed twice all make them differ. ``u^T G v`` has
 standard deviation ``||G||_F``, so one projection per layer catches any
 error of the size of the tolerance with probability close to one. The cost
-is ``O(B (out + in))`` per linear layer in factor form.
+is ``O(B (out + in))`` per linear layer in factor form, and ``O(numel)`` where
+another statistic of the step reads the layer's sum of rows anyway (the
+gradient tests: the reducer makes that sum once and the probe projects it,
+:attr:`~cockpit_like.backends.per_sample.PerSampleStat.sum_form`).
 
 The directions come from the cockpit's own generator, seeded by ``(seed,
 parameter index)``: the user's random streams are untouched, and every rank
@@ -183,8 +186,11 @@ class GradientProbe(PerSampleStat):
         return self.accumulate(state, index, param, grad_batch)
 
     def accumulate_sum(self, state, index, param, batch_sum: torch.Tensor):
-        """A layer given only as the sum of its (scaled) rows."""
-        return self._add(state, index, project(batch_sum, self._dirs(state, index, param)), None)
+        """A layer given as the sum of its (scaled) rows: in blocks of rows that no other statistic makes, or
+        where another statistic reads that sum anyway (the reducer makes it once: ``O(numel)`` here instead
+        of reading the rows once more)."""
+        wide = self._wide(batch_sum)
+        return self._add(state, index, project(wide, self._dirs(state, index, param, wide.dtype)), None)
 
     def finalize(self, state):
         """``{index: (c_p, a_p)}``; a third entry ``True`` where the rows came in half precision."""
