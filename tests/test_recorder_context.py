@@ -346,3 +346,39 @@ def test_a_cnn_under_float16_autocast_is_tracked():
     cockpit = Cockpit(model.parameters(), configuration("economy"), model=model)
     _train_autocast(model, cockpit, torch.float16, 2)
     assert all(torch.isfinite(torch.tensor(v)) for v in cockpit.get_output()[0]["GradNorm"])
+
+
+# ---- the replay program of a step with a mask and a dropout layer -------------------------------------
+class MaskedRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mask = torch.zeros(6, 6, dtype=torch.bool)
+
+    def forward(self, h):
+        scores = (h @ h.T).masked_fill(self.mask, float("-inf"))
+        return scores.softmax(-1) @ h
+
+
+def test_the_replay_program_passes_over_masks_and_uninitialised_memory(tmp_path):
+    """The program names the softmax as the record does, not the intended -inf of the mask; and it does
+    not check the uninitialised memory of dropout's ``empty_like`` (it may hold NaN)."""
+    torch.manual_seed(0)
+    mix = MaskedRows()
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.3), mix, nn.Linear(4, 3))
+    cockpit = Cockpit(model.parameters(), [], model=model, record_dir=tmp_path)
+    x, y = _batch(0)
+    mix.mask[2] = True  # row 2 mixes with nothing: its softmax is NaN
+    loss = nn.functional.cross_entropy(model(x), y)
+    with cockpit(0, info={"loss": loss, "loss_fn": lambda output: nn.functional.cross_entropy(output, y)}):
+        loss.backward()
+    record = cockpit.records[0]
+    origin = record.first_nonfinite
+    assert origin["op"] == "aten._softmax.default" and origin["module"] == "2"
+    assert record.data["intended_infinities"]  # the masked_fill's output
+    text = (tmp_path / "step_0.py").read_text()
+    empties = [op["index"] for op in record.ops if op["op"].startswith("aten.empty")]
+    assert empties and not any(f"check({index}," in text for index in empties)
+    done = subprocess.run([sys.executable, "-I", str(tmp_path / "step_0.py")], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"first non-finite value: op {origin['op_index']}: aten._softmax.default" in done.stdout

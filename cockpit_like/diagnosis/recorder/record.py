@@ -22,7 +22,8 @@ Layout of ``record.data``::
      "outputs": {"output": [17], "loss": 25},
      "micro_batch": 0, "micro_batches": 2,       # the step's backward pass recorded (null: one pass)
      "autocast": [{"device_type": "cpu", "dtype": "float16"}],   # the forward pass's autocast ([] off)
-     "first_nonfinite": {...} or null, "findings": [...]}
+     "first_nonfinite": {...} or null, "findings": [...],
+     "intended_infinities": [6]}                 # values judged masks before the origin
 
 May import torch, :mod:`cockpit_like.logs`, :mod:`cockpit_like.diagnosis.findings`
 and :mod:`cockpit_like.diagnosis.recorder`.
@@ -140,6 +141,7 @@ class Record:
         }
         record = cls(data, dict(tape.tensors))
         data["first_nonfinite"] = record._find_first_nonfinite()
+        data["intended_infinities"] = sorted(record._masks)  # masks passed over on the way to the origin
         data["findings"] = [finding.to_dict() for finding in record._findings()]
         return record
 
