@@ -180,6 +180,8 @@ class Case:
     loss: Callable | None = None  # (output, y) -> loss; default cross-entropy
     lr: float = 0.01
     keywords: Callable[[int, int], dict] | None = None  # (step, micro) -> keyword inputs of the model
+    float_loss: bool = False  # info["loss"] = loss.item(), a number
+    compile: bool = False  # torch.compile(model, backend="eager")
 
 
 def _ce(output, y):
@@ -193,6 +195,8 @@ def run(case: Case, folder: Path) -> dict:
 
     torch.manual_seed(0)
     model = case.model()
+    if case.compile:
+        model = torch.compile(model, backend="eager")
     cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model, record_dir=folder)
     optimizer = torch.optim.SGD(model.parameters(), lr=case.lr)
     scaler = None
@@ -215,7 +219,7 @@ def run(case: Case, folder: Path) -> dict:
                     with torch.autocast("cpu", dtype=case.autocast or torch.bfloat16, enabled=case.autocast is not None):
                         keywords = case.keywords(step, micro) if case.keywords else {}
                         loss = lossfunc(model(x, **keywords), y) / case.micros
-                    info = {"loss": loss, "batch_size": len(y), "optimizer": optimizer,
+                    info = {"loss": float(loss) if case.float_loss else loss, "batch_size": len(y), "optimizer": optimizer,
                             "loss_fn": lambda output, y=y: lossfunc(output, y) / case.micros}
                     if case.micros > 1 and case.declare_micros:
                         info["micro_batches"] = case.micros
@@ -454,6 +458,10 @@ def cases() -> list[Case]:
         Case("fp16 autocast, keyword inputs: a fully masked attention row", KeywordModel, _spike(9, 1.0),
              keywords=_mask(1), expect_step=1, expect_module="mix", expect_ops={"aten._softmax.default"},
              autocast=torch.float16),
+        Case("GradScaler not declared, info['loss'] a number: fp16 forward overflow", _mlp(Cube()),
+             _spike(1, 60.0), autocast=torch.float16, scaler="undeclared", float_loss=True),
+        Case("torch.compile (eager) + fp16 autocast: x**3 overflow", _mlp(Cube()), _spike(1, 60.0), expect_step=1,
+             expect_module="1", expect_ops=pow_ops, autocast=torch.float16, compile=True),
         Case("sqrt(1 - p²) with p = 1.01 tanh(x)", _mlp(Complement()), _spike(1, 10.0), expect_step=1,
              expect_module="1", expect_ops={"aten.sqrt.default"}),
     ]

@@ -382,3 +382,18 @@ def test_the_replay_program_passes_over_masks_and_uninitialised_memory(tmp_path)
                           cwd=tmp_path, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"first non-finite value: op {origin['op_index']}: aten._softmax.default" in done.stdout
+
+
+def test_a_loss_given_as_a_number_cannot_show_the_scaler_and_the_fix_says_so():
+    """Without info['grad_scaler'] and with info['loss'] a number, a step the scaler skips cannot be told
+    apart: it is reported, and the fix says what to pass."""
+    model = _square_net()
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = _batch(0, scale=30.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    with cockpit(0, info={"loss": float(loss), "loss_fn": lambda output: nn.functional.cross_entropy(output, y)}):
+        scaler.scale(loss).backward()
+    (finding,) = cockpit.findings
+    assert "info['grad_scaler'] = scaler" in finding.fix

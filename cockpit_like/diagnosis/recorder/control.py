@@ -6,24 +6,34 @@
   it stops when the step's ``with cockpit(step)`` block (or ``end()``) exits,
   before the cockpit computes its quantities. So the forward pass, the loss
   and the backward pass are recorded as they run. Steps that are not armed
-  pay one Python call per forward pass (the tracer notes the inputs).
+  pay one Python call per forward pass (the tracer notes the inputs and the
+  ``torch.autocast`` state).
 - **Automatically** (``Cockpit(record_nonfinite=True)``, the default), at the
   first step whose loss or gradient is not finite, once per cockpit:
 
   * the loss is read from ``info["loss"]`` when the step begins (one
     device sync per step that passes a tensor loss: ``isfinite``; tracked
-    steps did this already). If it is not finite, the model's forward pass
-    is run again under the tape, from the inputs the tracer saw at this
-    step's forward pass (the parameters have not changed yet: the optimizer
-    steps after the backward pass), with the model's buffers restored
-    afterwards. The loss is computed again if ``info["loss_fn"]`` is given
-    (a function of the model's output: ``lambda out: lossfunc(out, y)``),
+    steps did this already). If it is not finite, the step is re-run when
+    its block ends (after the backward pass, before the optimizer steps):
+    the model's forward pass again under the tape, from the inputs the
+    tracer saw at this step's forward pass and under the autocast state it
+    ran under (the parameters have not changed yet), with the model's buffers
+    restored afterwards. The loss is computed again if ``info["loss_fn"]`` is
+    given (a function of the model's output: ``lambda out: lossfunc(out, y)``),
     and then the backward pass too (``torch.autograd.grad``; ``.grad`` is
     not touched); without it the record holds the forward pass and says so.
   * on tracked steps the gradients are checked at the end of the step (one
     ``isfinite`` per parameter and one sync); untracked steps are not
     checked. A non-finite gradient under a finite loss re-runs the forward
     pass, the loss (``info["loss_fn"]``) and the backward pass.
+  * with gradient accumulation each backward pass (micro-batch) keeps its
+    forward pass's inputs, ``loss_fn`` and autocast state until the step's
+    last one; the re-run goes through them in order and records the first
+    whose re-run has a non-finite value (``record["micro_batch"]``).
+  * a step a ``GradScaler`` skips is not recorded: the scaler is seen as
+    ``info["grad_scaler"]`` or as a factor above 1 in the gradient that
+    reaches ``info["loss"]`` (a hook, only on steps that need it), and the
+    step's gradients are not finite. The automatic recording stays armed.
 
   Random layers (dropout) draw again in the re-run; the record notes when
   the re-run's loss differs from the step's.
@@ -78,11 +88,10 @@ def _autocast_devices() -> tuple[str, ...]:
 def autocast_state() -> list[dict[str, str]]:
     """The ``torch.autocast`` regions active now: ``[{"device_type": "cpu", "dtype": "float16"}]``
     (``[]``: none). About a microsecond: read at every forward pass the recorder keeps."""
-    return [
-        {"device_type": device, "dtype": str(torch.get_autocast_dtype(device)).removeprefix("torch.")}
-        for device in _autocast_devices()
-        if torch.is_autocast_enabled(device)
-    ]
+    on = [device for device in (_AUTOCAST_DEVICES or _autocast_devices()) if torch.is_autocast_enabled(device)]
+    if not on:
+        return []
+    return [{"device_type": device, "dtype": str(torch.get_autocast_dtype(device)).removeprefix("torch.")} for device in on]
 
 
 def under_autocast(state: list[dict[str, str]]) -> contextlib.ExitStack:
@@ -404,7 +413,7 @@ class Recorder:
             if self._scaler_skips(info, trigger):
                 return  # the scaler skips the optimizer step and lowers its scale: normal, no record
             self._auto_done = True
-            self._rerun(step, trigger)
+            self._rerun(step, trigger, info)
         finally:
             self._bad_loss = False
             self._unwatch_factor()
@@ -466,7 +475,7 @@ class Recorder:
         return None
 
     # ---- the automatic re-run ---------------------------------------------------------------
-    def _rerun(self, step: int, trigger: str) -> None:
+    def _rerun(self, step: int, trigger: str, info: dict) -> None:
         """Re-run the step's backward passes the cockpit saw, in order, each under the autocast state of
         its forward pass; the first whose re-run has a non-finite value is the record."""
         what = "loss" if trigger == "non-finite loss" else "gradient"
@@ -505,6 +514,15 @@ class Recorder:
                 )
         if record.first_nonfinite is None:
             record.data["findings"].append(self._unexplained(step, trigger, forward).to_dict())
+        unseen = not (isinstance(info.get("loss"), torch.Tensor) and info["loss"].requires_grad)
+        if unseen and not _scaler_on(info) and any(a["dtype"] == "float16" for a in forward.autocast):
+            hint = (" If a GradScaler scales this loss, pass info['grad_scaler'] = scaler (or the loss tensor as "
+                    "info['loss']): a step the scaler skips then gets no finding.")
+            for finding in record.data["findings"]:
+                finding["fix"] += hint
+            record.data["notes"].append("The cockpit could not tell whether a GradScaler skips this step: "
+                                        "info['loss'] is not a tensor with a gradient, and info['grad_scaler'] "
+                                        "is not given.")
         self._store(record)
 
     def _unexplained(self, step: int, trigger: str, forward: _Forward) -> Finding:
