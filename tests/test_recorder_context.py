@@ -397,3 +397,15 @@ def test_a_loss_given_as_a_number_cannot_show_the_scaler_and_the_fix_says_so():
         scaler.scale(loss).backward()
     (finding,) = cockpit.findings
     assert "info['grad_scaler'] = scaler" in finding.fix
+
+
+def test_a_forward_pass_inside_the_cockpits_block_is_re_run():
+    """The model called inside ``with cockpit(step)``: a non-finite gradient still re-runs that forward pass."""
+    model = _rownorm_net()
+    cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model)
+    x, y = _batch(0)
+    x[1] = 0.0
+    with cockpit(0, info={"loss_fn": lambda output: nn.functional.cross_entropy(output, y)}):
+        nn.functional.cross_entropy(model(x), y).backward()
+    origin = cockpit.records[0].first_nonfinite
+    assert origin["phase"] == "backward" and origin["module_type"] == "RowNorm"

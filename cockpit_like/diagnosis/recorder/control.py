@@ -226,6 +226,7 @@ class Recorder:
         self._forwards: list[_Forward] = []
         self._forwards_step: int | None = None
         self._micro_batches: int | None = None
+        self._micro = 0
         #: the loss of the backward pass under way was not finite (its re-run waits for the step's end)
         self._bad_loss = False
         #: the step's backward passes are not declared and more may follow (the cockpit learned that it accumulates)
@@ -356,7 +357,7 @@ class Recorder:
         forward, self._forward = self._forward, None
         if micro == 0 or self._forwards_step != step:
             self._forwards = []
-        self._forwards_step, self._micro_batches = step, micro_batches
+        self._forwards_step, self._micro_batches, self._micro = step, micro_batches, micro
         if forward is not None:
             forward.loss_fn, forward.loss, forward.micro = info.get("loss_fn"), info.get("loss"), micro
             self._forwards.append(forward)
@@ -404,6 +405,8 @@ class Recorder:
                 self._store_on_demand(record, info)
             if self._auto_done or step in self.records:
                 return
+            if self._forward is not None and not any(f.micro == self._micro for f in self._forwards):
+                self._keep_forward(step, info, self._micro, self._micro_batches)  # the forward pass ran in the block
             if self._bad_loss:
                 trigger = "non-finite loss"
             elif tracked and not gradients_finite(self.params):
@@ -415,7 +418,7 @@ class Recorder:
             self._auto_done = True
             self._rerun(step, trigger, info)
         finally:
-            self._bad_loss = False
+            self._bad_loss, self._forward = False, None
             self._unwatch_factor()
             if complete:
                 self._forwards, self._forwards_step = [], None
