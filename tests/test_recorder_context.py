@@ -409,3 +409,18 @@ def test_a_forward_pass_inside_the_cockpits_block_is_re_run():
         nn.functional.cross_entropy(model(x), y).backward()
     origin = cockpit.records[0].first_nonfinite
     assert origin["phase"] == "backward" and origin["module_type"] == "RowNorm"
+
+
+def test_the_rerun_leaves_torchs_random_streams_alone():
+    """A re-run through dropout draws masks again; the user's stream continues as if it had not run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), Square(), nn.Linear(8, 3))
+    cockpit = Cockpit(model.parameters(), [], model=model)
+    x, y = _batch(0, scale=30.0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    before = torch.get_rng_state()
+    with cockpit(0, info={"loss": loss, "loss_fn": lambda output: nn.functional.cross_entropy(output, y)}):
+        loss.backward()
+    assert 0 in cockpit.records and any(op.get("random") for op in cockpit.records[0].ops)  # it did draw
+    assert torch.equal(torch.get_rng_state(), before)

@@ -122,6 +122,10 @@ class _Forward:
     micro: int = 0
 
 
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _scaler_on(info: dict) -> bool:
     """Whether ``info["grad_scaler"]`` is an enabled ``GradScaler`` (its ``is_enabled()``)."""
     scaler = info.get("grad_scaler")
@@ -569,8 +573,9 @@ class Recorder:
         tape = Tape(root, _names(root), paused=lambda: False, max_ops=self.max_ops)
         loss = None
         stage = "the model's forward pass"
-        try:
-            with self.tracer.pause(), torch.enable_grad():
+        cuda = sorted({_cuda_index(p.device) for p in self.params if p.device.type == "cuda"})
+        try:  # random layers draw again, from torch's generators, which are put back afterwards
+            with self.tracer.pause(), torch.enable_grad(), torch.random.fork_rng(devices=cuda):
                 tape.start(inside_root=False)
                 with under_autocast(forward.autocast):
                     output = root(*forward.args, **forward.kwargs)
