@@ -424,3 +424,15 @@ def test_the_rerun_leaves_torchs_random_streams_alone():
         loss.backward()
     assert 0 in cockpit.records and any(op.get("random") for op in cockpit.records[0].ops)  # it did draw
     assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_slice_of_the_outside_benchmark(tmp_path):
+    """benchmarks/nan_origin_outside.py (the figures in docs/recorder.md) runs: one case per kind."""
+    from benchmarks.nan_origin_outside import cases, run
+
+    wanted = ("fp16 autocast: x**3", "2 micro-batches: custom Function", "GradScaler declared")
+    chosen = [case for case in cases() if case.name.startswith(wanted)]
+    assert len(chosen) == 3
+    for index, case in enumerate(chosen):
+        result = run(case, tmp_path / str(index))
+        assert result["valid"] and result["right"] and result["raised"] is None, result
