@@ -436,3 +436,52 @@ def test_a_slice_of_the_outside_benchmark(tmp_path):
     for index, case in enumerate(chosen):
         result = run(case, tmp_path / str(index))
         assert result["valid"] and result["right"] and result["raised"] is None, result
+
+
+# ---- a non-finite step never raises into the training loop ---------------------------------------------
+class Recurrent(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.rnn, self.out = getattr(nn, kind)(4, 8, batch_first=True), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_nan_row_into_a_recurrent_net_is_recorded_not_raised(kind):
+    """The per-sample re-run of a recurrent layer compares its outputs with the step's: NaN rows are
+    the same NaN rows (this raised UncoveredParameterError into the training loop)."""
+    torch.manual_seed(0)
+    model = Recurrent(kind)
+    cockpit = Cockpit(model.parameters(), configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            generator = torch.Generator().manual_seed(step)
+            x, y = torch.randn(6, 5, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+            if step == 1:
+                x[2, 3] = float("nan")  # one time step of one row
+            per = nn.functional.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, info={"loss": per.mean(), "batch_size": 6, "individual_losses": per,
+                                     "optimizer": optimizer}):  # fmt: skip
+                per.mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    origin = cockpit.records[1].first_nonfinite
+    assert origin["kind"] == "input" and origin["module"] == "rnn"
+
+
+def test_same_outputs_takes_the_same_non_finite_entries_as_equal():
+    from cockpit_like.backends.rerun import _same_outputs
+
+    old = torch.tensor([[1.0, float("nan")], [float("inf"), 2.0]])
+    assert _same_outputs([old.clone()], [old])
+    assert _same_outputs([old + 1e-6], [old])
+    moved = torch.tensor([[float("nan"), 1.0], [float("inf"), 2.0]])
+    assert not _same_outputs([moved], [old])
+    flipped = torch.tensor([[1.0, float("nan")], [-float("inf"), 2.0]])
+    assert not _same_outputs([flipped], [old])
+    assert not _same_outputs([torch.tensor([[1.5, float("nan")], [float("inf"), 2.0]])], [old])
+    assert not _same_outputs([torch.tensor([[1.0, 3.0], [float("inf"), 2.0]])], [old])
