@@ -505,19 +505,19 @@ class Recorder:
                 break
         if several:
             micros = [forward.micro for forward in forwards]
-            seen = f"{len(forwards)} of its {count}" if count else f"{len(forwards)}"
+            seen = f"the {len(forwards)} it saw" + (f" (of {count} declared)" if count else "")
             if record.first_nonfinite is not None:
-                earlier = [m for m in micros if m < forward.micro]
+                earlier = [str(m) for m in micros if m < forward.micro]
                 record.data["notes"].append(
-                    f"Step {step} has several backward passes (micro-batches); the cockpit kept the inputs of "
-                    f"{seen} and re-ran them in order: micro-batch {forward.micro} is the first whose re-run has "
-                    "a non-finite value" + (f" (micro-batches {earlier} re-ran finite)." if earlier else ".")
+                    f"Step {step} has several backward passes (micro-batches); the cockpit re-ran {seen} in "
+                    f"order: micro-batch {forward.micro} is the first whose re-run has a non-finite value"
+                    + (f" (micro-batch{'es' if len(earlier) > 1 else ''} {', '.join(earlier)} re-ran finite)."
+                       if earlier else ".")
                 )
             else:
                 record.data["notes"].append(
-                    f"Step {step} has several backward passes (micro-batches); the cockpit kept the inputs of "
-                    f"{seen} and re-ran them all: every value was finite. The record shows micro-batch "
-                    f"{forward.micro}, the last."
+                    f"Step {step} has several backward passes (micro-batches); the cockpit re-ran {seen}: every "
+                    f"value was finite. The record shows micro-batch {forward.micro}, the last."
                 )
         if record.first_nonfinite is None:
             record.data["findings"].append(self._unexplained(step, trigger, forward).to_dict())
