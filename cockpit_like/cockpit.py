@@ -459,7 +459,8 @@ class Cockpit:
         if self._run.pending is tracked:
             self._watch_optimizer(tracked.info.get("optimizer"))
         self._recorder.after_step(
-            tracked.step, tracked.info, tracked=error is None and (tracked.completed or self._run.pending is tracked),
+            tracked.step, tracked.info,
+            tracked=error is None and (tracked.completed or tracked.skipped or self._run.pending is tracked),
             complete=self._run.micro is None and self._run.pending is not tracked,
         )
 

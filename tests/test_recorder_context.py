@@ -485,3 +485,76 @@ def test_same_outputs_takes_the_same_non_finite_entries_as_equal():
     assert not _same_outputs([flipped], [old])
     assert not _same_outputs([torch.tensor([[1.5, float("nan")], [float("inf"), 2.0]])], [old])
     assert not _same_outputs([torch.tensor([[1.0, 3.0], [float("inf"), 2.0]])], [old])
+
+
+# ---- a GradScaler that keeps skipping ----------------------------------------------------------------
+def _skipping_run(model, scaler, steps, scale, quantities=()):
+    cockpit = Cockpit(model.parameters(), list(quantities), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    skipped = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            x, y = _batch(step, scale=scale)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            with cockpit(step, info={"loss": loss, "batch_size": len(y), "grad_scaler": scaler,
+                                     "loss_fn": lambda output, y=y: nn.functional.cross_entropy(output, y)}):  # fmt: skip
+                scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            skipped += scaler.get_scale() < before
+    return cockpit, skipped
+
+
+def test_a_scaler_that_keeps_skipping_a_forward_overflow_gets_a_record_after_all():
+    from cockpit_like.diagnosis.recorder.control import SKIPS_IN_A_ROW
+
+    cockpit, skipped = _skipping_run(_square_net(), torch.amp.GradScaler("cpu"), SKIPS_IN_A_ROW + 2, 30.0)
+    assert skipped == SKIPS_IN_A_ROW + 2  # every step overflows in float16, whatever the scale
+    last = SKIPS_IN_A_ROW - 1
+    assert list(cockpit.records) == [last]
+    record = cockpit.records[last]
+    assert record.data["skipped"] == {"reason": "grad_scaler", "in_a_row": SKIPS_IN_A_ROW}
+    assert record.first_nonfinite["op"] == "aten.pow.Tensor_Scalar" and record.first_nonfinite["module"] == "1"
+    (finding,) = cockpit.findings
+    assert finding.step == last and "skipped step in a row" in finding.message
+
+
+def test_a_scale_too_large_that_keeps_being_lowered_is_not_reported():
+    """The scaled backward pass overflows for many steps (the scale starts far too large); the unscaled
+    re-run is finite, so the scaler's skips stay unreported."""
+    from cockpit_like.diagnosis.recorder.control import SKIPS_IN_A_ROW
+
+    cockpit, skipped = _skipping_run(_square_net(), torch.amp.GradScaler("cpu", init_scale=2.0**50),
+                                     SKIPS_IN_A_ROW + 4, 1.0, [GradNorm(linear(1))])  # fmt: skip
+    assert skipped > SKIPS_IN_A_ROW
+    assert cockpit.records == {} and cockpit.findings == []
+
+
+def test_a_scaler_that_keeps_skipping_a_nan_made_in_the_backward_pass_gets_a_record_after_all():
+    from cockpit_like.diagnosis.recorder.control import SKIPS_IN_A_ROW
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3, bias=False), RowNorm(), nn.Linear(1, 3))
+    cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(SKIPS_IN_A_ROW + 1):
+            x, y = _batch(step)
+            x[0] = 0.0  # every batch: a zero row, whose RowNorm gradient is NaN
+            loss = nn.functional.cross_entropy(model(x), y)
+            with cockpit(step, info={"loss": loss, "batch_size": len(y), "grad_scaler": scaler,
+                                     "loss_fn": lambda output, y=y: nn.functional.cross_entropy(output, y)}):  # fmt: skip
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    assert sorted(cockpit.skipped_steps) == list(range(SKIPS_IN_A_ROW + 1))
+    assert list(cockpit.records) == [SKIPS_IN_A_ROW - 1]
+    origin = cockpit.records[SKIPS_IN_A_ROW - 1].first_nonfinite
+    assert origin["phase"] == "backward" and origin["module_type"] == "RowNorm"

@@ -59,7 +59,11 @@ from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.record import Record
 from cockpit_like.diagnosis.recorder.tape import Tape
 
-__all__ = ["Recorder", "RECORD_KEY"]
+__all__ = ["Recorder", "RECORD_KEY", "SKIPS_IN_A_ROW"]
+
+#: a GradScaler that skips this many checked steps in a row does not remove the non-finite value by
+#: lowering its scale: the last of them is recorded (with a finding) after all
+SKIPS_IN_A_ROW = 8
 
 #: where a record is stored in the cockpit's output: ``{step: {RECORD_KEY: record dict}}``
 RECORD_KEY = "record"
@@ -239,6 +243,8 @@ class Recorder:
         self._unstored: Record | None = None
         self._factor_hook: Any = None
         self._factor: list[torch.Tensor] = []
+        #: ``(steps the GradScaler skipped in a row, the last of them)``, among the steps checked
+        self._skips: tuple[int, int | None] = (0, None)
         self._auto_done = not auto
 
     # ---- arming ------------------------------------------------------------------------
@@ -416,11 +422,18 @@ class Recorder:
             elif tracked and not gradients_finite(self.params):
                 trigger = "non-finite gradient"
             else:
+                if complete and self._skips[1] != step:
+                    self._skips = (0, None)  # a finite step ends a run of skipped ones
                 return
+            skips = 0
             if self._scaler_skips(info, trigger):
-                return  # the scaler skips the optimizer step and lowers its scale: normal, no record
+                count, last = self._skips
+                self._skips = (count + (last != step), step)
+                if self._skips[0] < SKIPS_IN_A_ROW:
+                    return  # the scaler skips the optimizer step and lowers its scale: normal, no record
+                skips = self._skips[0]  # lowering the scale does not help: record it after all
             self._auto_done = True
-            self._rerun(step, trigger, info)
+            self._rerun(step, trigger, info, skips)
         finally:
             self._bad_loss, self._forward = False, None
             self._unwatch_factor()
@@ -482,7 +495,7 @@ class Recorder:
         return None
 
     # ---- the automatic re-run ---------------------------------------------------------------
-    def _rerun(self, step: int, trigger: str, info: dict) -> None:
+    def _rerun(self, step: int, trigger: str, info: dict, skips: int = 0) -> None:
         """Re-run the step's backward passes the cockpit saw, in order, each under the autocast state of
         its forward pass; the first whose re-run has a non-finite value is the record."""
         what = "loss" if trigger == "non-finite loss" else "gradient"
@@ -519,8 +532,20 @@ class Recorder:
                     f"Step {step} has several backward passes (micro-batches); the cockpit re-ran {seen}: every "
                     f"value was finite. The record shows micro-batch {forward.micro}, the last."
                 )
+        if skips and record.first_nonfinite is None:
+            # the unscaled re-run is finite: the scale made the overflow, and the scaler keeps lowering it
+            self._auto_done, self._skips = False, (0, None)
+            return
         if record.first_nonfinite is None:
             record.data["findings"].append(self._unexplained(step, trigger, forward).to_dict())
+        if skips:
+            said = (f"The GradScaler skipped this step and the {skips - 1} checked steps before it: lowering its "
+                    "scale does not remove the non-finite value, so the step is recorded although it was skipped.")
+            record.data["skipped"] = {"reason": "grad_scaler", "in_a_row": skips}
+            record.data["notes"].append(said)
+            for finding in record.data["findings"]:
+                finding["message"] += f" (the GradScaler's {skips}th skipped step in a row)"
+                finding["evidence"]["scaler_skips_in_a_row"] = skips
         unseen = not (isinstance(info.get("loss"), torch.Tensor) and info["loss"].requires_grad)
         if unseen and not _scaler_on(info) and any(a["dtype"] == "float16" for a in forward.autocast):
             hint = (" If a GradScaler scales this loss, pass info['grad_scaler'] = scaler (or the loss tensor as "
