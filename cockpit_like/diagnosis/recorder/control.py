@@ -33,7 +33,10 @@
   * a step a ``GradScaler`` skips is not recorded: the scaler is seen as
     ``info["grad_scaler"]`` or as a factor above 1 in the gradient that
     reaches ``info["loss"]`` (a hook, only on steps that need it), and the
-    step's gradients are not finite. The automatic recording stays armed.
+    step's gradients are not finite. The automatic recording stays armed;
+    after :data:`SKIPS_IN_A_ROW` skipped steps in a row, the last is re-run
+    and recorded if its (unscaled) re-run has a non-finite value: lowering
+    the scale does not remove a NaN the model makes.
 
   Random layers (dropout) draw again in the re-run; the record notes when
   the re-run's loss differs from the step's.

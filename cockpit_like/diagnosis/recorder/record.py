@@ -23,7 +23,8 @@ Layout of ``record.data``::
      "micro_batch": 0, "micro_batches": 2,       # the step's backward pass recorded (null: one pass)
      "autocast": [{"device_type": "cpu", "dtype": "float16"}],   # the forward pass's autocast ([] off)
      "first_nonfinite": {...} or null, "findings": [...],
-     "intended_infinities": [6]}                 # values judged masks before the origin
+     "intended_infinities": [6],                 # values judged masks before the origin
+     "skipped": {"reason": "grad_scaler", ...}}  # only for a step a GradScaler skipped
 
 May import torch, :mod:`cockpit_like.logs`, :mod:`cockpit_like.diagnosis.findings`
 and :mod:`cockpit_like.diagnosis.recorder`.
