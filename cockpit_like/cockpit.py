@@ -418,7 +418,10 @@ class Cockpit:
         # the cockpit's own work is not recorded; the loss is checked at most once (one device sync)
         try:
             self._quiet.open()
-            with self._recorder.beginning(global_step, tracked.info, tracked.loss_finite):
+            declared = tracked.micro_batches if "micro_batches" in tracked.info else None
+            with self._recorder.beginning(
+                global_step, tracked.info, tracked.loss_finite, micro, declared, tracked.open_ended
+            ):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:
             self._quiet.close()
@@ -447,12 +450,18 @@ class Cockpit:
                 tracked.__exit__(None, None, None)
             else:
                 tracked.__exit__(type(error), error, error.__traceback__)
+        except BaseException:
+            # the recorder still re-runs a non-finite loss of this backward pass (it never raises for one)
+            self._recorder.after_step(tracked.step, tracked.info, tracked=False)
+            raise
         finally:
             self._quiet.close()
         if self._run.pending is tracked:
             self._watch_optimizer(tracked.info.get("optimizer"))
         self._recorder.after_step(
-            tracked.step, tracked.info, tracked=error is None and (tracked.completed or self._run.pending is tracked)
+            tracked.step, tracked.info,
+            tracked=error is None and (tracked.completed or tracked.skipped or self._run.pending is tracked),
+            complete=self._run.micro is None and self._run.pending is not tracked,
         )
 
     def _invalidate(self, step: int, decomposed: set[str]) -> None:

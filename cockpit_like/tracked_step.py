@@ -143,6 +143,8 @@ class TrackedStep:
         self.active: list[Quantity] = []
         #: the step's quantities were tracked (its last backward pass, not skipped)
         self.completed = False
+        #: the step's scaled gradients are not finite: a GradScaler skips it (stored as skipped)
+        self.skipped = False
         self._execution: StepExecution | None = None
         self._loss_is_finite = True
         self._loss_finite: bool | None | object = _UNCHECKED
@@ -344,6 +346,7 @@ class TrackedStep:
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
             if skippable and not gradients_finite(params):
                 env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
+                self.skipped = True
                 return
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:

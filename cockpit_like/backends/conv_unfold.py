@@ -112,11 +112,13 @@ def conv2d_weight_grad_batch(
     windows = conv2d_input_windows(module, x)
     batch, channels, kh, kw, out_h, out_w = windows.shape
     rows, positions = channels * kh * kw, out_h * out_w
-    delta = delta.reshape(batch, delta.shape[1], positions)
-    result = torch.empty(batch, delta.shape[1], rows, dtype=delta.dtype, device=delta.device)
-    per_sample = max(1, rows * positions * windows.element_size())
+    # under autocast the layer's input (float32) and its output gradient (float16) differ: the wider one
+    dtype = torch.promote_types(delta.dtype, windows.dtype)
+    delta = delta.reshape(batch, delta.shape[1], positions).to(dtype)
+    result = torch.empty(batch, delta.shape[1], rows, dtype=dtype, device=delta.device)
+    per_sample = max(1, rows * positions * result.element_size())
     step = max(1, min(batch, chunk_bytes // per_sample))
-    buffer = torch.empty((step, channels, kh, kw, out_h, out_w), dtype=windows.dtype, device=windows.device)
+    buffer = torch.empty((step, channels, kh, kw, out_h, out_w), dtype=dtype, device=windows.device)
     for start in range(0, batch, step):
         stop = min(batch, start + step)
         chunk = buffer[: stop - start]

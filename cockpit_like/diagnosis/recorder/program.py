@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from cockpit_like.diagnosis.recorder.tape import _UNINITIALISED
+
 __all__ = ["export_program", "replayable_ops", "NotReplayableError"]
 
 
@@ -142,7 +144,7 @@ def export_program(record, folder: str | Path) -> dict[str, Path]:
         lines.append(f"{target} = {call}  # op {op['index']}")
         produced.update(v for v in outputs if v is not None)
         tensor_outputs = [v for v in outputs if v is not None]
-        if tensor_outputs:
+        if tensor_outputs and not _uninitialised(op["op"]):  # empty_like's memory is garbage, NaN or not
             lines.append(f"check({op['index']}, {', '.join(f'v{v}=v{v}' for v in tensor_outputs)})")
             checked += tensor_outputs
 
@@ -165,6 +167,7 @@ def export_program(record, folder: str | Path) -> dict[str, Path]:
         "nonfinite": nonfinite,
         "ops": ops_info,
         "first_nonfinite": recorded_origin,
+        "masks": [f"v{v}" for v in data.get("intended_infinities", [])],
         "loss": None if loss_id is None else f"v{loss_id}",
     }
     folder = Path(folder)
@@ -181,6 +184,11 @@ def export_program(record, folder: str | Path) -> dict[str, Path]:
     body = "\n".join(loads + [""] + lines)
     program.write_text(header + "\n\ndef replay():\n" + _indent(body) + "\n    return locals()\n" + _FOOTER)
     return {"program": program, "tensors": pt}
+
+
+def _uninitialised(name: str) -> bool:
+    """Whether the operation ``"aten.empty_like.default"`` returns uninitialised memory (not checked)."""
+    return name.rsplit(".", 1)[0].replace(".", "::", 1) in _UNINITIALISED
 
 
 def _indent(text: str) -> str:
@@ -215,7 +223,7 @@ def check(index, **values):
         if not value.is_floating_point():
             continue
         found = int((~torch.isfinite(value)).sum())
-        if found and not FIRST:
+        if found and not FIRST and name not in DATA.get("masks", ()):  # not an intended infinity (a mask)
             FIRST.append(index)
         recorded = DATA["nonfinite"].get(name)
         if recorded is not None and found != recorded:

@@ -20,7 +20,11 @@ Layout of ``record.data``::
                       "min": -2.1, "max": 3.4, "nonfinite": 0, "nan": 0,
                       "op": 0, "source": null}, ...},
      "outputs": {"output": [17], "loss": 25},
-     "first_nonfinite": {...} or null, "findings": [...]}
+     "micro_batch": 0, "micro_batches": 2,       # the step's backward pass recorded (null: one pass)
+     "autocast": [{"device_type": "cpu", "dtype": "float16"}],   # the forward pass's autocast ([] off)
+     "first_nonfinite": {...} or null, "findings": [...],
+     "intended_infinities": [6],                 # values judged masks before the origin
+     "skipped": {"reason": "grad_scaler", ...}}  # only for a step a GradScaler skipped
 
 May import torch, :mod:`cockpit_like.logs`, :mod:`cockpit_like.diagnosis.findings`
 and :mod:`cockpit_like.diagnosis.recorder`.
@@ -82,9 +86,22 @@ class Record:
     # ---- building -----------------------------------------------------------------------
     @classmethod
     def from_tape(
-        cls, tape: Tape, step: int, trigger: str, loss: torch.Tensor | None = None, notes: list[str] | None = None
+        cls,
+        tape: Tape,
+        step: int,
+        trigger: str,
+        loss: torch.Tensor | None = None,
+        notes: list[str] | None = None,
+        micro_batch: int | None = None,
+        micro_batches: int | None = None,
+        autocast: list[dict[str, str]] | None = None,
     ) -> Record:
-        """Finish a tape into a record: outputs, notes, the first non-finite value, findings."""
+        """Finish a tape into a record: outputs, notes, the first non-finite value, findings.
+
+        ``micro_batch``: which backward pass of the step the tape holds (``None``: the step has one);
+        ``micro_batches``: how many the step has (``None``: one, or not declared); ``autocast``: the
+        ``torch.autocast`` state the forward pass ran under (:func:`.control.autocast_state`).
+        """
         loss_id = tape.id_of(loss) if isinstance(loss, torch.Tensor) else None
         if loss_id is not None:
             tape.mark_expected([loss_id])
@@ -119,9 +136,13 @@ class Record:
             "saved": sorted(tape.tensors),
             "dropped_ops": tape.dropped,
             "not_replayable": list(tape.not_replayable),
+            "micro_batch": micro_batch,
+            "micro_batches": micro_batches,
+            "autocast": list(autocast or []),
         }
         record = cls(data, dict(tape.tensors))
         data["first_nonfinite"] = record._find_first_nonfinite()
+        data["intended_infinities"] = sorted(record._masks)  # masks passed over on the way to the origin
         data["findings"] = [finding.to_dict() for finding in record._findings()]
         return record
 
@@ -159,7 +180,7 @@ class Record:
         counts: dict[str, int] = {}
         for op in self.ops:
             counts[op["phase"]] = counts.get(op["phase"], 0) + 1
-        lines = [f"record of step {self.step} ({self.data['trigger']}): " + ", ".join(f"{n} {p}" for p, n in counts.items())]
+        lines = [f"record of step {self.step}{self.where_in_step()} ({self.data['trigger']}): " + ", ".join(f"{n} {p}" for p, n in counts.items())]
         origin = self.first_nonfinite
         lines.append("first non-finite value: " + (origin["message"] if origin else "none (every value is finite)"))
         return "\n".join(lines)
@@ -248,17 +269,33 @@ class Record:
             )
         else:
             fix = _HINTS.get(base, "look at the input ranges of this operation and bound them")
+            if any(out.get("dtype") == "float16" and out.get("nonfinite", 0) > out.get("nan", 0)
+                   for out in origin["outputs"]):
+                fix = (f"float16 overflows to inf above 65504 (under torch.autocast, or half-precision tensors): "
+                       f"run this operation in float32 (inside torch.autocast(device_type, enabled=False), on "
+                       f"inputs cast with .float()), use bfloat16, or bound its input. {fix}")
+        evidence = {k: origin[k] for k in ("op_index", "op", "phase", "module", "module_type", "inputs", "outputs")}
+        for key in ("micro_batch", "micro_batches", "autocast"):
+            if self.data.get(key) not in (None, []):
+                evidence[key] = self.data[key]
         return [
             Finding(
                 rule="nonfinite-origin",
                 severity="error",
                 step=self.step,
-                message=f"step {self.step}: {origin['message']}",
+                message=f"step {self.step}{self.where_in_step()}: {origin['message']}",
                 fix=fix,
                 layer=origin["module"] or None,
-                evidence={k: origin[k] for k in ("op_index", "op", "phase", "module", "module_type", "inputs", "outputs")},
+                evidence=evidence,
             )
         ]
+
+    def where_in_step(self) -> str:
+        """``", micro-batch 0 of 2"`` for a record of one backward pass of several, else ``""``."""
+        micro, count = self.data.get("micro_batch"), self.data.get("micro_batches")
+        if micro is None:
+            return ""
+        return f", micro-batch {micro}" + (f" of {count}" if count else "")
 
     # ---- files ----------------------------------------------------------------------------
     def save(self, folder: str | os.PathLike, program: bool = True) -> dict[str, Path]:
