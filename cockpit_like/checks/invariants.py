@@ -142,7 +142,8 @@ class StepChecks:
         for index, (total, absolute, *low) in probe.items():
             param = params[index]
             grad = grad_of(param)
-            dirs = probe_directions(seed, index, param.shape, param.device)
+            wide = None if grad is None or grad.dtype not in (torch.float32, torch.float64) else grad.dtype
+            dirs = probe_directions(seed, index, param.shape, param.device, wide or torch.float32)
             expected = 0.0 if grad is None else float(project(grad, dirs))
             expected -= self.stale.get(index, 0.0) / stale_scale
             got, spread = float(total), float(absolute)

@@ -45,17 +45,24 @@ _HALF = (torch.float16, torch.bfloat16)
 _DIRECTIONS: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def probe_directions(seed: int, index: int, shape: torch.Size, device) -> tuple[torch.Tensor, ...]:
+def probe_directions(
+    seed: int, index: int, shape: torch.Size, device, dtype: torch.dtype = torch.float64
+) -> tuple[torch.Tensor, ...]:
     """The probe of parameter ``index``: ``(u, v)`` for a parameter of two or more dimensions, else ``(r,)``.
 
-    Kept for the seed in use (a few vectors of each parameter's side lengths), so that a step's probe,
-    its gradient check and the next steps with the same seed draw nothing again."""
-    key = (seed, index, tuple(shape), str(device))
+    Drawn in float64 and kept for the seed in use (a few vectors of each parameter's side lengths), also in
+    ``dtype`` (the rows' own, for products without a copy of the rows), so that a step's probe, its gradient
+    check and the next steps with the same seed draw and convert nothing again."""
+    key = (seed, index, tuple(shape), device if isinstance(device, str) else str(device), dtype)
     found = _DIRECTIONS.get(key)
     if found is None:
-        if len(_DIRECTIONS) >= 2048:
+        if len(_DIRECTIONS) >= 4096:
             _DIRECTIONS.clear()  # bounded: earlier seeds' directions are not needed any more
-        found = _DIRECTIONS[key] = _draw(seed, index, torch.Size(shape), device)
+        if dtype == torch.float64:
+            found = _draw(seed, index, torch.Size(shape), device)
+        else:
+            found = tuple(d.to(dtype) for d in probe_directions(seed, index, shape, device))
+        _DIRECTIONS[key] = found
     return found
 
 
@@ -76,11 +83,13 @@ def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch
     flat = tensor.detach()
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
+    if directions[0].dtype != flat.dtype:
+        directions = tuple(d.to(flat.dtype) for d in directions)
     if len(directions) == 2:
-        u, v = (d.to(flat.dtype) for d in directions)
+        u, v = directions
         return (u @ (flat.reshape(u.shape[0], -1) @ v)).to(torch.float64)
     (r,) = directions
-    return (flat.reshape(-1) @ r.to(flat.dtype)).to(torch.float64)
+    return (flat.reshape(-1) @ r).to(torch.float64)
 
 
 @dataclass(frozen=True)
@@ -98,7 +107,7 @@ class GradientProbe(PerSampleStat):
     row_form: ClassVar[bool] = True
 
     def init(self, params: list[torch.Tensor]) -> Any:
-        return {"dirs": {}, "sums": {}, "low": set()}
+        return {"sums": {}, "low": set()}
 
     @staticmethod
     def _precision(state, index: int, *tensors) -> None:
@@ -110,23 +119,18 @@ class GradientProbe(PerSampleStat):
 
     def _dirs(self, state, index: int, param: torch.Tensor, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
         """The parameter's directions in ``dtype`` (the rows' own: no copy of the rows in another dtype)."""
-        dirs = state["dirs"].get((index, dtype))
-        if dirs is None:
-            exact = state["dirs"].get((index, torch.float64))
-            if exact is None:
-                exact = state["dirs"][(index, torch.float64)] = probe_directions(self.seed, index, param.shape, param.device)
-            dirs = state["dirs"][(index, dtype)] = tuple(d.to(dtype) for d in exact)
-        return dirs
+        return probe_directions(self.seed, index, param.shape, param.device, dtype)
 
     @staticmethod
     def _add(state, index: int, total: torch.Tensor, absolute: torch.Tensor | None) -> Any:
         """Add ``(total, absolute)`` (``absolute``: ``|total|`` when None) to the parameter's float64 pair."""
-        pair = torch.stack((total, total.abs() if absolute is None else absolute))
+        total = total.to(torch.float64)
+        absolute = total.abs() if absolute is None else absolute.to(torch.float64)
         known = state["sums"].get(index)
         if known is None:
-            state["sums"][index] = pair.to(torch.float64)
+            state["sums"][index] = [total, absolute]
         else:
-            known.add_(pair)
+            known[0], known[1] = known[0] + total, known[1] + absolute
         return state
 
     def _add_rows(self, state, index: int, per_row: torch.Tensor) -> Any:
