@@ -75,3 +75,68 @@ class SampledGGNDiagonal:
         an unbiased estimate of the global batch's diagonal, not the one a single process would draw)."""
         parts = [reduction.mean(d) for d in result]
         return lambda: [part() for part in parts]
+
+
+@dataclass(frozen=True)
+class GGNDiagonal:
+    """Need: the GGN diagonal of a mean cross-entropy loss over ``info["outputs"]``, positive, on any model.
+
+    ``G = (1/N) sum_n J_n^T H_n J_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (``p_n = softmax(f_n)``). Its root
+    ``S_n = diag(sqrt p_n) - p_n sqrt(p_n)^T`` has columns ``s_nc = sqrt(p_nc) (e_c - p_n)``, so
+    ``diag(G) = (1/N) sum_c sum_n (J_n^T s_nc) ** 2``: the expectation over labels of the sampled
+    estimate (:class:`SampledGGNDiagonal`) computed exactly.
+
+    - **exact** where the outputs are ``[B, C]`` (one position per row, so a row's gradient is one
+      ``J_n^T s_nc``) and ``C <= max_classes``: one hook-only backward pass per class ``c`` of the
+      surrogate ``sum_n <s_nc, f_n>`` (``s_nc`` without graph), whose per-row sums of squares summed over
+      ``c`` and divided by ``N`` are ``diag(G)``;
+    - else **sampled**: ``samples`` draws of :class:`SampledGGNDiagonal`'s one-label estimate (labels from
+      the cockpit's generator), averaged; unbiased, every draw is ``>= 0``.
+
+    Result: a :class:`~cockpit_like.backends.hvp.DiagonalEstimate` (one tensor per tracked parameter) with
+    ``exact`` (bool), ``errors`` (``{"block_errors", "trace_error"}``, standard errors of the block traces
+    and of the total from the draws; zeros where exact) and ``draws`` (the draws' diagonals, for the
+    standard error of a function of the whole diagonal such as TICDiag; ``[]`` where exact). Cost: ``C``
+    or ``samples`` extra backward passes through the step's graph (``create_graph``).
+    """
+
+    samples: int = 4
+    max_classes: int = 10
+
+    def compute(self, execution):
+        from cockpit_like.backends.hvp import DiagonalEstimate, _standard_errors
+        from cockpit_like.functional.loss_hessian import loss_hessian_sqrt
+
+        what = "TIC's GGN diagonal (curvature='auto' on a model BackPACK cannot handle)"
+        logits = logits_from_info(execution.info, what)
+        outputs = execution.info["outputs"]
+        positions, classes = logits.shape
+        sizes = [p.numel() for p in execution.params]
+        exact = outputs.dim() == 2 and classes <= self.max_classes
+        if exact:
+            roots = loss_hessian_sqrt(logits, "cross_entropy")  # [N, C, C], columns s_nc
+            total = None
+            for c in range(classes):
+                squares = execution.per_sample_pass((logits * roots[:, :, c]).sum(), [SumOfSquares()])[SumOfSquares()]
+                total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
+            result = DiagonalEstimate(t.div_(positions) for t in total)
+            result.exact, result.draws = True, []
+            result.errors = {"block_errors": [0.0] * len(sizes), "trace_error": 0.0}
+            return result
+        draws = generator(execution.step, "ggn diagonal labels", logits.device, float(logits.detach().sum()))
+        samples = []
+        for _ in range(self.samples):
+            sampled = sample_cross_entropy(logits, draws)
+            squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
+            samples.append([s.mul_(positions) for s in squares])
+        result = DiagonalEstimate(torch.stack(column).mean(0) for column in zip(*samples))
+        blocks = torch.tensor([[float(s.sum()) for s in draw] for draw in samples], dtype=torch.float64)
+        result.exact, result.draws = False, samples
+        result.errors = _standard_errors(blocks)
+        return result
+
+    def across_ranks(self, result, reduction):
+        """Under DDP or micro-batches: the batch-weighted mean of the parts' diagonals (each part's own
+        labels: unbiased for the whole batch's diagonal); the standard errors are not combined (none kept)."""
+        parts = [reduction.mean(d) for d in result]
+        return lambda: [part() for part in parts]

@@ -70,12 +70,12 @@ from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, di
 from cockpit_like.backends.curvature_engine import DeflatedDiagonal
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
-from cockpit_like.backends.sampled import SampledGGNDiagonal
+from cockpit_like.backends.sampled import GGNDiagonal, SampledGGNDiagonal
 
 from cockpit_like.context import get_record
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
-__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES", "ESTIMATORS"]
+__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES", "ESTIMATORS", "RELIABLE_SE"]
 
 #: curvature name -> BackPACK extension factory (its savefield is the name)
 CURVATURES = {
@@ -86,7 +86,11 @@ CURVATURES = {
 
 
 #: curvature choices that need no BackPACK extension
-ESTIMATORS = ("hutchinson", "hutch++", "auto")
+ESTIMATORS = ("hutchinson", "hutch++", "ggn", "auto")
+
+#: an estimate is ``reliable[step]`` when ``|value| > RELIABLE_SE * standard error`` (its sign is known at
+#: about 95%); else the step's ``checks["notes"]`` say so
+RELIABLE_SE = 2.0
 
 
 class UnknownCurvatureError(ValueError, KeyError):
@@ -102,8 +106,9 @@ def _check_curvature(curvature: str, owner: str) -> str:
             f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
             f"{list(CURVATURES) + list(ESTIMATORS)} (BackPACK's Hessian diagonal, exact GGN diagonal, "
             "Monte-Carlo GGN diagonal; Hutchinson's estimate from Hessian-vector products on any "
-            "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'auto': the exact Hessian "
-            "diagonal where BackPACK can, else 'hutchinson')"
+            "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'ggn': the GGN diagonal of "
+            "the cross-entropy of info['outputs'] on any model; 'auto': the exact Hessian diagonal where BackPACK "
+            "can, else 'hutchinson' (HessTrace) or 'ggn' (TIC))"
         )
     return curvature
 
@@ -136,9 +141,16 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             )
         self._samples = hutchinson_samples
         self._method: str | None = None if curvature == "auto" else curvature
-        #: ``{step: standard error}`` of the estimators (``"hutch++"``), beside each stored value
+        #: ``{step: standard error}`` of the estimators, beside each stored value (0.0: exact)
         self.standard_errors: dict = {}
+        #: ``{step: bool}`` where there is a standard error: ``|value| > RELIABLE_SE * standard error``
+        self.reliable: dict = {}
+        #: HessTrace: ``{step: standard error of the total}`` (``standard_errors`` holds the blocks')
+        self.total_errors: dict = {}
         self._errors: dict | None = None
+        self._draws: list | None = None
+        #: steps at which ``"auto"`` wanted the GGN diagonal but ``info["outputs"]`` was not given
+        self._without_outputs: set[int] = set()
 
     @property
     def curvature(self) -> str:
@@ -166,8 +178,20 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
 
     @property
     def method(self) -> str:
-        """How the diagonal is computed: a BackPACK field name, ``"hutchinson"`` or ``"sampled_ggn_mc"``."""
+        """How the diagonal is computed: a BackPACK field name, ``"hutchinson"``, ``"hutch++"``, ``"ggn"`` or
+        ``"sampled_ggn_mc"``."""
         return self._method or "diag_h"
+
+    def _step_method(self, global_step: int) -> str:
+        """:attr:`method` at ``global_step``: ``"auto"``'s GGN falls back to ``"hutchinson"`` without outputs."""
+        return "hutchinson" if global_step in self._without_outputs else self.method
+
+    def observe_info(self, global_step: int, info: dict) -> None:
+        if self._requested == "auto" and self.method == "ggn":
+            if isinstance(info.get("outputs"), torch.Tensor):
+                self._without_outputs.discard(global_step)
+            else:
+                self._without_outputs.add(global_step)
 
     #: curvature -> (BackPACK's field where the models allow it, the estimator on any other model)
     _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutchinson"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
@@ -180,18 +204,21 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             exact, estimator = choice
             self._method = exact if backpack_curvature_compatible(models, CURVATURES[exact]()) else estimator
 
-    def _need(self):
-        if self.method == "hutchinson":
+    def _need(self, global_step: int):
+        method = self._step_method(global_step)
+        if method == "hutchinson":
             return HutchinsonDiagonal(self._samples)
-        if self.method == "hutch++":
+        if method == "hutch++":
             return DeflatedDiagonal(self._samples)
-        if self.method == "sampled_ggn_mc":
+        if method == "sampled_ggn_mc":
             return SampledGGNDiagonal(1)
+        if method == "ggn":
+            return GGNDiagonal(self._samples)
         return None
 
     def required_info(self, global_step: int) -> set[str]:
-        if self.method == "sampled_ggn_mc" and self.should_compute(global_step):
-            return {"outputs"}
+        if self.method == "sampled_ggn_mc" or (self.method == "ggn" and self._requested == "ggn"):
+            return {"outputs"} if self.should_compute(global_step) else set()
         return set()
 
     def extensions(self, global_step: int) -> list:
@@ -200,11 +227,11 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return [CURVATURES[self.method]()]
 
     def curvature_needs(self, global_step: int) -> list:
-        need = self._need()
+        need = self._need(global_step)
         return [need] if need is not None and self.should_compute(global_step) else []
 
     def create_graph(self, global_step: int) -> bool:
-        return self._need() is not None and self.should_compute(global_step)
+        return self._need(global_step) is not None and self.should_compute(global_step)
 
     def settings(self) -> dict:
         settings = {"curvature": self._requested}
@@ -212,18 +239,33 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             settings["computed_with"] = self.method
             if self.method in ("hutchinson", "hutch++"):
                 settings["hutchinson_samples"] = self._samples
+            if self.method == "ggn":
+                settings["ggn_samples"] = self._samples
         return settings
 
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        need = self._need()
+        need = self._need(global_step)
+        self._errors, self._draws = None, None
         if need is not None:
             result = get_record(global_step).stat(need)
             if isinstance(need, DeflatedDiagonal):
                 self._errors = result
                 return result["diagonal"]
             self._errors = getattr(result, "errors", None)
+            self._draws = getattr(result, "draws", None)
             return list(result)
         return _diagonals(params, self.method, type(self).__name__)
+
+    def _keep_error(self, global_step: int, value: float, error: float) -> None:
+        """Store the standard error beside the value; where it leaves the sign unknown, the step says so."""
+        self.standard_errors[global_step] = error
+        self.reliable[global_step] = bool(abs(value) > RELIABLE_SE * error)
+        if not self.reliable[global_step]:
+            get_record(global_step).note(
+                f"{type(self).__name__} at step {global_step}: the estimate {value:.4g} has a standard error of "
+                f"{error:.2g} ({self._step_method(global_step)}, {self._samples} samples): |value| is below "
+                f"{RELIABLE_SE:g} standard errors, so not even its sign is certain (reliable[{global_step}] is False)"
+            )
 
 
 class HessTrace(_DiagCurvatureQuantity):
@@ -239,10 +281,19 @@ class HessTrace(_DiagCurvatureQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        self._errors = None
         traces = [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
         if self._errors is not None:
             self.standard_errors[global_step] = list(self._errors["block_errors"])
+            total_error = float(self._errors["trace_error"])
+            self.total_errors[global_step] = total_error
+            self.reliable[global_step] = bool(abs(sum(traces)) > RELIABLE_SE * total_error)
+            if not self.reliable[global_step]:
+                get_record(global_step).note(
+                    f"HessTrace at step {global_step}: the total {sum(traces):.4g} has a standard error of "
+                    f"{total_error:.2g} ({self._step_method(global_step)}, {self._samples} samples): |total| is below "
+                    f"{RELIABLE_SE:g} standard errors, so not even its sign is certain (reliable[{global_step}] is "
+                    "False; the Hessian's trace is a sum over a bulk of eigenvalues of both signs)"
+                )
         return traces
 
 
@@ -258,6 +309,9 @@ class _TIC(_DiagCurvatureQuantity):
         super().__init__(track_schedule, verbose=verbose, curvature=curvature, hutchinson_samples=hutchinson_samples)
         self._epsilon = epsilon
 
+    #: where BackPACK cannot run, ``"auto"`` divides by the GGN diagonal (positive), not a Hessian estimate
+    _CHOICE_BY_MODEL = {"auto": ("diag_h", "ggn"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
+
     def per_sample_stats(self, global_step: int) -> list:
         return [SumOfSquares()] if self.should_compute(global_step) else []
 
@@ -272,7 +326,15 @@ class _TIC(_DiagCurvatureQuantity):
         name = type(self).__name__
         batch_size = get_record(global_step).require("batch_size", name)
         squares = get_record(global_step).stat(SumOfSquares())
-        return batch_size, squares, self._curvature_diagonals(global_step, params)
+        diagonals = self._curvature_diagonals(global_step, params)
+        if global_step in self._without_outputs:
+            get_record(global_step).note(
+                f"{name} at step {global_step}: curvature='auto' divides by the GGN diagonal (positive) of the "
+                "cross-entropy of info['outputs'], which this step did not give; computed with Hutchinson's "
+                "estimate of the Hessian diagonal instead (indefinite and noisy: the value may be far off, even "
+                "negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last)"
+            )
+        return batch_size, squares, diagonals
 
 
 class TICDiag(_TIC):
@@ -289,8 +351,21 @@ class TICDiag(_TIC):
 
     def _compute(self, global_step, params, batch_loss):
         batch_size, squares, diagonals = self._inputs(global_step, params)
-        total = sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals))
-        return float(total)
+        total = float(sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals)))
+        if self._draws:  # first order in the draws' deviations from their mean (delta method)
+            deviations = torch.tensor(
+                [
+                    float(sum((batch_size * s * (c - d) / (c + self._epsilon) ** 2).sum()
+                              for s, c, d in zip(squares, diagonals, draw)))
+                    for draw in self._draws
+                ],
+                dtype=torch.float64,
+            )
+            error = float(deviations.std() / len(self._draws) ** 0.5) if len(self._draws) > 1 else float("nan")
+            self._keep_error(global_step, total, error)
+        elif self._errors is not None and self._draws is not None:  # exact (no draws)
+            self._keep_error(global_step, total, 0.0)
+        return total
 
 
 class TICTrace(_TIC):
@@ -303,10 +378,11 @@ class TICTrace(_TIC):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        self._errors = None
         batch_size, squares, diagonals = self._inputs(global_step, params)
         numerator = batch_size * sum(s.sum() for s in squares)
         denominator = sum(c.sum() for c in diagonals) + self._epsilon
+        value = float(numerator / denominator)
         if self._errors is not None:  # first order in the trace's error: N / t^2 * se(t)
-            self.standard_errors[global_step] = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
-        return float(numerator / denominator)
+            error = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
+            self._keep_error(global_step, value, error)
+        return value
