@@ -3,10 +3,10 @@
 Where BackPACK cannot run, ``curvature="auto"`` makes TICDiag and TICTrace
 divide by the GGN diagonal of the cross-entropy of ``info["outputs"]``
 (:class:`~cockpit_like.backends.sampled.GGNDiagonal`): exact for outputs
-``[B, C]`` with few classes, else sampled labels. Checked in float64 against
+``[B, C]`` with few classes, else sketched with Rademacher signs. Checked in float64 against
 brute-force twins: the dense GGN ``(1/N) sum_n J_n^T (diag p_n - p_n p_n^T) J_n``
 from a loop of ``autograd.grad`` over the logits' entries, per-sample
-gradients from a loop over rows, and the sampled estimate with the same draws.
+gradients from a loop over rows, and the sketched estimate with the same draws.
 """
 
 from __future__ import annotations
@@ -90,38 +90,44 @@ def test_auto_tic_is_the_tic_of_the_exact_ggn(name):
     assert output["HessTrace"] == pytest.approx([float(c.sum()) for c in ggn], rel=1e-9, abs=1e-13)
 
 
-def _sampled_twin(problem, inputs, params, step, samples):
-    """The sampled estimate with the cockpit's draws: per draw ``N sum_i gb_i^2`` (rows by a loop)."""
+def _sketched_twin(problem, inputs, params, step, samples):
+    """The sketched estimate with the cockpit's draws: per draw ``s_n = S_n xi_n`` (the dense root
+    ``diag(sqrt p) - p sqrt(p)^T`` times Rademacher signs) and ``(1/N) sum_i gb_i^2``, rows by a loop."""
     model = problem.model
     with sdpa_kernel([SDPBackend.MATH]):
         logits = _logits(problem.forward(model, inputs))
-    flat = logits.reshape(-1, logits.shape[-1])
-    draws = randomness.generator(step, "ggn diagonal labels", "cpu", float(flat.detach().sum()))
+    flat = logits.reshape(-1, logits.shape[-1]).detach()
+    draws = randomness.generator(step, "ggn diagonal signs", "cpu", float(flat.sum()))
     positions = flat.shape[0]
+    p = torch.softmax(flat, 1)
+    roots = torch.diag_embed(p.sqrt()) - p.unsqueeze(2) * p.sqrt().unsqueeze(1)  # [N, C, C], S S^T = H
     result = []
     for _ in range(samples):
-        labels = torch.multinomial(torch.softmax(flat.detach(), 1), 1, generator=draws).squeeze(1).reshape(logits.shape[:-1])
-        squares = [torch.zeros_like(p) for p in params]
+        signs = torch.randint(0, 2, flat.shape, generator=draws).to(flat.dtype) * 2 - 1
+        sketch = torch.einsum("ncd,nd->nc", roots, signs).reshape(logits.shape)
+        squares = [torch.zeros_like(q) for q in params]
         for i in range(len(inputs)):
             with sdpa_kernel([SDPBackend.MATH]):
                 row = _logits(problem.forward(model, inputs[i : i + 1]))
-            loss = nn.functional.cross_entropy(row.reshape(-1, row.shape[-1]), labels[i].reshape(-1), reduction="sum")
-            for s, g in zip(squares, torch.autograd.grad(loss / positions, params, allow_unused=True)):
+            for s, g in zip(squares, torch.autograd.grad((row * sketch[i : i + 1]).sum(), params, allow_unused=True)):
                 if g is not None:
                     s += g**2
-        result.append([positions * s.reshape(-1) for s in squares])
+        result.append([s.reshape(-1) / positions for s in squares])
     return result
 
 
-def test_auto_tic_on_sequences_is_the_sampled_ggn_with_its_error_bar():
-    """Outputs [B, T, V]: the mean of 4 sampled-label draws, every draw >= 0; the standard errors from the draws."""
+def test_auto_tic_on_sequences_is_the_sketched_ggn_with_its_error_bar():
+    """Outputs [B, T, V]: the mean of 4 sketched draws, every draw >= 0; TICDiag with the second-order
+    correction of 1/c̄; the standard errors from the draws."""
     problem = ZOO["gpt2"](0)
     params = list(problem.model.parameters())
     inputs, targets = problem.batch(3, 2)
-    draws = _sampled_twin(problem, inputs, params, step=0, samples=4)
+    draws = _sketched_twin(problem, inputs, params, step=0, samples=4)
     squares = _squares(problem, inputs, targets, params)
     mean = [torch.stack(column).mean(0) for column in zip(*draws)]
-    tic_diag = float(sum((s / (c + EPS)).sum() for s, c in zip(squares, mean)))
+    variance = [torch.stack(column).var(0) / 4 for column in zip(*draws)]
+    tic_diag = float(sum((s / (c + EPS) * (1 - v / (c + EPS) ** 2).clamp(min=0)).sum()
+                         for s, c, v in zip(squares, mean, variance)))
     numerator = float(sum(s.sum() for s in squares))
     traces = torch.tensor([float(sum(c.sum() for c in draw)) for draw in draws], dtype=torch.float64)
     tic_trace = numerator / (float(traces.mean()) + EPS)
@@ -141,8 +147,8 @@ def test_auto_tic_on_sequences_is_the_sampled_ggn_with_its_error_bar():
     assert quantities[0].standard_errors[0] > 0 and quantities[1].standard_errors[0] > 0
 
 
-def test_the_sampled_ggn_trace_is_unbiased():
-    """Over the cockpit's seeds the sampled GGN trace averages to the dense one (within 4 standard errors)."""
+def test_the_sketched_ggn_trace_is_unbiased():
+    """Over the cockpit's seeds the sketched GGN trace averages to the dense one (within 4 standard errors)."""
     problem = ZOO["gpt2"](0)
     params = list(problem.model.parameters())
     inputs, targets = problem.batch(2, 3)

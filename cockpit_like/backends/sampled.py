@@ -81,23 +81,30 @@ class SampledGGNDiagonal:
 class GGNDiagonal:
     """Need: the GGN diagonal of a mean cross-entropy loss over ``info["outputs"]``, positive, on any model.
 
-    ``G = (1/N) sum_n J_n^T H_n J_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (``p_n = softmax(f_n)``). Its root
-    ``S_n = diag(sqrt p_n) - p_n sqrt(p_n)^T`` has columns ``s_nc = sqrt(p_nc) (e_c - p_n)``, so
-    ``diag(G) = (1/N) sum_c sum_n (J_n^T s_nc) ** 2``: the expectation over labels of the sampled
-    estimate (:class:`SampledGGNDiagonal`) computed exactly.
+    ``G = (1/N) sum_n J_n^T H_n J_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (``p_n = softmax(f_n)``, ``N``
+    positions). A root ``S_n = diag(sqrt p_n) - p_n sqrt(p_n)^T`` (``S_n S_n^T = H_n``) has the columns
+    ``s_nc = sqrt(p_nc) (e_c - p_n)``.
 
     - **exact** where the outputs are ``[B, C]`` (one position per row, so a row's gradient is one
-      ``J_n^T s_nc``) and ``C <= max_classes``: one hook-only backward pass per class ``c`` of the
-      surrogate ``sum_n <s_nc, f_n>`` (``s_nc`` without graph), whose per-row sums of squares summed over
-      ``c`` and divided by ``N`` are ``diag(G)``;
-    - else **sampled**: ``samples`` draws of :class:`SampledGGNDiagonal`'s one-label estimate (labels from
-      the cockpit's generator), averaged; unbiased, every draw is ``>= 0``.
+      ``J_n^T s``) and ``C <= max_classes``: one hook-only backward pass per class ``c`` of the surrogate
+      ``sum_n <s_nc, f_n>`` (``s_nc`` without graph); the per-row sums of squares summed over ``c`` and
+      divided by ``N`` are ``diag(G)``;
+    - else **sketched**: ``samples`` draws of ``s_n = S_n xi_n`` with Rademacher ``xi_n`` (entries +-1,
+      the cockpit's generator), ``E[s_n s_n^T] = H_n``; one hook-only backward pass of ``sum_n <s_n, f_n>``
+      per draw, whose per-row gradients ``gb_i = sum_{t in row i} J_t^T s_t`` give
+      ``(1/N) sum_i gb_i ** 2``: unbiased for ``diag(G)`` (the positions of a row draw independently),
+      ``>= 0`` for every draw. Unlike labels sampled from ``p_n`` (``"diag_ggn_mc"``: a class ``c`` weighs
+      in only when it is drawn, with probability ``p_nc``), every class weighs in at every draw, with
+      ``xi_c^2 = 1``: on a single position the head's rows are exact, and the relative spread of rare
+      classes does not grow like ``1 / p_nc`` (large vocabularies). ``S_n xi_n`` is
+      ``sqrt(p) * xi - p <sqrt(p), xi>``: no ``C x C`` matrix.
 
     Result: a :class:`~cockpit_like.backends.hvp.DiagonalEstimate` (one tensor per tracked parameter) with
     ``exact`` (bool), ``errors`` (``{"block_errors", "trace_error"}``, standard errors of the block traces
     and of the total from the draws; zeros where exact) and ``draws`` (the draws' diagonals, for the
     standard error of a function of the whole diagonal such as TICDiag; ``[]`` where exact). Cost: ``C``
-    or ``samples`` extra backward passes through the step's graph (``create_graph``).
+    or ``samples`` hook-only backward passes through the step's graph (``create_graph``); the draws are
+    kept until the step's quantities are computed (``samples`` parameter-sized tensors).
     """
 
     samples: int = 4
@@ -111,9 +118,8 @@ class GGNDiagonal:
         logits = logits_from_info(execution.info, what)
         outputs = execution.info["outputs"]
         positions, classes = logits.shape
-        sizes = [p.numel() for p in execution.params]
-        exact = outputs.dim() == 2 and classes <= self.max_classes
-        if exact:
+        count = len(execution.params)
+        if outputs.dim() == 2 and classes <= self.max_classes:
             roots = loss_hessian_sqrt(logits, "cross_entropy")  # [N, C, C], columns s_nc
             total = None
             for c in range(classes):
@@ -121,14 +127,20 @@ class GGNDiagonal:
                 total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
             result = DiagonalEstimate(t.div_(positions) for t in total)
             result.exact, result.draws = True, []
-            result.errors = {"block_errors": [0.0] * len(sizes), "trace_error": 0.0}
+            result.errors = {"block_errors": [0.0] * count, "trace_error": 0.0}
             return result
-        draws = generator(execution.step, "ggn diagonal labels", logits.device, float(logits.detach().sum()))
+        with torch.no_grad():
+            probs = torch.softmax(logits.detach(), dim=1)
+            roots = probs.sqrt()
+        draws = generator(execution.step, "ggn diagonal signs", logits.device, float(logits.detach().sum()))
         samples = []
         for _ in range(self.samples):
-            sampled = sample_cross_entropy(logits, draws)
-            squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
-            samples.append([s.mul_(positions) for s in squares])
+            with torch.no_grad():
+                signs = torch.randint(0, 2, logits.shape, device=logits.device, generator=draws).to(logits.dtype)
+                sketch = roots * signs.mul_(2).sub_(1)
+                sketch = sketch - probs * sketch.sum(1, keepdim=True)  # S_n xi_n
+            squares = execution.per_sample_pass((logits * sketch).sum(), [SumOfSquares()])[SumOfSquares()]
+            samples.append([s.div_(positions) for s in squares])
         result = DiagonalEstimate(torch.stack(column).mean(0) for column in zip(*samples))
         blocks = torch.tensor([[float(s.sum()) for s in draw] for draw in samples], dtype=torch.float64)
         result.exact, result.draws = False, samples
@@ -137,6 +149,6 @@ class GGNDiagonal:
 
     def across_ranks(self, result, reduction):
         """Under DDP or micro-batches: the batch-weighted mean of the parts' diagonals (each part's own
-        labels: unbiased for the whole batch's diagonal); the standard errors are not combined (none kept)."""
+        draws: unbiased for the whole batch's diagonal); the standard errors are not combined (none kept)."""
         parts = [reduction.mean(d) for d in result]
         return lambda: [part() for part in parts]

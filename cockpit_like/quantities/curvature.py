@@ -351,7 +351,16 @@ class TICDiag(_TIC):
 
     def _compute(self, global_step, params, batch_loss):
         batch_size, squares, diagonals = self._inputs(global_step, params)
-        total = float(sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals)))
+        if self._draws and len(self._draws) > 1:
+            # 1/c of an estimated c is biased upward (E[1/c̄] ≈ 1/c + Var(c̄)/c³): the second-order correction
+            # a / c̄ · (1 - Var̂(c̄)/c̄²), each entry's factor clamped at 0 so the value stays positive
+            total = 0.0
+            for index, (s, c) in enumerate(zip(squares, diagonals)):
+                spread = torch.stack([draw[index] for draw in self._draws]).var(0) / len(self._draws)
+                shifted = c + self._epsilon
+                total += float((batch_size * s / shifted * (1 - spread / shifted**2).clamp(min=0)).sum())
+        else:
+            total = float(sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals)))
         if self._draws:  # first order in the draws' deviations from their mean (delta method)
             deviations = torch.tensor(
                 [
