@@ -39,17 +39,38 @@ On any model (no BackPACK needed):
   the median error of the trace only from 70% to 52% of the value, for the
   cost of the decomposition where HessMaxEV does not pay it already
   (``benchmarks/trace_estimators.py``, docs/curvature.md);
+- ``"ggn"``: the GGN diagonal of the mean cross-entropy of ``info["outputs"]``
+  (the logits, classes last) on any model
+  (:class:`~cockpit_like.backends.sampled.GGNDiagonal`): exact, one
+  hook-only backward pass per class, where the outputs are ``[B, C]`` with
+  ``C <= 10``; else the mean of ``hutchinson_samples`` sketched draws
+  ``s_n = S_n xi_n`` (Rademacher ``xi_n``, ``S_n S_n^T`` the loss Hessian in
+  the logits), unbiased and ``>= 0`` at every draw. Positive (up to
+  parameters the outputs do not depend on); needs ``info["outputs"]`` and
+  ``create_graph=cockpit.create_graph(step)``;
 - ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
-  else ``"hutchinson"``; decided when the cockpit learns the model, and
-  written to the log metadata (``settings()["computed_with"]``). Without a
-  known model, ``"diag_h"``.
+  else ``"hutchinson"`` for HessTrace and ``"ggn"`` for TICDiag and TICTrace
+  (their denominator must be positive: with the Hessian's indefinite, noisy
+  estimate TIC came out as +-5e4 and negative). TIC with the GGN is the TIC
+  of the GGN, as Cockpit's ``curvature="diag_ggn_exact"`` is, and positive.
+  Where a step gives no ``info["outputs"]``, ``"auto"``'s TIC takes
+  ``"hutchinson"`` at that step and its ``checks["notes"]`` say so. Decided
+  when the cockpit learns the model, and written to the log metadata
+  (``settings()["computed_with"]``). Without a known model, ``"diag_h"``.
 
-With ``"hutchinson"`` and ``"hutch++"`` each step's standard error is kept
-beside the stored value, in ``standard_errors[step]``: per parameter block
-for HessTrace (from the samples' block sums), of the value for TICTrace
-(first order in the trace's error, ``N / t^2 * se(t)``); none for TICDiag
-and the BackPACK diagonals (exact, or one Monte-Carlo sample).
+The estimators keep each step's standard error beside the stored value, in
+``standard_errors[step]`` (0.0 where ``"ggn"`` is exact): per parameter block
+for HessTrace (from the samples' block sums; the total's in
+``total_errors[step]``), of the value for TICTrace (first order in the
+trace's error, ``N / t^2 * se(t)``) and, with the ``"ggn"`` draws, for
+TICDiag (first order in the draws' deviations from their mean); none for
+Hutchinson's TICDiag and the BackPACK diagonals (exact, or one Monte-Carlo
+sample). With draws, TICDiag applies the second-order correction of
+``1 / c̄`` (``E[1/c̄] ≈ 1/c + Var(c̄)/c^3``): ``sum_j a_j / c̄_j (1 - Var̂(c̄_j)/c̄_j^2)``,
+each factor clamped at 0. ``reliable[step]`` is ``|value| > 2`` standard errors
+(:data:`RELIABLE_SE`); where it is False (the sign itself is uncertain) the
+step's ``checks["notes"]`` say so.
 
 TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
 (``grad_batch[i] = g_i / B`` for a mean loss), read from the shared
