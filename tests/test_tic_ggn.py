@@ -211,3 +211,25 @@ def test_an_unreliable_estimate_says_so():
         randomness.set_seed(randomness.DEFAULT_SEED)
     assert flags[0]  # one sample: no standard error (NaN)
     assert not all(flags)  # the test can fail both ways
+
+
+def test_micro_batches_give_the_whole_batch_tic():
+    """Two micro-batches of 2 rows: the GGN diagonal is the row-weighted mean of theirs, so TIC equals the
+    whole batch's (exact GGN, float64); the standard error is not combined (none kept)."""
+    problem = ZOO["custom"](0)
+    params = list(problem.model.parameters())
+    inputs, targets = problem.batch(4, 5)
+    ggn = _dense_ggn_diagonal(problem, inputs, params)
+    squares = _squares(problem, inputs, targets, params)
+    tic_trace = float(sum(s.sum() for s in squares) / (sum(c.sum() for c in ggn) + EPS))
+    quantity = TICTrace(linear(1))
+    cockpit = Cockpit(problem.model.parameters(), quantities=[quantity], model=problem.model)
+    for micro in range(2):
+        part = slice(2 * micro, 2 * micro + 2)
+        outputs = problem.forward(problem.model, inputs[part])
+        loss = problem.sample_losses(outputs, targets[part]).mean()
+        info = {"batch_size": 2, "loss": loss, "outputs": outputs, "micro_batches": 2}
+        with cockpit(0, info=info):
+            (loss / 2).backward(create_graph=cockpit.create_graph(0))
+    assert cockpit.get_output()[0]["TICTrace"] == pytest.approx(tic_trace, rel=1e-9)
+    assert 0 not in quantity.standard_errors
