@@ -267,6 +267,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
         need = self._need(global_step)
         self._errors, self._draws = None, None
+        self._used = self._step_method(global_step)  # how this step's diagonal was computed (for the notes)
         if need is not None:
             result = get_record(global_step).stat(need)
             if isinstance(need, DeflatedDiagonal):
@@ -284,7 +285,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         if not self.reliable[global_step]:
             get_record(global_step).note(
                 f"{type(self).__name__} at step {global_step}: the estimate {value:.4g} has a standard error of "
-                f"{error:.2g} ({self._step_method(global_step)}, {self._samples} samples): |value| is below "
+                f"{error:.2g} ({self._used}, {self._samples} samples): |value| is below "
                 f"{RELIABLE_SE:g} standard errors, so not even its sign is certain (reliable[{global_step}] is False)"
             )
 
@@ -311,7 +312,7 @@ class HessTrace(_DiagCurvatureQuantity):
             if not self.reliable[global_step]:
                 get_record(global_step).note(
                     f"HessTrace at step {global_step}: the total {sum(traces):.4g} has a standard error of "
-                    f"{total_error:.2g} ({self._step_method(global_step)}, {self._samples} samples): |total| is below "
+                    f"{total_error:.2g} ({self._used}, {self._samples} samples): |total| is below "
                     f"{RELIABLE_SE:g} standard errors, so not even its sign is certain (reliable[{global_step}] is "
                     "False; the Hessian's trace is a sum over a bulk of eigenvalues of both signs)"
                 )
@@ -355,6 +356,7 @@ class _TIC(_DiagCurvatureQuantity):
                 "estimate of the Hessian diagonal instead (indefinite and noisy: the value may be far off, even "
                 "negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last)"
             )
+            self._without_outputs.discard(global_step)  # read: the set holds only steps under way
         return batch_size, squares, diagonals
 
 
