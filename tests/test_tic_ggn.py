@@ -88,6 +88,8 @@ def test_auto_tic_is_the_tic_of_the_exact_ggn(name):
     assert output["TICDiag"] == pytest.approx(tic_diag, rel=1e-9)
     assert output["TICTrace"] == pytest.approx(tic_trace, rel=1e-9)
     assert output["HessTrace"] == pytest.approx([float(c.sum()) for c in ggn], rel=1e-9, abs=1e-13)
+    notes = output.get("checks", {}).get("notes", [])
+    assert not any("TIC" in note for note in notes), notes  # the loss is the outputs' mean cross-entropy
 
 
 def _sketched_twin(problem, inputs, params, step, samples):
@@ -233,3 +235,31 @@ def test_micro_batches_give_the_whole_batch_tic():
             (loss / 2).backward(create_graph=cockpit.create_graph(0))
     assert cockpit.get_output()[0]["TICTrace"] == pytest.approx(tic_trace, rel=1e-9)
     assert 0 not in quantity.standard_errors
+
+
+def test_a_loss_that_is_not_the_cross_entropy_of_the_outputs_says_so():
+    """The GGN is the cross-entropy's: with an MSE loss on the same outputs the step says the value may mean
+    nothing; with the cross-entropy (also with label smoothing) nothing is said."""
+    from cockpit_like.backends.sampled import looks_like_mean_cross_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, 1, 1, 2])
+    assert looks_like_mean_cross_entropy(nn.functional.cross_entropy(logits, labels), logits) is True
+    smoothed = nn.functional.cross_entropy(logits, labels, label_smoothing=0.1)
+    assert looks_like_mean_cross_entropy(smoothed, logits) is True
+    assert looks_like_mean_cross_entropy(nn.functional.cross_entropy(logits, labels, reduction="sum"), logits) is False
+    assert looks_like_mean_cross_entropy(nn.functional.mse_loss(logits, torch.zeros(5, 4, dtype=torch.float64)), logits) is False
+    assert looks_like_mean_cross_entropy(logits.sum() * 0 + 1.0, torch.randn(2, 2, requires_grad=True)) is None
+
+    problem = ZOO["custom"](0)
+    model = problem.model
+    inputs, _ = problem.batch(4, 0)
+    quantity = TICTrace(linear(1))
+    cockpit = Cockpit(model.parameters(), quantities=[quantity], model=model)
+    outputs = model(inputs)
+    loss = nn.functional.mse_loss(outputs, torch.zeros_like(outputs))
+    with cockpit(0, info={"batch_size": 4, "loss": loss, "outputs": outputs}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    notes = cockpit.get_output()[0]["checks"]["notes"]
+    assert any("is not a mean cross-entropy" in note for note in notes), notes

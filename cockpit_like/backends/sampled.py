@@ -29,7 +29,7 @@ import torch
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 from cockpit_like.backends.randomness import generator
 
-__all__ = ["SampledGGNDiagonal", "logits_from_info", "sample_cross_entropy"]
+__all__ = ["SampledGGNDiagonal", "GGNDiagonal", "logits_from_info", "sample_cross_entropy", "looks_like_mean_cross_entropy"]
 
 
 def logits_from_info(info: dict, what: str) -> torch.Tensor:
@@ -77,6 +77,40 @@ class SampledGGNDiagonal:
         return lambda: [part() for part in parts]
 
 
+def looks_like_mean_cross_entropy(loss, outputs: torch.Tensor) -> bool | None:
+    """Whether ``loss`` is a mean cross-entropy of ``outputs`` (logits, classes last), from its gradient.
+
+    For ``L = (1/N) sum_n CE(f_n, y_n)`` with any label distributions ``y_n``
+    (hard labels, label smoothing), ``∂L/∂f_n = (p_n - y_n) / N``; so over the
+    ``N`` rows with a gradient (positions a loss ignores have none),
+    ``y_n = p_n - N ∂L/∂f_n`` must be a distribution: entries in ``[0, 1]``,
+    summing to 1. One backward pass from ``loss`` to ``outputs`` only (the
+    loss's own operations; the graph is kept). ``None``: cannot tell (no loss
+    tensor, or ``outputs`` is not the tensor the loss was computed from).
+    """
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or loss.numel() != 1:
+        return None
+    try:
+        (gradient,) = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
+    except RuntimeError:
+        return None
+    if gradient is None:
+        return None
+    classes = outputs.shape[-1]
+    gradient = gradient.detach().reshape(-1, classes).to(torch.float64)
+    probs = torch.softmax(outputs.detach().reshape(-1, classes).to(torch.float64), dim=1)
+    used = gradient.abs().amax(1) > 0
+    rows = int(used.sum())
+    if rows == 0:
+        return None
+    labels = probs[used] - rows * gradient[used]
+    tolerance = 1e-3 if outputs.dtype in (torch.float32, torch.float64) else 5e-2
+    return bool(
+        (labels > -tolerance).all() and (labels < 1 + tolerance).all()
+        and ((labels.sum(1) - 1).abs() < tolerance).all()
+    )
+
+
 @dataclass(frozen=True)
 class GGNDiagonal:
     """Need: the GGN diagonal of a mean cross-entropy loss over ``info["outputs"]``, positive, on any model.
@@ -100,7 +134,8 @@ class GGNDiagonal:
       ``sqrt(p) * xi - p <sqrt(p), xi>``: no ``C x C`` matrix.
 
     Result: a :class:`~cockpit_like.backends.hvp.DiagonalEstimate` (one tensor per tracked parameter) with
-    ``exact`` (bool), ``errors`` (``{"block_errors", "trace_error"}``, standard errors of the block traces
+    ``cross_entropy`` (:func:`looks_like_mean_cross_entropy` of ``info["loss"]``: False where the loss is
+    not a mean cross-entropy of the outputs, so this GGN is not the loss's), ``exact`` (bool), ``errors`` (``{"block_errors", "trace_error"}``, standard errors of the block traces
     and of the total from the draws; zeros where exact) and ``draws`` (the draws' diagonals, for the
     standard error of a function of the whole diagonal such as TICDiag; ``[]`` where exact). Cost: ``C``
     or ``samples`` hook-only backward passes through the step's graph (``create_graph``); the draws are
@@ -111,14 +146,20 @@ class GGNDiagonal:
     max_classes: int = 10
 
     def compute(self, execution):
-        from cockpit_like.backends.hvp import DiagonalEstimate, _standard_errors
-        from cockpit_like.functional.loss_hessian import loss_hessian_sqrt
-
         what = "TIC's GGN diagonal (curvature='auto' on a model BackPACK cannot handle)"
         logits = logits_from_info(execution.info, what)
         outputs = execution.info["outputs"]
         positions, classes = logits.shape
         count = len(execution.params)
+        checked = looks_like_mean_cross_entropy(execution.info.get("loss"), outputs)
+        result = self._diagonal(execution, logits, outputs, positions, classes, count)
+        result.cross_entropy = checked
+        return result
+
+    def _diagonal(self, execution, logits, outputs, positions, classes, count):
+        from cockpit_like.backends.hvp import DiagonalEstimate, _standard_errors
+        from cockpit_like.functional.loss_hessian import loss_hessian_sqrt
+
         if outputs.dim() == 2 and classes <= self.max_classes:
             roots = loss_hessian_sqrt(logits, "cross_entropy")  # [N, C, C], columns s_nc
             total = None

@@ -209,7 +209,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
 
     def observe_info(self, global_step: int, info: dict) -> None:
         if self._requested == "auto" and self.method == "ggn":
-            if isinstance(info.get("outputs"), torch.Tensor):
+            outputs = info.get("outputs")
+            if isinstance(outputs, torch.Tensor) and outputs.requires_grad and outputs.dim() >= 2:
                 self._without_outputs.discard(global_step)
             else:
                 self._without_outputs.add(global_step)
@@ -275,6 +276,14 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                 return result["diagonal"]
             self._errors = getattr(result, "errors", None)
             self._draws = getattr(result, "draws", None)
+            if getattr(result, "cross_entropy", None) is False:
+                get_record(global_step).note(
+                    f"{type(self).__name__} at step {global_step}: the GGN diagonal is the cross-entropy's of "
+                    "info['outputs'], but info['loss'] is not a mean cross-entropy of them (its gradient in the "
+                    "outputs is not (softmax - labels) / N for any labels): the curvature is not this loss's GGN "
+                    "and the value may mean nothing. Pass the logits of a mean cross-entropy loss, or an explicit "
+                    "curvature"
+                )
             return list(result)
         return _diagonals(params, self.method, type(self).__name__)
 
