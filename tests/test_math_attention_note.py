@@ -83,3 +83,16 @@ def test_the_math_kernel_gives_the_same_values():
     with cockpit(0, info={"loss": loss, "batch_size": 2}):
         loss.backward(create_graph=cockpit.create_graph(0))
     assert MATH_ATTENTION_NOTE in cockpit.get_output()[0]["checks"]["notes"]
+
+
+def test_under_torch_compile_the_note_is_there_too():
+    torch.manual_seed(0)
+    model = TinyAttention().double()
+    try:
+        net = torch.compile(model, backend="eager")
+        net(torch.randn(1, 3, 4, dtype=torch.float64))
+    except Exception:  # noqa: BLE001 - a build without dynamo
+        pytest.skip("torch.compile(backend='eager') does not work on this build")
+    output = _run(net, 3, {1})
+    assert MATH_ATTENTION_NOTE in output[1]["checks"]["notes"]
+    assert MATH_ATTENTION_NOTE not in output[2].get("checks", {}).get("notes", [])
