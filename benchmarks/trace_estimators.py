@@ -1,21 +1,23 @@
 #!/usr/bin/env python
-"""HessTrace / TICTrace on models BackPACK cannot handle: the estimators against exact traces (issue 37, item 4).
+"""HessTrace, TICDiag and TICTrace on models BackPACK cannot handle: the estimators against exact values (issue 37, item 4).
 
-On each model (float64, the cockpit with ``model=model``, a few SGD steps) three
-HessTrace instances and two TICTrace instances are tracked at once:
+On each model (float64, the cockpit with ``model=model``, a few SGD steps) at
+each step:
 
-- ``hutchinson``: Hutchinson's diagonal from ``hutchinson_samples = 4`` products
-  (the ``"auto"`` choice where BackPACK cannot run), with its standard error;
-- ``hutch++``: exact on the step's Lanczos space (the engine's decomposition,
-  shared with HessMaxEV) plus Hutchinson on the rest from 4 products
-  (:class:`~cockpit_like.backends.curvature_engine.DeflatedDiagonal`), with its
-  standard error;
-
-against the exact per-parameter traces ``tr H_pp`` (``D`` Hessian-vector
-products on unit vectors of an independent copy of the model) and the exact
-TICTrace from them. Reported: the total trace's error relative to the exact
-value, how often the exact value lies within 2 and 3 standard errors, and the
-TICTrace error.
+- HessTrace and TICTrace (Hessian) with ``hutchinson`` (4 products, the
+  ``"auto"`` choice for HessTrace where BackPACK cannot run) and ``hutch++``
+  (exact on the step's Lanczos space, Hutchinson on the rest), against the
+  exact per-parameter traces (``D`` Hessian-vector products on unit vectors
+  of an independent copy of the model, which also give ``||H||_F^2`` and
+  ``sum_j H_jj^2``, so Hutchinson's exact variance per sample and the
+  samples a given relative standard error takes);
+- TICDiag and TICTrace with four curvatures: Hutchinson's Hessian diagonal
+  (the old default), the one-draw sampled-label GGN (``"diag_ggn_mc"``), the
+  GGN from 4 sketched draws, and ``"auto"`` (the new default: the GGN,
+  exact per class for outputs ``[B, C]`` with at most 10 classes, else 4
+  sketched draws), against the TIC of the exact GGN diagonal (dense
+  Jacobian of the logits, float64), with the spread over the main run and
+  ``SEEDS`` more seeds of the cockpit at the same step and parameters.
 
     python benchmarks/trace_estimators.py --json benchmarks/results/trace_estimators.json --docs docs/curvature.md
 """
@@ -49,37 +51,146 @@ def models() -> dict:
     return chosen
 
 
-def exact_traces(problem, model, inputs, targets) -> list[float]:
+#: models whose loss is the LM loss: the logits of position t predict token t + 1 (the last position is no loss's)
+LANGUAGE_MODELS = ("zoo/gpt2", "hf/llama")
+
+#: TIC estimators compared: curvature argument (or "ggn-mc4": the GGN diagonal from 4 sketched draws always)
+TIC_ESTIMATORS = {
+    "hessian (hutchinson, old default)": "hutchinson",
+    "ggn, 1 sampled draw ('diag_ggn_mc')": "diag_ggn_mc",
+    "ggn, 4 sketched draws": "ggn-mc4",
+    "ggn ('auto', new default)": "auto",
+}
+
+#: spread over seeds: the main run and this many more seeds of the cockpit at each step
+SEEDS = 4
+
+
+def loss_logits(name, outputs):
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    return logits[:, :-1] if name in LANGUAGE_MODELS else logits
+
+
+def exact_hessian_facts(problem, model, inputs, targets) -> dict:
+    """Per-block traces, ``||H||_F^2`` and ``sum_j H_jj^2`` of the mean loss's Hessian (``D`` products on unit
+    vectors, float64): Hutchinson's variance per sample of the total is ``2 (||H||_F^2 - sum_j H_jj^2)``."""
     from benchmarks.stop_rule import _math_attention
 
     params = [p for p in model.parameters() if p.requires_grad]
     with _math_attention():
         loss = problem.sample_losses(problem.forward(model, inputs), targets).mean()
         grads = torch.autograd.grad(loss, params, create_graph=True)
-    traces = []
-    for p, g in zip(params, grads):
+    traces, frobenius, diagonal, entries = [], 0.0, 0.0, []
+    for index, (p, g) in enumerate(zip(params, grads)):
         total = 0.0
         flat = g.reshape(-1)
         for j in range(p.numel()):
             with _math_attention():
-                (row,) = torch.autograd.grad(flat[j], p, retain_graph=True, allow_unused=True)
-            total += 0.0 if row is None else float(row.reshape(-1)[j])
+                row = torch.autograd.grad(flat[j], params, retain_graph=True, allow_unused=True)
+            frobenius += sum(float((r**2).sum()) for r in row if r is not None)
+            entry = 0.0 if row[index] is None else float(row[index].reshape(-1)[j])
+            total += entry
+            diagonal += entry**2
+            entries.append(entry)
         traces.append(total)
-    return traces
+    return {"traces": traces, "frobenius2": frobenius, "diagonal2": diagonal,
+            "diagonal": torch.tensor(entries, dtype=torch.float64)}
 
 
-def squared_grad_sum(problem, model, inputs, targets) -> float:
-    """``(1/B) sum_i ||g_i||^2`` by a loop over rows (the TIC numerator)."""
+def exact_ggn_diagonal(name, problem, model, inputs) -> torch.Tensor:
+    """The GGN diagonal of the mean cross-entropy, ``(1/N) sum_n J_n^T (diag p_n - p_n p_n^T) J_n`` (dense
+    Jacobian by a loop over the logits' entries, float64)."""
     from benchmarks.stop_rule import _math_attention
 
     params = [p for p in model.parameters() if p.requires_grad]
-    total = 0.0
+    with _math_attention():
+        logits = loss_logits(name, problem.forward(model, inputs))
+    flat = logits.reshape(-1, logits.shape[-1])
+    rows, classes = flat.shape
+    jacobian = []
+    for entry in flat.reshape(-1):
+        grads = torch.autograd.grad(entry, params, retain_graph=True, allow_unused=True)
+        jacobian.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1) for p, g in zip(params, grads)]))
+    jacobian = torch.stack(jacobian).reshape(rows, classes, -1)
+    probs = torch.softmax(flat.detach(), dim=1)
+    hessians = torch.diag_embed(probs) - probs.unsqueeze(2) * probs.unsqueeze(1)
+    return torch.einsum("ncd,nce,ned->d", jacobian, hessians, jacobian) / rows
+
+
+def squared_grads(problem, model, inputs, targets) -> torch.Tensor:
+    """``(1/B) sum_i g_i ** 2`` per entry, by a loop over rows (the TIC numerator)."""
+    from benchmarks.stop_rule import _math_attention
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
     for i in range(len(inputs)):
         with _math_attention():
             loss = problem.sample_losses(problem.forward(model, inputs[i : i + 1]), targets[i : i + 1]).mean()
             grads = torch.autograd.grad(loss, params, allow_unused=True)
-        total += sum(float((g**2).sum()) for g in grads if g is not None)
+        total += torch.cat([(torch.zeros_like(p) if g is None else g**2).reshape(-1) for p, g in zip(params, grads)])
     return total / len(inputs)
+
+
+def _tic_quantities(schedule):
+    from cockpit_like.backends.sampled import GGNDiagonal
+    from cockpit_like.quantities import TICDiag, TICTrace
+
+    def always_sampled(cls):
+        class Sampled(cls):  # the GGN diagonal from 4 sketched draws even where 'auto' computes it exactly
+            def _need(self, global_step):
+                return GGNDiagonal(self._samples, max_classes=0)
+
+        Sampled.__name__ = cls.__name__
+        return Sampled(schedule, curvature="ggn")
+
+    made = {}
+    for label, curvature in TIC_ESTIMATORS.items():
+        if curvature == "ggn-mc4":
+            made[label] = (always_sampled(TICDiag), always_sampled(TICTrace))
+        else:
+            made[label] = (TICDiag(schedule, curvature=curvature), TICTrace(schedule, curvature=curvature))
+    return made
+
+
+def _track_once(name, problem, model, params, inputs, targets, batch_size, step, quantities):
+    from cockpit_like import Cockpit
+
+    cockpit = Cockpit(params, quantities=quantities, model=model)
+    outputs = problem.forward(model, inputs)
+    losses = problem.sample_losses(outputs, targets)
+    loss = losses.mean()
+    info = {"loss": loss, "batch_size": batch_size, "individual_losses": losses.detach(),
+            "outputs": loss_logits(name, outputs)}
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    return cockpit
+
+
+def _spread(name, factory, state, inputs, targets, batch_size, step) -> dict:
+    """Values of the TIC estimators and of Hutchinson's HessTrace for ``SEEDS`` more seeds of the cockpit."""
+    from cockpit_like.backends import randomness
+    from cockpit_like.quantities import HessTrace
+    from cockpit_like.utils import schedules
+
+    values: dict = {}
+    try:
+        for seed in range(1, SEEDS + 1):
+            randomness.set_seed(seed)
+            problem = factory(0)
+            problem.model.load_state_dict(state)
+            params = [p for p in problem.model.parameters() if p.requires_grad]
+            tic = _tic_quantities(schedules.linear(1))
+            trace = HessTrace(schedules.linear(1), curvature="hutchinson")
+            quantities = [q for pair in tic.values() for q in pair] + [trace]
+            _track_once(name, problem, problem.model, params, inputs, targets, batch_size, step, quantities)
+            for label, (diag, tr) in tic.items():
+                values.setdefault(label, {"tic_diag": [], "tic_trace": []})
+                values[label]["tic_diag"].append(diag.get_output()[step])
+                values[label]["tic_trace"].append(tr.get_output()[step])
+            values.setdefault("hutchinson_trace", []).append(sum(trace.get_output()[step]))
+    finally:
+        randomness.set_seed(randomness.DEFAULT_SEED)
+    return values
 
 
 def run_model(name, factory, steps: int, batch_size: int) -> list[dict]:
@@ -94,7 +205,9 @@ def run_model(name, factory, steps: int, batch_size: int) -> list[dict]:
         "hutchinson": (HessTrace(schedule, curvature="hutchinson"), TICTrace(schedule, curvature="hutchinson")),
         "hutch++": (HessTrace(schedule, curvature="hutch++"), TICTrace(schedule, curvature="hutch++")),
     }
-    quantities = [q for pair in estimators.values() for q in pair] + [HessMaxEV(schedule)]
+    tic = _tic_quantities(schedule)
+    quantities = [q for pair in estimators.values() for q in pair] + [q for pair in tic.values() for q in pair]
+    quantities.append(HessMaxEV(schedule))
     params = [p for p in model.parameters() if p.requires_grad]
     cockpit = Cockpit(params, quantities=quantities, model=model)
     optimizer = torch.optim.SGD(params, lr=0.05)
@@ -102,31 +215,68 @@ def run_model(name, factory, steps: int, batch_size: int) -> list[dict]:
     for step in range(steps):
         inputs, targets = problem.batch(batch_size, 200 + step)
         twin.load_state_dict(model.state_dict())
-        exact = exact_traces(reference, twin, inputs, targets)
-        numerator = squared_grad_sum(reference, twin, inputs, targets)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        facts = exact_hessian_facts(reference, twin, inputs, targets)
+        exact = facts["traces"]
+        squares = squared_grads(reference, twin, inputs, targets)
+        ggn = exact_ggn_diagonal(name, reference, twin, inputs)
+        numerator = float(squares.sum())
         optimizer.zero_grad()
         outputs = problem.forward(model, inputs)
         losses = problem.sample_losses(outputs, targets)
         loss = losses.mean()
-        with cockpit(step, info={"loss": loss, "batch_size": batch_size, "individual_losses": losses.detach()}):
+        info = {"loss": loss, "batch_size": batch_size, "individual_losses": losses.detach(),
+                "outputs": loss_logits(name, outputs)}
+        with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
         for p in params:
             p.grad = None
+        spread = _spread(name, factory, state, inputs, targets, batch_size, step)
         total = sum(exact)
+        per_sample_variance = 2 * (facts["frobenius2"] - facts["diagonal2"])
         row = {"model": name, "step": step, "dimension": sum(p.numel() for p in params), "exact_trace": total,
-               "exact_tic_trace": numerator / (total + 1e-7), "products_lanczos": quantities[-1].hvp_counts[step]}
-        for method, (trace, tic) in estimators.items():
+               "hutchinson_sample_std": per_sample_variance**0.5,
+               # Hutchinson samples for a standard error of 10% / 50% of |trace|
+               "samples_for_10pct": per_sample_variance / (0.1 * total) ** 2,
+               "samples_for_50pct": per_sample_variance / (0.5 * total) ** 2,
+               "exact_tic_trace": numerator / (total + 1e-7), "products_lanczos": quantities[-1].hvp_counts[step],
+               "exact_ggn_tic_diag": float((squares / (ggn + 1e-7)).sum()),
+               "exact_ggn_tic_trace": numerator / (float(ggn.sum()) + 1e-7),
+               # the old default's own target: the TIC of the exact Hessian diagonal
+               "exact_hessian_tic_diag": float((squares / (facts["diagonal"] + 1e-7)).sum()),
+               "exact_hessian_tic_trace": numerator / (total + 1e-7),
+               "outputs": list(loss_logits(name, outputs).shape),
+               "hutchinson_trace_seeds": [sum(estimators["hutchinson"][0].get_output()[step])] + spread["hutchinson_trace"]}
+        for method, (trace, tr) in estimators.items():
             estimate = sum(trace.get_output()[step])
-            # the total's own standard error (the samples' sums over all blocks; the blocks are not independent)
-            se = float(trace._errors["trace_error"]) if trace._errors else None
+            se = trace.total_errors.get(step)
             row[method] = {
                 "trace": estimate,
                 "relative_error": abs(estimate - total) / abs(total),
                 "standard_error": se,
-                "tic_trace": tic.get_output()[step],
-                "tic_relative_error": abs(tic.get_output()[step] - row["exact_tic_trace"]) / abs(row["exact_tic_trace"]),
+                "reliable": trace.reliable.get(step),
+                "tic_trace": tr.get_output()[step],
+                "tic_relative_error": abs(tr.get_output()[step] - row["exact_tic_trace"]) / abs(row["exact_tic_trace"]),
             }
+        row["tic"] = {}
+        for label, (diag, tr) in tic.items():
+            entry = {}
+            target = "hessian" if TIC_ESTIMATORS[label] == "hutchinson" else "ggn"
+            for key, quantity in (("tic_diag", diag), ("tic_trace", tr)):
+                exact_value = row[f"exact_{target}_{key}"]
+                value = quantity.get_output()[step]
+                seeds = [value] + spread[label][key]
+                entry[key] = {
+                    "value": value, "standard_error": quantity.standard_errors.get(step), "exact": exact_value,
+                    "reliable": quantity.reliable.get(step),
+                    "relative_error": abs(value - exact_value) / abs(exact_value),
+                    "seeds": seeds,
+                    "relative_spread": statistics.stdev(seeds) / abs(exact_value),
+                    "positive_share": sum(v > 0 for v in seeds) / len(seeds),
+                }
+            entry["computed_with"] = diag.settings().get("computed_with")
+            row["tic"][label] = entry
         rows.append(row)
     return rows
 
@@ -146,25 +296,82 @@ def summary(rows: list[dict]) -> dict:
             "max_tic_relative_error": max(tic),
             "within_2se": sum(v <= 2 for v in z) / len(z) if z else None,
             "within_3se": sum(v <= 3 for v in z) / len(z) if z else None,
+            "reliable_share": sum(bool(r[method]["reliable"]) for r in rows) / len(rows),
         }
+    seeds = [r["hutchinson_trace_seeds"] for r in rows]
+    out["hutchinson"]["median_relative_spread"] = statistics.median(
+        statistics.stdev(v) / abs(r["exact_trace"]) for v, r in zip(seeds, rows))
+    out["hutchinson"]["median_samples_for_10pct"] = statistics.median(r["samples_for_10pct"] for r in rows)
+    out["hutchinson"]["median_samples_for_50pct"] = statistics.median(r["samples_for_50pct"] for r in rows)
+    out["tic"] = {}
+    for label in TIC_ESTIMATORS:
+        entry = {}
+        for key in ("tic_diag", "tic_trace"):
+            these = [r["tic"][label][key] for r in rows]
+            z = [abs(t["value"] - t["exact"]) / t["standard_error"] for t in these if t["standard_error"]]
+            entry[key] = {
+                "median_relative_error": statistics.median(t["relative_error"] for t in these),
+                "max_relative_error": max(t["relative_error"] for t in these),
+                "median_relative_spread": statistics.median(t["relative_spread"] for t in these),
+                "max_relative_spread": max(t["relative_spread"] for t in these),
+                "positive_share": statistics.mean(t["positive_share"] for t in these),
+                "exact_positive_share": statistics.mean(t["exact"] > 0 for t in these),
+                "within_2se": sum(v <= 2 for v in z) / len(z) if z else None,
+                "exact_steps": sum(t["standard_error"] == 0.0 for t in these),
+            }
+        out["tic"][label] = entry
     return out
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def markdown(rows: list[dict], header: str) -> str:
     s = summary(rows)
     lines = [header, "",
-             "| estimator | steps | trace: median / max relative error | exact within 2 / 3 standard errors | TICTrace: median / max relative error |",
-             "|---|---|---|---|---|"]
-    for method, v in s.items():
+             "**Hessian trace (HessTrace, 4 samples)** against the exact trace; spread: standard deviation over "
+             f"{SEEDS + 1} seeds of the cockpit at the same step, relative to |exact|; samples for 10% / 50%: "
+             "Hutchinson samples whose standard error is 10% / 50% of |exact trace| (from the exact per-sample "
+             "variance `2 (‖H‖_F² − Σ H_jj²)`); reliable: `|value| > 2` standard errors.", "",
+             "| estimator | steps | trace: median / max relative error | median spread over seeds | exact within 2 / 3 standard errors | reliable | median samples for 10% / 50% | TICTrace of the Hessian: median / max relative error |",
+             "|---|---|---|---|---|---|---|---|"]
+    for method in ("hutchinson", "hutch++"):
+        v = s[method]
         within = "-" if v["within_2se"] is None else f"{100 * v['within_2se']:.0f}% / {100 * v['within_3se']:.0f}%"
-        lines.append(f"| {method} | {v['steps']} | {100 * v['median_relative_error']:.1f}% / {100 * v['max_relative_error']:.1f}% "
-                     f"| {within} | {100 * v['median_tic_relative_error']:.1f}% / {100 * v['max_tic_relative_error']:.1f}% |")
-    lines += ["", "| model | D | step | exact trace | hutchinson (standard error) | hutch++ (standard error) | Lanczos products |",
-              "|---|---|---|---|---|---|---|"]
+        spread = _pct(v.get("median_relative_spread")) if method == "hutchinson" else "-"
+        samples = (f"{v['median_samples_for_10pct']:.3g} / {v['median_samples_for_50pct']:.3g}"
+                   if method == "hutchinson" else "-")
+        lines.append(f"| {method} | {v['steps']} | {_pct(v['median_relative_error'])} / {_pct(v['max_relative_error'])} "
+                     f"| {spread} | {within} | {100 * v['reliable_share']:.0f}% | {samples} "
+                     f"| {_pct(v['median_tic_relative_error'])} / {_pct(v['max_tic_relative_error'])} |")
+    lines += ["", "**TIC (TICDiag, TICTrace)** against the exact TIC of each curvature's own target, dense and float64: "
+              "the GGN diagonal's for the GGN rows, the Hessian diagonal's for the old default; spread over "
+              f"{SEEDS + 1} seeds relative to the exact value; positive: share of those values > 0, and of the exact "
+              "values; exact steps: steps whose standard error is 0 (the GGN diagonal computed exactly).", "",
+              "| TIC curvature | TICDiag: median / max relative error | TICDiag: median / max spread | TICTrace: median / max relative error | TICTrace: median / max spread | positive (diag / trace; exact diag / trace) | exact within 2 standard errors (diag / trace) | exact steps |",
+              "|---|---|---|---|---|---|---|---|"]
+    for label, v in s["tic"].items():
+        d, t = v["tic_diag"], v["tic_trace"]
+        within = f"{_pct(d['within_2se'])} / {_pct(t['within_2se'])}"
+        lines.append(f"| {label} | {_pct(d['median_relative_error'])} / {_pct(d['max_relative_error'])} "
+                     f"| {_pct(d['median_relative_spread'])} / {_pct(d['max_relative_spread'])} "
+                     f"| {_pct(t['median_relative_error'])} / {_pct(t['max_relative_error'])} "
+                     f"| {_pct(t['median_relative_spread'])} / {_pct(t['max_relative_spread'])} "
+                     f"| {100 * d['positive_share']:.0f}% / {100 * t['positive_share']:.0f}%; {100 * d['exact_positive_share']:.0f}% / "
+                     f"{100 * t['exact_positive_share']:.0f}% | {within} | {d['exact_steps']} / {len(rows)} |")
+    auto = "ggn ('auto', new default)"
+    old = "hessian (hutchinson, old default)"
+    lines += ["", "| model | D | step | exact trace | hutchinson (standard error) | hutch++ (standard error) | Hutchinson samples for 10% | Lanczos products | TICDiag: exact with the GGN / auto (standard error) / old default (Hessian by Hutchinson) | TICTrace: exact with the GGN / auto (standard error) / old default |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         h, k = r["hutchinson"], r["hutch++"]
+        a, o = r["tic"][auto], r["tic"][old]
         lines.append(f"| {r['model']} | {r['dimension']} | {r['step']} | {r['exact_trace']:.4g} | {h['trace']:.4g} "
-                     f"({h['standard_error']:.2g}) | {k['trace']:.4g} ({k['standard_error']:.2g}) | {r['products_lanczos']} |")
+                     f"({h['standard_error']:.2g}) | {k['trace']:.4g} ({k['standard_error']:.2g}) | {r['samples_for_10pct']:.3g} "
+                     f"| {r['products_lanczos']} "
+                     f"| {r['exact_ggn_tic_diag']:.4g} / {a['tic_diag']['value']:.4g} ({a['tic_diag']['standard_error']:.2g}) / {o['tic_diag']['value']:.3g} "
+                     f"| {r['exact_ggn_tic_trace']:.4g} / {a['tic_trace']['value']:.4g} ({a['tic_trace']['standard_error']:.2g}) / {o['tic_trace']['value']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,11 +398,13 @@ def main(argv=None) -> int:
             print("FAILED", failures[-1], flush=True)
             continue
         rows += got
-        print(name, [(round(r["exact_trace"], 3), round(r["hutchinson"]["trace"], 3), round(r["hutch++"]["trace"], 3),
-                      round(r["hutch++"]["standard_error"] or 0, 3)) for r in got], flush=True)
-    print(json.dumps(summary(rows), indent=1))
+        auto = "ggn ('auto', new default)"
+        print(name, f"{time.time() - started:.0f}s", [(round(r["exact_trace"], 3), round(r["hutchinson"]["trace"], 3),
+                      round(r["exact_ggn_tic_trace"], 4), round(r["tic"][auto]["tic_trace"]["value"], 4),
+                      round(r["exact_ggn_tic_diag"], 1), round(r["tic"][auto]["tic_diag"]["value"], 1)) for r in got], flush=True)
+    print(json.dumps(summary(rows) if rows else {}, indent=1))
     header = (f"Regenerated by `python benchmarks/trace_estimators.py --docs docs/curvature.md` ({len(chosen)} models, "
-              f"{args.steps} steps, batch {args.batch_size}, 4 samples each, torch {torch.__version__}, "
+              f"{args.steps} steps, batch {args.batch_size}, 4 samples each, {SEEDS + 1} seeds, torch {torch.__version__}, "
               f"{time.time() - started:.0f} s).")
     if failures:
         header += " Could not run: " + "; ".join(failures) + "."

@@ -77,6 +77,14 @@ class StepRecord:
     stats: dict[Any, Any] = field(default_factory=dict)
     loss_is_finite: bool = True
     live_params: list[torch.Tensor] | None = None
+    #: what the quantities say about their numbers at this step (the step's ``checks["notes"]``)
+    notes: list[str] = field(default_factory=list)
+
+    def note(self, text: str) -> None:
+        """Say something about this step's numbers in its ``checks["notes"]`` (where a quantity cannot be
+        sure its number is right)."""
+        if text not in self.notes:
+            self.notes.append(text)
 
     def require(self, key: str, needed_by: str) -> Any:
         """``info[key]``, or a :class:`MissingInfoError` naming ``needed_by``."""

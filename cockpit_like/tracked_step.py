@@ -173,6 +173,8 @@ class TrackedStep:
             return self
 
         for quantity in self.active:
+            quantity.observe_info(step, self.info)
+        for quantity in self.active:
             for key in sorted(quantity.required_info(step)):
                 if key not in self.info:
                     raise context.MissingInfoError(key, env.name_of(quantity), step)
@@ -389,6 +391,8 @@ class TrackedStep:
                         names[name].output.pop(step, None)
                 raise
             self.completed = True
+            for note in record.notes:  # what the quantities said about their numbers
+                checks.note(note)
             if not env.keeps_output():  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
                     for step in new_values:

@@ -15,10 +15,12 @@ What it shows:
 1. a plain ``nn.Module`` (attention, layer norm, a custom ``forward``) is
    watched without ``backpack.extend``: ``Cockpit(..., model=model)``
    computes per-sample gradients with module hooks, and the ``"full"``
-   configuration's ``HessTrace`` and ``TICDiag`` (``curvature="auto"``)
-   switch to Hutchinson's estimate from Hessian-vector products, since
-   BackPACK cannot handle this model (the log's metadata records the
-   choice, see ``docs/your_model.md``);
+   configuration's ``HessTrace`` (``curvature="auto"``) switches to
+   Hutchinson's estimate from Hessian-vector products, and ``TICDiag`` to
+   the GGN diagonal of the cross-entropy of ``info["outputs"]`` (exact: one
+   backward pass per class; positive), since BackPACK cannot handle this
+   model (the log's metadata records the choice, see ``docs/your_model.md``
+   and ``docs/curvature.md``);
 2. ``loss.backward(create_graph=cockpit.create_graph(step))``: the steps
    whose quantities use Hessian-vector products keep the graph;
 3. the live dashboard every ``--plot-every`` steps, the log and the final
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, str]:
             "individual_losses": individual_lossfunc(outputs, labels),
             "loss": loss,
             "optimizer": optimizer,
+            "outputs": outputs,  # the logits: TICDiag divides by their cross-entropy's GGN diagonal
         }
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))

@@ -29,8 +29,11 @@ def _no_kernel_choice_leaks():
     from cockpit_like.backends.tracer import _graph_kernels
 
     before = _kernel_state()
+    attention = torch.nn.functional.scaled_dot_product_attention  # counted while the kernels are held
     yield
     leaked = _graph_kernels.depth != 0 or _kernel_state() != before
+    leaked |= torch.nn.functional.scaled_dot_product_attention is not attention
+    torch.nn.functional.scaled_dot_product_attention = attention
     while _graph_kernels.depth > 0:
         _graph_kernels.release()
     _graph_kernels.depth = 0

@@ -693,7 +693,7 @@ def test_curvature_presets_run(name, label):
         expected = set(PRESET_NAMES[label]) - ({"Alpha", "UpdateSize"} if step == STEPS - 1 else set())
         assert set(out[step]) - {"checks"} == expected, step
         for key, value in out[step].items():
-            assert _finite(value), (step, key)
+            assert key == "checks" or _finite(value), (step, key)  # checks: notes (math attention, error bars)
         assert len(out[step]["HessTrace"]) == len(obs["params"])
         grads = obs["grads"]
         for value, g in zip(out[step]["GradNorm"], grads):
@@ -704,7 +704,8 @@ def test_curvature_presets_run(name, label):
         if step + 1 < STEPS:
             assert out[step]["Alpha"] == pytest.approx(reference_alpha(obs, observed[step + 1], BATCH), rel=1e-8, abs=1e-10)
     settings = {q["name"]: q["settings"] for q in cockpit.metadata()["quantities"]}
-    assert settings["HessTrace"]["computed_with"] == settings["TICDiag"]["computed_with"] == "hutchinson"
+    assert settings["HessTrace"]["computed_with"] == "hutchinson"
+    assert settings["TICDiag"]["computed_with"] == "ggn"  # TIC divides by the GGN (issue 37); no outputs: Hutchinson
 
 
 def dense_hessian(problem: Problem, inputs, targets) -> torch.Tensor:

@@ -120,7 +120,7 @@ def test_curvature_attribute_reads_cockpits_names(cls):
         quantity._curvature = "nope"
 
 
-def test_tic_default_curvature_reads_hutchinson_where_backpack_cannot_run():
+def test_tic_default_curvature_reads_ggn_where_backpack_cannot_run():
     problem = ZOO["encoder"](0)
     inputs, targets = problem.batch(4, 0)
     quantity = TICDiag(linear(1))
@@ -130,7 +130,7 @@ def test_tic_default_curvature_reads_hutchinson_where_backpack_cannot_run():
     info = {"batch_size": 4, "individual_losses": problem.sample_losses(outputs, targets), "loss": loss}
     with cockpit(0, info=info):
         loss.backward(create_graph=cockpit.create_graph(0))
-    assert quantity._curvature == "hutchinson" and quantity.curvature == "auto"
+    assert quantity._curvature == "ggn" and quantity.curvature == "auto"  # TIC's positive curvature (issue 37)
     assert cockpit.get_output()[0]["TICDiag"] is not None
 
 

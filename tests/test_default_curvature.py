@@ -44,7 +44,11 @@ def test_defaults_run_on_a_model_backpack_cannot_handle(cls):
     value = cockpit.get_output()[0][cls.__name__]
     assert value is not None
     settings = cockpit.quantities[0].settings()
-    assert settings["computed_with"] == ("empirical" if cls is KFACTrace else "hutchinson"), settings
+    expected = {KFACTrace: "empirical", HessTrace: "hutchinson"}.get(cls, "ggn")  # TIC: the GGN (issue 37)
+    assert settings["computed_with"] == expected, settings
+    if cls in (TICDiag, TICTrace):  # no info["outputs"] here: Hutchinson's diagonal, and the step says so
+        notes = cockpit.get_output()[0]["checks"]["notes"]
+        assert any(f"{cls.__name__} at step 0: curvature='auto' divides by the GGN" in note for note in notes), notes
 
 
 @pytest.mark.parametrize("cls, exact", [(HessTrace, "diag_h"), (TICDiag, "diag_h"), (TICTrace, "diag_h"), (KFACTrace, "kfac")])

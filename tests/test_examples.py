@@ -71,7 +71,8 @@ def test_transformer_digits(tmp_path, capsys):
         assert {"NormTest", "GradHist2d", "HessMaxEV", "HessTrace", "TICDiag"} <= set(steps[step])
     assert len(steps[4]["HessTrace"]) == len(metadata["param_shapes"])
     picked = {q["name"]: q["settings"].get("computed_with") for q in metadata["quantities"]}
-    assert picked["HessTrace"] == picked["TICDiag"] == "hutchinson"
+    assert picked["HessTrace"] == "hutchinson" and picked["TICDiag"] == "ggn"  # TIC: a positive curvature
+    assert all(steps[step]["TICDiag"] > 0 for step in (0, 2, 4))
     assert Path(written["dashboard"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "HessTrace -> hutchinson" in capsys.readouterr().out
     from cockpit_like.diagnosis import findings_in

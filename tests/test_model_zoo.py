@@ -89,7 +89,7 @@ def test_presets_match_brute_force(name, label):
         expected = set(PRESETS[label]) - ({"Alpha", "UpdateSize"} if step == STEPS - 1 else set())
         assert set(out[step]) - {"checks"} == expected, step
         for key, value in out[step].items():
-            assert _finite(value), (step, key)
+            assert key == "checks" or _finite(value), (step, key)  # checks: notes (math attention, error bars)
         grads, params = obs["grads"], obs["params"]
         assert out[step]["Loss"] == pytest.approx(obs["losses"].mean().item(), rel=1e-12)
         for value, g in zip(out[step]["GradNorm"], grads, strict=True):

@@ -183,16 +183,27 @@ class HutchinsonDiagonal:
             blocks.append(torch.stack([piece.sum() for piece in sample.split(sizes)]))
         total.div_(self.samples)
         result = DiagonalEstimate(piece.view_as(p) for piece, p in zip(total.split(sizes), params))
-        result.errors = _standard_errors(torch.stack(blocks).to(torch.float64).cpu())
+        result.blocks = torch.stack(blocks)  # [samples, params]: each sample's block sums
+        result.errors = _standard_errors(result.blocks.to(torch.float64).cpu())
         return result
 
     def across_ranks(self, result, reduction):
-        """Under DDP: the batch-weighted mean of the ranks' estimates (``v * (H v)`` is linear in ``H``);
-        the standard errors are not combined (not kept under DDP).
+        """Under DDP: the batch-weighted mean of the ranks' estimates (``v * (H v)`` is linear in ``H``),
+        and of each sample's block sums, from which the standard errors follow as in one process.
 
         Every rank draws the same ``v_k`` (the cockpit's generator is seeded by
         the step), so the result is the estimate of one process on the global
-        batch with these ``v_k``.
+        batch with these ``v_k``, its standard errors included.
         """
         parts = [reduction.mean(d) for d in result]
-        return lambda: [part() for part in parts]
+        blocks = getattr(result, "blocks", None)
+        merged = None if blocks is None else reduction.mean(blocks)
+
+        def finish():
+            estimate = DiagonalEstimate(part() for part in parts)
+            if merged is not None:
+                estimate.blocks = merged()
+                estimate.errors = _standard_errors(estimate.blocks.to(torch.float64).cpu())
+            return estimate
+
+        return finish

@@ -128,6 +128,8 @@ class StepExecution:
         self._user_types = needs.user_types
         stats, raw_batch_grad, batch_size = list(needs.stats), needs.raw_batch_grad, self.info.get("batch_size")
         calls = []
+        #: the step's forward pass ran attention with PyTorch's math kernel (the graph steps' kernel)
+        math_attention = tracer is not None and tracer.math_attention
         if tracer is not None:
             if stats or needs.needs:
                 calls = tracer.take_calls(self.info.get("loss"))
@@ -140,6 +142,8 @@ class StepExecution:
         self.merges_passes = False
         #: what this pass left out and why (the step's ``checks["notes"]``)
         self.notes: list[str] = []
+        if math_attention:
+            self.notes.append(MATH_ATTENTION_NOTE)
         self._left_out: set[str] = set()
         coupling = [call.module for call in calls if couples_samples(call.module)]
         if stats and coupling and not raw_batch_grad:
@@ -512,6 +516,16 @@ class StepExecution:
             for field in fields:
                 if hasattr(param, field):
                     delattr(param, field)
+
+
+#: the note of a step whose forward pass ran attention with the math kernel (``checks["notes"]``)
+MATH_ATTENTION_NOTE = (
+    "attention ran with PyTorch's math kernel: this step needs the graph of p.grad (create_graph, for "
+    "Hessian-vector products), so the cockpit ran its forward pass under torch.nn.attention.sdpa_kernel("
+    "SDPBackend.MATH) (and cuDNN off), whose attention has a second derivative; the fused kernels (flash, "
+    "memory-efficient) have none. Same values to rounding; this forward pass was slower and held more memory "
+    "than the others"
+)
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:

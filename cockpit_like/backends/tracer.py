@@ -224,6 +224,10 @@ class ModelTracer:
         self._handles: list[Any] = []
         self._global_handle = None
         self._kernel_stack: list[bool] = []  # per forward pass: it holds the graph kernels
+        #: per forward pass: the attention count when it took the graph kernels (None: it did not)
+        self._attention_marks: list[int | None] = []
+        #: a forward pass since the calls were last taken ran attention with the math kernel (the step says so)
+        self.math_attention = False
         weakref.finalize(self, _put_back, self._kernel_stack)  # collected mid-pass: put them back
         self._batches: list[int] = []
         #: rows of the model's current forward pass (0 outside one)
@@ -293,6 +297,7 @@ class ModelTracer:
             self._global_handle.remove()
             self._global_handle = None
         _put_back(self._kernel_stack)
+        self._attention_marks.clear()
 
     # ---- the model's forward pass ------------------------------------------------------
     def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
@@ -307,11 +312,16 @@ class ModelTracer:
         if wants:
             _graph_kernels.acquire()
         self._kernel_stack.append(wants)
+        self._attention_marks.append(_graph_kernels.attention_calls if wants else None)
 
     def in_forward(self) -> bool:
         return bool(self._batches)
 
     def exit_forward(self) -> None:
+        if self._attention_marks:
+            mark = self._attention_marks.pop()
+            if mark is not None and _graph_kernels.attention_calls > mark:
+                self.math_attention = True
         _put_back(self._kernel_stack, 1)
         if self._batches:
             self.batch = self._batches.pop()
@@ -336,6 +346,7 @@ class ModelTracer:
     def drop_calls(self) -> None:
         """Forget the calls noted since the last step (a step that tracks nothing)."""
         self.calls, self.passes, self.opened, self.stray = [], 0, {}, False
+        self.math_attention = False
 
     @contextlib.contextmanager
     def pause(self):
@@ -356,6 +367,9 @@ class _GraphKernels:
     def __init__(self) -> None:
         self.depth = 0
         self._context: contextlib.ExitStack | None = None
+        #: calls of ``torch.nn.functional.scaled_dot_product_attention`` made while the kernels were held
+        #: (process-wide; a tracer compares it before and after its forward pass: the step says so)
+        self.attention_calls = 0
 
     def acquire(self) -> None:
         if self.depth == 0:
@@ -364,8 +378,27 @@ class _GraphKernels:
             context = contextlib.ExitStack()
             context.enter_context(sdpa_kernel([SDPBackend.MATH]))
             context.enter_context(torch.backends.cudnn.flags(enabled=False))
+            self._count_attention(context)
             self._context = context
         self.depth += 1
+
+    def _count_attention(self, context: contextlib.ExitStack) -> None:
+        """Count the attention calls while the kernels are held: ``scaled_dot_product_attention`` looked up in
+        ``torch.nn.functional`` at call time (``F.scaled_dot_product_attention``, ``nn.MultiheadAttention``,
+        Hugging Face's "sdpa" attention) goes through a counting wrapper, put back on release. The values are
+        the function's own."""
+        functional = torch.nn.functional
+        original = functional.scaled_dot_product_attention
+        kernels = self
+
+        def scaled_dot_product_attention(*args, **kwargs):
+            kernels.attention_calls += 1
+            return original(*args, **kwargs)
+
+        scaled_dot_product_attention.__wrapped__ = original
+        scaled_dot_product_attention.__doc__ = original.__doc__
+        functional.scaled_dot_product_attention = scaled_dot_product_attention
+        context.callback(setattr, functional, "scaled_dot_product_attention", original)
 
     def release(self) -> None:
         self.depth -= 1

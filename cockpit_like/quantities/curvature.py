@@ -39,17 +39,38 @@ On any model (no BackPACK needed):
   the median error of the trace only from 70% to 52% of the value, for the
   cost of the decomposition where HessMaxEV does not pay it already
   (``benchmarks/trace_estimators.py``, docs/curvature.md);
+- ``"ggn"``: the GGN diagonal of the mean cross-entropy of ``info["outputs"]``
+  (the logits, classes last) on any model
+  (:class:`~cockpit_like.backends.sampled.GGNDiagonal`): exact, one
+  hook-only backward pass per class, where the outputs are ``[B, C]`` with
+  ``C <= 10``; else the mean of ``hutchinson_samples`` sketched draws
+  ``s_n = S_n xi_n`` (Rademacher ``xi_n``, ``S_n S_n^T`` the loss Hessian in
+  the logits), unbiased and ``>= 0`` at every draw. Positive (up to
+  parameters the outputs do not depend on); needs ``info["outputs"]`` and
+  ``create_graph=cockpit.create_graph(step)``;
 - ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
-  else ``"hutchinson"``; decided when the cockpit learns the model, and
-  written to the log metadata (``settings()["computed_with"]``). Without a
-  known model, ``"diag_h"``.
+  else ``"hutchinson"`` for HessTrace and ``"ggn"`` for TICDiag and TICTrace
+  (their denominator must be positive: with the Hessian's indefinite, noisy
+  estimate TIC came out as +-5e4 and negative). TIC with the GGN is the TIC
+  of the GGN, as Cockpit's ``curvature="diag_ggn_exact"`` is, and positive.
+  Where a step gives no ``info["outputs"]``, ``"auto"``'s TIC takes
+  ``"hutchinson"`` at that step and its ``checks["notes"]`` say so. Decided
+  when the cockpit learns the model, and written to the log metadata
+  (``settings()["computed_with"]``). Without a known model, ``"diag_h"``.
 
-With ``"hutchinson"`` and ``"hutch++"`` each step's standard error is kept
-beside the stored value, in ``standard_errors[step]``: per parameter block
-for HessTrace (from the samples' block sums), of the value for TICTrace
-(first order in the trace's error, ``N / t^2 * se(t)``); none for TICDiag
-and the BackPACK diagonals (exact, or one Monte-Carlo sample).
+The estimators keep each step's standard error beside the stored value, in
+``standard_errors[step]`` (0.0 where ``"ggn"`` is exact): per parameter block
+for HessTrace (from the samples' block sums; the total's in
+``total_errors[step]``), of the value for TICTrace (first order in the
+trace's error, ``N / t^2 * se(t)``) and, with the ``"ggn"`` draws, for
+TICDiag (first order in the draws' deviations from their mean); none for
+Hutchinson's TICDiag and the BackPACK diagonals (exact, or one Monte-Carlo
+sample). With draws, TICDiag applies the second-order correction of
+``1 / c̄`` (``E[1/c̄] ≈ 1/c + Var(c̄)/c^3``): ``sum_j a_j / c̄_j (1 - Var̂(c̄_j)/c̄_j^2)``,
+each factor clamped at 0. ``reliable[step]`` is ``|value| > 2`` standard errors
+(:data:`RELIABLE_SE`); where it is False (the sign itself is uncertain) the
+step's ``checks["notes"]`` say so.
 
 TIC also needs ``s_j = sum_i grad_batch_ij^2 = (1/B^2) sum_i g_ij^2``
 (``grad_batch[i] = g_i / B`` for a mean loss), read from the shared
@@ -70,12 +91,12 @@ from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, di
 from cockpit_like.backends.curvature_engine import DeflatedDiagonal
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
-from cockpit_like.backends.sampled import SampledGGNDiagonal
+from cockpit_like.backends.sampled import GGNDiagonal, SampledGGNDiagonal
 
 from cockpit_like.context import get_record
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
-__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES", "ESTIMATORS"]
+__all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES", "ESTIMATORS", "RELIABLE_SE"]
 
 #: curvature name -> BackPACK extension factory (its savefield is the name)
 CURVATURES = {
@@ -86,7 +107,11 @@ CURVATURES = {
 
 
 #: curvature choices that need no BackPACK extension
-ESTIMATORS = ("hutchinson", "hutch++", "auto")
+ESTIMATORS = ("hutchinson", "hutch++", "ggn", "auto")
+
+#: an estimate is ``reliable[step]`` when ``|value| > RELIABLE_SE * standard error`` (its sign is known at
+#: about 95%); else the step's ``checks["notes"]`` say so
+RELIABLE_SE = 2.0
 
 
 class UnknownCurvatureError(ValueError, KeyError):
@@ -102,8 +127,9 @@ def _check_curvature(curvature: str, owner: str) -> str:
             f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
             f"{list(CURVATURES) + list(ESTIMATORS)} (BackPACK's Hessian diagonal, exact GGN diagonal, "
             "Monte-Carlo GGN diagonal; Hutchinson's estimate from Hessian-vector products on any "
-            "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'auto': the exact Hessian "
-            "diagonal where BackPACK can, else 'hutchinson')"
+            "model; 'hutch++': exact on the Lanczos space, Hutchinson on the rest; 'ggn': the GGN diagonal of "
+            "the cross-entropy of info['outputs'] on any model; 'auto': the exact Hessian diagonal where BackPACK "
+            "can, else 'hutchinson' (HessTrace) or 'ggn' (TIC))"
         )
     return curvature
 
@@ -136,9 +162,16 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             )
         self._samples = hutchinson_samples
         self._method: str | None = None if curvature == "auto" else curvature
-        #: ``{step: standard error}`` of the estimators (``"hutch++"``), beside each stored value
+        #: ``{step: standard error}`` of the estimators, beside each stored value (0.0: exact)
         self.standard_errors: dict = {}
+        #: ``{step: bool}`` where there is a standard error: ``|value| > RELIABLE_SE * standard error``
+        self.reliable: dict = {}
+        #: HessTrace: ``{step: standard error of the total}`` (``standard_errors`` holds the blocks')
+        self.total_errors: dict = {}
         self._errors: dict | None = None
+        self._draws: list | None = None
+        #: steps at which ``"auto"`` wanted the GGN diagonal but ``info["outputs"]`` was not given
+        self._without_outputs: set[int] = set()
 
     @property
     def curvature(self) -> str:
@@ -166,8 +199,21 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
 
     @property
     def method(self) -> str:
-        """How the diagonal is computed: a BackPACK field name, ``"hutchinson"`` or ``"sampled_ggn_mc"``."""
+        """How the diagonal is computed: a BackPACK field name, ``"hutchinson"``, ``"hutch++"``, ``"ggn"`` or
+        ``"sampled_ggn_mc"``."""
         return self._method or "diag_h"
+
+    def _step_method(self, global_step: int) -> str:
+        """:attr:`method` at ``global_step``: ``"auto"``'s GGN falls back to ``"hutchinson"`` without outputs."""
+        return "hutchinson" if global_step in self._without_outputs else self.method
+
+    def observe_info(self, global_step: int, info: dict) -> None:
+        if self._requested == "auto" and self.method == "ggn":
+            outputs = info.get("outputs")
+            if isinstance(outputs, torch.Tensor) and outputs.requires_grad and outputs.dim() >= 2:
+                self._without_outputs.discard(global_step)
+            else:
+                self._without_outputs.add(global_step)
 
     #: curvature -> (BackPACK's field where the models allow it, the estimator on any other model)
     _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutchinson"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
@@ -180,18 +226,21 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             exact, estimator = choice
             self._method = exact if backpack_curvature_compatible(models, CURVATURES[exact]()) else estimator
 
-    def _need(self):
-        if self.method == "hutchinson":
+    def _need(self, global_step: int):
+        method = self._step_method(global_step)
+        if method == "hutchinson":
             return HutchinsonDiagonal(self._samples)
-        if self.method == "hutch++":
+        if method == "hutch++":
             return DeflatedDiagonal(self._samples)
-        if self.method == "sampled_ggn_mc":
+        if method == "sampled_ggn_mc":
             return SampledGGNDiagonal(1)
+        if method == "ggn":
+            return GGNDiagonal(self._samples)
         return None
 
     def required_info(self, global_step: int) -> set[str]:
-        if self.method == "sampled_ggn_mc" and self.should_compute(global_step):
-            return {"outputs"}
+        if self.method == "sampled_ggn_mc" or (self.method == "ggn" and self._requested == "ggn"):
+            return {"outputs"} if self.should_compute(global_step) else set()
         return set()
 
     def extensions(self, global_step: int) -> list:
@@ -200,11 +249,11 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return [CURVATURES[self.method]()]
 
     def curvature_needs(self, global_step: int) -> list:
-        need = self._need()
+        need = self._need(global_step)
         return [need] if need is not None and self.should_compute(global_step) else []
 
     def create_graph(self, global_step: int) -> bool:
-        return self._need() is not None and self.should_compute(global_step)
+        return self._need(global_step) is not None and self.should_compute(global_step)
 
     def settings(self) -> dict:
         settings = {"curvature": self._requested}
@@ -212,18 +261,42 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             settings["computed_with"] = self.method
             if self.method in ("hutchinson", "hutch++"):
                 settings["hutchinson_samples"] = self._samples
+            if self.method == "ggn":
+                settings["ggn_samples"] = self._samples
         return settings
 
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        need = self._need()
+        need = self._need(global_step)
+        self._errors, self._draws = None, None
+        self._used = self._step_method(global_step)  # how this step's diagonal was computed (for the notes)
         if need is not None:
             result = get_record(global_step).stat(need)
             if isinstance(need, DeflatedDiagonal):
                 self._errors = result
                 return result["diagonal"]
             self._errors = getattr(result, "errors", None)
+            self._draws = getattr(result, "draws", None)
+            if getattr(result, "cross_entropy", None) is False:
+                get_record(global_step).note(
+                    f"{type(self).__name__} at step {global_step}: the GGN diagonal is the cross-entropy's of "
+                    "info['outputs'], but info['loss'] is not a mean cross-entropy of them (its gradient in the "
+                    "outputs is not (softmax - labels) / N for any labels): the curvature is not this loss's GGN "
+                    "and the value may mean nothing. Pass the logits of a mean cross-entropy loss, or an explicit "
+                    "curvature"
+                )
             return list(result)
         return _diagonals(params, self.method, type(self).__name__)
+
+    def _keep_error(self, global_step: int, value: float, error: float) -> None:
+        """Store the standard error beside the value; where it leaves the sign unknown, the step says so."""
+        self.standard_errors[global_step] = error
+        self.reliable[global_step] = bool(abs(value) > RELIABLE_SE * error)
+        if not self.reliable[global_step]:
+            get_record(global_step).note(
+                f"{type(self).__name__} at step {global_step}: the estimate {value:.4g} has a standard error of "
+                f"{error:.2g} ({self._used}, {self._samples} samples): |value| is below "
+                f"{RELIABLE_SE:g} standard errors, so not even its sign is certain (reliable[{global_step}] is False)"
+            )
 
 
 class HessTrace(_DiagCurvatureQuantity):
@@ -239,10 +312,19 @@ class HessTrace(_DiagCurvatureQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        self._errors = None
         traces = [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
         if self._errors is not None:
             self.standard_errors[global_step] = list(self._errors["block_errors"])
+            total_error = float(self._errors["trace_error"])
+            self.total_errors[global_step] = total_error
+            self.reliable[global_step] = bool(abs(sum(traces)) > RELIABLE_SE * total_error)
+            if not self.reliable[global_step]:
+                get_record(global_step).note(
+                    f"HessTrace at step {global_step}: the total {sum(traces):.4g} has a standard error of "
+                    f"{total_error:.2g} ({self._used}, {self._samples} samples): |total| is below "
+                    f"{RELIABLE_SE:g} standard errors, so not even its sign is certain (reliable[{global_step}] is "
+                    "False; the Hessian's trace is a sum over a bulk of eigenvalues of both signs)"
+                )
         return traces
 
 
@@ -258,6 +340,9 @@ class _TIC(_DiagCurvatureQuantity):
         super().__init__(track_schedule, verbose=verbose, curvature=curvature, hutchinson_samples=hutchinson_samples)
         self._epsilon = epsilon
 
+    #: where BackPACK cannot run, ``"auto"`` divides by the GGN diagonal (positive), not a Hessian estimate
+    _CHOICE_BY_MODEL = {"auto": ("diag_h", "ggn"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
+
     def per_sample_stats(self, global_step: int) -> list:
         return [SumOfSquares()] if self.should_compute(global_step) else []
 
@@ -272,7 +357,16 @@ class _TIC(_DiagCurvatureQuantity):
         name = type(self).__name__
         batch_size = get_record(global_step).require("batch_size", name)
         squares = get_record(global_step).stat(SumOfSquares())
-        return batch_size, squares, self._curvature_diagonals(global_step, params)
+        diagonals = self._curvature_diagonals(global_step, params)
+        if global_step in self._without_outputs:
+            get_record(global_step).note(
+                f"{name} at step {global_step}: curvature='auto' divides by the GGN diagonal (positive) of the "
+                "cross-entropy of info['outputs'], which this step did not give; computed with Hutchinson's "
+                "estimate of the Hessian diagonal instead (indefinite and noisy: the value may be far off, even "
+                "negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last)"
+            )
+            self._without_outputs.discard(global_step)  # read: the set holds only steps under way
+        return batch_size, squares, diagonals
 
 
 class TICDiag(_TIC):
@@ -289,8 +383,30 @@ class TICDiag(_TIC):
 
     def _compute(self, global_step, params, batch_loss):
         batch_size, squares, diagonals = self._inputs(global_step, params)
-        total = sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals))
-        return float(total)
+        if self._draws and len(self._draws) > 1:
+            # 1/c of an estimated c is biased upward (E[1/c̄] ≈ 1/c + Var(c̄)/c³): the second-order correction
+            # a / c̄ · (1 - Var̂(c̄)/c̄²), each entry's factor clamped at 0 so the value stays positive
+            total = 0.0
+            for index, (s, c) in enumerate(zip(squares, diagonals)):
+                spread = torch.stack([draw[index] for draw in self._draws]).var(0) / len(self._draws)
+                shifted = c + self._epsilon
+                total += float((batch_size * s / shifted * (1 - spread / shifted**2).clamp(min=0)).sum())
+        else:
+            total = float(sum((batch_size * s / (c + self._epsilon)).sum() for s, c in zip(squares, diagonals)))
+        if self._draws:  # first order in the draws' deviations from their mean (delta method)
+            deviations = torch.tensor(
+                [
+                    float(sum((batch_size * s * (c - d) / (c + self._epsilon) ** 2).sum()
+                              for s, c, d in zip(squares, diagonals, draw)))
+                    for draw in self._draws
+                ],
+                dtype=torch.float64,
+            )
+            error = float(deviations.std() / len(self._draws) ** 0.5) if len(self._draws) > 1 else float("nan")
+            self._keep_error(global_step, total, error)
+        elif self._errors is not None and self._draws is not None:  # exact (no draws)
+            self._keep_error(global_step, total, 0.0)
+        return total
 
 
 class TICTrace(_TIC):
@@ -303,10 +419,11 @@ class TICTrace(_TIC):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        self._errors = None
         batch_size, squares, diagonals = self._inputs(global_step, params)
         numerator = batch_size * sum(s.sum() for s in squares)
         denominator = sum(c.sum() for c in diagonals) + self._epsilon
+        value = float(numerator / denominator)
         if self._errors is not None:  # first order in the trace's error: N / t^2 * se(t)
-            self.standard_errors[global_step] = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
-        return float(numerator / denominator)
+            error = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
+            self._keep_error(global_step, value, error)
+        return value

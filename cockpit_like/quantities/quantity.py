@@ -128,6 +128,11 @@ class Quantity:
         quantity is active at the coming step ``global_step`` (e.g. to install forward hooks
         for that step only; :class:`~cockpit_like.quantities.activations.ActivationStats`)."""
 
+    def observe_info(self, global_step: int, info: dict[str, Any]) -> None:
+        """Called when a step at which the quantity is active begins (each backward pass's block), with the
+        step's ``info``, before the quantity is asked what it needs (e.g. to choose how to compute from the
+        keys given: TIC's GGN diagonal where ``info["outputs"]`` is)."""
+
     def required_info(self, global_step: int) -> set[str]:
         """Keys of the cockpit's ``info`` dict needed at ``global_step``.
 
