@@ -1,0 +1,232 @@
+"""The loss-spike post-mortem (issue 38): rows with an identity, spikes, causes.
+
+Every per-row number is checked in float64 against a brute-force twin: the
+per-sample gradients from a loop of ``torch.autograd.grad`` (one row at a
+time), ``G`` their mean, ``share_i = <g_i / B, G> / ||G||^2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.functional.row_summaries import row_norms, row_shares, top_rows
+from cockpit_like.functional.spikes import robust_score
+from cockpit_like.spikes import PostMortem, RowBuffer, RowSummaries, SpikeDetector, name_cause
+from cockpit_like.utils.schedules import linear
+from tests.helpers import zoo_or_helper_problem
+
+ROWS = 8
+
+
+def _brute_rows(model: nn.Module, individual, inputs, targets):
+    """``(losses, ||g_i||, shares)`` from a loop of autograd.grad over the rows (float64)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads, losses = [], []
+    for i in range(len(inputs)):
+        loss = individual(model(inputs[i : i + 1]), targets[i : i + 1])[0]
+        grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+        losses.append(float(loss.detach()))
+    g = torch.stack(grads)
+    mean = g.mean(0)
+    return torch.tensor(losses, dtype=torch.float64), g.norm(dim=1), (g @ mean) / len(g) / (mean @ mean)
+
+
+def _run_rows(name: str, micro_batches: int, ids, steps: int = 2, top_k: int = ROWS):
+    model, lossfunc, individual, batch = zoo_or_helper_problem(name)
+    rows = RowSummaries(linear(1), keep_steps=3, top_k=top_k)
+    cockpit = Cockpit(model.parameters(), quantities=[rows], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    size = ROWS // micro_batches
+    expected = {}
+    for step in range(steps):
+        inputs, targets = batch(ROWS, 100 + step)
+        expected[step] = _brute_rows(model, individual, inputs, targets)
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            outputs = model(inputs[part])
+            info = {"batch_size": size, "individual_losses": individual(outputs, targets[part]),
+                    "loss": lossfunc(outputs, targets[part]), "optimizer": optimizer,
+                    "micro_batches": micro_batches, "sample_ids": ids(step)[part]}
+            with cockpit(step, info=info):
+                (info["loss"] / micro_batches).backward()
+        optimizer.step()
+    return rows, cockpit.get_output(), expected
+
+
+@pytest.mark.parametrize("name,micro_batches,kind", [("mlp", 1, "tensor"), ("cnn", 1, "str"), ("mlp", 2, "str"),
+                                                     ("encoder", 2, "tensor")])
+def test_row_summaries_match_brute_force(name, micro_batches, kind):
+    """Loss, ||g_i|| and share of every row, with its id, equal the brute-force twin (micro-batches in order)."""
+    def ids(step):
+        values = [1000 * step + 7 * i for i in range(ROWS)]
+        return torch.tensor(values) if kind == "tensor" else [f"s{v}" for v in values]
+
+    rows, output, expected = _run_rows(name, micro_batches, ids)
+    for step, (losses, norms, shares) in expected.items():
+        stored = output[step]["RowSummaries"]
+        assert stored["batch"] == ROWS and len(stored["rows"]) == ROWS
+        for entry in stored["rows"]:
+            i = entry["row"]
+            assert entry["id"] == (ids(step)[i].item() if kind == "tensor" else ids(step)[i])
+            assert math.isclose(entry["loss"], float(losses[i]), rel_tol=1e-10)
+            assert math.isclose(entry["grad_norm"], float(norms[i]), rel_tol=1e-8)
+            assert math.isclose(entry["share"], float(shares[i]), rel_tol=1e-8, abs_tol=1e-12)
+        assert math.isclose(sum(e["share"] for e in stored["rows"]), 1.0, rel_tol=1e-10)
+        assert [stored["rows"][j]["row"] for j in stored["by_share"]] == top_rows(shares, ROWS)
+    assert len(rows.buffer.steps) == 2 and 0 < rows.nbytes
+
+
+def test_row_summaries_can_fail():
+    """The twin tells rows apart: a different batch gives different shares (the check above can fail)."""
+    model, _, individual, batch = zoo_or_helper_problem("mlp")
+    a = _brute_rows(model, individual, *batch(ROWS, 100))[2]
+    b = _brute_rows(model, individual, *batch(ROWS, 101))[2]
+    assert not torch.allclose(a, b)
+
+
+def test_functional_row_math():
+    g = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    B, mean = len(g), g.mean(0)
+    diag, row_sums = (g * g).sum(1) / B**2, g @ mean / B
+    assert torch.allclose(row_norms(diag), g.norm(dim=1))
+    shares = row_shares(row_sums)
+    assert torch.allclose(shares, (g / B) @ mean / (mean @ mean)) and math.isclose(float(shares.sum()), 1.0)
+    assert torch.isnan(row_shares(torch.zeros(3))).all()
+    assert top_rows(torch.tensor([0.1, float("nan"), 0.5]), 2) == [2, 0]
+
+
+def test_buffer_is_bounded():
+    buffer = RowBuffer(keep_steps=3, top_k=2)
+    for step in range(10):
+        buffer.add({"step": step, "rows": [{"id": i, "loss": 1.0, "grad_norm": 1.0, "share": .5, "row": i}
+                                           for i in range(4)]})
+    assert [s["step"] for s in buffer.steps] == [7, 8, 9]
+    assert buffer.nbytes <= buffer.bound_bytes == 3 * (2 * 2 * 40 + 64)
+    with pytest.raises(ValueError, match="keep_steps must be a positive int"):
+        RowBuffer(keep_steps=0)
+
+
+@pytest.mark.parametrize("ids,match", [
+    (list(range(ROWS - 1)), "has 7 entries but info\\['batch_size'\\] is 8"),
+    (torch.zeros(ROWS), "torch.float32 tensor"),
+    ([0.5] * ROWS, "holds 0.5"),
+    ([1, "a"] * (ROWS // 2), "mixes ints and strings"),
+    ("abc", "is a str"),
+])
+def test_sample_ids_bad_input(ids, match):
+    model, lossfunc, individual, batch = zoo_or_helper_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[RowSummaries(linear(1))], model=model)
+    inputs, targets = batch(ROWS, 0)
+    outputs = model(inputs)
+    info = {"batch_size": ROWS, "individual_losses": individual(outputs, targets), "loss": lossfunc(outputs, targets),
+            "sample_ids": ids}
+    with pytest.raises(ValueError, match=match):
+        with cockpit(0, info=info):
+            info["loss"].backward()
+
+
+# ---- the detector -------------------------------------------------------------------------------------
+def test_detector_finds_a_spike_not_noise():
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.exp(0.05 * torch.randn(300, generator=generator)).tolist()
+    detector = SpikeDetector()
+    alarms = [detector.update(t, 2.0 * v, 1.0 * v, 0.1) for t, v in enumerate(noise)]
+    assert not any(alarms)  # healthy noise: no alarm in 300 steps
+    found = detector.update(300, 6.0, 1.0, 0.1)
+    assert found is not None and found["series"] == ["loss"] and found["loss"]["z"] > 6
+    assert detector.update(301, 6.0, 1.0, 0.1) is None  # cooldown: the same incident
+
+
+def test_detector_warmup_and_ramp():
+    detector = SpikeDetector(warmup=10)
+    values = [5.0, 3.0, 2.0, 1.5, 1.2, 1.1, 1.0, 1.0, 0.9, 20.0]  # a big value inside the warmup
+    assert not any(detector.update(t, v, v, 0.1) for t, v in enumerate(values))
+    ramp = SpikeDetector(window=10, warmup=3, ramp_z=1e9)
+    for t in range(12):
+        ramp.update(t, 1.0, 1.0 + 0.001 * (t % 2), 0.01 * (t + 1))  # the learning rate warms up
+    found = ramp.update(12, 1.0, 3.0, 0.13)  # gradient norm x3 while ramping: needs ramp_z
+    assert found is None
+    assert SpikeDetector(window=10, warmup=3).update  # (constructor check)
+    with pytest.raises(ValueError, match="window must be at least 3"):
+        SpikeDetector(window=2)
+
+
+def test_robust_score():
+    assert math.isnan(robust_score([1.0, 1.0], 2.0, min_window=3))
+    assert robust_score([1.0] * 5, float("nan")) == math.inf
+    assert robust_score([1.0, 1.1, 0.9, 1.0, 1.05], 1.0) < 1
+
+
+# ---- causes ---------------------------------------------------------------------------------------------
+def test_name_cause_order():
+    rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
+    scaler = {"scaler": True, "scale_dropped": True, "scale": 1024.0, "previous_scale": 2048.0, "missing_steps": []}
+    rate = {"value": 1.0, "window_median": 0.1, "ratio": 10.0}
+    assert name_cause({"rows": rows, "precision": scaler, "learning_rate": rate})["cause"] == "precision"
+    assert name_cause({"rows": rows, "learning_rate": rate})["cause"] == "learning-rate"
+    assert name_cause({"rows": rows, "learning_rate": {**rate, "ratio": 1.0}})["cause"] == "bad-rows"
+    calm = {"batch": 32, "outlier_rows": 0, "outlier_share": 0.0, "top_share": 0.05}
+    sharp = {"value": 30.0, "two_over_lr": 20.0, "ratio": 1.5}
+    assert name_cause({"rows": calm, "sharpness": sharp})["cause"] == "curvature"
+    assert name_cause({"rows": calm})["cause"] == "unknown"
+    with pytest.raises(TypeError):
+        name_cause({}, not_a_setting=1.0)
+
+
+# ---- the post-mortem in a run --------------------------------------------------------------------------
+def _spiky_run(fault: str, steps: int = 30, onset: int = 22, **post_args):
+    """An MLP on blobs (batch 16) with a fault at ``onset``: ``row`` (row 3 scaled by 1e3, a wrong label) or
+    ``lr`` (x100)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    centers = torch.randn(4, 6, generator=generator) * 2
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    post = PostMortem(linear(1), **post_args)
+    cockpit = Cockpit(model.parameters(), quantities=[post], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        labels = torch.randint(0, 4, (16,), generator=generator)
+        x = centers[labels] + torch.randn(16, 6, generator=generator)
+        if fault == "row" and step == onset:
+            x[3] *= 1e3
+            labels[3] = (model(x[3:4]).argmax() + 1) % 4  # a row the model gets wrong
+        for group in optimizer.param_groups:
+            group["lr"] = 5.0 if fault == "lr" and step >= onset else 0.05
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), labels, reduction="none")
+        ids = torch.arange(16) + 100 * step
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer, "sample_ids": ids}):
+            losses.mean().backward()
+        optimizer.step()
+    return cockpit, post
+
+
+def test_post_mortem_names_the_row():
+    cockpit, post = _spiky_run("row")
+    spikes = {s: v["PostMortem"] for s, v in cockpit.get_output().items() if "PostMortem" in v}
+    assert min(spikes) == 22  # (the huge update it made may spike again later: another incident)
+    pm = spikes[22]
+    assert pm["rows_by_share"][0]["id"] == 2203 and pm["rows_by_loss"][0]["id"] == 2203
+    assert pm["cause"] == "bad-rows", pm["why"]
+    assert pm["layers"] and pm["layers"][0]["first_step"] == 22
+    assert post.nbytes > 0
+
+
+def test_post_mortem_names_the_learning_rate():
+    cockpit, _ = _spiky_run("lr", onset=20)
+    spikes = {s: v["PostMortem"] for s, v in cockpit.get_output().items() if "PostMortem" in v}
+    assert spikes, "the learning-rate jump made no post-mortem"
+    first = spikes[min(spikes)]
+    assert first["cause"] == "learning-rate" and first["learning_rate"]["ratio"] > 10
+
+
+def test_healthy_run_has_no_post_mortem():
+    cockpit, _ = _spiky_run("none", steps=40)
+    assert not any("PostMortem" in v for v in cockpit.get_output().values())
