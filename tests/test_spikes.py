@@ -16,6 +16,7 @@ from torch import nn
 from cockpit_like import Cockpit
 from cockpit_like.functional.row_summaries import row_norms, row_shares, top_rows
 from cockpit_like.functional.spikes import robust_score
+from cockpit_like.diagnosis import diagnose
 from cockpit_like.spikes import PostMortem, RowBuffer, RowSummaries, SpikeDetector, name_cause
 from cockpit_like.utils.schedules import linear
 from tests.helpers import zoo_or_helper_problem
@@ -180,7 +181,7 @@ def test_name_cause_order():
 
 
 # ---- the post-mortem in a run --------------------------------------------------------------------------
-def _spiky_run(fault: str, steps: int = 30, onset: int = 22, **post_args):
+def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, **post_args):
     """An MLP on blobs (batch 16) with a fault at ``onset``: ``row`` (row 3 scaled by 1e3, a wrong label) or
     ``lr`` (x100)."""
     torch.manual_seed(0)
@@ -188,7 +189,7 @@ def _spiky_run(fault: str, steps: int = 30, onset: int = 22, **post_args):
     centers = torch.randn(4, 6, generator=generator) * 2
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     post = PostMortem(linear(1), **post_args)
-    cockpit = Cockpit(model.parameters(), quantities=[post], model=model)
+    cockpit = Cockpit(model.parameters(), quantities=[post], model=model, **(cockpit_args or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(steps):
         labels = torch.randint(0, 4, (16,), generator=generator)
@@ -230,3 +231,26 @@ def test_post_mortem_names_the_learning_rate():
 def test_healthy_run_has_no_post_mortem():
     cockpit, _ = _spiky_run("none", steps=40)
     assert not any("PostMortem" in v for v in cockpit.get_output().values())
+
+
+def test_spike_is_a_finding():
+    """The stored post-mortem shows where findings show (rule loss-spike, with its cause), live and replayed."""
+    cockpit, _ = _spiky_run("row", cockpit_args={"diagnose": True})
+    found = [f for f in cockpit.findings if f.rule == "loss-spike"]
+    assert found and found[0].step == 22 and found[0].evidence["cause"] == "bad-rows"
+    assert "id 2203" in found[0].message
+    replayed = [f for f in diagnose(cockpit.get_output()).findings if f.rule == "loss-spike"]
+    assert [f.step for f in replayed][:1] == [22]
+
+
+def test_cli_prints_post_mortems(tmp_path, capsys):
+    from cockpit_like.cli import main
+
+    cockpit, _ = _spiky_run("row")
+    path = cockpit.write(str(tmp_path / "run"))
+    assert main(["spikes", path, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "step 22: spike of" in text and "likeliest cause: bad-rows" in text and "2203" in text
+    assert "layers that moved first" in text and "0.weight" in text  # layer names from the model
+    assert main(["spikes", path, "--step", "3", "--no-progress"]) == 0
+    assert "no post-mortems at step 3" in capsys.readouterr().out
