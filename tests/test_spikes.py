@@ -254,3 +254,24 @@ def test_cli_prints_post_mortems(tmp_path, capsys):
     assert "layers that moved first" in text and "0.weight" in text  # layer names from the model
     assert main(["spikes", path, "--step", "3", "--no-progress"]) == 0
     assert "no post-mortems at step 3" in capsys.readouterr().out
+
+
+def test_post_mortem_gauge_draws_the_rows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from cockpit_like import instruments
+
+    cockpit, _ = _spiky_run("row", steps=25)
+    fig = Figure(figsize=(6, 4))
+    ax = instruments.post_mortem_gauge(cockpit.get_output(), fig, fig.add_gridspec(1, 1)[0, 0])
+    bars = [p for p in ax.patches if p.get_gid() == "post-mortem:rows"]
+    post = cockpit.get_output()[22]["PostMortem"]
+    widths = sorted((p.get_width() for p in bars), reverse=True)
+    assert math.isclose(widths[0], post["rows_by_share"][0]["share"], rel_tol=1e-9)
+    assert "bad-rows" in ax.get_title() and "id 2203" in " ".join(t.get_text() for t in ax.get_yticklabels())
+    empty = Figure()
+    ax = instruments.post_mortem_gauge({0: {"Loss": 1.0}}, empty, empty.add_gridspec(1, 1)[0, 0])
+    assert any(t.get_gid() == "not-tracked" for t in ax.texts)
