@@ -8,6 +8,7 @@ time), ``G`` their mean, ``share_i = <g_i / B, G> / ||G||^2``.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +276,29 @@ def test_post_mortem_gauge_draws_the_rows():
     empty = Figure()
     ax = instruments.post_mortem_gauge({0: {"Loss": 1.0}}, empty, empty.add_gridspec(1, 1)[0, 0])
     assert any(t.get_gid() == "not-tracked" for t in ax.texts)
+
+
+def test_exporters_pass_the_post_mortem_on(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cockpit_like.integrations.exporters import export_log
+    from cockpit_like.integrations.flatten import flatten
+
+    cockpit, _ = _spiky_run("row", steps=25)
+    flat = flatten(cockpit.get_output()[22])
+    assert "likeliest cause: bad-rows" in flat.texts["PostMortem"] and flat.scalars["PostMortem/top_share"] > 0.9
+    log = cockpit.write(str(tmp_path / "run"))
+    export_log(log, "tensorboard", tmp_path / "tb").close()
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    texts = accumulator.Tensors("PostMortem/text_summary")
+    assert [t.step for t in texts] == [22] and b"2203" in texts[0].tensor_proto.string_val[0]
+    assert "PostMortem/cause_index" in accumulator.Tags()["scalars"]
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    exporter = export_log(log, "mlflow", tmp_path / "mlruns")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    local = client.download_artifacts(exporter.run_id, "texts/PostMortem", str(tmp_path / "dl"))
+    assert "2203" in (Path(local) / "step_0000022.txt").read_text()
