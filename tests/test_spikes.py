@@ -302,3 +302,16 @@ def test_exporters_pass_the_post_mortem_on(tmp_path):
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
     local = client.download_artifacts(exporter.run_id, "texts/PostMortem", str(tmp_path / "dl"))
     assert "2203" in (Path(local) / "step_0000022.txt").read_text()
+
+
+def test_example_script(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "spike_postmortem.py"
+    spec = importlib.util.spec_from_file_location("_example_spike_postmortem", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.main(["--steps", "60", "--out", str(tmp_path / "run"), "--picture", str(tmp_path / "pm.png")])
+    assert written["bad_in_top3"] and written["bad_in_top3"] == [s for s, _ in written["post_mortems"]]
+    assert Path(written["picture"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "likeliest cause: bad-rows" in capsys.readouterr().out
