@@ -5,11 +5,12 @@
     python benchmarks/spike_corpus.py --tune             # grid-search the thresholds on the tuning half only
     python benchmarks/spike_corpus.py --half tuning --show   # one line per run
 
-Runs are trained once with the loose detector settings ``SENSITIVE`` and kept
-in ``benchmarks/results/spike_corpus_runs.jsonl`` (one line per run; delete it
-to retrain); every setting scored is a stricter replay of them
-(``cockpit_like.spikes.corpus.replay``), exactly what ``PostMortem`` with those
-settings would have stored. Thresholds are set on the tuning architectures
+Runs are trained once with ``PostMortem(record_all=True)`` (a post-mortem at
+every step, with the step's loss, gradient norm and learning rate) and kept in
+``benchmarks/results/spike_corpus_runs.jsonl`` (one line per run, not
+committed; delete it to retrain); every setting is scored by replaying the
+detector over those series (``cockpit_like.spikes.corpus.replay``), exactly
+what ``PostMortem`` with those settings would have stored. Thresholds are set on the tuning architectures
 (``SPLIT["tuning"]``) and reported on the held-out ones. Training is
 deterministic on the CPU.
 """
@@ -31,11 +32,11 @@ CACHE = ROOT / "benchmarks" / "results" / "spike_corpus_runs.jsonl"
 DOC = ROOT / "docs" / "spikes.md"
 BEGIN, END = "<!-- spike-table:begin -->", "<!-- spike-table:end -->"
 #: bump when the generator or the post-mortem changes what a run stores (old cache lines are ignored)
-VERSION = 1
+VERSION = 2
 
 
 def run_half(half: str, cache: Path = CACHE, show: bool = False) -> list[dict]:
-    from cockpit_like.spikes.corpus import SENSITIVE, spike_runs, train_spike_run
+    from cockpit_like.spikes.corpus import spike_runs, train_spike_run
 
     stored = {}
     if cache.exists():
@@ -46,7 +47,7 @@ def run_half(half: str, cache: Path = CACHE, show: bool = False) -> list[dict]:
     results = []
     for run in spike_runs(half):
         if run.name not in stored:
-            result = train_spike_run(run, **SENSITIVE)
+            result = train_spike_run(run, record_all=True)
             result["version"] = VERSION
             cache.parent.mkdir(parents=True, exist_ok=True)
             with cache.open("a") as handle:

@@ -14,7 +14,11 @@ others' checks are kept beside it):
 4. ``"bad-rows"``: rows stand out: the rows whose loss is an outlier against
    the previous steps' rows (robust z >= ``row_z``) carry at least
    ``outlier_share`` of the step's gradient, or one row carries at least
-   ``top_share`` of it (and ``top_factor / B``);
+   ``top_share`` of it (and ``top_factor / B``), or the whole batch's median
+   row loss is ``batch_shift`` spreads above the previous steps' rows (a bad
+   batch: with the learning rate unchanged and the sharpness not past 2/lr or
+   not tracked, the data is the likeliest cause; a slow blow-up of a too
+   large learning rate looks the same when the sharpness is not tracked);
 5. ``"unknown"``: none of these.
 
 The defaults were set on the tuning half of the spike corpus
@@ -36,7 +40,7 @@ def _finite(value: Any) -> bool:
 
 
 def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float = 1.0, outlier_share: float = 0.5,
-               top_share: float = 0.3, top_factor: float = 4.0) -> dict[str, Any]:
+               top_share: float = 0.3, top_factor: float = 4.0, batch_shift: float = 2.0) -> dict[str, Any]:
     """``{"cause", "why", "strength", "checks"}`` from ``evidence`` with the keys ``precision``, ``learning_rate``,
     ``rows`` and ``sharpness`` of :class:`~cockpit_like.spikes.postmortem.PostMortem` (missing keys: not known).
 
@@ -70,9 +74,13 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
         batch = max(int(rows.get("batch", 1)), 1)
         share_out = rows.get("outlier_share", 0.0) or 0.0
         top = rows.get("top_share", 0.0) or 0.0
-        stand_out = (share_out >= outlier_share) or (top >= top_share and top >= top_factor / batch)
+        shift = rows.get("median_shift")
+        whole = _finite(shift) and shift >= batch_shift
+        stand_out = (share_out >= outlier_share) or (top >= top_share and top >= top_factor / batch) or whole
         row_why = (f"{rows.get('outlier_rows', 0)} of {batch} rows have outlier losses and carry "
-                   f"{share_out:.0%} of the step's gradient; the top row carries {top:.0%}")
+                   f"{share_out:.0%} of the step's gradient; the top row carries {top:.0%}"
+                   + (f"; the batch's median row loss is {shift:.3g} spreads above the previous steps' rows"
+                      if _finite(shift) else ""))
     curvature = evidence.get("sharpness") or {}
     if _finite(curvature.get("ratio")):
         holds = curvature["ratio"] >= sharpness and not stand_out

@@ -40,8 +40,7 @@ import torch
 
 from cockpit_like.corpus_generator import GeneratedRun, _data, _loss, _model, _optimizer, scheduled_rate
 
-__all__ = ["SPLIT", "FAULTS", "SpikeRun", "spike_runs", "train_spike_run", "score", "EXPECTED_CAUSE", "SENSITIVE",
-           "replay"]
+__all__ = ["SPLIT", "FAULTS", "SpikeRun", "spike_runs", "train_spike_run", "score", "EXPECTED_CAUSE", "replay"]
 
 #: architectures per half: thresholds are set on "tuning", figures reported on "held-out"
 SPLIT = {"tuning": ("mlp", "cnn", "gru"), "held-out": ("resnet-gn", "transformer", "gpt")}
@@ -58,9 +57,6 @@ _LR = {("mlp", "momentum"): 0.05, ("mlp", "adam"): 3e-3, ("cnn", "momentum"): 0.
        ("gpt", "momentum"): 0.3, ("gpt", "adam"): 1e-2}
 #: a post-mortem this many steps after the onset (or fewer) is the fault's spike
 CATCH_WITHIN = 5
-#: the detector settings the corpus is trained with: looser than any setting scored, so that :func:`replay`
-#: gives exactly what a stricter detector would have stored (same window and warmup)
-SENSITIVE = {"z": 2.5, "loss_ratio": 1.02, "grad_ratio": 1.02, "ramp_z": 2.5, "cooldown": 0}
 
 
 @dataclass(frozen=True)
@@ -126,7 +122,9 @@ def _wrong(y: torch.Tensor, classes: int, generator: torch.Generator) -> torch.T
 
 def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
     """Train ``run`` with :class:`~cockpit_like.spikes.PostMortem` (``post_args``: its arguments) at every step;
-    return ``{"run", "post_mortems": [[step, post-mortem]], "losses", "seconds", "injected_ids"}``."""
+    return ``{"run", "post_mortems": [[step, post-mortem]], "series": [[step, loss, grad norm, rate]], "losses",
+    "seconds", "injected_ids", "nbytes"}``. With ``record_all=True`` (what the benchmark trains with) a
+    post-mortem is stored at every step after the warmup, and :func:`replay` scores any settings exactly."""
     from cockpit_like import Cockpit
     from cockpit_like.spikes.postmortem import PostMortem
     from cockpit_like.utils.schedules import linear
@@ -144,7 +142,7 @@ def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
     post = PostMortem(linear(1), **post_args)
     cockpit = Cockpit(list(model.parameters()), quantities=[post], model=model)
     generator = torch.Generator().manual_seed(run.seed + 1)
-    losses, injected = [], []
+    losses, injected, series = [], [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(run.steps):
@@ -183,35 +181,35 @@ def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
                     "sample_ids": ids}
             with cockpit(step, info=info):
                 loss.backward()
+            summary = post.buffer.steps[-1]
+            series.append([step, summary["loss"], summary["grad_norm"], max(g["lr"] for g in optimizer.param_groups)])
             optimizer.step()
     found = [[int(s), v["PostMortem"]] for s, v in sorted(cockpit.get_output().items()) if "PostMortem" in v]
-    return {"run": asdict(run), "name": run.name, "post_mortems": found, "losses": losses,
+    return {"run": asdict(run), "name": run.name, "post_mortems": found, "series": series, "losses": losses,
             "seconds": time.perf_counter() - started, "injected_ids": injected, "nbytes": post.nbytes}
 
 
-def replay(post_mortems: list, detector: dict[str, Any] | None = None,
+def replay(result: dict[str, Any], detector: dict[str, Any] | None = None,
            causes: dict[str, Any] | None = None) -> list[tuple[int, dict[str, Any]]]:
-    """The post-mortems a :class:`~cockpit_like.spikes.PostMortem` with the detector settings ``detector`` (``z``,
-    ``loss_ratio``, ``grad_ratio``, ``ramp_z``, ``cooldown``; defaults: the detector's) and the cause settings
-    ``causes`` (:func:`~cockpit_like.spikes.causes.name_cause`) would have stored, from those stored by a looser
-    one (:data:`SENSITIVE`, same window and warmup). Every step is tracked in the corpus."""
+    """The post-mortems a :class:`~cockpit_like.spikes.PostMortem` with the detector settings ``detector``
+    (:class:`~cockpit_like.spikes.SpikeDetector`'s arguments; defaults: its own) and the cause settings
+    ``causes`` (:func:`~cockpit_like.spikes.causes.name_cause`) would have stored in a run trained with
+    ``record_all=True``: the same detector runs over the run's series, and at each spike the stored
+    post-mortem of that step is named again. Exact: the evidence does not depend on the settings."""
     from cockpit_like.spikes.causes import name_cause
     from cockpit_like.spikes.detector import SpikeDetector
 
-    settings = {**SpikeDetector().settings(), **(detector or {})}
-    kept, last = [], None
-    for step, post in post_mortems:
-        trigger = post["trigger"]
-        grad_z = settings["ramp_z"] if trigger.get("ramping") else settings["z"]
-        series = [name for name, ratio, z in (("loss", settings["loss_ratio"], settings["z"]),
-                                              ("grad_norm", settings["grad_ratio"], grad_z))
-                  if trigger[name]["z"] >= z and trigger[name]["ratio"] >= ratio]
-        if not series or (last is not None and step - last <= settings["cooldown"]):
+    spikes = SpikeDetector(**{**SpikeDetector().settings(), **(detector or {})})
+    stored = {int(step): post for step, post in result["post_mortems"]}
+    kept = []
+    for step, loss, grad_norm, rate in result["series"]:
+        found = spikes.update(step, loss, grad_norm, rate)
+        if found is None:
             continue
-        last = step
+        post = stored[int(step)]
         verdict = name_cause(post, **(causes or {}))
-        kept.append((step, {**post, "trigger": {**trigger, "series": series}, "cause": verdict["cause"],
-                            "why": verdict["why"], "strength": verdict["strength"], "checks": verdict["checks"]}))
+        kept.append((int(step), {**post, "trigger": found, "cause": verdict["cause"], "why": verdict["why"],
+                                 "strength": verdict["strength"], "checks": verdict["checks"]}))
     return kept
 
 
@@ -225,10 +223,10 @@ def _first_caught(result: dict[str, Any], found: list) -> tuple[int, dict[str, A
 
 def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
           causes: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Score runs trained with :data:`SENSITIVE` as :func:`replay` with ``detector`` and ``causes`` settings gives
+    """Score runs trained with ``record_all=True`` as :func:`replay` with ``detector`` and ``causes`` settings gives
     them: detection, the injected rows among the top 3 (by share; by loss beside it), the cause, and healthy runs
     (and faulty runs before their onset) with a post-mortem."""
-    results = [{**r, "post_mortems": replay(r["post_mortems"], detector, causes)} for r in results]
+    results = [{**r, "post_mortems": replay(r, detector, causes)} for r in results]
     healthy = [r for r in results if r["run"]["fault"] is None]
     faulty = [r for r in results if r["run"]["fault"] is not None]
     table: dict[str, Any] = {"healthy_runs": len(healthy),

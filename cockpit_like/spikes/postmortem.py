@@ -17,7 +17,9 @@ under ``"PostMortem"`` at that step (nothing at other steps):
   ``<g_i / B, G> / ||G||^2``; ``loss_z``: the row's loss against the previous
   steps' rows);
 - ``rows``: ``batch``, ``outlier_rows``, ``outlier_share`` (the share of the
-  rows whose ``loss_z >= row_z``), ``top_share``;
+  rows whose ``loss_z >= row_z``), ``top_share``, ``median_shift`` (the
+  median row loss against the previous steps' rows, in their spread: a whole
+  bad batch);
 - ``earlier_rows``: rows of the previous ``look_back`` tracked steps that
   stood out (outlier loss or a share of at least ``top_share_flag``);
 - ``layers``: the layers whose gradient norm or update ratio moved first
@@ -47,7 +49,7 @@ from cockpit_like.functional.row_summaries import row_norms, row_shares, top_row
 from cockpit_like.functional.spikes import robust_center_scale, robust_score
 from cockpit_like.quantities.quantity import SingleStepQuantity
 from cockpit_like.spikes.causes import name_cause
-from cockpit_like.spikes.detector import SpikeDetector
+from cockpit_like.spikes.detector import RECENT, SpikeDetector
 from cockpit_like.spikes.rows import RowBuffer, ids_of, row_summary
 
 __all__ = ["PostMortem"]
@@ -59,13 +61,16 @@ class PostMortem(SingleStepQuantity):
     Args:
         track_schedule: when to compute (every step is best: the detector's window counts tracked steps).
         keep_steps, top_k: the row buffer's N and k.
-        window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown: the detector's
+        window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown, loss_gap: the detector's
             (:class:`~cockpit_like.spikes.detector.SpikeDetector`).
         row_z: a row's loss is an outlier at this robust z against the previous steps' rows.
         look_back: previous tracked steps searched for rows that stood out.
         layer_updates: keep a copy of the parameters for per-layer update ratios.
         sharpness: a ``HessMaxEV`` quantity of the same cockpit, read for the curvature cause.
         cause_settings: keyword arguments of :func:`~cockpit_like.spikes.causes.name_cause`.
+        record_all: store a post-mortem at every tracked step after the warmup, spike or not (its
+            ``trigger["series"]`` empty when none): for setting thresholds offline on labelled runs
+            (``cockpit_like.spikes.corpus``), not for training.
 
     Example::
 
@@ -79,12 +84,13 @@ class PostMortem(SingleStepQuantity):
 
     def __init__(self, track_schedule, keep_steps: int = 32, top_k: int = 5, window: int = 20, warmup: int = 10,
                  z: float = 6.0, loss_ratio: float = 1.3, grad_ratio: float = 2.0, ramp_z: float = 10.0,
-                 cooldown: int = 5, row_z: float = 6.0, look_back: int = 5, moved_steps: int = 3,
+                 cooldown: int = 5, loss_gap: float = 0.05, row_z: float = 6.0, look_back: int = 5, moved_steps: int = 3,
                  layer_z: float = 4.0, top_share_flag: float = 0.3, layer_updates: bool = True,
-                 sharpness: Any = None, cause_settings: dict[str, float] | None = None, verbose: bool = False):
+                 sharpness: Any = None, cause_settings: dict[str, float] | None = None, record_all: bool = False,
+                 verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)
         self.buffer = RowBuffer(keep_steps, top_k)
-        self.detector = SpikeDetector(window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown)
+        self.detector = SpikeDetector(window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown, loss_gap)
         for name, value in (("row_z", row_z), ("layer_z", layer_z), ("top_share_flag", top_share_flag)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"PostMortem: {name} must be a positive number, got {value!r}")
@@ -99,6 +105,7 @@ class PostMortem(SingleStepQuantity):
         self.cause_settings = dict(cause_settings or {})
         name_cause({}, **self.cause_settings)  # a wrong keyword fails here, not at the first spike
         self._sharpness = sharpness
+        self.record_all = bool(record_all)
         self._names: dict[int, str] = {}
         #: ``[step, [grad norms per layer], [update ratios per layer]]`` of the last window + moved_steps steps
         self.layer_history: list[list[Any]] = []
@@ -112,6 +119,7 @@ class PostMortem(SingleStepQuantity):
                 "row_z": self.row_z, "look_back": self.look_back, "moved_steps": self.moved_steps,
                 "layer_z": self.layer_z, "top_share_flag": self.top_share_flag, "layer_updates": self.layer_updates,
                 "sharpness": None if self._sharpness is None else type(self._sharpness).__name__,
+                "record_all": self.record_all,
                 "cause_settings": dict(self.cause_settings)}
 
     def per_sample_stats(self, global_step: int) -> list:
@@ -148,6 +156,8 @@ class PostMortem(SingleStepQuantity):
         rate_median = self.detector.baseline(3)[0] if self.detector.history else math.nan
         rate_previous = self.detector.history[-1][3] if self.detector.history else None
         spike = self.detector.update(global_step, summary["loss"], summary["grad_norm"], rate)
+        if spike is None and self.record_all:
+            spike = self.detector.last_scores
         result = None
         if spike is not None:
             result = self._post_mortem(global_step, spike, summary, losses, diag, row_sums, ids, names, grad_norms,
@@ -187,14 +197,18 @@ class PostMortem(SingleStepQuantity):
     def _post_mortem(self, step, spike, summary, losses, diag, row_sums, ids, names, grad_norms, updates, rate,
                      rate_median, rate_previous, precision) -> dict[str, Any]:
         shares, norms = row_shares(row_sums.detach().to(torch.float64)), row_norms(diag.detach().to(torch.float64))
-        earlier = self.buffer.steps
+        earlier = self.buffer.steps[-RECENT:]  # the rows of the last steps: where the loss is now
         base = robust_center_scale([s["row_loss_median"] for s in earlier])[0] if earlier else math.nan
         spread = robust_center_scale([s["row_loss_scale"] for s in earlier])[0] if earlier else math.nan
-        if math.isfinite(base):
-            spread = max(spread if math.isfinite(spread) else 0.0, 1e-3 * abs(base), 1e-12)
+        first = self.detector.first_loss
+        if math.isfinite(base):  # (a spread of row losses near 0 is floored at 2% of the run's first loss)
+            floor = 0.02 * abs(first) if math.isfinite(first) else 1e-3 * abs(base)
+            spread = max(spread if math.isfinite(spread) else 0.0, floor, 1e-12)
             loss_z = (losses - base) / spread
         else:
             loss_z = torch.full_like(losses, math.nan)
+        finite = losses[torch.isfinite(losses)]
+        shift = float((finite.median() - base) / spread) if finite.numel() and math.isfinite(base) else math.nan
         outlier = loss_z >= self.row_z
         finite_shares = torch.nan_to_num(shares, nan=0.0)
 
@@ -206,7 +220,7 @@ class PostMortem(SingleStepQuantity):
         evidence: dict[str, Any] = {
             "rows": {"batch": int(losses.shape[0]), "outlier_rows": int(outlier.sum()),
                      "outlier_share": float(finite_shares[outlier].sum()), "top_share": float(finite_shares.max()),
-                     "row_loss_baseline": base, "row_loss_scale": spread},
+                     "row_loss_baseline": base, "row_loss_scale": spread, "median_shift": shift},
             "learning_rate": None if rate is None else {
                 "value": rate, "window_median": rate_median, "previous": rate_previous,
                 "ratio": rate / rate_median if rate_median and math.isfinite(rate_median) and rate_median > 0 else math.nan},
