@@ -203,6 +203,15 @@ class TrackedStep:
                 env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
             env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
             env.run.partitions.checks.declared = self.micro_batches
+        if self.active and env.run.partitions.partitions:
+            first = env.run.partitions.partitions[0].info
+            if ("sample_ids" in first) != ("sample_ids" in self.info):
+                raise ValueError(
+                    f"cockpit step {step}: info['sample_ids'] was given to "
+                    f"{'the first' if 'sample_ids' in first else 'this'} backward pass of the step but not to "
+                    f"{'this one' if 'sample_ids' in first else 'the first'}; pass sample ids with every micro-batch "
+                    "of a step (each its own rows', in order) or with none"
+                )
         scale = env.run.partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(

@@ -315,3 +315,23 @@ def test_example_script(tmp_path, capsys):
     assert written["bad_in_top3"] and written["bad_in_top3"] == [s for s, _ in written["post_mortems"]]
     assert Path(written["picture"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "likeliest cause: bad-rows" in capsys.readouterr().out
+
+
+def test_sample_ids_on_every_micro_batch_or_none():
+    model, lossfunc, individual, batch = zoo_or_helper_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[RowSummaries(linear(1))], model=model)
+    inputs, targets = batch(ROWS, 0)
+    half = ROWS // 2
+    for micro in range(2):
+        part = slice(micro * half, (micro + 1) * half)
+        outputs = model(inputs[part])
+        info = {"batch_size": half, "individual_losses": individual(outputs, targets[part]),
+                "loss": lossfunc(outputs, targets[part]), "micro_batches": 2}
+        if micro == 0:
+            info["sample_ids"] = list(range(half))
+            with cockpit(0, info=info):
+                (info["loss"] / 2).backward()
+        else:
+            with pytest.raises(ValueError, match="sample_ids'\\] was given to the first backward pass"):
+                with cockpit(0, info=info):
+                    (info["loss"] / 2).backward()
