@@ -335,3 +335,13 @@ def test_sample_ids_on_every_micro_batch_or_none():
             with pytest.raises(ValueError, match="sample_ids'\\] was given to the first backward pass"):
                 with cockpit(0, info=info):
                     (info["loss"] / 2).backward()
+
+
+def test_post_mortem_state_round_trip():
+    """What the post-mortem carries across steps (buffer, detector, layers) survives state_dict / load."""
+    _, post = _spiky_run("none", steps=15)
+    state = post.state_dict()
+    fresh = PostMortem(linear(1))
+    fresh.load_state_dict(state)
+    assert fresh.detector.history == post.detector.history and fresh.buffer.steps == post.buffer.steps
+    assert fresh.detector.first_losses == post.detector.first_losses and fresh.nbytes == post.nbytes
