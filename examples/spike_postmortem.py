@@ -40,7 +40,7 @@ def corrupt(inputs: torch.Tensor, labels: torch.Tensor, index: int, seed: int) -
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="loss-spike post-mortems on digits with one corrupted sample")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bad", type=int, default=123, help="dataset index of the corrupted sample (default 123)")
     parser.add_argument("--out", default="runs/spike_postmortem", help="log path without suffix")

@@ -11,6 +11,8 @@ moved first. Not in the fixed dashboard layout; offered as
 
 from __future__ import annotations
 
+import textwrap
+
 import numpy as np
 
 from cockpit_like.plotting.data import RunData
@@ -54,14 +56,16 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
         ax.text(max(float(row.get("share", 0.0)), 0.0), position, f"  loss {row.get('loss', float('nan')):.3g}",
                 va="center", fontsize=_SMALL, color="#333333")
     ax.set_xlim(min(0.0, float(np.nanmin(shares)) if len(shares) else 0.0), 1.25)
+    ax.set_ylim(-0.6 - 0.9 * len(rows) / 5, len(rows) - 0.4)  # room below the bars for the note
     trigger = post.get("trigger", {})
     rises = ", ".join(f"{name.replace('_', ' ')} ×{trigger[name]['ratio']:.3g}" for name in trigger.get("series", [])
                       if isinstance(trigger.get(name), dict))
     layers = ", ".join(str(layer.get("name")) for layer in (post.get("layers") or [])[:3]) or "none stood out"
-    note = f"{rises}\n{post.get('why', '')}\nlayers moved first: {layers}"
-    ax.text(0.99, 0.02, note, transform=ax.transAxes, ha="right", va="bottom", fontsize=_SMALL - 0.5,
-            color="#444444", wrap=True, gid="post-mortem:note",
-            bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "#dddddd"})
+    lines = [rises, *textwrap.wrap(str(post.get("why", "")), 60), f"layers moved first: {layers}"]
+    note = ax.text(0.99, 0.03, "\n".join(lines), transform=ax.transAxes, ha="right", va="bottom",
+                   fontsize=_SMALL - 0.5, color="#444444", gid="post-mortem:note",
+                   bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#dddddd"})
+    note.set_in_layout(False)  # inside the axes: never squeezes the panel
 
 
 SPIKE_INSTRUMENTS: dict[str, Instrument] = {

@@ -40,7 +40,7 @@ def _finite(value: Any) -> bool:
 
 
 def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float = 1.0, outlier_share: float = 0.5,
-               top_share: float = 0.3, top_factor: float = 4.0, batch_shift: float = 2.0) -> dict[str, Any]:
+               top_share: float = 0.3, top_factor: float = 4.0, batch_shift: float = 1.5) -> dict[str, Any]:
     """``{"cause", "why", "strength", "checks"}`` from ``evidence`` with the keys ``precision``, ``learning_rate``,
     ``rows`` and ``sharpness`` of :class:`~cockpit_like.spikes.postmortem.PostMortem` (missing keys: not known).
 

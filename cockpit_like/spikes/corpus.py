@@ -143,6 +143,7 @@ def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
     cockpit = Cockpit(list(model.parameters()), quantities=[post], model=model)
     generator = torch.Generator().manual_seed(run.seed + 1)
     losses, injected, series = [], [], []
+    error = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(run.steps):
@@ -179,14 +180,19 @@ def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
             losses.append(float(loss))
             info = {"batch_size": run.batch, "loss": loss, "optimizer": optimizer, "individual_losses": individual,
                     "sample_ids": ids}
-            with cockpit(step, info=info):
-                loss.backward()
+            try:
+                with cockpit(step, info=info):
+                    loss.backward()
+            except Exception as failure:  # the cockpit stopped the run: kept, and reported by the benchmark
+                error = {"step": step, "error": f"{type(failure).__name__}: {str(failure)[:300]}"}
+                break
             summary = post.buffer.steps[-1]
             series.append([step, summary["loss"], summary["grad_norm"], max(g["lr"] for g in optimizer.param_groups)])
             optimizer.step()
     found = [[int(s), v["PostMortem"]] for s, v in sorted(cockpit.get_output().items()) if "PostMortem" in v]
     return {"run": asdict(run), "name": run.name, "post_mortems": found, "series": series, "losses": losses,
-            "seconds": time.perf_counter() - started, "injected_ids": injected, "nbytes": post.nbytes}
+            "steps_trained": len(series),
+            "seconds": time.perf_counter() - started, "injected_ids": injected, "nbytes": post.nbytes, "error": error}
 
 
 def replay(result: dict[str, Any], detector: dict[str, Any] | None = None,
@@ -232,7 +238,9 @@ def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
     table: dict[str, Any] = {"healthy_runs": len(healthy),
                              "healthy_with_post_mortem": sum(bool(r["post_mortems"]) for r in healthy),
                              "faulty_runs": len(faulty),
-                             "early_alarms": sum(any(s < r["run"]["onset"] for s, _ in r["post_mortems"]) for r in faulty)}
+                             "early_alarms": sum(any(s < r["run"]["onset"] for s, _ in r["post_mortems"]) for r in faulty),
+                             "stopped_by_cockpit": [f"{r['name']} at step {r['error']['step']}: {r['error']['error'][:120]}"
+                                                    for r in results if r.get("error")]}
     caught, rows_total, rows_top3, rows_top3_loss, causes_right, by_fault = 0, 0, 0, 0, 0, {}
     for result in faulty:
         fault = result["run"]["fault"]

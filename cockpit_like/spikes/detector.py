@@ -57,8 +57,8 @@ class SpikeDetector:
         ['loss']
     """
 
-    def __init__(self, window: int = 20, warmup: int = 10, z: float = 6.0, loss_ratio: float = 1.3,
-                 grad_ratio: float = 2.0, ramp_z: float = 10.0, cooldown: int = 5, loss_gap: float = 0.05):
+    def __init__(self, window: int = 20, warmup: int = 10, z: float = 7.0, loss_ratio: float = 1.3,
+                 grad_ratio: float = 3.0, ramp_z: float = 10.0, cooldown: int = 5, loss_gap: float = 0.05):
         for name, value in (("window", window), ("warmup", warmup), ("cooldown", cooldown)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SpikeDetector: {name} must be a non-negative int, got {value!r}")

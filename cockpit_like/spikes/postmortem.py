@@ -83,7 +83,7 @@ class PostMortem(SingleStepQuantity):
     _STATE_SKIP = SingleStepQuantity._STATE_SKIP + ("_sharpness", "_names")
 
     def __init__(self, track_schedule, keep_steps: int = 32, top_k: int = 5, window: int = 20, warmup: int = 10,
-                 z: float = 6.0, loss_ratio: float = 1.3, grad_ratio: float = 2.0, ramp_z: float = 10.0,
+                 z: float = 7.0, loss_ratio: float = 1.3, grad_ratio: float = 3.0, ramp_z: float = 10.0,
                  cooldown: int = 5, loss_gap: float = 0.05, row_z: float = 6.0, look_back: int = 5, moved_steps: int = 3,
                  layer_z: float = 4.0, top_share_flag: float = 0.3, layer_updates: bool = True,
                  sharpness: Any = None, cause_settings: dict[str, float] | None = None, record_all: bool = False,
