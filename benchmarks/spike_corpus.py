@@ -35,7 +35,7 @@ BEGIN, END = "<!-- spike-table:begin -->", "<!-- spike-table:end -->"
 VERSION = 2
 
 
-def run_half(half: str, cache: Path = CACHE, show: bool = False) -> list[dict]:
+def run_half(half: str, cache: Path = CACHE, show: bool = False, seeds: tuple[int, ...] = (0, 1)) -> list[dict]:
     from cockpit_like.spikes.corpus import spike_runs, train_spike_run
 
     stored = {}
@@ -45,7 +45,7 @@ def run_half(half: str, cache: Path = CACHE, show: bool = False) -> list[dict]:
             if entry.get("version") == VERSION:
                 stored[entry["name"]] = entry
     results = []
-    for run in spike_runs(half):
+    for run in [run for seed in seeds for run in spike_runs(half, seed=seed)]:
         if run.name not in stored:
             result = train_spike_run(run, record_all=True)
             result["version"] = VERSION
@@ -131,12 +131,14 @@ def main(argv=None) -> int:
     parser.add_argument("--update-doc", action="store_true", help="write the table into docs/spikes.md")
     parser.add_argument("--tune", action="store_true", help="grid-search thresholds on the tuning half")
     parser.add_argument("--show", action="store_true", help="print each run as it is trained")
+    parser.add_argument("--seeds", default="0,1", help="draws of runs per half (default 0,1: 2 x 54 runs per half)")
     args = parser.parse_args(argv)
     halves = ["tuning", "held-out"] if args.half == "both" else [args.half]
     started = time.perf_counter()
-    results = {half: run_half(half, show=args.show) for half in halves}
-    if args.tune:
-        tune(results.get("tuning") or run_half("tuning", show=args.show))
+    seeds = tuple(int(seed) for seed in args.seeds.split(","))
+    results = {half: run_half(half, show=args.show, seeds=seeds) for half in halves}
+    if args.tune:  # (the defaults were set on the tuning half's seed 0)
+        tune(results.get("tuning") or run_half("tuning", show=args.show, seeds=seeds))
         return 0
     scores = {half: {**score(results[half]), "archs": list(SPLIT[half])} for half in halves}
     text = table(scores)
