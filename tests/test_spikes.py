@@ -345,3 +345,55 @@ def test_post_mortem_state_round_trip():
     fresh.load_state_dict(state)
     assert fresh.detector.history == post.detector.history and fresh.buffer.steps == post.buffer.steps
     assert fresh.detector.first_losses == post.detector.first_losses and fresh.nbytes == post.nbytes
+
+
+def test_precision_evidence_scale_drop_and_skipped_steps():
+    """A GradScaler's scale that dropped since the previous tracked step, and scheduled steps the cockpit
+    skipped, are the precision evidence (and name the cause before the others)."""
+    from types import SimpleNamespace
+
+    class Scaler:
+        def __init__(self):
+            self.scale = 65536.0
+
+        def get_scale(self):
+            return self.scale
+
+        def is_enabled(self):
+            return True
+
+    scaler, post = Scaler(), PostMortem(linear(1))
+    record = SimpleNamespace(info={"grad_scaler": scaler})
+    first = post._precision(2, record, 1.0)
+    assert first["scaler"] and not first["scale_dropped"] and first["missing_steps"] == []
+    post._last_step, scaler.scale = 2, 32768.0
+    second = post._precision(5, record, 1.0)
+    assert second["scale_dropped"] and second["missing_steps"] == [3, 4] and second["previous_scale"] == 65536.0
+    rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
+    assert name_cause({"precision": second, "rows": rows})["cause"] == "precision"
+    assert not post._precision(6, SimpleNamespace(info={}), 1.0)["scaler"]
+
+
+def test_the_run_is_unchanged():
+    """Training with PostMortem (and RowSummaries) gives bit-identical parameters and RNG state."""
+    def train(track: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        quantities = [PostMortem(linear(1), warmup=2, window=3), RowSummaries(linear(1))]
+        cockpit = Cockpit(model.parameters(), quantities=quantities, model=model) if track else None
+        for step in range(6):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            optimizer.zero_grad()
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            if cockpit is None:
+                losses.mean().backward()
+            else:
+                with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean(),
+                                         "optimizer": optimizer, "sample_ids": list(range(8))}):
+                    losses.mean().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()], torch.rand(1)
+
+    (with_params, with_rng), (without_params, without_rng) = train(True), train(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_params, without_params)) and torch.equal(with_rng, without_rng)
