@@ -72,6 +72,8 @@ def table(scores: dict[str, dict]) -> str:
         ("row-caused spikes with an injected row in the top 3 by share (target >= 90%)",
          lambda s: _rate(s["rows_in_top3"], s["row_spikes"])),
         ("... in the top 3 by loss", lambda s: _rate(s["rows_in_top3_by_loss"], s["row_spikes"])),
+        ("... among the post-mortem's suspects (its step's rows, or an earlier step's that stood out)",
+         lambda s: _rate(s["rows_in_suspects"], s["row_spikes"])),
         ("spikes caught whose cause is named right (target >= 85%)", lambda s: _rate(s["cause_right"], s["caught"])),
         ("healthy runs with a post-mortem (target <= 1 in 20)",
          lambda s: _rate(s["healthy_with_post_mortem"], s["healthy_runs"])),

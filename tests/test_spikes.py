@@ -166,6 +166,18 @@ def test_robust_score():
 
 
 # ---- causes ---------------------------------------------------------------------------------------------
+def test_earlier_row_is_the_suspect():
+    """A spike one step after a row that carried most of its step's gradient: that row is the suspect."""
+    calm = {"batch": 32, "outlier_rows": 0, "outlier_share": 0.0, "top_share": 0.1, "median_shift": 3.0}
+    earlier = [{"step": 9, "row": 4, "id": 77, "share": 0.9, "loss": 30.0}, {"step": 5, "row": 1, "id": 5, "share": 0.8}]
+    verdict = name_cause({"step": 10, "rows": calm, "earlier_rows": earlier,
+                          "rows_by_share": [{"row": 0, "id": 1, "share": 0.1}]})
+    assert verdict["cause"] == "bad-rows" and [r["id"] for r in verdict["suspects"]] == [77]
+    assert "of step 9 carried 90%" in verdict["why"]
+    verdict = name_cause({"step": 10, "rows": calm, "earlier_rows": [], "rows_by_share": [{"row": 0, "id": 1}]})
+    assert verdict["cause"] == "bad-rows" and [r["id"] for r in verdict["suspects"]] == [1]  # a bad batch
+
+
 def test_name_cause_order():
     rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
     scaler = {"scaler": True, "scale_dropped": True, "scale": 1024.0, "previous_scale": 2048.0, "missing_steps": []}
@@ -217,6 +229,7 @@ def test_post_mortem_names_the_row():
     pm = spikes[22]
     assert pm["rows_by_share"][0]["id"] == 2203 and pm["rows_by_loss"][0]["id"] == 2203
     assert pm["cause"] == "bad-rows", pm["why"]
+    assert [(r["step"], r["id"]) for r in pm["suspects"]][:1] == [(22, 2203)]
     assert pm["layers"] and pm["layers"][0]["first_step"] == 22
     assert post.nbytes > 0
 
@@ -239,7 +252,7 @@ def test_spike_is_a_finding():
     cockpit, _ = _spiky_run("row", cockpit_args={"diagnose": True})
     found = [f for f in cockpit.findings if f.rule == "loss-spike"]
     assert found and found[0].step == 22 and found[0].evidence["cause"] == "bad-rows"
-    assert "id 2203" in found[0].message
+    assert "suspect step 22 row 3 (id 2203)" in found[0].message
     replayed = [f for f in diagnose(cockpit.get_output()).findings if f.rule == "loss-spike"]
     assert [f.step for f in replayed][:1] == [22]
 

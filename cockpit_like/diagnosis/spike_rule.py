@@ -28,7 +28,8 @@ FIXES = {
 
 
 def _row_text(row: dict[str, Any]) -> str:
-    who = f"row {row['row']}" + (f" (id {row['id']})" if row.get("id") is not None else "")
+    who = (f"step {row['step']} " if row.get("step") is not None else "") + f"row {row['row']}" + (
+        f" (id {row['id']})" if row.get("id") is not None else "")
     return f"{who}: share {row['share']:.0%}, loss {row['loss']:.3g}"
 
 
@@ -47,12 +48,13 @@ class LossSpike(Rule):
         series = [name for name in trigger.get("series", [])]
         rises = ", ".join(f"{name.replace('_', ' ')} {trigger[name]['ratio']:.3g}x its window's median"
                           for name in series if isinstance(trigger.get(name), dict))
-        rows = post.get("rows_by_share") or []
+        rows = post.get("suspects") or post.get("rows_by_share") or []
         cause = post.get("cause", "unknown")
         message = (f"spike at step {step} ({rises}); likeliest cause: {cause} ({post.get('why', '')})"
-                   + (f"; top row by share {_row_text(rows[0])}" if rows else ""))
+                   + (f"; {'suspect' if post.get('suspects') else 'top row by share'} {_row_text(rows[0])}"
+                      if rows else ""))
         return [self.finding(
             step, message, fix=FIXES.get(cause, FIXES["unknown"]),
             evidence={"strength": post.get("strength", "suggestive"), "cause": cause, "series": series,
-                      "rows": [{k: r.get(k) for k in ("row", "id", "share", "loss")} for r in rows[:3]]},
+                      "rows": [{k: r.get(k) for k in ("step", "row", "id", "share", "loss")} for r in rows[:3]]},
         )]

@@ -14,12 +14,19 @@ others' checks are kept beside it):
 4. ``"bad-rows"``: rows stand out: the rows whose loss is an outlier against
    the previous steps' rows (robust z >= ``row_z``) carry at least
    ``outlier_share`` of the step's gradient, or one row carries at least
-   ``top_share`` of it (and ``top_factor / B``), or the whole batch's median
+   ``top_share`` of it (and ``top_factor / B``), or a row of one of the
+   ``earlier_steps`` steps before carried at least ``top_share`` of that step's
+   gradient (its update made this spike: a spike often shows one step after
+   the bad row, once its update landed), or the whole batch's median
    row loss is ``batch_shift`` spreads above the previous steps' rows (a bad
    batch: with the learning rate unchanged and the sharpness not past 2/lr or
    not tracked, the data is the likeliest cause; a slow blow-up of a too
    large learning rate looks the same when the sharpness is not tracked);
 5. ``"unknown"``: none of these.
+
+``suspects`` names the rows behind a ``bad-rows`` cause, at most 3, each
+with its step: the step's top rows by share when they stand out, else the
+earlier rows, else (a bad batch) the step's top rows by share.
 
 The defaults were set on the tuning half of the spike corpus
 (``benchmarks/spike_corpus.py``; ``docs/spikes.md`` reports the other half).
@@ -40,9 +47,11 @@ def _finite(value: Any) -> bool:
 
 
 def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float = 1.0, outlier_share: float = 0.5,
-               top_share: float = 0.3, top_factor: float = 4.0, batch_shift: float = 1.5) -> dict[str, Any]:
-    """``{"cause", "why", "strength", "checks"}`` from ``evidence`` with the keys ``precision``, ``learning_rate``,
-    ``rows`` and ``sharpness`` of :class:`~cockpit_like.spikes.postmortem.PostMortem` (missing keys: not known).
+               top_share: float = 0.3, top_factor: float = 4.0, batch_shift: float = 1.5,
+               earlier_steps: int = 2) -> dict[str, Any]:
+    """``{"cause", "why", "strength", "checks", "suspects"}`` from ``evidence`` with the keys ``precision``,
+    ``learning_rate``, ``rows``, ``sharpness``, ``step``, ``rows_by_share`` and ``earlier_rows`` of
+    :class:`~cockpit_like.spikes.postmortem.PostMortem` (missing keys: not known).
 
     Example:
         >>> name_cause({"learning_rate": {"ratio": 10.0, "value": 1.0, "window_median": 0.1}})["cause"]
@@ -69,18 +78,29 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
             "why": f"the learning rate is {rate['value']:.3g}, {rate['ratio']:.3g}x the window's {rate['window_median']:.3g}",
         }
     rows = evidence.get("rows") or {}
-    stand_out, row_why = False, "no rows"
+    stand_out, row_why, suspects = False, "no rows", []
+    current = [{"step": evidence.get("step"), **row} for row in (evidence.get("rows_by_share") or [])[:3]]
     if rows:
         batch = max(int(rows.get("batch", 1)), 1)
         share_out = rows.get("outlier_share", 0.0) or 0.0
         top = rows.get("top_share", 0.0) or 0.0
         shift = rows.get("median_shift")
+        individual = (share_out >= outlier_share) or (top >= top_share and top >= top_factor / batch)
+        step = evidence.get("step")
+        earlier = sorted((r for r in evidence.get("earlier_rows") or [] if _finite(r.get("share"))
+                          and r["share"] >= top_share and (step is None or r.get("step", step) >= step - earlier_steps)),
+                         key=lambda r: -r["share"])
         whole = _finite(shift) and shift >= batch_shift
-        stand_out = (share_out >= outlier_share) or (top >= top_share and top >= top_factor / batch) or whole
+        stand_out = individual or bool(earlier) or whole
+        suspects = current if individual else (earlier[:3] if earlier else (current if whole else []))
         row_why = (f"{rows.get('outlier_rows', 0)} of {batch} rows have outlier losses and carry "
                    f"{share_out:.0%} of the step's gradient; the top row carries {top:.0%}"
                    + (f"; the batch's median row loss is {shift:.3g} spreads above the previous steps' rows"
                       if _finite(shift) else ""))
+        if earlier and not individual:
+            culprit = earlier[0]
+            row_why = (f"row {culprit.get('row')} (id {culprit.get('id')}) of step {culprit.get('step')} carried "
+                       f"{culprit['share']:.0%} of that step's gradient, whose update led here; " + row_why)
     curvature = evidence.get("sharpness") or {}
     if _finite(curvature.get("ratio")):
         holds = curvature["ratio"] >= sharpness and not stand_out
@@ -97,7 +117,8 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
                       "bad-rows": max((rows.get("outlier_share", 0) or 0) / max(outlier_share, 1e-12),
                                       (rows.get("top_share", 0) or 0) / max(top_share, 1e-12)) / 1.8}[cause]
             strength = "conclusive" if cause == "precision" else ("strong" if margin >= 1 else "moderate")
-            return {"cause": cause, "why": checks[cause]["why"], "strength": strength, "checks": checks}
+            return {"cause": cause, "why": checks[cause]["why"], "strength": strength, "checks": checks,
+                    "suspects": suspects if cause == "bad-rows" else []}
     return {"cause": "unknown", "why": "no scaler event, no learning-rate jump, no row that stands out"
             + (", sharpness below 2/lr" if "curvature" in checks else ", sharpness not tracked"),
-            "strength": "suggestive", "checks": checks}
+            "strength": "suggestive", "checks": checks, "suspects": []}

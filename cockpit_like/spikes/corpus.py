@@ -215,7 +215,8 @@ def replay(result: dict[str, Any], detector: dict[str, Any] | None = None,
         post = stored[int(step)]
         verdict = name_cause(post, **(causes or {}))
         kept.append((int(step), {**post, "trigger": found, "cause": verdict["cause"], "why": verdict["why"],
-                                 "strength": verdict["strength"], "checks": verdict["checks"]}))
+                                 "strength": verdict["strength"], "checks": verdict["checks"],
+                                 "suspects": verdict["suspects"]}))
     return kept
 
 
@@ -241,7 +242,7 @@ def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
                              "early_alarms": sum(any(s < r["run"]["onset"] for s, _ in r["post_mortems"]) for r in faulty),
                              "stopped_by_cockpit": [f"{r['name']} at step {r['error']['step']}: {r['error']['error'][:120]}"
                                                     for r in results if r.get("error")]}
-    caught, rows_total, rows_top3, rows_top3_loss, causes_right, by_fault = 0, 0, 0, 0, 0, {}
+    caught, rows_total, rows_top3, rows_top3_loss, rows_suspects, causes_right, by_fault = 0, 0, 0, 0, 0, 0, {}
     for result in faulty:
         fault = result["run"]["fault"]
         entry = by_fault.setdefault(fault, {"runs": 0, "caught": 0, "top3": 0, "cause_right": 0, "causes": {}})
@@ -263,7 +264,9 @@ def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
             rows_top3 += top
             entry["top3"] += top
             rows_top3_loss += any(row["id"] in injected for row in post["rows_by_loss"][:3])
+            rows_suspects += any(row.get("id") in injected for row in post.get("suspects", [])[:3])
     table.update(caught=caught, row_spikes=rows_total, rows_in_top3=rows_top3, rows_in_top3_by_loss=rows_top3_loss,
+                 rows_in_suspects=rows_suspects,
                  cause_right=causes_right, by_fault=by_fault,
                  seconds=sum(r["seconds"] for r in results))
     table["top3_rate"] = rows_top3 / rows_total if rows_total else math.nan

@@ -28,7 +28,8 @@ under ``"PostMortem"`` at that step (nothing at other steps):
 - ``learning_rate``, ``precision`` (GradScaler scale, drops, skipped steps),
   ``sharpness`` (``HessMaxEV`` against ``2 / lr``, when a ``HessMaxEV``
   quantity is passed as ``sharpness=``);
-- ``cause``, ``why``, ``strength``, ``checks``:
+- ``cause``, ``why``, ``strength``, ``checks``, ``suspects`` (the rows
+  behind a ``bad-rows`` cause, each with its step):
   :func:`~cockpit_like.spikes.causes.name_cause`.
 
 Memory: the row buffer (``keep_steps x (2 top_k x 40 + 64)`` bytes), the
@@ -227,15 +228,14 @@ class PostMortem(SingleStepQuantity):
             "precision": precision,
             "sharpness": self._sharpness_at(step, rate),
         }
+        evidence.update(step=int(step), rows_by_share=[row(i) for i in top_rows(shares, k)],
+                        rows_by_loss=[row(i) for i in top_rows(losses, k)],
+                        earlier_rows=self._earlier_rows(base, spread))
         verdict = name_cause(evidence, **self.cause_settings)
         return {
-            "step": int(step),
             "trigger": spike,
             "cause": verdict["cause"], "why": verdict["why"], "strength": verdict["strength"],
-            "checks": verdict["checks"],
-            "rows_by_share": [row(i) for i in top_rows(shares, k)],
-            "rows_by_loss": [row(i) for i in top_rows(losses, k)],
-            "earlier_rows": self._earlier_rows(base, spread),
+            "checks": verdict["checks"], "suspects": verdict["suspects"],
             "layers": self._layers_moved(step, names, grad_norms, updates),
             **evidence,
         }

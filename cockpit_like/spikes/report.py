@@ -59,6 +59,11 @@ def format_post_mortem(step: int, post: Mapping[str, Any], names: list[str] | No
              f"  likeliest cause: {post.get('cause')} [{post.get('strength')}]: {post.get('why')}"]
     for cause, check in (post.get("checks") or {}).items():
         lines.append(f"    {cause:<14} {'holds' if check.get('holds') else 'no':<6} {check.get('why')}")
+    suspects = post.get("suspects") or []
+    if suspects:
+        lines.append("  suspects: " + "; ".join(
+            f"step {r.get('step')} row {r.get('row')} id {r.get('id')} (share {r.get('share', math.nan):.0%})"
+            for r in suspects))
     lines += _rows(post.get("rows_by_share") or [], "rows by share of the step's gradient")
     lines += _rows(post.get("rows_by_loss") or [], "rows by loss")
     earlier = post.get("earlier_rows") or []
