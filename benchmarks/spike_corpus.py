@@ -146,6 +146,9 @@ def main(argv=None) -> int:
     text = table(scores)
     print(text)
     seconds = {half: sum(r["seconds"] for r in results[half]) for half in halves}
+    summary = ROOT / "benchmarks" / "results" / "spike_corpus.json"
+    summary.write_text(json.dumps({"seeds": list(seeds), "scores": scores, "training_seconds": seconds}, indent=1,
+                                  default=str) + "\n")
     print(f"training seconds per half: {seconds}; this call took {time.perf_counter() - started:.0f}s")
     if args.update_doc:
         doc = DOC.read_text()
