@@ -410,3 +410,32 @@ def test_the_run_is_unchanged():
 
     (with_params, with_rng), (without_params, without_rng) = train(True), train(False)
     assert all(torch.equal(a, b) for a, b in zip(with_params, without_params)) and torch.equal(with_rng, without_rng)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sharpness_evidence_from_hess_max_ev():
+    """PostMortem(sharpness=HessMaxEV quantity) reads the sharpness of the step and compares it with 2/lr."""
+    from cockpit_like.quantities import HessMaxEV
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    hess = HessMaxEV(linear(1))
+    post = PostMortem(linear(1), warmup=3, window=5, sharpness=hess, record_all=True)
+    cockpit = Cockpit(model.parameters(), quantities=[hess, post], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    for step in range(6):
+        x, y = torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer}):
+            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    stored = {s: v["PostMortem"] for s, v in cockpit.get_output().items() if "PostMortem" in v}
+    assert stored  # record_all: every step after the warmup
+    for step, pm in stored.items():
+        assert pm["sharpness"]["step"] == step and pm["sharpness"]["value"] == hess.output[step]
+        assert math.isclose(pm["sharpness"]["ratio"], hess.output[step] * 0.2 / 2) and "curvature" in pm["checks"]
+    with pytest.raises(ValueError, match="takes the HessMaxEV quantity"):
+        PostMortem(linear(1), sharpness=3.0)
