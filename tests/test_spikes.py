@@ -439,3 +439,24 @@ def test_sharpness_evidence_from_hess_max_ev():
         assert math.isclose(pm["sharpness"]["ratio"], hess.output[step] * 0.2 / 2) and "curvature" in pm["checks"]
     with pytest.raises(ValueError, match="takes the HessMaxEV quantity"):
         PostMortem(linear(1), sharpness=3.0)
+
+
+def test_sample_ids_across_ranks():
+    """Under torch.distributed (two ranks simulated) integer ids are concatenated rank after rank, like
+    individual_losses; string ids cannot travel: a clear error."""
+    from cockpit_like.backends.distributed import RankReduction
+    from cockpit_like.backends.partitions import PartitionError, _merged_info
+    from tests.test_distributed_reduction import _FakeRanks
+
+    ids = {0: torch.tensor([10, 11]), 1: [20, 21]}
+    record, merged = {}, {}
+    for rank in (1, 0):
+        reduction = RankReduction(_FakeRanks(rank, record), 2, 4, step=0, device="cpu")
+        finish = _merged_info({"sample_ids": ids[rank], "individual_losses": torch.ones(2) * rank}, reduction)
+        reduction.run()
+        merged[rank] = finish()
+    assert merged[0]["sample_ids"].tolist() == [10, 11, 20, 21] and merged[0]["sample_ids"].dtype == torch.int64
+    assert merged[0]["individual_losses"].tolist() == [0.0, 0.0, 1.0, 1.0]
+    reduction = RankReduction(_FakeRanks(0, {}), 2, 4, step=0, device="cpu")
+    with pytest.raises(PartitionError, match="string info\\['sample_ids'\\] cannot be gathered across ranks"):
+        _merged_info({"sample_ids": ["a", "b"]}, reduction)
