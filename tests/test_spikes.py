@@ -460,3 +460,46 @@ def test_sample_ids_across_ranks():
     reduction = RankReduction(_FakeRanks(0, {}), 2, 4, step=0, device="cpu")
     with pytest.raises(PartitionError, match="string info\\['sample_ids'\\] cannot be gathered across ranks"):
         _merged_info({"sample_ids": ["a", "b"]}, reduction)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_passes_sample_ids(tmp_path):
+    """A training_step that returns "sample_ids" (indices its data set yields) names the rows of RowSummaries."""
+    L = pytest.importorskip("lightning")
+    from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
+
+    class Indexed(torch.utils.data.Dataset):
+        def __init__(self):
+            generator = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(12, 5, generator=generator), torch.randint(0, 3, (12,), generator=generator)
+
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, index):
+            return index, self.x[index], self.y[index]
+
+    class Net(CockpitModule, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+        def training_step(self, batch, batch_idx):
+            index, x, y = batch
+            losses = nn.functional.cross_entropy(self.model(x), y, reduction="none")
+            return {"loss": losses.mean(), "individual_losses": losses, "sample_ids": index}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    net = Net()
+    rows = RowSummaries(linear(1), top_k=4)
+    cockpit = Cockpit(net.parameters(), quantities=[rows], model=net.model)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                        callbacks=[CockpitCallback(cockpit)])
+    trainer.fit(net, torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=False))
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1, 2]
+    for step, values in output.items():
+        assert sorted(r["id"] for r in values["RowSummaries"]["rows"]) == list(range(4 * step, 4 * step + 4))
