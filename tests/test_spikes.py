@@ -503,3 +503,29 @@ def test_lightning_passes_sample_ids(tmp_path):
     assert sorted(output) == [0, 1, 2]
     for step, values in output.items():
         assert sorted(r["id"] for r in values["RowSummaries"]["rows"]) == list(range(4 * step, 4 * step + 4))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_trainer_passes_sample_ids(tmp_path):
+    """A "sample_ids" column reaches the cockpit (and not the model) through CockpitTrainer."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
+    from tests.test_transformers import Rows, _bert, _bert_data
+
+    model = _bert()
+    data = {**_bert_data(), "sample_ids": torch.arange(8) + 500}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, learning_rate=0.1,
+        lr_scheduler_type="constant", max_grad_norm=0.0, report_to="none", logging_strategy="no", disable_tqdm=True,
+        use_cpu=True, seed=0, train_sampling_strategy="sequential", save_strategy="no", remove_unused_columns=False)
+    rows = RowSummaries(linear(1), top_k=4)
+    cockpit = Cockpit(model.parameters(), quantities=[rows], model=model)
+    trainer = CockpitTrainer(model=model, args=args, train_dataset=Rows(**data),
+                             optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+                             callbacks=[CockpitCallback(cockpit)])
+    trainer.train()
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1]
+    for step, values in output.items():
+        assert sorted(r["id"] for r in values["RowSummaries"]["rows"]) == list(range(500 + 4 * step, 504 + 4 * step))
