@@ -529,3 +529,19 @@ def test_trainer_passes_sample_ids(tmp_path):
     assert sorted(output) == [0, 1]
     for step, values in output.items():
         assert sorted(r["id"] for r in values["RowSummaries"]["rows"]) == list(range(500 + 4 * step, 504 + 4 * step))
+
+
+def test_corpus_replay_is_exact():
+    """Replaying the detector over a run recorded with record_all=True gives what PostMortem stores live."""
+    from cockpit_like.spikes.corpus import replay, score, spike_runs, train_spike_run
+
+    run = next(r for r in spike_runs("tuning") if r.arch == "mlp" and r.fault == "repeated-row")
+    recorded = train_spike_run(run, record_all=True)
+    live = train_spike_run(run)
+    replayed = replay(recorded)
+    assert [s for s, _ in replayed] == [s for s, _ in live["post_mortems"]] and replayed
+    for (_, a), (_, b) in zip(replayed, live["post_mortems"]):
+        assert a["cause"] == b["cause"] and a["suspects"] == b["suspects"] and a["trigger"] == b["trigger"]
+    table = score([recorded])
+    assert table["caught"] == 1 and table["rows_in_top3"] == 1 and table["cause_right"] == 1
+    assert replay(recorded, {"z": 1e6}) == []  # a stricter detector finds nothing: the replay reads its settings
