@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
-import os
 import sys
 import time
 from pathlib import Path
