@@ -8,6 +8,7 @@ Usage::
     cockpit-like watch LOG [--interval S] [--once] [-o FILE]
     cockpit-like influence LOG [--top N] [--step S] [--quantity NAME]
     cockpit-like diagnose LOG [--json] [--active] [--stored-only]
+    cockpit-like spikes LOG [--step S] [--last N]
 
 ``plot`` renders a saved run (``.json``, ``.jsonl`` or a Cockpit log) to an
 image (default: next to the log, same name, ``.png``; the suffix of ``-o``
@@ -17,7 +18,8 @@ quantity. ``export`` writes a saved run to TensorBoard, W&B or MLflow
 and redraws its dashboard (:mod:`cockpit_like.watch`); ``diagnose`` lists the
 check-engine findings of a run (exit status 1 if one is an error,
 :mod:`cockpit_like.diagnosis`); ``influence`` lists the most influential
-samples that ``SelfInfluence`` stored. Also runs as ``python -m cockpit_like.cli``.
+samples that ``SelfInfluence`` stored; ``spikes`` prints the loss-spike
+post-mortems that ``PostMortem`` stored (:mod:`cockpit_like.spikes`). Also runs as ``python -m cockpit_like.cli``.
 """
 
 from __future__ import annotations
@@ -202,6 +204,27 @@ def _cmd_influence(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_spikes(args: argparse.Namespace) -> int:
+    from cockpit_like.logs import _resolve, read_log_with_metadata
+    from cockpit_like.spikes.report import format_post_mortem, post_mortems
+
+    path = _resolve(args.log)
+    metadata, steps = read_log_with_metadata(path, progress=_progress(args))
+    found = [(s, p) for s, p in post_mortems(steps) if args.step is None or s == args.step]
+    if args.last is not None:
+        found = found[-args.last:]
+    if not found:
+        print(f"{path}: no post-mortems" + ("" if args.step is None else f" at step {args.step}")
+              + " (track cockpit_like.spikes.PostMortem; it stores one at each spike)")
+        return 0
+    names = (metadata or {}).get("param_names")
+    print(f"{path}: {len(found)} post-mortem(s)")
+    for step, post in found:
+        print()
+        print(format_post_mortem(step, post, names))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cockpit-like", description="Inspect cockpit_like (and Cockpit) training logs."
@@ -257,6 +280,12 @@ def _parser() -> argparse.ArgumentParser:
     diagnose.add_argument("--stored-only", action="store_true",
                           help="only the findings stored in the log (do not run the rules on it)")
     diagnose.set_defaults(handler=_cmd_diagnose)
+    spikes = commands.add_parser("spikes", help="print the loss-spike post-mortems (PostMortem)")
+    spikes.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
+    spikes.add_argument("--step", type=int, metavar="S", help="only the post-mortem of this step")
+    spikes.add_argument("--last", type=int, metavar="N", help="only the last N post-mortems")
+    spikes.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
+    spikes.set_defaults(handler=_cmd_spikes)
     return parser
 
 

@@ -29,6 +29,8 @@ INFO_KEYS = {
     "individual_losses": "1-D tensor of the per-sample losses",
     "loss": "the mini-batch loss tensor (mean reduction)",
     "optimizer": "the torch.optim.Optimizer that updates the parameters",
+    "sample_ids": "optional, one id per row of this backward pass (a 1-D int tensor such as the dataset "
+    "indices, or a list of ints or strings); concatenated over micro-batches and ranks like individual_losses",
     "micro_batches": "int, the number of backward passes (micro-batches) of this optimizer step "
     "(gradient accumulation, docs/your_training_loop.md; default 1)",
     "grad_scaler": "the torch.amp.GradScaler whose scaled loss is backpropagated (mixed precision)",

@@ -38,7 +38,8 @@ InnerTest, OrthoTest), ``histogram_1d_gauge`` (GradHist1d),
 ``kfac_trace_gauge`` (KFACTrace), ``hess_spectral_density_gauge`` (HessSpectralDensity),
 ``ekfac_spectrum_gauge`` (EKFACSpectrum),
 ``self_influence_gauge`` (SelfInfluence), ``preconditioned_grad_norm_gauge``
-(PreconditionedGradNorm), ``custom_gauge`` (other scalar quantities).
+(PreconditionedGradNorm), ``post_mortem_gauge`` (the last loss-spike post-mortem, PostMortem),
+``custom_gauge`` (other scalar quantities).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from cockpit_like.plotting.data import RunData, load_source
 from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.instruments import PRIMARY, SECONDARY, DrawOptions
 from cockpit_like.plotting.plotter import CockpitPlotter
+from cockpit_like.plotting.spike_instruments import SPIKE_INSTRUMENTS
 
 __all__ = [
     "alpha_gauge",
@@ -73,6 +75,7 @@ __all__ = [
     "hess_spectral_density_gauge",
     "ekfac_spectrum_gauge",
     "self_influence_gauge",
+    "post_mortem_gauge",
     "preconditioned_grad_norm_gauge",
     "custom_gauge",
 ]
@@ -101,7 +104,7 @@ def _axes(fig, gridspec, key: str):
 
 def _gauge(key: str, plotter: Any, fig, gridspec):
     data, options = _data_and_options(plotter)
-    instrument = PRIMARY.get(key) or SECONDARY.get(key) or CURVATURE_INSTRUMENTS[key]
+    instrument = PRIMARY.get(key) or SECONDARY.get(key) or CURVATURE_INSTRUMENTS.get(key) or SPIKE_INSTRUMENTS[key]
     ax = _axes(fig, gridspec, key)
     instrument.draw(ax, data, options)
     return ax
@@ -219,6 +222,11 @@ def hess_spectral_density_gauge(plotter, fig, gridspec):
 def ekfac_spectrum_gauge(plotter, fig, gridspec):
     """Histogram of EK-FAC eigenvalues of the last tracked step, all layers and each (EKFACSpectrum; not in Cockpit)."""
     return _gauge("ekfac_spectrum", plotter, fig, gridspec)
+
+
+def post_mortem_gauge(plotter, fig, gridspec):
+    """The last loss-spike post-mortem: its rows by share of the step's gradient, its cause (PostMortem)."""
+    return _gauge("post_mortem", plotter, fig, gridspec)
 
 
 def self_influence_gauge(plotter, fig, gridspec):

@@ -183,6 +183,8 @@ class TrackedStep:
         if "batch_size" in self.info:
             _check_batch_size(self.info["batch_size"], step)
             _check_losses_match(self.info, step, self.micro_batches)
+        if "sample_ids" in self.info:
+            check_sample_ids(self.info, step, self.micro_batches, distributed=env.ranks is not None)
         if env.self_checks:
             check_losses_mean(self.info, step)
         self._check_loss()
@@ -205,6 +207,15 @@ class TrackedStep:
                 env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
             env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
             env.run.partitions.checks.declared = self.micro_batches
+        if self.active and env.run.partitions.partitions:
+            first = env.run.partitions.partitions[0].info
+            if ("sample_ids" in first) != ("sample_ids" in self.info):
+                raise ValueError(
+                    f"cockpit step {step}: info['sample_ids'] was given to "
+                    f"{'the first' if 'sample_ids' in first else 'this'} backward pass of the step but not to "
+                    f"{'this one' if 'sample_ids' in first else 'the first'}; pass sample ids with every micro-batch "
+                    "of a step (each its own rows', in order) or with none"
+                )
         scale = env.run.partitions.scale if self.active else 1.0
         try:
             self._execution = StepExecution(
@@ -594,6 +605,44 @@ def _check_batch_size(size: Any, step: int) -> None:
     if not whole:
         raise ValueError(f"cockpit step {step}: info['batch_size'] must be a positive int (the number of samples "
                          f"of this backward pass, e.g. len(x)), got {size!r}")
+
+
+def check_sample_ids(info: dict, step: int, micro_batches: int = 1, distributed: bool = False) -> None:
+    """``info["sample_ids"]`` must name each row of this backward pass once: a 1-D integer tensor, or a list
+    (tuple) of ints or strings, with as many entries as ``info["batch_size"]`` (else ``individual_losses``)."""
+    ids = info["sample_ids"]
+    how = ("pass one id per row of this backward pass, e.g. info['sample_ids'] = indices (the dataset indices "
+           "of the batch, a 1-D int tensor) or a list of ints or strings")
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise ValueError(f"cockpit step {step}: info['sample_ids'] is a {ids.dtype} tensor of shape "
+                             f"{list(ids.shape)}; {how}")
+        count = ids.shape[0]
+    elif isinstance(ids, (list, tuple)):
+        kinds = {type(item) for item in ids}
+        if not all(isinstance(item, (int, str)) and not isinstance(item, bool) for item in ids):
+            bad = next(item for item in ids if not isinstance(item, (int, str)) or isinstance(item, bool))
+            raise ValueError(f"cockpit step {step}: info['sample_ids'] holds {bad!r} ({type(bad).__name__}); {how}")
+        if len(kinds) > 1:
+            raise ValueError(f"cockpit step {step}: info['sample_ids'] mixes ints and strings; use one kind ({how})")
+        if distributed and str in kinds:
+            raise ValueError(f"cockpit step {step}: string info['sample_ids'] cannot be gathered across ranks; pass "
+                             "integer ids (e.g. the dataset indices, a 1-D int tensor) under torch.distributed")
+        count = len(ids)
+    else:
+        raise ValueError(f"cockpit step {step}: info['sample_ids'] is a {type(ids).__name__}; {how}")
+    losses = info.get("individual_losses")
+    if "batch_size" in info:
+        expected, what = int(info["batch_size"]), "info['batch_size']"
+    elif isinstance(losses, torch.Tensor) and losses.dim() == 1:
+        expected, what = losses.shape[0], "len(info['individual_losses'])"
+    else:
+        return
+    if count != expected:
+        hint = f" With gradient accumulation (info['micro_batches'] = {micro_batches}) both are the micro-batch's." \
+            if micro_batches > 1 else ""
+        raise ValueError(f"cockpit step {step}: info['sample_ids'] has {count} entries but {what} is {expected}; "
+                         f"{how}.{hint}")
 
 
 def _check_losses_match(info: dict, step: int, micro_batches: int) -> None:

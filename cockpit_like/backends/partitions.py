@@ -99,6 +99,9 @@ class Reduction:
         self._process: list[_Part] = []
         self._current: int | None = 0
         self._count = [0] * len(self.rows)
+        #: lists of Python objects (string sample ids) concatenated in partition order, never across ranks
+        self._objects: list[list[_Part]] = []
+        self._object_count = [0] * len(self.rows)
 
     # ---- registration ----------------------------------------------------------------------
     def partition(self, index: int) -> Reduction:
@@ -139,6 +142,32 @@ class Reduction:
     def max(self, tensor) -> _Part:
         return self._add("max", tensor)
 
+    def cat_objects(self, items: list) -> _Part:
+        """A list of Python objects (string ids) concatenated over this process's partitions, in order.
+
+        Objects do not travel between ranks: under ``torch.distributed`` this raises (pass integer ids,
+        which :meth:`cat` merges across ranks)."""
+        if self.ranks is not None:
+            raise PartitionError(
+                f"cockpit step {self._step}: string info['sample_ids'] cannot be gathered across ranks; pass integer "
+                "ids (e.g. the dataset indices, a 1-D int tensor) under torch.distributed"
+            )
+        part = _Part("objects", torch.empty(0))
+        part.value = list(items)
+        index = 0 if self._current is None else self._current
+        slot = self._object_count[index]
+        self._object_count[index] += 1
+        if index == 0:
+            self._objects.append([part])
+        elif slot >= len(self._objects):
+            raise PartitionError(
+                f"cockpit step {self._step}: micro-batch {index} passed info['sample_ids'] and micro-batch 0 did not; "
+                "pass sample ids with every micro-batch of a step or with none"
+            )
+        else:
+            self._objects[slot].append(part)
+        return part
+
     def mean(self, tensor) -> Callable[[], torch.Tensor]:
         """The row-weighted mean ``sum_p (B_p / B) t_p`` (a mean-loss quantity of the whole step)."""
         part = self.sum(tensor * self.local_batch)
@@ -152,6 +181,10 @@ class Reduction:
                 f"cockpit step {self._step}: the micro-batches produced different numbers of per-step results "
                 f"({[len(self._slots)] + self._count[1:]}); every micro-batch must use the same parameters"
             )
+        for slot in self._objects:
+            merged_objects = [item for part in slot for item in part.value]
+            for part in slot:
+                part.value = merged_objects
         slots = [(slot[0].kind, _merge_local(slot), slot) for slot in self._slots]
         slots += [(part.kind, part.tensor, [part]) for part in self._process]
         if self.ranks is not None:
@@ -323,8 +356,18 @@ def take_mean_fields(params: list[torch.Tensor], extensions) -> dict:
 
 
 def _merged_info(info: dict, reduction: Reduction) -> Callable[[], dict]:
-    """``info`` of the step: ``batch_size`` summed, ``loss`` row-weighted, ``individual_losses`` concatenated."""
+    """``info`` of the step: ``batch_size`` summed, ``loss`` row-weighted, ``individual_losses`` and
+    ``sample_ids`` concatenated (micro-batches in order, then ranks in order)."""
     loss, losses = info.get("loss"), info.get("individual_losses")
+    ids = info.get("sample_ids")
+    ids_part = None
+    if isinstance(ids, torch.Tensor):
+        ids_part = reduction.cat(ids.detach().reshape(-1))
+    elif isinstance(ids, (list, tuple)):
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in ids):
+            ids_part = reduction.cat(torch.tensor(list(ids), dtype=torch.int64))
+        else:
+            ids_part = reduction.cat_objects(list(ids))
     loss_part = None
     if isinstance(loss, (torch.Tensor, int, float)):
         loss_part = reduction.mean(torch.as_tensor(loss).detach().to(torch.float64))
@@ -340,6 +383,8 @@ def _merged_info(info: dict, reduction: Reduction) -> Callable[[], dict]:
             result["loss"] = value.to(loss.dtype) if isinstance(loss, torch.Tensor) else float(value)
         if losses_part is not None:
             result["individual_losses"] = losses_part.value
+        if ids_part is not None:
+            result["sample_ids"] = ids_part.value
         return result
 
     return finish

@@ -1806,4 +1806,11 @@ def default_rules() -> list[Rule]:
         SaturatedOutput(),
         LossJump(),
         ExplodingRecurrence(),
+        _loss_spike(),
     ]
+
+
+def _loss_spike() -> Rule:
+    from cockpit_like.diagnosis.spike_rule import LossSpike  # (its own module: the rule of issue 38)
+
+    return LossSpike()

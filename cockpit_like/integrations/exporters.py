@@ -36,6 +36,9 @@ Where things go:
   histogram type), the dashboard as ``dashboard/step_<step>.png``. A
   ``file:`` tracking URI sets ``MLFLOW_ALLOW_FILE_STORE=true`` (MLflow 3 keeps
   its file store only on request).
+- Texts (a loss-spike post-mortem, :mod:`cockpit_like.spikes`): TensorBoard
+  ``add_text``, W&B ``wandb.Html`` (preformatted), MLflow the artifact
+  ``texts/<tag>/step_<step>.txt``; its summary numbers go as scalars.
 
 The packages are imported only when an exporter is created.
 """
@@ -105,6 +108,8 @@ class Exporter:
             self._write_scalars(step, flat.scalars)
         if flat.histograms:
             self._write_histograms(step, flat.histograms)
+        if flat.texts:
+            self._write_texts(step, flat.texts)
         if self.image_every and step % self.image_every == 0 and step not in self._imaged and self._cockpit is not None:
             self._imaged.add(step)
             self._write_image(step, self._render(self._cockpit))
@@ -144,6 +149,9 @@ class Exporter:
 
     def _write_image(self, step: int, image: np.ndarray) -> None:
         raise NotImplementedError
+
+    def _write_texts(self, step: int, texts: dict[str, str]) -> None:
+        """Texts (a loss-spike post-mortem); the default writes nothing."""
 
     def _finish(self) -> None:
         pass
@@ -205,6 +213,10 @@ class TensorBoardExporter(Exporter):
 
     def _write_image(self, step, image):
         self.writer.add_image(f"{self.prefix}dashboard", image, global_step=step, dataformats="HWC")
+
+    def _write_texts(self, step, texts):
+        for tag, text in texts.items():  # indented: TensorBoard's markdown shows it as a code block
+            self.writer.add_text(tag, "\n".join("    " + line for line in text.splitlines()), global_step=step)
 
     def _finish(self):
         self.writer.flush()
@@ -271,6 +283,11 @@ class WandbExporter(Exporter):
     def _write_image(self, step, image):
         self._log(step, {f"{self.prefix}dashboard": self._wandb.Image(image)})
 
+    def _write_texts(self, step, texts):
+        import html
+
+        self._log(step, {tag: self._wandb.Html(f"<pre>{html.escape(text)}</pre>") for tag, text in texts.items()})
+
     def _finish(self):
         if self._owns_run:
             self.run.finish()
@@ -327,6 +344,10 @@ class MLflowExporter(Exporter):
 
     def _write_image(self, step, image):
         self.client.log_image(self.run_id, image, artifact_file=f"dashboard/step_{step:07d}.png")
+
+    def _write_texts(self, step, texts):
+        for tag, text in texts.items():
+            self.client.log_text(self.run_id, text, f"texts/{tag}/step_{step:07d}.txt")
 
     def _finish(self):
         if self._owns_run:

@@ -14,9 +14,14 @@ A step's values ``{name: value}`` (as :meth:`Cockpit.get_output` or
   ``"GradHist2d/parameter"``; per-layer histograms (``"param_0"``, ...)
   under ``"GradHist2d/param_0/gradient"`` and so on.
 
+- texts ``{tag: str}``: a loss-spike post-mortem (``PostMortem``,
+  :mod:`cockpit_like.spikes`) as the text ``cockpit-like spikes`` prints, beside
+  the scalars ``{tag}/cause_index`` (its index in ``CAUSES``), ``{tag}/top_share``
+  and the trigger's ratios ``{tag}/loss_ratio``, ``{tag}/grad_norm_ratio``.
+
 Skipped: ``None`` (figures not given to ``cockpit.log``), booleans, strings,
 ``"param_groups"`` counts, and nested lists (``Parameters``' snapshots).
-Pure Python and numpy: no optional dependency.
+Pure Python and numpy (and the text of :mod:`cockpit_like.spikes.report`): no optional dependency.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class Flat:
 
     scalars: dict[str, float] = field(default_factory=dict)
     histograms: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
 
 
 def _is_number(value: Any) -> bool:
@@ -65,6 +71,9 @@ def _add(tag: str, value: Any, flat: Flat) -> None:
         if "hist" in value and "edges" in value:
             _histogram(tag, value, flat)
             return
+        if "trigger" in value and "cause" in value and "rows_by_share" in value:
+            _post_mortem(tag, value, flat)
+            return
         for key, item in value.items():
             if key != "param_groups":
                 _add(f"{tag}/{key}", item, flat)
@@ -74,6 +83,22 @@ def _add(tag: str, value: Any, flat: Flat) -> None:
     if isinstance(value, (list, tuple)) and value and all(_is_number(v) for v in value):
         for index, item in enumerate(value):
             flat.scalars[f"{tag}/param_{index}"] = float(item)
+
+
+def _post_mortem(tag: str, value: Mapping[str, Any], flat: Flat) -> None:
+    from cockpit_like.spikes.causes import CAUSES
+    from cockpit_like.spikes.report import format_post_mortem
+
+    flat.texts[tag] = format_post_mortem(int(value.get("step", -1)), value)
+    if value.get("cause") in CAUSES:
+        flat.scalars[f"{tag}/cause_index"] = float(CAUSES.index(value["cause"]))
+    rows = value.get("rows") or {}
+    if _is_number(rows.get("top_share")):
+        flat.scalars[f"{tag}/top_share"] = float(rows["top_share"])
+    trigger = value.get("trigger") or {}
+    for name in ("loss", "grad_norm"):
+        if isinstance(trigger.get(name), Mapping) and _is_number(trigger[name].get("ratio")):
+            flat.scalars[f"{tag}/{name}_ratio"] = float(trigger[name]["ratio"])
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "") -> Flat:

@@ -24,8 +24,9 @@ How it works:
 - ``info``: ``"loss"`` (the tensor Lightning backpropagates), ``"optimizer"``
   (the trainer's optimizer), ``"batch_size"`` (the length of
   ``individual_losses``, else of the batch's first tensor), and every other
-  ``info`` key (``"individual_losses"``, ``"outputs"``) of the dict that
-  ``training_step`` returns. Lightning hands the callback only the loss, so
+  ``info`` key (``"individual_losses"``, ``"outputs"``, ``"sample_ids"``: the
+  rows' ids for the loss-spike post-mortem, e.g. the indices a data set
+  yields, ``docs/spikes.md``) of the dict that ``training_step`` returns. Lightning hands the callback only the loss, so
   :class:`CockpitModule` notes the returned dict before Lightning sees it
   (or call ``self.cockpit_info(individual_losses=...)`` inside
   ``training_step``). Without the mixin, only quantities that need no
@@ -92,7 +93,7 @@ DEFAULT_METRICS = {
     "test_accuracy": ("test_acc", "test_accuracy", "test/acc"),
 }
 
-_INFO_KEYS = ("individual_losses", "outputs", "batch_size")
+_INFO_KEYS = ("individual_losses", "outputs", "batch_size", "sample_ids")
 
 
 def _find_callback(trainer: Any) -> Any:

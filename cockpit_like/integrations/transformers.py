@@ -21,7 +21,11 @@ overrides the two methods the ``Trainer`` documents for subclassing:
   ``compute_loss`` for the loss and the outputs, computes the per-sample
   losses from them (:func:`individual_losses`), and opens the step:
   ``cockpit.begin(state.global_step, info={"loss", "individual_losses",
-  "batch_size", "optimizer"})``;
+  "batch_size", "optimizer"})``; a ``"sample_ids"`` key of the batch (a data
+  set column of row ids, kept with ``remove_unused_columns=False``) is taken
+  out of the inputs before the model sees them and passed as
+  ``info["sample_ids"]`` (the rows' ids of the loss-spike post-mortem,
+  ``docs/spikes.md``);
 - ``training_step``: runs the ``Trainer``'s step (forward, ``backward``) and
   closes the step with ``cockpit.end()`` (``end(error)`` if it failed). When
   the cockpit needs the graph at this step, the accelerator's ``backward`` is
@@ -235,6 +239,8 @@ class CockpitTrainerMixin:
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
         callback = self._cockpit_callback()
+        # the rows' ids (a "sample_ids" column, with remove_unused_columns=False): the cockpit's, never the model's
+        ids = inputs.pop("sample_ids", None) if isinstance(inputs, dict) else None
         if callback is None or not getattr(self, "_cockpit_training", False):
             return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         seen = dict(inputs)  # the Trainer may pop "labels" from inputs
@@ -266,6 +272,8 @@ class CockpitTrainerMixin:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
         info = {"loss": info_loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer,
                 "micro_batches": micro_batches}
+        if ids is not None:
+            info["sample_ids"] = ids
         callback.cockpit.begin(self.state.global_step, info=info)
         return (loss, outputs) if return_outputs else loss
 

@@ -1,0 +1,547 @@
+"""The loss-spike post-mortem (issue 38): rows with an identity, spikes, causes.
+
+Every per-row number is checked in float64 against a brute-force twin: the
+per-sample gradients from a loop of ``torch.autograd.grad`` (one row at a
+time), ``G`` their mean, ``share_i = <g_i / B, G> / ||G||^2``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.functional.row_summaries import row_norms, row_shares, top_rows
+from cockpit_like.functional.spikes import robust_score
+from cockpit_like.diagnosis import diagnose
+from cockpit_like.spikes import PostMortem, RowBuffer, RowSummaries, SpikeDetector, name_cause
+from cockpit_like.utils.schedules import linear
+from tests.helpers import zoo_or_helper_problem
+
+ROWS = 8
+
+
+def _brute_rows(model: nn.Module, individual, inputs, targets):
+    """``(losses, ||g_i||, shares)`` from a loop of autograd.grad over the rows (float64)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads, losses = [], []
+    for i in range(len(inputs)):
+        loss = individual(model(inputs[i : i + 1]), targets[i : i + 1])[0]
+        grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+        losses.append(float(loss.detach()))
+    g = torch.stack(grads)
+    mean = g.mean(0)
+    return torch.tensor(losses, dtype=torch.float64), g.norm(dim=1), (g @ mean) / len(g) / (mean @ mean)
+
+
+def _run_rows(name: str, micro_batches: int, ids, steps: int = 2, top_k: int = ROWS):
+    model, lossfunc, individual, batch = zoo_or_helper_problem(name)
+    rows = RowSummaries(linear(1), keep_steps=3, top_k=top_k)
+    cockpit = Cockpit(model.parameters(), quantities=[rows], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    size = ROWS // micro_batches
+    expected = {}
+    for step in range(steps):
+        inputs, targets = batch(ROWS, 100 + step)
+        expected[step] = _brute_rows(model, individual, inputs, targets)
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            part = slice(micro * size, (micro + 1) * size)
+            outputs = model(inputs[part])
+            info = {"batch_size": size, "individual_losses": individual(outputs, targets[part]),
+                    "loss": lossfunc(outputs, targets[part]), "optimizer": optimizer,
+                    "micro_batches": micro_batches, "sample_ids": ids(step)[part]}
+            with cockpit(step, info=info):
+                (info["loss"] / micro_batches).backward()
+        optimizer.step()
+    return rows, cockpit.get_output(), expected
+
+
+@pytest.mark.parametrize("name,micro_batches,kind", [("mlp", 1, "tensor"), ("cnn", 1, "str"), ("mlp", 2, "str"),
+                                                     ("encoder", 2, "tensor")])
+def test_row_summaries_match_brute_force(name, micro_batches, kind):
+    """Loss, ||g_i|| and share of every row, with its id, equal the brute-force twin (micro-batches in order)."""
+    def ids(step):
+        values = [1000 * step + 7 * i for i in range(ROWS)]
+        return torch.tensor(values) if kind == "tensor" else [f"s{v}" for v in values]
+
+    rows, output, expected = _run_rows(name, micro_batches, ids)
+    for step, (losses, norms, shares) in expected.items():
+        stored = output[step]["RowSummaries"]
+        assert stored["batch"] == ROWS and len(stored["rows"]) == ROWS
+        for entry in stored["rows"]:
+            i = entry["row"]
+            assert entry["id"] == (ids(step)[i].item() if kind == "tensor" else ids(step)[i])
+            assert math.isclose(entry["loss"], float(losses[i]), rel_tol=1e-10)
+            assert math.isclose(entry["grad_norm"], float(norms[i]), rel_tol=1e-8)
+            assert math.isclose(entry["share"], float(shares[i]), rel_tol=1e-8, abs_tol=1e-12)
+        assert math.isclose(sum(e["share"] for e in stored["rows"]), 1.0, rel_tol=1e-10)
+        assert [stored["rows"][j]["row"] for j in stored["by_share"]] == top_rows(shares, ROWS)
+    assert len(rows.buffer.steps) == 2 and 0 < rows.nbytes
+
+
+def test_row_summaries_can_fail():
+    """The twin tells rows apart: a different batch gives different shares (the check above can fail)."""
+    model, _, individual, batch = zoo_or_helper_problem("mlp")
+    a = _brute_rows(model, individual, *batch(ROWS, 100))[2]
+    b = _brute_rows(model, individual, *batch(ROWS, 101))[2]
+    assert not torch.allclose(a, b)
+
+
+def test_functional_row_math():
+    g = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    B, mean = len(g), g.mean(0)
+    diag, row_sums = (g * g).sum(1) / B**2, g @ mean / B
+    assert torch.allclose(row_norms(diag), g.norm(dim=1))
+    shares = row_shares(row_sums)
+    assert torch.allclose(shares, (g / B) @ mean / (mean @ mean)) and math.isclose(float(shares.sum()), 1.0)
+    assert torch.isnan(row_shares(torch.zeros(3))).all()
+    assert top_rows(torch.tensor([0.1, float("nan"), 0.5]), 2) == [2, 0]
+
+
+def test_buffer_is_bounded():
+    buffer = RowBuffer(keep_steps=3, top_k=2)
+    for step in range(10):
+        buffer.add({"step": step, "rows": [{"id": i, "loss": 1.0, "grad_norm": 1.0, "share": .5, "row": i}
+                                           for i in range(4)]})
+    assert [s["step"] for s in buffer.steps] == [7, 8, 9]
+    assert buffer.nbytes <= buffer.bound_bytes == 3 * (2 * 2 * 40 + 64)
+    with pytest.raises(ValueError, match="keep_steps must be a positive int"):
+        RowBuffer(keep_steps=0)
+
+
+@pytest.mark.parametrize("ids,match", [
+    (list(range(ROWS - 1)), "has 7 entries but info\\['batch_size'\\] is 8"),
+    (torch.zeros(ROWS), "torch.float32 tensor"),
+    ([0.5] * ROWS, "holds 0.5"),
+    ([1, "a"] * (ROWS // 2), "mixes ints and strings"),
+    ("abc", "is a str"),
+])
+def test_sample_ids_bad_input(ids, match):
+    model, lossfunc, individual, batch = zoo_or_helper_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[RowSummaries(linear(1))], model=model)
+    inputs, targets = batch(ROWS, 0)
+    outputs = model(inputs)
+    info = {"batch_size": ROWS, "individual_losses": individual(outputs, targets), "loss": lossfunc(outputs, targets),
+            "sample_ids": ids}
+    with pytest.raises(ValueError, match=match):
+        with cockpit(0, info=info):
+            info["loss"].backward()
+
+
+# ---- the detector -------------------------------------------------------------------------------------
+def test_detector_finds_a_spike_not_noise():
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.exp(0.05 * torch.randn(300, generator=generator)).tolist()
+    detector = SpikeDetector()
+    alarms = [detector.update(t, 2.0 * v, 1.0 * v, 0.1) for t, v in enumerate(noise)]
+    assert not any(alarms)  # healthy noise: no alarm in 300 steps
+    found = detector.update(300, 6.0, 1.0, 0.1)
+    assert found is not None and found["series"] == ["loss"] and found["loss"]["z"] > 6
+    assert detector.update(301, 6.0, 1.0, 0.1) is None  # cooldown: the same incident
+
+
+def test_detector_warmup_and_ramp():
+    detector = SpikeDetector(warmup=10)
+    values = [5.0, 3.0, 2.0, 1.5, 1.2, 1.1, 1.0, 1.0, 0.9, 20.0]  # a big value inside the warmup
+    assert not any(detector.update(t, v, v, 0.1) for t, v in enumerate(values))
+    ramp = SpikeDetector(window=10, warmup=3, ramp_z=1e9)
+    for t in range(12):
+        ramp.update(t, 1.0, 1.0 + 0.001 * (t % 2), 0.01 * (t + 1))  # the learning rate warms up
+    found = ramp.update(12, 1.0, 3.0, 0.13)  # gradient norm x3 while ramping: needs ramp_z
+    assert found is None
+    assert SpikeDetector(window=10, warmup=3).update  # (constructor check)
+    with pytest.raises(ValueError, match="window must be at least 3"):
+        SpikeDetector(window=2)
+
+
+def test_robust_score():
+    assert math.isnan(robust_score([1.0, 1.0], 2.0, min_window=3))
+    assert robust_score([1.0] * 5, float("nan")) == math.inf
+    assert robust_score([1.0, 1.1, 0.9, 1.0, 1.05], 1.0) < 1
+
+
+# ---- causes ---------------------------------------------------------------------------------------------
+def test_earlier_row_is_the_suspect():
+    """A spike one step after a row that carried most of its step's gradient: that row is the suspect."""
+    calm = {"batch": 32, "outlier_rows": 0, "outlier_share": 0.0, "top_share": 0.1, "median_shift": 3.0}
+    earlier = [{"step": 9, "row": 4, "id": 77, "share": 0.9, "loss": 30.0}, {"step": 5, "row": 1, "id": 5, "share": 0.8}]
+    verdict = name_cause({"step": 10, "rows": calm, "earlier_rows": earlier,
+                          "rows_by_share": [{"row": 0, "id": 1, "share": 0.1}]})
+    assert verdict["cause"] == "bad-rows" and [r["id"] for r in verdict["suspects"]] == [77]
+    assert "of step 9 carried 90%" in verdict["why"]
+    verdict = name_cause({"step": 10, "rows": calm, "earlier_rows": [], "rows_by_share": [{"row": 0, "id": 1}]})
+    assert verdict["cause"] == "bad-rows" and [r["id"] for r in verdict["suspects"]] == [1]  # a bad batch
+
+
+def test_name_cause_order():
+    rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
+    scaler = {"scaler": True, "scale_dropped": True, "scale": 1024.0, "previous_scale": 2048.0, "missing_steps": []}
+    rate = {"value": 1.0, "window_median": 0.1, "ratio": 10.0}
+    assert name_cause({"rows": rows, "precision": scaler, "learning_rate": rate})["cause"] == "precision"
+    assert name_cause({"rows": rows, "learning_rate": rate})["cause"] == "learning-rate"
+    assert name_cause({"rows": rows, "learning_rate": {**rate, "ratio": 1.0}})["cause"] == "bad-rows"
+    calm = {"batch": 32, "outlier_rows": 0, "outlier_share": 0.0, "top_share": 0.05}
+    sharp = {"value": 30.0, "two_over_lr": 20.0, "ratio": 1.5}
+    assert name_cause({"rows": calm, "sharpness": sharp})["cause"] == "curvature"
+    assert name_cause({"rows": calm})["cause"] == "unknown"
+    with pytest.raises(TypeError):
+        name_cause({}, not_a_setting=1.0)
+
+
+# ---- the post-mortem in a run --------------------------------------------------------------------------
+def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, **post_args):
+    """An MLP on blobs (batch 16) with a fault at ``onset``: ``row`` (row 3 scaled by 1e3, a wrong label) or
+    ``lr`` (x100)."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    centers = torch.randn(4, 6, generator=generator) * 2
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    post = PostMortem(linear(1), **post_args)
+    cockpit = Cockpit(model.parameters(), quantities=[post], model=model, **(cockpit_args or {}))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        labels = torch.randint(0, 4, (16,), generator=generator)
+        x = centers[labels] + torch.randn(16, 6, generator=generator)
+        if fault == "row" and step == onset:
+            x[3] *= 1e3
+            labels[3] = (model(x[3:4]).argmax() + 1) % 4  # a row the model gets wrong
+        for group in optimizer.param_groups:
+            group["lr"] = 5.0 if fault == "lr" and step >= onset else 0.05
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), labels, reduction="none")
+        ids = torch.arange(16) + 100 * step
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer, "sample_ids": ids}):
+            losses.mean().backward()
+        optimizer.step()
+    return cockpit, post
+
+
+def test_post_mortem_names_the_row():
+    cockpit, post = _spiky_run("row")
+    spikes = {s: v["PostMortem"] for s, v in cockpit.get_output().items() if "PostMortem" in v}
+    assert min(spikes) == 22  # (the huge update it made may spike again later: another incident)
+    pm = spikes[22]
+    assert pm["rows_by_share"][0]["id"] == 2203 and pm["rows_by_loss"][0]["id"] == 2203
+    assert pm["cause"] == "bad-rows", pm["why"]
+    assert [(r["step"], r["id"]) for r in pm["suspects"]][:1] == [(22, 2203)]
+    assert pm["layers"] and pm["layers"][0]["first_step"] == 22
+    assert post.nbytes > 0
+
+
+def test_post_mortem_names_the_learning_rate():
+    cockpit, _ = _spiky_run("lr", onset=20)
+    spikes = {s: v["PostMortem"] for s, v in cockpit.get_output().items() if "PostMortem" in v}
+    assert spikes, "the learning-rate jump made no post-mortem"
+    first = spikes[min(spikes)]
+    assert first["cause"] == "learning-rate" and first["learning_rate"]["ratio"] > 10
+
+
+def test_healthy_run_has_no_post_mortem():
+    cockpit, _ = _spiky_run("none", steps=40)
+    assert not any("PostMortem" in v for v in cockpit.get_output().values())
+
+
+def test_spike_is_a_finding():
+    """The stored post-mortem shows where findings show (rule loss-spike, with its cause), live and replayed."""
+    cockpit, _ = _spiky_run("row", cockpit_args={"diagnose": True})
+    found = [f for f in cockpit.findings if f.rule == "loss-spike"]
+    assert found and found[0].step == 22 and found[0].evidence["cause"] == "bad-rows"
+    assert "suspect step 22 row 3 (id 2203)" in found[0].message
+    replayed = [f for f in diagnose(cockpit.get_output()).findings if f.rule == "loss-spike"]
+    assert [f.step for f in replayed][:1] == [22]
+
+
+def test_cli_prints_post_mortems(tmp_path, capsys):
+    from cockpit_like.cli import main
+
+    cockpit, _ = _spiky_run("row")
+    path = cockpit.write(str(tmp_path / "run"))
+    assert main(["spikes", path, "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert "step 22: spike of" in text and "likeliest cause: bad-rows" in text and "2203" in text
+    assert "layers that moved first" in text and "0.weight" in text  # layer names from the model
+    assert main(["spikes", path, "--step", "3", "--no-progress"]) == 0
+    assert "no post-mortems at step 3" in capsys.readouterr().out
+
+
+def test_post_mortem_gauge_draws_the_rows():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from cockpit_like import instruments
+
+    cockpit, _ = _spiky_run("row", steps=25)
+    fig = Figure(figsize=(6, 4))
+    ax = instruments.post_mortem_gauge(cockpit.get_output(), fig, fig.add_gridspec(1, 1)[0, 0])
+    bars = [p for p in ax.patches if p.get_gid() == "post-mortem:rows"]
+    post = cockpit.get_output()[22]["PostMortem"]
+    widths = sorted((p.get_width() for p in bars), reverse=True)
+    assert math.isclose(widths[0], post["rows_by_share"][0]["share"], rel_tol=1e-9)
+    assert "bad-rows" in ax.get_title() and "id 2203" in " ".join(t.get_text() for t in ax.get_yticklabels())
+    empty = Figure()
+    ax = instruments.post_mortem_gauge({0: {"Loss": 1.0}}, empty, empty.add_gridspec(1, 1)[0, 0])
+    assert any(t.get_gid() == "not-tracked" for t in ax.texts)
+
+
+def test_exporters_pass_the_post_mortem_on(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cockpit_like.integrations.exporters import export_log
+    from cockpit_like.integrations.flatten import flatten
+
+    cockpit, _ = _spiky_run("row", steps=25)
+    flat = flatten(cockpit.get_output()[22])
+    assert "likeliest cause: bad-rows" in flat.texts["PostMortem"] and flat.scalars["PostMortem/top_share"] > 0.9
+    log = cockpit.write(str(tmp_path / "run"))
+    export_log(log, "tensorboard", tmp_path / "tb").close()
+    accumulator = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    texts = accumulator.Tensors("PostMortem/text_summary")
+    assert [t.step for t in texts] == [22] and b"2203" in texts[0].tensor_proto.string_val[0]
+    assert "PostMortem/cause_index" in accumulator.Tags()["scalars"]
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    exporter = export_log(log, "mlflow", tmp_path / "mlruns")
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    local = client.download_artifacts(exporter.run_id, "texts/PostMortem", str(tmp_path / "dl"))
+    assert "2203" in (Path(local) / "step_0000022.txt").read_text()
+
+
+def test_example_script(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "spike_postmortem.py"
+    spec = importlib.util.spec_from_file_location("_example_spike_postmortem", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.main(["--steps", "60", "--out", str(tmp_path / "run"), "--picture", str(tmp_path / "pm.png")])
+    assert written["bad_in_top3"] and written["bad_in_top3"] == [s for s, _ in written["post_mortems"]]
+    assert Path(written["picture"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "likeliest cause: bad-rows" in capsys.readouterr().out
+
+
+def test_sample_ids_on_every_micro_batch_or_none():
+    model, lossfunc, individual, batch = zoo_or_helper_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[RowSummaries(linear(1))], model=model)
+    inputs, targets = batch(ROWS, 0)
+    half = ROWS // 2
+    for micro in range(2):
+        part = slice(micro * half, (micro + 1) * half)
+        outputs = model(inputs[part])
+        info = {"batch_size": half, "individual_losses": individual(outputs, targets[part]),
+                "loss": lossfunc(outputs, targets[part]), "micro_batches": 2}
+        if micro == 0:
+            info["sample_ids"] = list(range(half))
+            with cockpit(0, info=info):
+                (info["loss"] / 2).backward()
+        else:
+            with pytest.raises(ValueError, match="sample_ids'\\] was given to the first backward pass"):
+                with cockpit(0, info=info):
+                    (info["loss"] / 2).backward()
+
+
+def test_post_mortem_state_round_trip():
+    """What the post-mortem carries across steps (buffer, detector, layers) survives state_dict / load."""
+    _, post = _spiky_run("none", steps=15)
+    state = post.state_dict()
+    fresh = PostMortem(linear(1))
+    fresh.load_state_dict(state)
+    assert fresh.detector.history == post.detector.history and fresh.buffer.steps == post.buffer.steps
+    assert fresh.detector.first_losses == post.detector.first_losses and fresh.nbytes == post.nbytes
+
+
+def test_precision_evidence_scale_drop_and_skipped_steps():
+    """A GradScaler's scale that dropped since the previous tracked step, and scheduled steps the cockpit
+    skipped, are the precision evidence (and name the cause before the others)."""
+    from types import SimpleNamespace
+
+    class Scaler:
+        def __init__(self):
+            self.scale = 65536.0
+
+        def get_scale(self):
+            return self.scale
+
+        def is_enabled(self):
+            return True
+
+    scaler, post = Scaler(), PostMortem(linear(1))
+    record = SimpleNamespace(info={"grad_scaler": scaler})
+    first = post._precision(2, record, 1.0)
+    assert first["scaler"] and not first["scale_dropped"] and first["missing_steps"] == []
+    post._last_step, scaler.scale = 2, 32768.0
+    second = post._precision(5, record, 1.0)
+    assert second["scale_dropped"] and second["missing_steps"] == [3, 4] and second["previous_scale"] == 65536.0
+    rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
+    assert name_cause({"precision": second, "rows": rows})["cause"] == "precision"
+    assert not post._precision(6, SimpleNamespace(info={}), 1.0)["scaler"]
+
+
+def test_the_run_is_unchanged():
+    """Training with PostMortem (and RowSummaries) gives bit-identical parameters and RNG state."""
+    def train(track: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        quantities = [PostMortem(linear(1), warmup=2, window=3), RowSummaries(linear(1))]
+        cockpit = Cockpit(model.parameters(), quantities=quantities, model=model) if track else None
+        for step in range(6):
+            x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+            optimizer.zero_grad()
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            if cockpit is None:
+                losses.mean().backward()
+            else:
+                with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean(),
+                                         "optimizer": optimizer, "sample_ids": list(range(8))}):
+                    losses.mean().backward()
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()], torch.rand(1)
+
+    (with_params, with_rng), (without_params, without_rng) = train(True), train(False)
+    assert all(torch.equal(a, b) for a, b in zip(with_params, without_params)) and torch.equal(with_rng, without_rng)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_sharpness_evidence_from_hess_max_ev():
+    """PostMortem(sharpness=HessMaxEV quantity) reads the sharpness of the step and compares it with 2/lr."""
+    from cockpit_like.quantities import HessMaxEV
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    hess = HessMaxEV(linear(1))
+    post = PostMortem(linear(1), warmup=3, window=5, sharpness=hess, record_all=True)
+    cockpit = Cockpit(model.parameters(), quantities=[hess, post], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    for step in range(6):
+        x, y = torch.randn(16, 6, generator=generator), torch.randint(0, 3, (16,), generator=generator)
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer}):
+            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    stored = {s: v["PostMortem"] for s, v in cockpit.get_output().items() if "PostMortem" in v}
+    assert stored  # record_all: every step after the warmup
+    for step, pm in stored.items():
+        assert pm["sharpness"]["step"] == step and pm["sharpness"]["value"] == hess.output[step]
+        assert math.isclose(pm["sharpness"]["ratio"], hess.output[step] * 0.2 / 2) and "curvature" in pm["checks"]
+    with pytest.raises(ValueError, match="takes the HessMaxEV quantity"):
+        PostMortem(linear(1), sharpness=3.0)
+
+
+def test_sample_ids_across_ranks():
+    """Under torch.distributed (two ranks simulated) integer ids are concatenated rank after rank, like
+    individual_losses; string ids cannot travel: a clear error."""
+    from cockpit_like.backends.distributed import RankReduction
+    from cockpit_like.backends.partitions import PartitionError, _merged_info
+    from tests.test_distributed_reduction import _FakeRanks
+
+    ids = {0: torch.tensor([10, 11]), 1: [20, 21]}
+    record, merged = {}, {}
+    for rank in (1, 0):
+        reduction = RankReduction(_FakeRanks(rank, record), 2, 4, step=0, device="cpu")
+        finish = _merged_info({"sample_ids": ids[rank], "individual_losses": torch.ones(2) * rank}, reduction)
+        reduction.run()
+        merged[rank] = finish()
+    assert merged[0]["sample_ids"].tolist() == [10, 11, 20, 21] and merged[0]["sample_ids"].dtype == torch.int64
+    assert merged[0]["individual_losses"].tolist() == [0.0, 0.0, 1.0, 1.0]
+    reduction = RankReduction(_FakeRanks(0, {}), 2, 4, step=0, device="cpu")
+    with pytest.raises(PartitionError, match="string info\\['sample_ids'\\] cannot be gathered across ranks"):
+        _merged_info({"sample_ids": ["a", "b"]}, reduction)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lightning_passes_sample_ids(tmp_path):
+    """A training_step that returns "sample_ids" (indices its data set yields) names the rows of RowSummaries."""
+    L = pytest.importorskip("lightning")
+    from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
+
+    class Indexed(torch.utils.data.Dataset):
+        def __init__(self):
+            generator = torch.Generator().manual_seed(0)
+            self.x, self.y = torch.randn(12, 5, generator=generator), torch.randint(0, 3, (12,), generator=generator)
+
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, index):
+            return index, self.x[index], self.y[index]
+
+    class Net(CockpitModule, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+
+        def training_step(self, batch, batch_idx):
+            index, x, y = batch
+            losses = nn.functional.cross_entropy(self.model(x), y, reduction="none")
+            return {"loss": losses.mean(), "individual_losses": losses, "sample_ids": index}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    net = Net()
+    rows = RowSummaries(linear(1), top_k=4)
+    cockpit = Cockpit(net.parameters(), quantities=[rows], model=net.model)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=str(tmp_path),
+                        callbacks=[CockpitCallback(cockpit)])
+    trainer.fit(net, torch.utils.data.DataLoader(Indexed(), batch_size=4, shuffle=False))
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1, 2]
+    for step, values in output.items():
+        assert sorted(r["id"] for r in values["RowSummaries"]["rows"]) == list(range(4 * step, 4 * step + 4))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_trainer_passes_sample_ids(tmp_path):
+    """A "sample_ids" column reaches the cockpit (and not the model) through CockpitTrainer."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
+    from tests.test_transformers import Rows, _bert, _bert_data
+
+    model = _bert()
+    data = {**_bert_data(), "sample_ids": torch.arange(8) + 500}
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, learning_rate=0.1,
+        lr_scheduler_type="constant", max_grad_norm=0.0, report_to="none", logging_strategy="no", disable_tqdm=True,
+        use_cpu=True, seed=0, train_sampling_strategy="sequential", save_strategy="no", remove_unused_columns=False)
+    rows = RowSummaries(linear(1), top_k=4)
+    cockpit = Cockpit(model.parameters(), quantities=[rows], model=model)
+    trainer = CockpitTrainer(model=model, args=args, train_dataset=Rows(**data),
+                             optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+                             callbacks=[CockpitCallback(cockpit)])
+    trainer.train()
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1]
+    for step, values in output.items():
+        assert sorted(r["id"] for r in values["RowSummaries"]["rows"]) == list(range(500 + 4 * step, 504 + 4 * step))
+
+
+def test_corpus_replay_is_exact():
+    """Replaying the detector over a run recorded with record_all=True gives what PostMortem stores live."""
+    from cockpit_like.spikes.corpus import replay, score, spike_runs, train_spike_run
+
+    run = next(r for r in spike_runs("tuning") if r.arch == "mlp" and r.fault == "repeated-row")
+    recorded = train_spike_run(run, record_all=True)
+    live = train_spike_run(run)
+    replayed = replay(recorded)
+    assert [s for s, _ in replayed] == [s for s, _ in live["post_mortems"]] and replayed
+    for (_, a), (_, b) in zip(replayed, live["post_mortems"]):
+        assert a["cause"] == b["cause"] and a["suspects"] == b["suspects"] and a["trigger"] == b["trigger"]
+    table = score([recorded])
+    assert table["caught"] == 1 and table["rows_in_top3"] == 1 and table["cause_right"] == 1
+    assert replay(recorded, {"z": 1e6}) == []  # a stricter detector finds nothing: the replay reads its settings
