@@ -558,3 +558,43 @@ def test_a_scaler_that_keeps_skipping_a_nan_made_in_the_backward_pass_gets_a_rec
     assert list(cockpit.records) == [SKIPS_IN_A_ROW - 1]
     origin = cockpit.records[SKIPS_IN_A_ROW - 1].first_nonfinite
     assert origin["phase"] == "backward" and origin["module_type"] == "RowNorm"
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+
+def test_a_nan_row_into_multihead_attention_is_recorded_not_raised():
+    """The attention rule compares its re-computed output with the step's before using it: with a NaN row the
+    tolerance taken from the output's largest value was NaN, and `allclose` raised into the training loop (found
+    by the spike corpus: a learning-rate jump drove a transformer's activations to NaN)."""
+    torch.manual_seed(0)
+    model = _Attention()
+    cockpit = Cockpit(model.parameters(), configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            generator = torch.Generator().manual_seed(step)
+            x, y = torch.randn(6, 5, 8, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+            if step == 1:
+                x[2, 3, 0] = float("nan")
+            per = nn.functional.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, info={"loss": per.mean(), "batch_size": 6, "individual_losses": per,
+                                     "optimizer": optimizer}):  # fmt: skip
+                per.mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert 1 in cockpit.records
+    from cockpit_like.backends.module_rules import finite_parts
+
+    old = torch.tensor([1.0, float("nan"), float("-inf")])
+    assert finite_parts(old.clone(), old) is not None
+    assert finite_parts(torch.tensor([1.0, 0.0, float("-inf")]), old) is None
+    assert finite_parts(torch.tensor([1.0, float("nan"), float("inf")]), old) is None

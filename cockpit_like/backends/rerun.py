@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from cockpit_like.backends.module_rules import finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs
 
@@ -267,15 +268,10 @@ def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor]) 
         if new.shape != old.shape:
             return False
         new = new.detach().to(old.dtype)
-        if old.is_floating_point():
-            finite = torch.isfinite(old)
-            if not bool(finite.all()):  # a non-finite step (a NaN row in the batch): the same entries non-finite
-                nan = torch.isnan(old)
-                infinite = ~finite & ~nan
-                if not (torch.equal(finite, torch.isfinite(new)) and torch.equal(nan, torch.isnan(new))
-                        and torch.equal(old[infinite], new[infinite])):  # fmt: skip
-                    return False
-                old, new = old[finite], new[finite]
+        parts = finite_parts(new, old)  # a non-finite step (a NaN row in the batch): the same entries non-finite
+        if parts is None:
+            return False
+        new, old = parts
         if not old.numel():
             continue
         tolerance = {torch.float64: 1e-7, torch.float32: 1e-3}.get(old.dtype, 2e-2)
