@@ -218,7 +218,7 @@ def lanczos_decomposition(
                 w -= basis.combine(basis.project(w))
         kept = w.norm()
         if kept > math.sqrt(eps) and basis.size < capacity:
-            basis.append(w / kept)
+            basis.append(w, kept)
     if basis.size == 0:
         raise ValueError("the start vectors are all zero")
     band = basis.size  # T is banded: A q_j has coordinates on q_{j-band} .. q_{j+band} only
@@ -248,7 +248,7 @@ def lanczos_decomposition(
         coefficients[:size, m] = column[:size]
         start_norm, beta = float(column[-3]), float(column[-1])
         if size < capacity and beta > 10 * eps * start_norm:
-            basis.append(w / beta)
+            basis.append(w, beta)
             coefficients[size, m] = beta
         m += 1
         if m < count_probes:
@@ -298,6 +298,9 @@ class _Basis:
 
     def _pieces(self, low: int):
         """``(rows, offset)``: views of the rows ``low .. size``, offset of each from ``low``."""
+        if len(self.blocks) == 1:
+            yield self.blocks[0][low : self.size], 0
+            return
         for number, block in enumerate(self.blocks):
             first = number * self.rows_per_block
             begin, end = max(low, first), min(self.size, first + block.shape[0])
@@ -308,11 +311,12 @@ class _Basis:
         block = self.blocks[index // self.rows_per_block]
         return block[index % self.rows_per_block]
 
-    def append(self, vector: torch.Tensor) -> None:
+    def append(self, vector: torch.Tensor, norm) -> None:
+        """Add the row ``vector / norm``."""
         if self.size == len(self.blocks) * self.rows_per_block:
             rows = min(self.rows_per_block, self.capacity - self.size)
             self.blocks.append(self.like.new_empty(rows, self.like.shape[1]))
-        self.row(self.size).copy_(vector)
+        torch.div(vector, norm, out=self.row(self.size))
         self.size += 1
 
     def project(self, w: torch.Tensor, low: int = 0) -> torch.Tensor:
