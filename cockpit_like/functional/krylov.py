@@ -204,7 +204,7 @@ def lanczos_decomposition(
     basis = _Basis(starts, capacity)
     unit_probes = []
     for index, row in enumerate(starts):
-        norm = row.norm()
+        norm = _norm(row)
         if not torch.isfinite(norm) or norm == 0:
             if index < count_probes:
                 raise ValueError("probe start vectors must be finite and non-zero")
@@ -216,7 +216,7 @@ def lanczos_decomposition(
         for _ in range(passes):
             if basis.size:
                 w -= basis.combine(basis.project(w))
-        kept = w.norm()
+        kept = _norm(w)
         if kept > math.sqrt(eps) and basis.size < capacity:
             basis.append(w, kept)
     if basis.size == 0:
@@ -229,17 +229,17 @@ def lanczos_decomposition(
     while m < limit and m < basis.size:
         size = basis.size
         w = matvec(basis.row(m))
-        initial = w.norm()
+        initial = _norm(w)
         low = max(0, m - band)
         coords = basis.project(w, low)  # the recurrence's coordinates: most of A q_j's norm
         w = w - basis.combine(coords, low)
         coords = torch.cat([coords.new_zeros(low), coords]).to(torch.float64)
-        before = w.norm()
+        before = _norm(w)
         for index in range(passes):
             c = basis.project(w)
             w = w - basis.combine(c)
             coords = coords + c.to(torch.float64)
-            after = w.norm()
+            after = _norm(w)
             # one host transfer per pass: the column and the norms that decide what follows
             column = torch.cat([coords, torch.stack([initial, before, after]).to(torch.float64)]).cpu()
             if index + 1 == passes or float(column[-1]) >= _ENOUGH * float(column[-2]):
@@ -339,6 +339,12 @@ class _Basis:
         if len(self.blocks) == 1:
             return self.blocks[0][: self.size]
         return torch.cat([rows for rows, _ in self._pieces(0)])
+
+
+def _norm(v: torch.Tensor) -> torch.Tensor:
+    """``||v||`` accumulated in float64: a float32 sum of a million squares can be off by 2e-4 (all equal:
+    a Rademacher start), which would leave the basis that far from unit length."""
+    return torch.linalg.vector_norm(v, dtype=torch.float64)
 
 
 def _ritz_pairs(coefficients: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
