@@ -87,7 +87,7 @@ class KrylovDecomposition:
     def _eigh(self) -> tuple[torch.Tensor, torch.Tensor]:
         cache = getattr(self, "_cache", None)
         if cache is None:
-            cache = torch.linalg.eigh(self.projection)
+            cache = _ritz_pairs(self.coefficients, self.num_products)
             self._cache = cache
         return cache
 
@@ -97,11 +97,8 @@ class KrylovDecomposition:
 
     def residuals(self) -> torch.Tensor:
         """``||A x_i - theta_i x_i||`` of each Ritz pair, in the order of :meth:`ritz_values`."""
-        values, vectors = self._eigh()
-        rest = self.coefficients[self.num_products :]
-        if rest.numel() == 0:
-            return torch.zeros_like(values)
-        return (rest @ vectors).norm(dim=0)
+        _, vectors = self._eigh()
+        return _residual_norms(self.coefficients[self.num_products :], vectors)
 
     def error_bounds(self) -> torch.Tensor:
         """The residual ``r_i`` of each Ritz pair: a rigorous bound, an eigenvalue lies within ``r_i`` of ``theta_i``.
@@ -163,17 +160,27 @@ def lanczos_decomposition(
 
     The start rows are orthonormalised in order (a row already in the span of
     the earlier ones is dropped), then the basis vectors are multiplied in
-    order: ``w = A q_j`` is orthogonalised against the whole basis ``passes``
-    times (its coordinates are column ``j`` of :attr:`KrylovDecomposition.coefficients`)
-    and what is left, if not negligible, becomes the next basis vector. With
-    one start row this is Lanczos; with ``b`` rows, block Lanczos (the spaces of
-    all rows grow together).
+    order: ``w = A q_j`` is orthogonalised against the basis vectors of the
+    band of ``T`` (the block's three-term recurrence), then against the whole
+    basis, a second time only where that pass left less than ``1/sqrt(2)`` of
+    the norm (Kahan and Parlett's "twice is enough": the basis stays
+    orthonormal to working precision); its coordinates are column ``j`` of
+    :attr:`KrylovDecomposition.coefficients`, and what is left, if not
+    negligible, becomes the next basis vector. With one start row this is
+    Lanczos; with ``b`` rows, block Lanczos (the spaces of all rows grow together).
 
     Stops after a product once every probe was multiplied and both the largest
     and the smallest Ritz value have the residual
-    ``r <= rtol * max |theta|`` (:meth:`KrylovDecomposition.error_bounds`), when no
-    basis vector is left to multiply (the space is invariant: exact), or after
-    ``max_products``.
+    ``r <= rtol * max |theta|`` (the numbers of
+    :meth:`KrylovDecomposition.error_bounds`, from the small float64 ``T`` and
+    ``E`` kept as the solve goes), when no basis vector is left to multiply (the
+    space is invariant: exact), or after ``max_products``.
+
+    Memory: the basis takes ``min(n, max_products + b)`` rows of ``n`` at most,
+    in blocks of rows that are never copied while it grows (on the CPU one
+    block of up to 1 GiB, reserved at once: rows never written take no memory;
+    64 MiB blocks elsewhere, allocated as needed), joined once at the end where
+    there are several.
 
     Args:
         matvec: ``v -> A v`` for a symmetric ``A``.
@@ -181,24 +188,23 @@ def lanczos_decomposition(
         max_products: most products (capped at ``n``).
         rtol: tolerance of the error estimates, relative to the spectral scale.
         probes: how many leading rows are probes (quadrature, traces); default all.
-        passes: re-orthogonalisation passes (two keep the basis orthonormal to working precision).
+        passes: most re-orthogonalisation passes over the whole basis per vector (two: twice is enough).
     """
     if starts.dim() != 2:
         raise ValueError(f"starts must be [b, n], got shape {list(starts.shape)}")
     if max_products < 1:
         raise ValueError(f"max_products must be >= 1, got {max_products}")
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
     count_probes = starts.shape[0] if probes is None else probes
     n = starts.shape[1]
-    dtype = starts.dtype
-    eps = torch.finfo(dtype).eps
+    eps = torch.finfo(starts.dtype).eps
     limit = min(max_products, n)
     capacity = min(n, limit + starts.shape[0])  # most basis vectors this solve can hold
-    # the basis grows by doubling: a solve that stops after k products holds at most ~2k vectors
-    basis = starts.new_zeros(min(capacity, starts.shape[0] + 8), n)
-    size = 0
+    basis = _Basis(starts, capacity)
     unit_probes = []
     for index, row in enumerate(starts):
-        norm = row.norm()
+        norm = _norm(row)
         if not torch.isfinite(norm) or norm == 0:
             if index < count_probes:
                 raise ValueError("probe start vectors must be finite and non-zero")
@@ -208,66 +214,150 @@ def lanczos_decomposition(
             unit_probes.append(unit)
         w = unit.clone()
         for _ in range(passes):
-            if size:
-                w -= basis[:size].T @ (basis[:size] @ w)
-        kept = w.norm()
-        if kept > math.sqrt(eps) and size < capacity:
-            basis = _room(basis, size, capacity)
-            basis[size] = w / kept
-            size += 1
-    if size == 0:
+            if basis.size:
+                w -= basis.combine(basis.project(w))
+        kept = _norm(w)
+        if kept > math.sqrt(eps) and basis.size < capacity:
+            basis.append(w, kept)
+    if basis.size == 0:
         raise ValueError("the start vectors are all zero")
-    columns: list[torch.Tensor] = []
+    band = basis.size  # T is banded: A q_j has coordinates on q_{j-band} .. q_{j+band} only
+    # column j: the coordinates of A q_j on the basis (float64, on the CPU: T on top, E below)
+    coefficients = torch.zeros(capacity, limit, dtype=torch.float64)
     converged = False
     m = 0
-    while m < limit and m < size:
-        w = matvec(basis[m])
-        initial = float(w.norm())
-        coords = torch.zeros(capacity, dtype=torch.float64)
-        for _ in range(passes):
-            c = basis[:size] @ w
-            w = w - basis[:size].T @ c
-            coords[:size] += c.to(torch.float64).cpu()
-        beta = w.norm()
-        if size < capacity and float(beta) > 10 * eps * initial:
-            basis = _room(basis, size, capacity)
-            basis[size] = w / beta
-            coords[size] = float(beta)
-            size += 1
-        columns.append(coords)
+    while m < limit and m < basis.size:
+        size = basis.size
+        w = matvec(basis.row(m))
+        initial = _norm(w)
+        low = max(0, m - band)
+        coords = basis.project(w, low)  # the recurrence's coordinates: most of A q_j's norm
+        w = w - basis.combine(coords, low)
+        coords = torch.cat([coords.new_zeros(low), coords]).to(torch.float64)
+        before = _norm(w)
+        for index in range(passes):
+            c = basis.project(w)
+            w = w - basis.combine(c)
+            coords = coords + c.to(torch.float64)
+            after = _norm(w)
+            # one host transfer per pass: the column and the norms that decide what follows
+            column = torch.cat([coords, torch.stack([initial, before, after]).to(torch.float64)]).cpu()
+            if index + 1 == passes or float(column[-1]) >= _ENOUGH * float(column[-2]):
+                break
+            before = after
+        coefficients[:size, m] = column[:size]
+        start_norm, beta = float(column[-3]), float(column[-1])
+        if size < capacity and beta > 10 * eps * start_norm:
+            basis.append(w, beta)
+            coefficients[size, m] = beta
         m += 1
         if m < count_probes:
             continue
-        decomposition = _decomposition(basis, size, columns, unit_probes, m, False)
-        if m >= size:  # nothing left to multiply: the space is invariant, the Ritz pairs exact
+        if m >= basis.size:  # nothing left to multiply: the space is invariant, the Ritz pairs exact
             converged = True
             break
-        errors = decomposition.error_bounds()
-        tolerance = rtol * float(decomposition.ritz_values().abs().max())
+        values, vectors = _ritz_pairs(coefficients, m)  # what error_bounds() of the result would give
+        errors = _residual_norms(coefficients[m : basis.size, :m], vectors)
+        tolerance = rtol * float(values.abs().max())
         if float(errors[0]) <= tolerance and float(errors[-1]) <= tolerance:
             converged = True
             break
-    return _decomposition(basis, size, columns, unit_probes, m, converged)
+    Q = basis.tensor()
+    if unit_probes:
+        probe_coordinates = (Q[:m] @ torch.stack(unit_probes).T).T.to(torch.float64).cpu()
+    else:
+        probe_coordinates = torch.zeros(0, m, dtype=torch.float64)
+    return KrylovDecomposition(Q, coefficients[: basis.size, :m].clone(), probe_coordinates, m, converged)
 
 
-def _room(basis: torch.Tensor, size: int, capacity: int) -> torch.Tensor:
-    """``basis`` with a free row at ``size`` (doubled, at most ``capacity`` rows, when full)."""
-    if size < basis.shape[0]:
-        return basis
-    grown = basis.new_zeros(min(capacity, 2 * basis.shape[0]), basis.shape[1])
-    grown[:size] = basis[:size]
-    return grown
+#: a second re-orthogonalisation pass where the first left less than this share of the norm (1/sqrt(2))
+_ENOUGH = 1 / math.sqrt(2)
+
+#: bytes per block of basis rows: on the CPU a reservation (rows never written take no memory), elsewhere allocated
+_RESERVE_BYTES = 2**30
+_BLOCK_BYTES = 64 * 2**20
+#: rows per block at least
+_BLOCK_ROWS = 8
 
 
-def _decomposition(basis, size, columns, unit_probes, m, converged) -> KrylovDecomposition:
-    coefficients = torch.stack(columns, dim=1)[:size] if columns else torch.zeros(size, 0, dtype=torch.float64)
-    Q = basis[:m]
-    probes = (
-        torch.stack([(Q @ u).to(torch.float64).cpu() for u in unit_probes])
-        if unit_probes
-        else torch.zeros(0, m, dtype=torch.float64)
-    )
-    return KrylovDecomposition(basis[:size], coefficients, probes, m, converged)
+class _Basis:
+    """Orthonormal rows ``[size, n]`` in blocks of rows that are never copied while the basis grows.
+
+    A block holds ``min(capacity, max(8, bytes / row))`` rows, allocated when the basis reaches it
+    (``torch.empty``). On the CPU ``bytes`` is 1 GiB: the pages of rows never written are never touched
+    and take no memory, so a solve on a model up to ``2**28 / capacity`` parameters (float32) has one
+    block, resident as far as it is filled; elsewhere 64 MiB.
+    """
+
+    def __init__(self, like: torch.Tensor, capacity: int):
+        self.like, self.capacity, self.size = like, capacity, 0
+        budget = _RESERVE_BYTES if like.device.type == "cpu" else _BLOCK_BYTES
+        row_bytes = max(1, like.shape[1] * like.element_size())
+        self.rows_per_block = min(capacity, max(_BLOCK_ROWS, budget // row_bytes))
+        self.blocks: list[torch.Tensor] = []
+
+    def _pieces(self, low: int):
+        """``(rows, offset)``: views of the rows ``low .. size``, offset of each from ``low``."""
+        if len(self.blocks) == 1:
+            yield self.blocks[0][low : self.size], 0
+            return
+        for number, block in enumerate(self.blocks):
+            first = number * self.rows_per_block
+            begin, end = max(low, first), min(self.size, first + block.shape[0])
+            if begin < end:
+                yield block[begin - first : end - first], begin - low
+
+    def row(self, index: int) -> torch.Tensor:
+        block = self.blocks[index // self.rows_per_block]
+        return block[index % self.rows_per_block]
+
+    def append(self, vector: torch.Tensor, norm) -> None:
+        """Add the row ``vector / norm``."""
+        if self.size == len(self.blocks) * self.rows_per_block:
+            rows = min(self.rows_per_block, self.capacity - self.size)
+            self.blocks.append(self.like.new_empty(rows, self.like.shape[1]))
+        torch.div(vector, norm, out=self.row(self.size))
+        self.size += 1
+
+    def project(self, w: torch.Tensor, low: int = 0) -> torch.Tensor:
+        """``Q[low:] w``: the coordinates of ``w`` on the rows ``low .. size``."""
+        parts = [rows @ w for rows, _ in self._pieces(low)]
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat(parts) if parts else w.new_zeros(0)
+
+    def combine(self, c: torch.Tensor, low: int = 0) -> torch.Tensor:
+        """``Q[low:]^T c``."""
+        total = None
+        for rows, offset in self._pieces(low):
+            part = rows.T @ c[offset : offset + rows.shape[0]]
+            total = part if total is None else total.add_(part)
+        return total if total is not None else c.new_zeros(self.like.shape[1])
+
+    def tensor(self) -> torch.Tensor:
+        """The ``[size, n]`` basis (a view where it is one block)."""
+        if len(self.blocks) == 1:
+            return self.blocks[0][: self.size]
+        return torch.cat([rows for rows, _ in self._pieces(0)])
+
+
+def _norm(v: torch.Tensor) -> torch.Tensor:
+    """``||v||`` accumulated in float64: a float32 sum of a million squares can be off by 2e-4 (all equal:
+    a Rademacher start), which would leave the basis that far from unit length."""
+    return torch.linalg.vector_norm(v, dtype=torch.float64)
+
+
+def _ritz_pairs(coefficients: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenpairs of ``T = (C + C^T) / 2``, ``C`` the top ``m x m`` block of the coefficients."""
+    square = coefficients[:m, :m]
+    return torch.linalg.eigh((square + square.T) / 2)
+
+
+def _residual_norms(rest: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+    """``||E y_i||`` for each Ritz vector ``y_i`` (``E``: the coordinates on vectors not yet multiplied)."""
+    if rest.numel() == 0:
+        return torch.zeros(vectors.shape[1], dtype=vectors.dtype)
+    return (rest @ vectors).norm(dim=0)
 
 
 def gaussian_density(
