@@ -31,7 +31,7 @@ __all__ = ["DataStats"]
 
 
 class _Tally:
-    __slots__ = ("rows", "sumsq", "entries", "var", "features", "integer", "outputs", "out_min", "out_max",
+    __slots__ = ("rows", "sumsq", "entries", "var", "var_rows", "features", "integer", "outputs", "out_min", "out_max",
                  "probabilities")
 
     def __init__(self):
@@ -39,6 +39,7 @@ class _Tally:
         self.sumsq = 0.0
         self.entries = 0
         self.var = 0.0  # sum over calls of (mean over features of the variance over the batch) x rows
+        self.var_rows = 0  # rows of the calls with more than one row (a single row has no spread)
         self.features = 0
         self.integer = False
         self.outputs = None
@@ -59,6 +60,7 @@ class _Tally:
         self.features = x.shape[1]
         if x.shape[0] > 1:
             self.var += float(x.var(dim=0, unbiased=False).mean()) * x.shape[0]
+            self.var_rows += x.shape[0]
 
     def add_output(self, y: torch.Tensor) -> None:
         if y.dim() == 0 or not y.is_floating_point():
@@ -75,7 +77,7 @@ class _Tally:
 
     def result(self) -> dict[str, Any]:
         rms = math.sqrt(self.sumsq / self.entries) if self.entries else math.nan
-        std = math.sqrt(self.var / self.rows) if self.rows else math.nan
+        std = math.sqrt(self.var / self.var_rows) if self.var_rows else math.nan
         return {
             "samples": self.rows,
             "input_integer": self.integer,
@@ -107,7 +109,8 @@ class DataStats(SingleStepQuantity):
       normalized, whatever layers follow;
     - ``input_spread``: the standard deviation over the batch (averaged over
       the features, as a root mean square) divided by ``input_rms`` (for
-      integer inputs, of the ids): 0 when every row of the batch is the same;
+      integer inputs, of the ids): 0 when every row of the batch is the same
+      (NaN for batches of one row);
     - ``input_integer``, ``samples`` (rows);
     - ``outputs``: the last dimension of the output (the number of classes
       of a classifier), ``output_min``, ``output_max``, and
