@@ -335,6 +335,24 @@ def test_saturated_output_from_the_band_of_a_cross_entropy_over_probabilities():
     assert R.SaturatedOutput().check(history({"Loss": noisy, "DataStats": above * 60})) == []
 
 
+def test_round_four_thresholds():
+    # a transformer's position table (0.02 x N(0, 1) at the start) moves by 0.3-0.4 of its norm per step
+    # in healthy runs: not a finding any more at the default (0.5); a window median of 0.6 still is
+    for ratio, expected in ((0.41, []), (0.6, ["update-ratio-too-large"])):
+        h = history({"UpdateSize": [[ratio]] * 8, "ParamNorm": [[1.0]] * 8, "Loss": [2.0] * 8,
+                     "Momentum": [0.9] * 8}, _SHAPES)
+        assert rules_of(R.UpdateRatioTooLarge().check(h)) == expected
+    # units alive at the first step that die early: reported after 30 steps (Adagrad CNNs lose half their
+    # units in the first 10 steps and train well), and only while the loss has not fallen
+    alive, dead = {"1": {"kind": "relu", "dead_fraction": 0.0, "samples": 16}}, {
+        "1": {"kind": "relu", "dead_fraction": 0.8, "samples": 16}}
+    for count, expected in ((25, []), (35, ["dead-units"])):
+        h = history({"ActivationStats": [alive] * 5 + [dead] * (count - 5), "Loss": [2.3] * count})
+        assert rules_of(R.DeadUnits().check(h)) == expected
+    h = history({"ActivationStats": [alive] * 5 + [dead] * 30, "Loss": [2.3] * 5 + [1.0] * 30})
+    assert R.DeadUnits().check(h) == []  # the run learns
+
+
 # ---- severity ---------------------------------------------------------------------------------------
 def test_a_spike_is_a_warning_and_a_sustained_divergence_an_error():
     spike = [2.0] * 10 + [0.5] * 20 + [3.0] * 3 + [0.5] * 10  # a 3-step spike after a step decay
