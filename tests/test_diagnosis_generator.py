@@ -300,6 +300,8 @@ def test_loss_at_chance():
     assert group_findings([found])[0].cause == "labels-do-not-match"
     learns = flat[:30] + [chance * 0.7] * 30  # at chance for 30 steps, then it learns
     assert R.LossAtChance().check(history(_losses(learns), _SHAPES)) == []
+    slow = [chance * (1.015 - 0.0005 * s) for s in range(60)]  # within 2% of chance, but falling: a slow start
+    assert R.LossAtChance().check(history(_losses(slow), _SHAPES)) == []
     assert R.LossAtChance().check(history(_losses(flat[:45]), _SHAPES)) == []  # not long enough yet
     # the parameters barely move: a learning rate too small, not the data
     assert R.LossAtChance().check(history(_losses(flat, ratio=1e-5), _SHAPES)) == []

@@ -1921,7 +1921,9 @@ class LossAtChance(Rule):
     uniform guess over the ``C`` classes (``DataStats``' ``outputs``, 2 or more), while the
     parameters move at a normal rate (the global update ratio ``||update|| / ||parameters||``,
     median over the window, at least ``moving``; without ``UpdateSize`` and ``ParamNorm`` this is
-    not checked). The model predicts no better than a guess: the labels do not depend on the
+    not checked) and the loss is not falling (the median of the window's last third at most
+    ``max_fall`` x ``log C`` below that of its first third: a slow start near chance, as the fixed
+    corpus's healthy batch-8 MLPs, is left alone). The model predicts no better than a guess: the labels do not depend on the
     inputs it sees (labels shuffled against the inputs, a wrong label encoding, inputs that carry
     no signal).
 
@@ -1940,7 +1942,8 @@ class LossAtChance(Rule):
     reads = ("Loss", "DataStats")
 
     def __init__(self, window: int = 40, margin: float = 0.02, median_of: int = 10, moving: float = 3e-4,
-                 token_window: int = 60):
+                 token_window: int = 60, max_fall: float = 0.01):
+        self.max_fall = _check_positive("max_fall", max_fall)
         self.window = _check_window(window)
         self.token_window = _check_window(token_window, "token_window")
         self.margin = _check_positive("margin", margin)
@@ -1987,6 +1990,9 @@ class LossAtChance(Rule):
         steps, values = history.tail("Loss", window + self.median_of - 1)
         if len(values) < window + self.median_of - 1 or not self._at_chance(values, chance).all():
             return []
+        third = max(len(values) // 3, 1)
+        if (_median(values[:third]) - _median(values[-third:])) > self.max_fall * chance:
+            return []  # at chance, but falling: a slow start
         ratio = self._update_ratio(history, steps[self.median_of - 1:])
         if math.isfinite(ratio) and ratio < self.moving:
             return []  # the parameters barely move: a learning rate too small, not the data
