@@ -31,16 +31,21 @@ __all__ = ["DataStats"]
 
 
 class _Tally:
-    __slots__ = ("rows", "sumsq", "entries", "var", "var_rows", "features", "integer", "outputs", "out_min", "out_max",
-                 "probabilities")
+    __slots__ = ("rows", "sumsq", "entries", "col_sum", "col_sumsq", "mixed", "var", "var_rows", "integer", "outputs",
+                 "out_min", "out_max", "probabilities")
 
     def __init__(self):
         self.rows = 0
         self.sumsq = 0.0
         self.entries = 0
-        self.var = 0.0  # sum over calls of (mean over features of the variance over the batch) x rows
-        self.var_rows = 0  # rows of the calls with more than one row (a single row has no spread)
-        self.features = 0
+        # per feature, the sum and the sum of squares over every row of the step's calls (micro-batches
+        # of one optimizer step give the spread of the whole batch); ``mixed``: calls of different
+        # feature counts (sequence lengths), where the spread is the rows-weighted mean of each call's
+        self.col_sum: torch.Tensor | None = None
+        self.col_sumsq: torch.Tensor | None = None
+        self.mixed = False
+        self.var = 0.0
+        self.var_rows = 0
         self.integer = False
         self.outputs = None
         self.out_min = math.inf
@@ -57,10 +62,21 @@ class _Tally:
         self.rows += x.shape[0]
         self.entries += x.numel()
         self.sumsq += float((x * x).sum())
-        self.features = x.shape[1]
         if x.shape[0] > 1:
             self.var += float(x.var(dim=0, unbiased=False).mean()) * x.shape[0]
             self.var_rows += x.shape[0]
+        if self.col_sum is None and not self.mixed:
+            self.col_sum, self.col_sumsq = x.sum(dim=0), (x * x).sum(dim=0)
+        elif self.col_sum is not None and self.col_sum.shape == x.shape[1:]:
+            self.col_sum, self.col_sumsq = self.col_sum + x.sum(dim=0), self.col_sumsq + (x * x).sum(dim=0)
+        else:
+            self.mixed, self.col_sum, self.col_sumsq = True, None, None
+
+    def _std(self) -> float:
+        if self.col_sum is not None and self.rows > 1:
+            mean = self.col_sum / self.rows
+            return math.sqrt(max(float((self.col_sumsq / self.rows - mean * mean).clamp_min(0).mean()), 0.0))
+        return math.sqrt(self.var / self.var_rows) if self.var_rows else math.nan
 
     def add_output(self, y: torch.Tensor) -> None:
         if y.dim() == 0 or not y.is_floating_point():
@@ -77,7 +93,7 @@ class _Tally:
 
     def result(self) -> dict[str, Any]:
         rms = math.sqrt(self.sumsq / self.entries) if self.entries else math.nan
-        std = math.sqrt(self.var / self.var_rows) if self.var_rows else math.nan
+        std = self._std()
         return {
             "samples": self.rows,
             "input_integer": self.integer,
