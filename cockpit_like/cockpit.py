@@ -120,7 +120,7 @@ class Cockpit:
             and layer until they clear (``docs/diagnosis.md``). The cockpit
             then also tracks, at the steps the given quantities track, the
             cheap inputs of the rules that were not given: ``ParamNorm``,
-            ``LearningRate``, ``Momentum``, ``BatchSize`` and, with a model, ``ActivationStats``
+            ``LearningRate``, ``Momentum``, ``BatchSize`` and, with a model, ``ActivationStats`` and ``DataStats``
             (``diagnosis_feeds=False`` turns that off); the log metadata
             says which rules can run (``metadata["diagnosis"]``).
         on_finding: ``callable(finding)`` called for each new finding, after
@@ -235,11 +235,12 @@ class Cockpit:
     def _add_diagnosis_feeds(self) -> None:
         """Track, at the steps the given quantities track, the cheap inputs of the rules that are
         missing: ``ParamNorm``, ``LearningRate``, ``Momentum``, ``BatchSize`` and (with a model)
-        ``ActivationStats``."""
-        from cockpit_like.quantities import ActivationStats, BatchSize, LearningRate, Momentum, ParamNorm
+        ``ActivationStats`` and ``DataStats``."""
+        from cockpit_like.quantities import ActivationStats, BatchSize, DataStats, LearningRate, Momentum, ParamNorm
 
         schedule = _AnyTracked(list(self.quantities))
-        feeds = [ParamNorm, LearningRate, Momentum, BatchSize] + ([ActivationStats] if self._tracer.roots else [])
+        feeds = [ParamNorm, LearningRate, Momentum, BatchSize] + (
+            [ActivationStats, DataStats] if self._tracer.roots else [])
         for cls in feeds:
             if not any(isinstance(q, cls) for q in self.quantities):
                 self.add(cls(schedule))

@@ -444,13 +444,13 @@ def _loss(outputs: torch.Tensor, targets: torch.Tensor, reduction: str = "mean")
 def quantities_for_rules(schedule=None) -> list:
     """The quantities every built-in rule reads, except the curvature (``HessMaxEV``) and the
     gradient noise (``NormTest``) ones, which cost per-sample work."""
-    from cockpit_like.quantities import (ActivationStats, Alpha, BatchSize, GradNorm, LearningRate, Loss,
-                                         Momentum, ParamNorm, UpdateSize)
+    from cockpit_like.quantities import (ActivationStats, Alpha, BatchSize, DataStats, GradNorm, LearningRate,
+                                         Loss, Momentum, ParamNorm, UpdateSize)
     from cockpit_like.utils.schedules import linear
 
     schedule = schedule or linear(1)
     return [Loss(schedule), GradNorm(schedule), UpdateSize(schedule), ParamNorm(schedule), ActivationStats(schedule),
-            LearningRate(schedule), Momentum(schedule), BatchSize(schedule), Alpha(schedule)]
+            DataStats(schedule), LearningRate(schedule), Momentum(schedule), BatchSize(schedule), Alpha(schedule)]
 
 
 def _extra(spec: RunSpec) -> list:

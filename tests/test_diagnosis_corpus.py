@@ -229,8 +229,12 @@ def test_noisy_loss_names_a_batch_of_one_not_a_fast_noisy_batch_of_eight():
 def test_large_input_scale_from_the_first_activation_layer():
     problem, healthy = twin("unnormalized-inputs-mlp-sgd", drop=("input_scale",))
     (finding,) = alarms(problem)["large-input-scale"]
-    assert finding.step == 0 and finding.evidence["rms"] > 10
+    assert finding.step == 0 and finding.evidence["input_rms"] > 10  # the raw input (DataStats, round 4)
     assert alarms(healthy) == {}
+    # without DataStats (older logs): the first activation layer's outputs
+    older = {step: {k: v for k, v in values.items() if k != "DataStats"} for step, values in problem["steps"].items()}
+    (finding,) = [f for f in diagnose(older, problem["metadata"]).findings if f.rule == "large-input-scale"]
+    assert finding.step == 0 and finding.evidence["rms"] > 10
 
 
 def test_unchanged_parameters_tell_frozen_from_cut_off():
@@ -329,7 +333,8 @@ def test_a_preset_run_feeds_every_rule_it_can():
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, diagnose=True)
-    assert cockpit.diagnosis_feeds == ["ParamNorm", "LearningRate", "Momentum", "BatchSize", "ActivationStats"]
+    assert cockpit.diagnosis_feeds == ["ParamNorm", "LearningRate", "Momentum", "BatchSize", "ActivationStats",
+                                       "DataStats"]
     x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
     for step in range(3):
         optimizer.zero_grad()
@@ -343,8 +348,10 @@ def test_a_preset_run_feeds_every_rule_it_can():
     assert output[1]["LearningRate"] == pytest.approx(0.1) and len(output[1]["ParamNorm"]) == 4
     assert output[1]["Momentum"] == 0.0 and output[1]["BatchSize"] == 16
     assert set(output[1]["ActivationStats"]) == {"1"}
+    assert output[1]["DataStats"]["outputs"] == 3 and output[1]["DataStats"]["samples"] == 32  # two forward passes
     plan = cockpit.metadata()["diagnosis"]
-    assert {"dead-units", "update-ratio-too-large", "large-input-scale", "step-overshoots"} <= set(plan["can_run"])
+    assert {"dead-units", "update-ratio-too-large", "large-input-scale", "step-overshoots", "constant-inputs",
+            "loss-at-chance"} <= set(plan["can_run"])
     assert set(plan["needs"]) == {"sharpness-above-stability", "overfitting"}  # HessMaxEV; cockpit.log figures
     assert cockpit.diagnosis.notes().keys() <= {"sharpness-above-stability", "overfitting"}
     plain = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, diagnose=True,

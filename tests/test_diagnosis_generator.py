@@ -191,6 +191,170 @@ def test_causes_of_the_new_rules():
     assert cause_of(f("vanishing-gradient", at_start=False)) == "learning-rate-too-large"
 
 
+# ---- round 4: rules that read what the model was fed (DataStats) --------------------------------
+def _fed(model, batches, losses=True):
+    """Train ``model`` on ``batches`` (``(x, y)`` pairs) for one step each under a cockpit tracking the
+    rules' quantities; return ``(steps, metadata)``."""
+    from cockpit_like import Cockpit
+    from cockpit_like.corpus import quantities_for_rules
+
+    torch.manual_seed(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    quantities = [q for q in quantities_for_rules() if type(q).__name__ != "Alpha"]
+    cockpit = Cockpit(list(model.parameters()), quantities=quantities, model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, (x, y) in enumerate(batches):
+            optimizer.zero_grad()
+            individual = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+            loss = individual.mean()
+            info = {"batch_size": len(x), "loss": loss, "optimizer": optimizer}
+            if losses:
+                info["individual_losses"] = individual
+            with cockpit(step, info=info):
+                loss.backward()
+            optimizer.step()
+    return cockpit.get_output(), cockpit.metadata()
+
+
+def test_data_stats_records_the_raw_input_the_output_and_the_per_sample_losses():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    x, y = 3.0 * torch.randn(32, 8), torch.randint(0, 5, (32,))
+    steps, _ = _fed(model, [(x, y), (x[:1].expand(32, 8).clone(), y), (x[:1], y[:1])])
+    first, constant, single = (steps[s]["DataStats"] for s in (0, 1, 2))
+    assert first["input_rms"] == pytest.approx(float(x.pow(2).mean().sqrt()), rel=1e-5)
+    assert 0.9 < first["input_spread"] <= 1.0 and first["outputs"] == 5 and not first["input_integer"]
+    assert first["loss_min"] <= first["loss_median"] <= first["loss_max"]
+    assert not first["output_probabilities"]
+    assert constant["input_spread"] == 0.0  # every row the same input
+    assert math.isnan(single["input_spread"]) and single["samples"] == 1  # one row has no spread
+    tokens = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(), torch.nn.Linear(12, 10))
+    steps, _ = _fed(tokens, [(torch.randint(0, 10, (16, 3)), torch.randint(0, 10, (16,)))], losses=False)
+    value = steps[0]["DataStats"]
+    assert value["input_integer"] and math.isnan(value["input_rms"]) and "loss_min" not in value
+
+
+def test_large_input_scale_reads_the_raw_input_behind_a_norm_layer():
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 3))
+    batches = [(100.0 * torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(3)]
+    steps, metadata = _fed(model, batches)
+    (found,) = [f for f in diagnose(steps, metadata).findings if f.rule == "large-input-scale"]
+    assert found.evidence["input_rms"] > 50 and found.step == 0
+    assert group_findings([found])[0].cause == "unnormalized-inputs"
+    # the activations alone do not show it: the LayerNorm brings the first ReLU's outputs to unit scale
+    hidden = {s: {k: v for k, v in value.items() if k != "DataStats"} for s, value in steps.items()}
+    assert [f for f in diagnose(hidden, metadata).findings if f.rule == "large-input-scale"] == []
+    normal = [(torch.randn(16, 8), y) for _, y in batches]
+    steps, metadata = _fed(model, normal)
+    assert [f for f in diagnose(steps, metadata).findings if f.rule == "large-input-scale"] == []
+
+
+def _data(spread=0.5, samples=16, outputs=10, **more):
+    return {"samples": samples, "input_spread": spread, "input_rms": 1.0, "input_integer": False,
+            "outputs": outputs, **more}
+
+
+def test_constant_inputs_mid_run():
+    varied, constant = [_data()] * 10, [_data(spread=0.0)] * 3
+    (found,) = R.ConstantInputs().check(history({"DataStats": varied + constant}))
+    assert found.evidence["since"] == 10 and found.step == 12
+    assert R.ConstantInputs().check(history({"DataStats": varied + constant[:1]})) == []  # one step: wait
+    assert R.ConstantInputs().check(history({"DataStats": varied})) == []
+    single = [_data(spread=math.nan, samples=1)] * 3  # batches of one row: no spread to judge
+    assert R.ConstantInputs().check(history({"DataStats": varied + single})) == []
+    rule = R.ConstantInputs()  # checked step by step (the incremental state), as the engine does
+    h = RunHistory()
+    for step, value in enumerate(varied + constant + varied[:2] + constant):
+        h.add(step, {"DataStats": value})
+        found = rule.check(h)
+    assert found[0].evidence["since"] == 15  # the second constant stretch
+
+
+def test_constant_inputs_explain_what_follows_them():
+    from cockpit_like.diagnosis.causes import cause_of
+    from cockpit_like.diagnosis.findings import Finding
+
+    constant = Finding("constant-inputs", "warning", 31, "", evidence={"since": 30})
+    blow_up = Finding("exploding-gradient", "warning", 33, "", evidence={"since": 32, "at_start": False})
+    assert cause_of(blow_up, [blow_up]) == "learning-rate-too-large"
+    assert cause_of(blow_up, [constant, blow_up]) == "labels-do-not-match"
+    earlier = Finding("update-ratio-too-large", "warning", 20, "", evidence={"since": 18})
+    assert cause_of(earlier, [constant, earlier]) == "learning-rate-too-large"  # it came before
+    (incident,) = group_findings([constant, blow_up])
+    assert incident.cause == "labels-do-not-match"
+
+
+def _losses(values, outputs=10, integer=False, ratio=0.01):
+    return {"Loss": values, "DataStats": [_data(outputs=outputs, input_integer=integer)] * len(values),
+            "UpdateSize": [[ratio]] * len(values), "ParamNorm": [[1.0]] * len(values)}
+
+
+def test_loss_at_chance():
+    chance = math.log(10)
+    flat = [chance * (1 + 0.01 * math.sin(s)) for s in range(60)]
+    (found,) = R.LossAtChance().check(history(_losses(flat), _SHAPES))
+    assert found.evidence["since"] == 0 and found.evidence["classes"] == 10
+    assert group_findings([found])[0].cause == "labels-do-not-match"
+    learns = flat[:30] + [chance * 0.7] * 30  # at chance for 30 steps, then it learns
+    assert R.LossAtChance().check(history(_losses(learns), _SHAPES)) == []
+    slow = [chance * (1.015 - 0.0005 * s) for s in range(60)]  # within 2% of chance, but falling: a slow start
+    assert R.LossAtChance().check(history(_losses(slow), _SHAPES)) == []
+    assert R.LossAtChance().check(history(_losses(flat[:45]), _SHAPES)) == []  # not long enough yet
+    # the parameters barely move: a learning rate too small, not the data
+    assert R.LossAtChance().check(history(_losses(flat, ratio=1e-5), _SHAPES)) == []
+    # a model fed token ids gets longer (a language model sits near log V before it learns)
+    assert R.LossAtChance().check(history(_losses(flat, integer=True), _SHAPES)) == []
+    tokens = [chance * (1 + 0.01 * math.sin(s)) for s in range(75)]
+    assert rules_of(R.LossAtChance().check(history(_losses(tokens, integer=True), _SHAPES))) == ["loss-at-chance"]
+    regression = history({**_losses(flat), "DataStats": [_data(outputs=1)] * 60}, _SHAPES)
+    assert R.LossAtChance().check(regression) == []  # one output: no classes
+
+
+def test_saturated_output_from_the_band_of_a_cross_entropy_over_probabilities():
+    floor = math.log(math.e + 1) - 1  # two classes: the losses lie in [0.313, 1.313]
+    pressed = [_data(outputs=2, loss_min=floor * 1.01, loss_median=0.5, loss_max=1.0)] * 35
+    varied = [0.5 + 0.05 * math.sin(3 * s) for s in range(35)]  # (not the quiet loss of the first test)
+    (found,) = R.SaturatedOutput().check(history({"Loss": varied, "DataStats": pressed}))
+    assert found.evidence["classes"] == 2 and found.evidence["since"] == 0
+    # a run that learns passes below the floor (once is enough)
+    passed = pressed[:20] + [_data(outputs=2, loss_min=0.2, loss_median=0.5, loss_max=1.0)] + pressed[:14]
+    assert R.SaturatedOutput().check(history({"Loss": varied, "DataStats": passed})) == []
+    # ... and one at chance stays well above it
+    chance = [_data(outputs=2, loss_min=0.6, loss_median=0.69, loss_max=0.8)] * 35
+    assert R.SaturatedOutput().check(history({"Loss": [0.69 + 0.01 * math.sin(s) for s in range(35)],
+                                              "DataStats": chance})) == []
+    # ten classes: the band lies around chance; staying in it for 50 steps is enough
+    floor10 = math.log(math.e + 9) - 1
+    inside = [_data(loss_min=floor10 * 1.2, loss_median=2.0, loss_max=2.4)]
+    noisy = [2.0 + 0.05 * math.sin(3 * s) for s in range(60)]
+    assert R.SaturatedOutput().check(history({"Loss": noisy[:45], "DataStats": inside * 45})) == []
+    assert rules_of(R.SaturatedOutput().check(history({"Loss": noisy, "DataStats": inside * 60}))) == [
+        "saturated-output"]
+    above = [_data(loss_min=floor10 * 1.2, loss_median=2.0, loss_max=2.6)]  # above the ceiling: logits
+    assert R.SaturatedOutput().check(history({"Loss": noisy, "DataStats": above * 60})) == []
+
+
+def test_round_four_thresholds():
+    # a transformer's position table (0.02 x N(0, 1) at the start) moves by 0.3-0.4 of its norm per step
+    # in healthy runs: not a finding any more at the default (0.5); a window median of 0.6 still is
+    for ratio, expected in ((0.41, []), (0.6, ["update-ratio-too-large"])):
+        h = history({"UpdateSize": [[ratio]] * 8, "ParamNorm": [[1.0]] * 8, "Loss": [2.0] * 8,
+                     "Momentum": [0.9] * 8}, _SHAPES)
+        assert rules_of(R.UpdateRatioTooLarge().check(h)) == expected
+    # units alive at the first step that die early: reported after 30 steps (Adagrad CNNs lose half their
+    # units in the first 10 steps and train well), and only while the loss has not fallen
+    alive, dead = {"1": {"kind": "relu", "dead_fraction": 0.0, "samples": 16}}, {
+        "1": {"kind": "relu", "dead_fraction": 0.8, "samples": 16}}
+    for count, expected in ((25, []), (35, ["dead-units"])):
+        h = history({"ActivationStats": [alive] * 5 + [dead] * (count - 5), "Loss": [2.3] * count})
+        assert rules_of(R.DeadUnits().check(h)) == expected
+    h = history({"ActivationStats": [alive] * 5 + [dead] * 30, "Loss": [2.3] * 5 + [1.0] * 30})
+    assert R.DeadUnits().check(h) == []  # the run learns
+
+
 # ---- severity ---------------------------------------------------------------------------------------
 def test_a_spike_is_a_warning_and_a_sustained_divergence_an_error():
     spike = [2.0] * 10 + [0.5] * 20 + [3.0] * 3 + [0.5] * 10  # a 3-step spike after a step decay

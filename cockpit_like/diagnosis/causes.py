@@ -160,6 +160,8 @@ _DIRECT = {
     "gradients-accumulate": "gradients-accumulate",
     "saturated-output": "saturated-output",
     "exploding-recurrence": "exploding-gradient",
+    "constant-inputs": "labels-do-not-match",
+    "loss-at-chance": "labels-do-not-match",
 }
 
 
@@ -179,10 +181,21 @@ _ACCUMULATION_SYMPTOMS = ("update-ratio-too-large", "loss-diverging", "exploding
                           "step-overshoots", "nonfinite-loss")
 
 
+#: findings that inputs turned constant produce too (the model fits one input: the loss and the gradient
+#: jump): read as the data's when they start at or after a ``constant-inputs`` finding's evidence
+_CONSTANT_INPUT_SYMPTOMS = _ACCUMULATION_SYMPTOMS + ("vanishing-gradient", "dead-units",
+                                                     "saturated-units", "unchanged-parameters",
+                                                     "update-ratio-too-small", "noisy-loss")
+
+
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
     rule = finding.rule
     findings = list(findings)
+    if rule in _CONSTANT_INPUT_SYMPTOMS and not finding.evidence.get("at_start"):
+        start = since(finding)
+        if any(other.rule == "constant-inputs" and since(other) <= start for other in findings):
+            return "labels-do-not-match"
     if rule in _ACCUMULATION_SYMPTOMS and not finding.evidence.get("at_start"):
         rules = {f.rule for f in findings}
         if "gradients-accumulate" in rules and "learning-rate-jump" not in rules:

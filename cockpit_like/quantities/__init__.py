@@ -3,6 +3,7 @@
 from cockpit_like.quantities import bin_adaptation
 from cockpit_like.quantities.activations import ActivationStats
 from cockpit_like.quantities.alpha import Alpha
+from cockpit_like.quantities.data_stats import DataStats
 from cockpit_like.quantities.byproducts import GradNorm, Loss, Parameters, Time
 from cockpit_like.quantities.gradient_noise import CABS, EarlyStopping, MeanGSNR
 from cockpit_like.quantities.gradient_tests import InnerTest, NormTest, OrthoTest
@@ -61,6 +62,7 @@ __all__ = [
     "SelfInfluence",
     "ParamNorm",
     "ActivationStats",
+    "DataStats",
     "LearningRate",
     "Momentum",
     "BatchSize",
