@@ -483,8 +483,9 @@ class PerSampleReducer:
             grad_batch = lazy.make(0, lazy.batch)
             if self.keep_grad_batch:
                 param.grad_batch = grad_batch
+            shared = self._shared_sum(lambda: grad_batch.sum(0))
             for k in others:
-                self._states[k] = self.stats[k].accumulate(self._states[k], index, param, grad_batch)
+                self._states[k] = self._accumulate_dense(k, self.stats[k], index, param, grad_batch, shared)
             return
         rowed, whole = [], []
         for k in others:

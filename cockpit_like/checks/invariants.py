@@ -95,6 +95,15 @@ def notable(record: dict[str, Any]) -> bool:
     return record.get("backward_passes", 1) != record.get("declared_passes", 1)
 
 
+def _floats(values: list) -> list[float]:
+    """Scalars (tensors or numbers) as Python floats, the tensors read from the device at once."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    read = iter(torch.stack([t.reshape(()).to(device=tensors[0].device, dtype=torch.float64) for t in tensors]).tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 class StepChecks:
     """The self-checks of one tracked optimizer step, gathered over its backward passes."""
 
@@ -138,15 +147,22 @@ class StepChecks:
         worst, worst_at, tolerance_seen, offenders = 0.0, None, 0.0, []
         # a layer whose gradient cancels to rounding noise (a key bias under softmax: 1e-23 where the others are
         # 1e-1) is compared at a thousandth of the largest layer's scale, not at its own noise
-        floor = 1e-3 * max((max(abs(float(e[0])), float(e[1])) for e in probe.values()), default=0.0)
-        for index, (total, absolute, *low) in probe.items():
-            param = params[index]
-            grad = grad_of(param)
-            wide = None if grad is None or grad.dtype not in (torch.float32, torch.float64) else grad.dtype
-            dirs = probe_directions(seed, index, param.shape, param.device, wide or torch.float32)
-            expected = 0.0 if grad is None else float(project(grad, dirs))
+        # every projection as one tensor, read once (not two host reads per parameter)
+        entries = list(probe.items())
+        pairs = _floats([value for _, (total, absolute, *_) in entries for value in (total, absolute)])
+        floor = 1e-3 * max((max(abs(pairs[2 * k]), pairs[2 * k + 1]) for k in range(len(entries))), default=0.0)
+        grads = [grad_of(params[index]) for index, _ in entries]
+        projected = _floats([
+            project(grad, probe_directions(seed, index, params[index].shape, params[index].device,
+                                           grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32))
+            for (index, _), grad in zip(entries, grads) if grad is not None
+        ])  # fmt: skip
+        projected.reverse()
+        for k, (index, (total, absolute, *low)) in enumerate(entries):
+            param, grad = params[index], grads[k]
+            expected = 0.0 if grad is None else projected.pop()
             expected -= self.stale.get(index, 0.0) / stale_scale
-            got, spread = float(total), float(absolute)
+            got, spread = pairs[2 * k], pairs[2 * k + 1]
             dtype = param.dtype if grad is None else grad.dtype
             tolerance = tolerance_for(torch.float16 if low else dtype)  # rows made in half precision: looser
             tolerance_seen = max(tolerance_seen, tolerance)

@@ -53,7 +53,7 @@ def probe_directions(
     Drawn in float64 and kept for the seed in use (a few vectors of each parameter's side lengths), also in
     ``dtype`` (the rows' own, for products without a copy of the rows), so that a step's probe, its gradient
     check and the next steps with the same seed draw and convert nothing again."""
-    key = (seed, index, tuple(shape), device if isinstance(device, str) else str(device), dtype)
+    key = (seed, index, shape, device, dtype)  # torch.Size and torch.device hash as their values
     found = _DIRECTIONS.get(key)
     if found is None:
         if len(_DIRECTIONS) >= 4096:
@@ -107,7 +107,9 @@ class GradientProbe(PerSampleStat):
     row_form: ClassVar[bool] = True
 
     def init(self, params: list[torch.Tensor]) -> Any:
-        return {"sums": {}, "low": set()}
+        # the parts as they come (float64 scalars), added per parameter once, at finalize: a layer costs its two
+        # products and an append, not a handful of small tensor operations more
+        return {"index": [], "total": [], "absolute": {}, "low": set()}
 
     @staticmethod
     def _precision(state, index: int, *tensors) -> None:
@@ -123,14 +125,11 @@ class GradientProbe(PerSampleStat):
 
     @staticmethod
     def _add(state, index: int, total: torch.Tensor, absolute: torch.Tensor | None) -> Any:
-        """Add ``(total, absolute)`` (``absolute``: ``|total|`` when None) to the parameter's float64 pair."""
-        total = total.to(torch.float64)
-        absolute = total.abs() if absolute is None else absolute.to(torch.float64)
-        known = state["sums"].get(index)
-        if known is None:
-            state["sums"][index] = [total, absolute]
-        else:
-            known[0], known[1] = known[0] + total, known[1] + absolute
+        """Add a part ``(total, absolute)`` (``absolute``: ``|total|`` when None) of the parameter's float64 pair."""
+        if absolute is not None:
+            state["absolute"][len(state["index"])] = absolute.reshape(()).to(torch.float64)
+        state["index"].append(index)
+        state["total"].append(total.reshape(()).to(torch.float64))
         return state
 
     def _add_rows(self, state, index: int, per_row: torch.Tensor) -> Any:
@@ -198,8 +197,20 @@ class GradientProbe(PerSampleStat):
 
     def finalize(self, state):
         """``{index: (c_p, a_p)}``; a third entry ``True`` where the rows came in half precision."""
-        return {index: (pair[0], pair[1]) + ((True,) if index in state["low"] else ())
-                for index, pair in sorted(state["sums"].items())}  # fmt: skip
+        indices = state["index"]
+        if not indices:
+            return {}
+        totals = torch.stack(state["total"])
+        absolutes = totals.abs()
+        if state["absolute"]:
+            at = list(state["absolute"])
+            absolutes[at] = torch.stack([state["absolute"][k] for k in at])
+        where = torch.tensor(indices)
+        size = max(indices) + 1
+        total = totals.new_zeros(size).index_add_(0, where, totals)
+        absolute = absolutes.new_zeros(size).index_add_(0, where, absolutes)
+        return {index: (total[index], absolute[index]) + ((True,) if index in state["low"] else ())
+                for index in sorted(set(indices))}  # fmt: skip
 
     def across_ranks(self, result, reduction):
         parts = {index: (reduction.mean(entry[0]), reduction.mean(entry[1]), entry[2:]) for index, entry in result.items()}
