@@ -67,11 +67,29 @@ def test_corpus_runs_are_deterministic_and_bad_input_is_named():
         train(RunSpec("x", "mlp", "sgd", 0.1, seed=0, problem="bad-luck", steps=2))
 
 
+_RUNS: dict[str, dict] = {}
+
+
+def trained(spec: RunSpec) -> dict:
+    """``train(spec)``, once per module: the twins below train runs of the slice again (the runs are
+    deterministic, see above), and the slice's runs serve them. Not for the determinism test itself."""
+    key = repr(spec)
+    if key not in _RUNS:
+        _RUNS[key] = train(spec)
+    return _RUNS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forget_runs():
+    yield
+    _RUNS.clear()
+
+
 @pytest.fixture(scope="module")
 def slice_runs():
     """Every setting with seed 0 (about 35 s on one core; the runs with HessMaxEV and NormTest take half)."""
     torch.set_num_threads(1)
-    return [train(spec) for spec in corpus(seeds=(0,))]
+    return [trained(spec) for spec in corpus(seeds=(0,))]
 
 
 def test_corpus_slice_keeps_recall_silence_and_root_cause(slice_runs):
@@ -99,7 +117,7 @@ def twin(setting: str, **healthy) -> tuple[dict, dict]:
     fixed = replace(spec, problem=None, onset=0, options=options, **healthy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return train(spec), train(fixed)
+        return trained(spec), trained(fixed)
 
 
 def test_loss_diverging_and_exploding_gradient_see_an_early_blow_up():
@@ -159,7 +177,7 @@ def test_loss_not_decreasing_quiet_on_a_slow_noisy_healthy_run():
     from cockpit_like.diagnosis.rules import LossNotDecreasing
 
     (spec,) = corpus(seeds=(0,), settings=["healthy-cnn-momentum-b8"])
-    run = train(spec)
+    run = trained(spec)
     assert alarms(run) == {}
     weak = diagnose(run["steps"], run["metadata"], rules=[LossNotDecreasing(z=2.0)]).findings
     assert [f.rule for f in weak] == ["loss-not-decreasing"]
@@ -181,7 +199,7 @@ def test_sharpness_above_stability_quiet_at_the_edge_of_stability():
     from cockpit_like.diagnosis.rules import SharpnessAboveStability
 
     (spec,) = corpus(seeds=(0,), settings=["healthy-resnet-sgd-curvature"])
-    run = train(spec)
+    run = trained(spec)
     assert alarms(run) == {}
     at_bound = diagnose(run["steps"], run["metadata"], rules=[SharpnessAboveStability(margin=1.0)]).findings
     assert {f.rule for f in at_bound} == {"sharpness-above-stability"} and at_bound[0].step >= 40
