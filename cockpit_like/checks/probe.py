@@ -207,11 +207,19 @@ class GradientProbe(PerSampleStat):
             absolutes[at] = torch.stack([state["absolute"][k] for k in at])
         where = torch.tensor(indices)
         size = max(indices) + 1
-        total = totals.new_zeros(size).index_add_(0, where, totals)
-        absolute = absolutes.new_zeros(size).index_add_(0, where, absolutes)
+        total = totals.new_zeros(size).index_add_(0, where, totals).tolist()  # one read from the device
+        absolute = absolutes.new_zeros(size).index_add_(0, where, absolutes).tolist()
         return {index: (total[index], absolute[index]) + ((True,) if index in state["low"] else ())
                 for index in sorted(set(indices))}  # fmt: skip
 
     def across_ranks(self, result, reduction):
-        parts = {index: (reduction.mean(entry[0]), reduction.mean(entry[1]), entry[2:]) for index, entry in result.items()}
-        return lambda: {index: (total(), absolute()) + low for index, (total, absolute, low) in parts.items()}
+        indices = list(result)
+        if not indices:
+            return lambda: {}
+        pairs = reduction.mean(torch.tensor([[result[i][0], result[i][1]] for i in indices], dtype=torch.float64))
+
+        def merged():
+            values = pairs().tolist()
+            return {index: (values[k][0], values[k][1]) + tuple(result[index][2:]) for k, index in enumerate(indices)}
+
+        return merged
