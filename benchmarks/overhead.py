@@ -373,6 +373,7 @@ def _training(args):
         optimizer.step()
 
     period = 10 if args.config == "full_every10" else 1
+    train_step.cockpit = cockpit  # for measurements inside one process (self_checks_cost.py --interleaved)
     return train_step, warmup, steps, period
 
 

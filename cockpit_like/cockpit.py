@@ -16,6 +16,8 @@ Frameworks that own the backward pass use the same step as two calls,
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -163,8 +165,7 @@ class Cockpit:
         self_checks: bool = True,
     ):
         self.params = _check_params(params)
-        #: run the self-checks at every tracked step (``False`` only to measure their cost: unverified numbers)
-        self.self_checks = bool(self_checks)
+        self._self_checks = bool(self_checks)
         #: bytes of per-sample gradients materialised at once (``None``: the default, 256 MB)
         self.memory_budget = _parse_bytes(memory_budget)
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -213,7 +214,7 @@ class Cockpit:
         #: what a tracked step needs from the cockpit, as one value (:mod:`cockpit_like.tracked_step`)
         self._env = StepEnvironment(
             params=self.params, tracer=self._tracer, collector=self._module_collector, ranks=self._ranks,
-            output=self._output, run=self._run, memory_budget=self.memory_budget, self_checks=self.self_checks,
+            output=self._output, run=self._run, memory_budget=self.memory_budget, self_checks=self._self_checks,
             keeps_output=lambda: self.keeps_output, active_at=self._active_at, create_graph=self.create_graph,
             name_of=self.name_of, param_names=self._names_of_params, param_name_list=self._param_name_list,
             models=self.models, diagnose=self._diagnose, report=self.add_finding,
@@ -362,6 +363,17 @@ class Cockpit:
         return self._param_names
 
     # ---- per step ------------------------------------------------------------
+    @property
+    def self_checks(self) -> bool:
+        """Whether tracked steps run their self-checks (``False`` only to measure their cost: the numbers are then
+        unverified). May be set between steps; a step already begun keeps what it began with."""
+        return self._self_checks
+
+    @self_checks.setter
+    def self_checks(self, value: bool) -> None:
+        self._self_checks = bool(value)
+        self._env = dataclasses.replace(self._env, self_checks=self._self_checks)
+
     def create_graph(self, global_step: int) -> bool:
         """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
         return any(q.create_graph(global_step) for q in self._active_at(global_step))

@@ -297,3 +297,19 @@ def test_parameters_left_out_of_the_optimizer_are_noted_not_failed():
     checks = cockpit.checks[1]
     assert checks["valid"] and "not in info['optimizer']" in checks["notes"][0] and "0.weight" in checks["notes"][0]
     assert "NormTest" in cockpit.get_output()[1]
+
+
+def test_projecting_every_gradient_at_once_equals_one_by_one():
+    """project_all groups tensors of one shape into batched products: the same numbers as project() per tensor."""
+    from cockpit_like.checks.probe import project_all
+
+    generator = torch.Generator().manual_seed(4)
+    shapes = [(4, 3), (4, 3), (5,), (4, 3), (5,), (2, 3, 2), (7,), (2, 3, 2)]
+    items = [(index, torch.randn(*shape, generator=generator, dtype=torch.float64)) for index, shape in enumerate(shapes)]
+    items.append((8, torch.randn(4, 3, generator=generator).half()))  # half precision: read in float32
+    got = project_all(11, items)
+    for (index, tensor), value in zip(items, got):
+        wide = tensor if tensor.dtype == torch.float64 else tensor.float()
+        expected = float(project(wide, probe_directions(11, index, tensor.shape, "cpu")))
+        assert value == pytest.approx(expected, rel=1e-6 if tensor.dtype != torch.float64 else 1e-12)
+    assert project_all(11, []) == []

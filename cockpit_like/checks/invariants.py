@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cockpit_like.checks.probe import probe_directions, project
+from cockpit_like.checks.probe import project_all
 
 __all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for", "notable"]
 
@@ -152,11 +152,7 @@ class StepChecks:
         pairs = _floats([value for _, (total, absolute, *_) in entries for value in (total, absolute)])
         floor = 1e-3 * max((max(abs(pairs[2 * k]), pairs[2 * k + 1]) for k in range(len(entries))), default=0.0)
         grads = [grad_of(params[index]) for index, _ in entries]
-        projected = _floats([
-            project(grad, probe_directions(seed, index, params[index].shape, params[index].device,
-                                           grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32))
-            for (index, _), grad in zip(entries, grads) if grad is not None
-        ])  # fmt: skip
+        projected = project_all(seed, [(index, grad) for (index, _), grad in zip(entries, grads) if grad is not None])
         projected.reverse()
         for k, (index, (total, absolute, *low)) in enumerate(entries):
             param, grad = params[index], grads[k]
