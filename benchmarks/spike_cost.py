@@ -1,6 +1,7 @@
 """What the loss-spike post-mortem costs on top of an economy step (issue 38, part 4, at a small scale).
 
     python benchmarks/spike_cost.py                # a tiny GPT-2 (Hugging Face, from a config), CPU, one thread
+    python benchmarks/spike_cost.py --gpt2-small   # GPT-2 small (124M, GPT2Config() defaults), batch 8 x 256
 
 Times, in one process and interleaved (round after round, so that a busy
 machine slows every configuration alike), the training step with the
@@ -8,9 +9,10 @@ cockpit's ``economy`` preset tracking every step, and the same with
 ``PostMortem`` added (with and without the per-layer update ratios, whose
 parameter copy is the only cost that grows with the model), and reports the
 median step time of each and ``PostMortem``'s memory (``nbytes``). Writes
-``benchmarks/results/spike_cost.json``. Not GPT-2 small (124M parameters,
-batch 8 x 256): that needs the setup of ``benchmarks/economy_bound.py``
-and minutes per configuration (docs/spikes.md).
+``benchmarks/results/spike_cost.json`` (``spike_cost_gpt2_small.json`` with
+``--gpt2-small``: the Hugging Face ``GPT2Config()`` defaults, 124M parameters,
+dropout off, built from the config, batch 8 x 256 tokens; a few rounds, each
+step several seconds on one thread).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def build(kind: str, seed: int = 0):
+def build(kind: str, seed: int = 0, small: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from cockpit_like import Cockpit
@@ -37,8 +39,11 @@ def build(kind: str, seed: int = 0):
     from cockpit_like.utils.schedules import linear
 
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
-                        resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if small:  # GPT-2 small
+        config = GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    else:
+        config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4, attn_pdrop=0.0,
+                            resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config).train()
     quantities = configuration("economy")
     post = None
@@ -52,7 +57,7 @@ def build(kind: str, seed: int = 0):
 
 def step(model, cockpit, optimizer, index: int, batch: int = 8, length: int = 64) -> float:
     generator = torch.Generator().manual_seed(index)
-    tokens = torch.randint(0, 256, (batch, length), generator=generator)
+    tokens = torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
     started = time.perf_counter()
     optimizer.zero_grad()
     logits = model(tokens, use_cache=False).logits[:, :-1]
@@ -65,30 +70,42 @@ def step(model, cockpit, optimizer, index: int, batch: int = 8, length: int = 64
     return time.perf_counter() - started
 
 
-def main(rounds: int = 40, warmup: int = 3) -> dict:
+def main(rounds: int = 40, warmup: int = 3, gpt2_small: bool = False) -> dict:
     torch.set_num_threads(1)
     kinds = ["economy", "economy+PostMortem(layer_updates=False)", "economy+PostMortem"]
-    built = {kind: build(kind) for kind in kinds}
+    built = {kind: build(kind, small=gpt2_small) for kind in kinds}
+    length = 256 if gpt2_small else 64
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for index in range(warmup + rounds):
             for kind in kinds:  # interleaved
                 model, cockpit, optimizer, _ = built[kind]
-                seconds = step(model, cockpit, optimizer, index)
+                seconds = step(model, cockpit, optimizer, index, length=length)
                 if index >= warmup:
                     times[kind].append(seconds)
     base = statistics.median(times["economy"])
-    result = {"model": "GPT-2 from a config (2 layers, width 64, vocabulary 256), batch 8 x 64 tokens, AdamW, 1 thread",
+    name = ("GPT-2 small (GPT2Config() defaults, from the config), batch 8 x 256 tokens, AdamW, 1 thread" if gpt2_small
+            else "GPT-2 from a config (2 layers, width 64, vocabulary 256), batch 8 x 64 tokens, AdamW, 1 thread")
+    result = {"model": name,
               "parameters": sum(p.numel() for p in built["economy"][0].parameters()),
               "median_step_seconds": {k: statistics.median(v) for k, v in times.items()},
               "overhead_vs_economy": {k: statistics.median(v) / base - 1 for k, v in times.items()},
               "post_mortem_nbytes": {k: built[k][3].nbytes for k in kinds if built[k][3] is not None},
               "rounds": rounds}
-    (ROOT / "benchmarks" / "results" / "spike_cost.json").write_text(json.dumps(result, indent=1) + "\n")
+    out = "spike_cost_gpt2_small.json" if gpt2_small else "spike_cost.json"
+    (ROOT / "benchmarks" / "results" / out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, batch 8 x 256 (minutes)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 40; 3 with --gpt2-small)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 3; 1 with --gpt2-small)")
+    args = parser.parse_args()
+    main(rounds=args.rounds or (3 if args.gpt2_small else 40), warmup=args.warmup or (1 if args.gpt2_small else 3),
+         gpt2_small=args.gpt2_small)
