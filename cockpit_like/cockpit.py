@@ -209,7 +209,7 @@ class Cockpit:
             folder=record_dir,
             on_record=self._on_record,
             paused=lambda: self._tracer.paused or in_cockpit_work(),
-            is_tracked=lambda step: any(q.is_active(step) for q in self.quantities),
+            is_tracked=lambda step: bool(self._active_at(step)),
         )
         #: what a tracked step needs from the cockpit, as one value (:mod:`cockpit_like.tracked_step`)
         self._env = StepEnvironment(

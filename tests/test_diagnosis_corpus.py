@@ -370,8 +370,8 @@ def test_a_preset_run_feeds_every_rule_it_can():
     plan = cockpit.metadata()["diagnosis"]
     assert {"dead-units", "update-ratio-too-large", "large-input-scale", "step-overshoots", "constant-inputs",
             "loss-at-chance"} <= set(plan["can_run"])
-    assert set(plan["needs"]) == {"sharpness-above-stability", "overfitting"}  # HessMaxEV; cockpit.log figures
-    assert cockpit.diagnosis.notes().keys() <= {"sharpness-above-stability", "overfitting"}
+    assert set(plan["needs"]) == {"sharpness-above-stability", "overfitting", "loss-spike"}  # HessMaxEV; cockpit.log figures; PostMortem
+    assert cockpit.diagnosis.notes().keys() <= {"sharpness-above-stability", "overfitting", "loss-spike"}
     plain = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, diagnose=True,
                     diagnosis_feeds=False)
     assert plain.diagnosis_feeds == [] and len(plain.quantities) == len(configuration("economy"))
