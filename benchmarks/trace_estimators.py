@@ -156,6 +156,12 @@ def _track_once(name, problem, model, params, inputs, targets, batch_size, step,
     from cockpit_like import Cockpit
 
     cockpit = Cockpit(params, quantities=quantities, model=model)
+    _tracked_backward(cockpit, name, problem, model, inputs, targets, batch_size, step)
+    return cockpit
+
+
+def _tracked_backward(cockpit, name, problem, model, inputs, targets, batch_size, step) -> None:
+    """One forward pass and the backward pass inside ``cockpit`` at ``step`` (with the graph if it asks)."""
     outputs = problem.forward(model, inputs)
     losses = problem.sample_losses(outputs, targets)
     loss = losses.mean()
@@ -163,7 +169,6 @@ def _track_once(name, problem, model, params, inputs, targets, batch_size, step,
             "outputs": loss_logits(name, outputs)}
     with cockpit(step, info=info):
         loss.backward(create_graph=cockpit.create_graph(step))
-    return cockpit
 
 
 def _spread(name, factory, state, inputs, targets, batch_size, step) -> dict:
@@ -222,13 +227,7 @@ def run_model(name, factory, steps: int, batch_size: int) -> list[dict]:
         ggn = exact_ggn_diagonal(name, reference, twin, inputs)
         numerator = float(squares.sum())
         optimizer.zero_grad()
-        outputs = problem.forward(model, inputs)
-        losses = problem.sample_losses(outputs, targets)
-        loss = losses.mean()
-        info = {"loss": loss, "batch_size": batch_size, "individual_losses": losses.detach(),
-                "outputs": loss_logits(name, outputs)}
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        _tracked_backward(cockpit, name, problem, model, inputs, targets, batch_size, step)
         optimizer.step()
         for p in params:
             p.grad = None

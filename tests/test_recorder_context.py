@@ -448,27 +448,32 @@ class Recurrent(nn.Module):
         return self.out(self.rnn(x)[0][:, -1])
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
-def test_a_nan_row_into_a_recurrent_net_is_recorded_not_raised(kind):
-    """The per-sample re-run of a recurrent layer compares its outputs with the step's: NaN rows are
-    the same NaN rows (this raised UncoveredParameterError into the training loop)."""
-    torch.manual_seed(0)
-    model = Recurrent(kind)
+def _two_steps_nan_at_step_1(model, width, poison):
+    """Two economy steps on ``[6, 5, width]`` inputs, ``poison(x)`` putting a NaN into step 1's; the cockpit."""
     cockpit = Cockpit(model.parameters(), configuration("economy"), model=model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(2):
             generator = torch.Generator().manual_seed(step)
-            x, y = torch.randn(6, 5, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+            x, y = torch.randn(6, 5, width, generator=generator), torch.randint(0, 3, (6,), generator=generator)
             if step == 1:
-                x[2, 3] = float("nan")  # one time step of one row
+                poison(x)
             per = nn.functional.cross_entropy(model(x), y, reduction="none")
             with cockpit(step, info={"loss": per.mean(), "batch_size": 6, "individual_losses": per,
                                      "optimizer": optimizer}):  # fmt: skip
                 per.mean().backward()
             optimizer.step()
             optimizer.zero_grad()
+    return cockpit
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_nan_row_into_a_recurrent_net_is_recorded_not_raised(kind):
+    """The per-sample re-run of a recurrent layer compares its outputs with the step's: NaN rows are
+    the same NaN rows (this raised UncoveredParameterError into the training loop)."""
+    torch.manual_seed(0)
+    cockpit = _two_steps_nan_at_step_1(Recurrent(kind), 4, lambda x: x[2, 3].fill_(float("nan")))  # one time step
     origin = cockpit.records[1].first_nonfinite
     assert origin["kind"] == "input" and origin["module"] == "rnn"
 
@@ -575,22 +580,7 @@ def test_a_nan_row_into_multihead_attention_is_recorded_not_raised():
     tolerance taken from the output's largest value was NaN, and `allclose` raised into the training loop (found
     by the spike corpus: a learning-rate jump drove a transformer's activations to NaN)."""
     torch.manual_seed(0)
-    model = _Attention()
-    cockpit = Cockpit(model.parameters(), configuration("economy"), model=model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for step in range(2):
-            generator = torch.Generator().manual_seed(step)
-            x, y = torch.randn(6, 5, 8, generator=generator), torch.randint(0, 3, (6,), generator=generator)
-            if step == 1:
-                x[2, 3, 0] = float("nan")
-            per = nn.functional.cross_entropy(model(x), y, reduction="none")
-            with cockpit(step, info={"loss": per.mean(), "batch_size": 6, "individual_losses": per,
-                                     "optimizer": optimizer}):  # fmt: skip
-                per.mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    cockpit = _two_steps_nan_at_step_1(_Attention(), 8, lambda x: x[2, 3, 0].fill_(float("nan")))
     assert 1 in cockpit.records
     from cockpit_like.backends.module_rules import finite_parts
 
