@@ -262,17 +262,26 @@ def test_a_distributed_mistake_is_an_error_within_two_minutes_by_default():
     assert inspect.signature(Cockpit).parameters["distributed_timeout"].default == 120.0
 
 
-def test_a_forgotten_zero_grad_fails_the_step_and_is_reported_once():
-    model = mlp()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def _sgd_steps(model, optimized, steps: int, zero_grad: bool):
+    """``steps`` SGD steps of ``model`` (``optimized``: the optimizer's parameters) under a cockpit on every
+    parameter, with or without ``optimizer.zero_grad()``; the cockpit."""
+    optimizer = torch.optim.SGD(list(optimized), lr=0.1)
     cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
-    for step in range(3):  # no optimizer.zero_grad()
+    for step in range(steps):
+        if zero_grad:
+            optimizer.zero_grad()
         x, y = data(step)
         losses = nn.functional.cross_entropy(model(x), y, reduction="none")
         loss = losses.mean()
         with cockpit(step, info={"batch_size": ROWS, "individual_losses": losses, "loss": loss, "optimizer": optimizer}):
             loss.backward()
         optimizer.step()
+    return cockpit
+
+
+def test_a_forgotten_zero_grad_fails_the_step_and_is_reported_once():
+    model = mlp()
+    cockpit = _sgd_steps(model, model.parameters(), steps=3, zero_grad=False)
     assert "checks" not in cockpit.get_output()[0]  # the first step starts from no gradient
     for step in (1, 2):
         failed = cockpit.invalid_steps[step]
@@ -284,16 +293,7 @@ def test_parameters_left_out_of_the_optimizer_are_noted_not_failed():
     """A layer frozen by leaving it out of the optimizer: its p.grad is never zeroed. The step stays valid (the
     per-sample check compares this step's part) and a note says what p.grad holds."""
     model = mlp()
-    optimizer = torch.optim.SGD(list(model[2].parameters()), lr=0.1)
-    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
-    for step in range(2):
-        optimizer.zero_grad()
-        x, y = data(step)
-        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
-        loss = losses.mean()
-        with cockpit(step, info={"batch_size": ROWS, "individual_losses": losses, "loss": loss, "optimizer": optimizer}):
-            loss.backward()
-        optimizer.step()
+    cockpit = _sgd_steps(model, model[2].parameters(), steps=2, zero_grad=True)
     checks = cockpit.checks[1]
     assert checks["valid"] and "not in info['optimizer']" in checks["notes"][0] and "0.weight" in checks["notes"][0]
     assert "NormTest" in cockpit.get_output()[1]

@@ -591,13 +591,12 @@ class PerSampleReducer:
             (lambda: sequence_sum(a, b).reshape(param.shape)) if grad_batch is None else (lambda: grad_batch.sum(0))
         )
         for k, stat in enumerate(self.stats):
-            if shared is not None and (stat.sum_form or (grad_batch is None and stat.reads_batch_sum(self._states[k]))):
-                if stat.sum_form:
-                    self._states[k] = stat.accumulate_sum(self._states[k], index, param, shared)
-                else:
-                    self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b, batch_sum=shared)
+            state = self._states[k]
+            if shared is not None and stat.sum_form:
+                self._states[k] = stat.accumulate_sum(state, index, param, shared)
             elif stat.sequence_form and (grad_batch is None or stat.prefers_factors):
-                self._states[k] = stat.accumulate_sequence(self._states[k], index, param, a, b)
+                given = {"batch_sum": shared} if shared is not None and stat.reads_batch_sum(state) else {}
+                self._states[k] = stat.accumulate_sequence(state, index, param, a, b, **given)
             else:
                 self._states[k] = self._accumulate_dense(k, stat, index, param, grad_batch, shared)
 

@@ -95,15 +95,6 @@ def notable(record: dict[str, Any]) -> bool:
     return record.get("backward_passes", 1) != record.get("declared_passes", 1)
 
 
-def _floats(values: list) -> list[float]:
-    """Scalars (tensors or numbers) as Python floats, the tensors read from the device at once."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    read = iter(torch.stack([t.reshape(()).to(device=tensors[0].device, dtype=torch.float64) for t in tensors]).tolist())
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-
-
 class StepChecks:
     """The self-checks of one tracked optimizer step, gathered over its backward passes."""
 
@@ -135,7 +126,7 @@ class StepChecks:
     # ---- the gradient check --------------------------------------------------------------
     def compare_probe(
         self,
-        probe: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        probe: dict[int, tuple[float, float]],
         seed: int,
         params: list[torch.Tensor],
         grad_of: Callable[[torch.Tensor], torch.Tensor | None],
@@ -147,9 +138,8 @@ class StepChecks:
         worst, worst_at, tolerance_seen, offenders = 0.0, None, 0.0, []
         # a layer whose gradient cancels to rounding noise (a key bias under softmax: 1e-23 where the others are
         # 1e-1) is compared at a thousandth of the largest layer's scale, not at its own noise
-        # every projection as one tensor, read once (not two host reads per parameter)
-        entries = list(probe.items())
-        pairs = _floats([value for _, (total, absolute, *_) in entries for value in (total, absolute)])
+        entries = list(probe.items())  # the probe's result holds floats (read from the device once)
+        pairs = [float(value) for _, (total, absolute, *_) in entries for value in (total, absolute)]
         floor = 1e-3 * max((max(abs(pairs[2 * k]), pairs[2 * k + 1]) for k in range(len(entries))), default=0.0)
         grads = [grad_of(params[index]) for index, _ in entries]
         projected = project_all(seed, [(index, grad) for (index, _), grad in zip(entries, grads) if grad is not None])
