@@ -313,6 +313,17 @@ def test_constant_inputs_explain_what_follows_them():
     assert cause_of(early, [constant, early]) == "learning-rate-too-large"  # one step, before the data changed
 
 
+def test_a_loss_held_at_chance_by_a_blow_up_is_its_symptom():
+    """Updates far too large from the first step keep a loss at chance (the units die): one incident, the
+    learning rate's; alone, a loss at chance is the data's."""
+    from cockpit_like.diagnosis.findings import Finding
+
+    chance = Finding("loss-at-chance", "warning", 53, "", evidence={"since": 0})
+    large = Finding("update-ratio-too-large", "warning", 1, "", evidence={"since": 1})
+    assert [(i.cause, len(i.symptoms)) for i in group_findings([chance, large])] == [("learning-rate-too-large", 1)]
+    assert [i.cause for i in group_findings([chance])] == ["labels-do-not-match"]
+
+
 def test_a_batch_of_one_explains_the_blow_up_it_makes():
     from cockpit_like.diagnosis.causes import cause_of
     from cockpit_like.diagnosis.findings import Finding

@@ -65,7 +65,7 @@ _BLOW_UP_SYMPTOMS = ("loss-diverging", "exploding-gradient", "update-ratio-too-l
                      "sharpness-above-stability", "loss-spikes", "dead-units", "vanishing-gradient",
                      "unchanged-parameters", "saturated-units", "loss-not-decreasing", "nonfinite-loss",
                      "noisy-loss", "small-batch", "noise-dominated", "poor-initialization",
-                     "update-ratio-too-small")
+                     "update-ratio-too-small", "loss-at-chance")
 
 #: every cause the layer can name
 CAUSES: dict[str, Cause] = {
