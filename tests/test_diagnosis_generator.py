@@ -164,6 +164,20 @@ def test_gradients_accumulate_leaves_out_parameters_the_optimizer_does_not_move(
     assert found.evidence["norm"] == pytest.approx(grads[-1][1]) and found.evidence["first"] == pytest.approx(grads[0][1])
 
 
+def test_exploding_gradient_leaves_out_parameters_the_optimizer_does_not_move():
+    fresh = [[1.0 + 0.1 * math.sin(s), 0.5 * (s + 1)] for s in range(120)]  # the second one adds up, unused
+    frozen = [[0.01, 0.0]] * 120
+    assert R.ExplodingGradient().check(history({"GradNorm": fresh, "UpdateSize": frozen})) == []
+    assert rules_of(R.ExplodingGradient().check(history({"GradNorm": fresh}))) == ["exploding-gradient"]
+    moving = [[0.01, 0.01]] * 120
+    assert rules_of(R.ExplodingGradient().check(history({"GradNorm": fresh, "UpdateSize": moving}))) == [
+        "exploding-gradient"]
+    # the parameter that moves explodes: found (on its own norm)
+    grows = [[1.0 if s < 119 else 80.0, 0.5] for s in range(120)]
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": grows, "UpdateSize": frozen}))
+    assert found.evidence["norm"] == pytest.approx(80.0)
+
+
 def test_saturated_output():
     squashed = [2.3026 + 0.0005 * math.sin(s) for s in range(30)]
     (found,) = R.SaturatedOutput().check(history({"Loss": squashed}))

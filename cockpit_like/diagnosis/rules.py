@@ -586,6 +586,25 @@ class SmallBatch(_LossProgress):
 
 
 # ---- gradients ------------------------------------------------------------------------------
+def _moving_parameters(history: RunHistory) -> np.ndarray | None:
+    """Which parameters the optimizer moved at the latest step (``UpdateSize`` above 0), or ``None`` where
+    every one moved, none did, or ``UpdateSize`` is not tracked. A parameter left out of the optimizer keeps
+    its gradient (``optimizer.zero_grad()`` clears only the optimizer's), which then adds up over steps
+    harmlessly: no step uses it."""
+    latest = history.last("UpdateSize", 1)
+    blocks = block_values(latest[0][1]) if latest else None
+    if blocks is None or not np.isfinite(blocks).all():
+        return None
+    moving = blocks > 0
+    return None if moving.all() or not moving.any() else moving
+
+
+def _masked_norm(value: Any, mask: np.ndarray) -> float:
+    """The total norm of the parameters ``mask`` selects (NaN where ``value`` has another layout)."""
+    blocks = block_values(value)
+    return math.nan if blocks is None or len(blocks) != len(mask) else float(np.sqrt(np.sum(blocks[mask] ** 2)))
+
+
 class ExplodingGradient(Rule):
     """The total gradient norm (from ``GradNorm``) explodes, or is not finite.
 
@@ -607,11 +626,15 @@ class ExplodingGradient(Rule):
       initialization runs).
 
     Severity ``error`` when the latest norm is NaN or infinite.
+
+    Where ``UpdateSize`` is tracked and some parameters did not move at the latest step (left out of
+    the optimizer: their gradients add up, since ``zero_grad()`` does not clear them), the growth test
+    is made again on the norm of the parameters that moved (round 5 of issue 36).
     """
 
     id = "exploding-gradient"
     severity = "warning"
-    reads = ("GradNorm",)
+    reads = ("GradNorm",)  # (and UpdateSize where tracked: parameters the optimizer does not move are left out)
 
     def __init__(self, window: int = 5, factor: float = 50.0, start_factor: float = 20.0):
         self.window = _check_window(window)
@@ -665,6 +688,15 @@ class ExplodingGradient(Rule):
         reference = min(first, typical) if math.isfinite(typical) else first
         if not (reference > 0 and latest > self.factor * reference):
             return []
+        moving = _moving_parameters(history)
+        if moving is not None:  # only the parameters the optimizer moves (the growth of left-out ones is harmless)
+            norms = [_masked_norm(value, moving) for _, value in history.last("GradNorm", NOISE_VALUES)]
+            finite = [v for v in norms if math.isfinite(v)]
+            first = _masked_norm(history.first("GradNorm", 1)[0][1], moving)
+            latest, typical = norms[-1], (_median(finite) if finite else math.nan)
+            reference = min(first, typical) if math.isfinite(typical) else first
+            if not (reference > 0 and latest > self.factor * reference):
+                return []
         return [
             self.finding(
                 step,
@@ -1737,32 +1769,18 @@ class GradientsAccumulate(Rule):
         self.smooth = _check_positive("smooth", smooth)
         self.growth = _check_positive("growth", growth)
 
-    def _moving(self, history: RunHistory) -> np.ndarray | None:
-        """Which parameters the optimizer moved at the latest step (``UpdateSize`` above 0), or ``None``
-        where every one moved or ``UpdateSize`` is not tracked."""
-        latest = history.last("UpdateSize", 1)
-        blocks = block_values(latest[0][1]) if latest else None
-        if blocks is None or not np.isfinite(blocks).all():
-            return None
-        moving = blocks > 0
-        return None if moving.all() or not moving.any() else moving
-
     def check(self, history: RunHistory) -> list[Finding]:
         steps, totals = history.series("GradNorm", _total_norm)
         if len(totals) < self.window + 1:
             return []
         recent = np.asarray(totals[-self.window - 1:])
         first = totals[0]
-        moving = self._moving(history) if recent[-1] > self.growth * first else None
+        moving = _moving_parameters(history) if recent[-1] > self.growth * first else None
         if moving is not None:
             # gradients of parameters no optimizer step uses (a layer left out of the optimizer, whose
             # gradient zero_grad() does not clear) add up harmlessly: the sum over those that move
-            def moved(value: Any) -> float:
-                blocks = block_values(value)
-                return math.nan if blocks is None or len(blocks) != len(moving) else float(
-                    np.sqrt(np.sum(blocks[moving] ** 2)))
-            recent = np.asarray([moved(value) for _, value in history.last("GradNorm", self.window + 1)])
-            first = moved(history.first("GradNorm", 1)[0][1])
+            recent = np.asarray([_masked_norm(value, moving) for _, value in history.last("GradNorm", self.window + 1)])
+            first = _masked_norm(history.first("GradNorm", 1)[0][1], moving)
         if not (np.isfinite(recent).all() and math.isfinite(first) and first > 0 and recent[-1] > self.growth * first):
             return []
         change = np.diff(recent)
