@@ -190,6 +190,12 @@ def test_exploding_recurrence_is_not_unnormalized_inputs():
     recurrent = {"act": {"kind": "relu", "samples": 320, "rms": 800.0}}  # 20 calls per sample
     h = history({"ActivationStats": [recurrent] * 3, "BatchSize": [16] * 3})
     assert rules_of(R.ExplodingRecurrence().check(h)) == ["exploding-recurrence"]
+    for share, found in ((0.21, ["exploding-recurrence"]), (0.03, [])):  # tanh: saturated outputs at the start
+        tanh = {"act": {"kind": "tanh", "samples": 320, "rms": 0.8, "saturated_fraction": share}}
+        h_tanh = history({"ActivationStats": [tanh] * 3, "BatchSize": [16] * 3})
+        assert rules_of(R.ExplodingRecurrence().check(h_tanh)) == found
+    once = {"act": {"kind": "tanh", "samples": 16, "rms": 0.8, "saturated_fraction": 0.5}}  # once per sample
+    assert R.ExplodingRecurrence().check(history({"ActivationStats": [once] * 3, "BatchSize": [16] * 3})) == []
     assert R.LargeInputScale().check(h) == []
     feed_forward = {"act": {"kind": "relu", "samples": 16, "rms": 800.0}}
     h = history({"ActivationStats": [feed_forward] * 3, "BatchSize": [16] * 3})

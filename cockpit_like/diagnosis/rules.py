@@ -1607,13 +1607,18 @@ class ExplodingRecurrence(Rule):
     """At the first tracked step, an activation module called more than once per sample (a recurrence:
     more rows than ``BatchSize``) has outputs of scale (rms) above ``limit`` (ReLU-like), or more than
     ``saturated`` of its outputs saturated (tanh, sigmoid): the recurrence amplifies its state through
-    time before any update, and so does the gradient through time."""
+    time before any update, and so does the gradient through time.
+
+    ``saturated`` set on the generated corpus's tuning families (seeds 0-3, round 5): the tanh of 72
+    recurrent runs without this fault had at most 2.2% of its outputs saturated at the first step,
+    those of recurrent weights 2.5-3.8x an orthogonal matrix 21% and 42% (0.5, round 4's default,
+    saw neither)."""
 
     id = "exploding-recurrence"
     severity = "warning"
     reads = ("ActivationStats", "BatchSize")
 
-    def __init__(self, limit: float = 10.0, saturated: float = 0.5):
+    def __init__(self, limit: float = 10.0, saturated: float = 0.1):
         self.limit = _check_positive("limit", limit)
         self.saturated = _check_positive("saturated", saturated)
 
