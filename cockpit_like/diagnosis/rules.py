@@ -1978,6 +1978,11 @@ class LossAtChance(Rule):
     shuffled labels for 61 steps or more (language models: 42-70, so some are not seen); runs with
     a learning rate 300-3000x too small had update ratios up to 8e-5, runs with shuffled labels
     1e-3 or more.
+
+    For inputs other than tokens it also fires when the moving median stayed within ``wide_margin``
+    (4%) of chance for ``wide_window`` (45) tracked steps (round 5, tuning families of seeds 0-3:
+    healthy runs stayed within 4% for at most 29 steps; two-class runs with shuffled labels, whose
+    loss wanders 2-4% around ``log 2``, for 50 or more).
     """
 
     id = "loss-at-chance"
