@@ -69,10 +69,10 @@ def test_loss_diverging_from_start_and_from_best():
     early = history({"Loss": [2.3, 76.0, 5200.0, 1400.0, 12.0]})
     (found,) = R.LossDiverging().check(early)
     assert found.evidence["reference"] == 2.3 and found.evidence["recent"] == 1400.0
-    # a 1.5x rise: a divergence on a quiet run (far outside its noise), not on a noisy one
-    quiet = history({"Loss": noisy(1.0, 20, 0.01) + [1.6] * 3})
+    # a 1.7x rise: a divergence on a quiet run (far outside its noise), not on a noisy one
+    quiet = history({"Loss": noisy(1.0, 20, 0.01) + [1.7] * 3})
     assert ids(R.LossDiverging().check(quiet)) == [("loss-diverging", None)]
-    # issue 36: from the best moving median the rise must also exceed min_gap_best (0.5) x the first loss
+    # issue 36: from the best moving median the rise must also exceed min_gap_best (0.6) x the first loss
     assert R.LossDiverging().check(history({"Loss": noisy(1.0, 20, 0.01) + [1.4] * 3})) == []
     loud = history({"Loss": noisy(1.0, 20, 0.6) + [1.5] * 3})
     assert R.LossDiverging().check(loud) == []
@@ -85,6 +85,11 @@ def test_loss_diverging_from_start_and_from_best():
     rebound = history({"Loss": [5.0] * 5 + [0.1] * 5 + [2.0] * 5})
     (found,) = R.LossDiverging(min_gap_best=0.1).check(rebound)
     assert found.evidence["reference"] == 0.1 and found.evidence["recent"] == 2.0
+    # round 5: 0.6 x the first loss (healthy spikes of the generated tuning families rose by up to 0.58 x)
+    spike = history({"Loss": [1.0] * 5 + [0.2] * 10 + [0.75] * 3})  # 3.75x the best, 0.55 x the first loss
+    assert R.LossDiverging().check(spike) == []
+    assert len(R.LossDiverging(min_gap_best=0.5).check(spike)) == 1
+    assert len(R.LossDiverging().check(history({"Loss": [1.0] * 5 + [0.2] * 10 + [0.85] * 3}))) == 1  # 0.65 x
     # by default (issue 36) a rise of less than half the first loss is loss-jump's: a new level mid-run
     jumped = history({"Loss": [5.0] * 5 + [0.1] * 12 + [2.0] * 5})
     assert R.LossDiverging().check(jumped) == []

@@ -145,6 +145,39 @@ def test_gradients_accumulate_tells_a_sum_from_fresh_gradients():
     assert R.GradientsAccumulate().check(history({"GradNorm": [[g] for g in growing]})) == []
 
 
+def test_gradients_accumulate_leaves_out_parameters_the_optimizer_does_not_move():
+    """A layer left out of the optimizer keeps its gradients (zero_grad() clears only the optimizer's):
+    they add up, harmlessly, since no step uses them; the layers that train get fresh gradients."""
+    rng = np.random.default_rng(1)
+    fresh = [rng.normal(size=20) + 1.0 for _ in range(30)]
+    summed = np.cumsum([rng.normal(size=20) + 1.0 for _ in range(30)], axis=0)
+    grads = [[float(np.linalg.norm(f)), float(np.linalg.norm(a))] for f, a in zip(fresh, summed)]
+    frozen = [[0.01, 0.0]] * 30  # the second parameter never moves
+    assert R.GradientsAccumulate().check(history({"GradNorm": grads, "UpdateSize": frozen})) == []
+    assert R.GradientsAccumulate().check(history({"GradNorm": grads})) != []  # without UpdateSize: the total
+    moving = [[0.01, 0.01]] * 30  # both move: the summed one is applied at every step
+    (found,) = R.GradientsAccumulate().check(history({"GradNorm": grads, "UpdateSize": moving}))
+    assert found.evidence["norm"] == pytest.approx(math.hypot(*grads[-1]))
+    # the accumulating parameter is the one that moves: found, on its norm alone
+    swapped = [[a, f] for f, a in grads]
+    (found,) = R.GradientsAccumulate().check(history({"GradNorm": swapped, "UpdateSize": frozen}))
+    assert found.evidence["norm"] == pytest.approx(grads[-1][1]) and found.evidence["first"] == pytest.approx(grads[0][1])
+
+
+def test_exploding_gradient_leaves_out_parameters_the_optimizer_does_not_move():
+    fresh = [[1.0 + 0.1 * math.sin(s), 0.5 * (s + 1)] for s in range(120)]  # the second one adds up, unused
+    frozen = [[0.01, 0.0]] * 120
+    assert R.ExplodingGradient().check(history({"GradNorm": fresh, "UpdateSize": frozen})) == []
+    assert rules_of(R.ExplodingGradient().check(history({"GradNorm": fresh}))) == ["exploding-gradient"]
+    moving = [[0.01, 0.01]] * 120
+    assert rules_of(R.ExplodingGradient().check(history({"GradNorm": fresh, "UpdateSize": moving}))) == [
+        "exploding-gradient"]
+    # the parameter that moves explodes: found (on its own norm)
+    grows = [[1.0 if s < 119 else 80.0, 0.5] for s in range(120)]
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": grows, "UpdateSize": frozen}))
+    assert found.evidence["norm"] == pytest.approx(80.0)
+
+
 def test_saturated_output():
     squashed = [2.3026 + 0.0005 * math.sin(s) for s in range(30)]
     (found,) = R.SaturatedOutput().check(history({"Loss": squashed}))
@@ -157,6 +190,12 @@ def test_exploding_recurrence_is_not_unnormalized_inputs():
     recurrent = {"act": {"kind": "relu", "samples": 320, "rms": 800.0}}  # 20 calls per sample
     h = history({"ActivationStats": [recurrent] * 3, "BatchSize": [16] * 3})
     assert rules_of(R.ExplodingRecurrence().check(h)) == ["exploding-recurrence"]
+    for share, found in ((0.21, ["exploding-recurrence"]), (0.03, [])):  # tanh: saturated outputs at the start
+        tanh = {"act": {"kind": "tanh", "samples": 320, "rms": 0.8, "saturated_fraction": share}}
+        h_tanh = history({"ActivationStats": [tanh] * 3, "BatchSize": [16] * 3})
+        assert rules_of(R.ExplodingRecurrence().check(h_tanh)) == found
+    once = {"act": {"kind": "tanh", "samples": 16, "rms": 0.8, "saturated_fraction": 0.5}}  # once per sample
+    assert R.ExplodingRecurrence().check(history({"ActivationStats": [once] * 3, "BatchSize": [16] * 3})) == []
     assert R.LargeInputScale().check(h) == []
     feed_forward = {"act": {"kind": "relu", "samples": 16, "rms": 800.0}}
     h = history({"ActivationStats": [feed_forward] * 3, "BatchSize": [16] * 3})
@@ -285,6 +324,38 @@ def test_constant_inputs_explain_what_follows_them():
     assert cause_of(earlier, [constant, earlier]) == "learning-rate-too-large"  # it came before
     (incident,) = group_findings([constant, blow_up])
     assert incident.cause == "labels-do-not-match"
+    # a windowed finding (dead units over 3 steps) whose window reaches back before the first constant batch
+    dead = Finding("dead-units", "warning", 32, "", evidence={"since": 27, "at_start": False, "developed": True})
+    assert cause_of(dead, [constant, dead]) == "learning-rate-too-large"  # 3 steps before: more than its window
+    dead = Finding("dead-units", "warning", 31, "", evidence={"since": 29, "at_start": False, "developed": True})
+    assert cause_of(dead, [constant, dead]) == "labels-do-not-match"
+    early = Finding("exploding-gradient", "warning", 29, "", evidence={"since": 29, "at_start": False})
+    assert cause_of(early, [constant, early]) == "learning-rate-too-large"  # one step, before the data changed
+
+
+def test_a_loss_held_at_chance_by_a_blow_up_is_its_symptom():
+    """Updates far too large from the first step keep a loss at chance (the units die): one incident, the
+    learning rate's; alone, a loss at chance is the data's."""
+    from cockpit_like.diagnosis.findings import Finding
+
+    chance = Finding("loss-at-chance", "warning", 53, "", evidence={"since": 0})
+    large = Finding("update-ratio-too-large", "warning", 1, "", evidence={"since": 1})
+    assert [(i.cause, len(i.symptoms)) for i in group_findings([chance, large])] == [("learning-rate-too-large", 1)]
+    assert [i.cause for i in group_findings([chance])] == ["labels-do-not-match"]
+
+
+def test_a_batch_of_one_explains_the_blow_up_it_makes():
+    from cockpit_like.diagnosis.causes import cause_of
+    from cockpit_like.diagnosis.findings import Finding
+
+    small = Finding("small-batch", "warning", 20, "", evidence={"batch_size": 1.0})
+    diverging = Finding("loss-diverging", "warning", 27, "", evidence={"since": 19, "from_first": True})
+    assert cause_of(diverging, [diverging]) == "learning-rate-too-large"
+    assert cause_of(diverging, [small, diverging]) == "batch-too-small"
+    nan_grad = Finding("exploding-gradient", "error", 30, "", evidence={"since": 30})
+    assert cause_of(nan_grad, [small, nan_grad]) == "nonfinite-operation"  # a non-finite gradient: as before
+    incidents = group_findings([diverging, small])
+    assert [i.cause for i in incidents] == ["batch-too-small"]
 
 
 def _losses(values, outputs=10, integer=False, ratio=0.01):
@@ -309,6 +380,15 @@ def test_loss_at_chance():
     assert R.LossAtChance().check(history(_losses(flat, integer=True), _SHAPES)) == []
     tokens = [chance * (1 + 0.01 * math.sin(s)) for s in range(75)]
     assert rules_of(R.LossAtChance().check(history(_losses(tokens, integer=True), _SHAPES))) == ["loss-at-chance"]
+    # a wider band (4%) held longer (45 steps): two classes whose loss wanders around log 2 (shuffled labels)
+    wide = [chance * (1.03 + 0.005 * math.sin(s)) for s in range(60)]  # 3% above: outside the 2% band
+    (found,) = R.LossAtChance().check(history(_losses(wide), _SHAPES))
+    assert "within 4% of log(10)" in found.message
+    assert R.LossAtChance().check(history(_losses(wide[:50]), _SHAPES)) == []  # 41 medians: not 45 yet
+    assert R.LossAtChance(wide_margin=0.02).check(history(_losses(wide), _SHAPES)) == []
+    assert R.LossAtChance().check(history(_losses(wide + wide[:15], integer=True), _SHAPES)) == []  # tokens: 2% only
+    off = [chance * (1 + 0.05 + 0.01 * math.sin(s)) for s in range(60)]  # 5% above chance
+    assert R.LossAtChance().check(history(_losses(off), _SHAPES)) == []
     regression = history({**_losses(flat), "DataStats": [_data(outputs=1)] * 60}, _SHAPES)
     assert R.LossAtChance().check(regression) == []  # one output: no classes
 

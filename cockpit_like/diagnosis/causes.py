@@ -65,7 +65,7 @@ _BLOW_UP_SYMPTOMS = ("loss-diverging", "exploding-gradient", "update-ratio-too-l
                      "sharpness-above-stability", "loss-spikes", "dead-units", "vanishing-gradient",
                      "unchanged-parameters", "saturated-units", "loss-not-decreasing", "nonfinite-loss",
                      "noisy-loss", "small-batch", "noise-dominated", "poor-initialization",
-                     "update-ratio-too-small")
+                     "update-ratio-too-small", "loss-at-chance")
 
 #: every cause the layer can name
 CAUSES: dict[str, Cause] = {
@@ -189,14 +189,32 @@ _CONSTANT_INPUT_SYMPTOMS = _ACCUMULATION_SYMPTOMS + ("vanishing-gradient", "dead
                                                      "update-ratio-too-small", "noisy-loss")
 
 
+#: how many steps before a ``constant-inputs`` finding's first constant batch a windowed finding's evidence
+#: may start and still be read as its symptom (``dead-units`` over 3 steps starts 2 steps before its step)
+_WINDOW_LEAD = 2
+
+
+#: findings that a batch of one sample produces too (each update follows one sample's gradient: the loss
+#: and the updates jump): read as the batch's when the run has a ``small-batch`` finding (batches of at
+#: most ``SmallBatch.max_batch`` samples whose loss is noisy and not falling)
+_SMALL_BATCH_SYMPTOMS = ("loss-diverging", "update-ratio-too-large", "exploding-gradient", "loss-jump",
+                         "step-overshoots")
+
+
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
     rule = finding.rule
     findings = list(findings)
     if rule in _CONSTANT_INPUT_SYMPTOMS and not finding.evidence.get("at_start"):
-        start = since(finding)
+        # (a windowed finding's evidence may start up to ``_WINDOW_LEAD`` steps before the inputs turned
+        # constant, at the first step its window reaches back to, when only the window's last steps are new)
+        start = since(finding) + (_WINDOW_LEAD if finding.step > since(finding) else 0)
         if any(other.rule == "constant-inputs" and since(other) <= start for other in findings):
             return "labels-do-not-match"
+    if rule in _SMALL_BATCH_SYMPTOMS and not finding.evidence.get("at_start") and not (
+            rule == "exploding-gradient" and finding.severity == "error") and any(
+            other.rule == "small-batch" for other in findings):
+        return "batch-too-small"  # a batch of one: its noisy steps blow the loss up before the learning rate does
     if rule in _ACCUMULATION_SYMPTOMS and not finding.evidence.get("at_start"):
         rules = {f.rule for f in findings}
         if "gradients-accumulate" in rules and "learning-rate-jump" not in rules:
