@@ -27,7 +27,7 @@ from cockpit_like.backends.distributed import RankGroup
 from cockpit_like.backends.hooks import BatchNormInTrainingError
 from cockpit_like.backends.internal import in_cockpit_work
 from cockpit_like.backends.lean_hooks import ModuleCollector
-from cockpit_like.backends.partitions import micro_batches_of
+from cockpit_like.backends.partitions import is_dtensor, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.backends.tracer import ModelTracer
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
@@ -347,6 +347,7 @@ class Cockpit:
         meta["num_params"] = len(self.params)
         meta["param_shapes"] = [list(p.shape) for p in self.params]
         meta["param_names"] = self._param_name_list()
+        meta["stale_gradients_checked"] = self._stale_gradients_checked()
         if self.diagnosis is not None:
             meta["diagnosis"] = self.diagnosis.plan([self.name_of(q) for q in self.quantities],
                                                     getattr(self, "diagnosis_feeds", []))
@@ -371,8 +372,17 @@ class Cockpit:
 
     @self_checks.setter
     def self_checks(self, value: bool) -> None:
+        changed = bool(value) != self._self_checks
         self._self_checks = bool(value)
         self._env = dataclasses.replace(self._env, self_checks=self._self_checks)
+        if changed and self._output.stream is not None:  # the log says whether p.grad was checked for stale sums
+            self._output.stream.write_metadata(self.metadata())
+
+    def _stale_gradients_checked(self) -> bool:
+        """Whether each tracked step checks that p.grad was zero when its first backward pass began (the self-checks
+        are on and no parameter is sharded: a DTensor gradient is not read): a forgotten ``zero_grad`` is then
+        reported as a conclusive ``gradients-accumulate`` finding at the first tracked step it affects."""
+        return self._self_checks and not any(is_dtensor(p) for p in self.params)
 
     def create_graph(self, global_step: int) -> bool:
         """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
@@ -748,6 +758,7 @@ class Cockpit:
                 diagnosis.history.metadata.update(
                     param_names=names, param_shapes=[list(p.shape) for p in self.params]
                 )
+            diagnosis.history.metadata["stale_gradients_checked"] = self._stale_gradients_checked()
             found, cleared = diagnosis.run()
             if found or cleared:
                 self._output.store_findings(found, cleared)

@@ -145,6 +145,18 @@ def test_gradients_accumulate_tells_a_sum_from_fresh_gradients():
     assert R.GradientsAccumulate().check(history({"GradNorm": [[g] for g in growing]})) == []
 
 
+def test_gradients_accumulate_defers_to_the_self_check_where_it_ran():
+    """Where the run's metadata says each tracked step checked p.grad for stale sums (``stale_gradients_checked``),
+    a forgotten zero_grad is the self-check's conclusive finding; the statistical rule stays silent there (a smooth
+    rise is a healthy run's) and runs where the check did not (older logs, self-checks off, sharded gradients)."""
+    rng = np.random.default_rng(0)
+    summed = np.cumsum([rng.normal(size=20) + 1.0 for _ in range(30)], axis=0)
+    series = {"GradNorm": [[float(np.linalg.norm(r))] for r in summed]}
+    assert R.GradientsAccumulate().check(history(series, {"stale_gradients_checked": True})) == []
+    assert rules_of(R.GradientsAccumulate().check(history(series, {"stale_gradients_checked": False}))) == [
+        "gradients-accumulate"]
+
+
 def test_gradients_accumulate_leaves_out_parameters_the_optimizer_does_not_move():
     """A layer left out of the optimizer keeps its gradients (zero_grad() clears only the optimizer's):
     they add up, harmlessly, since no step uses them; the layers that train get fresh gradients."""

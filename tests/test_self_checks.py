@@ -289,6 +289,20 @@ def test_a_forgotten_zero_grad_fails_the_step_and_is_reported_once():
     assert [(f.rule, f.step) for f in cockpit.findings] == [("gradients-accumulate", 1)]
 
 
+def test_the_metadata_says_whether_stale_gradients_were_checked(tmp_path):
+    """``metadata["stale_gradients_checked"]`` (read by the diagnosis: the statistical gradients-accumulate rule
+    defers to the self-check where it ran) follows the self-checks, in the stream too when they are switched."""
+    from cockpit_like.logs import read_log_with_metadata
+
+    model = mlp()
+    cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model, stream_to=tmp_path / "run")
+    assert cockpit.metadata()["stale_gradients_checked"] is True
+    cockpit.self_checks = False
+    assert cockpit.metadata()["stale_gradients_checked"] is False
+    cockpit.close()
+    assert read_log_with_metadata(tmp_path / "run.jsonl")[0]["stale_gradients_checked"] is False
+
+
 def test_parameters_left_out_of_the_optimizer_are_noted_not_failed():
     """A layer frozen by leaving it out of the optimizer: its p.grad is never zeroed. The step stays valid (the
     per-sample check compares this step's part) and a note says what p.grad holds."""

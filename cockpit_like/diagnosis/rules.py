@@ -1806,6 +1806,13 @@ class GradientsAccumulate(Rule):
     leaving a plateau with large batches grew smoothly to 4.4x their first
     norm; runs with a forgotten ``zero_grad`` reached 7-14x within 11 steps,
     changing by 2-10% per step.
+
+    The cockpit's self-check sees a forgotten ``zero_grad`` for certain (p.grad not zero when a tracked step's
+    first backward pass began: a conclusive ``gradients-accumulate`` finding, ``evidence["source"]`` "self-check",
+    at the first tracked step it affects). Where the run's metadata says that check ran
+    (``stale_gradients_checked``), this statistical rule stays silent: a smooth rise of the gradient norm is
+    then a healthy one (a run leaving a plateau). It runs on logs without that key and where the check cannot
+    read the gradients (sharded parameters, self-checks off).
     """
 
     id = "gradients-accumulate"
@@ -1819,6 +1826,8 @@ class GradientsAccumulate(Rule):
         self.growth = _check_positive("growth", growth)
 
     def check(self, history: RunHistory) -> list[Finding]:
+        if history.metadata.get("stale_gradients_checked"):
+            return []  # the self-check decides, for certain (see the docstring)
         steps, totals = history.series("GradNorm", _total_norm)
         if len(totals) < self.window + 1:
             return []
