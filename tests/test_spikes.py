@@ -382,9 +382,83 @@ def test_precision_evidence_scale_drop_and_skipped_steps():
     post._last_step, scaler.scale = 2, 32768.0
     second = post._precision(5, record, 1.0)
     assert second["scale_dropped"] and second["missing_steps"] == [3, 4] and second["previous_scale"] == 65536.0
+    assert second["scaler_skips"] == 1  # 65536 -> 32768: one back-off of 0.5
     rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
     assert name_cause({"precision": second, "rows": rows})["cause"] == "precision"
+    post._last_step, scaler.scale = 5, 4096.0  # three more back-offs (and no growth in between)
+    third = post._precision(7, record, 1.0)
+    assert third["scaler_skips"] == 3 and third["missing_steps"] == [6]
+    post._last_step = 7  # steps missing while the scale held (a failed self-check) are not the scaler's
+    held = post._precision(10, record, 1.0)
+    assert held["missing_steps"] == [8, 9] and not held["scale_dropped"] and held["scaler_skips"] == 0
+    assert name_cause({"precision": held, "rows": rows})["cause"] == "bad-rows"
     assert not post._precision(6, SimpleNamespace(info={}), 1.0)["scaler"]
+
+
+def test_detector_skipped_steps():
+    """Steps a GradScaler skipped in a row (at least skip_steps) are a spike of their own, after the warmup;
+    one skipped step (the scaler's routine back-off) is not."""
+    detector = SpikeDetector(window=5, warmup=5, skip_steps=2)
+    calm = [detector.update(t, 1.0 + 0.01 * (t % 2), 1.0, skipped=3 if t == 2 else 0) for t in range(8)]
+    assert calm == [None] * 8  # (3 skips during the warmup: the scale finds its level)
+    assert detector.update(8, 1.0, 1.0, skipped=1) is None
+    found = detector.update(9, 1.0, 1.0, skipped=2)
+    assert found["series"] == ["loss_scale"] and found["skipped"] == 2
+    with pytest.raises(ValueError, match="skip_steps must be a positive int"):
+        SpikeDetector(skip_steps=0)
+
+
+def _fp16_run(overflow: bool, steps: int = 30, onset: int = 20, row: int = 5):
+    """An MLP on blobs (batch 16) under CPU fp16 autocast with a GradScaler (declared); with ``overflow`` row
+    ``row``'s input is x1e8 (beyond fp16's 65504) at ``onset`` and the 2 steps after it."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    centers = torch.randn(4, 6, generator=generator) * 2
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    post = PostMortem(linear(1))
+    cockpit = Cockpit(model.parameters(), quantities=[post], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    nonfinite = []
+    for step in range(steps):
+        labels = torch.randint(0, 4, (16,), generator=generator)
+        x = centers[labels] + torch.randn(16, 6, generator=generator)
+        if overflow and onset <= step < onset + 3:
+            x[row] *= 1e8
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(x)
+        losses = nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer, "sample_ids": torch.arange(16) + 100 * step,
+                                 "grad_scaler": scaler}):
+            scaler.scale(losses.mean()).backward()
+        nonfinite.append(not all(torch.isfinite(p.grad).all() for p in model.parameters()))
+        scaler.step(optimizer)
+        scaler.update()
+    return cockpit, post, nonfinite
+
+
+@pytest.mark.filterwarnings("ignore:.*the loss is nan:RuntimeWarning")
+def test_fp16_overflow_is_a_precision_spike():
+    """A real fp16 overflow (CPU autocast, GradScaler): the scaler skips the 3 steps whose gradients are not
+    finite, the first tracked step after them holds a post-mortem whose cause is precision; a healthy fp16 run
+    has none."""
+    cockpit, post, nonfinite = _fp16_run(True)
+    assert [t for t, bad in enumerate(nonfinite) if bad] == [20, 21, 22]  # the overflow is real
+    output = cockpit.get_output()
+    spikes = {s: v["PostMortem"] for s, v in output.items() if "PostMortem" in v}
+    assert list(spikes) == [23]
+    pm = spikes[23]
+    assert pm["cause"] == "precision" and pm["strength"] == "conclusive"
+    assert pm["trigger"]["series"] == ["loss_scale"] and pm["trigger"]["skipped"] == 3
+    assert pm["precision"]["scale"] == 65536.0 / 8 and pm["precision"]["previous_scale"] == 65536.0
+    assert pm["precision"]["missing_steps"] == [20, 21, 22] and pm["precision"]["scaler_skips"] == 3
+    from cockpit_like.spikes.report import format_post_mortem
+
+    assert "3 steps skipped by the GradScaler" in format_post_mortem(23, pm)
+    healthy, _, nonfinite = _fp16_run(False)
+    assert not any(nonfinite) and not any("PostMortem" in v for v in healthy.get_output().values())
 
 
 def test_the_run_is_unchanged():
@@ -545,3 +619,20 @@ def test_corpus_replay_is_exact():
     table = score([recorded])
     assert table["caught"] == 1 and table["rows_in_top3"] == 1 and table["cause_right"] == 1
     assert replay(recorded, {"z": 1e6}) == []  # a stricter detector finds nothing: the replay reads its settings
+
+
+def test_corpus_fp16_overflow_run():
+    """The corpus's fp16 fault trains under CPU autocast with a GradScaler; its replay is what PostMortem stores
+    live, and it is caught with the cause precision."""
+    from cockpit_like.spikes.corpus import FP16_ARCHS, replay, score, spike_runs, train_spike_run
+
+    run = next(r for r in spike_runs("tuning") if r.arch == "mlp" and r.fault == "fp16-overflow")
+    recorded = train_spike_run(run, record_all=True)
+    live = train_spike_run(run)
+    assert [s for s, _ in replay(recorded)] == [s for s, _ in live["post_mortems"]] == [run.onset + 3]
+    assert live["post_mortems"][0][1]["cause"] == "precision"
+    assert [row[4] for row in recorded["series"] if row[4]] == [3]
+    table = score([recorded])
+    assert table["caught"] == 1 and table["cause_right"] == 1 and table["row_spikes"] == 0
+    assert all(r.arch in FP16_ARCHS for half in ("tuning", "held-out") for r in spike_runs(half)
+               if r.precision == "fp16")
