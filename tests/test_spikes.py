@@ -636,3 +636,42 @@ def test_corpus_fp16_overflow_run():
     assert table["caught"] == 1 and table["cause_right"] == 1 and table["row_spikes"] == 0
     assert all(r.arch in FP16_ARCHS for half in ("tuning", "held-out") for r in spike_runs(half)
                if r.precision == "fp16")
+
+
+def test_dashboard_shows_the_last_post_mortem():
+    """The dashboard gets the post-mortem panel once the run holds a post-mortem, beside the check engine,
+    overlapping nothing; a run without one keeps Cockpit's layout, axes for axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from cockpit_like import CockpitPlotter
+    from cockpit_like.plotting.instruments import PRIMARY
+    from cockpit_like.plotting.layout import PRIMARY_SIZE, build_layout
+
+    cockpit, _ = _spiky_run("row", steps=25)
+    plotter = CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False)
+    axes = plotter.axes
+    assert set(axes) == set(PRIMARY) | {"post_mortem"}
+    panel = axes["post_mortem"]
+    bars = [p for p in panel.patches if p.get_gid() == "post-mortem:rows"]
+    post = cockpit.get_output()[22]["PostMortem"]
+    assert math.isclose(max(p.get_width() for p in bars), post["rows_by_share"][0]["share"], rel_tol=1e-9)
+    assert panel.get_gid() == "instrument:post_mortem" and "step 22: bad-rows" in panel.get_title()
+    boxes = {key: ax.get_position() for key, ax in axes.items()}
+    assert boxes["post_mortem"].x0 > boxes["findings"].x1
+    for key, box in boxes.items():
+        if key != "post_mortem":
+            assert not box.overlaps(boxes["post_mortem"]), key
+    without = {step: {k: v for k, v in values.items() if k != "PostMortem"}
+               for step, values in cockpit.get_output().items()}
+    plain = CockpitPlotter()
+    plain.plot(without, show_plot=False)
+    reference = build_layout(Figure(figsize=PRIMARY_SIZE), secondary_screen=False)
+    assert set(plain.axes) == set(reference.axes) == set(PRIMARY)
+    for key, ax in plain.axes.items():
+        assert list(ax.get_position().bounds) == list(reference.axes[key].get_position().bounds), key
+    plotter.plot(without, show_plot=False)  # the same plotter drops the panel when the data has none
+    assert "post_mortem" not in plotter.axes

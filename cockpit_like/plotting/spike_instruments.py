@@ -4,8 +4,10 @@ A pure draw function of stored data with the signature ``draw(ax, data,
 options)`` (:mod:`cockpit_like.plotting.instruments`): the last post-mortem's
 rows by share of the step's gradient as bars (labelled with their ids and
 losses), its cause and evidence in the title and a note, and the layers that
-moved first. Not in the fixed dashboard layout; offered as
-``post_mortem_gauge`` in :mod:`cockpit_like.instruments`. Artists carry
+moved first. In the dashboard's bottom band once the run holds a
+post-mortem (:func:`has_post_mortem`; a run without one keeps Cockpit's
+layout), and offered as ``post_mortem_gauge`` in
+:mod:`cockpit_like.instruments`. Artists carry
 ``gid`` tags: ``"post-mortem:rows"`` (the bars), ``"post-mortem:note"``.
 """
 
@@ -18,7 +20,7 @@ import numpy as np
 from cockpit_like.plotting.data import RunData
 from cockpit_like.plotting.instruments import _SMALL, _TITLE, COLORS, DrawOptions, Instrument, not_tracked
 
-__all__ = ["draw_post_mortem", "SPIKE_INSTRUMENTS"]
+__all__ = ["draw_post_mortem", "has_post_mortem", "SPIKE_INSTRUMENTS"]
 
 _CAUSE_COLORS = {"bad-rows": COLORS["red"], "precision": COLORS["purple"], "learning-rate": COLORS["orange"],
                  "curvature": COLORS["brown"], "unknown": COLORS["grey"]}
@@ -31,6 +33,11 @@ def _last_post_mortem(data: RunData):
         steps, values = data.values(name)
         found += [(s, v) for s, v in zip(steps, values) if isinstance(v, dict) and "rows_by_share" in v]
     return max(found, key=lambda item: item[0]) if found else None
+
+
+def has_post_mortem(data: RunData) -> bool:
+    """Whether the run holds a loss-spike post-mortem (the dashboard then shows its panel)."""
+    return _last_post_mortem(data) is not None
 
 
 def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
@@ -60,6 +67,8 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
     trigger = post.get("trigger", {})
     rises = ", ".join(f"{name.replace('_', ' ')} ×{trigger[name]['ratio']:.3g}" for name in trigger.get("series", [])
                       if isinstance(trigger.get(name), dict))
+    if "loss_scale" in trigger.get("series", []):
+        rises = ", ".join(filter(None, [rises, f"{trigger.get('skipped')} steps skipped by the GradScaler"]))
     layers = ", ".join(str(layer.get("name")) for layer in (post.get("layers") or [])[:3]) or "none stood out"
     lines = [rises, *textwrap.wrap(str(post.get("why", "")), 60), f"layers moved first: {layers}"]
     note = ax.text(0.99, 0.03, "\n".join(lines), transform=ax.transAxes, ha="right", va="bottom",
