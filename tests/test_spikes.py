@@ -675,3 +675,85 @@ def test_dashboard_shows_the_last_post_mortem():
         assert list(ax.get_position().bounds) == list(reference.axes[key].get_position().bounds), key
     plotter.plot(without, show_plot=False)  # the same plotter drops the panel when the data has none
     assert "post_mortem" not in plotter.axes
+
+
+# ---- sample ids under real DDP (2 gloo ranks, spawned) ------------------------------------------------
+DDP_SPIKE, DDP_ROW, DDP_LOCAL = 9, 13, 8  # the spike's step, its global row (rank 1's row 5), rows per rank
+
+
+def _ddp_batch(step: int, centers: torch.Tensor):
+    """The global batch of ``step`` (2 x 8 rows, the same on every rank): inputs, labels, dataset ids (a random
+    draw, not sorted: an order other than rank after rank shows); the spike's row x1e3 with a wrong label."""
+    generator = torch.Generator().manual_seed(step)
+    labels = torch.randint(0, 4, (2 * DDP_LOCAL,), generator=generator)
+    x = centers[labels] + torch.randn(2 * DDP_LOCAL, 6, generator=generator)
+    ids = torch.randperm(10_000, generator=generator)[: 2 * DDP_LOCAL]
+    if step == DDP_SPIKE:
+        x[DDP_ROW] *= 1e3
+        labels[DDP_ROW] = (labels[DDP_ROW] + 1) % 4
+    return x, labels, ids
+
+
+def _ddp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _job_ddp_sample_ids(rank: int) -> dict:
+    """Each rank trains on its half of the global batch with its rows' ids; rank 0 keeps the output."""
+    from cockpit_like.spikes import RowSummaries
+
+    model = _ddp_model()
+    net = nn.parallel.DistributedDataParallel(model)
+    centers = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 2
+    post = PostMortem(linear(1), window=5, warmup=4, layer_updates=False)
+    rows = RowSummaries(linear(1), top_k=2 * DDP_LOCAL)  # every row of the global batch
+    cockpit = Cockpit(model.parameters(), quantities=[post, rows], model=net, distributed_timeout=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = None
+    mine = slice(rank * DDP_LOCAL, (rank + 1) * DDP_LOCAL)
+    for step in range(DDP_SPIKE + 1):
+        x, labels, ids = _ddp_batch(step, centers)
+        if step == DDP_SPIKE:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(net(x[mine]), labels[mine], reduction="none")
+        with cockpit(step, info={"batch_size": DDP_LOCAL, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer, "sample_ids": ids[mine]}):
+            losses.mean().backward()
+        optimizer.step()
+    return {"output": cockpit.get_output() if rank == 0 else None, "state": state}
+
+
+def test_sample_ids_under_ddp_name_the_global_row(tmp_path):
+    """Two gloo ranks (spawned, CPU): integer sample ids are concatenated rank after rank (every row of every
+    step), and the post-mortem at the spike names the injected row of rank 1 by its global row and dataset id,
+    with the share of a float64 brute force on the global batch."""
+    from tests.test_distributed import _spawn
+
+    ranks = _spawn("tests.test_spikes:_job_ddp_sample_ids", tmp_path, timeout=60)
+    output = ranks[0]["output"]
+    centers = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 2
+    for step in range(DDP_SPIKE + 1):
+        ids = _ddp_batch(step, centers)[2].tolist()
+        kept = output[step]["RowSummaries"]["rows"]
+        assert sorted(r["row"] for r in kept) == list(range(2 * DDP_LOCAL))
+        assert all(r["id"] == ids[r["row"]] for r in kept), step
+    spikes = [s for s, v in output.items() if "PostMortem" in v]
+    assert spikes == [DDP_SPIKE]
+    post = output[DDP_SPIKE]["PostMortem"]
+    x, labels, ids = _ddp_batch(DDP_SPIKE, centers)
+    top = post["rows_by_share"][0]
+    assert (top["row"], top["id"]) == (DDP_ROW, int(ids[DDP_ROW])) and post["cause"] == "bad-rows"
+    assert post["suspects"][0]["id"] == int(ids[DDP_ROW])
+    model = _ddp_model().double()  # the brute force: per-row gradients of the global batch, float64
+    model.load_state_dict({k: v.double() for k, v in ranks[0]["state"].items()})
+    rows = []
+    for i in range(2 * DDP_LOCAL):
+        loss = nn.functional.cross_entropy(model(x[i:i + 1].double()), labels[i:i + 1])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))]))
+    per_row = torch.stack(rows) / (2 * DDP_LOCAL)  # g_i / B
+    total = per_row.sum(0)
+    shares = per_row @ total / total.dot(total)
+    assert math.isclose(top["share"], float(shares[DDP_ROW]), rel_tol=1e-4)
+    assert int(shares.argmax()) == DDP_ROW
