@@ -324,9 +324,11 @@ def test_example_script(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("_example_spike_postmortem", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    written = module.main(["--steps", "60", "--out", str(tmp_path / "run"), "--picture", str(tmp_path / "pm.png")])
+    written = module.main(["--steps", "60", "--out", str(tmp_path / "run"), "--picture", str(tmp_path / "pm.png"),
+                           "--dashboard", str(tmp_path / "dash.png")])
     assert written["bad_in_top3"] and written["bad_in_top3"] == [s for s, _ in written["post_mortems"]]
     assert Path(written["picture"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Path(written["dashboard"]) == tmp_path / "dash.png" and Path(written["dashboard"]).stat().st_size > 10_000
     assert "likeliest cause: bad-rows" in capsys.readouterr().out
 
 

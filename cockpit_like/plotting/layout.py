@@ -120,17 +120,19 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_r
                             wspace=0.42, height_ratios=[1.15, 1])
     for key, spec in zip(("hess_max_ev", "hess_trace", "kfac_trace", "tic"), (grid[0, 0], grid[0, 1], grid[1, 0], grid[1, 1])):
         add(key, spec)
-    grid = fig.add_gridspec(1, 1, **_group(fig, (0.0, primary_bottom, 0.25, split), "Hyperparameters"))
+    # with the post-mortem panel: the learning rate, the loss and the accuracy narrower, the check engine as wide
+    hyper_right, performance_right = (0.2, 0.75) if post_mortem else (0.25, 1.0)
+    grid = fig.add_gridspec(1, 1, **_group(fig, (0.0, primary_bottom, hyper_right, split), "Hyperparameters"))
     add("learning_rate", grid[0, 0])
-    performance_right = 0.7 if post_mortem else 1.0
-    grid = fig.add_gridspec(1, 3, **_group(fig, (0.25, primary_bottom, performance_right, split), "Performance"),
-                            wspace=0.18 if not post_mortem else 0.24, width_ratios=[1.45, 0.85, 1.3])
+    grid = fig.add_gridspec(1, 3, **_group(fig, (hyper_right, primary_bottom, performance_right, split), "Performance"),
+                            wspace=0.18 if not post_mortem else 0.24,
+                            width_ratios=[1.2, 0.6, 1.6] if post_mortem else [1.45, 0.85, 1.3])
     add("loss", grid[0, 0])
     add("accuracy", grid[0, 1])
     add("findings", grid[0, 2])
     if post_mortem:  # (the y labels name rows and their ids: a wider left margin)
         grid = fig.add_gridspec(1, 1, **_group(fig, (performance_right, primary_bottom, 1.0, split), "Loss spikes",
-                                               pad_in=(1.15, 0.22, 0.62, 0.5)))
+                                               pad_in=(1.45, 0.22, 0.62, 0.5)))
         add("post_mortem", grid[0, 0])
 
     if secondary_screen:

@@ -49,6 +49,10 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
         return
     step, post = last
     rows = post.get("rows_by_share") or []
+    fig = ax.get_figure()
+    compact = fig is not None and ax.get_position().height * fig.get_size_inches()[1] < 2.5  # a dashboard panel
+    if compact:  # the top 3 rows and a two-line note
+        rows = rows[:3]
     cause = post.get("cause", "unknown")
     ax.set_title(f"Spike at step {step}: {cause}", **_TITLE)
     labels = [f"row {r.get('row')}" + (f" · id {r.get('id')}" if r.get("id") is not None else "") for r in rows]
@@ -63,14 +67,15 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
         ax.text(max(float(row.get("share", 0.0)), 0.0), position, f"  loss {row.get('loss', float('nan')):.3g}",
                 va="center", fontsize=_SMALL, color="#333333")
     ax.set_xlim(min(0.0, float(np.nanmin(shares)) if len(shares) else 0.0), 1.25)
-    ax.set_ylim(-0.6 - 0.9 * len(rows) / 5, len(rows) - 0.4)  # room below the bars for the note
     trigger = post.get("trigger", {})
     rises = ", ".join(f"{name.replace('_', ' ')} ×{trigger[name]['ratio']:.3g}" for name in trigger.get("series", [])
                       if isinstance(trigger.get(name), dict))
     if "loss_scale" in trigger.get("series", []):
         rises = ", ".join(filter(None, [rises, f"{trigger.get('skipped')} steps skipped by the GradScaler"]))
     layers = ", ".join(str(layer.get("name")) for layer in (post.get("layers") or [])[:3]) or "none stood out"
-    lines = [rises, *textwrap.wrap(str(post.get("why", "")), 60), f"layers moved first: {layers}"]
+    why = [] if compact else textwrap.wrap(str(post.get("why", "")), 70)
+    lines = [rises, *why, f"layers moved first: {layers}"]
+    ax.set_ylim(-0.6 - 0.45 * len(lines) * max(len(rows), 1) / 5, len(rows) - 0.4)  # room below the bars for the note
     note = ax.text(0.99, 0.03, "\n".join(lines), transform=ax.transAxes, ha="right", va="bottom",
                    fontsize=_SMALL - 0.5, color="#444444", gid="post-mortem:note",
                    bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#dddddd"})
