@@ -459,6 +459,9 @@ def test_fp16_overflow_is_a_precision_spike():
     from cockpit_like.spikes.report import format_post_mortem
 
     assert "3 steps skipped by the GradScaler" in format_post_mortem(23, pm)
+    found = [f for f in diagnose(output).findings if f.rule == "loss-spike"]
+    assert [(f.step, f.evidence["cause"]) for f in found] == [(23, "precision")]
+    assert "3 steps skipped by the GradScaler" in found[0].message and "fp16" in found[0].fix
     healthy, _, nonfinite = _fp16_run(False)
     assert not any(nonfinite) and not any("PostMortem" in v for v in healthy.get_output().values())
 
