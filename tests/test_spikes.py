@@ -623,6 +623,8 @@ def test_corpus_replay_is_exact():
         assert a["cause"] == b["cause"] and a["suspects"] == b["suspects"] and a["trigger"] == b["trigger"]
     table = score([recorded])
     assert table["caught"] == 1 and table["rows_in_top3"] == 1 and table["cause_right"] == 1
+    assert (table["row_faults"], table["row_faults_at_onset"], table["row_faults_at_onset_by_loss"]) == (1, 1, 1)
+    assert score([{**recorded, "run": {**recorded["run"], "onset": recorded["run"]["onset"] - 1}}])["row_faults_at_onset"] == 0
     assert replay(recorded, {"z": 1e6}) == []  # a stricter detector finds nothing: the replay reads its settings
 
 

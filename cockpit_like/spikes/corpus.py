@@ -324,11 +324,30 @@ def _first_caught(result: dict[str, Any], found: list) -> tuple[int, dict[str, A
     return None
 
 
+def _rows_at_onset(results: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """``(by share, by loss, runs)``: of the runs with a one-row or repeated-row fault (``garbage-row``,
+    ``repeated-row``, ``scaled-row``) recorded with ``record_all=True``, those whose onset step has an injected row
+    among the top 3 by share (by loss), spike or not (the row ranking on its own, apart from the detector)."""
+    hits = by_loss = runs = 0
+    for result in results:
+        if result["run"]["fault"] not in ("garbage-row", "repeated-row", "scaled-row"):
+            continue
+        stored = {int(step): post for step, post in result["post_mortems"]}
+        post = stored.get(int(result["run"]["onset"]))
+        if post is None:  # (not recorded with record_all, or the onset step was not tracked)
+            continue
+        runs += 1
+        hits += any(row["id"] in set(result["injected_ids"]) for row in post["rows_by_share"][:3])
+        by_loss += any(row["id"] in set(result["injected_ids"]) for row in post["rows_by_loss"][:3])
+    return hits, by_loss, runs
+
+
 def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
           causes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score runs trained with ``record_all=True`` as :func:`replay` with ``detector`` and ``causes`` settings gives
     them: detection, the injected rows among the top 3 (by share; by loss beside it), the cause, and healthy runs
     (and faulty runs before their onset) with a post-mortem."""
+    at_onset = _rows_at_onset(results)
     results = [{**r, "post_mortems": replay(r, detector, causes)} for r in results]
     healthy = [r for r in results if r["run"]["fault"] is None]
     faulty = [r for r in results if r["run"]["fault"] is not None]
@@ -361,7 +380,8 @@ def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
             entry["top3"] += top
             rows_top3_loss += any(row["id"] in injected for row in post["rows_by_loss"][:3])
             rows_suspects += any(row.get("id") in injected for row in post.get("suspects", [])[:3])
-    table.update(caught=caught, row_spikes=rows_total, rows_in_top3=rows_top3, rows_in_top3_by_loss=rows_top3_loss,
+    table.update(caught=caught, row_spikes=rows_total, row_faults_at_onset=at_onset[0], row_faults_at_onset_by_loss=at_onset[1],
+                 row_faults=at_onset[2], rows_in_top3=rows_top3, rows_in_top3_by_loss=rows_top3_loss,
                  rows_in_suspects=rows_suspects,
                  cause_right=causes_right, by_fault=by_fault,
                  seconds=sum(r["seconds"] for r in results))
