@@ -4,7 +4,7 @@
     python benchmarks/spike_corpus.py --update-doc       # also write the table into docs/spikes.md
     python benchmarks/spike_corpus.py --tune             # grid-search the thresholds on the tuning half only
     python benchmarks/spike_corpus.py --half tuning --show   # one line per run
-    python benchmarks/spike_corpus.py --half gpt2-small --seeds 0 --show   # the GPT-2 small slice (minutes a run)
+    python benchmarks/spike_corpus.py --half gpt2-small --show   # the GPT-2 small slice (minutes a run; then --update-doc)
 
 Runs are trained once with ``PostMortem(record_all=True)`` (a post-mortem at
 every step, with the step's loss, gradient norm and learning rate) and kept in
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", action="store_true", help="grid-search thresholds on the tuning half")
     parser.add_argument("--show", action="store_true", help="print each run as it is trained")
     parser.add_argument("--seeds", default="0,1", help="draws of runs per half (default 0,1)")
-    parser.add_argument("--gpt2-seeds", default="0", help="draws of the GPT-2 small slice (default 0: 6 runs)")
+    parser.add_argument("--gpt2-seeds", default="0,1", help="draws of the GPT-2 small slice (default 0,1: 2 x 6 runs)")
     args = parser.parse_args(argv)
     halves = ["tuning", "held-out"] if args.half in ("both", "all") else [args.half]
     started = time.perf_counter()
