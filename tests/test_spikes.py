@@ -764,3 +764,26 @@ def test_sample_ids_under_ddp_name_the_global_row(tmp_path):
     shares = per_row @ total / total.dot(total)
     assert math.isclose(top["share"], float(shares[DDP_ROW]), rel_tol=1e-4)
     assert int(shares.argmax()) == DDP_ROW
+
+
+def test_spike_corpus_table_has_the_gpt2_small_column(tmp_path):
+    """benchmarks/spike_corpus.py: the table's columns (the halves and the GPT-2 small slice, read from its own
+    cache only when every run of its seeds is there)."""
+    import importlib.util
+
+    from cockpit_like.spikes.corpus import gpt2_small_runs, score, spike_runs, train_spike_run
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "spike_corpus.py"
+    spec = importlib.util.spec_from_file_location("_bench_spike_corpus", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = next(r for r in spike_runs("tuning") if r.arch == "mlp" and r.fault == "fp16-overflow")
+    scores = {half: {**score([train_spike_run(run, record_all=True)]), "archs": [half]}
+              for half in ("tuning", "gpt2-small")}
+    text = bench.table(scores)
+    assert "held-out: GPT-2 small (gpt2-small)" in text.splitlines()[0]
+    assert "| fp16-overflow | 1/1, 0, 1 (precision: 1) | 1/1, 0, 1 (precision: 1) |" in text
+    cache = tmp_path / "gpt2.jsonl"
+    assert not bench._cached((0,), cache)
+    cache.write_text("".join(f'{{"name": "{r.name}", "version": {bench.VERSION}}}\n' for r in gpt2_small_runs(0)))
+    assert bench._cached((0,), cache) and not bench._cached((0, 1), cache)
