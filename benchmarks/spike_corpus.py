@@ -4,6 +4,7 @@
     python benchmarks/spike_corpus.py --update-doc       # also write the table into docs/spikes.md
     python benchmarks/spike_corpus.py --tune             # grid-search the thresholds on the tuning half only
     python benchmarks/spike_corpus.py --half tuning --show   # one line per run
+    python benchmarks/spike_corpus.py --half gpt2-small --show   # the GPT-2 small slice (minutes a run; then --update-doc)
 
 Runs are trained once with ``PostMortem(record_all=True)`` (a post-mortem at
 every step, with the step's loss, gradient norm and learning rate) and kept in
@@ -27,14 +28,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "benchmarks" / "results" / "spike_corpus_runs.jsonl"
+#: the GPT-2 small slice's runs (a file of its own: it is trained by a process of its own, alongside)
+CACHE_GPT2 = ROOT / "benchmarks" / "results" / "spike_corpus_gpt2_small_runs.jsonl"
 DOC = ROOT / "docs" / "spikes.md"
 BEGIN, END = "<!-- spike-table:begin -->", "<!-- spike-table:end -->"
 #: bump when the generator or the post-mortem changes what a run stores (old cache lines are ignored)
-VERSION = 2
+VERSION = 3
+#: the columns of the table: the two halves, and the GPT-2 small slice (held out, trained with ``--half gpt2-small``)
+COLUMNS = ("tuning", "held-out", "gpt2-small")
 
 
-def run_half(half: str, cache: Path = CACHE, show: bool = False, seeds: tuple[int, ...] = (0, 1)) -> list[dict]:
-    from cockpit_like.spikes.corpus import spike_runs, train_spike_run
+def run_half(half: str, cache: Path | None = None, show: bool = False, seeds: tuple[int, ...] = (0, 1)) -> list[dict]:
+    from cockpit_like.spikes.corpus import gpt2_small_runs, spike_runs, train_spike_run
+
+    cache = cache or (CACHE_GPT2 if half == "gpt2-small" else CACHE)
 
     stored = {}
     if cache.exists():
@@ -43,7 +50,8 @@ def run_half(half: str, cache: Path = CACHE, show: bool = False, seeds: tuple[in
             if entry.get("version") == VERSION:
                 stored[entry["name"]] = entry
     results = []
-    for run in [run for seed in seeds for run in spike_runs(half, seed=seed)]:
+    draw = gpt2_small_runs if half == "gpt2-small" else (lambda seed: spike_runs(half, seed=seed))
+    for run in [run for seed in seeds for run in draw(seed)]:
         if run.name not in stored:
             result = train_spike_run(run, record_all=True)
             result["version"] = VERSION
@@ -57,13 +65,25 @@ def run_half(half: str, cache: Path = CACHE, show: bool = False, seeds: tuple[in
     return results
 
 
+def _cached(seeds: tuple[int, ...], cache: Path = CACHE_GPT2) -> bool:
+    """Whether every run of the GPT-2 small slice's ``seeds`` is in the cache (it is trained on its own)."""
+    from cockpit_like.spikes.corpus import gpt2_small_runs
+
+    if not cache.exists():
+        return False
+    names = {entry["name"] for entry in map(json.loads, cache.read_text().splitlines()) if entry.get("version") == VERSION}
+    return all(run.name in names for seed in seeds for run in gpt2_small_runs(seed))
+
+
 def _rate(numerator: int, denominator: int) -> str:
     return f"{numerator}/{denominator} ({numerator / denominator:.0%})" if denominator else "-"
 
 
 def table(scores: dict[str, dict]) -> str:
     halves = list(scores)
-    lines = ["| | " + " | ".join(f"{half} ({', '.join(scores[half]['archs'])})" for half in halves) + " |",
+    title = {"gpt2-small": "held-out: GPT-2 small"}
+    lines = ["| | " + " | ".join(f"{title.get(half, half)} ({', '.join(scores[half]['archs'])})" for half in halves)
+             + " |",
              "|---|" + "---|" * len(halves)]
     rows = [
         ("faults caught (a post-mortem within 5 steps of the onset)", lambda s: _rate(s["caught"], s["faulty_runs"])),
@@ -72,6 +92,9 @@ def table(scores: dict[str, dict]) -> str:
         ("... in the top 3 by loss", lambda s: _rate(s["rows_in_top3_by_loss"], s["row_spikes"])),
         ("... among the post-mortem's suspects (its step's rows, or an earlier step's that stood out)",
          lambda s: _rate(s["rows_in_suspects"], s["row_spikes"])),
+        ("one-row faults: an injected row in the top 3 by share at the onset step, spike or not",
+         lambda s: _rate(s["row_faults_at_onset"], s["row_faults"])),
+        ("... in the top 3 by loss", lambda s: _rate(s["row_faults_at_onset_by_loss"], s["row_faults"])),
         ("spikes caught whose cause is named right (target >= 85%)", lambda s: _rate(s["cause_right"], s["caught"])),
         ("healthy runs with a post-mortem (target <= 1 in 20)",
          lambda s: _rate(s["healthy_with_post_mortem"], s["healthy_runs"])),
@@ -127,20 +150,28 @@ def main(argv=None) -> int:
     from cockpit_like.spikes.corpus import SPLIT, score
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--half", choices=("tuning", "held-out", "both"), default="both")
+    parser.add_argument("--half", choices=("tuning", "held-out", "gpt2-small", "both", "all"), default="all",
+                        help="both: the two halves; all (default): with the GPT-2 small slice, read from the cache "
+                             "when it was trained (--half gpt2-small), left out otherwise")
     parser.add_argument("--update-doc", action="store_true", help="write the table into docs/spikes.md")
     parser.add_argument("--tune", action="store_true", help="grid-search thresholds on the tuning half")
     parser.add_argument("--show", action="store_true", help="print each run as it is trained")
-    parser.add_argument("--seeds", default="0,1", help="draws of runs per half (default 0,1: 2 x 54 runs per half)")
+    parser.add_argument("--seeds", default="0,1", help="draws of runs per half (default 0,1)")
+    parser.add_argument("--gpt2-seeds", default="0,1", help="draws of the GPT-2 small slice (default 0,1: 2 x 6 runs)")
     args = parser.parse_args(argv)
-    halves = ["tuning", "held-out"] if args.half == "both" else [args.half]
+    halves = ["tuning", "held-out"] if args.half in ("both", "all") else [args.half]
     started = time.perf_counter()
     seeds = tuple(int(seed) for seed in args.seeds.split(","))
-    results = {half: run_half(half, show=args.show, seeds=seeds) for half in halves}
+    gpt2_seeds = tuple(int(seed) for seed in args.gpt2_seeds.split(","))
+    results = {half: run_half(half, show=args.show, seeds=gpt2_seeds if half == "gpt2-small" else seeds)
+               for half in halves}
+    if args.half == "all" and _cached(gpt2_seeds):
+        halves.append("gpt2-small")
+        results["gpt2-small"] = run_half("gpt2-small", seeds=gpt2_seeds)
     if args.tune:  # (the defaults were set on the tuning half's seed 0)
         tune(results.get("tuning") or run_half("tuning", show=args.show, seeds=seeds))
         return 0
-    scores = {half: {**score(results[half]), "archs": list(SPLIT[half])} for half in halves}
+    scores = {half: {**score(results[half]), "archs": list(SPLIT.get(half, (half,)))} for half in halves}
     text = table(scores)
     print(text)
     seconds = {half: sum(r["seconds"] for r in results[half]) for half in halves}

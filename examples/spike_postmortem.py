@@ -10,6 +10,7 @@ per-sample factors), the layers that moved first, and the likeliest cause::
 
     python examples/spike_postmortem.py                       # 150 steps
     python examples/spike_postmortem.py --picture docs/images/spike_postmortem.png
+    python examples/spike_postmortem.py --dashboard docs/images/spike_dashboard.png   # the cockpit's dashboard
     cockpit-like spikes runs/spike_postmortem                 # the post-mortems, from the log
     cockpit-like diagnose runs/spike_postmortem               # the loss-spike findings
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bad", type=int, default=123, help="dataset index of the corrupted sample (default 123)")
     parser.add_argument("--out", default="runs/spike_postmortem", help="log path without suffix")
     parser.add_argument("--picture", help="also save a picture of the last post-mortem (e.g. a .png path)")
+    parser.add_argument("--dashboard", help="also save the cockpit's dashboard (its post-mortem panel) to this path")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -82,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     written = {"log": log, "post_mortems": found, "bad_in_top3": bad_in}
     if args.picture:
         written["picture"] = picture(cockpit.get_output(), args.picture, args.bad)
+    if args.dashboard:
+        written["dashboard"] = dashboard(cockpit, args.dashboard)
     return written
 
 
@@ -108,6 +112,23 @@ def picture(output: dict, path: str, bad: int) -> str:
     instruments.post_mortem_gauge(output, fig, grid[0, 1])
     fig.savefig(path, dpi=110)
     return path
+
+
+def dashboard(cockpit: Cockpit, path: str) -> str:
+    """The cockpit's dashboard: with a post-mortem stored, its bottom band shows the last one."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from cockpit_like import CockpitPlotter
+
+    folder, name = os.path.split(os.path.abspath(path))
+    stem, suffix = os.path.splitext(name)
+    plotter = CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False, save_plot=True, savedir=folder, savename=stem,
+                 savefig_kwargs={"format": (suffix.lstrip(".") or "png"), "dpi": 90})
+    return str(plotter.last_saved)
 
 
 if __name__ == "__main__":

@@ -324,9 +324,11 @@ def test_example_script(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("_example_spike_postmortem", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    written = module.main(["--steps", "60", "--out", str(tmp_path / "run"), "--picture", str(tmp_path / "pm.png")])
+    written = module.main(["--steps", "60", "--out", str(tmp_path / "run"), "--picture", str(tmp_path / "pm.png"),
+                           "--dashboard", str(tmp_path / "dash.png")])
     assert written["bad_in_top3"] and written["bad_in_top3"] == [s for s, _ in written["post_mortems"]]
     assert Path(written["picture"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Path(written["dashboard"]) == tmp_path / "dash.png" and Path(written["dashboard"]).stat().st_size > 10_000
     assert "likeliest cause: bad-rows" in capsys.readouterr().out
 
 
@@ -382,9 +384,86 @@ def test_precision_evidence_scale_drop_and_skipped_steps():
     post._last_step, scaler.scale = 2, 32768.0
     second = post._precision(5, record, 1.0)
     assert second["scale_dropped"] and second["missing_steps"] == [3, 4] and second["previous_scale"] == 65536.0
+    assert second["scaler_skips"] == 1  # 65536 -> 32768: one back-off of 0.5
     rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.9, "top_share": 0.9}
     assert name_cause({"precision": second, "rows": rows})["cause"] == "precision"
+    post._last_step, scaler.scale = 5, 4096.0  # three more back-offs (and no growth in between)
+    third = post._precision(7, record, 1.0)
+    assert third["scaler_skips"] == 3 and third["missing_steps"] == [6]
+    post._last_step = 7  # steps missing while the scale held (a failed self-check) are not the scaler's
+    held = post._precision(10, record, 1.0)
+    assert held["missing_steps"] == [8, 9] and not held["scale_dropped"] and held["scaler_skips"] == 0
+    assert name_cause({"precision": held, "rows": rows})["cause"] == "bad-rows"
     assert not post._precision(6, SimpleNamespace(info={}), 1.0)["scaler"]
+
+
+def test_detector_skipped_steps():
+    """Steps a GradScaler skipped in a row (at least skip_steps) are a spike of their own, after the warmup;
+    one skipped step (the scaler's routine back-off) is not."""
+    detector = SpikeDetector(window=5, warmup=5, skip_steps=2)
+    calm = [detector.update(t, 1.0 + 0.01 * (t % 2), 1.0, skipped=3 if t == 2 else 0) for t in range(8)]
+    assert calm == [None] * 8  # (3 skips during the warmup: the scale finds its level)
+    assert detector.update(8, 1.0, 1.0, skipped=1) is None
+    found = detector.update(9, 1.0, 1.0, skipped=2)
+    assert found["series"] == ["loss_scale"] and found["skipped"] == 2
+    with pytest.raises(ValueError, match="skip_steps must be a positive int"):
+        SpikeDetector(skip_steps=0)
+
+
+def _fp16_run(overflow: bool, steps: int = 30, onset: int = 20, row: int = 5):
+    """An MLP on blobs (batch 16) under CPU fp16 autocast with a GradScaler (declared); with ``overflow`` row
+    ``row``'s input is x1e8 (beyond fp16's 65504) at ``onset`` and the 2 steps after it."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    centers = torch.randn(4, 6, generator=generator) * 2
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    post = PostMortem(linear(1))
+    cockpit = Cockpit(model.parameters(), quantities=[post], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu")
+    nonfinite = []
+    for step in range(steps):
+        labels = torch.randint(0, 4, (16,), generator=generator)
+        x = centers[labels] + torch.randn(16, 6, generator=generator)
+        if overflow and onset <= step < onset + 3:
+            x[row] *= 1e8
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(x)
+        losses = nn.functional.cross_entropy(logits.float(), labels, reduction="none")
+        with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer, "sample_ids": torch.arange(16) + 100 * step,
+                                 "grad_scaler": scaler}):
+            scaler.scale(losses.mean()).backward()
+        nonfinite.append(not all(torch.isfinite(p.grad).all() for p in model.parameters()))
+        scaler.step(optimizer)
+        scaler.update()
+    return cockpit, post, nonfinite
+
+
+@pytest.mark.filterwarnings("ignore:.*the loss is nan:RuntimeWarning")
+def test_fp16_overflow_is_a_precision_spike():
+    """A real fp16 overflow (CPU autocast, GradScaler): the scaler skips the 3 steps whose gradients are not
+    finite, the first tracked step after them holds a post-mortem whose cause is precision; a healthy fp16 run
+    has none."""
+    cockpit, post, nonfinite = _fp16_run(True)
+    assert [t for t, bad in enumerate(nonfinite) if bad] == [20, 21, 22]  # the overflow is real
+    output = cockpit.get_output()
+    spikes = {s: v["PostMortem"] for s, v in output.items() if "PostMortem" in v}
+    assert list(spikes) == [23]
+    pm = spikes[23]
+    assert pm["cause"] == "precision" and pm["strength"] == "conclusive"
+    assert pm["trigger"]["series"] == ["loss_scale"] and pm["trigger"]["skipped"] == 3
+    assert pm["precision"]["scale"] == 65536.0 / 8 and pm["precision"]["previous_scale"] == 65536.0
+    assert pm["precision"]["missing_steps"] == [20, 21, 22] and pm["precision"]["scaler_skips"] == 3
+    from cockpit_like.spikes.report import format_post_mortem
+
+    assert "3 steps skipped by the GradScaler" in format_post_mortem(23, pm)
+    found = [f for f in diagnose(output).findings if f.rule == "loss-spike"]
+    assert [(f.step, f.evidence["cause"]) for f in found] == [(23, "precision")]
+    assert "3 steps skipped by the GradScaler" in found[0].message and "fp16" in found[0].fix
+    healthy, _, nonfinite = _fp16_run(False)
+    assert not any(nonfinite) and not any("PostMortem" in v for v in healthy.get_output().values())
 
 
 def test_the_run_is_unchanged():
@@ -544,4 +623,167 @@ def test_corpus_replay_is_exact():
         assert a["cause"] == b["cause"] and a["suspects"] == b["suspects"] and a["trigger"] == b["trigger"]
     table = score([recorded])
     assert table["caught"] == 1 and table["rows_in_top3"] == 1 and table["cause_right"] == 1
+    assert (table["row_faults"], table["row_faults_at_onset"], table["row_faults_at_onset_by_loss"]) == (1, 1, 1)
+    assert score([{**recorded, "run": {**recorded["run"], "onset": recorded["run"]["onset"] - 1}}])["row_faults_at_onset"] == 0
     assert replay(recorded, {"z": 1e6}) == []  # a stricter detector finds nothing: the replay reads its settings
+
+
+def test_corpus_fp16_overflow_run():
+    """The corpus's fp16 fault trains under CPU autocast with a GradScaler; its replay is what PostMortem stores
+    live, and it is caught with the cause precision."""
+    from cockpit_like.spikes.corpus import FP16_ARCHS, replay, score, spike_runs, train_spike_run
+
+    run = next(r for r in spike_runs("tuning") if r.arch == "mlp" and r.fault == "fp16-overflow")
+    recorded = train_spike_run(run, record_all=True)
+    live = train_spike_run(run)
+    assert [s for s, _ in replay(recorded)] == [s for s, _ in live["post_mortems"]] == [run.onset + 3]
+    assert live["post_mortems"][0][1]["cause"] == "precision"
+    assert [row[4] for row in recorded["series"] if row[4]] == [3]
+    table = score([recorded])
+    assert table["caught"] == 1 and table["cause_right"] == 1 and table["row_spikes"] == 0
+    assert all(r.arch in FP16_ARCHS for half in ("tuning", "held-out") for r in spike_runs(half)
+               if r.precision == "fp16")
+
+
+def test_dashboard_shows_the_last_post_mortem():
+    """The dashboard gets the post-mortem panel once the run holds a post-mortem, beside the check engine,
+    overlapping nothing; a run without one keeps Cockpit's layout, axes for axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from cockpit_like import CockpitPlotter
+    from cockpit_like.plotting.instruments import PRIMARY
+    from cockpit_like.plotting.layout import PRIMARY_SIZE, build_layout
+
+    cockpit, _ = _spiky_run("row", steps=25)
+    plotter = CockpitPlotter()
+    plotter.plot(cockpit, show_plot=False)
+    axes = plotter.axes
+    assert set(axes) == set(PRIMARY) | {"post_mortem"}
+    panel = axes["post_mortem"]
+    bars = [p for p in panel.patches if p.get_gid() == "post-mortem:rows"]
+    post = cockpit.get_output()[22]["PostMortem"]
+    assert math.isclose(max(p.get_width() for p in bars), post["rows_by_share"][0]["share"], rel_tol=1e-9)
+    assert panel.get_gid() == "instrument:post_mortem" and "step 22: bad-rows" in panel.get_title()
+    boxes = {key: ax.get_position() for key, ax in axes.items()}
+    assert boxes["post_mortem"].x0 > boxes["findings"].x1
+    for key, box in boxes.items():
+        if key != "post_mortem":
+            assert not box.overlaps(boxes["post_mortem"]), key
+    without = {step: {k: v for k, v in values.items() if k != "PostMortem"}
+               for step, values in cockpit.get_output().items()}
+    plain = CockpitPlotter()
+    plain.plot(without, show_plot=False)
+    reference = build_layout(Figure(figsize=PRIMARY_SIZE), secondary_screen=False)
+    assert set(plain.axes) == set(reference.axes) == set(PRIMARY)
+    for key, ax in plain.axes.items():
+        assert list(ax.get_position().bounds) == list(reference.axes[key].get_position().bounds), key
+    plotter.plot(without, show_plot=False)  # the same plotter drops the panel when the data has none
+    assert "post_mortem" not in plotter.axes
+
+
+# ---- sample ids under real DDP (2 gloo ranks, spawned) ------------------------------------------------
+DDP_SPIKE, DDP_ROW, DDP_LOCAL = 9, 13, 8  # the spike's step, its global row (rank 1's row 5), rows per rank
+
+
+def _ddp_batch(step: int, centers: torch.Tensor):
+    """The global batch of ``step`` (2 x 8 rows, the same on every rank): inputs, labels, dataset ids (a random
+    draw, not sorted: an order other than rank after rank shows); the spike's row x1e3 with a wrong label."""
+    generator = torch.Generator().manual_seed(step)
+    labels = torch.randint(0, 4, (2 * DDP_LOCAL,), generator=generator)
+    x = centers[labels] + torch.randn(2 * DDP_LOCAL, 6, generator=generator)
+    ids = torch.randperm(10_000, generator=generator)[: 2 * DDP_LOCAL]
+    if step == DDP_SPIKE:
+        x[DDP_ROW] *= 1e3
+        labels[DDP_ROW] = (labels[DDP_ROW] + 1) % 4
+    return x, labels, ids
+
+
+def _ddp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def _job_ddp_sample_ids(rank: int) -> dict:
+    """Each rank trains on its half of the global batch with its rows' ids; rank 0 keeps the output."""
+    from cockpit_like.spikes import RowSummaries
+
+    model = _ddp_model()
+    net = nn.parallel.DistributedDataParallel(model)
+    centers = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 2
+    post = PostMortem(linear(1), window=5, warmup=4, layer_updates=False)
+    rows = RowSummaries(linear(1), top_k=2 * DDP_LOCAL)  # every row of the global batch
+    cockpit = Cockpit(model.parameters(), quantities=[post, rows], model=net, distributed_timeout=10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    state = None
+    mine = slice(rank * DDP_LOCAL, (rank + 1) * DDP_LOCAL)
+    for step in range(DDP_SPIKE + 1):
+        x, labels, ids = _ddp_batch(step, centers)
+        if step == DDP_SPIKE:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(net(x[mine]), labels[mine], reduction="none")
+        with cockpit(step, info={"batch_size": DDP_LOCAL, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer, "sample_ids": ids[mine]}):
+            losses.mean().backward()
+        optimizer.step()
+    return {"output": cockpit.get_output() if rank == 0 else None, "state": state}
+
+
+def test_sample_ids_under_ddp_name_the_global_row(tmp_path):
+    """Two gloo ranks (spawned, CPU): integer sample ids are concatenated rank after rank (every row of every
+    step), and the post-mortem at the spike names the injected row of rank 1 by its global row and dataset id,
+    with the share of a float64 brute force on the global batch."""
+    from tests.test_distributed import _spawn
+
+    ranks = _spawn("tests.test_spikes:_job_ddp_sample_ids", tmp_path, timeout=60)
+    output = ranks[0]["output"]
+    centers = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 2
+    for step in range(DDP_SPIKE + 1):
+        ids = _ddp_batch(step, centers)[2].tolist()
+        kept = output[step]["RowSummaries"]["rows"]
+        assert sorted(r["row"] for r in kept) == list(range(2 * DDP_LOCAL))
+        assert all(r["id"] == ids[r["row"]] for r in kept), step
+    spikes = [s for s, v in output.items() if "PostMortem" in v]
+    assert spikes == [DDP_SPIKE]
+    post = output[DDP_SPIKE]["PostMortem"]
+    x, labels, ids = _ddp_batch(DDP_SPIKE, centers)
+    top = post["rows_by_share"][0]
+    assert (top["row"], top["id"]) == (DDP_ROW, int(ids[DDP_ROW])) and post["cause"] == "bad-rows"
+    assert post["suspects"][0]["id"] == int(ids[DDP_ROW])
+    model = _ddp_model().double()  # the brute force: per-row gradients of the global batch, float64
+    model.load_state_dict({k: v.double() for k, v in ranks[0]["state"].items()})
+    rows = []
+    for i in range(2 * DDP_LOCAL):
+        loss = nn.functional.cross_entropy(model(x[i:i + 1].double()), labels[i:i + 1])
+        rows.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))]))
+    per_row = torch.stack(rows) / (2 * DDP_LOCAL)  # g_i / B
+    total = per_row.sum(0)
+    shares = per_row @ total / total.dot(total)
+    assert math.isclose(top["share"], float(shares[DDP_ROW]), rel_tol=1e-4)
+    assert int(shares.argmax()) == DDP_ROW
+
+
+def test_spike_corpus_table_has_the_gpt2_small_column(tmp_path):
+    """benchmarks/spike_corpus.py: the table's columns (the halves and the GPT-2 small slice, read from its own
+    cache only when every run of its seeds is there)."""
+    import importlib.util
+
+    from cockpit_like.spikes.corpus import gpt2_small_runs, score, spike_runs, train_spike_run
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "spike_corpus.py"
+    spec = importlib.util.spec_from_file_location("_bench_spike_corpus", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    run = next(r for r in spike_runs("tuning") if r.arch == "mlp" and r.fault == "fp16-overflow")
+    scores = {half: {**score([train_spike_run(run, record_all=True)]), "archs": [half]}
+              for half in ("tuning", "gpt2-small")}
+    text = bench.table(scores)
+    assert "held-out: GPT-2 small (gpt2-small)" in text.splitlines()[0]
+    assert "| fp16-overflow | 1/1, 0, 1 (precision: 1) | 1/1, 0, 1 (precision: 1) |" in text
+    cache = tmp_path / "gpt2.jsonl"
+    assert not bench._cached((0,), cache)
+    cache.write_text("".join(f'{{"name": "{r.name}", "version": {bench.VERSION}}}\n' for r in gpt2_small_runs(0)))
+    assert bench._cached((0,), cache) and not bench._cached((0, 1), cache)

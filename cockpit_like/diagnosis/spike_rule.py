@@ -48,6 +48,8 @@ class LossSpike(Rule):
         series = [name for name in trigger.get("series", [])]
         rises = ", ".join(f"{name.replace('_', ' ')} {trigger[name]['ratio']:.3g}x its window's median"
                           for name in series if isinstance(trigger.get(name), dict))
+        if "loss_scale" in series:
+            rises = ", ".join(filter(None, [rises, f"{trigger.get('skipped')} steps skipped by the GradScaler"]))
         rows = post.get("suspects") or post.get("rows_by_share") or []
         cause = post.get("cause", "unknown")
         message = (f"spike at step {step} ({rises}); likeliest cause: {cause} ({post.get('why', '')})"

@@ -9,6 +9,14 @@ Primary screen (16 x 9 inches)::
     | learning rate        |  loss          | accuracy | check engine   |
     +----------------------+---------------------------------------------+
 
+When the run holds a loss-spike post-mortem (``PostMortem``,
+:mod:`cockpit_like.spikes`), the bottom band makes room for its panel (the
+last post-mortem), and only then: a run without one keeps the layout above::
+
+    +-- Hyperparameters ---+-- Performance -------------------+-- Loss spikes --+
+    | learning rate        |  loss     | accuracy | check eng. | last post-mortem|
+    +----------------------+----------------------------------+-----------------+
+
 The secondary screen adds a band below (figure 16 x 14): MeanGSNR, CABS,
 EarlyStopping, other scalar quantities, the logged-curvature instruments
 (EK-FAC spectrum, self-influence, preconditioned gradient norm) when a run
@@ -24,6 +32,7 @@ from matplotlib.patches import FancyBboxPatch
 
 from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.instruments import PRIMARY, SECONDARY, Instrument, layer_histogram
+from cockpit_like.plotting.spike_instruments import SPIKE_INSTRUMENTS
 
 __all__ = ["Layout", "build_layout", "MAX_LAYER_PANELS", "PRIMARY_SIZE", "SECONDARY_SIZE"]
 
@@ -37,6 +46,7 @@ _GROUP_COLORS = {
     "Curvature": "#fbf0ee",
     "Hyperparameters": "#eef8ee",
     "Performance": "#f6f6f0",
+    "Loss spikes": "#fbf3ea",
     "Secondary screen": "#f2f2f2",
 }
 
@@ -49,6 +59,7 @@ class Layout:
     axes: dict[str, object]
     layer_panels: int
     curvature_row: bool = False
+    post_mortem: bool = False
 
 
 def _group(fig, rect, label: str, pad_in=(0.62, 0.22, 0.62, 0.5)):
@@ -73,9 +84,11 @@ def _group(fig, rect, label: str, pad_in=(0.62, 0.22, 0.62, 0.5)):
     )
 
 
-def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_row: bool = False) -> Layout:
+def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_row: bool = False,
+                 post_mortem: bool = False) -> Layout:
     """Create every axes of the dashboard on an empty figure (``curvature_row``: the
-    secondary screen's row of logged-curvature instruments)."""
+    secondary screen's row of logged-curvature instruments; ``post_mortem``: the loss-spike panel in the
+    bottom band)."""
     axes: dict[str, object] = {}
     instruments: dict[str, Instrument] = {}
 
@@ -83,7 +96,8 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_r
         ax = fig.add_subplot(spec)
         ax.set_gid(f"instrument:{key}")
         axes[key] = ax
-        instruments[key] = instrument or PRIMARY.get(key) or SECONDARY.get(key) or CURVATURE_INSTRUMENTS[key]
+        instruments[key] = (instrument or PRIMARY.get(key) or SECONDARY.get(key) or SPIKE_INSTRUMENTS.get(key)
+                            or CURVATURE_INSTRUMENTS[key])
 
     width, height = fig.get_size_inches()
     # Vertical extent (figure fraction) of the primary screen; the title strip sits on top.
@@ -106,13 +120,20 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_r
                             wspace=0.42, height_ratios=[1.15, 1])
     for key, spec in zip(("hess_max_ev", "hess_trace", "kfac_trace", "tic"), (grid[0, 0], grid[0, 1], grid[1, 0], grid[1, 1])):
         add(key, spec)
-    grid = fig.add_gridspec(1, 1, **_group(fig, (0.0, primary_bottom, 0.25, split), "Hyperparameters"))
+    # with the post-mortem panel: the learning rate, the loss and the accuracy narrower, the check engine as wide
+    hyper_right, performance_right = (0.2, 0.75) if post_mortem else (0.25, 1.0)
+    grid = fig.add_gridspec(1, 1, **_group(fig, (0.0, primary_bottom, hyper_right, split), "Hyperparameters"))
     add("learning_rate", grid[0, 0])
-    grid = fig.add_gridspec(1, 3, **_group(fig, (0.25, primary_bottom, 1.0, split), "Performance"), wspace=0.18,
-                            width_ratios=[1.45, 0.85, 1.3])
+    grid = fig.add_gridspec(1, 3, **_group(fig, (hyper_right, primary_bottom, performance_right, split), "Performance"),
+                            wspace=0.18 if not post_mortem else 0.24,
+                            width_ratios=[1.2, 0.6, 1.6] if post_mortem else [1.45, 0.85, 1.3])
     add("loss", grid[0, 0])
     add("accuracy", grid[0, 1])
     add("findings", grid[0, 2])
+    if post_mortem:  # (the y labels name rows and their ids: a wider left margin)
+        grid = fig.add_gridspec(1, 1, **_group(fig, (performance_right, primary_bottom, 1.0, split), "Loss spikes",
+                                               pad_in=(1.45, 0.22, 0.62, 0.5)))
+        add("post_mortem", grid[0, 0])
 
     if secondary_screen:
         rows = 1 + bool(curvature_row) + bool(layer_panels)
@@ -130,4 +151,4 @@ def build_layout(fig, secondary_screen: bool, layer_panels: int = 0, curvature_r
             for index in range(layer_panels):
                 instrument = layer_histogram(index)
                 add(instrument.key, layers[0, index], instrument)
-    return Layout(instruments, axes, layer_panels, curvature_row)
+    return Layout(instruments, axes, layer_panels, curvature_row, post_mortem)

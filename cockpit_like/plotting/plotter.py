@@ -18,6 +18,7 @@ from cockpit_like.plotting.data import RunData, load_source
 from cockpit_like.plotting.instruments import DrawOptions
 from cockpit_like.plotting.curvature_instruments import CURVATURE_INSTRUMENTS
 from cockpit_like.plotting.layout import MAX_LAYER_PANELS, PRIMARY_SIZE, SECONDARY_SIZE, Layout, build_layout
+from cockpit_like.plotting.spike_instruments import has_post_mortem
 from cockpit_like.utils.jupyter import in_jupyter_kernel
 
 __all__ = ["CockpitPlotter", "DashboardFigure", "save_dashboard", "interactive_backend", "in_jupyter_kernel"]
@@ -216,10 +217,12 @@ class CockpitPlotter:
         curvature = self.secondary_screen and any(
             data.has(name) for instrument in CURVATURE_INSTRUMENTS.values() for name in instrument.quantities
         )
-        if self._layout is None or (self._layout.layer_panels, self._layout.curvature_row) != (layers, curvature):
+        post_mortem = has_post_mortem(data)
+        if self._layout is None or (self._layout.layer_panels, self._layout.curvature_row,
+                                    self._layout.post_mortem) != (layers, curvature, post_mortem):
             fig.clear()
             fig.patches.clear()
-            self._layout = build_layout(fig, self.secondary_screen, layers, curvature)
+            self._layout = build_layout(fig, self.secondary_screen, layers, curvature, post_mortem)
             self.axes = dict(self._layout.axes)
         return self._layout
 

@@ -4,8 +4,10 @@ A pure draw function of stored data with the signature ``draw(ax, data,
 options)`` (:mod:`cockpit_like.plotting.instruments`): the last post-mortem's
 rows by share of the step's gradient as bars (labelled with their ids and
 losses), its cause and evidence in the title and a note, and the layers that
-moved first. Not in the fixed dashboard layout; offered as
-``post_mortem_gauge`` in :mod:`cockpit_like.instruments`. Artists carry
+moved first. In the dashboard's bottom band once the run holds a
+post-mortem (:func:`has_post_mortem`; a run without one keeps Cockpit's
+layout), and offered as ``post_mortem_gauge`` in
+:mod:`cockpit_like.instruments`. Artists carry
 ``gid`` tags: ``"post-mortem:rows"`` (the bars), ``"post-mortem:note"``.
 """
 
@@ -18,7 +20,7 @@ import numpy as np
 from cockpit_like.plotting.data import RunData
 from cockpit_like.plotting.instruments import _SMALL, _TITLE, COLORS, DrawOptions, Instrument, not_tracked
 
-__all__ = ["draw_post_mortem", "SPIKE_INSTRUMENTS"]
+__all__ = ["draw_post_mortem", "has_post_mortem", "SPIKE_INSTRUMENTS"]
 
 _CAUSE_COLORS = {"bad-rows": COLORS["red"], "precision": COLORS["purple"], "learning-rate": COLORS["orange"],
                  "curvature": COLORS["brown"], "unknown": COLORS["grey"]}
@@ -33,6 +35,11 @@ def _last_post_mortem(data: RunData):
     return max(found, key=lambda item: item[0]) if found else None
 
 
+def has_post_mortem(data: RunData) -> bool:
+    """Whether the run holds a loss-spike post-mortem (the dashboard then shows its panel)."""
+    return _last_post_mortem(data) is not None
+
+
 def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
     """The last post-mortem: the top rows' shares of the step's gradient, the cause, the layers that moved first."""
     title = "Loss-spike post-mortem"
@@ -42,6 +49,10 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
         return
     step, post = last
     rows = post.get("rows_by_share") or []
+    fig = ax.get_figure()
+    compact = fig is not None and ax.get_position().height * fig.get_size_inches()[1] < 2.5  # a dashboard panel
+    if compact:  # the top 3 rows and a two-line note
+        rows = rows[:3]
     cause = post.get("cause", "unknown")
     ax.set_title(f"Spike at step {step}: {cause}", **_TITLE)
     labels = [f"row {r.get('row')}" + (f" · id {r.get('id')}" if r.get("id") is not None else "") for r in rows]
@@ -56,12 +67,15 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
         ax.text(max(float(row.get("share", 0.0)), 0.0), position, f"  loss {row.get('loss', float('nan')):.3g}",
                 va="center", fontsize=_SMALL, color="#333333")
     ax.set_xlim(min(0.0, float(np.nanmin(shares)) if len(shares) else 0.0), 1.25)
-    ax.set_ylim(-0.6 - 0.9 * len(rows) / 5, len(rows) - 0.4)  # room below the bars for the note
     trigger = post.get("trigger", {})
     rises = ", ".join(f"{name.replace('_', ' ')} ×{trigger[name]['ratio']:.3g}" for name in trigger.get("series", [])
                       if isinstance(trigger.get(name), dict))
+    if "loss_scale" in trigger.get("series", []):
+        rises = ", ".join(filter(None, [rises, f"{trigger.get('skipped')} steps skipped by the GradScaler"]))
     layers = ", ".join(str(layer.get("name")) for layer in (post.get("layers") or [])[:3]) or "none stood out"
-    lines = [rises, *textwrap.wrap(str(post.get("why", "")), 60), f"layers moved first: {layers}"]
+    why = [] if compact else textwrap.wrap(str(post.get("why", "")), 70)
+    lines = [rises, *why, f"layers moved first: {layers}"]
+    ax.set_ylim(-0.6 - 0.45 * len(lines) * max(len(rows), 1) / 5, len(rows) - 0.4)  # room below the bars for the note
     note = ax.text(0.99, 0.03, "\n".join(lines), transform=ax.transAxes, ha="right", va="bottom",
                    fontsize=_SMALL - 0.5, color="#444444", gid="post-mortem:note",
                    bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#dddddd"})

@@ -4,8 +4,9 @@ Causes, checked in this order (the first whose evidence holds is named; the
 others' checks are kept beside it):
 
 1. ``"precision"``: a ``GradScaler`` was in play and its scale dropped since
-   the previous tracked step, steps were skipped (missing from the tracked
-   schedule) or the loss is not finite: an fp16 overflow;
+   the previous tracked step (it skipped steps: non-finite scaled gradients)
+   or the loss is not finite: an fp16 overflow (tracked steps missing while
+   the scale held are not the scaler's: a step whose self-check failed);
 2. ``"learning-rate"``: the learning rate of the step is at least
    ``lr_jump`` x the median of the window before it (a jump, not a ramp);
 3. ``"curvature"``: the sharpness is tracked (``HessMaxEV``) and
@@ -64,9 +65,12 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
     if precision.get("scaler"):
         events = []
         if precision.get("scale_dropped"):
-            events.append(f"the loss scale dropped from {precision.get('previous_scale'):g} to {precision.get('scale'):g}")
-        if precision.get("missing_steps"):
-            events.append(f"steps {precision['missing_steps']} were skipped (non-finite scaled gradients)")
+            skips = precision.get("scaler_skips") or 0
+            events.append(f"the loss scale dropped from {precision.get('previous_scale'):g} to {precision.get('scale'):g}"
+                          + (f": the scaler skipped {skips} step{'s' if skips != 1 else ''} (non-finite scaled "
+                             "gradients)" if skips else ""))
+            if precision.get("missing_steps"):  # (steps missing without a drop are not the scaler's: a failed check)
+                events.append(f"steps {precision['missing_steps']} left no tracked step")
         if precision.get("nonfinite"):
             events.append("the loss is not finite")
         checks["precision"] = {"holds": bool(events), "why": "; ".join(events) or "no scaler event"}

@@ -16,15 +16,30 @@ fault               what the generator does at ``onset``                        
 ``flipped-batch``   every label of the batch replaced by a wrong one (random next tokens)   bad-rows
 ``scaled-row``      one row's input multiplied by 1e3 (not for token inputs)                bad-rows
 ``lr-jump``         the learning rate multiplied by 20 from ``onset`` on                    learning-rate
+``fp16-overflow``   (a run trained under ``torch.autocast("cpu", torch.float16)`` with a    precision
+                    ``GradScaler``) one row's input x1e8, beyond fp16's range, at
+                    ``onset`` and the 2 steps after it: the scaler skips 3 steps in a
+                    row and its scale drops 8x
 ==================  ====================================================================  ===============
+
+Per architecture of :data:`FP16_ARCHS` two healthy runs are also trained in
+fp16 with a ``GradScaler`` (``info["grad_scaler"]`` declared), so that the
+skipped-steps trigger is measured for false alarms. Not for the attention
+models: the hook backend's rule for ``nn.MultiheadAttention`` re-runs the
+layer outside autocast and stops the run under CPU fp16 autocast ("Float did
+not match Half"), a bug outside this feature.
+
+:func:`gpt2_small_runs` is a slice of its own: GPT-2 small (the Hugging Face
+``GPT2Config()`` defaults built from the config, 124M parameters, dropout
+off), batch 8 x 64 tokens, Adam, 18 steps, the fault at step 12 or 13; held
+out (never used to set a threshold).
 
 :func:`spike_runs` draws the runs of one half: architectures are split into
 a **tuning** half (thresholds may be set on it) and a **held-out** half (only
 reported), see :data:`SPLIT`. :func:`train_spike_run` trains one run and
 returns plain data (post-mortems, losses, timing); :func:`score` scores
 runs. ``benchmarks/spike_corpus.py`` runs both halves and writes the table of
-``docs/spikes.md``. No fp16 overflow fault: the CPU has no fp16 kernels
-worth simulating, so the ``precision`` cause is tested on its evidence only.
+``docs/spikes.md``.
 """
 
 from __future__ import annotations
@@ -40,13 +55,22 @@ import torch
 
 from cockpit_like.corpus_generator import GeneratedRun, _data, _loss, _model, _optimizer, scheduled_rate
 
-__all__ = ["SPLIT", "FAULTS", "SpikeRun", "spike_runs", "train_spike_run", "score", "EXPECTED_CAUSE", "replay"]
+__all__ = ["SPLIT", "FAULTS", "FP16_ARCHS", "SpikeRun", "spike_runs", "gpt2_small_runs", "train_spike_run", "score",
+           "EXPECTED_CAUSE", "replay"]
 
 #: architectures per half: thresholds are set on "tuning", figures reported on "held-out"
 SPLIT = {"tuning": ("mlp", "cnn", "gru"), "held-out": ("resnet-gn", "transformer", "gpt")}
-FAULTS = ("garbage-row", "repeated-row", "flipped-batch", "scaled-row", "lr-jump")
+FAULTS = ("garbage-row", "repeated-row", "flipped-batch", "scaled-row", "lr-jump", "fp16-overflow")
 EXPECTED_CAUSE = {"garbage-row": "bad-rows", "repeated-row": "bad-rows", "flipped-batch": "bad-rows",
-                  "scaled-row": "bad-rows", "lr-jump": "learning-rate"}
+                  "scaled-row": "bad-rows", "lr-jump": "learning-rate", "fp16-overflow": "precision"}
+#: architectures trained in fp16 (healthy and ``fp16-overflow`` runs): not the attention models (module docstring)
+FP16_ARCHS = ("mlp", "cnn", "gru", "resnet-gn")
+#: the ``fp16-overflow`` row's input is multiplied by this (beyond fp16's largest value, 65504) ...
+OVERFLOW_SCALE = 1e8
+#: ... at the onset and the steps after it, this many in all
+OVERFLOW_STEPS = 3
+#: the GPT-2 small slice: sequences of this many tokens (plus one for the targets), batch, steps
+GPT2_LENGTH, GPT2_BATCH, GPT2_STEPS = 64, 8, 18
 #: garbage rows are noise this many times the data's standard deviation
 GARBAGE_SCALE = 30.0
 _DATA = {"mlp": "blobs-ce", "cnn": "digits-ce", "resnet-gn": "digits-ce", "gru": "signs-ce",
@@ -54,7 +78,7 @@ _DATA = {"mlp": "blobs-ce", "cnn": "digits-ce", "resnet-gn": "digits-ce", "gru":
 _LR = {("mlp", "momentum"): 0.05, ("mlp", "adam"): 3e-3, ("cnn", "momentum"): 0.04, ("cnn", "adam"): 3e-3,
        ("resnet-gn", "momentum"): 0.04, ("resnet-gn", "adam"): 3e-3, ("gru", "momentum"): 0.05,
        ("gru", "adam"): 5e-3, ("transformer", "momentum"): 0.05, ("transformer", "adam"): 3e-3,
-       ("gpt", "momentum"): 0.3, ("gpt", "adam"): 1e-2}
+       ("gpt", "momentum"): 0.3, ("gpt", "adam"): 1e-2, ("gpt2-small", "adam"): 3e-4}
 #: a post-mortem this many steps after the onset (or fewer) is the fault's spike
 CATCH_WITHIN = 5
 
@@ -74,16 +98,20 @@ class SpikeRun:
     row: int = 0
     steps: int = 60
     settings: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    #: "fp32", or "fp16": trained under ``torch.autocast("cpu", torch.float16)`` with a ``GradScaler``
+    precision: str = "fp32"
 
     @property
     def name(self) -> str:
-        return f"{self.arch}/{self.optimizer}/{self.schedule}/{self.fault or 'healthy'}@{self.onset}/s{self.seed}"
+        name = f"{self.arch}/{self.optimizer}/{self.schedule}/{self.fault or 'healthy'}@{self.onset}/s{self.seed}"
+        return name + ("/fp16" if self.precision == "fp16" else "")
 
     def generated(self) -> GeneratedRun:
         """The :class:`~cockpit_like.corpus_generator.GeneratedRun` whose data, model and schedule it uses."""
         options = {"lr_jump": 20.0} if self.fault == "lr-jump" else {}
         return GeneratedRun(family=f"{self.arch}/{self.optimizer}/{self.schedule}", arch=self.arch,
-                            optimizer=self.optimizer, schedule=self.schedule, data=_DATA[self.arch], lr=self.lr,
+                            optimizer=self.optimizer, schedule=self.schedule, data=_DATA.get(self.arch, "tokens-lm"),
+                            lr=self.lr,
                             batch=self.batch, seed=self.seed, fault=None, onset=self.onset, steps=self.steps,
                             options=options)
 
@@ -98,7 +126,7 @@ def spike_runs(half: str, healthy_per_arch: int = 8, faulty_per_fault: int = 2, 
     runs = []
     for arch in SPLIT[half]:
         faults = [None] * healthy_per_arch + [f for f in FAULTS for _ in range(faulty_per_fault)
-                                              if not (f == "scaled-row" and arch == "gpt")]
+                                              if not (f == "scaled-row" and arch == "gpt") and f != "fp16-overflow"]
         for fault in faults:
             optimizer = rng.choice(("momentum", "adam"))
             schedule = rng.choice(("constant", "warmup-cosine"))
@@ -107,7 +135,54 @@ def spike_runs(half: str, healthy_per_arch: int = 8, faulty_per_fault: int = 2, 
                                  lr=_LR[(arch, optimizer)] * rng.uniform(0.7, 1.3), batch=batch,
                                  seed=rng.randrange(10_000), fault=fault, onset=rng.randrange(30, steps - 10),
                                  row=rng.randrange(batch), steps=steps))
+    # the fp16 runs, drawn from a stream of their own (the fp32 runs above stay the draws they were)
+    rng = random.Random(f"{half}-{seed}-fp16")
+    for arch in [a for a in SPLIT[half] if a in FP16_ARCHS]:
+        for fault in [None] * 2 + ["fp16-overflow"] * faulty_per_fault:
+            optimizer, schedule, batch = rng.choice(("momentum", "adam")), rng.choice(("constant", "warmup-cosine")), 32
+            runs.append(SpikeRun(arch=arch, optimizer=optimizer, schedule=schedule,
+                                 lr=_LR[(arch, optimizer)] * rng.uniform(0.7, 1.3), batch=batch,
+                                 seed=rng.randrange(10_000), fault=fault, onset=rng.randrange(30, steps - 10),
+                                 row=rng.randrange(batch), steps=steps, precision="fp16"))
     return runs
+
+
+def gpt2_small_runs(seed: int = 0, healthy: int = 2,
+                    faults: tuple[str, ...] = ("garbage-row", "repeated-row", "flipped-batch", "lr-jump")) -> list[SpikeRun]:
+    """The GPT-2 small slice (held out): ``healthy`` healthy runs and one run of each of ``faults``; Adam, a
+    constant or warmup-cosine schedule, batch :data:`GPT2_BATCH` x :data:`GPT2_LENGTH` tokens, :data:`GPT2_STEPS`
+    steps, the onset at step 12 or 13 (the detector's warmup is 10 tracked steps)."""
+    rng = random.Random(f"gpt2-small-{seed}")
+    runs = []
+    for fault in [None] * healthy + list(faults):
+        runs.append(SpikeRun(arch="gpt2-small", optimizer="adam", schedule=rng.choice(("constant", "warmup-cosine")),
+                             lr=_LR[("gpt2-small", "adam")] * rng.uniform(0.7, 1.3), batch=GPT2_BATCH,
+                             seed=rng.randrange(10_000), fault=fault, onset=rng.randrange(12, 14),
+                             row=rng.randrange(GPT2_BATCH), steps=GPT2_STEPS))
+    return runs
+
+
+class _GPT2Small(torch.nn.Module):
+    """GPT-2 small built from the Hugging Face ``GPT2Config()`` defaults (dropout off): tokens in, logits out."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.gpt = GPT2LMHeadModel(GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+
+    def forward(self, tokens):
+        return self.gpt(tokens, use_cache=False).logits
+
+
+def _gpt2_data(seed: int) -> torch.Tensor:
+    """512 sequences of the corpus's token recurrence (16 symbols, :func:`~cockpit_like.corpus._sequences`),
+    ``GPT2_LENGTH + 1`` long, each symbol mapped to a fixed token of GPT-2's 50257."""
+    from cockpit_like.corpus import _sequences
+
+    symbols = _sequences(seed, 512, GPT2_LENGTH + 1, 16)
+    vocabulary = torch.randperm(50257, generator=torch.Generator().manual_seed(seed))[:16]
+    return vocabulary[symbols]
 
 
 def _garbage(x: torch.Tensor, scale: float, generator: torch.Generator, vocab: int | None) -> torch.Tensor:
@@ -132,12 +207,19 @@ def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
     started = time.perf_counter()
     generated = run.generated()
     torch.manual_seed(run.seed)
-    inputs, targets, in_features, out_features = _data(generated)
+    if run.arch == "gpt2-small":
+        inputs, targets, in_features, out_features = _gpt2_data(run.seed), None, 50257, 50257
+    else:
+        inputs, targets, in_features, out_features = _data(generated)
     tokens = targets is None
     vocab = out_features if tokens else None
     classes = 2 if generated.data == "signs-ce" else out_features
     scale = 1.0 if tokens else float(inputs.float().std())
-    model = _model(generated, in_features, out_features)
+    model = _GPT2Small().train() if run.arch == "gpt2-small" else _model(generated, in_features, out_features)
+    fp16 = run.precision == "fp16"
+    if fp16 and (tokens or run.arch not in FP16_ARCHS):
+        raise ValueError(f"{run.name}: fp16 runs are for {FP16_ARCHS} (module docstring)")
+    scaler = torch.amp.GradScaler("cpu") if fp16 else None
     optimizer = _optimizer(generated, model.parameters())
     post = PostMortem(linear(1), **post_args)
     cockpit = Cockpit(list(model.parameters()), quantities=[post], model=model)
@@ -169,26 +251,40 @@ def train_spike_run(run: SpikeRun, **post_args: Any) -> dict[str, Any]:
                         x[r], y[r] = row_x, row_y
                 ids[copies] = -1
                 injected = [-1]
+            if run.fault == "fp16-overflow" and run.onset <= step < run.onset + OVERFLOW_STEPS:
+                x[run.row] = x[run.row] * OVERFLOW_SCALE
+                ids[run.row] = -1
+                injected = [-1]
             if step == run.onset and run.fault == "flipped-batch":
                 y = torch.randint(0, vocab, y.shape, generator=generator) if tokens else _wrong(y, classes, generator)
                 ids = -1 - torch.arange(run.batch)
                 injected = ids.tolist()
             optimizer.zero_grad()
             model.train()
-            individual = _loss(generated, model(x), y)
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                outputs = model(x)
+            individual = _loss(generated, outputs.float(), y)
             loss = individual.mean()
             losses.append(float(loss))
             info = {"batch_size": run.batch, "loss": loss, "optimizer": optimizer, "individual_losses": individual,
                     "sample_ids": ids}
+            if fp16:
+                info["grad_scaler"] = scaler
             try:
                 with cockpit(step, info=info):
-                    loss.backward()
+                    (scaler.scale(loss) if fp16 else loss).backward()
             except Exception as failure:  # the cockpit stopped the run: kept, and reported by the benchmark
                 error = {"step": step, "error": f"{type(failure).__name__}: {str(failure)[:300]}"}
                 break
-            summary = post.buffer.steps[-1]
-            series.append([step, summary["loss"], summary["grad_norm"], max(g["lr"] for g in optimizer.param_groups)])
-            optimizer.step()
+            summary = post.buffer.steps[-1] if post.buffer.steps else None
+            if summary is not None and summary["step"] == step:  # (a skipped step, a failed check: not tracked)
+                series.append([step, summary["loss"], summary["grad_norm"], max(g["lr"] for g in optimizer.param_groups),
+                               post.detector.last_skipped])
+            if fp16:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
     found = [[int(s), v["PostMortem"]] for s, v in sorted(cockpit.get_output().items()) if "PostMortem" in v]
     return {"run": asdict(run), "name": run.name, "post_mortems": found, "series": series, "losses": losses,
             "steps_trained": len(series),
@@ -208,8 +304,8 @@ def replay(result: dict[str, Any], detector: dict[str, Any] | None = None,
     spikes = SpikeDetector(**{**SpikeDetector().settings(), **(detector or {})})
     stored = {int(step): post for step, post in result["post_mortems"]}
     kept = []
-    for step, loss, grad_norm, rate in result["series"]:
-        found = spikes.update(step, loss, grad_norm, rate)
+    for step, loss, grad_norm, rate, *skipped in result["series"]:
+        found = spikes.update(step, loss, grad_norm, rate, skipped=skipped[0] if skipped else 0)
         if found is None:
             continue
         post = stored[int(step)]
@@ -228,11 +324,30 @@ def _first_caught(result: dict[str, Any], found: list) -> tuple[int, dict[str, A
     return None
 
 
+def _rows_at_onset(results: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """``(by share, by loss, runs)``: of the runs with a one-row or repeated-row fault (``garbage-row``,
+    ``repeated-row``, ``scaled-row``) recorded with ``record_all=True``, those whose onset step has an injected row
+    among the top 3 by share (by loss), spike or not (the row ranking on its own, apart from the detector)."""
+    hits = by_loss = runs = 0
+    for result in results:
+        if result["run"]["fault"] not in ("garbage-row", "repeated-row", "scaled-row"):
+            continue
+        stored = {int(step): post for step, post in result["post_mortems"]}
+        post = stored.get(int(result["run"]["onset"]))
+        if post is None:  # (not recorded with record_all, or the onset step was not tracked)
+            continue
+        runs += 1
+        hits += any(row["id"] in set(result["injected_ids"]) for row in post["rows_by_share"][:3])
+        by_loss += any(row["id"] in set(result["injected_ids"]) for row in post["rows_by_loss"][:3])
+    return hits, by_loss, runs
+
+
 def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
           causes: dict[str, Any] | None = None) -> dict[str, Any]:
     """Score runs trained with ``record_all=True`` as :func:`replay` with ``detector`` and ``causes`` settings gives
     them: detection, the injected rows among the top 3 (by share; by loss beside it), the cause, and healthy runs
     (and faulty runs before their onset) with a post-mortem."""
+    at_onset = _rows_at_onset(results)
     results = [{**r, "post_mortems": replay(r, detector, causes)} for r in results]
     healthy = [r for r in results if r["run"]["fault"] is None]
     faulty = [r for r in results if r["run"]["fault"] is not None]
@@ -265,7 +380,8 @@ def score(results: list[dict[str, Any]], detector: dict[str, Any] | None = None,
             entry["top3"] += top
             rows_top3_loss += any(row["id"] in injected for row in post["rows_by_loss"][:3])
             rows_suspects += any(row.get("id") in injected for row in post.get("suspects", [])[:3])
-    table.update(caught=caught, row_spikes=rows_total, rows_in_top3=rows_top3, rows_in_top3_by_loss=rows_top3_loss,
+    table.update(caught=caught, row_spikes=rows_total, row_faults_at_onset=at_onset[0], row_faults_at_onset_by_loss=at_onset[1],
+                 row_faults=at_onset[2], rows_in_top3=rows_top3, rows_in_top3_by_loss=rows_top3_loss,
                  rows_in_suspects=rows_suspects,
                  cause_right=causes_right, by_fault=by_fault,
                  seconds=sum(r["seconds"] for r in results))

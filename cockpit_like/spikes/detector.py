@@ -20,7 +20,18 @@ ramping up (the rate of the step above the window's median by the schedule,
 one small step at a time), the gradient norm needs ``ramp_z`` instead of
 ``z``; a *jump* of the rate is left to be found, it is a cause the
 post-mortem names. After a spike, ``cooldown`` tracked steps raise no new
-one (the same incident). Defaults were set on the tuning half of the spike
+one (the same incident).
+
+Mixed precision: steps a ``GradScaler`` skipped (non-finite scaled
+gradients: an fp16 overflow) leave no tracked step behind, so the loss and
+the gradient norm of those steps are never seen. ``skipped`` (passed by
+:class:`~cockpit_like.spikes.PostMortem`, read off the scaler's scale) says
+how many steps the scaler skipped since the previous tracked step; at least
+``skip_steps`` of them (in a row: the scale dropped ``backoff^-skip_steps``
+times) is a spike of its own, series ``"loss_scale"``. One skipped step is
+the scaler's routine (its scale grows every ``growth_interval`` steps until
+it overflows once and backs off), so the default is 2: a back-off that did
+not cure the overflow. Defaults were set on the tuning half of the spike
 corpus (``benchmarks/spike_corpus.py``, ``docs/spikes.md``).
 """
 
@@ -48,6 +59,8 @@ class SpikeDetector:
         ramp_z: ``z`` of the gradient norm while the learning rate ramps up.
         cooldown: tracked steps after a spike that raise no new one.
         loss_gap: the least rise of the loss, as a fraction of the run's first loss.
+        skip_steps: steps a GradScaler skipped since the previous tracked step that make a spike
+            (series ``"loss_scale"``).
 
     Example:
         >>> detector = SpikeDetector(window=5, warmup=5)
@@ -58,12 +71,16 @@ class SpikeDetector:
     """
 
     def __init__(self, window: int = 20, warmup: int = 10, z: float = 7.0, loss_ratio: float = 1.3,
-                 grad_ratio: float = 3.0, ramp_z: float = 10.0, cooldown: int = 5, loss_gap: float = 0.05):
+                 grad_ratio: float = 3.0, ramp_z: float = 10.0, cooldown: int = 5, loss_gap: float = 0.05,
+                 skip_steps: int = 2):
         for name, value in (("window", window), ("warmup", warmup), ("cooldown", cooldown)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SpikeDetector: {name} must be a non-negative int, got {value!r}")
         if window < 3:
             raise ValueError(f"SpikeDetector: window must be at least 3 tracked steps, got {window}")
+        if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 1:
+            raise ValueError(f"SpikeDetector: skip_steps must be a positive int (steps a GradScaler skipped in a "
+                             f"row), got {skip_steps!r}")
         if not (isinstance(loss_gap, (int, float)) and math.isfinite(loss_gap) and loss_gap >= 0):
             raise ValueError(f"SpikeDetector: loss_gap must be a non-negative number, got {loss_gap!r}")
         for name, value in (("z", z), ("loss_ratio", loss_ratio), ("grad_ratio", grad_ratio), ("ramp_z", ramp_z)):
@@ -72,7 +89,7 @@ class SpikeDetector:
         self.window, self.warmup, self.z = window, warmup, float(z)
         self.loss_ratio, self.grad_ratio, self.ramp_z, self.cooldown = (
             float(loss_ratio), float(grad_ratio), float(ramp_z), cooldown)
-        self.loss_gap = float(loss_gap)
+        self.loss_gap, self.skip_steps = float(loss_gap), skip_steps
         #: the run's first tracked losses (up to 3): their median is the scale of ``loss_gap``
         self.first_losses: list[float] = []
         #: ``[step, loss, grad norm, learning rate]`` of the last ``window`` tracked steps
@@ -81,12 +98,14 @@ class SpikeDetector:
         self.last_spike: int | None = None
         #: the scores of the last step after the warmup, spike or not (``update``'s dict)
         self.last_scores: dict[str, Any] | None = None
+        #: the ``skipped`` of the last step (steps a GradScaler skipped before it)
+        self.last_skipped = 0
         self._since_spike = cooldown + 1
 
     def settings(self) -> dict[str, Any]:
         return {"window": self.window, "warmup": self.warmup, "z": self.z, "loss_ratio": self.loss_ratio,
                 "grad_ratio": self.grad_ratio, "ramp_z": self.ramp_z, "cooldown": self.cooldown,
-                "loss_gap": self.loss_gap}
+                "loss_gap": self.loss_gap, "skip_steps": self.skip_steps}
 
     @property
     def first_loss(self) -> float:
@@ -106,15 +125,17 @@ class SpikeDetector:
         steps = [b / a for a, b in zip(rates, rates[1:] + [rate]) if a > 0]
         return bool(steps) and max(steps) <= 1.5 and rate > sorted(rates)[len(rates) // 2]
 
-    def update(self, step: int, loss: float, grad_norm: float, rate: float | None = None) -> dict[str, Any] | None:
-        """Add a tracked step; return ``{"step", "series", "loss", "grad_norm"}`` when it spikes, else None.
+    def update(self, step: int, loss: float, grad_norm: float, rate: float | None = None,
+               skipped: int = 0) -> dict[str, Any] | None:
+        """Add a tracked step (``skipped``: steps a GradScaler skipped since the previous tracked step); return
+        ``{"step", "series", "loss", "grad_norm", "skipped"}`` when it spikes, else None.
 
         ``loss`` / ``grad_norm`` entries: ``{"value", "baseline", "z", "ratio", "spike"}``."""
-        found, self.last_scores = None, None
+        found, self.last_scores, self.last_skipped = None, None, int(skipped)
         self._since_spike += 1
         if self.seen >= self.warmup and len(self.history) >= 3:
             ramp = self.ramping(rate)
-            result: dict[str, Any] = {"step": int(step), "series": [], "ramping": ramp}
+            result: dict[str, Any] = {"step": int(step), "series": [], "ramping": ramp, "skipped": int(skipped)}
             for name, column, ratio, z in (("loss", 1, self.loss_ratio, self.z),
                                            ("grad_norm", 2, self.grad_ratio, self.ramp_z if ramp else self.z)):
                 value = loss if name == "loss" else grad_norm
@@ -128,6 +149,8 @@ class SpikeDetector:
                 result[name] = {"value": value, "baseline": center, "z": score, "ratio": rise, "spike": spike}
                 if spike:
                     result["series"].append(name)
+            if skipped >= self.skip_steps:
+                result["series"].append("loss_scale")
             self.last_scores = result
             if result["series"] and self._since_spike > self.cooldown:
                 found = result

@@ -25,7 +25,9 @@ under ``"PostMortem"`` at that step (nothing at other steps):
 - ``layers``: the layers whose gradient norm or update ratio moved first
   (robust z against their own window at each of the last ``moved_steps``
   steps), earliest first;
-- ``learning_rate``, ``precision`` (GradScaler scale, drops, skipped steps),
+- ``learning_rate``, ``precision`` (GradScaler scale, drops, the steps it
+  skipped: ``scaler_skips``, read off the scale as ``log(previous / scale) /
+  log(1 / backoff_factor)``, a skipped step leaving no tracked step behind),
   ``sharpness`` (``HessMaxEV`` against ``2 / lr``, when a ``HessMaxEV``
   quantity is passed as ``sharpness=``);
 - ``cause``, ``why``, ``strength``, ``checks``, ``suspects`` (the rows
@@ -62,7 +64,7 @@ class PostMortem(SingleStepQuantity):
     Args:
         track_schedule: when to compute (every step is best: the detector's window counts tracked steps).
         keep_steps, top_k: the row buffer's N and k.
-        window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown, loss_gap: the detector's
+        window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown, loss_gap, skip_steps: the detector's
             (:class:`~cockpit_like.spikes.detector.SpikeDetector`).
         row_z: a row's loss is an outlier at this robust z against the previous steps' rows.
         look_back: previous tracked steps searched for rows that stood out.
@@ -85,13 +87,13 @@ class PostMortem(SingleStepQuantity):
 
     def __init__(self, track_schedule, keep_steps: int = 32, top_k: int = 5, window: int = 20, warmup: int = 10,
                  z: float = 7.0, loss_ratio: float = 1.3, grad_ratio: float = 3.0, ramp_z: float = 10.0,
-                 cooldown: int = 5, loss_gap: float = 0.05, row_z: float = 6.0, look_back: int = 5, moved_steps: int = 3,
+                 cooldown: int = 5, loss_gap: float = 0.05, skip_steps: int = 2, row_z: float = 6.0, look_back: int = 5, moved_steps: int = 3,
                  layer_z: float = 4.0, top_share_flag: float = 0.3, layer_updates: bool = True,
                  sharpness: Any = None, cause_settings: dict[str, float] | None = None, record_all: bool = False,
                  verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)
         self.buffer = RowBuffer(keep_steps, top_k)
-        self.detector = SpikeDetector(window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown, loss_gap)
+        self.detector = SpikeDetector(window, warmup, z, loss_ratio, grad_ratio, ramp_z, cooldown, loss_gap, skip_steps)
         for name, value in (("row_z", row_z), ("layer_z", layer_z), ("top_share_flag", top_share_flag)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"PostMortem: {name} must be a positive number, got {value!r}")
@@ -156,7 +158,8 @@ class PostMortem(SingleStepQuantity):
         precision = self._precision(global_step, record, summary["loss"])
         rate_median = self.detector.baseline(3)[0] if self.detector.history else math.nan
         rate_previous = self.detector.history[-1][3] if self.detector.history else None
-        spike = self.detector.update(global_step, summary["loss"], summary["grad_norm"], rate)
+        spike = self.detector.update(global_step, summary["loss"], summary["grad_norm"], rate,
+                                     skipped=precision.get("scaler_skips", 0))
         if spike is None and self.record_all:
             spike = self.detector.last_scores
         result = None
@@ -191,8 +194,9 @@ class PostMortem(SingleStepQuantity):
         if scaler is not None and callable(getattr(scaler, "get_scale", None)) and scaler.is_enabled():
             scale = float(scaler.get_scale())
             previous, self._scale = self._scale, scale
-            result.update(scaler=True, scale=scale, previous_scale=previous,
-                          scale_dropped=previous is not None and scale < previous)
+            dropped = previous is not None and scale < previous
+            result.update(scaler=True, scale=scale, previous_scale=previous, scale_dropped=dropped,
+                          scaler_skips=_skips(previous, scale, scaler) if dropped else 0)
         return result
 
     def _post_mortem(self, step, spike, summary, losses, diag, row_sums, ids, names, grad_norms, updates, rate,
@@ -291,3 +295,13 @@ def _learning_rate(info: dict) -> float | None:
     groups = getattr(info.get("optimizer"), "param_groups", None)
     rates = [float(g["lr"]) for g in groups or [] if isinstance(g.get("lr"), (int, float, torch.Tensor))]
     return max(rates) if rates else None
+
+
+def _skips(previous: float, scale: float, scaler: Any) -> int:
+    """Steps a GradScaler skipped between two scales: each skip multiplies the scale by its back-off factor
+    (``log(previous / scale) / log(1 / backoff)``, rounded; at least 1 when the scale dropped; a growth in
+    between would hide one skip per growth)."""
+    backoff = getattr(scaler, "get_backoff_factor", lambda: 0.5)()
+    if not (isinstance(backoff, (int, float)) and 0 < backoff < 1) or not (scale > 0 and previous > scale):
+        return 1
+    return max(1, round(math.log(previous / scale) / math.log(1 / backoff)))

@@ -55,6 +55,8 @@ def format_post_mortem(step: int, post: Mapping[str, Any], names: list[str] | No
     rises = [f"{name.replace('_', ' ')} {_g(trigger[name]['value'])} = {_g(trigger[name]['ratio'])}x the window's "
              f"median (robust z {_g(trigger[name]['z'])})" for name in trigger.get("series", [])
              if isinstance(trigger.get(name), Mapping)]
+    if "loss_scale" in trigger.get("series", []):
+        rises.append(f"{trigger.get('skipped')} steps skipped by the GradScaler since the previous tracked step")
     lines = [f"step {step}: spike of " + "; ".join(rises),
              f"  likeliest cause: {post.get('cause')} [{post.get('strength')}]: {post.get('why')}"]
     for cause, check in (post.get("checks") or {}).items():
@@ -89,7 +91,8 @@ def format_post_mortem(step: int, post: Mapping[str, Any], names: list[str] | No
     precision = post.get("precision") or {}
     if precision.get("scaler"):
         lines.append(f"  loss scale {_g(precision.get('scale'))} (before: {_g(precision.get('previous_scale'))}); "
-                     f"skipped steps {precision.get('missing_steps') or 'none'}")
+                     f"steps the scaler skipped: {precision.get('scaler_skips') or 0}; tracked steps missing "
+                     f"{precision.get('missing_steps') or 'none'}")
     sharp = post.get("sharpness")
     if isinstance(sharp, Mapping):
         lines.append(f"  sharpness {_g(sharp.get('value'))} vs 2/lr {_g(sharp.get('two_over_lr'))}")
