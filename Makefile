@@ -24,9 +24,11 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m cockpit_like.demo
 
-## The test suite (what CI runs)
+## The test suite (what CI runs): two pytest-xdist workers (one thread each), a test module per work unit,
+## the slowest modules first (tests/conftest.py); TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 ## Benchmark-only dependencies (benchmarks/side_by_side.py: Opacus's ghost clipping as a reference)
 benchmark-deps: install

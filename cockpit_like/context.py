@@ -59,6 +59,9 @@ class MissingInfoError(KeyError):
         )
 
 
+_REQUIRED = object()  # no default: a missing statistic is an error
+
+
 @dataclass
 class StepRecord:
     """Everything a quantity may read about one tracked step.
@@ -95,11 +98,14 @@ class StepRecord:
         except KeyError:
             raise MissingInfoError(key, needed_by, self.global_step) from None
 
-    def stat(self, spec: Any) -> Any:
-        """The result of a per-sample statistic requested for this step."""
+    def stat(self, spec: Any, default: Any = _REQUIRED) -> Any:
+        """The result of a per-sample statistic requested for this step; ``default`` (if given) where the
+        step left it out (``Quantity.works_without_per_sample_stats``)."""
         try:
             return self.stats[spec]
         except KeyError:
+            if default is not _REQUIRED:
+                return default
             raise KeyError(
                 f"per-sample statistic {spec!r} was not computed at step {self.global_step}; "
                 "return it from the quantity's per_sample_stats(global_step)"

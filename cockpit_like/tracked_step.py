@@ -32,6 +32,7 @@ from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
+from cockpit_like.checks.invariants import notable
 from cockpit_like.checks.probe import probe_directions, project
 from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
@@ -388,7 +389,9 @@ class TrackedStep:
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
-            skipped |= execution.left_out_owners()
+            left_out = execution.left_out_owners()  # per-sample statistics the step cannot have
+            skipped |= {env.name_of(q) for q in self.active
+                        if env.name_of(q) in left_out and not q.works_without_per_sample_stats}
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:
@@ -415,7 +418,8 @@ class TrackedStep:
             if ranks is not None:
                 ranks.end_step()
             execution.free()
-        env.store_checks(self.step, checks.to_dict())
+        record = checks.to_dict()
+        env.store_checks(self.step, record)
         tracked_names = {env.name_of(q) for q in self.active}
         env.run.finished = (self.step, tracked_names)
         env.output.note_tracked(self.step)
@@ -427,6 +431,8 @@ class TrackedStep:
                         quantity.output.pop(step, None)
         for step, values in sorted(new_values.items()):
             env.output.publish(step, values)
+        if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
+            new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         env.diagnose(new_values)
 
     def _judge_stale(self, checks: StepChecks, names: list[str], scale: float) -> None:

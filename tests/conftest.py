@@ -78,3 +78,20 @@ def _memory_given_back():
     if _resident_mb() > _floor_mb[0] + _RELEASE_ABOVE_MB:
         _release_memory()
         _floor_mb[0] = _resident_mb()
+
+
+#: The test modules that take longest (wall time: a module fixture that trains 52 runs, child processes, spawned
+#: ranks), heaviest first. With ``make test`` (two pytest-xdist workers, one module per work unit, in collection
+#: order) they are handed out first, so that both workers finish near the same time (longest first); a serial
+#: run keeps the collection order. Times in docs/performance.md ("The test suite's time").
+HEAVY_MODULES_FIRST = (
+    "test_diagnosis_corpus.py", "test_benchmark_script.py", "test_distributed.py", "test_resume.py",
+    "test_model_errors.py", "test_notebooks.py", "test_fsdp.py", "test_cli.py", "test_diagnosis_runs.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker: a serial run keeps its order
+        return
+    rank = {name: index for index, name in enumerate(HEAVY_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keeps its order

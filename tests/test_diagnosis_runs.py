@@ -55,10 +55,11 @@ class Exp(nn.Module):
 
 
 def run(data, model, lr=0.1, steps=25, batch=32, optimizer=None, mse=False, fixed_batch=False, hessian=False,
-        valid=None, log_every=5, trainable=None, path=None):
+        valid=None, log_every=5, trainable=None, path=None, freeze=None):
     """Train with every quantity the rules read; return the cockpit (diagnosing live).
 
-    ``hessian``: also track HessMaxEV (True: every 5th step; or a schedule).
+    ``hessian``: also track HessMaxEV (True: every 5th step; or a schedule). ``freeze``: ``{step: parameters}``
+    set to ``requires_grad=False`` before that step's forward pass.
     """
     inputs, labels = data
     quantities = [Loss(linear(1)), GradNorm(linear(1)), UpdateSize(linear(1)), ParamNorm(linear(1)),
@@ -82,6 +83,8 @@ def run(data, model, lr=0.1, steps=25, batch=32, optimizer=None, mse=False, fixe
             if not fixed_batch and step:
                 order = torch.randint(0, len(labels), (batch,), generator=generator)
             x, y = inputs[order], labels[order]
+            for param in (freeze or {}).get(step, ()):
+                param.requires_grad_(False)
             model.zero_grad()
             outputs = model(x)
             loss = lossfunc(outputs, y)
@@ -170,6 +173,36 @@ def test_frozen_layer_does_not_change(digits):
     model = mlp([64, 32, 10], nn.ReLU)
     cockpit = run(digits, model, lr=0.2, steps=12, trainable=list(model[2].parameters()))
     assert layers_of(cockpit, "unchanged-parameters") == {"0.weight", "0.bias"}
+
+
+def test_layers_frozen_mid_run_are_named_frozen_live_and_from_the_log(digits, tmp_path):
+    """``requires_grad=False`` from step 8 on: the rules read the step's checks (``checks["frozen"]``) and say so,
+    the grouped diagnosis names a frozen layer (not a learning rate or dead units, which the zero gradient alone
+    would suggest), and the log gives the same findings."""
+    from cockpit_like.diagnosis import diagnose_log, group_findings
+
+    model = mlp([64, 32, 32, 10], nn.ReLU)
+    cockpit = run(digits, model, lr=0.2, steps=16, freeze={8: list(model[0].parameters())}, path=tmp_path / "run")
+    frozen = [f for f in cockpit.findings if f.rule == "unchanged-parameters"]
+    assert {f.layer for f in frozen} == {"0.weight", "0.bias"}
+    assert all(f.evidence["frozen"] and f.evidence["since"] == 8 for f in frozen)
+    assert "requires_grad=False since step 8" in frozen[0].message
+    assert not [f for f in cockpit.findings if f.rule == "vanishing-gradient" and f.layer.startswith("0.")]
+    warned = [i for i in group_findings(cockpit.findings) if severity_rank(i.severity) >= 1]
+    assert [(i.cause, i.step) for i in warned] == [("frozen-layer", 8)]
+    cockpit.close()
+    replayed = [f for f in diagnose_log(tmp_path / "run.jsonl", stored=False).findings if f.rule == "unchanged-parameters"]
+    assert [(f.step, f.layer, f.message) for f in replayed] == [(f.step, f.layer, f.message) for f in frozen]
+
+
+def test_layers_frozen_from_the_start_are_left_alone(digits):
+    """Fine-tuning: parameters with ``requires_grad=False`` from the first step are frozen on purpose."""
+    model = mlp([64, 32, 32, 10], nn.ReLU)
+    for param in model[0].parameters():
+        param.requires_grad_(False)
+    cockpit = run(digits, model, lr=0.2, steps=16)
+    assert not [f for f in cockpit.findings if f.layer and f.layer.startswith("0.")]
+    assert cockpit.checks[15]["frozen"] == ["0.weight", "0.bias"]
 
 
 def test_label_noise_overfits(digits):

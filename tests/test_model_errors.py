@@ -54,6 +54,38 @@ def test_batch_norm_in_training_mode_leaves_the_per_sample_quantities_out_with_a
     assert "NormTest" in cockpit.get_output()[1]
 
 
+def test_a_quantity_that_works_without_per_sample_stats_computes_under_batch_norm_in_training_mode():
+    """``Quantity.works_without_per_sample_stats``: where a BatchNorm in training mode leaves the per-sample
+    statistics out, such a quantity still runs (its statistic reads as the default) while the others are left out,
+    and the note names both; in eval mode it gets its statistic."""
+    from cockpit_like import context
+    from cockpit_like.backends.per_sample_stats import GramSummary
+    from cockpit_like.quantities.quantity import Quantity
+
+    class RowsIfAny(Quantity):
+        works_without_per_sample_stats = True
+
+        def per_sample_stats(self, global_step):
+            return [GramSummary()] if self.should_compute(global_step) else []
+
+        def _compute(self, global_step, params, batch_loss):
+            stats = context.get_record(global_step).stat(GramSummary(), None)
+            return 0 if stats is None else int(stats[0].shape[0])  # 0: no rows this step
+
+    model = resnet_batchnorm_eval().model.train()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1)), RowsIfAny(linear(1))], model=model)
+    _step(cockpit, model, *_data())
+    values = cockpit.get_output()[0]
+    assert "NormTest" not in values and values["RowsIfAny"] == 0
+    (note,) = values["checks"]["notes"]
+    assert note.startswith("per-sample quantities ['NormTest'] left out: BatchNorm2d in training mode")
+    assert note.endswith("; ['RowsIfAny'] computed without them")
+    model.eval()
+    model.zero_grad()
+    _step(cockpit, model, *_data(), step=1)
+    assert cockpit.get_output()[1]["RowsIfAny"] == 4 and "NormTest" in cockpit.get_output()[1]
+
+
 def test_backpack_assertion_becomes_an_explained_error():
     # BackPACK asserts on average pooling without count_include_pad inside its curvature extensions
     model = extend(nn.Sequential(nn.Conv2d(2, 3, 3), nn.AvgPool2d(2, count_include_pad=False), nn.Flatten(), nn.Linear(3, 3)).double())

@@ -150,10 +150,13 @@ class StepExecution:
             # BatchNorm in training mode: every row's gradient depends on the other rows, so per-sample
             # gradients are undefined; the quantities that read them are left out of this step
             kinds = sorted({type(module).__name__ for module in coupling})
+            left = sorted(set(needs.owners) - set(needs.partial))
+            partial = f"; {sorted(needs.partial)} computed without them" if needs.partial else ""
             self.notes.append(
-                f"per-sample quantities {sorted(needs.owners)} left out: {', '.join(kinds)} in training mode "
-                "normalises with the whole batch's statistics, so a row's gradient depends on the other rows "
-                "(model.eval() on the norms, or GroupNorm / LayerNorm, gives them back)"
+                (f"per-sample quantities {left} left out" if left else "per-sample statistics left out")
+                + f": {', '.join(kinds)} in training mode normalises with the whole batch's statistics, so a "
+                "row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / LayerNorm, "
+                f"gives them back){partial}"
             )
             self._left_out = set(needs.owners)
             stats = []

@@ -90,9 +90,10 @@ CAUSES: dict[str, Cause] = {
               "log inputs, add an epsilon to divisions and norms, check the data of that step",
               ("exploding-gradient", "unchanged-parameters", "vanishing-gradient", "dead-units",
                "loss-not-decreasing", "update-ratio-too-small", "update-ratio-too-large")),
-        Cause("frozen-layer", "a layer gets a gradient but does not change: it is not being trained",
-              "give the parameter to the optimizer (model.parameters()), check its learning rate and that "
-              "it is not frozen on purpose", ()),
+        Cause("frozen-layer", "a layer does not change: it is not being trained (left out of the optimizer, a "
+              "learning rate of 0, or requires_grad=False since a step)",
+              "give the parameter to the optimizer (model.parameters()), check its learning rate and its "
+              "requires_grad, unless it is frozen on purpose", ()),
         Cause("dead-units", "ReLU units are off for every sample from the start; they pass no gradient",
               "initialize biases at 0 (not negative), use Kaiming initialization or LeakyReLU/GELU",
               ("vanishing-gradient", "unchanged-parameters", "loss-not-decreasing", "update-ratio-too-small")),
@@ -220,7 +221,8 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     if rule == "dead-units" and not finding.evidence.get("at_start", True) and finding.evidence.get("developed"):
         return "learning-rate-too-large"  # units alive at the start, killed later: large updates pushed them off
     if rule == "unchanged-parameters":
-        return "frozen-layer" if finding.evidence.get("has_gradient") else "dead-units"
+        return "frozen-layer" if finding.evidence.get("has_gradient") or finding.evidence.get("frozen") else (
+            "dead-units")
     return _DIRECT.get(rule, "other")
 
 

@@ -677,6 +677,26 @@ class ExplodingGradient(Rule):
         ]
 
 
+def _frozen_at(history: RunHistory, step: int) -> set[str]:
+    """The tracked parameters with ``requires_grad=False`` at ``step``: the step's ``checks["frozen"]`` (the
+    checks are stored, and read here, at the steps where they say something)."""
+    checks = history.get("checks", step)
+    frozen = checks.get("frozen") if isinstance(checks, Mapping) else None
+    return set(frozen) if isinstance(frozen, (list, tuple)) else set()
+
+
+def _frozen_since(history: RunHistory, name: str, steps: list[int]) -> int | None:
+    """Where parameter ``name`` has ``requires_grad=False`` at the last of ``steps`` (a rule's series): the
+    first step of that frozen stretch, or -1 when it was frozen from the first of ``steps`` on (frozen on
+    purpose, as in fine-tuning); None when it is not frozen at the last step."""
+    if not steps or not history.has("checks") or name not in _frozen_at(history, steps[-1]):
+        return None
+    start = len(steps) - 1
+    while start > 0 and name in _frozen_at(history, steps[start - 1]):
+        start -= 1
+    return -1 if start == 0 else steps[start]
+
+
 def _structurally_zero(history: RunHistory, ratio: float = 1e-4) -> set[int]:
     """Vectors (biases, norm scales) whose gradient was below ``ratio`` x the largest layer's at the
     first stored ``GradNorm``: a bias right before a normalization layer gets no gradient by design
@@ -734,6 +754,8 @@ class VanishingGradient(Rule):
                 continue  # a bias before a normalization: no gradient by design
             if relative[index] < self.ratio or median[index] < self.floor:
                 layer = history.param_name(index)
+                if _frozen_since(history, layer, all_steps) is not None:
+                    continue  # requires_grad=False: no gradient by construction (unchanged-parameters says so)
                 found.append(
                     self.finding(
                         steps[-1],
@@ -965,7 +987,11 @@ class UnchangedParameters(Rule):
     Evidence ``has_gradient``: whether ``GradNorm`` (if stored) was above 0 at
     those steps; a parameter that gets a gradient and does not move is not
     being trained (a frozen layer), one without a gradient is cut off (dead
-    units upstream, a detached branch).
+    units upstream, a detached branch). A parameter with ``requires_grad=False``
+    (the step's ``checks["frozen"]``) since a step after the first is reported
+    as frozen (evidence ``frozen``, ``since`` the step it was frozen); one frozen
+    from the first step on is frozen on purpose (fine-tuning) and left alone,
+    as it is by ``vanishing-gradient`` and ``poor-initialization``.
     """
 
     id = "unchanged-parameters"
@@ -998,6 +1024,21 @@ class UnchangedParameters(Rule):
         for i in np.flatnonzero(still):
             if i in silent:
                 continue  # a bias before a normalization: no gradient, no update, by design
+            frozen = _frozen_since(history, history.param_name(i), all_steps)
+            if frozen == -1:
+                continue  # requires_grad=False from the first step: frozen on purpose (fine-tuning)
+            if frozen is not None:
+                found.append(self.finding(
+                    steps[-1],
+                    f"{history.param_name(i)} does not change: it has requires_grad=False since step {frozen} "
+                    "(it was trained before), so it gets no gradient and no update",
+                    fix="if this layer should still train, set requires_grad=True again (and check that the "
+                    "code that freezes it runs when you meant it to)",
+                    layer=history.param_name(i),
+                    evidence={"quantity": name, "steps": steps, "has_gradient": False, "frozen": True,
+                              "since": frozen},
+                ))
+                continue
             known = [g[i] for g in gradients if g is not None and i < len(g) and math.isfinite(g[i])]
             has_gradient = bool(known) and all(g > 0 for g in known)
             found.append(self.finding(
@@ -1439,7 +1480,8 @@ class ConstantInputs(Rule):
 class PoorInitialization(Rule):
     """At the first ``first`` tracked steps: activation scales (``ActivationStats`` rms) that shrink
     below ``shrink`` or grow above ``grow`` x the first activation layer's, or weight gradients
-    (``GradNorm``) spread over more than ``spread`` between layers."""
+    (``GradNorm``) spread over more than ``spread`` between layers (frozen weights, ``requires_grad=False``
+    at one of those steps, left out)."""
 
     id = "poor-initialization"
     severity = "warning"
@@ -1506,7 +1548,9 @@ class PoorInitialization(Rule):
         if any(row is None for row in rows) or len({len(row) for row in rows}) != 1:
             return []
         norms = np.median(np.vstack(rows), axis=0)
-        weights = [i for i in range(len(norms)) if (history.param_ndim(i) or 2) >= 2 and math.isfinite(norms[i])]
+        frozen = set().union(*(_frozen_at(history, step) for step, _ in early))  # no gradient on purpose
+        weights = [i for i in range(len(norms)) if (history.param_ndim(i) or 2) >= 2 and math.isfinite(norms[i])
+                   and history.param_name(i) not in frozen]
         if len(weights) < 2:
             return []
         largest = max(norms[i] for i in weights)

@@ -32,6 +32,8 @@ class StepNeeds:
         hooks: BackPACK extension hooks of quantities (``hook(module)``).
         needs: distinct step needs, computed after the backward pass (``need.compute(execution)``).
         owners: names of the quantities that asked for per-sample statistics (for messages).
+        partial: those of ``owners`` that compute what they can where a step cannot have per-sample statistics
+            (``Quantity.works_without_per_sample_stats``).
         raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
         create_graph: the backward pass keeps the graph.
     """
@@ -41,6 +43,7 @@ class StepNeeds:
     hooks: tuple = ()
     needs: tuple = ()
     owners: tuple = ()
+    partial: tuple = ()
     raw_batch_grad: bool = False
     create_graph: bool = False
     user_types: frozenset = field(default_factory=frozenset)
@@ -56,7 +59,7 @@ class StepNeeds:
     ) -> StepNeeds:
         """Ask every quantity in ``quantities`` what it needs at ``step``; merge by value."""
         requests = [("the user's *exts", ext) for ext in user_exts]
-        stats, hooks, needs, owners, transforms = [], [], [], [], []
+        stats, hooks, needs, owners, transforms, partial = [], [], [], [], [], []
         raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in user_exts)
         for quantity in quantities:
             name = name_of(quantity)
@@ -70,6 +73,8 @@ class StepNeeds:
             asked = quantity.per_sample_stats(step)
             if asked or its_transforms:
                 owners.append(name)
+                if quantity.works_without_per_sample_stats:
+                    partial.append(name)
             stats.extend(s for s in asked if s not in stats)
             needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
         if transforms:
@@ -80,6 +85,7 @@ class StepNeeds:
             hooks=tuple(hooks),
             needs=tuple(needs),
             owners=tuple(owners),
+            partial=tuple(partial),
             raw_batch_grad=raw_batch_grad,
             create_graph=bool(create_graph),
             user_types=frozenset(type(ext) for ext in user_exts),

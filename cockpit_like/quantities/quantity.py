@@ -109,8 +109,16 @@ class Quantity:
         They are reduced layer by layer during the backward pass, shared
         between quantities that ask for equal statistics, and read back with
         :meth:`cockpit_like.context.StepRecord.stat`.
+
+        Where a step cannot have them (a BatchNorm in training mode couples the
+        rows: a row's gradient is undefined), a quantity that asks for them is
+        left out of the step, unless :attr:`works_without_per_sample_stats`.
         """
         return []
+
+    #: True for a quantity that still computes what it can where its per-sample statistics were left out of a
+    #: step (``record.stat(spec, None)`` is None there; it says what it lacks with ``record.note``)
+    works_without_per_sample_stats: bool = False
 
     def curvature_needs(self, global_step: int) -> list:
         """Step needs computed once after the backward pass (e.g. :class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`).
