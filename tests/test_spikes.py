@@ -194,13 +194,14 @@ def test_name_cause_order():
 
 
 # ---- the post-mortem in a run --------------------------------------------------------------------------
-def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, **post_args):
+def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, batch_norm=False, **post_args):
     """An MLP on blobs (batch 16) with a fault at ``onset``: ``row`` (row 3 scaled by 1e3, a wrong label) or
-    ``lr`` (x100)."""
+    ``lr`` (x100); ``batch_norm``: a BatchNorm1d (training mode) after the first layer."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     centers = torch.randn(4, 6, generator=generator) * 2
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    norm = [nn.BatchNorm1d(16)] if batch_norm else []
+    model = nn.Sequential(nn.Linear(6, 16), *norm, nn.ReLU(), nn.Linear(16, 4))
     post = PostMortem(linear(1), **post_args)
     cockpit = Cockpit(model.parameters(), quantities=[post], model=model, **(cockpit_args or {}))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -209,7 +210,10 @@ def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, 
         x = centers[labels] + torch.randn(16, 6, generator=generator)
         if fault == "row" and step == onset:
             x[3] *= 1e3
-            labels[3] = (model(x[3:4]).argmax() + 1) % 4  # a row the model gets wrong
+            model.eval()  # (one row through a BatchNorm: its running statistics)
+            with torch.no_grad():
+                labels[3] = (model(x[3:4]).argmax() + 1) % 4  # a row the model gets wrong
+            model.train()
         for group in optimizer.param_groups:
             group["lr"] = 5.0 if fault == "lr" and step >= onset else 0.05
         optimizer.zero_grad()
@@ -232,6 +236,46 @@ def test_post_mortem_names_the_row():
     assert [(r["step"], r["id"]) for r in pm["suspects"]][:1] == [(22, 2203)]
     assert pm["layers"] and pm["layers"][0]["first_step"] == 22
     assert post.nbytes > 0
+
+
+def test_post_mortem_under_batch_norm_in_training_mode_ranks_the_rows_by_loss():
+    """A BatchNorm in training mode couples the rows (no per-sample gradients): the post-mortem is still made, its
+    rows ranked by loss alone (``rows_by_share`` empty, ``rows["gradients"]`` False), and the step's note says so."""
+    cockpit, _ = _spiky_run("row", batch_norm=True)
+    output = cockpit.get_output()
+    spikes = {s: v["PostMortem"] for s, v in output.items() if "PostMortem" in v}
+    pm = spikes[22]
+    assert pm["rows"]["gradients"] is False and pm["rows_by_share"] == []
+    assert pm["rows_by_loss"][0]["id"] == 2203 and math.isnan(pm["rows_by_loss"][0]["share"])
+    assert "['PostMortem'] computed without them" in output[22]["checks"]["notes"][0]
+    assert pm["learning_rate"]["value"] == 0.05
+    assert pm["cause"] == "bad-rows" and "of the batch's loss rise" in pm["why"], pm["why"]
+    assert pm["suspects"][0]["id"] == 2203
+    from cockpit_like.spikes.report import format_post_mortem
+
+    text = format_post_mortem(22, pm)
+    assert "rows by share of the step's gradient: none (no per-sample gradients" in text and "nan%" not in text
+    from matplotlib.figure import Figure
+
+    from cockpit_like import instruments
+
+    figure = Figure()
+    ax = instruments.post_mortem_gauge(output, figure, figure.add_gridspec(1, 1)[0, 0])
+    widths = [bar.get_width() for bar in ax.patches if bar.get_gid() == "post-mortem:rows"]
+    assert widths == pytest.approx([row["loss"] for row in pm["rows_by_loss"]]) and "row loss" in ax.get_xlabel()
+
+
+def test_name_cause_without_per_sample_gradients_reads_the_rows_share_of_the_loss_rise():
+    rows = {"batch": 32, "outlier_rows": 1, "outlier_share": 0.0, "top_share": 0.0, "gradients": False,
+            "outlier_loss_share": 0.8, "top_loss_share": 0.8}
+    by_loss = [{"row": 7, "id": 70, "loss": 9.0}, {"row": 1, "id": 10, "loss": 2.0}]
+    verdict = name_cause({"rows": rows, "rows_by_loss": by_loss, "step": 5})
+    assert verdict["cause"] == "bad-rows" and "of the batch's loss rise" in verdict["why"]
+    assert [r["id"] for r in verdict["suspects"]] == [70, 10]
+    spread = {**rows, "outlier_loss_share": 0.1, "top_loss_share": 0.1}
+    assert name_cause({"rows": spread, "rows_by_loss": by_loss, "step": 5})["cause"] == "unknown"
+    # with gradients the loss shares are not read
+    assert name_cause({"rows": {**rows, "gradients": True}, "rows_by_loss": by_loss})["cause"] == "unknown"
 
 
 def test_post_mortem_names_the_learning_rate():

@@ -3,7 +3,7 @@
 A pure draw function of stored data with the signature ``draw(ax, data,
 options)`` (:mod:`cockpit_like.plotting.instruments`): the last post-mortem's
 rows by share of the step's gradient as bars (labelled with their ids and
-losses), its cause and evidence in the title and a note, and the layers that
+losses; by their loss where the step had no per-sample gradients), its cause and evidence in the title and a note, and the layers that
 moved first. In the dashboard's bottom band once the run holds a
 post-mortem (:func:`has_post_mortem`; a run without one keeps Cockpit's
 layout), and offered as ``post_mortem_gauge`` in
@@ -48,7 +48,8 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
         not_tracked(ax, title, ["PostMortem"], "add cockpit_like.spikes.PostMortem (no spike yet, or not tracked)")
         return
     step, post = last
-    rows = post.get("rows_by_share") or []
+    by_loss = (post.get("rows") or {}).get("gradients") is False  # no per-sample gradients: rows by loss alone
+    rows = (post.get("rows_by_loss") if by_loss else post.get("rows_by_share")) or []
     fig = ax.get_figure()
     compact = fig is not None and ax.get_position().height * fig.get_size_inches()[1] < 2.5  # a dashboard panel
     if compact:  # the top 3 rows and a two-line note
@@ -56,17 +57,21 @@ def draw_post_mortem(ax, data: RunData, options: DrawOptions) -> None:
     cause = post.get("cause", "unknown")
     ax.set_title(f"Spike at step {step}: {cause}", **_TITLE)
     labels = [f"row {r.get('row')}" + (f" · id {r.get('id')}" if r.get("id") is not None else "") for r in rows]
-    shares = np.asarray([r.get("share", np.nan) for r in rows], dtype=float)
+    shares = np.asarray([r.get("loss" if by_loss else "share", np.nan) for r in rows], dtype=float)
     positions = np.arange(len(rows))[::-1]
     bars = ax.barh(positions, shares, color=_CAUSE_COLORS.get(cause, COLORS["grey"]), alpha=0.85)
     for bar in bars:
         bar.set_gid("post-mortem:rows")
     ax.set_yticks(positions, labels, fontsize=_SMALL)
-    ax.set_xlabel("share of the step's gradient  <g_i/B, G> / ||G||²", fontsize=_SMALL)
-    for position, row in zip(positions, rows):
-        ax.text(max(float(row.get("share", 0.0)), 0.0), position, f"  loss {row.get('loss', float('nan')):.3g}",
-                va="center", fontsize=_SMALL, color="#333333")
-    ax.set_xlim(min(0.0, float(np.nanmin(shares)) if len(shares) else 0.0), 1.25)
+    ax.set_xlabel("row loss (no per-sample gradients: a BatchNorm in training mode)" if by_loss else
+                  "share of the step's gradient  <g_i/B, G> / ||G||²", fontsize=_SMALL)
+    for position, row, width in zip(positions, rows, shares):
+        text = f"  loss z {row.get('loss_z', float('nan')):.3g}" if by_loss else (
+            f"  loss {row.get('loss', float('nan')):.3g}")
+        ax.text(max(float(np.nan_to_num(width)), 0.0), position, text, va="center", fontsize=_SMALL, color="#333333")
+    finite = shares[np.isfinite(shares)]
+    top = 1.25 * float(finite.max()) if by_loss and finite.size and finite.max() > 0 else 1.25
+    ax.set_xlim(min(0.0, float(finite.min())) if finite.size else 0.0, top)
     trigger = post.get("trigger", {})
     rises = ", ".join(f"{name.replace('_', ' ')} ×{trigger[name]['ratio']:.3g}" for name in trigger.get("series", [])
                       if isinstance(trigger.get(name), dict))

@@ -25,6 +25,12 @@ others' checks are kept beside it):
    large learning rate looks the same when the sharpness is not tracked);
 5. ``"unknown"``: none of these.
 
+Without per-sample gradients (``rows["gradients"]`` False: a BatchNorm in
+training mode couples the rows), a row's share of the batch's loss rise above
+the previous steps' rows (``outlier_loss_share``, ``top_loss_share``) stands
+in for its share of the gradient, with the same thresholds (not tuned for it),
+and the suspects are the top rows by loss.
+
 ``suspects`` names the rows behind a ``bad-rows`` cause, at most 3, each
 with its step: the step's top rows by share when they stand out, else the
 earlier rows, else (a bad batch) the step's top rows by share.
@@ -86,8 +92,11 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
     current = [{"step": evidence.get("step"), **row} for row in (evidence.get("rows_by_share") or [])[:3]]
     if rows:
         batch = max(int(rows.get("batch", 1)), 1)
-        share_out = rows.get("outlier_share", 0.0) or 0.0
-        top = rows.get("top_share", 0.0) or 0.0
+        gradients = rows.get("gradients", True)
+        # no per-sample gradients (a BatchNorm in training mode): the rows' share of the batch's loss rise instead
+        share_out = rows.get("outlier_share" if gradients else "outlier_loss_share", 0.0) or 0.0
+        top = rows.get("top_share" if gradients else "top_loss_share", 0.0) or 0.0
+        of_what = "the step's gradient" if gradients else "the batch's loss rise (no per-sample gradients)"
         shift = rows.get("median_shift")
         individual = (share_out >= outlier_share) or (top >= top_share and top >= top_factor / batch)
         step = evidence.get("step")
@@ -96,9 +105,11 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
                          key=lambda r: -r["share"])
         whole = _finite(shift) and shift >= batch_shift
         stand_out = individual or bool(earlier) or whole
+        if not gradients:  # the step's top rows by loss stand in for those by share
+            current = [{"step": step, **row} for row in (evidence.get("rows_by_loss") or [])[:3]]
         suspects = current if individual else (earlier[:3] if earlier else (current if whole else []))
         row_why = (f"{rows.get('outlier_rows', 0)} of {batch} rows have outlier losses and carry "
-                   f"{share_out:.0%} of the step's gradient; the top row carries {top:.0%}"
+                   f"{share_out:.0%} of {of_what}; the top row carries {top:.0%}"
                    + (f"; the batch's median row loss is {shift:.3g} spreads above the previous steps' rows"
                       if _finite(shift) else ""))
         if earlier and not individual:
@@ -118,8 +129,8 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
         if checks.get(cause, {}).get("holds"):
             margin = {"precision": 1.0, "learning-rate": (rate.get("ratio", 0) or 0) / (3 * lr_jump),
                       "curvature": (curvature.get("ratio", 0) or 0) / (2 * sharpness),
-                      "bad-rows": max((rows.get("outlier_share", 0) or 0) / max(outlier_share, 1e-12),
-                                      (rows.get("top_share", 0) or 0) / max(top_share, 1e-12)) / 1.8}[cause]
+                      "bad-rows": max(share_out / max(outlier_share, 1e-12), top / max(top_share, 1e-12)) / 1.8
+                      if rows else 0.0}[cause]
             strength = "conclusive" if cause == "precision" else ("strong" if margin >= 1 else "moderate")
             return {"cause": cause, "why": checks[cause]["why"], "strength": strength, "checks": checks,
                     "suspects": suspects if cause == "bad-rows" else []}

@@ -84,6 +84,9 @@ class PostMortem(SingleStepQuantity):
     """
 
     _STATE_SKIP = SingleStepQuantity._STATE_SKIP + ("_sharpness", "_names")
+    #: under a BatchNorm in training mode (no per-sample gradients) it still detects spikes and ranks the rows
+    #: by their loss (``rows["gradients"]`` False, ``rows_by_share`` empty)
+    works_without_per_sample_stats = True
 
     def __init__(self, track_schedule, keep_steps: int = 32, top_k: int = 5, window: int = 20, warmup: int = 10,
                  z: float = 7.0, loss_ratio: float = 1.3, grad_ratio: float = 3.0, ramp_z: float = 10.0,
@@ -145,14 +148,21 @@ class PostMortem(SingleStepQuantity):
     def _compute(self, global_step, params, batch_loss):
         owner = type(self).__name__
         record = context.get_record(global_step)
-        diag, row_sums = record.stat(GramSummary())
         losses = record.require("individual_losses", owner)
         losses = torch.as_tensor(losses).detach().to(torch.float64).reshape(-1)
+        stats = record.stat(GramSummary(), None)
+        grad_norms = [float(p.grad.detach().norm()) if p.grad is not None else 0.0 for p in params]
+        if stats is None:  # no per-sample gradients at this step (a BatchNorm in training mode): rows by loss alone
+            nothing = torch.full_like(losses, math.nan)
+            diag, row_sums = nothing, nothing
+        else:
+            diag, row_sums = stats
         ids = ids_of(record.info, diag.shape[0], owner)
         summary = row_summary(global_step, losses, diag, row_sums, ids, self.buffer.top_k)
+        if stats is None:
+            summary["grad_norm"] = math.sqrt(sum(norm * norm for norm in grad_norms))  # the step's gradient, exact
         live = record.live_params if record.live_params is not None else params
         names = [self._names.get(id(p), f"param_{i}") for i, p in enumerate(live)]
-        grad_norms = [float(p.grad.detach().norm()) if p.grad is not None else 0.0 for p in params]
         updates = self._update_ratios(live)
         rate = _learning_rate(record.info)
         precision = self._precision(global_step, record, summary["loss"])
@@ -216,6 +226,11 @@ class PostMortem(SingleStepQuantity):
         shift = float((finite.median() - base) / spread) if finite.numel() and math.isfinite(base) else math.nan
         outlier = loss_z >= self.row_z
         finite_shares = torch.nan_to_num(shares, nan=0.0)
+        gradients = bool(torch.isfinite(shares).any())
+        # without per-sample gradients, the rows' share of the batch's loss rise above the previous steps' rows
+        rise = (losses - base).clamp(min=0) if math.isfinite(base) else torch.zeros_like(losses)
+        rise = torch.nan_to_num(rise, nan=0.0, posinf=0.0)
+        loss_shares = rise / rise.sum() if float(rise.sum()) > 0 else torch.zeros_like(rise)
 
         def row(i: int) -> dict[str, Any]:
             return {"row": i, "id": ids[i], "loss": float(losses[i]), "grad_norm": float(norms[i]),
@@ -225,6 +240,8 @@ class PostMortem(SingleStepQuantity):
         evidence: dict[str, Any] = {
             "rows": {"batch": int(losses.shape[0]), "outlier_rows": int(outlier.sum()),
                      "outlier_share": float(finite_shares[outlier].sum()), "top_share": float(finite_shares.max()),
+                     "gradients": gradients,
+                     "outlier_loss_share": float(loss_shares[outlier].sum()), "top_loss_share": float(loss_shares.max()),
                      "row_loss_baseline": base, "row_loss_scale": spread, "median_shift": shift},
             "learning_rate": None if rate is None else {
                 "value": rate, "window_median": rate_median, "previous": rate_previous,
@@ -232,7 +249,7 @@ class PostMortem(SingleStepQuantity):
             "precision": precision,
             "sharpness": self._sharpness_at(step, rate),
         }
-        evidence.update(step=int(step), rows_by_share=[row(i) for i in top_rows(shares, k)],
+        evidence.update(step=int(step), rows_by_share=[row(i) for i in top_rows(shares, k)] if gradients else [],
                         rows_by_loss=[row(i) for i in top_rows(losses, k)],
                         earlier_rows=self._earlier_rows(base, spread))
         verdict = name_cause(evidence, **self.cause_settings)

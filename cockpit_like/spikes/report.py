@@ -40,11 +40,15 @@ def _g(value: Any) -> str:
     return str(value)
 
 
+def _share(value: Any, digits: int = 1) -> str:
+    return f"{value:.{digits}%}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
+
+
 def _rows(rows: list[dict[str, Any]], title: str) -> list[str]:
     lines = [f"  {title}:", "    rank  row  id              share     loss      |g_i|     loss z"]
     for rank, row in enumerate(rows, 1):
         lines.append(f"    {rank:<5} {row.get('row', '-'):<4} {str(row.get('id', '-'))[:14]:<15} "
-                     f"{row.get('share', math.nan):>8.1%}  {_g(row.get('loss')):<9} {_g(row.get('grad_norm')):<9} "
+                     f"{_share(row.get('share')):>9} {_g(row.get('loss')):<9} {_g(row.get('grad_norm')):<9} "
                      f"{_g(row.get('loss_z'))}")
     return lines
 
@@ -64,9 +68,13 @@ def format_post_mortem(step: int, post: Mapping[str, Any], names: list[str] | No
     suspects = post.get("suspects") or []
     if suspects:
         lines.append("  suspects: " + "; ".join(
-            f"step {r.get('step')} row {r.get('row')} id {r.get('id')} (share {r.get('share', math.nan):.0%})"
+            f"step {r.get('step')} row {r.get('row')} id {r.get('id')} (share {_share(r.get('share'), 0)})"
             for r in suspects))
-    lines += _rows(post.get("rows_by_share") or [], "rows by share of the step's gradient")
+    if (post.get("rows") or {}).get("gradients") is False:
+        lines.append("  rows by share of the step's gradient: none (no per-sample gradients at this step: a "
+                     "BatchNorm in training mode couples the rows; ranked by loss below)")
+    else:
+        lines += _rows(post.get("rows_by_share") or [], "rows by share of the step's gradient")
     lines += _rows(post.get("rows_by_loss") or [], "rows by loss")
     earlier = post.get("earlier_rows") or []
     if earlier:
