@@ -283,6 +283,10 @@ class PerSampleStat:
         """Fold in a layer from ``sum_i grad_batch[i]`` (shaped like the parameter); see :attr:`sum_form`."""
         raise NotImplementedError
 
+    def note_half_precision(self, state: Any, index: int) -> None:
+        """The rows of parameter ``index`` were made in half precision (autocast, half parameters), before the
+        reducer handed them on in float32. Nothing by default (the self-check's probe loosens its tolerance)."""
+
     #: whether :meth:`accumulate_module` wants each layer call's input and output gradient (hook backend)
     module_form: ClassVar[bool] = False
 
@@ -399,8 +403,10 @@ class PerSampleReducer:
                 if kind == "lazy":
                     self.reduce_lazy(param, grad_batch)
                 elif kind is None:
+                    self._note_precision(index, grad_batch)
                     self._reduce(index, param, self._scaled(grad_batch))
                 else:
+                    self._note_precision(index, x, delta)
                     self._reduce_factors(index, param, kind, _upcast(x), self._scaled(delta))
                 continue
             grad_batch = getattr(param, "grad_batch", None)
@@ -408,6 +414,7 @@ class PerSampleReducer:
                 continue
             self.repeated |= index in self.seen
             self.seen.add(index)
+            self._note_precision(index, grad_batch)
             self._reduce(index, param, self._scaled(grad_batch))
             if not self.keep_grad_batch:
                 del param.grad_batch
@@ -516,6 +523,12 @@ class PerSampleReducer:
         for k in self.module_stats:
             self._states[k] = self.stats[k].accumulate_module(self._states[k], module, x, delta)
 
+    def _note_precision(self, index: int, *tensors) -> None:
+        """Tell the statistics that a layer's rows were made in half precision (they see them in float32)."""
+        if any(t is not None and t.dtype in _HALF for t in tensors):
+            for stat, state in zip(self.stats, self._states):
+                stat.note_half_precision(state, index)
+
     def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
         """A row contribution in float32 or better, times :attr:`row_scale` (a new tensor only if needed)."""
         tensor = _upcast(tensor)
@@ -540,8 +553,9 @@ class PerSampleReducer:
     ) -> None:
         """Reduce a parameter given as 2-D factors now (see :meth:`offer_factors`). ``batch_sum``: the
         sum of its rows, if known (autograd's gradient of this use), read if a block of rows needs it."""
-        x, delta = _upcast(x), self._scaled(delta)
         index = self._index[id(param)]
+        self._note_precision(index, x, delta)
+        x, delta = _upcast(x), self._scaled(delta)
         self.seen.add(index)
         if self.keep_grad_batch:
             param.grad_batch = materialize_linear(kind, x, delta)
@@ -549,8 +563,9 @@ class PerSampleReducer:
 
     def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
         """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now."""
-        grad_batch = self._scaled(grad_batch)
         index = self._index[id(param)]
+        self._note_precision(index, grad_batch)
+        grad_batch = self._scaled(grad_batch)
         self.seen.add(index)
         if self.keep_grad_batch:
             param.grad_batch = grad_batch
@@ -564,8 +579,9 @@ class PerSampleReducer:
         if a.shape[1] == 1 and param.dim() == 2 and not self.keep_grad_batch:
             self.reduce_factors(param, "weight", b[:, 0], a[:, 0], batch_sum)  # one position: the 2-D factor form
             return
-        a, b = self._scaled(a), _upcast(b)
         index = self._index[id(param)]
+        self._note_precision(index, a, b)
+        a, b = self._scaled(a), _upcast(b)
         self.seen.add(index)
         materialize = not all(stat.sequence_form for stat in self.stats)
         if materialize and not self._fits(a.shape[0], param, a.element_size()):
@@ -605,6 +621,9 @@ class PerSampleReducer:
         ``batch_sum`` as in :meth:`reduce_factors`)."""
         index = self._index[id(param)]
         self.seen.add(index)
+        if lazy.itemsize < 4:  # rows made in half precision
+            for stat, state in zip(self.stats, self._states):
+                stat.note_half_precision(state, index)
         if lazy.itemsize < 4 or self.row_scale != 1.0:
             make, sum_of = lazy.make, lazy._batch_sum
             lazy = LazyRows(

@@ -124,6 +124,9 @@ class GradientProbe(PerSampleStat):
         # products and an append, not a handful of small tensor operations more
         return {"index": [], "total": [], "absolute": {}, "low": set()}
 
+    def note_half_precision(self, state, index: int) -> None:
+        state["low"].add(index)  # the reducer saw half-precision rows before handing them on in float32
+
     @staticmethod
     def _precision(state, index: int, *tensors) -> None:
         """Remember the parameters whose rows came in half precision (autocast): a looser tolerance."""
