@@ -2,6 +2,7 @@
 
     python benchmarks/spike_cost.py                # a tiny GPT-2 (Hugging Face, from a config), CPU, one thread
     python benchmarks/spike_cost.py --gpt2-small   # GPT-2 small (124M, GPT2Config() defaults), batch 8 x 256
+    python benchmarks/spike_cost.py --gpt2-small --inside   # PostMortem's own work timed inside the step
 
 Times, in one process and interleaved (round after round, so that a busy
 machine slows every configuration alike), the training step with the
@@ -99,6 +100,44 @@ def main(rounds: int = 40, warmup: int = 3, gpt2_small: bool = False) -> dict:
     return result
 
 
+def inside(steps: int = 6, gpt2_small: bool = False) -> dict:
+    """PostMortem's own work timed inside the economy step: its ``track`` call (row summaries, detector, norms,
+    at a spike the post-mortem), against the whole step, per step; and whether it asks the backward pass for
+    any per-sample statistic the economy preset does not already reduce (its ``GramSummary`` is the gradient
+    tests'). Robust on a busy machine: both are timed in the same step."""
+    torch.set_num_threads(1)
+    model, cockpit, optimizer, post = build("economy+PostMortem(layer_updates=False)", small=gpt2_small)
+    others = [q for q in cockpit.quantities if q is not post]
+    own = set(post.per_sample_stats(0)) - {s for q in others for s in q.per_sample_stats(0)}
+    inner: list[float] = []
+    track = post.track
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return track(*args, **kwargs)
+        finally:
+            inner.append(time.perf_counter() - started)
+
+    post.track = timed
+    totals = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index in range(steps + 1):
+            seconds = step(model, cockpit, optimizer, index, length=256 if gpt2_small else 64)
+            if index:  # the first step warms up
+                totals.append(seconds)
+    inner = inner[1:]
+    shares = [a / b for a, b in zip(inner, totals)]
+    result = {"model": "GPT-2 small, batch 8 x 256" if gpt2_small else "tiny GPT-2, batch 8 x 64",
+              "steps": steps, "median_step_seconds": statistics.median(totals),
+              "median_post_mortem_seconds": statistics.median(inner), "max_share_of_step": max(shares),
+              "median_share_of_step": statistics.median(shares),
+              "extra_per_sample_statistics": sorted(map(repr, own)), "nbytes": post.nbytes}
+    print(json.dumps(result, indent=1))
+    return result
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -106,6 +145,11 @@ if __name__ == "__main__":
     parser.add_argument("--gpt2-small", action="store_true", help="GPT-2 small, batch 8 x 256 (minutes)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 40; 3 with --gpt2-small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 3; 1 with --gpt2-small)")
+    parser.add_argument("--inside", action="store_true",
+                        help="time PostMortem's own work inside the step (robust on a busy machine)")
     args = parser.parse_args()
+    if args.inside:
+        inside(args.rounds or 6, args.gpt2_small)
+        sys.exit(0)
     main(rounds=args.rounds or (3 if args.gpt2_small else 40), warmup=args.warmup or (1 if args.gpt2_small else 3),
          gpt2_small=args.gpt2_small)

@@ -831,3 +831,16 @@ def test_spike_corpus_table_has_the_gpt2_small_column(tmp_path):
     assert not bench._cached((0,), cache)
     cache.write_text("".join(f'{{"name": "{r.name}", "version": {bench.VERSION}}}\n' for r in gpt2_small_runs(0)))
     assert bench._cached((0,), cache) and not bench._cached((0, 1), cache)
+
+
+def test_spike_cost_inside_the_step_adds_no_per_sample_statistic():
+    """``benchmarks/spike_cost.py --inside``: PostMortem asks the backward pass for nothing the economy preset
+    does not reduce already (its GramSummary is the gradient tests'), and its own work is timed inside the step."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("spike_cost", Path(__file__).resolve().parents[1] / "benchmarks" / "spike_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    result = module.inside(steps=2)
+    assert result["extra_per_sample_statistics"] == []
+    assert 0 < result["median_post_mortem_seconds"] < result["median_step_seconds"]
