@@ -173,11 +173,16 @@ class StepChecks:
         if offenders:
             shown = ", ".join(f"{name_of(i)} (rows {got:.6g}, gradient {want:.6g})" for i, got, want, _ in offenders[:3])
             more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
+            half = (
+                "The rows were made in half precision (autocast): where a layer's gradient is a small sum of large "
+                "terms, rounding alone can put the two further apart than the tolerance (5e-2) while nothing is "
+                "wrong with the loop; such a step stores no per-sample numbers. Otherwise: "
+            ) if half_step else ""
             self.fail(
                 "gradient",
                 f"the per-sample gradients do not average to the gradient autograd accumulated for step {self.step} "
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
-                "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
+                + half + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
                 "optimizer.zero_grad()), gradients changed in place before the step ended, or a layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
