@@ -717,16 +717,26 @@ def _frozen_at(history: RunHistory, step: int) -> set[str]:
     return set(frozen) if isinstance(frozen, (list, tuple)) else set()
 
 
-def _frozen_since(history: RunHistory, name: str, steps: list[int]) -> int | None:
-    """Where parameter ``name`` has ``requires_grad=False`` at the last of ``steps`` (a rule's series): the
-    first step of that frozen stretch, or -1 when it was frozen from the first of ``steps`` on (frozen on
-    purpose, as in fine-tuning); None when it is not frozen at the last step."""
-    if not steps or not history.has("checks") or name not in _frozen_at(history, steps[-1]):
-        return None
-    start = len(steps) - 1
-    while start > 0 and name in _frozen_at(history, steps[start - 1]):
-        start -= 1
-    return -1 if start == 0 else steps[start]
+def _frozen_since(history: RunHistory, series: str, steps: list[int]) -> dict[str, int]:
+    """``{parameter: the first step of its current frozen stretch}`` (``requires_grad=False`` at every step of
+    ``steps``, the steps of ``series``, from there to the last; ``-1`` when that is from the first of ``steps``
+    on: frozen on purpose, as in fine-tuning). Kept up to date a step at a time in ``history.memo``: each
+    tracked step reads only its own checks."""
+    if not steps or not history.has("checks"):
+        return {}
+    memo = history.memo.setdefault("frozen-since", {}).setdefault(series, {})
+    key = (history.version(series), history.version("checks"))
+    if memo.get("key") != key or memo.get("count", 0) > len(steps):
+        memo.update(key=key, count=0, starts={})
+    starts = memo["starts"]
+    for position in range(memo["count"], len(steps)):
+        frozen = _frozen_at(history, steps[position])
+        for name in [name for name in starts if name not in frozen]:
+            del starts[name]
+        for name in frozen:
+            starts.setdefault(name, -1 if position == 0 else steps[position])
+    memo["count"] = len(steps)
+    return starts
 
 
 def _structurally_zero(history: RunHistory, ratio: float = 1e-4) -> set[int]:
@@ -786,7 +796,7 @@ class VanishingGradient(Rule):
                 continue  # a bias before a normalization: no gradient by design
             if relative[index] < self.ratio or median[index] < self.floor:
                 layer = history.param_name(index)
-                if _frozen_since(history, layer, all_steps) is not None:
+                if layer in _frozen_since(history, "GradNorm", all_steps):
                     continue  # requires_grad=False: no gradient by construction (unchanged-parameters says so)
                 found.append(
                     self.finding(
@@ -1056,7 +1066,7 @@ class UnchangedParameters(Rule):
         for i in np.flatnonzero(still):
             if i in silent:
                 continue  # a bias before a normalization: no gradient, no update, by design
-            frozen = _frozen_since(history, history.param_name(i), all_steps)
+            frozen = _frozen_since(history, name, all_steps).get(history.param_name(i))
             if frozen == -1:
                 continue  # requires_grad=False from the first step: frozen on purpose (fine-tuning)
             if frozen is not None:
