@@ -389,9 +389,7 @@ class TrackedStep:
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
-            left_out = execution.left_out_owners()  # per-sample statistics the step cannot have
-            skipped |= {env.name_of(q) for q in self.active
-                        if env.name_of(q) in left_out and not q.works_without_per_sample_stats}
+            skipped |= execution.left_out_owners()
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:

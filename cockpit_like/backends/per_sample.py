@@ -523,9 +523,10 @@ class PerSampleReducer:
         for k in self.module_stats:
             self._states[k] = self.stats[k].accumulate_module(self._states[k], module, x, delta)
 
-    def _note_precision(self, index: int, *tensors) -> None:
-        """Tell the statistics that a layer's rows were made in half precision (they see them in float32)."""
-        if any(t is not None and t.dtype in _HALF for t in tensors):
+    def _note_precision(self, index: int, *tensors, half: bool = False) -> None:
+        """Tell the statistics that a layer's rows were made in half precision (``half``, or one of ``tensors`` is):
+        they see them in float32."""
+        if half or any(t is not None and t.dtype in _HALF for t in tensors):
             for stat, state in zip(self.stats, self._states):
                 stat.note_half_precision(state, index)
 
@@ -621,9 +622,7 @@ class PerSampleReducer:
         ``batch_sum`` as in :meth:`reduce_factors`)."""
         index = self._index[id(param)]
         self.seen.add(index)
-        if lazy.itemsize < 4:  # rows made in half precision
-            for stat, state in zip(self.stats, self._states):
-                stat.note_half_precision(state, index)
+        self._note_precision(index, half=lazy.itemsize < 4)
         if lazy.itemsize < 4 or self.row_scale != 1.0:
             make, sum_of = lazy.make, lazy._batch_sum
             lazy = LazyRows(

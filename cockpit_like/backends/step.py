@@ -150,7 +150,7 @@ class StepExecution:
             # BatchNorm in training mode: every row's gradient depends on the other rows, so per-sample
             # gradients are undefined; the quantities that read them are left out of this step
             kinds = sorted({type(module).__name__ for module in coupling})
-            left = sorted(set(needs.owners) - set(needs.partial))
+            left = sorted(set(needs.owners) - set(needs.partial))  # (the quantities left out of the step)
             partial = f"; {sorted(needs.partial)} computed without them" if needs.partial else ""
             self.notes.append(
                 (f"per-sample quantities {left} left out" if left else "per-sample statistics left out")
@@ -158,7 +158,7 @@ class StepExecution:
                 "row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / LayerNorm, "
                 f"gives them back){partial}"
             )
-            self._left_out = set(needs.owners)
+            self._left_out = set(needs.owners) - set(needs.partial)  # the others run without them
             stats = []
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []

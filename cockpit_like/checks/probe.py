@@ -125,15 +125,8 @@ class GradientProbe(PerSampleStat):
         return {"index": [], "total": [], "absolute": {}, "low": set()}
 
     def note_half_precision(self, state, index: int) -> None:
-        state["low"].add(index)  # the reducer saw half-precision rows before handing them on in float32
-
-    @staticmethod
-    def _precision(state, index: int, *tensors) -> None:
-        """Remember the parameters whose rows came in half precision (autocast): a looser tolerance."""
-        for t in tensors:
-            if t is not None and t.dtype in _HALF:
-                state["low"].add(index)
-                return
+        """The reducer saw half-precision rows (autocast) before handing them on in float32: a looser tolerance."""
+        state["low"].add(index)
 
     def _dirs(self, state, index: int, param: torch.Tensor, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
         """The parameter's directions in ``dtype`` (the rows' own: no copy of the rows in another dtype)."""
@@ -156,13 +149,12 @@ class GradientProbe(PerSampleStat):
     def _wide(tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` detached, in float32 if it is in half precision (products accumulate in float32 or better)."""
         tensor = tensor.detach()
-        return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+        return tensor.float() if tensor.dtype in _HALF else tensor
 
     def borrows(self, state, nbytes) -> bool:
         return True  # reads a grad_batch during the call only
 
     def accumulate(self, state, index, param, grad_batch):
-        self._precision(state, index, grad_batch)
         rows = self._wide(grad_batch)
         dirs = self._dirs(state, index, param, rows.dtype)
         batch = rows.shape[0]
@@ -174,7 +166,6 @@ class GradientProbe(PerSampleStat):
         return self._add_rows(state, index, per_row)
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
-        self._precision(state, index, x, delta)
         delta = self._wide(delta)
         dirs = self._dirs(state, index, param, delta.dtype)
         if kind == "bias":
@@ -189,7 +180,6 @@ class GradientProbe(PerSampleStat):
     prefers_factors: ClassVar[bool] = True
 
     def accumulate_sequence(self, state, index, param, a, b):
-        self._precision(state, index, a, b)
         a, b = self._wide(a), self._wide(b)
         b = b.to(a.dtype)
         dirs = self._dirs(state, index, param, a.dtype)
