@@ -175,7 +175,7 @@ class PostMortem(SingleStepQuantity):
         result = None
         if spike is not None:
             result = self._post_mortem(global_step, spike, summary, losses, diag, row_sums, ids, names, grad_norms,
-                                       updates, rate, rate_median, rate_previous, precision)
+                                       updates, rate, rate_median, rate_previous, precision, gradients=stats is not None)
         self.buffer.add(summary)
         self.layer_history.append([int(global_step), grad_norms, updates])
         del self.layer_history[: max(0, len(self.layer_history) - self.detector.window - self.moved_steps)]
@@ -210,7 +210,7 @@ class PostMortem(SingleStepQuantity):
         return result
 
     def _post_mortem(self, step, spike, summary, losses, diag, row_sums, ids, names, grad_norms, updates, rate,
-                     rate_median, rate_previous, precision) -> dict[str, Any]:
+                     rate_median, rate_previous, precision, gradients: bool = True) -> dict[str, Any]:
         shares, norms = row_shares(row_sums.detach().to(torch.float64)), row_norms(diag.detach().to(torch.float64))
         earlier = self.buffer.steps[-RECENT:]  # the rows of the last steps: where the loss is now
         base = robust_center_scale([s["row_loss_median"] for s in earlier])[0] if earlier else math.nan
@@ -226,7 +226,6 @@ class PostMortem(SingleStepQuantity):
         shift = float((finite.median() - base) / spread) if finite.numel() and math.isfinite(base) else math.nan
         outlier = loss_z >= self.row_z
         finite_shares = torch.nan_to_num(shares, nan=0.0)
-        gradients = bool(torch.isfinite(shares).any())
         # without per-sample gradients, the rows' share of the batch's loss rise above the previous steps' rows
         rise = (losses - base).clamp(min=0) if math.isfinite(base) else torch.zeros_like(losses)
         rise = torch.nan_to_num(rise, nan=0.0, posinf=0.0)
