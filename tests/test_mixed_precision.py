@@ -291,3 +291,43 @@ def test_autocast_through_module_hooks_is_checked_in_half_precision(name):
     for step in output:
         for quantity in ("GradNorm", "NormTest", "InnerTest"):
             assert _relative(output[step][quantity], reference[step][quantity]) < 1e-2, (step, quantity)
+
+
+def test_sequence_forms_of_mixed_dtypes_are_reduced_in_the_wider_one():
+    """Under autocast a layer's input and its output gradient can differ (a float32 input, a bfloat16 gradient):
+    the rows and the batch sum of a sequence form are made in the wider dtype (a bfloat16 BERT raised a dtype error
+    into the training loop from there)."""
+    from cockpit_like.backends.per_sample import materialize_sequence, sequence_sum
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 4, 5, generator=generator)
+    b = torch.randn(3, 4, 2, generator=generator).bfloat16()
+    expected = torch.einsum("itr,itc->irc", a.double(), b.double())
+    rows = materialize_sequence(a, b, torch.Size([5, 2]))
+    assert rows.dtype == torch.float32
+    torch.testing.assert_close(rows.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sequence_sum(b, a).double(), expected.sum(0).T, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bfloat16_bert_trains_with_the_cockpit():
+    """A Hugging Face BERT (from a config) under CPU bfloat16 autocast, economy: every step tracked, no error."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, num_labels=2,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertForSequenceClassification(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        tokens, labels = torch.randint(0, 64, (ROWS, 12), generator=generator), torch.randint(0, 2, (ROWS,), generator=generator)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = torch.nn.functional.cross_entropy(model(tokens).logits.float(), labels, reduction="none")
+        with cockpit(step, info={"batch_size": ROWS, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            losses.mean().backward()
+        optimizer.step()
+    output = cockpit.get_output()
+    assert all("GradNorm" in output[step] for step in range(3))
+    assert all(("NormTest" in output[step]) == cockpit.checks[step]["valid"] for step in range(3))

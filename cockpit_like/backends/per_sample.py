@@ -102,14 +102,25 @@ def linear_sum(kind: str, x: torch.Tensor | None, delta: torch.Tensor) -> torch.
     return delta.sum(0) if kind == "bias" else delta.T @ x
 
 
+def _common(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` in one dtype, the wider one (under autocast a layer's input and its output gradient can
+    differ: a float32 input, a bfloat16 gradient)."""
+    if a.dtype == b.dtype:
+        return a, b
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    return a.to(dtype), b.to(dtype)
+
+
 def sequence_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum_i sum_t a[i, t] b[i, t]^T`` (``R x C``) as one matrix product of transposed views (no copy of ``a``)."""
+    a, b = _common(a, b)
     return a.reshape(-1, a.shape[-1]).T @ b.reshape(-1, b.shape[-1])
 
 
 def materialize_sequence(a: torch.Tensor, b: torch.Tensor, shape: torch.Size, out: torch.Tensor | None = None) -> torch.Tensor:
     """``grad_batch[i] = sum_t a[i, t] b[i, t]^T`` (``a`` ``[B, T, R]``, ``b`` ``[B, T, C]``), reshaped to ``[B, *shape]``
     (written into ``out``, ``B R C`` contiguous entries, if given)."""
+    a, b = _common(a, b)
     if out is None:
         return torch.bmm(a.transpose(1, 2), b).reshape(a.shape[0], *shape)
     result = out.view(a.shape[0], a.shape[2], b.shape[2])
