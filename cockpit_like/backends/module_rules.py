@@ -519,7 +519,7 @@ def _attention_mask(given: dict, batch: int, heads: int, length: int, source: in
         if part is None:
             continue
         part = part.detach()
-        additive = torch.zeros(part.shape, dtype=dtype).masked_fill_(part, float("-inf")) if part.dtype == torch.bool else part.to(dtype)
+        additive = torch.zeros(part.shape, dtype=dtype, device=part.device).masked_fill_(part, float("-inf")) if part.dtype == torch.bool else part.to(dtype)
         if is_padding:
             additive = additive.view(batch, 1, 1, source)
         elif additive.dim() == 3:

@@ -211,7 +211,7 @@ class GradientProbe(PerSampleStat):
         if state["absolute"]:
             at = list(state["absolute"])
             absolutes[at] = torch.stack([state["absolute"][k] for k in at])
-        where = torch.tensor(indices)
+        where = torch.tensor(indices, device=totals.device)
         size = max(indices) + 1
         total = totals.new_zeros(size).index_add_(0, where, totals).tolist()  # one read from the device
         absolute = absolutes.new_zeros(size).index_add_(0, where, absolutes).tolist()

@@ -58,7 +58,7 @@ class _Tally:
         self.integer = self.integer or not (x.is_floating_point() or x.is_complex())
         x = x.detach().to(torch.float64).reshape(x.shape[0], -1)
         finite = torch.isfinite(x)
-        x = torch.where(finite, x, torch.zeros((), dtype=x.dtype))
+        x = torch.where(finite, x, x.new_zeros(()))
         self.rows += x.shape[0]
         self.entries += x.numel()
         self.sumsq += float((x * x).sum())
