@@ -709,7 +709,10 @@ def markdown(results: dict, meta: dict) -> str:
         + (f"batch {batches[0]}. " if len(batches) == 1 else "batch size B per problem below. ")
         + ("Figures of some problems come from an earlier run (column 'measured'). " if merged else "")
         + "Ratio: time per step over plain training's in the same round, median over rounds "
-        "(min-max over rounds in brackets).",
+        "(min-max over rounds in brackets)."
+        + (f" **Partial: {meta['partial']['done']} of {meta['partial']['planned']} child processes of this run had "
+           "finished** (the run was cut off or is still going; a ratio needs the round's plain run)."
+           if meta.get("partial") else ""),
         "",
         "| problem | per-sample backend | D | B | plain step (ms) | B x D x 4 bytes (MB) |" + (" measured |" if merged else ""),
         "|---|---|---|---|---|---|" + ("---|" if merged else ""),
@@ -774,10 +777,11 @@ def git_commit() -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def merge_earlier(path: Path, results: dict, runs: list[dict]) -> tuple[dict, list[dict]]:
+def merge_earlier(path: Path, results: dict, runs: list[dict], quiet: bool = False) -> tuple[dict, list[dict]]:
     """Add the problems of an earlier results JSON that this run did not measure (results and raw runs)."""
     if not path.exists():
-        print(f"--merge: {path} does not exist; nothing merged")
+        if not quiet:
+            print(f"--merge: {path} does not exist; nothing merged")
         return results, runs
     earlier = json.loads(path.read_text())
     old_meta = earlier.get("meta", {})
@@ -881,6 +885,62 @@ def parse_args(argv=None):
     parser.add_argument("--problem", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def save(runs: list[dict], problems: list[str], args, argv, started: float, plan: dict, planned) -> None:
+    """Aggregate ``runs``, merge ``--merge``, write the JSON (and ``--table``).
+
+    ``planned = (done, total)`` while the run goes on: the files are written quietly after every child
+    process and say they are partial, so a run cut off by a time limit (``benchmarks/gpu_check.sh``)
+    keeps every figure measured so far; ``None`` at the end: the table is printed and, unless
+    ``--no-docs`` or ``--quick``, put into the docs."""
+    import torch
+
+    quick = plan["quick"]
+    results = aggregate(runs, problems, args.batch_size, args.small)
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".replace("  ", " "),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": args.device if args.device == "cpu" else f"{args.device} ({torch.cuda.get_device_name()})",
+        "rounds": plan["rounds"],
+        "steps": plan["steps"],
+        "warmup": plan["warmup"],
+        "quantity_rounds": plan["qrounds"] if plan["qconfigs"] else 0,
+        "quantity_steps": plan["qsteps"],
+        "batch_size": args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE,
+        "batch_sizes": {p: batch_size_of(p, args.batch_size) for p in problems},
+        "small": args.small,
+        "commit": git_commit(),
+        "budget_s": args.budget,
+        "quick": quick,
+        "seconds": round(time.time() - started, 1),
+        "quantity_order": plan["known"],
+        "command": " ".join(["benchmarks/overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
+    }
+    if planned is not None:
+        meta["partial"] = {"done": planned[0], "planned": planned[1]}
+    for p in problems:
+        results[p]["measured"] = {k: meta[k] for k in ("date", "rounds", "steps", "commit")}
+    if args.merge:
+        results, runs = merge_earlier(Path(args.merge), results, runs, quiet=planned is not None)
+    table = markdown(results, meta)
+    out = Path(args.out) if args.out else (QUICK_JSON if quick else DEFAULT_JSON)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "targets": TARGETS, "results": results, "runs": runs}, indent=1))
+    if args.table:
+        Path(args.table).write_text(table)
+    if planned is not None:
+        return
+    print()
+    print(table)
+    print(f"wrote {out}")
+    if not quick and not args.no_docs:
+        if update_doc(table):
+            print(f"updated the table in {DOC}")
+        else:
+            print(f"{DOC} has no {BEGIN} ... {END} markers; table not inserted")
 
 
 def main(argv=None) -> int:
@@ -989,6 +1049,10 @@ def main(argv=None) -> int:
             print(f"[{done}/{total} {time.time() - started:.0f}s] round {rnd} {problem} {config}: {shown}", flush=True)
             if "times" in result:
                 result["steps"] = len(result.pop("times"))
+            if done < total:  # what is measured so far is on disk: a run cut off (a time limit) keeps it
+                save(runs, problems, args, argv, started, dict(rounds=rounds, steps=steps, warmup=warmup,
+                     qrounds=qrounds, qsteps=qsteps, qconfigs=qconfigs, quick=quick, known=known),
+                     planned=(done, total))
 
     if configs and not args.no_live_memory:
         for problem in problems:  # deterministic: one process per configuration, after the timed rounds
@@ -999,46 +1063,8 @@ def main(argv=None) -> int:
                 shown = f"{result['live_peak_mb']:.1f} MB" if "live_peak_mb" in result else result["error"][:120]
                 print(f"[live {time.time() - started:.0f}s] {problem} {config}: peak of live tensors {shown}", flush=True)
 
-    results = aggregate(runs, problems, args.batch_size, args.small)
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()} {platform.processor() or ''} ({os.cpu_count()} cores)".replace("  ", " "),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": args.device if args.device == "cpu" else f"{args.device} ({torch.cuda.get_device_name()})",
-        "rounds": rounds,
-        "steps": steps,
-        "warmup": warmup,
-        "quantity_rounds": qrounds if qconfigs else 0,
-        "quantity_steps": qsteps,
-        "batch_size": args.batch_size if args.batch_size is not None else DEFAULT_BATCH_SIZE,
-        "batch_sizes": {p: batch_size_of(p, args.batch_size) for p in problems},
-        "small": args.small,
-        "commit": git_commit(),
-        "budget_s": args.budget,
-        "quick": quick,
-        "seconds": round(time.time() - started, 1),
-        "quantity_order": known,
-        "command": " ".join(["benchmarks/overhead.py"] + (sys.argv[1:] if argv is None else list(argv))),
-    }
-    for p in problems:
-        results[p]["measured"] = {k: meta[k] for k in ("date", "rounds", "steps", "commit")}
-    if args.merge:
-        results, runs = merge_earlier(Path(args.merge), results, runs)
-    table = markdown(results, meta)
-    out = Path(args.out) if args.out else (QUICK_JSON if quick else DEFAULT_JSON)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "targets": TARGETS, "results": results, "runs": runs}, indent=1))
-    if args.table:
-        Path(args.table).write_text(table)
-    print()
-    print(table)
-    print(f"wrote {out}")
-    if not quick and not args.no_docs:
-        if update_doc(table):
-            print(f"updated the table in {DOC}")
-        else:
-            print(f"{DOC} has no {BEGIN} ... {END} markers; table not inserted")
+    save(runs, problems, args, argv, started, dict(rounds=rounds, steps=steps, warmup=warmup, qrounds=qrounds,
+         qsteps=qsteps, qconfigs=qconfigs, quick=quick, known=known), planned=None)
     return 0
 
 

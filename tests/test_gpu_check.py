@@ -26,9 +26,9 @@ def test_dry_run_plans_the_cuda_tests_and_the_three_problems():
     done = _check("--dry-run", "--steps", "5")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert any("tests/test_cuda.py" in line and line.startswith("would run: timeout 180") for line in lines)
+    assert any("tests/test_cuda.py" in line and line.startswith("would run: timeout 90") for line in lines)
     runs = [line for line in lines if line.startswith("would run:") and "overhead.py" in line]
-    assert [line.split()[3] for line in runs] == ["80", "80", "110"]  # per-problem limits: 270 s with the tests' 180
+    assert [line.split()[3] for line in runs] == ["110", "90", "150"]  # per-problem limits: 440 s with the tests' 90
     assert all("--merge" in line and "--device cuda" in line for line in runs)
     children = [line for line in lines if "--child" in line]
     for problem in ("gpt", "resnet", "gpt2-small"):
@@ -87,3 +87,43 @@ def test_a_cpu_child_with_an_explicit_device_runs(capsys):
     out = capsys.readouterr().out
     assert status == 0
     assert '"config": "plain"' in out and "cuda_peak_mb" not in out
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_run_cut_off_keeps_every_child_measured_before(tmp_path, monkeypatch):
+    """gpu_check.sh kills a problem's benchmark at its time limit: the figures of the children that had finished
+    are on disk, said to be partial (on an H200 a limit once cut off gpt's last plain run and lost the lot)."""
+    calls, cut = [], True
+
+    def fake_spawn(problem, config, steps, warmup, args, live=False):
+        calls.append(config)
+        if len(calls) == 3 and cut:
+            raise _Killed  # what a kill does to the parent between two children
+        seconds = {"plain": 0.01, "economy": 0.02, "full_every10": 0.03}[config]
+        return {"problem": problem, "config": config, "times": [seconds] * steps, "median_s": seconds,
+                "mean_s": seconds, "maxrss_mb": 100.0}
+
+    monkeypatch.setattr(overhead, "spawn", fake_spawn)
+    out, table = tmp_path / "o.json", tmp_path / "o.md"
+    args = ["--problems", "mlp", "--configs", "economy,full_every10", "--quantities", "none", "--rounds", "1",
+            "--steps", "2", "--no-docs", "--no-live-memory", "--out", str(out), "--merge", str(out), "--table", str(table),
+            "--seed", "0"]
+    with pytest.raises(_Killed):
+        overhead.main(args)
+    import json
+
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["partial"] == {"done": 2, "planned": 4}
+    configs = saved["results"]["mlp"]["configs"]
+    assert set(configs) == {"plain", calls[1]}  # plain first, then one of the two in the round's random order
+    assert configs[calls[1]]["ratio"] == pytest.approx({"economy": 2.0, "full_every10": 3.0}[calls[1]])
+    assert "Partial: 2 of 4 child processes" in table.read_text()
+    # the same run to its end: the files are whole
+    cut = False
+    assert overhead.main(args) == 0
+    saved = json.loads(out.read_text())
+    assert "partial" not in saved["meta"] and set(saved["results"]["mlp"]["configs"]) == {"plain", "economy", "full_every10"}
+    assert "Partial" not in table.read_text()
