@@ -409,3 +409,31 @@ def test_unfold_conv2d_input_reproduces_the_convolution(conv):
             rtol=0,
             atol=0,
         )
+
+
+@pytest.mark.parametrize("layer", ["grad_batch", "outer"])
+def test_the_accelerators_chunk_counts_what_the_cpus_does(layer):
+    """On an accelerator the counters take chunks of ``DEVICE_CHUNK`` entries (a few kernel launches per chunk):
+    the counts are those of ``histc`` / the 2-D rule whatever the chunk, checked here on the CPU with both."""
+    from cockpit_like.backends import fast_histograms as fh
+
+    assert fh.default_chunk(torch.device("cpu")) == fh.CHUNK
+    assert fh.default_chunk(torch.device("cuda")) == fh.DEVICE_CHUNK > 16 * fh.CHUNK
+    g = torch.Generator().manual_seed(3)
+    x, delta = torch.randn(64, 300, generator=g) * 0.05, torch.randn(64, 90, generator=g) * 0.05  # 1.7M products
+    grad_batch = torch.einsum("bo,bi->boi", delta, x)
+    theta = torch.randn(90, 300, generator=g)
+    one, two = Hist1dCounter(40, (-0.5, 0.5), torch.float32), Hist2dCounter((20, 10), ((-0.5, 0.5), (-2.0, 2.0)))
+    found = {}
+    for chunk in (fh.CHUNK, fh.DEVICE_CHUNK):
+        c1, c2 = one.new_counts("cpu"), two.new_counts("cpu")
+        if layer == "grad_batch":
+            one.count_grad_batch(c1, grad_batch, chunk=chunk)
+            two.count_grad_batch(c2, grad_batch, theta, chunk=chunk)
+        else:
+            one.count_outer(c1, x, delta, chunk=chunk, sparse=None)
+            two.count_outer_dense(c2, x, delta, theta, chunk=chunk)
+        found[chunk] = (one.finish(c1, 40, torch.float32), two.finish(c2))
+    reference = hist1d_counts(64 * grad_batch.reshape(-1), 40, (-0.5, 0.5))
+    assert torch.equal(found[fh.CHUNK][0], reference) and torch.equal(found[fh.DEVICE_CHUNK][0], reference)
+    assert torch.equal(found[fh.CHUNK][1], found[fh.DEVICE_CHUNK][1]) and int(found[fh.CHUNK][1].sum()) == grad_batch.numel()

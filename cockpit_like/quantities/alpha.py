@@ -46,6 +46,7 @@ import torch
 from cockpit_like import context
 from cockpit_like.backends.partitions import is_dtensor, step_memo, whole
 from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
+from cockpit_like.functional import tensor_lists
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
 from cockpit_like.utils.optim import lookahead_update
@@ -83,8 +84,9 @@ class _Steps(Sequence):
 
 
 def _norm(tensors) -> torch.Tensor:
-    # one pass per tensor, no squared copy (GPT-2 small: 11 norms of all the parameters per tracked step)
-    return torch.sqrt(sum(torch.linalg.vector_norm(t).square() for t in tensors))
+    # one pass per tensor, no squared copy (GPT-2 small: 11 norms of all the parameters per tracked step),
+    # a group of tensors per kernel launch on an accelerator
+    return tensor_lists.norm(tensors)
 
 
 def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:

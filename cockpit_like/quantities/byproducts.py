@@ -7,6 +7,7 @@ import time
 import torch
 
 from cockpit_like import context
+from cockpit_like.functional.tensor_lists import norms
 from cockpit_like.quantities.quantity import ByproductQuantity
 
 __all__ = ["Loss", "Time", "Parameters", "GradNorm", "gradients_of"]
@@ -59,4 +60,4 @@ class GradNorm(ByproductQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         grads = gradients_of(params, "GradNorm")
-        return torch.stack([g.detach().norm() for g in grads]).tolist()
+        return norms(grads).tolist()

@@ -16,6 +16,7 @@ import torch
 from cockpit_like import context
 from cockpit_like.backends.per_sample_stats import GramSummary
 from cockpit_like.functional import gradient_tests as F
+from cockpit_like.functional.tensor_lists import squared_norm
 from cockpit_like.quantities.byproducts import gradients_of
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
@@ -31,7 +32,7 @@ class _GramTest(SingleStepQuantity):
     def _compute(self, global_step, params, batch_loss):
         diag, row_sums = context.get_record(global_step).stat(GramSummary())
         grads = gradients_of(params, type(self).__name__)
-        grad_sq_norm = sum((g.detach() ** 2).sum() for g in grads)
+        grad_sq_norm = squared_norm(grads)
         return type(self)._test(diag, row_sums, grad_sq_norm)
 
 

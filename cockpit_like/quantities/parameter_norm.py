@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from cockpit_like.functional.tensor_lists import norms
 from cockpit_like.quantities.quantity import ByproductQuantity
 
 __all__ = ["ParamNorm"]
@@ -20,4 +19,4 @@ class ParamNorm(ByproductQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        return torch.stack([param.detach().norm() for param in params]).tolist()
+        return norms(params).tolist()
