@@ -55,3 +55,16 @@ def test_no_tensors():
     assert tensor_lists.norms([]).numel() == 0
     with pytest.raises(ValueError, match="no tensors"):
         tensor_lists.squared_norm([])
+
+
+def test_differences_are_the_pairs_differences_a_group_at_a_time():
+    a, b = _tensors(1), _tensors(2)
+    b[3] = b[3].float()  # a pair of mixed dtypes: alone, by torch.sub's promotion
+    found = list(tensor_lists.differences(a, b, alpha=0.5, limit=8 * 12))
+    assert len(found) == len(a)
+    for got, x, y in zip(found, a, b):
+        expected = torch.tensor([u - 0.5 * v for u, v in zip(x.reshape(-1).tolist(), y.double().reshape(-1).tolist())],
+                                dtype=torch.float64).reshape(x.shape)
+        torch.testing.assert_close(got, expected, rtol=1e-15, atol=1e-15)
+    with pytest.raises(ValueError):
+        list(tensor_lists.differences(a, b[:-1]))  # not one length

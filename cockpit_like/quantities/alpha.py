@@ -82,6 +82,13 @@ class _Steps(Sequence):
             self._last = (index, self._params[index].detach() - self._reference[index])
         return self._last[1]
 
+    def __iter__(self):
+        """All the steps in order, made a group of parameters at a time (one kernel per group on an
+        accelerator: a norm of the step reads every parameter)."""
+        if self._made is not None:
+            return iter(self._made)
+        return tensor_lists.differences(self._params, self._reference)
+
 
 def _norm(tensors) -> torch.Tensor:
     # one pass per tensor, no squared copy (GPT-2 small: 11 norms of all the parameters per tracked step),
@@ -322,7 +329,7 @@ class Alpha(TwoStepQuantity):
         if norm_predicted == 0:
             return False
         eps = torch.finfo(actual[0].dtype).eps
-        # || a / |a| - p / |p| || = || a - (|a| / |p|) p || / |a|: one temporary per parameter, one at a time
+        # || a / |a| - p / |p| || = || a - (|a| / |p|) p || / |a|: temporaries a group of parameters at a time
         ratio = float(norm_actual / norm_predicted)
-        gap = _norm(torch.sub(a, p, alpha=ratio) for a, p in zip(actual, predicted)) / norm_actual
+        gap = _norm(tensor_lists.differences(actual, predicted, alpha=ratio)) / norm_actual
         return bool(gap <= eps * (1000 + 20 * relative_size))

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from cockpit_like.functional.tensor_lists import norms
+from cockpit_like.functional.tensor_lists import differences, norms
 from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
 
 __all__ = ["Distance", "UpdateSize"]
 
 
 def _block_norms(params: list[torch.Tensor], reference: list[torch.Tensor]) -> list[float]:
-    return norms(p.detach() - r for p, r in zip(params, reference)).tolist()  # a group of differences at a time
+    return norms(differences(params, reference)).tolist()  # a group of differences at a time
 
 
 class Distance(TwoStepQuantity):
