@@ -8,7 +8,7 @@
 #      torch.cuda.max_memory_allocated of every child.
 #
 # Usage:
-#   benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--steps N] [--problems a,b] [--python PY]
+#   benchmarks/gpu_check.sh [--dry-run] [--out DIR] [--steps N] [--problems a,b] [--python PY] [--wheels DIR]
 #
 #   --dry-run    print what would run (and check the benchmark's plan) without a GPU
 #   --out DIR    where the logs, the JSON and the markdown table go (default: $OUT or
@@ -16,6 +16,11 @@
 #   --steps N    timed steps per child (default 10; full every 10th times whole periods)
 #   --problems   default gpt,resnet,gpt2-small
 #   --python     the interpreter (default: $PYTHON, else python)
+#   --wheels DIR where the interpreter cannot import BackPACK (a GPU machine with PyTorch but no
+#                network), install the wheels in DIR into a folder of their own first (--no-deps
+#                --no-index); made here with
+#                pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#                    --platform manylinux2014_x86_64 -d DIR backpack-for-pytorch==1.7.1 unfoldNd
 #
 # Time limits: the tests 90 s, the benchmark 110 s for gpt, 90 s for resnet and 150 s for gpt2-small
 # (each child at most 60 s), 440 s in all, so the whole check stays under 8 minutes even when a
@@ -31,6 +36,7 @@ out="${OUT:-}"
 steps=10
 problems="gpt,resnet,gpt2-small"
 python="${PYTHON:-python}"
+wheels=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1; shift ;;
@@ -38,7 +44,8 @@ while [ $# -gt 0 ]; do
         --steps) steps="${2:?--steps needs a number}"; shift 2 ;;
         --problems) problems="${2:?--problems needs a list}"; shift 2 ;;
         --python) python="${2:?--python needs an interpreter}"; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        --wheels) wheels="${2:?--wheels needs a directory}"; shift 2 ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -73,6 +80,15 @@ if [ "$dry_run" = 1 ]; then
 fi
 
 mkdir -p "$out"
+if ! "$python" -c "import backpack" 2>/dev/null; then
+    if [ -z "$wheels" ]; then
+        echo "gpu_check.sh: $python cannot import backpack; pass --wheels DIR (see --help)" >&2
+        exit 2
+    fi
+    site="$(mktemp -d)"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl || exit 2
+    export PYTHONPATH="$PYTHONPATH:$site"
+fi
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || true

@@ -127,3 +127,14 @@ def test_a_run_cut_off_keeps_every_child_measured_before(tmp_path, monkeypatch):
     saved = json.loads(out.read_text())
     assert "partial" not in saved["meta"] and set(saved["results"]["mlp"]["configs"]) == {"plain", "economy", "full_every10"}
     assert "Partial" not in table.read_text()
+
+
+def test_a_python_without_backpack_asks_for_the_wheels(tmp_path):
+    """On a GPU machine with PyTorch but without BackPACK (and no network) the check says how to bring it."""
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nfor a in "$@"; do [ "$a" = "import backpack" ] && exit 1; done\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    done = _check("--python", str(fake), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "cannot import backpack; pass --wheels DIR" in done.stderr
+    assert not (tmp_path / "out" / "test_cuda.log").exists()  # nothing ran
+    assert "--wheels DIR" in _check("--help").stdout
