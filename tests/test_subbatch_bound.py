@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -22,6 +24,9 @@ def test_bound_arithmetic():
     # plain 0.1 s, graph 0.05 s, 20 products of 0.02 s: 0.45 s of curvature = 4.5 plain steps
     assert sb.tracked_step_plain_steps(0.1, 0.05, 0.02, 20) == pytest.approx(5.5)
     assert sb.full_every10_bound(0.1, 0.05, 0.02, 20) == pytest.approx(1.45)
+    # the engine's own work (0.1 s per solve) adds one plain step to the tracked step, 0.1 to the bound
+    assert sb.tracked_step_plain_steps(0.1, 0.05, 0.02, 20, engine=0.1) == pytest.approx(6.5)
+    assert sb.full_every10_bound(0.1, 0.05, 0.02, 20, engine=0.1) == pytest.approx(1.55)
     assert sb.relative_difference(1.1, 1.0) == pytest.approx(0.1)
     assert sb.relative_difference(-0.9, -1.0) == pytest.approx(0.1)
     assert sb.relative_difference(0.0, 0.0) == 0.0
@@ -77,11 +82,25 @@ def test_table_marks_the_targets():
         "problem": "mlp", "batch_size": 8, "plain_s": 0.1, "sizes": [
             {"b": 2, "graph_s": 0.05, "hvp_s": 0.01, "graph_per_plain": 0.5, "hvp_per_plain": 0.1,
              "products": [20, 22], "tracked_step_plain_steps": 3.6, "bound_ratio": 1.26,
-             "relative_difference_median": 0.5, "relative_difference_max": 0.8},
+             "relative_difference_median": 0.5, "relative_difference_max": 0.8, "engine_s": 0.1},
             {"b": 8, "graph_s": 0.2, "hvp_s": 0.2, "graph_per_plain": 2.0, "hvp_per_plain": 2.0,
              "products": [30], "tracked_step_plain_steps": 63.0, "bound_ratio": 7.2},
         ],
     }  # fmt: skip
     text = sb.table([result])
     assert "| mlp | 8 | 100 ms | 2 |" in text and "**3.6**" in text and "**1.26**" in text and "50.0%, 80.0%" in text
-    assert "| 63.0 | 7.20 | - (reference) |" in text
+    assert "| **3.6** | **1.26** | 100 ms (1.0) | 4.6, 1.36 | 50.0%, 80.0% |" in text
+    assert "| 63.0 | 7.20 | - | - | - (reference) |" in text
+
+
+def test_markdown_is_rendered_from_a_saved_json(tmp_path):
+    meta = {"command": "python benchmarks/subbatch_bound.py", "commit": "abc", "threads": 1, "repeats": 1,
+            "steps": 1, "choices": 1}
+    result = {"problem": "mlp", "batch_size": 2, "plain_s": 0.1, "sizes": [
+        {"b": 2, "graph_s": 0.1, "hvp_s": 0.1, "graph_per_plain": 1.0, "hvp_per_plain": 1.0, "products": [10],
+         "tracked_step_plain_steps": 12.0, "bound_ratio": 2.1, "engine_s": 0.0}]}
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"meta": meta, "results": [result]}))
+    out = tmp_path / "table.md"
+    assert sb.main(["--render", str(saved), "--markdown", str(out)]) == 0
+    assert "| mlp | 2 | 100 ms | 2 |" in out.read_text() and "commit abc" in out.read_text()
