@@ -43,6 +43,10 @@ tracked step reuses the user's forward, which this one does not.
 
     python benchmarks/subbatch_bound.py --problems mlp,3c3d,2c2d,gpt,resnet \\
         --json benchmarks/results/subbatch_bound.json --markdown benchmarks/results/subbatch_bound.md
+    python benchmarks/subbatch_bound.py --render benchmarks/results/subbatch_bound.json  # the table again
+
+About 12 minutes on one thread of this machine with ``--repeats 3 --steps 3 --choices 3`` (17 with
+``--choices 5``): most of it the Lanczos solves (10 per step with 3 choices).
 """
 
 from __future__ import annotations
