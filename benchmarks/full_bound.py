@@ -58,10 +58,25 @@ def _loss(problem, model, batch, lossfunc):
     return lossfunc(outputs, labels)
 
 
+def setup(problem: str):
+    """``(batch_size, model, batches, params, optimizer, lossfunc)`` of an :mod:`benchmarks.overhead` problem on
+    one thread: its model and batches at its own batch size, SGD (lr 0.01), the cross-entropy."""
+    import torch
+    from torch import nn
+
+    from benchmarks import overhead as ob
+
+    torch.set_num_threads(1)
+    batch_size = ob.batch_size_of(problem, None)
+    model, shape = ob.build_problem(problem, batch_size)
+    batches = ob.make_batches(problem, model, shape, batch_size)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return batch_size, model, batches, params, torch.optim.SGD(params, lr=0.01), nn.CrossEntropyLoss()
+
+
 def measure(problem: str, repeats: int, steps: int) -> dict:
     import torch
     from backpack import extend
-    from torch import nn
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from benchmarks import overhead as ob
@@ -69,13 +84,7 @@ def measure(problem: str, repeats: int, steps: int) -> dict:
     from cockpit_like.quantities import HessMaxEV
     from cockpit_like.utils.schedules import linear
 
-    torch.set_num_threads(1)
-    batch_size = ob.batch_size_of(problem, None)
-    model, shape = ob.build_problem(problem, batch_size)
-    batches = ob.make_batches(problem, model, shape, batch_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.01)
-    lossfunc = nn.CrossEntropyLoss()
+    batch_size, model, batches, params, optimizer, lossfunc = setup(problem)
 
     def plain(index: int) -> float:
         start = time.perf_counter()

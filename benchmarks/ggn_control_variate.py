@@ -23,12 +23,10 @@ script computes, exactly and densely in float64, on the 12 models and the same s
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from benchmarks.trace_estimators import LANGUAGE_MODELS, loss_logits, models  # noqa: E402
+from benchmarks.trace_estimators import LANGUAGE_MODELS, loss_logits, model_arguments, run_models  # noqa: E402
 
 
 def _flat(grads, params) -> torch.Tensor:
@@ -237,30 +235,13 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--only", default=None, help="comma-separated substrings of model names")
-    parser.add_argument("--json", type=Path, default=None)
+    parser = model_arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--markdown", type=Path, default=None, help="write the summary and the table here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    chosen = models()
-    if args.only:
-        chosen = {k: v for k, v in chosen.items() if any(part in k for part in args.only.split(","))}
-    rows, failures = [], []
-    started = time.time()
-    for name, factory in chosen.items():
-        try:
-            got = run_model(name, factory, args.steps, args.batch_size)
-        except Exception as error:  # noqa: BLE001 - reported
-            failures.append(f"{name}: {type(error).__name__}: {str(error).splitlines()[0][:160]}")
-            print("FAILED", failures[-1], flush=True)
-            continue
-        rows += got
-        print(name, f"{time.time() - started:.0f}s", [(round(r["trace_h"], 3), round(r["trace_g"], 3),
-              round(r["samples_for_10pct_h"], 1), round(r["samples_for_10pct_cv"], 1)) for r in got], flush=True)
+    _, rows, failures, started = run_models(
+        run_model, args, lambda r: (round(r["trace_h"], 3), round(r["trace_g"], 3), round(r["samples_for_10pct_h"], 1),
+                                    round(r["samples_for_10pct_cv"], 1)),
+    )
     result = {"rows": rows, "summary": summary(rows) if rows else {}, "failures": failures,
               "seconds": time.time() - started, "torch": torch.__version__,
               "command": "python benchmarks/ggn_control_variate.py " + " ".join(argv if argv is not None else sys.argv[1:])}

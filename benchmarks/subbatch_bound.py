@@ -170,19 +170,11 @@ def top_eigenvalue(grads: list, params: list, step: int, max_products: int = 100
 
 def measure(problem: str, repeats: int, steps: int, choices: int, log=None) -> dict:
     import torch
-    from torch import nn
 
     from benchmarks import full_bound
-    from benchmarks import overhead as ob
 
-    torch.set_num_threads(1)
     log = log or (lambda line: print(line, flush=True))
-    batch_size = ob.batch_size_of(problem, None)
-    model, shape = ob.build_problem(problem, batch_size)
-    batches = ob.make_batches(problem, model, shape, batch_size)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=0.01)
-    lossfunc = nn.CrossEntropyLoss()
+    batch_size, model, batches, params, optimizer, lossfunc = full_bound.setup(problem)
     sizes = sub_batch_sizes(batch_size)
 
     def loss_of(batch):
