@@ -88,3 +88,48 @@ def test_tic_cost_runs_its_three_models(capsys):
         "zoo/encoder (3 classes)", "zoo/gpt2 (sequence, vocabulary 40)", "transformer_digits (10 classes)"]
     for line in lines:
         assert "'auto (ggn)': '" in line and "'hutchinson': '" in line and "x plain" in line
+
+
+def test_diagnosis_outside_forgotten_zero_grad_is_named(capsys):
+    """One case of diagnosis_outside.py, shortened (the whole script takes about 40 s): the MLP whose loop forgets
+    ``optimizer.zero_grad()`` is diagnosed with ``gradients-accumulate``, the same model and loop with it is not."""
+    import torch
+
+    from benchmarks import diagnosis_outside
+
+    torch.set_num_threads(1)
+    data = diagnosis_outside._digits()
+    make_opt = lambda p: torch.optim.SGD(p, 0.01, momentum=0.9)  # noqa: E731
+    torch.manual_seed(0)
+    broken = diagnosis_outside.run_case("forgotten", diagnosis_outside._mlp(), make_opt, 20, 32, data, zero_grad=False)
+    torch.manual_seed(0)
+    healthy = diagnosis_outside.run_case("healthy", diagnosis_outside._mlp(), make_opt, 20, 32, data)
+    assert "gradients-accumulate" in {incident.cause for incident in broken}
+    assert "gradients-accumulate" not in {incident.cause for incident in healthy}
+    assert "forgotten" in capsys.readouterr().out
+
+
+def test_notebook_update_in_a_real_kernel():
+    pytest.importorskip("nbclient")
+    pytest.importorskip("ipykernel")
+    from benchmarks import notebook_update
+
+    result = notebook_update.main(["--steps", "5", "--updates", "2", "--dpi", "40"])
+    assert (result["steps"], result["updates"], result["dpi"]) == (5, 2, 40.0)
+    assert result["image_bytes"] > 0
+    assert all(math.isfinite(result[key]) and result[key] >= 0 for key in ("read", "draw", "png"))
+    assert result["total"] >= result["draw"] > 0
+
+
+def test_ddp_overhead_one_round_on_mlp(tmp_path):
+    """Both modes of ddp_overhead.py (one process; two gloo ranks on this machine), one round of two steps."""
+    from benchmarks import ddp_overhead
+
+    out = tmp_path / "ddp.json"
+    assert ddp_overhead.main(["--problems", "mlp", "--rounds", "1", "--steps", "2", "--warmup", "1",
+                              "--out", str(out)]) in (0, None)  # fmt: skip
+    results = json.loads(out.read_text())["results"]["mlp"]
+    for mode in ("single", "ddp"):
+        assert results[mode]["plain"]["ratio"] == 1.0 and results[mode]["plain"]["step_ms"] > 0
+        for config in ("nothing", "economy"):
+            assert math.isfinite(results[mode][config]["ratio"]) and results[mode][config]["ratio"] > 0
