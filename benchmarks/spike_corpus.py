@@ -5,6 +5,7 @@
     python benchmarks/spike_corpus.py --tune             # grid-search the thresholds on the tuning half only
     python benchmarks/spike_corpus.py --half tuning --show   # one line per run
     python benchmarks/spike_corpus.py --half gpt2-small --show   # the GPT-2 small slice (minutes a run; then --update-doc)
+    python benchmarks/spike_corpus.py --half tuning --seeds 0 --out /tmp/s.json   # scores elsewhere than the tracked JSON
 
 Runs are trained once with ``PostMortem(record_all=True)`` (a post-mortem at
 every step, with the step's loss, gradient norm and learning rate) and kept in
@@ -158,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--show", action="store_true", help="print each run as it is trained")
     parser.add_argument("--seeds", default="0,1", help="draws of runs per half (default 0,1)")
     parser.add_argument("--gpt2-seeds", default="0,1", help="draws of the GPT-2 small slice (default 0,1: 2 x 6 runs)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "spike_corpus.json",
+                        help="where the scores go (default: the tracked benchmarks/results/spike_corpus.json)")
     args = parser.parse_args(argv)
     halves = ["tuning", "held-out"] if args.half in ("both", "all") else [args.half]
     started = time.perf_counter()
@@ -175,7 +178,7 @@ def main(argv=None) -> int:
     text = table(scores)
     print(text)
     seconds = {half: sum(r["seconds"] for r in results[half]) for half in halves}
-    summary = ROOT / "benchmarks" / "results" / "spike_corpus.json"
+    summary = args.out
     summary.write_text(json.dumps({"seeds": list(seeds), "scores": scores, "training_seconds": seconds}, indent=1,
                                   default=str) + "\n")
     print(f"training seconds per half: {seconds}; this call took {time.perf_counter() - started:.0f}s")

@@ -13,7 +13,7 @@ median step time of each and ``PostMortem``'s memory (``nbytes``). Writes
 ``benchmarks/results/spike_cost.json`` (``spike_cost_gpt2_small.json`` with
 ``--gpt2-small``: the Hugging Face ``GPT2Config()`` defaults, 124M parameters,
 dropout off, built from the config, batch 8 x 256 tokens; a few rounds, each
-step several seconds on one thread).
+step several seconds on one thread); ``--out PATH`` writes elsewhere (a smoke run).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def step(model, cockpit, optimizer, index: int, batch: int = 8, length: int = 64
     return time.perf_counter() - started
 
 
-def main(rounds: int = 40, warmup: int = 3, gpt2_small: bool = False) -> dict:
+def main(rounds: int = 40, warmup: int = 3, gpt2_small: bool = False, out: Path | None = None) -> dict:
     torch.set_num_threads(1)
     kinds = ["economy", "economy+PostMortem(layer_updates=False)", "economy+PostMortem"]
     built = {kind: build(kind, small=gpt2_small) for kind in kinds}
@@ -94,8 +94,9 @@ def main(rounds: int = 40, warmup: int = 3, gpt2_small: bool = False) -> dict:
               "overhead_vs_economy": {k: statistics.median(v) / base - 1 for k, v in times.items()},
               "post_mortem_nbytes": {k: built[k][3].nbytes for k in kinds if built[k][3] is not None},
               "rounds": rounds}
-    out = "spike_cost_gpt2_small.json" if gpt2_small else "spike_cost.json"
-    (ROOT / "benchmarks" / "results" / out).write_text(json.dumps(result, indent=1) + "\n")
+    if out is None:
+        out = ROOT / "benchmarks" / "results" / ("spike_cost_gpt2_small.json" if gpt2_small else "spike_cost.json")
+    Path(out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return result
 
@@ -147,9 +148,16 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 3; 1 with --gpt2-small)")
     parser.add_argument("--inside", action="store_true",
                         help="time PostMortem's own work inside the step (robust on a busy machine)")
+    parser.add_argument("--out", default=None,
+                        help="where the JSON goes (default: the tracked benchmarks/results/spike_cost[_gpt2_small].json)")
     args = parser.parse_args()
+    for name in ("rounds", "warmup"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 or (name == "rounds" and value == 0)):
+            parser.error(f"--{name} must be {'positive' if name == 'rounds' else 'zero or more'}, got {value}")
     if args.inside:
-        inside(args.rounds or 6, args.gpt2_small)
+        inside(6 if args.rounds is None else args.rounds, args.gpt2_small)
         sys.exit(0)
-    main(rounds=args.rounds or (3 if args.gpt2_small else 40), warmup=args.warmup or (1 if args.gpt2_small else 3),
-         gpt2_small=args.gpt2_small)
+    main(rounds=(3 if args.gpt2_small else 40) if args.rounds is None else args.rounds,
+         warmup=(1 if args.gpt2_small else 3) if args.warmup is None else args.warmup,
+         gpt2_small=args.gpt2_small, out=args.out)

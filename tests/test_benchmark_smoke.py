@@ -133,3 +133,19 @@ def test_ddp_overhead_one_round_on_mlp(tmp_path):
         assert results[mode]["plain"]["ratio"] == 1.0 and results[mode]["plain"]["step_ms"] > 0
         for config in ("nothing", "economy"):
             assert math.isfinite(results[mode][config]["ratio"]) and results[mode][config]["ratio"] > 0
+
+
+def test_spike_cost_one_round_writes_where_it_is_told(tmp_path):
+    """``spike_cost.py --out``: a smoke run leaves the tracked JSON alone (it always overwrote it)."""
+    from pathlib import Path
+
+    from benchmarks import spike_cost
+
+    tracked = Path(spike_cost.__file__).parent / "results" / "spike_cost.json"
+    before = tracked.read_text() if tracked.exists() else None
+    result = spike_cost.main(rounds=1, warmup=0, out=tmp_path / "s.json")
+    assert json.loads((tmp_path / "s.json").read_text()) == json.loads(json.dumps(result))
+    assert result["overhead_vs_economy"]["economy"] == 0.0
+    assert all(math.isfinite(v) and v > 0 for v in result["median_step_seconds"].values())
+    assert result["post_mortem_nbytes"] and all(n > 0 for n in result["post_mortem_nbytes"].values())
+    assert (tracked.read_text() if tracked.exists() else None) == before
