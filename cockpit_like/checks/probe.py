@@ -71,10 +71,10 @@ def _draw(seed: int, index: int, shape: torch.Size, device) -> tuple[torch.Tenso
     if len(shape) >= 2:
         rows = shape[0]
         rest = shape.numel() // max(rows, 1)
-        u = torch.randn(rows, generator=generator, dtype=torch.float64)
-        v = torch.randn(rest, generator=generator, dtype=torch.float64)
+        u = torch.randn(rows, generator=generator, dtype=torch.float64, device="cpu")
+        v = torch.randn(rest, generator=generator, dtype=torch.float64, device="cpu")
         return u.to(device), v.to(device)
-    return (torch.randn(max(shape.numel(), 1), generator=generator, dtype=torch.float64).to(device),)
+    return (torch.randn(max(shape.numel(), 1), generator=generator, dtype=torch.float64, device="cpu").to(device),)
 
 
 def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -222,7 +222,7 @@ class GradientProbe(PerSampleStat):
         indices = list(result)
         if not indices:
             return lambda: {}
-        pairs = reduction.mean(torch.tensor([[result[i][0], result[i][1]] for i in indices], dtype=torch.float64))
+        pairs = reduction.mean(torch.tensor([[result[i][0], result[i][1]] for i in indices], dtype=torch.float64, device="cpu"))
 
         def merged():
             values = pairs().tolist()

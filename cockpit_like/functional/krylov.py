@@ -223,7 +223,7 @@ def lanczos_decomposition(
         raise ValueError("the start vectors are all zero")
     band = basis.size  # T is banded: A q_j has coordinates on q_{j-band} .. q_{j+band} only
     # column j: the coordinates of A q_j on the basis (float64, on the CPU: T on top, E below)
-    coefficients = torch.zeros(capacity, limit, dtype=torch.float64)
+    coefficients = torch.zeros(capacity, limit, dtype=torch.float64, device="cpu")
     converged = False
     m = 0
     while m < limit and m < basis.size:
@@ -266,7 +266,7 @@ def lanczos_decomposition(
     if unit_probes:
         probe_coordinates = (Q[:m] @ torch.stack(unit_probes).T).T.to(torch.float64).cpu()
     else:
-        probe_coordinates = torch.zeros(0, m, dtype=torch.float64)
+        probe_coordinates = torch.zeros(0, m, dtype=torch.float64, device="cpu")
     return KrylovDecomposition(Q, coefficients[: basis.size, :m].clone(), probe_coordinates, m, converged)
 
 
@@ -356,7 +356,7 @@ def _ritz_pairs(coefficients: torch.Tensor, m: int) -> tuple[torch.Tensor, torch
 def _residual_norms(rest: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     """``||E y_i||`` for each Ritz vector ``y_i`` (``E``: the coordinates on vectors not yet multiplied)."""
     if rest.numel() == 0:
-        return torch.zeros(vectors.shape[1], dtype=vectors.dtype)
+        return vectors.new_zeros(vectors.shape[1])
     return (rest @ vectors).norm(dim=0)
 
 
@@ -383,7 +383,7 @@ def quadrature_moments(nodes: torch.Tensor, weights: torch.Tensor, orders: int) 
     ``r``) their expectation is ``tr(A^j) / n``, the moments of the spectral density.
     """
     w = weights.reshape(-1, nodes.numel()).mean(0).to(torch.float64)
-    powers = nodes.to(torch.float64).reshape(1, -1) ** torch.arange(orders + 1, dtype=torch.float64).reshape(-1, 1)
+    powers = nodes.to(torch.float64).reshape(1, -1) ** torch.arange(orders + 1, dtype=torch.float64, device=nodes.device).reshape(-1, 1)
     return powers @ w
 
 
