@@ -62,9 +62,9 @@ class DevicelessFactories(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _quantities():
+def _quantities(leave_out=()):
     every = lambda step: True  # noqa: E731
-    return configuration("full") + [getattr(Q, name)(track_schedule=every) for name in EXTRA]
+    return configuration("full") + [getattr(Q, name)(track_schedule=every) for name in EXTRA if name not in leave_out]
 
 
 def _disallowed(found) -> list:
@@ -141,3 +141,54 @@ def test_the_audit_sees_a_factory_without_a_device():
         scope["made"]([1, 2])
         torch.zeros(2, device="cpu")
     assert _disallowed(audit.found) == [("checks/probe.py", 2, "tensor")]
+
+
+def _track_loop(make_cockpit, model, batches, lossfunc, micro_batches: int = 1) -> DevicelessFactories:
+    """A loop with ``micro_batches`` backward passes per optimizer step (the cockpit entered around each)."""
+    params = list(model.parameters())
+    cockpit = make_cockpit(params)
+    optimizer = torch.optim.SGD(params, lr=0.01)
+    audit = DevicelessFactories()
+    for step in range(len(batches) // micro_batches):
+        optimizer.zero_grad()
+        for micro in range(micro_batches):
+            inputs, targets = batches[step * micro_batches + micro]
+            outputs = model(inputs)
+            losses = nn.functional.cross_entropy(outputs, targets, reduction="none")
+            loss = lossfunc(outputs, targets)
+            info = {"batch_size": len(targets), "loss": loss, "individual_losses": losses.detach(), "optimizer": optimizer}
+            if micro_batches > 1:
+                info["micro_batches"] = micro_batches
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                with audit, cockpit(step, info=info):
+                    (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return audit
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_backpack_models_and_micro_batches_name_their_devices(micro_batches):
+    """The BackPACK path (an extended model: BackPACK's own curvature and per-sample extensions) and the merge
+    of micro-batches, which the zoo's hook path above does not take."""
+    from tests.helpers import make_batch, make_problem
+
+    model, lossfunc, _ = make_problem("cnn")
+    batches = [make_batch("cnn", 6, seed) for seed in range(3 * micro_batches)]
+    leave_out = ("EKFACSpectrum", "SelfInfluence") if micro_batches > 1 else ()  # one backward pass (next test)
+    audit = _track_loop(lambda params: Cockpit(params, quantities=_quantities(leave_out)), model, batches, lossfunc,
+                        micro_batches)
+    assert audit.found and _disallowed(audit.found) == [], sorted(_disallowed(audit.found))
+
+
+@pytest.mark.parametrize("name,said", [("EKFACSpectrum", "statistics='kfac'"), ("SelfInfluence", "one backward pass")])
+def test_quantities_that_need_one_backward_pass_say_so_with_micro_batches(name, said):
+    """They said "under DistributedDataParallel ... in one process" to a user in one process."""
+    from tests.helpers import make_batch, make_problem
+
+    model, lossfunc, _ = make_problem("cnn")
+    batches = [make_batch("cnn", 6, seed) for seed in range(2)]
+    make = lambda params: Cockpit(params, quantities=[getattr(Q, name)(track_schedule=lambda step: True)])  # noqa: E731
+    with pytest.raises(NotImplementedError, match="split into micro-batches") as raised:
+        _track_loop(make, model, batches, lossfunc, micro_batches=2)
+    assert said in str(raised.value) and "DistributedDataParallel" not in str(raised.value)

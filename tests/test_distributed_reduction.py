@@ -272,16 +272,35 @@ def test_kronecker_logs_of_weights_given_as_factors_of_halves_are_those_of_the_w
     assert stat.finalize(state)["grad"] == {} and stat.finalize(state)["layers"] == {}
 
 
-def test_ekfac_statistics_refuse_ddp_with_a_clear_error():
+class _TwoRanks:
+    world, rank = 2, 0
+
+
+def _reductions():
+    """A step split across two ranks, into two micro-batches in one process, and both."""
+    from cockpit_like.backends.partitions import Reduction
+
+    return {
+        "ranks under DistributedDataParallel": Reduction([4], 8, ranks=_TwoRanks()),
+        "micro-batches (info['micro_batches']": Reduction([2, 2], 4),
+        "micro-batches on ranks under DistributedDataParallel": Reduction([2, 2], 8, ranks=_TwoRanks()),
+    }
+
+
+def test_ekfac_statistics_refuse_split_steps_with_a_clear_error():
     from cockpit_like.statistics.collect import LayerLogs, StatisticsPlan
 
     plan = StatisticsPlan("ekfac")
-    with pytest.raises(NotImplementedError, match="statistics='kfac'"):
-        LayerLogs("x", plan).across_ranks({"layers": {}, "grad": {}, "bases": {"l": None}}, reduction=None)
+    for said, reduction in _reductions().items():
+        with pytest.raises(NotImplementedError, match="statistics='kfac'") as raised:
+            LayerLogs("x", plan).across_ranks({"layers": {}, "grad": {}, "bases": {"l": None}}, reduction=reduction)
+        assert f"split into {said}" in str(raised.value)
 
 
-def test_self_influence_refuses_ddp_by_name():
+def test_self_influence_refuses_split_steps_by_name():
     from cockpit_like.quantities.curvature_statistics import RetainedForInfluence
 
-    with pytest.raises(NotImplementedError, match="SelfInfluence under DistributedDataParallel"):
-        RetainedForInfluence(key="k").across_ranks({}, reduction=None)
+    for said, reduction in _reductions().items():
+        with pytest.raises(NotImplementedError, match="SelfInfluence on a step split into") as raised:
+            RetainedForInfluence(key="k").across_ranks({}, reduction=reduction)
+        assert said in str(raised.value) and ("DistributedDataParallel" in said) == ("DistributedDataParallel" in str(raised.value))

@@ -103,6 +103,15 @@ class Reduction:
         self._objects: list[list[_Part]] = []
         self._object_count = [0] * len(self.rows)
 
+    @property
+    def parts(self) -> str:
+        """What the step is split into, for an error message: ranks, micro-batches, or both."""
+        if self.ranks is None:
+            return "micro-batches (info['micro_batches'] or several backward passes in one step)"
+        if len(self.rows) > 1:
+            return "micro-batches on ranks under DistributedDataParallel"
+        return "ranks under DistributedDataParallel"
+
     # ---- registration ----------------------------------------------------------------------
     def partition(self, index: int) -> Reduction:
         """Parts registered next belong to partition ``index`` (``local_batch`` is its rows)."""

@@ -614,8 +614,8 @@ class RetainedGradBatch(PerSampleStat):
 
     def across_ranks(self, result, reduction):
         raise NotImplementedError(
-            "RetainedGradBatch keeps per-sample gradients, which stay on their rank under "
-            "DistributedDataParallel; reduce them in a statistic with an across_ranks method instead"
+            f"RetainedGradBatch keeps per-sample gradients, which stay with their part of a step split into "
+            f"{reduction.parts}; reduce them in a statistic with an across_ranks method instead"
         )
 
 

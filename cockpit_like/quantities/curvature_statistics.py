@@ -358,9 +358,10 @@ class RetainedForInfluence(RetainedGradBatch):
 
     def across_ranks(self, result, reduction):
         raise NotImplementedError(
-            "SelfInfluence under DistributedDataParallel: it scores each sample from its per-sample gradient, "
-            "which stays on the sample's rank. Track SelfInfluence in one process (e.g. a separate evaluation "
-            "pass over the data), and PreconditionedGradNorm / KFAC statistics under DDP."
+            f"SelfInfluence on a step split into {reduction.parts}: it scores each sample from its per-sample "
+            "gradient, which stays with its part. Track SelfInfluence on steps of one backward pass in one "
+            "process (e.g. a separate evaluation pass over the data), and PreconditionedGradNorm / KFAC "
+            "statistics on the split steps."
         )
 
 

@@ -361,10 +361,10 @@ class LayerLogs(PerSampleStat):
         """
         if result.get("bases"):
             raise NotImplementedError(
-                "EK-FAC's corrected eigenvalues under DistributedDataParallel: each rank rotates its per-sample "
-                "gradients into the eigenbasis of its own factors before the statistics are reduced, which is "
-                "not the global basis. Use statistics='kfac' (or KFAC-based quantities: curvature='kfac') under "
-                "DDP; EK-FAC works in one process."
+                f"EK-FAC's corrected eigenvalues of a step split into {reduction.parts}: each part rotates its "
+                "per-sample gradients into the eigenbasis of its own factors before the statistics are merged, "
+                "which is not the basis of the whole step. Use statistics='kfac' (or KFAC-based quantities: "
+                "curvature='kfac') there; EK-FAC needs the step's rows in one backward pass of one process."
             )
         stats = self.plan.stats
         finishers = {
@@ -406,7 +406,8 @@ def _state_across_ranks(stat: Statistic, state: dict[str, Any], reduction):
         value = state[key]
         if value is None:
             continue  # this statistic saw nothing at this step (on every rank: the ranks run the same model)
-        tensor = torch.as_tensor(value)
+        # a tensor stays where it is; a Python number (a count) is merged on the CPU
+        tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, device="cpu")
         if kinds[key] == "cat" and not isinstance(stat, Log):
             tensor = tensor.unsqueeze(0)  # one slot per rank: every rank's own state comes back
         parts[key] = (getattr(reduction, kinds[key])(tensor), isinstance(value, torch.Tensor))
