@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from cockpit_like import Cockpit
 from cockpit_like import quantities as Q
 from cockpit_like.utils.configuration import configuration
+from tests.test_recorder_context import _Attention as _PlainAttention
 from tests.zoo import ZOO
 
 FACTORIES = {
@@ -71,13 +72,8 @@ def _disallowed(found) -> list:
     return [key for key in found if key[2] not in ALLOWED.get(key[0], (set(), ""))[0]]
 
 
-class _Attention(nn.Module):
+class _Attention(_PlainAttention):
     """``nn.MultiheadAttention`` with a key padding mask and a causal float mask (the attention rule's masks)."""
-
-    def __init__(self):
-        super().__init__()
-        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
-        self.head = nn.Linear(8, 3)
 
     def forward(self, x):
         padding = torch.zeros(x.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
