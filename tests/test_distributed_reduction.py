@@ -304,3 +304,12 @@ def test_self_influence_refuses_split_steps_by_name():
         with pytest.raises(NotImplementedError, match="SelfInfluence on a step split into") as raised:
             RetainedForInfluence(key="k").across_ranks({}, reduction=reduction)
         assert said in str(raised.value) and ("DistributedDataParallel" in said) == ("DistributedDataParallel" in str(raised.value))
+
+
+def test_alpha_without_an_elementwise_optimizer_names_the_split_and_the_fix():
+    from cockpit_like.backends.per_sample_stats import PredictedSlopes
+
+    for said, reduction in _reductions().items():
+        with pytest.raises(NotImplementedError, match="needs an element-wise optimizer") as raised:
+            PredictedSlopes("k").across_ranks({"mode": "retained"}, reduction)
+        assert f"split into {said}" in str(raised.value) and "info['optimizer']" in str(raised.value)

@@ -662,7 +662,12 @@ class PredictedSlopes(PerSampleStat):
 
     def across_ranks(self, result, reduction):
         if result["mode"] != "predicted":
-            raise NotImplementedError("PredictedSlopes: only the predicted mode combines across ranks")
+            raise NotImplementedError(
+                f"Alpha on a step split into {reduction.parts} needs an element-wise optimizer (one of "
+                "cockpit_like.utils.optim.ELEMENTWISE: SGD, Adam, AdamW, ..., given as info['optimizer']), whose "
+                "update it predicts per row; without one it keeps per-sample gradients, which stay with their part. "
+                "Track Alpha on steps of one backward pass, or pass an element-wise optimizer."
+            )
         dots = _concatenated_dots(result["dots"], reduction)
         return lambda: {**result, "dots": dots()}
 
