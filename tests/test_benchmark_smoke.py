@@ -149,3 +149,17 @@ def test_spike_cost_one_round_writes_where_it_is_told(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in result["median_step_seconds"].values())
     assert result["post_mortem_nbytes"] and all(n > 0 for n in result["post_mortem_nbytes"].values())
     assert (tracked.read_text() if tracked.exists() else None) == before
+
+
+def test_product_modes_one_repeat_on_mlp(tmp_path):
+    """Every way of forming a product agrees with the cockpit's (reverse over reverse) on the same vectors, and
+    each is timed."""
+    from benchmarks import product_modes
+
+    out = tmp_path / "modes.json"
+    product_modes.main(["--problems", "mlp", "--repeats", "1", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["failed"] == {}
+    assert set(row["per_vector_plain_steps"]) == set(product_modes.MODES)
+    assert all(math.isfinite(v) and v > 0 for v in row["per_vector_plain_steps"].values())
+    assert max(row["max_relative_difference"].values()) < 1e-4
