@@ -152,3 +152,33 @@ def test_the_benchmark_scripts_run_end_to_end(tmp_path):
     for row, other in zip(rows, found["rows"]):
         assert row["trace_h"] == pytest.approx(other["exact_trace"], rel=1e-10)  # two scripts, one exact trace
         assert row["trace_h"] == pytest.approx(row["trace_g"] + row["trace_h_minus_g"], rel=1e-9, abs=1e-12)
+
+
+def test_the_exact_part_in_blocks_of_columns_equals_it_in_one(monkeypatch):
+    """The exact part is computed in blocks of columns (its temporaries stay small): 3 blocks give the one-block
+    value, with a decomposition that has not-yet-multiplied rows (the ``E^T R`` term)."""
+    from cockpit_like.functional import krylov
+
+    n = 2500
+    generator = torch.Generator().manual_seed(3)
+    low = torch.randn(n, 4, generator=generator, dtype=DT)
+    scale = torch.rand(n, generator=generator, dtype=DT)
+
+    def matvec(v):
+        return scale * v + low @ (low.T @ v)
+
+    K = lanczos_decomposition(matvec, rademacher(2, n, DT, "cpu", step_generator(0, "p")), max_products=6, rtol=0.0, probes=2)
+    assert K.basis.shape[0] > K.num_products  # rows not yet multiplied: the E^T R term is there
+    draws = rademacher(2, n, DT, "cpu", step_generator(0, "d"))
+    monkeypatch.setattr(krylov, "_DIAGONAL_BLOCK", 1 << 30)
+    whole, _ = deflated_diagonal(matvec, K, draws)
+    monkeypatch.setattr(krylov, "_DIAGONAL_BLOCK", 1)  # width 1024: 3 blocks
+    blocks, _ = deflated_diagonal(matvec, K, draws)
+    torch.testing.assert_close(blocks, whole, rtol=1e-12, atol=1e-12)
+    # and the exact part is the formula's: diag(Q^T T Q) + 2 diag(Q^T E^T R)
+    m = K.num_products
+    Q, R = K.basis[:m], K.basis[m:]
+    E = K.coefficients[m : m + R.shape[0], :m]
+    exact = (Q * (K.projection @ Q)).sum(0) + 2 * (Q * (E.T @ R)).sum(0)
+    empty = torch.zeros(0, n, dtype=DT)
+    torch.testing.assert_close(deflated_diagonal(matvec, K, empty)[0], exact, rtol=1e-12, atol=1e-12)

@@ -421,6 +421,10 @@ def deflated_trace(
     return inside + outside, spread
 
 
+#: entries of the basis that :func:`deflated_diagonal` reads per block of columns (16 MiB of float32)
+_DIAGONAL_BLOCK = 1 << 22
+
+
 def deflated_diagonal(
     matvec: MatVec, decomposition: KrylovDecomposition, samples: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,19 +450,34 @@ def deflated_diagonal(
     exact = torch.zeros(n, dtype=dtype, device=device)
     if m:
         T = decomposition.projection.to(dtype=dtype, device=device)
-        exact = (Q * (T @ Q)).sum(0)
         rest = decomposition.basis[m:]
-        if rest.shape[0]:
-            E = decomposition.coefficients[m : m + rest.shape[0], :m].to(dtype=dtype, device=device)
-            exact = exact + 2 * (Q * (E.T @ rest)).sum(0)
+        E = decomposition.coefficients[m : m + rest.shape[0], :m].to(dtype=dtype, device=device)
+        # in blocks of columns: the temporaries are m x width, not two more copies of the basis
+        width = max(1024, _DIAGONAL_BLOCK // m)
+        for start in range(0, n, width):
+            columns = slice(start, start + width)
+            mixed = T @ Q[:, columns]
+            if rest.shape[0]:
+                mixed.addmm_(E.T, rest[:, columns], alpha=2)
+            exact[columns] = (Q[:, columns] * mixed).sum(0)
 
-    def deflate(v: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            if m:
-                v = v - Q.T @ (Q @ v)
-        return v
+    def deflate_(rows: torch.Tensor) -> torch.Tensor:
+        """``rows <- rows (I - P)`` in place, every row at once (a pass reads the basis twice whatever the number
+        of rows); a second pass where the first left less than ``1/sqrt(2)`` of a row (what rounding left then
+        matters)."""
+        if m:
+            before = rows.norm(dim=1)
+            rows.addmm_(rows @ Q.T, Q, alpha=-1)
+            if bool((rows.norm(dim=1) < before / 2**0.5).any()):
+                rows.addmm_(rows @ Q.T, Q, alpha=-1)
+        return rows
 
-    rows = [g.to(dtype) * deflate(matvec(deflate(g.to(dtype)))) for g in samples]
-    estimates = torch.stack(rows) if rows else torch.zeros(0, n, dtype=dtype, device=device)
-    diagonal = exact + (estimates.mean(0) if rows else 0)
-    return diagonal, estimates
+    signs = samples.to(dtype)
+    if not signs.shape[0]:
+        return exact, torch.zeros(0, n, dtype=dtype, device=device)
+    # one k x n buffer: the deflated signs, then (row by row) their products, deflated, times the signs
+    work = deflate_(signs.clone())
+    for row in work:
+        row.copy_(matvec(row))
+    estimates = deflate_(work).mul_(signs)
+    return exact + estimates.mean(0), estimates

@@ -35,10 +35,10 @@ On any model (no BackPACK needed):
   estimate on the rest from ``hutchinson_samples`` more products
   (:class:`~cockpit_like.backends.curvature_engine.DeflatedDiagonal`):
   unbiased like ``"hutchinson"``, with the variance of the Hessian less its
-  dominant directions; an option, not the default: on 12 models it lowered
-  the median error of the trace only from 70% to 52% of the value, for the
-  cost of the decomposition where HessMaxEV does not pay it already
-  (``benchmarks/trace_estimators.py``, docs/curvature.md);
+  dominant directions: on 12 models it lowered the median error of the
+  trace from 70% to 52% of the value (``benchmarks/trace_estimators.py``,
+  docs/curvature.md). Asked for explicitly it computes the decomposition
+  where no other quantity does; ``"auto"`` uses it only where one does;
 - ``"ggn"``: the GGN diagonal of the mean cross-entropy of ``info["outputs"]``
   (the logits, classes last) on any model
   (:class:`~cockpit_like.backends.sampled.GGNDiagonal`): exact, one
@@ -50,7 +50,11 @@ On any model (no BackPACK needed):
   ``create_graph=cockpit.create_graph(step)``;
 - ``"auto"`` (the default, and what the presets use): ``"diag_h"`` where BackPACK can compute
   it on the model (:func:`~cockpit_like.backends.step.backpack_curvature_compatible`),
-  else ``"hutchinson"`` for HessTrace and ``"ggn"`` for TICDiag and TICTrace
+  else ``"hutchinson"`` for HessTrace (and ``"hutch++"``, from the same
+  products, at the steps where the Lanczos engine runs for another quantity
+  anyway, as HessMaxEV in the ``full`` preset:
+  :class:`~cockpit_like.backends.curvature_engine.SharedSpaceDiagonal`;
+  ``estimators[step]`` says which) and ``"ggn"`` for TICDiag and TICTrace
   (their denominator must be positive: with the Hessian's indefinite, noisy
   estimate TIC came out as +-5e4 and negative). TIC with the GGN is the TIC
   of the GGN, as Cockpit's ``curvature="diag_ggn_exact"`` is, and positive.
@@ -88,7 +92,7 @@ from __future__ import annotations
 import torch
 
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
-from cockpit_like.backends.curvature_engine import DeflatedDiagonal
+from cockpit_like.backends.curvature_engine import DeflatedDiagonal, SharedSpaceDiagonal
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 from cockpit_like.backends.sampled import GGNDiagonal, SampledGGNDiagonal
@@ -168,6 +172,9 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         self.reliable: dict = {}
         #: HessTrace: ``{step: standard error of the total}`` (``standard_errors`` holds the blocks')
         self.total_errors: dict = {}
+        #: ``{step: how that step's diagonal was computed}`` where an estimator ran (``"auto"`` on a model
+        #: BackPACK cannot handle: ``"hutch++"`` at the steps that run the Lanczos engine, else ``"hutchinson"``)
+        self.estimators: dict = {}
         self._errors: dict | None = None
         self._draws: list | None = None
         #: steps at which ``"auto"`` wanted the GGN diagonal but ``info["outputs"]`` was not given
@@ -229,7 +236,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def _need(self, global_step: int):
         method = self._step_method(global_step)
         if method == "hutchinson":
-            return HutchinsonDiagonal(self._samples)
+            # "auto" deflates by the step's Lanczos space where another quantity computes it anyway
+            return SharedSpaceDiagonal(self._samples) if self._requested == "auto" else HutchinsonDiagonal(self._samples)
         if method == "hutch++":
             return DeflatedDiagonal(self._samples)
         if method == "sampled_ggn_mc":
@@ -271,7 +279,10 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         self._used = self._step_method(global_step)  # how this step's diagonal was computed (for the notes)
         if need is not None:
             result = get_record(global_step).stat(need)
-            if isinstance(need, DeflatedDiagonal):
+            method = result.get("method", "hutch++") if isinstance(result, dict) else getattr(result, "method", None)
+            self._used = method or self._used
+            self.estimators[global_step] = self._used
+            if isinstance(result, dict):  # Hutch++ (DeflatedDiagonal's result)
                 self._errors = result
                 return result["diagonal"]
             self._errors = getattr(result, "errors", None)

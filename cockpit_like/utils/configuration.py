@@ -9,7 +9,9 @@ Every quantity of a preset uses its default arguments and the same schedule,
 except the curvature diagonals (HessTrace, TICDiag), which use
 ``curvature="auto"``: BackPACK's exact Hessian diagonal where BackPACK can
 compute it on the model, else Hutchinson's estimate from Hessian-vector
-products (any model); the log metadata says which.
+products (any model; in ``full``, where HessMaxEV runs the Lanczos engine at
+the same steps, Hutch++ on its space from the same products) and the GGN
+diagonal for TIC; the log metadata says which.
 """
 
 from __future__ import annotations

@@ -1,0 +1,143 @@
+"""``curvature="auto"`` off BackPACK: Hutch++ on the step's Lanczos space where another quantity computes it anyway.
+
+On a model BackPACK cannot handle, ``"auto"``'s Hessian diagonal (HessTrace,
+TIC without ``info["outputs"]``) is Hutchinson's from 4 products; at a step
+where the Lanczos engine runs for another quantity (HessMaxEV in the ``full``
+preset) the same 4 products go to Hutch++ on that decomposition instead
+(:class:`~cockpit_like.backends.curvature_engine.SharedSpaceDiagonal`). Checked
+against dense twins in float64 with the cockpit's own draws: the Hutch++
+diagonal on the engine's space at such steps, Hutchinson's at the others,
+and ``estimators[step]`` saying which.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.backends import randomness
+from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, rademacher, step_generator
+from cockpit_like.functional.krylov import deflated_diagonal, lanczos_decomposition
+from cockpit_like.quantities import HessMaxEV, HessTrace
+from cockpit_like.utils.configuration import configuration
+from cockpit_like.utils.schedules import linear
+
+DT = torch.float64
+BATCH = 6
+
+
+def _model(seed: int = 0) -> nn.Module:
+    """LayerNorm: BackPACK has no Hessian diagonal for it, so ``"auto"`` estimates."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+
+
+def _batch(seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, 5, generator=generator, dtype=DT), torch.randint(0, 3, (BATCH,), generator=generator)
+
+
+def _dense_hessian(model, inputs, labels) -> torch.Tensor:
+    names = [name for name, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def loss(vector):
+        params = {n: piece.view(s) for n, piece, s in zip(names, vector.split(sizes), shapes)}
+        return nn.functional.cross_entropy(torch.func.functional_call(model, params, (inputs,)), labels)
+
+    # reverse over reverse: torch.func.hessian is wrong through LayerNorm in this torch (tests/test_any_model.py)
+    return torch.autograd.functional.hessian(loss, flat)
+
+
+def _run(quantities, steps: int = 2):
+    """SGD steps with the cockpit; the dense Hessian at each step (before its update)."""
+    model = _model()
+    cockpit = Cockpit(model.parameters(), quantities=quantities, model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hessians = []
+    for step in range(steps):
+        inputs, labels = _batch(step)
+        hessians.append(_dense_hessian(model, inputs, labels))
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = nn.functional.cross_entropy(outputs, labels)
+        info = {"batch_size": BATCH, "loss": loss, "optimizer": optimizer,
+                "individual_losses": nn.functional.cross_entropy(outputs, labels, reduction="none")}  # fmt: skip
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return model, hessians
+
+
+def _hutch_plus_plus_blocks(hessian, step, sizes):
+    D = hessian.shape[0]
+    probes = rademacher(DEFAULT_PROBES, D, DT, "cpu", step_generator(step, "lanczos probes"))
+    K = lanczos_decomposition(lambda v: hessian @ v, probes, rtol=DEFAULT_RTOL, probes=DEFAULT_PROBES)
+    draws = rademacher(4, D, DT, "cpu", step_generator(step, "deflated diagonal"))
+    diagonal, estimates = deflated_diagonal(lambda v: hessian @ v, K, draws)
+    blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
+    return [float(b.sum()) for b in diagonal.split(sizes)], blocks
+
+
+def _hutchinson_blocks(hessian, step, sizes):
+    D = hessian.shape[0]
+    draws = randomness.generator(step, "hutchinson diagonal")
+    samples = [torch.randint(0, 2, (D,), generator=draws).to(DT) * 2 - 1 for _ in range(4)]
+    estimates = torch.stack([v * (hessian @ v) for v in samples])
+    blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
+    return blocks.mean(0).tolist(), blocks
+
+
+def test_auto_uses_the_engines_space_where_hessmaxev_runs_and_hutchinson_where_not():
+    """HessMaxEV every step, HessTrace every step: Hutch++ at every step (its dense twin, error bars too). With
+    HessMaxEV at even steps only, the odd step is Hutchinson's (its own dense twin)."""
+    trace = HessTrace(linear(1), curvature="auto")
+    maxev = HessMaxEV(lambda step: step % 2 == 0)
+    model, hessians = _run([maxev, trace], steps=2)
+    sizes = [p.numel() for p in model.parameters()]
+    assert trace.method == "hutchinson" and trace.settings()["computed_with"] == "hutchinson"
+    assert trace.estimators == {0: "hutch++", 1: "hutchinson"}
+
+    expected, blocks = _hutch_plus_plus_blocks(hessians[0], 0, sizes)
+    assert trace.get_output()[0] == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-6, abs=1e-12)
+    assert trace.total_errors[0] == pytest.approx(float(blocks.sum(1).std() / 2), rel=1e-6)
+
+    expected, blocks = _hutchinson_blocks(hessians[1], 1, sizes)
+    assert trace.get_output()[1] == pytest.approx(expected, rel=1e-8, abs=1e-12)
+    assert trace.total_errors[1] == pytest.approx(float(blocks.sum(1).std() / 2), rel=1e-8)
+    # the two estimators differ (so the first comparison could fail): Hutchinson's at step 0 is another number
+    hutchinson_at_0, _ = _hutchinson_blocks(hessians[0], 0, sizes)
+    assert sum(hutchinson_at_0) != pytest.approx(sum(trace.get_output()[0]), rel=1e-3)
+
+
+def test_the_full_preset_gives_explicit_hutch_plus_plus_and_business_explicit_hutchinson():
+    """The presets, where every quantity shares one schedule: ``full`` (HessMaxEV runs) is the value of an
+    explicit ``curvature="hutch++"`` beside HessMaxEV; ``business`` (no engine) that of ``"hutchinson"``."""
+
+    def trace_of(quantities):
+        _run(quantities, steps=1)
+        return next(q for q in quantities if isinstance(q, HessTrace))
+
+    full = trace_of(configuration("full"))
+    explicit = trace_of([HessMaxEV(linear(1)), HessTrace(linear(1), curvature="hutch++")])
+    assert full.estimators[0] == "hutch++"
+    assert full.get_output()[0] == pytest.approx(explicit.get_output()[0], rel=1e-10, abs=1e-13)
+    assert full.total_errors[0] == pytest.approx(explicit.total_errors[0], rel=1e-10)
+
+    business = trace_of(configuration("business"))
+    plain = trace_of([HessTrace(linear(1), curvature="hutchinson")])
+    assert business.estimators[0] == "hutchinson"
+    assert business.get_output()[0] == pytest.approx(plain.get_output()[0], rel=1e-10, abs=1e-13)
+
+
+def test_an_explicit_hutchinson_stays_hutchinson_beside_the_engine():
+    trace = HessTrace(linear(1), curvature="hutchinson")
+    model, hessians = _run([HessMaxEV(linear(1)), trace], steps=1)
+    expected, _ = _hutchinson_blocks(hessians[0], 0, [p.numel() for p in model.parameters()])
+    assert trace.estimators == {0: "hutchinson"}
+    assert trace.get_output()[0] == pytest.approx(expected, rel=1e-8, abs=1e-12)
