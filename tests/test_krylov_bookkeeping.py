@@ -203,14 +203,31 @@ def test_resident_memory_follows_the_products_not_max_products():
     K = lanczos_decomposition(lambda v: diagonal * v, starts, max_products=1000, rtol=1e-2)
     grown = _resident_bytes() - before
     assert K.converged and K.num_products < 60
-    assert grown < (2 * K.num_products + 9) * row, (grown / row, K.num_products)
+    # the slack is the allocator's: freed temporaries of earlier tests (same worker) may or may not be reused,
+    # which moved this solve's growth between 18 and 30 rows with 6 products; 1001 reserved rows are far above
+    assert grown < (2 * K.num_products + 40) * row, (grown / row, K.num_products)
     assert K.ritz_values()[-1].item() == pytest.approx(10.0, rel=1e-2)
 
 
 def test_float32_basis_rows_are_unit_on_a_million_parameters():
-    """Norms accumulate in float64: a float32 norm of a Rademacher row of 900k entries is 2e-4 off."""
+    """Norms to float64 accuracy: a float32 norm of a Rademacher row of 900k entries is 2e-4 off."""
     n = 900_000
     diagonal = torch.linspace(-1, 2, n)
     K = lanczos_decomposition(lambda v: diagonal * v, rademacher(2, n, 0, torch.float32), max_products=4, rtol=0.0)
     norms = K.basis.to(torch.float64).norm(dim=1)
     assert float((norms - 1).abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("n", [5, 2 * 1024 - 1, 2 * 1024, 3 * 1024 + 17, 1_000_003])
+def test_norm_in_pieces_has_float64_accuracy(n):
+    """The engine's norms (pieces normed in float32, their squares summed in float64) are within float32 rounding
+    of the float64 norm, where a plain float32 norm of a million entries is 1e-5 off."""
+    from cockpit_like.functional.krylov import _norm
+
+    generator = torch.Generator().manual_seed(n)
+    v = torch.randn(n, generator=generator) * 7
+    exact = torch.linalg.vector_norm(v.to(torch.float64))
+    assert float(abs(_norm(v) - exact) / exact) < 3e-7
+    assert _norm(v.to(torch.float64)) == exact  # float64 as it is
+    if n > 100_000:  # the check can fail: float32 all the way is off by more
+        assert float(abs(torch.linalg.vector_norm(v).to(torch.float64) - exact) / exact) > 3e-7
