@@ -188,13 +188,15 @@ def _spread(name, factory, state, inputs, targets, batch_size, step) -> dict:
             params = [p for p in problem.model.parameters() if p.requires_grad]
             tic = _tic_quantities(schedules.linear(1))
             trace = HessTrace(schedules.linear(1), curvature="hutchinson")
-            quantities = [q for pair in tic.values() for q in pair] + [trace]
+            deflated = HessTrace(schedules.linear(1), curvature="hutch++")
+            quantities = [q for pair in tic.values() for q in pair] + [trace, deflated]
             _track_once(name, problem, problem.model, params, inputs, targets, batch_size, step, quantities)
             for label, (diag, tr) in tic.items():
                 values.setdefault(label, {"tic_diag": [], "tic_trace": []})
                 values[label]["tic_diag"].append(diag.get_output()[step])
                 values[label]["tic_trace"].append(tr.get_output()[step])
             values.setdefault("hutchinson_trace", []).append(sum(trace.get_output()[step]))
+            values.setdefault("hutch++_trace", []).append(sum(deflated.get_output()[step]))
     finally:
         randomness.set_seed(randomness.DEFAULT_SEED)
     return values
@@ -248,7 +250,8 @@ def run_model(name, factory, steps: int, batch_size: int) -> list[dict]:
                "exact_hessian_tic_diag": float((squares / (facts["diagonal"] + 1e-7)).sum()),
                "exact_hessian_tic_trace": numerator / (total + 1e-7),
                "outputs": list(loss_logits(name, outputs).shape),
-               "hutchinson_trace_seeds": [sum(estimators["hutchinson"][0].get_output()[step])] + spread["hutchinson_trace"]}
+               "hutchinson_trace_seeds": [sum(estimators["hutchinson"][0].get_output()[step])] + spread["hutchinson_trace"],
+               "hutch++_trace_seeds": [sum(estimators["hutch++"][0].get_output()[step])] + spread["hutch++_trace"]}
         for method, (trace, tr) in estimators.items():
             estimate = sum(trace.get_output()[step])
             se = trace.total_errors.get(step)
@@ -299,9 +302,11 @@ def summary(rows: list[dict]) -> dict:
             "within_3se": sum(v <= 3 for v in z) / len(z) if z else None,
             "reliable_share": sum(bool(r[method]["reliable"]) for r in rows) / len(rows),
         }
-    seeds = [r["hutchinson_trace_seeds"] for r in rows]
-    out["hutchinson"]["median_relative_spread"] = statistics.median(
-        statistics.stdev(v) / abs(r["exact_trace"]) for v, r in zip(seeds, rows))
+    for method in ("hutchinson", "hutch++"):
+        seeds = [r.get(f"{method}_trace_seeds") for r in rows]
+        if all(seeds):  # (results files from before the Hutch++ seeds have none)
+            out[method]["median_relative_spread"] = statistics.median(
+                statistics.stdev(v) / abs(r["exact_trace"]) for v, r in zip(seeds, rows))
     out["hutchinson"]["median_samples_for_10pct"] = statistics.median(r["samples_for_10pct"] for r in rows)
     out["hutchinson"]["median_samples_for_50pct"] = statistics.median(r["samples_for_50pct"] for r in rows)
     out["tic"] = {}
@@ -340,7 +345,7 @@ def markdown(rows: list[dict], header: str) -> str:
     for method in ("hutchinson", "hutch++"):
         v = s[method]
         within = "-" if v["within_2se"] is None else f"{100 * v['within_2se']:.0f}% / {100 * v['within_3se']:.0f}%"
-        spread = _pct(v.get("median_relative_spread")) if method == "hutchinson" else "-"
+        spread = _pct(v.get("median_relative_spread"))
         samples = (f"{v['median_samples_for_10pct']:.3g} / {v['median_samples_for_50pct']:.3g}"
                    if method == "hutchinson" else "-")
         lines.append(f"| {method} | {v['steps']} | {_pct(v['median_relative_error'])} / {_pct(v['max_relative_error'])} "
