@@ -263,3 +263,21 @@ def test_a_loss_that_is_not_the_cross_entropy_of_the_outputs_says_so():
         loss.backward(create_graph=cockpit.create_graph(0))
     notes = cockpit.get_output()[0]["checks"]["notes"]
     assert any("is not a mean cross-entropy" in note for note in notes), notes
+
+
+def test_auto_without_outputs_beside_the_engine_takes_hutch_plus_plus_and_says_which():
+    """Without ``info["outputs"]`` TIC's 'auto' falls back to the Hessian diagonal: Hutch++ on the engine's space
+    where HessMaxEV runs at the step (the same as an explicit 'hutch++'), and the note names the estimator."""
+    from cockpit_like.quantities import HessMaxEV
+
+    problem = ZOO["custom"](0)
+    inputs, targets = problem.batch(4, 0)
+    auto = TICTrace(linear(1))
+    cockpit = _track(problem, inputs, targets, [HessMaxEV(linear(1)), auto], outputs=False)
+    explicit = TICTrace(linear(1), curvature="hutch++")
+    _track(ZOO["custom"](0), inputs, targets, [HessMaxEV(linear(1)), explicit], outputs=False)
+    assert auto.estimators[0] == "hutch++"
+    assert auto.get_output()[0] == pytest.approx(explicit.get_output()[0], rel=1e-10)
+    notes = cockpit.get_output()[0]["checks"]["notes"]
+    assert any("did not give; computed with an estimate of the Hessian diagonal instead (hutch++" in note
+               for note in notes), notes  # fmt: skip

@@ -372,8 +372,8 @@ class _TIC(_DiagCurvatureQuantity):
         if global_step in self._without_outputs:
             get_record(global_step).note(
                 f"{name} at step {global_step}: curvature='auto' divides by the GGN diagonal (positive) of the "
-                "cross-entropy of info['outputs'], which this step did not give; computed with Hutchinson's "
-                "estimate of the Hessian diagonal instead (indefinite and noisy: the value may be far off, even "
+                f"cross-entropy of info['outputs'], which this step did not give; computed with an estimate of the "
+                f"Hessian diagonal instead ({self._used}; indefinite and noisy: the value may be far off, even "
                 "negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last)"
             )
             self._without_outputs.discard(global_step)  # read: the set holds only steps under way
