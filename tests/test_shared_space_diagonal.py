@@ -141,3 +141,34 @@ def test_an_explicit_hutchinson_stays_hutchinson_beside_the_engine():
     expected, _ = _hutchinson_blocks(hessians[0], 0, [p.numel() for p in model.parameters()])
     assert trace.estimators == {0: "hutchinson"}
     assert trace.get_output()[0] == pytest.approx(expected, rel=1e-8, abs=1e-12)
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_an_explicit_estimator_of_the_same_kind_shares_the_products(engine, monkeypatch):
+    """'auto' beside an explicit estimator of the kind it picks at the step (Hutchinson without the engine,
+    Hutch++ with it): one set of 4 products, the same values."""
+    from cockpit_like.backends import hvp
+
+    calls = []
+    original = hvp.hessian_vector_product
+
+    def counting(*args, **kwargs):
+        matvec = original(*args, **kwargs)
+
+        def counted(vector):
+            calls.append(1)
+            return matvec(vector)
+
+        return counted
+
+    monkeypatch.setattr(hvp, "hessian_vector_product", counting)
+    import cockpit_like.backends.curvature_engine as engine_module
+
+    monkeypatch.setattr(engine_module, "hessian_vector_product", counting)
+    explicit = HessTrace(linear(1), curvature="hutch++" if engine else "hutchinson")
+    auto = HessTrace(linear(1), curvature="auto")
+    maxev = HessMaxEV(linear(1))
+    _run(([maxev] if engine else []) + [explicit, auto], steps=1)
+    assert auto.estimators[0] == ("hutch++" if engine else "hutchinson")
+    assert auto.get_output()[0] == explicit.get_output()[0]
+    assert len(calls) == (maxev.hvp_counts[0] if engine else 0) + 4

@@ -245,14 +245,13 @@ class SharedSpaceDiagonal:
         return next((need for need in execution.whole_step_needs if isinstance(need, LanczosNeed)), None)
 
     def compute(self, execution):
+        # through the step's results: a quantity that asked for the same estimator explicitly shares its products
         space = self._space(execution)
         if space is None:
-            result = HutchinsonDiagonal(self.samples).compute(execution)
+            result = execution.whole_step_result(HutchinsonDiagonal(self.samples))
             result.method = "hutchinson"
             return result
-        result = DeflatedDiagonal(self.samples, space).compute(execution)
-        result["method"] = "hutch++"
-        return result
+        return {**execution.whole_step_result(DeflatedDiagonal(self.samples, space)), "method": "hutch++"}
 
     def across_ranks(self, result, reduction):
         """Under DDP: Hutch++'s result is the same on every rank already (global products, the same draws);
