@@ -84,12 +84,25 @@ class StepRecord:
     live_params: list[torch.Tensor] | None = None
     #: what the quantities say about their numbers at this step (the step's ``checks["notes"]``)
     notes: list[str] = field(default_factory=list)
+    #: the name (in the cockpit) of the quantity being computed
+    quantity: str | None = None
+    #: ``{quantity name: {"standard_error", "estimator", "samples", "reliable"}}`` of the estimated values (the
+    #: step's ``checks["standard_errors"]``)
+    standard_errors: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def note(self, text: str) -> None:
         """Say something about this step's numbers in its ``checks["notes"]`` (where a quantity cannot be
         sure its number is right)."""
         if text not in self.notes:
             self.notes.append(text)
+
+    def standard_error(self, error: float, estimator: str, samples: int, reliable: bool, owner: str) -> None:
+        """Keep the standard error of the value the current quantity stores at this step (its step's
+        ``checks["standard_errors"]``, in the log beside the value); ``owner`` names the quantity where the
+        cockpit does not (outside tracking by a cockpit)."""
+        self.standard_errors[self.quantity or owner] = {
+            "standard_error": float(error), "estimator": estimator, "samples": int(samples), "reliable": bool(reliable),
+        }
 
     def require(self, key: str, needed_by: str) -> Any:
         """``info[key]``, or a :class:`MissingInfoError` naming ``needed_by``."""

@@ -405,6 +405,7 @@ class TrackedStep:
             self.completed = True
             for note in record.notes:  # what the quantities said about their numbers
                 checks.note(note)
+            checks.standard_errors.update(record.standard_errors)
             if not env.keeps_output():  # DDP: computed on every rank, kept on the log rank only
                 for quantity in self.active:
                     for step in new_values:
@@ -519,6 +520,8 @@ class TrackedStep:
     def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
         name = self.env.name_of(quantity)
         before = dict(_last_items(quantity.output, 2))
+        record = context.get_record(self.step)
+        record.quantity = name  # a standard error it keeps is filed under its name in the cockpit
         try:
             quantity.track(self.step, params, self.info.get("loss"))
         except Exception as error:
@@ -532,6 +535,8 @@ class TrackedStep:
                 stacklevel=4,
             )
             quantity.output[self.step] = math.nan
+        finally:
+            record.quantity = None
         for step, value in _last_items(quantity.output, 2):
             if before.get(step, _MISSING) is not value:
                 new_values.setdefault(step, {})[name] = value

@@ -172,3 +172,45 @@ def test_an_explicit_estimator_of_the_same_kind_shares_the_products(engine, monk
     assert auto.estimators[0] == ("hutch++" if engine else "hutchinson")
     assert auto.get_output()[0] == explicit.get_output()[0]
     assert len(calls) == (maxev.hvp_counts[0] if engine else 0) + 4
+
+
+def test_the_log_keeps_each_estimates_standard_error_beside_it(tmp_path):
+    """Each estimated value's standard error, estimator, samples and sign certainty are in its step's
+    ``checks["standard_errors"]`` under the quantity's name in the cockpit (a second HessTrace is
+    ``HessTrace_1``), written to the log and read back; the exact diagonals of BackPACK keep none."""
+    from cockpit_like.logs import read_log
+    from cockpit_like.quantities import TICTrace
+
+    auto, explicit = HessTrace(linear(1), curvature="auto"), HessTrace(linear(1), curvature="hutchinson")
+    tic = TICTrace(linear(1), curvature="hutchinson")
+    model = _model()
+    cockpit = Cockpit(model.parameters(), quantities=[HessMaxEV(linear(1)), auto, explicit, tic], model=model)
+    inputs, labels = _batch(0)
+    outputs = model(inputs)
+    loss = nn.functional.cross_entropy(outputs, labels)
+    info = {"batch_size": BATCH, "loss": loss,
+            "individual_losses": nn.functional.cross_entropy(outputs, labels, reduction="none")}  # fmt: skip
+    with cockpit(0, info=info):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    logged = read_log(cockpit.write(tmp_path / "run"))[0]["checks"]["standard_errors"]
+    assert logged == cockpit.get_output()[0]["checks"]["standard_errors"]
+    assert set(logged) == {"HessTrace", "HessTrace_1", "TICTrace"}
+    assert logged["HessTrace"] == {"standard_error": pytest.approx(auto.total_errors[0], rel=1e-12),
+                                   "estimator": "hutch++", "samples": 4, "reliable": auto.reliable[0]}  # fmt: skip
+    assert logged["HessTrace_1"]["standard_error"] == pytest.approx(explicit.total_errors[0], rel=1e-12)
+    assert logged["HessTrace_1"]["estimator"] == "hutchinson"
+    assert logged["TICTrace"]["standard_error"] == pytest.approx(tic.standard_errors[0], rel=1e-12)
+    assert logged["HessTrace"]["standard_error"] > 0
+
+    # BackPACK's exact Hessian diagonal: no error bar, no standard_errors in the step's checks
+    from backpack import extend
+
+    exact_model = extend(nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    exact = HessTrace(linear(1), curvature="auto")
+    cockpit = Cockpit(exact_model.parameters(), quantities=[exact], model=exact_model)
+    loss = lossfunc(exact_model(inputs), labels)
+    with cockpit(0, info={"batch_size": BATCH, "loss": loss}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    assert exact.method == "diag_h" and 0 in exact.get_output()
+    assert "standard_errors" not in cockpit.get_output()[0].get("checks", {})

@@ -89,6 +89,8 @@ def notable(record: dict[str, Any]) -> bool:
     """Whether a step's checks say anything beyond "valid as declared" (then they are streamed and shown)."""
     if not record.get("valid", True) or record.get("notes") or record.get("frozen") or record.get("no_gradient"):
         return True
+    if record.get("standard_errors"):  # estimated values: their error bars go into the log beside them
+        return True
     factor, assumed = record.get("loss_factor"), record.get("assumed_factor", 1.0)
     if isinstance(factor, list) or (factor is not None and abs(factor - assumed) > 1e-9 * max(abs(assumed), 1e-300)):
         return True
@@ -111,6 +113,8 @@ class StepChecks:
         self.frozen: list[str] = []
         #: ``{index: projection}`` of the gradients p.grad held before the step's first backward pass
         self.stale: dict[int, float] = {}
+        #: ``{quantity: {"standard_error", "estimator", "samples", "reliable"}}`` of the step's estimated values
+        self.standard_errors: dict[str, dict[str, Any]] = {}
 
     @property
     def valid(self) -> bool:
@@ -209,4 +213,6 @@ class StepChecks:
         }
         if self.gradient is not None:
             record["gradient"] = dict(self.gradient)
+        if self.standard_errors:
+            record["standard_errors"] = {name: dict(entry) for name, entry in self.standard_errors.items()}
         return record

@@ -302,6 +302,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         """Store the standard error beside the value; where it leaves the sign unknown, the step says so."""
         self.standard_errors[global_step] = error
         self.reliable[global_step] = bool(abs(value) > RELIABLE_SE * error)
+        get_record(global_step).standard_error(error, self._used, self._samples, self.reliable[global_step],
+                                               type(self).__name__)  # fmt: skip
         if not self.reliable[global_step]:
             get_record(global_step).note(
                 f"{type(self).__name__} at step {global_step}: the estimate {value:.4g} has a standard error of "
@@ -329,6 +331,9 @@ class HessTrace(_DiagCurvatureQuantity):
             total_error = float(self._errors["trace_error"])
             self.total_errors[global_step] = total_error
             self.reliable[global_step] = bool(abs(sum(traces)) > RELIABLE_SE * total_error)
+            # the log keeps the total's (the value a reader sums; the blocks' stay in standard_errors[step])
+            get_record(global_step).standard_error(total_error, self._used, self._samples, self.reliable[global_step],
+                                                   "HessTrace")  # fmt: skip
             if not self.reliable[global_step]:
                 get_record(global_step).note(
                     f"HessTrace at step {global_step}: the total {sum(traces):.4g} has a standard error of "
