@@ -503,3 +503,50 @@ def test_a_terminal_ipython_is_not_a_kernel(monkeypatch):
     del Shell.kernel
     Shell.config = {"IPKernelApp": {}}
     assert in_jupyter_kernel()
+
+
+def test_estimated_values_are_drawn_with_their_error_band():
+    """Where the log keeps a standard error beside a value (``checks["standard_errors"]``), its panel shades
+    ``value ± 2`` standard errors; a band that reaches 0 keeps the axis linear; exact values have no band."""
+    import matplotlib.pyplot as plt
+
+    from cockpit_like.plotting.instruments import DrawOptions, draw_hess_trace, draw_tic
+
+    def entry(error):
+        return {"standard_errors": {"HessTrace": {"standard_error": error, "estimator": "hutchinson", "samples": 4,
+                                                  "reliable": True}}}  # fmt: skip
+
+    values = {0: [10.0, 5.0], 1: [100.0, 20.0], 2: [10000.0, 5000.0]}  # totals 15, 120, 15000: three decades
+    narrow = RunData({step: {"HessTrace": v, "checks": entry(1.0)} for step, v in values.items()})
+    fig, ax = plt.subplots()
+    draw_hess_trace(ax, narrow, DrawOptions())
+    (band,) = [c for c in ax.collections if c.get_gid() == "band:HessTrace"]
+    ys = np.concatenate([path.vertices[:, 1] for path in band.get_paths()])
+    assert ys.min() == pytest.approx(15 - 2) and ys.max() == pytest.approx(15000 + 2)
+    assert ax.get_yscale() == "log"
+    plt.close(fig)
+
+    wide = RunData({step: {"HessTrace": v, "checks": entry(10.0)} for step, v in values.items()})  # 15 - 20 < 0
+    fig, ax = plt.subplots()
+    draw_hess_trace(ax, wide, DrawOptions())
+    assert [c for c in ax.collections if c.get_gid() == "band:HessTrace"]
+    assert ax.get_yscale() == "linear"
+    plt.close(fig)
+
+    exact = RunData({step: {"HessTrace": v} for step, v in values.items()})  # no error kept: no band
+    fig, ax = plt.subplots()
+    draw_hess_trace(ax, exact, DrawOptions())
+    assert not [c for c in ax.collections if (c.get_gid() or "").startswith("band:")]
+    assert ax.get_yscale() == "log"
+    draw_tic(ax, exact, DrawOptions())  # a panel whose quantity has no entry draws none either
+    plt.close(fig)
+
+
+def test_a_logged_estimated_run_renders_its_bands(tmp_path):
+    """End to end: a run with Hutchinson's HessTrace writes a log whose dashboard shades the band."""
+    cockpit = run_cockpit([quantities.HessTrace(linear(1), curvature="hutchinson"), quantities.Loss(linear(1))])
+    path = cockpit.write(tmp_path / "run")
+    plotter = CockpitPlotter()
+    plotter.plot(str(path), show_plot=False)
+    ax = plotter.axes["hess_trace"]
+    assert [c for c in ax.collections if c.get_gid() == "band:HessTrace"]

@@ -158,6 +158,16 @@ class RunData:
         """Per-parameter L2 norms combined into the norm over all parameters."""
         return self.series(name, _norm_of_blocks)
 
+    def standard_errors(self, name: str, steps: np.ndarray) -> np.ndarray:
+        """The standard error the log keeps beside ``name``'s value at each of ``steps`` (the step's
+        ``checks["standard_errors"][name]``; NaN where there is none: an exact value, or an older log)."""
+        errors = []
+        for step in steps:
+            checks = self.steps.get(int(step), {}).get("checks")
+            entry = checks.get("standard_errors", {}).get(name) if isinstance(checks, Mapping) else None
+            errors.append(_to_float(entry.get("standard_error")) if isinstance(entry, Mapping) else math.nan)
+        return np.asarray(errors, dtype=float)
+
     def block_sum(self, name: str) -> tuple[np.ndarray, np.ndarray]:
         """Per-parameter values summed over all parameters (e.g. traces)."""
         return self.series(name, _sum_of_blocks)

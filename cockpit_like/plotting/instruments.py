@@ -154,6 +154,20 @@ def _has_finite(values: np.ndarray) -> bool:
     return bool(np.isfinite(values).any())
 
 
+def _error_band(ax, data: RunData, name: str, steps: np.ndarray, values: np.ndarray, color: str,
+                first: bool) -> list[np.ndarray]:
+    """Shade ``value ± 2`` standard errors where the log keeps them beside ``name`` (estimated values: Hutchinson,
+    Hutch++, sketched TIC); returns the band's lower edge ([] where there is none)."""
+    errors = data.standard_errors(name, steps)
+    shown = np.isfinite(errors) & np.isfinite(values)
+    if not shown.any():
+        return []
+    low, high = values - 2 * errors, values + 2 * errors
+    ax.fill_between(steps, low, high, where=shown, color=color, alpha=0.15, linewidth=0, gid=f"band:{name}",
+                    label="± 2 standard errors" if first else None, zorder=1.0)
+    return [low[shown]]
+
+
 def _series_panel(ax, data: RunData, options: DrawOptions, title: str, curves, needs, ylabel: str,
                   logy: bool = True) -> bool:
     """Draw several curves ``(name, steps, values, color, label)``; False if none has data."""
@@ -162,10 +176,12 @@ def _series_panel(ax, data: RunData, options: DrawOptions, title: str, curves, n
         not_tracked(ax, title, needs)
         return False
     ax.set_title(title, **_TITLE)
+    bands = []
     for index, (name, steps, values, color, label) in enumerate(curves):
         timeseries(ax, name, steps, values, color, label, style=series_style(index, len(curves), len(steps)))
-    if logy:
-        _log_if_positive(ax, *[c[2] for c in curves])
+        bands += _error_band(ax, data, name, steps, values, color, first=not bands)
+    if logy:  # a band that reaches 0 (the sign not certain) keeps the axis linear
+        _log_if_positive(ax, *[c[2] for c in curves], *bands)
     ax.set_ylabel(ylabel, fontsize=8)
     _step_axis(ax, options)
     if not any(_has_finite(c[2]) for c in curves):
