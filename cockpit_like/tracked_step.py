@@ -366,6 +366,7 @@ class TrackedStep:
             if ranks is not None:
                 ranks.unscale_graph_grads(view)
             stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
+            stats.update({asked: stats[met_by] for asked, met_by in execution.aliases})
             if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
                 env.run.accumulates = True
             names = env.param_name_list()

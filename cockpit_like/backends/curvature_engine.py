@@ -223,46 +223,24 @@ class SharedSpaceDiagonal:
     """Need: the Hessian diagonal from ``samples`` products, deflated by the step's Lanczos space where the step
     computes one anyway.
 
-    Where another quantity of the step asked for a :class:`LanczosNeed`
-    (HessMaxEV, HessEigenvalues, ... in the ``full`` preset), the result is
-    :class:`DeflatedDiagonal`'s on that decomposition: exact on the Krylov
-    space, Hutchinson on the rest, the same ``samples`` products and so the
-    same cost but for one read of the basis per pass; on 12 models BackPACK
-    cannot handle it lowered the trace's median error from 70% to 52% of the
-    value (``benchmarks/trace_estimators.py``). At the other steps it is
-    :class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`'s estimate (no
+    It is never computed itself: it is met by another need of the step
+    (:meth:`resolve`, ``StepNeeds.aliases``). Where another quantity of the
+    step asked for a :class:`LanczosNeed` (HessMaxEV, HessEigenvalues, ... in
+    the ``full`` preset), by :class:`DeflatedDiagonal` on that decomposition:
+    exact on the Krylov space, Hutchinson on the rest, the same ``samples``
+    products and so the same cost but for two reads of the basis per pass; on
+    12 models BackPACK cannot handle it lowered the trace's median error from
+    70% to 52% of the value (``benchmarks/trace_estimators.py``). At the other
+    steps by :class:`~cockpit_like.backends.hvp.HutchinsonDiagonal` (no
     decomposition is computed for it). Both are unbiased; the result says
-    which: ``method`` is ``"hutch++"`` (a :class:`DeflatedDiagonal` result
-    dict) or ``"hutchinson"`` (a :class:`~cockpit_like.backends.hvp.DiagonalEstimate`).
+    which: a :class:`DeflatedDiagonal` result dict (Hutch++) or a
+    :class:`~cockpit_like.backends.hvp.DiagonalEstimate` (Hutchinson). A
+    quantity that asked for either explicitly shares its products.
     """
 
     samples: int = 4
 
-    whole_step = True
-
-    @staticmethod
-    def _space(execution) -> LanczosNeed | None:
-        return next((need for need in execution.whole_step_needs if isinstance(need, LanczosNeed)), None)
-
-    def compute(self, execution):
-        # through the step's results: a quantity that asked for the same estimator explicitly shares its products
-        space = self._space(execution)
-        if space is None:
-            result = execution.whole_step_result(HutchinsonDiagonal(self.samples))
-            result.method = "hutchinson"
-            return result
-        return {**execution.whole_step_result(DeflatedDiagonal(self.samples, space)), "method": "hutch++"}
-
-    def across_ranks(self, result, reduction):
-        """Under DDP: Hutch++'s result is the same on every rank already (global products, the same draws);
-        Hutchinson's merges as :class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`'s does."""
-        if isinstance(result, dict):
-            return lambda: result
-        merge = HutchinsonDiagonal(self.samples).across_ranks(result, reduction)
-
-        def finish():
-            merged = merge()
-            merged.method = "hutchinson"
-            return merged
-
-        return finish
+    def resolve(self, needs: tuple) -> DeflatedDiagonal | HutchinsonDiagonal:
+        """The need of the step that meets this one, given every need asked for at the step."""
+        space = next((need for need in needs if isinstance(need, LanczosNeed)), None)
+        return HutchinsonDiagonal(self.samples) if space is None else DeflatedDiagonal(self.samples, space)

@@ -120,6 +120,8 @@ class StepExecution:
         self.needs = [need for need in needs.needs if not getattr(need, "whole_step", False)]
         #: step needs computed once, after the step's last backward pass (Hessian-vector products of p.grad)
         self.whole_step_needs = [need for need in needs.needs if getattr(need, "whole_step", False)]
+        #: ``(asked, met_by)``: needs met by another need of the step (``StepNeeds.aliases``)
+        self.aliases = tuple(needs.aliases)
         self.params = params
         self.names = names or {}
         self.reducer: PerSampleReducer | None = None

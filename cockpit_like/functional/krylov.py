@@ -215,7 +215,7 @@ def lanczos_decomposition(
         w = unit.clone()
         for _ in range(passes):
             if basis.size:
-                w -= basis.combine(basis.project(w))
+                basis.subtract_(w, basis.project(w))
         kept = _norm(w)
         if kept > math.sqrt(eps) and basis.size < capacity:
             basis.append(w, kept)
@@ -325,14 +325,6 @@ class _Basis:
         if len(parts) == 1:
             return parts[0]
         return torch.cat(parts) if parts else w.new_zeros(0)
-
-    def combine(self, c: torch.Tensor, low: int = 0) -> torch.Tensor:
-        """``Q[low:]^T c``."""
-        total = None
-        for rows, offset in self._pieces(low):
-            part = rows.T @ c[offset : offset + rows.shape[0]]
-            total = part if total is None else total.add_(part)
-        return total if total is not None else c.new_zeros(self.like.shape[1])
 
     def subtract_(self, w: torch.Tensor, c: torch.Tensor, low: int = 0) -> torch.Tensor:
         """``w -= Q[low:]^T c`` in place (no temporary of ``n`` entries)."""

@@ -279,10 +279,10 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         self._used = self._step_method(global_step)  # how this step's diagonal was computed (for the notes)
         if need is not None:
             result = get_record(global_step).stat(need)
-            method = result.get("method", "hutch++") if isinstance(result, dict) else getattr(result, "method", None)
-            self._used = method or self._used
+            if isinstance(result, dict):  # Hutch++ (DeflatedDiagonal's result; "auto" where the engine runs)
+                self._used = "hutch++"
             self.estimators[global_step] = self._used
-            if isinstance(result, dict):  # Hutch++ (DeflatedDiagonal's result)
+            if isinstance(result, dict):
                 self._errors = result
                 return result["diagonal"]
             self._errors = getattr(result, "errors", None)

@@ -2,8 +2,10 @@
 
 :meth:`StepNeeds.collect` asks each active quantity once and merges the
 answers by value (equal BackPACK extensions, equal per-sample statistics and
-equal step needs are one); :class:`~cockpit_like.backends.step.StepExecution`
-meets the result. Nothing here names a quantity or a backend.
+equal step needs are one; a need with a ``resolve`` method is met by the need
+it names given the step's others, e.g. an estimator that uses the step's
+Lanczos space where another quantity computes it);
+:class:`~cockpit_like.backends.step.StepExecution` meets the result. Nothing here names a quantity or a backend.
 
 May import torch, BackPACK, :mod:`cockpit_like.backends` and the quantity
 base modules.
@@ -31,6 +33,9 @@ class StepNeeds:
         stats: distinct per-sample statistics.
         hooks: BackPACK extension hooks of quantities (``hook(module)``).
         needs: distinct step needs, computed after the backward pass (``need.compute(execution)``).
+        aliases: ``(asked, met_by)`` pairs: a need with a ``resolve(needs)`` method is met by the need of the
+            step it names (given all needs asked for at the step), and ``record.stat(asked)`` reads that one's
+            result; only ``met_by`` is computed and merged (once, shared by value with whoever else asked for it).
         owners: names of the quantities that asked for per-sample statistics (for messages).
         partial: those of ``owners`` that compute what they can where a step cannot have per-sample statistics
             (``Quantity.works_without_per_sample_stats``).
@@ -42,6 +47,7 @@ class StepNeeds:
     stats: tuple = ()
     hooks: tuple = ()
     needs: tuple = ()
+    aliases: tuple = ()
     owners: tuple = ()
     partial: tuple = ()
     raw_batch_grad: bool = False
@@ -79,11 +85,19 @@ class StepNeeds:
             needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
         if transforms:
             stats.append(merge_transform_hooks(transforms))
+        asked, needs, aliases = tuple(needs), [], []
+        for need in asked:
+            met_by = need.resolve(asked) if hasattr(need, "resolve") else need
+            if met_by is not need:
+                aliases.append((need, met_by))
+            if met_by not in needs:
+                needs.append(met_by)
         return cls(
             requests=tuple(requests),
             stats=tuple(stats),
             hooks=tuple(hooks),
             needs=tuple(needs),
+            aliases=tuple(aliases),
             owners=tuple(owners),
             partial=tuple(partial),
             raw_batch_grad=raw_batch_grad,
