@@ -327,3 +327,12 @@ def test_projecting_every_gradient_at_once_equals_one_by_one():
         expected = float(project(wide, probe_directions(11, index, tensor.shape, "cpu")))
         assert value == pytest.approx(expected, rel=1e-6 if tensor.dtype != torch.float64 else 1e-12)
     assert project_all(11, []) == []
+
+
+def test_a_non_finite_row_loss_beside_a_finite_loss_is_refused():
+    # a padded row with no counted token: its token mean is 0/0, and a nanmean loss skips it
+    losses = torch.tensor([1.0, float("nan"), 4.0])
+    with pytest.raises(ValueError, match=r"not finite at row\(s\) 1 of 3.*Padding or ignored tokens"):
+        check_losses_mean({"loss": losses.nanmean(), "individual_losses": losses}, 0)
+    # a non-finite loss with non-finite rows is the run's own NaN: handled (and recorded) elsewhere
+    check_losses_mean({"loss": losses.mean(), "individual_losses": losses}, 0)

@@ -67,6 +67,17 @@ def check_losses_mean(info: dict, step: int) -> None:
         return
     detached = losses.detach()
     mean = float(detached.to(torch.float64).mean())
+    if math.isfinite(loss_value) and not math.isfinite(mean):
+        bad = torch.nonzero(~torch.isfinite(detached.to(torch.float64))).reshape(-1).tolist()
+        shown = ", ".join(str(row) for row in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise ValueError(
+            f"cockpit step {step}: info['loss'] is {loss_value:.8g} but info['individual_losses'] is not finite at "
+            f"row(s) {shown} of {detached.numel()}. The cockpit's per-sample quantities need loss = "
+            "mean(individual_losses) over this backward pass's rows, each row finite. Common cause: a row whose loss "
+            "divides by its number of counted tokens when it has none (0/0, all padding) while the loss skips it "
+            "(nanmean): give each row its token sum times B / N, N the counted tokens of the whole batch (0 for a row "
+            "without any; docs/your_model.md, 'Padding or ignored tokens'), or drop the row from the batch."
+        )
     if not (math.isfinite(mean) and math.isfinite(loss_value)):
         return  # the non-finite loss is handled (and recorded) elsewhere
     wide = detached.dtype if detached.dtype.is_floating_point else torch.float32
