@@ -111,6 +111,23 @@ def looks_like_mean_cross_entropy(loss, outputs: torch.Tensor) -> bool | None:
     )
 
 
+def _outside_outputs(outputs: torch.Tensor, params: list) -> list[int]:
+    """Indices of the tracked parameters that got a gradient at this step but that ``outputs`` do not depend on
+    (a walk of the autograd graph from the outputs to its leaves; nothing is computed)."""
+    reached, seen = set(), set()
+    stack = [getattr(outputs, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(child for child, _ in node.next_functions)
+    return [i for i, p in enumerate(params) if p.requires_grad and p.grad is not None and id(p) not in reached]
+
+
 @dataclass(frozen=True)
 class GGNDiagonal:
     """Need: the GGN diagonal of a mean cross-entropy loss over ``info["outputs"]``, positive, on any model.
@@ -152,6 +169,15 @@ class GGNDiagonal:
         positions, classes = logits.shape
         count = len(execution.params)
         checked = looks_like_mean_cross_entropy(execution.info.get("loss"), outputs)
+        outside = _outside_outputs(outputs, execution.params)
+        if outside:  # the loss has terms that do not pass through the outputs: this GGN is not its curvature
+            from cockpit_like.backends.hvp import DiagonalEstimate
+
+            result = DiagonalEstimate(torch.zeros_like(p) for p in execution.params)
+            names = getattr(execution, "names", {}) or {}
+            result.outside = [names.get(id(execution.params[i]), f"#{i}") for i in outside]
+            result.cross_entropy, result.exact, result.draws, result.errors = checked, False, None, None
+            return result
         result = self._diagonal(execution, logits, outputs, positions, classes, count)
         result.cross_entropy = checked
         return result

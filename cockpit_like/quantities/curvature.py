@@ -273,7 +273,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                 settings["ggn_samples"] = self._samples
         return settings
 
-    def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
         need = self._need(global_step)
         self._errors, self._draws = None, None
         self._used = self._step_method(global_step)  # how this step's diagonal was computed (for the notes)
@@ -287,14 +287,27 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                 return result["diagonal"]
             self._errors = getattr(result, "errors", None)
             self._draws = getattr(result, "draws", None)
+            outside = getattr(result, "outside", None)
+            if outside:
+                shown = ", ".join(outside[:4]) + (f" and {len(outside) - 4} more" if len(outside) > 4 else "")
+                get_record(global_step).note(
+                    f"{type(self).__name__} at step {global_step}: no value stored: the GGN diagonal is the "
+                    f"cross-entropy's of info['outputs'], but {shown} got a gradient from terms of the loss that "
+                    "do not pass through info['outputs'] (an auxiliary head or loss, a penalty), so it would not be "
+                    "this loss's curvature (0 there: TIC would divide by epsilon). Pass as info['outputs'] logits "
+                    "that every term of the loss goes through, or pass an explicit curvature ('hutchinson')"
+                )
+                return None
             if getattr(result, "cross_entropy", None) is False:
                 get_record(global_step).note(
-                    f"{type(self).__name__} at step {global_step}: the GGN diagonal is the cross-entropy's of "
-                    "info['outputs'], but info['loss'] is not a mean cross-entropy of them (its gradient in the "
-                    "outputs is not (softmax - labels) / N for any labels): the curvature is not this loss's GGN "
-                    "and the value may mean nothing. Pass the logits of a mean cross-entropy loss, or an explicit "
-                    "curvature"
+                    f"{type(self).__name__} at step {global_step}: no value stored: the GGN diagonal is the "
+                    "cross-entropy's of info['outputs'], but info['loss'] is not a mean cross-entropy of them (its "
+                    "gradient in the outputs is not (softmax - labels) / N for any labels, soft labels included), so "
+                    "the curvature would not be this loss's. For a cross-entropy loss pass its logits (classes "
+                    "last) as info['outputs']; for another loss (MSE, BCE, a focal loss) leave info['outputs'] out "
+                    "and pass an explicit curvature ('hutchinson': unbiased, indefinite and noisy)"
                 )
+                return None
             return list(result)
         return _diagonals(params, self.method, type(self).__name__)
 
@@ -325,7 +338,10 @@ class HessTrace(_DiagCurvatureQuantity):
     """
 
     def _compute(self, global_step, params, batch_loss):
-        traces = [float(c.sum()) for c in self._curvature_diagonals(global_step, params)]
+        diagonals = self._curvature_diagonals(global_step, params)
+        if diagonals is None:  # not this loss's curvature: no value (the step's notes say why)
+            return None
+        traces = [float(c.sum()) for c in diagonals]
         if self._errors is not None:
             self.standard_errors[global_step] = list(self._errors["block_errors"])
             total_error = float(self._errors["trace_error"])
@@ -399,6 +415,8 @@ class TICDiag(_TIC):
 
     def _compute(self, global_step, params, batch_loss):
         batch_size, squares, diagonals = self._inputs(global_step, params)
+        if diagonals is None:  # not this loss's curvature: no value (the step's notes say why)
+            return None
         if self._draws and len(self._draws) > 1:
             # 1/c of an estimated c is biased upward (E[1/c̄] ≈ 1/c + Var(c̄)/c³): the second-order correction
             # a / c̄ · (1 - Var̂(c̄)/c̄²), each entry's factor clamped at 0 so the value stays positive
@@ -436,6 +454,8 @@ class TICTrace(_TIC):
 
     def _compute(self, global_step, params, batch_loss):
         batch_size, squares, diagonals = self._inputs(global_step, params)
+        if diagonals is None:  # not this loss's curvature: no value (the step's notes say why)
+            return None
         numerator = batch_size * sum(s.sum() for s in squares)
         denominator = sum(c.sum() for c in diagonals) + self._epsilon
         value = float(numerator / denominator)
