@@ -32,7 +32,8 @@ from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
-from cockpit_like.checks.invariants import notable
+from cockpit_like.checks.invariants import notable, tolerance_for
+from cockpit_like.checks.rows import coupled_rows
 from cockpit_like.checks.probe import probe_directions, project
 from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
@@ -231,6 +232,7 @@ class TrackedStep:
                 memory_budget=env.memory_budget,
                 scaled_losses=env.run.scaled_losses,
                 accumulate_passes=env.run.multi_pass,
+                row_check=self._row_check(needs) if env.self_checks else None,
             )
         except BaseException:
             env.tracer.drop_calls()
@@ -248,6 +250,16 @@ class TrackedStep:
             )
         self._execution.enter()
         return self
+
+    def _row_check(self, needs):
+        """The check that each row's loss reads its own row of the output (:mod:`cockpit_like.checks.rows`),
+        bound to this pass's losses: only where per-sample statistics are needed."""
+        losses, batch = self.info.get("individual_losses"), self.info.get("batch_size")
+        if not needs.stats or not isinstance(losses, torch.Tensor) or batch is None:
+            return None
+        batch = int(batch)
+        seed = _probe_seed(self.step) + 1 + self.micro
+        return lambda outputs: coupled_rows(losses, outputs, batch, seed, tolerance_for)
 
     def loss_finite(self) -> bool | None:
         """Whether ``info["loss"]`` is finite (``None``: no loss given), computed once per step."""
@@ -291,6 +303,13 @@ class TrackedStep:
                         "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "
                         "seen and the declared factor was used. Pass the loss you call backward() on (or the one a "
                         "GradScaler scales) as info['loss']."
+                    )
+                elif factor is not None and not factor.seeable:
+                    partitions.checks.note(
+                        "loss factor not verified: neither info['loss'] nor info['individual_losses'] is a tensor "
+                        "with its graph (detached, or numbers), so a GradScaler, a sum-reduced or divided loss "
+                        "could not be seen and the declared factor was used. Pass the loss tensor you call "
+                        "backward() on as info['loss'] (or individual_losses with their graph)."
                     )
                 for note in execution.notes:
                     partitions.checks.note(note)

@@ -373,6 +373,10 @@ class PerSampleReducer:
             for stat in stats
         ]
         self._pending: dict[int, tuple] = {}
+        #: the rows every layer's per-sample information must have: one per entry of ``info["individual_losses"]``
+        #: (``None``: not given; ``info["batch_size"]`` alone may be a scale, as in Cockpit's TIC)
+        losses = (info or {}).get("individual_losses")
+        self.rows = losses.numel() if isinstance(losses, torch.Tensor) and losses.dim() == 1 else None
         self._buffer: torch.Tensor | None = None  # see _borrowed
         self.seen: set[int] = set()
         #: a parameter's rows were offered twice by BackPACK's hooks (two backward passes in one block)
@@ -409,6 +413,8 @@ class PerSampleReducer:
             pending = self._pending.pop(id(param), None)
             if pending is not None:
                 kind, x, delta, grad_batch = pending
+                self._check_rows(module, param, grad_batch.batch if kind == "lazy" else (
+                    grad_batch.shape[0] if kind is None else delta.shape[0]))
                 self.repeated |= index in self.seen  # a second backward pass through BackPACK's hooks
                 self.seen.add(index)
                 if kind == "lazy":
@@ -423,12 +429,28 @@ class PerSampleReducer:
             grad_batch = getattr(param, "grad_batch", None)
             if grad_batch is None:
                 continue
+            self._check_rows(module, param, grad_batch.shape[0])
             self.repeated |= index in self.seen
             self.seen.add(index)
             self._note_precision(index, grad_batch)
             self._reduce(index, param, self._scaled(grad_batch))
             if not self.keep_grad_batch:
                 del param.grad_batch
+
+    def _check_rows(self, module: torch.nn.Module, param: torch.Tensor, rows: int) -> None:
+        """BackPACK's rows of a layer are the step's rows, one per row loss, or a clear error (never rows of
+        another batch reduced as if they were the step's)."""
+        if self.rows is None or int(rows) == self.rows:
+            return
+        raise ValueError(
+            f"BackPACK computed {int(rows)} per-sample rows for a parameter of shape {list(param.shape)} of a "
+            f"{type(module).__name__} layer, but info['individual_losses'] has {self.rows} rows. The model ran on other rows than the losses describe: a pair or "
+            "triplet loss over one call on torch.cat([x1, x2]) gives each loss two rows of the batch. Per-sample "
+            "quantities need each loss to have one row of every layer: for such losses, call the un-extended "
+            "model once per part (model(x1), model(x2): Cockpit(..., model=model) sums a row's gradient over the "
+            "calls, exactly), or leave the per-sample quantities out (Loss, GradNorm, Distance, UpdateSize, "
+            "HessMaxEV need no rows)."
+        )
 
     def _reduce(self, index: int, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
         shared = self._shared_sum(lambda: grad_batch.sum(0))

@@ -111,7 +111,7 @@ class StepExecution:
 
     def __init__(
         self, step, params, needs, tracer=None, collector=None, names=None, info=None, row_scale=1.0, memory_budget=None,
-        scaled_losses=False, accumulate_passes=False,
+        scaled_losses=False, accumulate_passes=False, row_check=None,
     ):
         self.step = step
         self.info = info or {}
@@ -148,20 +148,40 @@ class StepExecution:
             self.notes.append(MATH_ATTENTION_NOTE)
         self._left_out: set[str] = set()
         coupling = [call.module for call in calls if couples_samples(call.module)]
+        why = None
         if stats and coupling and not raw_batch_grad:
             # BatchNorm in training mode: every row's gradient depends on the other rows, so per-sample
             # gradients are undefined; the quantities that read them are left out of this step
             kinds = sorted({type(module).__name__ for module in coupling})
+            why = (
+                f"{', '.join(kinds)} in training mode normalises with the whole batch's statistics, so a "
+                "row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / LayerNorm, "
+                "gives them back)"
+            )
+        elif stats and not raw_batch_grad and row_check is not None:
+            # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients
+            coupled = row_check(self.root_outputs)
+            if coupled is not None:
+                why = (
+                    "info['individual_losses'] are not separable by rows: a row's loss depends on other rows of "
+                    f"the model's output (output {coupled['output']}: the gradient of a sign-weighted sum of the "
+                    f"losses is {coupled['error']:.3g} off the signed rows of the plain sum's, tolerance "
+                    f"{coupled['tolerance']:.1g}; a loss over the batch such as InfoNCE / a contrastive loss, "
+                    "in-batch negatives or a batch mean inside the loss), or they are not what each row "
+                    "contributed, so per-sample gradients are undefined (docs/your_training_loop.md#self-checks)"
+                )
+        if why is not None:
             left = sorted(set(needs.owners) - set(needs.partial))  # (the quantities left out of the step)
             partial = f"; {sorted(needs.partial)} computed without them" if needs.partial else ""
             self.notes.append(
                 (f"per-sample quantities {left} left out" if left else "per-sample statistics left out")
-                + f": {', '.join(kinds)} in training mode normalises with the whole batch's statistics, so a "
-                "row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / LayerNorm, "
-                f"gives them back){partial}"
+                + f": {why}{partial}"
             )
             self._left_out = set(needs.owners) - set(needs.partial)  # the others run without them
             stats = []
+        #: extended modules that ran more than once in this pass: BackPACK keeps one call's input and output per
+        #: module, so its extensions cannot run there (the hooks sum a parameter's calls, exactly)
+        self._repeated_extended = _repeated_extended(calls)
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []
         requests, hooks = list(needs.requests), list(needs.hooks)
@@ -173,7 +193,7 @@ class StepExecution:
                 stats, params, keep_grad_batch=raw_batch_grad, info=self.info, row_scale=row_scale,
                 budget_bytes=memory_budget,
             )  # fmt: skip
-            use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad, stats)
+            use_backpack = self._backpack_per_sample(tracer, calls, raw_batch_grad, stats, self._repeated_extended)
             if use_backpack:
                 if raw_batch_grad:
                     extension = BatchGrad()
@@ -201,6 +221,17 @@ class StepExecution:
                 requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
                 self._added_ggn = True
         self.extensions = merge_extensions(requests)
+        if self.extensions and self._repeated_extended:
+            named = sorted({type(module).__name__ for module in self._repeated_extended})
+            wanted = sorted({describe(extension) for extension in self.extensions})
+            raise ValueError(
+                f"cockpit step {step}: the BackPACK-extended module(s) {named} ran more than once in this backward "
+                f"pass (a siamese or two-view model, a shared block), and BackPACK's extensions {wanted} keep only "
+                "one call's input and output per module, so they cannot run on this step. Use the model without "
+                "backpack.extend (Cockpit(..., model=model): the hooks handle several calls, and curvature "
+                "'auto' estimates with Hessian-vector products), or pass curvature='hutchinson' to the curvature "
+                "quantities (HessTrace, TICDiag, TICTrace) and leave out those that need BackPACK's buffers."
+            )
         if self.extensions or hooks:  # BackPACK's hooks on the outputs would run again at the check's capture
             self.root_outputs = []
         self._create_graph = needs.create_graph
@@ -211,13 +242,14 @@ class StepExecution:
         self._replays: list = []
 
     @staticmethod
-    def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool, stats=()) -> bool:
+    def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool, stats=(), repeated=()) -> bool:
         """Whether BackPACK's per-sample extension runs: unless the step's calls (every module that owns
         tracked parameters and ran) show that BackPACK computes none of them, or a statistic reads the
-        layers' inputs and output gradients (``module_form``: the curvature logs), which only the hooks see."""
+        layers' inputs and output gradients (``module_form``: the curvature logs), which only the hooks see,
+        or an extended module ran more than once (BackPACK keeps one call per module)."""
         if raw_batch_grad or tracer is None or not calls or not tracer.covers_all():
             return True
-        if any(stat.module_form for stat in stats):
+        if any(stat.module_form for stat in stats) or repeated:
             return False
         return any(backpack_computes_per_sample(call.module) for call in calls)
 
@@ -329,11 +361,13 @@ class StepExecution:
                     f"({[describe(e) for e in self.extensions]}) on this model "
                     f"({type(exc).__name__}: {exc or 'an internal assertion failed'}). BackPACK's curvature "
                     "extensions need a model built from supported layers in nn.Sequential containers (no "
-                    "skip connections, no custom modules). Fixes: pass curvature='auto' (or "
-                    "'hutchinson') to HessTrace / TICDiag / TICTrace, which uses Hessian-vector "
-                    "products on any model; leave out the quantities that need these extensions; or "
-                    "replace the layer with a supported one. BackPACK's curvature extensions also need the "
-                    "loss function extended (`lossfunc = backpack.extend(lossfunc)`), which 'auto' cannot check."
+                    "skip connections, no custom modules) and a supported loss function (a mean "
+                    "cross-entropy or MSE over [B, C] outputs; not BCEWithLogits over several outputs, KLDiv or "
+                    "a hand-written loss), extended (`lossfunc = backpack.extend(lossfunc)`). Fixes: pass "
+                    "curvature='hutchinson' to HessTrace / TICDiag / TICTrace (Hessian-vector products on any "
+                    "model and loss; 'auto', the presets' default, picks BackPACK where the model looks "
+                    "supported and cannot check the loss function); leave out the quantities that need these "
+                    "extensions; or replace the layer or loss with a supported one."
                 ) from exc
             if replay_error is not None:  # raised after backward returned: nothing else propagates it
                 raise replay_error
@@ -474,8 +508,9 @@ class StepExecution:
                     f"step {self.step}: BackPACK computed no {describe(ext)} ('{field}') for any "
                     "parameter. The model (and, for curvature, the loss function) must be "
                     "extended: `model = backpack.extend(model)`, `lossfunc = "
-                    "backpack.extend(lossfunc)`, and the forward pass must run after that. Or use "
-                    "curvature='auto' / 'hutchinson', which needs no extend."
+                    "backpack.extend(lossfunc)`, and the forward pass must run after that. Or pass "
+                    "curvature='hutchinson' (Hessian-vector products: no extend, any loss; 'auto' picks BackPACK "
+                    "on an extended model and cannot check the loss function)."
                 )
             if missing:
                 shown = ", ".join(self._name(i) for i in missing[:5])
@@ -483,8 +518,8 @@ class StepExecution:
                     f"step {self.step}: BackPACK computed no {describe(ext)} for parameters "
                     f"{shown}{' ...' if len(missing) > 5 else ''}. Their module is not extended "
                     "with backpack.extend, BackPACK does not support it, or they are not used in the "
-                    "loss; extend every module that holds tracked parameters, use curvature='auto', "
-                    "or pass only those parameters to Cockpit(params)."
+                    "loss; extend every module that holds tracked parameters, pass curvature='hutchinson' "
+                    "(Hessian-vector products on any model), or pass only those parameters to Cockpit(params)."
                 )
 
     def _name(self, index: int) -> str:
@@ -531,6 +566,20 @@ MATH_ATTENTION_NOTE = (
     "memory-efficient) have none. Same values to rounding; this forward pass was slower and held more memory "
     "than the others"
 )
+
+
+def _repeated_extended(calls: list) -> list:
+    """The BackPACK-extended modules that more than one of ``calls`` ran."""
+    seen: dict[int, int] = {}
+    repeated = []
+    for call in calls:
+        module = call.module
+        if not is_extended(module):
+            continue
+        seen[id(module)] = seen.get(id(module), 0) + 1
+        if seen[id(module)] == 2:
+            repeated.append(module)
+    return repeated
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:

@@ -11,6 +11,10 @@ about the training loop (``docs/your_training_loop.md#self-checks``):
   backpropagated and ``info["loss"]``, seen exactly by a hook on the loss
   tensor (an undeclared ``GradScaler``, a loss divided by the number of
   micro-batches), which the cockpit then uses;
+- :mod:`~cockpit_like.checks.rows`: each row's loss reads its own row of the
+  model's output only (a loss over the batch, InfoNCE, in-batch negatives,
+  makes per-sample gradients undefined: the per-sample quantities are left
+  out of the step, with a note);
 - :mod:`~cockpit_like.checks.invariants`: the mean of ``info["individual_losses"]``
   is ``info["loss"]``; the comparison of the probe with the gradient; the
   ``checks`` record stored with each tracked step.
@@ -24,5 +28,6 @@ May import torch and :mod:`cockpit_like.backends.per_sample` (the statistic base
 from cockpit_like.checks.invariants import CHECKS_KEY, StepChecks, check_losses_mean
 from cockpit_like.checks.loss_factor import LossFactor
 from cockpit_like.checks.probe import GradientProbe
+from cockpit_like.checks.rows import coupled_rows
 
-__all__ = ["CHECKS_KEY", "StepChecks", "LossFactor", "GradientProbe", "check_losses_mean"]
+__all__ = ["CHECKS_KEY", "StepChecks", "LossFactor", "GradientProbe", "check_losses_mean", "coupled_rows"]

@@ -90,9 +90,12 @@ def check_losses_mean(info: dict, step: int) -> None:
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
         "backward pass's rows. Common causes: a loss averaged over all tokens of a padded batch while each row's "
         "loss is its own token mean (give each row its token sum divided by the batch's mean number of tokens, "
-        "or average the loss over rows); a loss with an extra term such as weight decay or an auxiliary loss "
-        "(add the term to every row's loss); a sum-reduced loss (use reduction='mean', or divide by the batch "
-        "size); losses of another batch than the loss."
+        "or average the loss over rows); a loss with an extra term: a per-row auxiliary loss (add each row's "
+        "term to that row's loss), a penalty on the parameters such as weight decay (use the optimizer's "
+        "weight_decay instead: a term on the parameters has no rows, and added to every row's loss it fails the "
+        "gradient check), a loss over the whole batch (it has no per-row form: leave the per-sample quantities "
+        "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); losses of another batch "
+        "than the loss."
     )
 
 
@@ -199,6 +202,7 @@ class StepChecks:
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
                 + half + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
+                "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
                 "optimizer.zero_grad()), gradients changed in place before the step ended, or a layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
                 "per-sample quantities out for such steps (docs/your_training_loop.md#self-checks).",
