@@ -779,7 +779,7 @@ class HookBackend:
                 return
         batch = self._batch(call)
         arguments = (call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer)
-        options = {"recorded": call.entries, "shared": call.consumer is not None}
+        options = {"recorded": call.entries, "shared": call.consumer is not None, "state": call.state}
         budget = getattr(self.reducer, "budget_bytes", None)
         row_bytes = sum(p.numel() * max(4, p.element_size()) for p in call.params)
         if budget is not None and batch > 1 and batch * row_bytes > budget:
