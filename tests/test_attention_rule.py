@@ -158,3 +158,35 @@ def test_cross_attention_of_other_lengths_matches_the_loop(monkeypatch, batch_fi
         loss.backward()
     for got, want in zip(probe.output[0], expected):
         torch.testing.assert_close(torch.as_tensor(got), want, rtol=1e-9, atol=1e-14)
+
+
+class _SelfWeights(nn.Module):
+    """Self attention whose (per-head) weights reach the loss besides its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True).double()
+        self.head = nn.Linear(8, 3).double()
+
+    def forward(self, x):
+        out, weights = self.attention(x, x, x, need_weights=True, average_attn_weights=False)
+        return self.head(out.mean(1)) + weights.flatten(1)[:, :3]
+
+
+def test_self_attention_weights_in_the_loss_match_the_loop(monkeypatch):
+    """The weights' own gradient enters the rule (it was left out: wrong rows, which the step's self-check
+    then refused)."""
+    torch.manual_seed(0)
+    model = _SelfWeights()
+    inputs, labels = torch.randn(4, 5, 8, dtype=torch.float64), torch.randint(0, 3, (4,))
+    params = list(model.parameters())
+    losses = nn.functional.cross_entropy(model(inputs), labels, reduction="none")
+    rows = [torch.autograd.grad(losses[i] / 4, params, retain_graph=True) for i in range(4)]
+    probe = _Probe(lambda step: True)
+    cockpit = Cockpit(params, quantities=[probe], model=model)
+    loss = nn.functional.cross_entropy(model(inputs), labels)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    assert cockpit.checks[0]["valid"], cockpit.checks[0]["failed"]
+    for k, got in enumerate(probe.output[0]):
+        torch.testing.assert_close(torch.as_tensor(got), sum(r[k] ** 2 for r in rows), rtol=1e-9, atol=1e-14)
