@@ -50,6 +50,9 @@ reproduce: ``bias_k``, ``add_zero_attn``, dropout). Cross attention (a query
 length other than the keys') and separate key/value widths (``kdim``, ``vdim``:
 ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``, each a sequence factor
 of its own input) are covered, and attention weights used in the loss.
+``nn.EmbeddingBag`` (``"sum"``/``"mean"``; 2-D ids, or 1-D ids with ``offsets``,
+which the re-run cannot split) scatter-adds each id's weighted output gradient
+into its bag's row, after checking its reading of the call against the output.
 
 May import torch and :mod:`cockpit_like.backends` helpers only.
 """
@@ -572,5 +575,77 @@ def _attention_mask(given: dict, batch: int, heads: int, length: int, source: in
     return None if mask is None else mask.expand(batch, heads, length, source)
 
 
+def _embedding_bag(module: nn.EmbeddingBag, args: tuple, kwargs: dict, output, grads: list):
+    """``weight``'s per-sample gradient of ``nn.EmbeddingBag`` in ``"sum"``/``"mean"`` mode (a sample is a
+    bag: a row of a 2-D input, or ``input[offsets[i]:offsets[i + 1]]`` of a 1-D input with ``offsets``):
+    ``sum_t w_t e_{id_t} delta_i^T`` over the bag's ids, ``w_t`` its ``per_sample_weights`` (``"sum"``) or
+    ``1 / (its ids but padding_idx)`` (``"mean"``), 0 for ``padding_idx``. ``None`` (the re-run) for
+    ``"max"`` mode, ``max_norm`` and ``scale_grad_by_freq``, or where the recomputed output differs."""
+    if module.mode not in ("sum", "mean") or module.max_norm is not None or module.scale_grad_by_freq or not grads:
+        return None
+    given = dict(zip(("input", "offsets", "per_sample_weights"), args))
+    given.update(kwargs or {})
+    ids, offsets, weights = given.get("input"), given.get("offsets"), given.get("per_sample_weights")
+    delta, recorded = grads[0], output
+    if not isinstance(ids, torch.Tensor) or not isinstance(recorded, torch.Tensor) or delta.dim() != 2:
+        return None
+    batch, (vocab, width) = delta.shape[0], module.weight.shape
+    ids = ids.detach()
+    if ids.dim() == 2:  # a bag per row
+        if offsets is not None:
+            return None
+        bags = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])
+        ids = ids.reshape(-1)
+    elif ids.dim() == 1 and isinstance(offsets, torch.Tensor):
+        starts = offsets.detach().long()
+        if module.include_last_offset:
+            starts = starts[:-1]
+        if starts.numel() != batch:
+            return None
+        # bag of each id: the number of starts at or before its position, minus 1
+        bags = torch.bucketize(torch.arange(ids.numel(), device=ids.device), starts, right=True) - 1
+    else:
+        return None
+    scale = torch.ones(ids.shape, dtype=delta.dtype, device=delta.device)
+    if weights is not None:
+        scale = weights.detach().reshape(-1).to(delta.dtype)
+    if module.padding_idx is not None:
+        scale = scale.masked_fill(ids == module.padding_idx, 0)
+    if module.mode == "mean":
+        counts = torch.zeros(batch, dtype=delta.dtype, device=delta.device).index_add_(0, bags, (scale != 0).to(delta.dtype))
+        scale = scale / counts.clamp(min=1)[bags]
+    # the rule's own reading of the call must give the recorded output (offsets, padding, modes)
+    table = module.weight.detach()
+    out = torch.zeros(batch, width, dtype=table.dtype, device=table.device).index_add_(0, bags, table[ids] * scale[:, None].to(table.dtype))
+    parts = finite_parts(out, recorded.detach())
+    if parts is None or parts[0].shape != parts[1].shape or (
+        parts[1].numel() and not torch.allclose(parts[0].to(parts[1].dtype), parts[1], rtol=1e-4,
+                                                atol=1e-6 * (1 + float(parts[1].abs().max())))
+    ):
+        return None
+    delta = delta.detach()
+    values = scale[:, None] * delta[bags]  # [ids, width]: what each id adds to its bag's row
+
+    def make(start: int, stop: int) -> torch.Tensor:
+        keep = (bags >= start) & (bags < stop)
+        rows = (bags[keep] - start) * vocab + ids[keep]
+        grad_batch = delta.new_zeros((stop - start) * vocab, width).index_add_(0, rows, values[keep])
+        return grad_batch.view(stop - start, vocab, width)
+
+    def batch_sum() -> torch.Tensor:
+        return delta.new_zeros(vocab, width).index_add_(0, ids, values)
+
+    def add_into(out: torch.Tensor, start: int, stop: int) -> None:
+        keep = (bags >= start) & (bags < stop)
+        rows = (bags[keep] - start) * vocab + ids[keep]
+        out.view(-1, width).index_add_(0, rows, values[keep].to(out.dtype))
+
+    def add_sum_into(out: torch.Tensor) -> None:
+        out.index_add_(0, ids, values.to(out.dtype))
+
+    lazy = LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum, add_into, add_sum_into)
+    return {"weight": Lazy(lazy)}
+
+
 #: module class -> ``rule(module, args, kwargs, output, output_grads) -> {param name: form} | None``
-RECOMPUTE_RULES: dict[type, Callable] = {nn.MultiheadAttention: _multihead_attention}
+RECOMPUTE_RULES: dict[type, Callable] = {nn.MultiheadAttention: _multihead_attention, nn.EmbeddingBag: _embedding_bag}
