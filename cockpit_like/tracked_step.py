@@ -30,6 +30,7 @@ import torch
 
 from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
+from cockpit_like.backends.hvp import NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.invariants import notable, tolerance_for
@@ -431,6 +432,12 @@ class TrackedStep:
                     for step in new_values:
                         quantity.output.pop(step, None)
                 new_values = {}
+        except NoSecondDerivativeError as error:
+            if error.kernel:
+                raise
+            # name the quantities of this step that need Hessian-vector products
+            products = tuple(env.name_of(q) for q in self.active if q.hessian_products(self.step))
+            raise error.for_step(self.step, products) from error.error
         finally:
             view.restore()
             context._activate(None)

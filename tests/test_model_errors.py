@@ -211,6 +211,39 @@ def test_hessian_vector_products_need_the_math_attention_kernel():
                 loss.backward()
 
 
+def test_an_operation_without_second_derivative_names_itself_and_the_quantities_that_need_one():
+    """nn.EmbeddingBag's backward has no derivative: the error names the operation and the step's quantities
+    that need Hessian-vector products (not TICDiag, whose GGN diagonal does not), and gives no attention advice."""
+    from cockpit_like.quantities import HessTrace, TICDiag
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(10, 4), nn.Linear(4, 3)).double()
+    ids, labels = torch.randint(0, 10, (6, 3)), torch.randint(0, 3, (6,))
+    every = linear(1)
+    quantities = [HessMaxEV(every), HessTrace(every, curvature="hutchinson"), TICDiag(every, curvature="ggn")]
+    cockpit = Cockpit(model.parameters(), quantities=quantities, model=model)
+    outputs = model(ids)
+    loss = nn.functional.cross_entropy(outputs, labels)
+    with pytest.raises(RuntimeError, match="no second derivative") as error:
+        with cockpit(0, info={"loss": loss, "outputs": outputs, "batch_size": 6}):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    text = str(error.value)
+    assert "'_embedding_bag_backward'" in text
+    assert "quantities of step 0 that need them: HessMaxEV, HessTrace." in text
+    assert "TICDiag" not in text.split("need them:")[1]
+    assert "attention" not in text and "sdpa_kernel" not in text
+    assert "Leave them out" in text and "nn.Embedding followed by" in text
+
+
+def test_an_attention_kernel_without_second_derivative_keeps_the_kernel_advice():
+    from cockpit_like.backends.hvp import NoSecondDerivativeError
+
+    cause = RuntimeError("the derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented")
+    error = NoSecondDerivativeError("HessMaxEV", cause).for_step(3, ("HessMaxEV",))
+    assert error.kernel and "sdpa_kernel" in str(error) and "model=model" in str(error)
+    assert "'_scaled_dot_product_flash_attention_for_cpu_backward'" in str(error)
+
+
 def test_model_argument_must_be_a_module():
     with pytest.raises(ValueError, match="model=...") as error:
         Cockpit([torch.ones(1, requires_grad=True)], model="not a model")

@@ -317,8 +317,8 @@ class HookBackend:
             return True  # one row (or unknown rows): nothing to tell apart
         outputs = _flat_outputs(call.output)
         with_grad = [(i, t) for i, t in enumerate(outputs) if t.grad_fn is not None]
-        if not with_grad or type(call.module) in RECOMPUTE_RULES:
-            return True  # nothing flows back through this call; a recompute rule checks its own layout
+        if not with_grad or type(call.module) is nn.MultiheadAttention:
+            return True  # nothing flows back through this call; the attention rule checks its own layout
         if rule_for(call.module) is not None:
             x = call.args[0] if call.args else None
             if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -777,9 +777,10 @@ class HookBackend:
             if forms is not None:
                 self._deliver_forms(call, forms)
                 return
+        self._refuse_unsplittable(call)
         batch = self._batch(call)
         arguments = (call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer)
-        options = {"recorded": call.entries, "shared": call.consumer is not None}
+        options = {"recorded": call.entries, "shared": call.consumer is not None, "state": call.state}
         budget = getattr(self.reducer, "budget_bytes", None)
         row_bytes = sum(p.numel() * max(4, p.element_size()) for p in call.params)
         if budget is not None and batch > 1 and batch * row_bytes > budget:
@@ -790,6 +791,21 @@ class HookBackend:
             for param, grad_batch in zip(call.params, per_sample_grads(*arguments, **options)):
                 self._deliver(param, Dense(grad_batch))
         call.release()
+
+    def _refuse_unsplittable(self, call: Call) -> None:
+        """Calls whose rows the re-run cannot split (it splits each argument along its batch dimension)."""
+        module = call.module
+        ids = call.args[0] if call.args else (call.kwargs or {}).get("input")
+        if isinstance(module, nn.EmbeddingBag) and isinstance(ids, torch.Tensor) and ids.dim() == 1:
+            raise UncoveredParameterError(
+                f"EmbeddingBag layer {self._module_name(module)} (mode={module.mode!r}, max_norm={module.max_norm}, "
+                f"scale_grad_by_freq={module.scale_grad_by_freq}) was called with 1-D ids and offsets: its "
+                "per-sample gradients need the row-by-row re-run in this configuration (the cockpit's own rule "
+                "covers mode 'sum' and 'mean' without max_norm or scale_grad_by_freq), and the re-run cannot "
+                "split bags of different lengths. Use mode 'sum' or 'mean' without max_norm or "
+                "scale_grad_by_freq, or pass the ids as a 2-D tensor [batch, bag size] (pad short bags with "
+                "padding_idx), or leave its weight out of Cockpit(params)."
+            )
 
     def _batch(self, call: Call) -> int:
         if self.batch_size is not None:

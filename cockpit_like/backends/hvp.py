@@ -22,16 +22,77 @@ May import torch only.
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MissingGraphError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit"]
+__all__ = ["MissingGraphError", "NoSecondDerivativeError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit"]
 
 
 class MissingGraphError(RuntimeError):
     """The gradients carry no graph, so no Hessian-vector product can be formed."""
+
+
+#: what a twice differentiable replacement of an operation without second derivative is, by its name's part
+_REPLACEMENTS = {
+    "embedding_bag": "nn.EmbeddingBag: nn.Embedding followed by .sum(1) or .mean(1) over the bag (2-D ids, "
+                     "per_sample_weights as a product) computes the same and has one",
+}
+
+
+class NoSecondDerivativeError(RuntimeError):
+    """An operation of the step's forward pass has no second derivative: no Hessian-vector product
+    can go through the graph of ``p.grad``. ``operation`` is its name as PyTorch gives it (or ``None``)."""
+
+    def __init__(self, owner: str, error: BaseException, quantities: tuple[str, ...] | None = None, step=None):
+        # PyTorch says "the derivative for 'op' is not implemented" or "derivative for aten::op is not implemented"
+        match = re.search(r"derivative for (?:'([^']+)'|(?:aten::)?([\w.]+))", str(error))
+        self.owner, self.error, self.quantities, self.step = owner, error, quantities, step
+        self.operation = (match.group(1) or match.group(2)) if match else None
+        super().__init__(self._message())
+
+    @property
+    def kernel(self) -> bool:
+        """Whether the operation is an attention or cuDNN kernel that the math kernels replace."""
+        name = self.operation or ""
+        return "attention" in name or "cudnn" in name or "miopen" in name
+
+    def for_step(self, step: int, quantities: tuple[str, ...]) -> "NoSecondDerivativeError":
+        """The same error naming the quantities of ``step`` that need Hessian-vector products."""
+        return NoSecondDerivativeError(self.owner, self.error, tuple(quantities), step)
+
+    def _message(self) -> str:
+        operation = f"the operation '{self.operation}'" if self.operation else "an operation"
+        where = f" of step {self.step}" if self.step is not None else ""
+        head = f"{self.owner}: {operation} of this step's forward pass has no second derivative ({self.error})."
+        kernel_advice = (
+            " For attention the cockpit runs the forward pass of steps that need "
+            "the graph with PyTorch's math attention kernel and without cuDNN (recurrent "
+            "layers), which have one: pass "
+            "Cockpit(..., model=model), create the cockpit before the first forward pass and "
+            "number the steps 0, 1, 2, ... (the cockpit expects step s + 1 after step s). "
+            "Or wrap the forward pass in `torch.nn.attention.sdpa_kernel("
+            "torch.nn.attention.SDPBackend.MATH)` (and `torch.backends.cudnn.flags(enabled=False)` "
+            "for recurrent layers on a GPU) yourself."
+        )
+        if self.kernel:
+            return head + kernel_advice
+        if self.quantities:
+            who = f"The quantities{where} that need them: {', '.join(self.quantities)}."
+        else:
+            who = ("Quantities that need them: HessMaxEV, HessTrace / TICDiag / TICTrace with curvature "
+                   "'hutchinson' (or 'auto' on a model BackPACK does not extend), HessEigenvalues, "
+                   "HessSpectralDensity, HessTraceEstimate.")
+        replacement = next((text for part, text in _REPLACEMENTS.items() if part in (self.operation or "")), None)
+        return head + (
+            " Hessian-vector products differentiate the backward pass again, so the curvature quantities "
+            f"that use them cannot be computed on this model. {who} Leave them out (e.g. "
+            "configuration('economy') has none), or track them on a model without this operation"
+            + (f" ({replacement})." if replacement else ".")
+            + (kernel_advice if self.operation is None else "")  # unknown: it may be an attention kernel
+        )
 
 
 def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV", *, local: bool = False):
@@ -85,17 +146,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                 if limit is not None:
                     raise RuntimeError(f"{owner}: {limit}") from error
                 if "derivative for" in str(error) and "not implemented" in str(error):
-                    raise RuntimeError(
-                        f"{owner}: an operation of this step's forward pass has no second derivative "
-                        f"({error}). For attention the cockpit runs the forward pass of steps that need "
-                        "the graph with PyTorch's math attention kernel and without cuDNN (recurrent "
-                        "layers), which have one: pass "
-                        "Cockpit(..., model=model), create the cockpit before the first forward pass and "
-                        "number the steps 0, 1, 2, ... (the cockpit expects step s + 1 after step s). "
-                        "Or wrap the forward pass in `torch.nn.attention.sdpa_kernel("
-                        "torch.nn.attention.SDPBackend.MATH)` (and `torch.backends.cudnn.flags(enabled=False)` "
-                        "for recurrent layers on a GPU) yourself."
-                    ) from error
+                    raise NoSecondDerivativeError(owner, error) from error
                 if "modified by an inplace operation" not in str(error):
                     raise
                 raise RuntimeError(

@@ -46,7 +46,13 @@ values and at the context, then its projections are sequence factors
 (``in_proj_weight``: ``sum_t [dq; dk; dv]_t x_t^T``; ``out_proj.weight``:
 ``sum_t delta_t c_t^T``). The rule checks that its recomputed output equals
 the recorded one and otherwise returns ``None`` (options it does not
-reproduce: ``bias_k``, ``add_zero_attn``, separate key/value dimensions).
+reproduce: ``bias_k``, ``add_zero_attn``, dropout). Cross attention (a query
+length other than the keys') and separate key/value widths (``kdim``, ``vdim``:
+``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``, each a sequence factor
+of its own input) are covered, and attention weights used in the loss.
+``nn.EmbeddingBag`` (``"sum"``/``"mean"``; 2-D ids, or 1-D ids with ``offsets``,
+which the re-run cannot split) scatter-adds each id's weighted output gradient
+into its bag's row, after checking its reading of the call against the output.
 
 May import torch and :mod:`cockpit_like.backends` helpers only.
 """
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 from collections.abc import Callable
 
@@ -447,8 +454,13 @@ def rule_for(module: nn.Module) -> Rule | None:
 
 
 def _multihead_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dict, output, grads: list):
-    """Per-sample gradients of the four projection parameters (see the module docstring), or ``None``."""
-    if module.bias_k is not None or module.add_zero_attn or not module._qkv_same_embed_dim or module.dropout:
+    """Per-sample gradients of the projection parameters (see the module docstring), or ``None``.
+
+    Self and cross attention (a query length other than the keys'), separate key/value widths
+    (``kdim``/``vdim``: ``q_proj_weight``, ``k_proj_weight``, ``v_proj_weight``), masks, and attention
+    weights that get a gradient of their own (``need_weights=True`` with the weights used in the loss).
+    """
+    if module.bias_k is not None or module.add_zero_attn or module.dropout:
         return None
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask", "average_attn_weights", "is_causal")
     given = dict(zip(names, args))
@@ -461,10 +473,18 @@ def _multihead_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dic
         query, key, value = (t.transpose(0, 1) for t in (query, key, value))
     delta = grads[0] if module.batch_first else grads[0].transpose(0, 1)
     recorded = output[0] if isinstance(output, tuple) else output
+    recorded_weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+    # the attention weights (always batch first) with a gradient of their own: recomputed explicitly
+    d_weights = grads[1] if len(grads) > 1 and isinstance(recorded_weights, torch.Tensor) else None
+    if d_weights is not None and not bool(d_weights.any()):
+        d_weights = None
     if not module.batch_first:
         recorded = recorded.transpose(0, 1)
     embed, heads = module.embed_dim, module.num_heads
-    w_q, w_k, w_v = module.in_proj_weight.detach().chunk(3)
+    if module._qkv_same_embed_dim:
+        w_q, w_k, w_v = module.in_proj_weight.detach().chunk(3)
+    else:
+        w_q, w_k, w_v = (w.detach() for w in (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight))
     b_q, b_k, b_v = (None, None, None) if module.in_proj_bias is None else module.in_proj_bias.detach().chunk(3)
     # an output narrower than the weights: the forward pass ran under autocast; recompute under the same one
     cast = recorded.is_floating_point() and torch.finfo(recorded.dtype).bits < torch.finfo(w_q.dtype).bits
@@ -480,32 +500,59 @@ def _multihead_attention(module: nn.MultiheadAttention, args: tuple, kwargs: dic
             return t.reshape(batch, n, heads, embed // heads).transpose(1, 2)
 
         mask = _attention_mask(given, batch, heads, length, source, q.dtype)
-        context = F.scaled_dot_product_attention(
-            split(q, length), split(k, source), split(v, source), attn_mask=mask,
-            is_causal=bool(given.get("is_causal")) and mask is None,
-        ).transpose(1, 2).reshape(batch, length, embed)
+        causal = bool(given.get("is_causal")) and mask is None
+        weights = None
+        if d_weights is None:
+            context = F.scaled_dot_product_attention(
+                split(q, length), split(k, source), split(v, source), attn_mask=mask, is_causal=causal
+            )
+        else:  # as nn.MultiheadAttention computes its weights: softmax(q k^T / sqrt(d) + mask)
+            scores = split(q, length) @ split(k, source).transpose(-2, -1) / math.sqrt(embed // heads)
+            if causal:
+                scores = scores.masked_fill(torch.ones(length, source, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            if mask is not None:
+                scores = scores + mask
+            attention = scores.softmax(-1)
+            context = attention @ split(v, source)
+            weights = attention.mean(1) if given.get("average_attn_weights", True) else attention
+        context = context.transpose(1, 2).reshape(batch, length, embed)
         out = F.linear(context, module.out_proj.weight.detach(), None if module.out_proj.bias is None else module.out_proj.bias.detach())
-        recorded = recorded.detach()
-        parts = finite_parts(out.detach(), recorded)
-        if parts is None or (
-            parts[1].numel() and not torch.allclose(parts[0].to(parts[1].dtype), parts[1], rtol=rtol,
-                                                    atol=1e-2 * rtol * (1 + float(parts[1].abs().max())))
-        ):
-            return None
-        d_q, d_k, d_v = torch.autograd.grad(out, (q, k, v), delta.to(out.dtype))
+        checks = [(out, recorded)] + ([] if weights is None else [(weights, recorded_weights)])
+        for new, old in checks:
+            parts = finite_parts(new.detach(), old.detach())
+            if parts is None or parts[0].shape != parts[1].shape or (
+                parts[1].numel() and not torch.allclose(parts[0].to(parts[1].dtype), parts[1], rtol=rtol,
+                                                        atol=1e-2 * rtol * (1 + float(parts[1].abs().max())))
+            ):
+                return None
+        outputs, cotangents = [out], [delta.to(out.dtype)]
+        if weights is not None:
+            outputs.append(weights)
+            cotangents.append(d_weights.to(weights.dtype))
+        d_q, d_k, d_v = torch.autograd.grad(outputs, (q, k, v), cotangents)
     context = context.detach()
-    if self_attention:
-        a, b = torch.cat((d_q, d_k, d_v), dim=2), query.detach()
-    else:
-        zeros = [torch.zeros_like(d) for d in (d_q, d_k, d_v)]
-        a = torch.cat(
-            (torch.cat((d_q, zeros[1], zeros[2]), 2), torch.cat((zeros[0], d_k, zeros[2]), 2), torch.cat((zeros[0], zeros[1], d_v), 2)),
-            dim=1,
+    forms = {"out_proj.weight": Sequence(delta, context)}
+    if not module._qkv_same_embed_dim:
+        forms.update(
+            q_proj_weight=Sequence(d_q, query.detach()),
+            k_proj_weight=Sequence(d_k, key.detach()),
+            v_proj_weight=Sequence(d_v, value.detach()),
         )
-        b = torch.cat((query.detach(), key.detach(), value.detach()), dim=1)
-    forms = {"in_proj_weight": Sequence(a, b), "out_proj.weight": Sequence(delta, context)}
+    elif self_attention:
+        forms["in_proj_weight"] = Sequence(torch.cat((d_q, d_k, d_v), dim=2), query.detach())
+    else:
+        # the rows of in_proj_weight for queries, keys and values, each from its own tokens (length L for the
+        # queries, S for the keys and values): one sequence over the L + 2 S tokens, zero outside each block
+        blocks = []
+        for index, d in enumerate((d_q, d_k, d_v)):
+            parts = [torch.zeros_like(d)] * 3
+            parts[index] = d
+            blocks.append(torch.cat(parts, dim=2))
+        forms["in_proj_weight"] = Sequence(
+            torch.cat(blocks, dim=1), torch.cat((query.detach(), key.detach(), value.detach()), dim=1)
+        )
     if module.in_proj_bias is not None:
-        forms["in_proj_bias"] = Dense(a.sum(1))
+        forms["in_proj_bias"] = Dense(torch.cat((d_q.sum(1), d_k.sum(1), d_v.sum(1)), dim=1))
     if module.out_proj.bias is not None:
         forms["out_proj.bias"] = Dense(delta.sum(1))
     return forms
@@ -528,5 +575,77 @@ def _attention_mask(given: dict, batch: int, heads: int, length: int, source: in
     return None if mask is None else mask.expand(batch, heads, length, source)
 
 
+def _embedding_bag(module: nn.EmbeddingBag, args: tuple, kwargs: dict, output, grads: list):
+    """``weight``'s per-sample gradient of ``nn.EmbeddingBag`` in ``"sum"``/``"mean"`` mode (a sample is a
+    bag: a row of a 2-D input, or ``input[offsets[i]:offsets[i + 1]]`` of a 1-D input with ``offsets``):
+    ``sum_t w_t e_{id_t} delta_i^T`` over the bag's ids, ``w_t`` its ``per_sample_weights`` (``"sum"``) or
+    ``1 / (its ids but padding_idx)`` (``"mean"``), 0 for ``padding_idx``. ``None`` (the re-run) for
+    ``"max"`` mode, ``max_norm`` and ``scale_grad_by_freq``, or where the recomputed output differs."""
+    if module.mode not in ("sum", "mean") or module.max_norm is not None or module.scale_grad_by_freq or not grads:
+        return None
+    given = dict(zip(("input", "offsets", "per_sample_weights"), args))
+    given.update(kwargs or {})
+    ids, offsets, weights = given.get("input"), given.get("offsets"), given.get("per_sample_weights")
+    delta, recorded = grads[0], output
+    if not isinstance(ids, torch.Tensor) or not isinstance(recorded, torch.Tensor) or delta.dim() != 2:
+        return None
+    batch, (vocab, width) = delta.shape[0], module.weight.shape
+    ids = ids.detach()
+    if ids.dim() == 2:  # a bag per row
+        if offsets is not None:
+            return None
+        bags = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])
+        ids = ids.reshape(-1)
+    elif ids.dim() == 1 and isinstance(offsets, torch.Tensor):
+        starts = offsets.detach().long()
+        if module.include_last_offset:
+            starts = starts[:-1]
+        if starts.numel() != batch:
+            return None
+        # bag of each id: the number of starts at or before its position, minus 1
+        bags = torch.bucketize(torch.arange(ids.numel(), device=ids.device), starts, right=True) - 1
+    else:
+        return None
+    scale = torch.ones(ids.shape, dtype=delta.dtype, device=delta.device)
+    if weights is not None:
+        scale = weights.detach().reshape(-1).to(delta.dtype)
+    if module.padding_idx is not None:
+        scale = scale.masked_fill(ids == module.padding_idx, 0)
+    if module.mode == "mean":
+        counts = torch.zeros(batch, dtype=delta.dtype, device=delta.device).index_add_(0, bags, (scale != 0).to(delta.dtype))
+        scale = scale / counts.clamp(min=1)[bags]
+    # the rule's own reading of the call must give the recorded output (offsets, padding, modes)
+    table = module.weight.detach()
+    out = torch.zeros(batch, width, dtype=table.dtype, device=table.device).index_add_(0, bags, table[ids] * scale[:, None].to(table.dtype))
+    parts = finite_parts(out, recorded.detach())
+    if parts is None or parts[0].shape != parts[1].shape or (
+        parts[1].numel() and not torch.allclose(parts[0].to(parts[1].dtype), parts[1], rtol=1e-4,
+                                                atol=1e-6 * (1 + float(parts[1].abs().max())))
+    ):
+        return None
+    delta = delta.detach()
+    values = scale[:, None] * delta[bags]  # [ids, width]: what each id adds to its bag's row
+
+    def make(start: int, stop: int) -> torch.Tensor:
+        keep = (bags >= start) & (bags < stop)
+        rows = (bags[keep] - start) * vocab + ids[keep]
+        grad_batch = delta.new_zeros((stop - start) * vocab, width).index_add_(0, rows, values[keep])
+        return grad_batch.view(stop - start, vocab, width)
+
+    def batch_sum() -> torch.Tensor:
+        return delta.new_zeros(vocab, width).index_add_(0, ids, values)
+
+    def add_into(out: torch.Tensor, start: int, stop: int) -> None:
+        keep = (bags >= start) & (bags < stop)
+        rows = (bags[keep] - start) * vocab + ids[keep]
+        out.view(-1, width).index_add_(0, rows, values[keep].to(out.dtype))
+
+    def add_sum_into(out: torch.Tensor) -> None:
+        out.index_add_(0, ids, values.to(out.dtype))
+
+    lazy = LazyRows(batch, module.weight.shape, make, max(4, delta.element_size()), batch_sum, add_into, add_sum_into)
+    return {"weight": Lazy(lazy)}
+
+
 #: module class -> ``rule(module, args, kwargs, output, output_grads) -> {param name: form} | None``
-RECOMPUTE_RULES: dict[type, Callable] = {nn.MultiheadAttention: _multihead_attention}
+RECOMPUTE_RULES: dict[type, Callable] = {nn.MultiheadAttention: _multihead_attention, nn.EmbeddingBag: _embedding_bag}

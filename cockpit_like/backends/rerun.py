@@ -14,12 +14,22 @@ Every re-run must reproduce the recorded outputs of the forward pass (a
 key/value cache argument, filled by the call itself, is left out); if it does
 not (state, a coupled batch), :class:`UncoveredParameterError` says so.
 
+A re-run leaves the model as it was: the buffers of the re-run module (all of
+them, its parametrizations' included) are put back afterwards, and torch's
+random number generators too (:func:`_model_kept`). The buffers of its
+parametrizations (``spectral_norm``'s power iteration vectors, updated in
+place by each read of the weight in training mode) are set, before each re-run,
+to what they were when the recorded call began (``Call.state``, noted by the
+tracer), so the re-run computes the weight the forward pass computed.
+
 May import torch, :mod:`cockpit_like.backends.tracer` and
 :mod:`cockpit_like.backends.per_sample` only; never
 :mod:`~cockpit_like.backends.hooks` (which imports this module).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch import nn
@@ -28,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cockpit_like.backends.module_rules import finite_parts
 from cockpit_like.backends.per_sample import LazyRows
-from cockpit_like.backends.tracer import Shell, _flat_outputs
+from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
 
 __all__ = ["UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
 
@@ -70,7 +80,7 @@ def _batched(module, position, tensor, batch) -> int | None:
 
 def per_sample_grads(
     module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
-    shared: bool = False,
+    shared: bool = False, state: list | None = None,
 ) -> list[torch.Tensor]:
     """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
 
@@ -82,17 +92,20 @@ def per_sample_grads(
     arguments are split too. ``shared``: the module computed one output shared by
     all rows (leading 1), whose rows' gradients ``grads`` come from where it was
     added to the batch; its inputs are not split. ``recorded``: the outputs of the
-    forward pass, which the re-run must reproduce (else an error says why not).
+    forward pass, which the re-run must reproduce (else an error says why not). ``state``: the buffers of
+    the module's parametrizations when the call began (``Call.state``), which each re-run starts from.
+    The model's buffers and torch's random number generators are left as they were.
     """
-    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
-    results, outputs = rerun.rows(0, batch)
-    rerun.check(outputs, recorded, 0, batch)
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state)
+    with _model_kept(module):
+        results, outputs = rerun.rows(0, batch)
+        rerun.check(outputs, recorded, 0, batch)
     return results
 
 
 def per_sample_grad_rows(
     module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
-    shared: bool = False,
+    shared: bool = False, state: list | None = None,
 ) -> list[LazyRows]:
     """:func:`per_sample_grads` a block of rows at a time: per parameter a
     :class:`~cockpit_like.backends.per_sample.LazyRows` whose ``make(start, stop)``
@@ -100,15 +113,16 @@ def per_sample_grad_rows(
     checked against ``recorded`` once), so that no ``[B, *p.shape]`` exists when
     the reducer takes blocks under its budget. A parameter's blocks re-run the
     module's rows once each: ``len(params)`` re-runs of the batch in all."""
-    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared)
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state)
     checked: set[tuple[int, int]] = set()
 
     def maker(index: int):
         def make(start: int, stop: int) -> torch.Tensor:
-            results, outputs = rerun.rows(start, stop, only=index)
-            if (start, stop) not in checked:
-                rerun.check(outputs, recorded, start, stop)
-                checked.add((start, stop))
+            with _model_kept(module):
+                results, outputs = rerun.rows(start, stop, only=index)
+                if (start, stop) not in checked:
+                    rerun.check(outputs, recorded, start, stop)
+                    checked.add((start, stop))
             return results[0]
 
         return make
@@ -119,11 +133,12 @@ def per_sample_grad_rows(
 class _Rerun:
     """A module call prepared for re-running rows (:func:`per_sample_grads`)."""
 
-    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared):
+    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared, state=None):
         names: dict[int, str] = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
         self.module, self.params, self.tracer, self.batch = module, list(params), tracer, batch
+        self.state = state or []
         self.param_names = [names[id(p)] for p in params]
         args, kwargs = list(args or ()), dict(kwargs or {})
         # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
@@ -149,6 +164,7 @@ class _Rerun:
         self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
 
         def run(p: dict, rows: list) -> tuple:
+            self.rewind()
             current = list(values)
             for k, row in zip(self.batched, rows):
                 current[k] = row
@@ -162,6 +178,17 @@ class _Rerun:
             return tuple(out[i] for i in want)
 
         self.run = run
+
+    def rewind(self) -> None:
+        """The module's parametrizations' buffers as they were when the recorded call began."""
+        with torch.no_grad():
+            for owner, name, value in self.state:
+                current = owner._buffers.get(name)
+                if isinstance(current, torch.Tensor) and current.shape == value.shape:
+                    if not torch.equal(current, value):
+                        current.copy_(value)
+                else:
+                    owner._buffers[name] = value.clone()
 
     def rows(self, start: int, stop: int, only: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``([stop - start, *p.shape] per parameter (or for ``params[only]``), the re-run's outputs)``."""
@@ -210,8 +237,32 @@ class _Rerun:
                 "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
                 "its forward pass depends on state (a key/value cache filled by earlier forward passes: pass "
                 "use_cache=False while training; random numbers: set dropout to 0 or call .eval(); a loss or "
-                "statistic over the whole batch computed inside it)."
+                "statistic over the whole batch computed inside it)." + _parametrization_hint(self.module)
             )
+
+
+@contextlib.contextmanager
+def _model_kept(module: nn.Module):
+    """Re-runs of ``module`` inside leave the user's run as it was: every buffer of ``module`` (its
+    parametrizations' included; a buffer a forward pass replaces is put back too) and the states of
+    torch's random number generators (CPU, and the CUDA devices of the module's tensors)."""
+    kept = [
+        (owner, name, value, value.detach().clone())
+        for owner in module.modules()
+        for name, value in owner._buffers.items()
+        if isinstance(value, torch.Tensor)
+    ]
+    devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for owner, name, value, copy in kept:
+                if owner._buffers.get(name) is not value:
+                    owner._buffers[name] = value
+                if not torch.equal(value, copy):
+                    value.copy_(copy)
 
 
 def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):
@@ -250,6 +301,30 @@ def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
             per_output[k].append(o.detach())
     outputs = [torch.cat(rows, d) for rows, d in zip(per_output, out_dims)]
     return [torch.stack(rows) for rows in per_param], outputs
+
+
+def _parametrization_hint(module: nn.Module) -> str:
+    """A sentence naming ``module``'s parametrizations, the likely cause of a re-run that differs, or ``""``."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    found = [
+        f"{name or 'itself'} ({', '.join(type(p).__name__ for p in child)})"
+        for name, child in module.named_modules()
+        if isinstance(child, ParametrizationList)
+    ]
+    if not found:
+        return ""
+    stateful = " with state (buffers: " + ", ".join(
+        f"{type(part).__name__}: {', '.join(part._buffers)}" for part in stateful_parts(module)
+    ) + ")" if stateful_parts(module) else ""
+    return (
+        f" It has parametrizations (torch.nn.utils.parametrize) at {'; '.join(found)}{stateful}: a parametrization "
+        "that updates its state whenever the parametrized tensor is read (as spectral_norm's power iteration "
+        "does in training mode), or that reads it outside this call, makes a re-run compute another tensor. "
+        "The cockpit re-runs from the state the call began with; a parametrization whose forward depends on "
+        "anything else (random numbers, a counter) cannot be re-run: compute the tensor once per step "
+        "outside the module, or leave its parameters out of Cockpit(params)."
+    )
 
 
 def _replayable(value):

@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES
 
-__all__ = ["ModelTracer", "Call", "Shell"]
+__all__ = ["ModelTracer", "Call", "Shell", "stateful_parts", "snapshot_state"]
 
 
 # ---- the tracer ---------------------------------------------------------------------
@@ -62,6 +62,8 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     # where the call began: the calls noted since then are the calls it made (its descendants)
     opened = tracer.opened.get(id(module))
     start = opened.pop() if opened else len(calls)
+    states = tracer.states.get(id(module))
+    state = states.pop() if states else None
     if start == len(calls) and not module._parameters and not module._modules:
         return  # a leaf without parameters (activations, dropout, pooling): nothing to compute, nothing kept
     if type(module) not in RECOMPUTE_RULES:
@@ -69,7 +71,7 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
         output = tree_map(_shell, output)
     # the output is returned unchanged: the cockpit never changes what the model computes
-    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)))
+    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)), state)
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
         return
@@ -107,6 +109,32 @@ def _open(tracer_id: int, module, args) -> None:
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
     tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
+    stateful = tracer.stateful.get(id(module))
+    if stateful:
+        tracer.states.setdefault(id(module), []).append(snapshot_state(stateful))
+
+
+def stateful_parts(module: nn.Module) -> list[nn.Module]:
+    """The modules inside ``module`` whose buffers a forward pass updates in place as a rule: those of
+    parametrizations (``torch.nn.utils.parametrize``; ``spectral_norm``'s power iteration vectors ``_u``,
+    ``_v`` in training mode), which run whenever the parametrized tensor is read."""
+    from torch.nn.utils.parametrize import ParametrizationList
+
+    parts: list[nn.Module] = []
+    for child in module.modules():
+        if isinstance(child, ParametrizationList):
+            parts.extend(part for part in child.modules() if part._buffers)
+    return parts
+
+
+def snapshot_state(parts: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """``(module, buffer name, copy)`` of every buffer of ``parts`` as it is now (:func:`stateful_parts`)."""
+    return [
+        (part, name, value.detach().clone())
+        for part in parts
+        for name, value in part._buffers.items()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 def _leading_dim(args, kwargs) -> int:
@@ -146,11 +174,14 @@ class Call:
 
     __slots__ = (
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
-        "start", "position", "climbed", "consumer", "flat",
+        "start", "position", "climbed", "consumer", "flat", "state",
     )
 
-    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0):
+    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0, state=None):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        #: the buffers of the module's parametrizations as they were when the call began
+        #: (:func:`snapshot_state`; ``None``: none): a re-run of the call starts from them
+        self.state = state
         #: rows of the forward pass that made the call (0: unknown)
         self.batch = batch
         #: index of the first call noted after this one began: calls ``start ..`` before it are its descendants
@@ -173,13 +204,13 @@ class Call:
 
     def fresh(self) -> "Call":
         """The same recorded call with no backward state (for another backward pass)."""
-        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start)
+        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start, self.state)
         call.position = self.position
         return call
 
     def release(self) -> None:
         """Drop the inputs, outputs and gradients once the call's per-sample gradients are out."""
-        self.args = self.kwargs = self.output = self.node = None
+        self.args = self.kwargs = self.output = self.node = self.state = None
         self.entries, self.grads = [], []
 
 
@@ -212,6 +243,11 @@ class ModelTracer:
         self.calls: list[tuple] = []
         #: ``id(module) -> [len(calls) when each of its running calls began]``
         self.opened: dict[int, list[int]] = {}
+        #: ``id(module) -> its parametrizations' modules with buffers`` (:func:`stateful_parts`), for
+        #: the hooked modules that have some
+        self.stateful: dict[int, list[nn.Module]] = {}
+        #: ``id(module) -> [the state of its parametrizations when each of its running calls began]``
+        self.states: dict[int, list] = {}
         self.paused = False
         self.roots: list[weakref.ref] = []
         self._covered: set[int] = set()
@@ -255,6 +291,9 @@ class ModelTracer:
                 named = dict(module.named_parameters())
                 direct = {name: p for name, p in named.items() if "." not in name}
                 self._named[id(module)] = (named, direct)
+                parts = stateful_parts(module)
+                if parts:
+                    self.stateful[id(module)] = parts
         self._handles.append(root.register_forward_pre_hook(partial(_before_root, self.id), with_kwargs=True))
         self._handles.append(root.register_forward_hook(partial(_after_root, self.id, self._kernel_stack), always_call=True))
         self._covered |= {id(p) for p in root.parameters()}
@@ -284,6 +323,8 @@ class ModelTracer:
         self.attach(module)
         self.enter_forward(args, {}, module)  # this call's pre-hooks were registered too late for this call
         self.opened.setdefault(id(module), []).append(len(self.calls))
+        if id(module) in self.stateful:
+            self.states.setdefault(id(module), []).append(snapshot_state(self.stateful[id(module)]))
         if self.covers_all() and self._global_handle is not None:
             self._global_handle.remove()
             self._global_handle = None
@@ -346,6 +387,7 @@ class ModelTracer:
     def drop_calls(self) -> None:
         """Forget the calls noted since the last step (a step that tracks nothing)."""
         self.calls, self.passes, self.opened, self.stray = [], 0, {}, False
+        self.states = {}
         self.math_attention = False
 
     @contextlib.contextmanager

@@ -263,6 +263,9 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def create_graph(self, global_step: int) -> bool:
         return self._need(global_step) is not None and self.should_compute(global_step)
 
+    def hessian_products(self, global_step: int) -> bool:
+        return self._step_method(global_step) in ("hutchinson", "hutch++") and self.should_compute(global_step)
+
     def settings(self) -> dict:
         settings = {"curvature": self._requested}
         if self._requested in ESTIMATORS or self.method != self._requested:

@@ -94,6 +94,9 @@ class KrylovQuantity(SingleStepQuantity):
     def create_graph(self, global_step: int) -> bool:
         return self.should_compute(global_step)
 
+    def hessian_products(self, global_step: int) -> bool:
+        return self.should_compute(global_step)
+
     def settings(self) -> dict:
         return {
             "max_products": self._max_products,

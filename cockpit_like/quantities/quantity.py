@@ -152,6 +152,11 @@ class Quantity:
         """Whether the backward pass must keep the graph (``create_graph=True``)."""
         return False
 
+    def hessian_products(self, global_step: int) -> bool:
+        """Whether it needs Hessian-vector products at ``global_step`` (second derivatives of every
+        operation of the forward pass; named in the error of a step whose model has an operation without)."""
+        return False
+
     def settings(self) -> dict[str, Any]:
         """JSON-safe description of the quantity's arguments (written to logs)."""
         return {}

@@ -1,0 +1,138 @@
+"""Re-running a module row by row (the torch.func fallback) leaves the user's run alone and computes the forward
+pass's tensors: parametrizations with state (spectral_norm's power iteration), buffers a forward pass updates,
+random draws inside a module.
+
+Per-sample numbers against a loop of torch.autograd.grad over the rows of the step's own graph (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrizations, parametrize
+
+from cockpit_like import Cockpit
+from cockpit_like.backends.hooks import UncoveredParameterError
+from cockpit_like.backends.per_sample_stats import SquaredNorms, SumOfSquares
+from cockpit_like.context import get_record
+from cockpit_like.quantities.quantity import SingleStepQuantity
+from cockpit_like.utils.configuration import configuration
+
+
+class _Probe(SingleStepQuantity):
+    def per_sample_stats(self, step):
+        return [SumOfSquares(), SquaredNorms()]
+
+    def _compute(self, step, params, loss):
+        record = get_record(step)
+        return [s.clone() for s in record.stat(SumOfSquares())], record.stat(SquaredNorms()).clone()
+
+
+class Counting(nn.Module):
+    """No per-layer rule (re-run); counts its calls in a buffer and draws (unused) random numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(5, 6)
+        self.scale = nn.Parameter(torch.ones(6))  # its own parameter: the module itself is re-run
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls += 1
+        return torch.tanh(self.linear(x)) * self.scale + 0.0 * torch.rand_like(x[:, :1])
+
+
+def _spectral(iterations: int = 1, warm: int = 0) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        parametrizations.spectral_norm(nn.Linear(5, 6), n_power_iterations=iterations), nn.Tanh(), nn.Linear(6, 3)
+    ).double()
+    with torch.no_grad():
+        for _ in range(warm):
+            model(torch.zeros(1, 5, dtype=torch.float64))
+    return model
+
+
+def _counting() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Counting(), nn.Linear(6, 3)).double()
+
+
+def _batch(step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (8,), generator=generator)
+
+
+@pytest.mark.parametrize("iterations,warm", [(1, 0), (2, 0), (1, 30)])
+def test_spectral_norm_per_sample_gradients_match_the_loop(iterations, warm):
+    """The re-run computes the weight of the forward pass (power iteration from the vectors the call began
+    with), so the per-sample gradients are the step's; cold vectors made the re-run differ before."""
+    model = _spectral(iterations, warm)
+    inputs, labels = _batch(0)
+    params = list(model.parameters())
+    probe = _Probe(lambda step: True)
+    cockpit = Cockpit(params, quantities=[probe], model=model)
+    losses = F.cross_entropy(model(inputs), labels, reduction="none")
+    rows = [torch.autograd.grad(losses[i] / 8, params, retain_graph=True) for i in range(8)]
+    loss = losses.mean()
+    with cockpit(0, info={"loss": loss, "batch_size": 8}):
+        loss.backward()
+    squares, norms = probe.output[0]
+    for k, got in enumerate(squares):
+        torch.testing.assert_close(torch.as_tensor(got), sum(r[k] ** 2 for r in rows), rtol=1e-9, atol=1e-15)
+    expected = torch.stack([sum(g.square().sum() for g in r) for r in rows])  # ||g_i / B||^2 over all parameters
+    torch.testing.assert_close(torch.as_tensor(norms), expected, rtol=1e-9, atol=1e-15)
+
+
+def _run(make, track: bool, steps: int = 3):
+    """Parameters, buffers and the next torch.rand after ``steps`` SGD steps (economy preset if ``track``)."""
+    model = make()
+    torch.manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model) if track else None
+    for step in range(steps):
+        inputs, labels = _batch(step)
+        inputs = inputs + 0.01 * torch.rand(inputs.shape, dtype=torch.float64)  # the user's own draws
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(inputs), labels, reduction="none")
+        loss = losses.mean()
+        if cockpit is None:
+            loss.backward()
+        else:
+            info = {"loss": loss, "individual_losses": losses, "batch_size": 8, "optimizer": optimizer}
+            with cockpit(step, info=info):
+                loss.backward(create_graph=cockpit.create_graph(step))
+            assert cockpit.get_output()[step]
+        optimizer.step()
+    state = [t.detach().clone() for t in [*model.parameters(), *model.buffers()]]
+    return state, torch.rand(4)
+
+
+@pytest.mark.parametrize("make", [_spectral, lambda: _spectral(1, 30), _counting], ids=["cold", "warm", "counting"])
+def test_the_rerun_leaves_parameters_buffers_and_random_numbers_bitwise_alone(make):
+    reference, tracked = _run(make, False), _run(make, True)
+    assert len(reference[0]) == len(tracked[0])
+    for expected, actual in zip(reference[0], tracked[0]):
+        assert torch.equal(expected, actual), (expected - actual).abs().max()
+    assert torch.equal(reference[1], tracked[1])
+
+
+class _Jitter(nn.Module):
+    """A parametrization that draws random numbers: no re-run can compute the forward pass's weight."""
+
+    def forward(self, weight):
+        return weight + 0.1 * torch.randn_like(weight)
+
+
+def test_a_parametrization_the_rerun_cannot_reproduce_is_named():
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 6).double()
+    parametrize.register_parametrization(layer, "weight", _Jitter())
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)).double()
+    inputs, labels = _batch(0)
+    cockpit = Cockpit(model.parameters(), quantities=[_Probe(lambda step: True)], model=model)
+    loss = F.cross_entropy(model(inputs), labels)
+    with pytest.raises(UncoveredParameterError, match=r"parametrizations .*parametrizations\.weight \(_Jitter\)"):
+        with cockpit(0, info={"loss": loss, "batch_size": 8}):
+            loss.backward()
