@@ -365,8 +365,12 @@ class TrackedStep:
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
                 ranks.unscale_graph_grads(view)
-            stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
-            stats.update({asked: stats[met_by] for asked, met_by in execution.aliases})
+            # in one process the needs computed after the backward pass (Hessian-vector products through p.grad)
+            # wait for the checks: a step that failed one (stale gradients, a second pass, changed parameters)
+            # stores no number, and its p.grad (or its graph) may not be the step's. Under DDP every rank
+            # computes them, as its collectives must match the other ranks'
+            whole = {} if ranks is None else execution.whole_step_results()
+            stats, info = partitions.merge(params, whole, reduction)
             if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
                 env.run.accumulates = True
             names = env.param_name_list()
@@ -383,6 +387,9 @@ class TrackedStep:
                     "needs the GGN diagonal, which the cockpit now computes beside it from the next step on)",
                 )
                 env.run.scaled_losses = True
+            if ranks is None and checks.valid:
+                stats.update(partitions.merge_whole(execution.whole_step_results()))
+            stats.update({asked: stats[met_by] for asked, met_by in execution.aliases if met_by in stats})
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params,
