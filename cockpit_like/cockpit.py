@@ -30,13 +30,16 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import is_dtensor, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.backends.tracer import ModelTracer
+from cockpit_like.checks.invariants import StepChecks
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput
-from cockpit_like.tracked_step import StepContext, StepEnvironment, StepRun, TrackedStep
+from cockpit_like.tracked_step import (
+    StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, parameters_moved,
+)
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
 
@@ -420,7 +423,20 @@ class Cockpit:
             )
         pending, ignored = self._run.pending, False
         undeclared = "micro_batches" not in (info or {}) and self._run.micro is None
-        if pending is not None and pending.step == global_step and undeclared:
+        optimizer = (info or {}).get("optimizer")
+        self._watch_optimizer(optimizer)
+        # a backward pass inside the optimizer's step(closure): one of the closure's evaluations
+        evaluation = optimizer is not None and self._run.stepping is optimizer
+        if evaluation:
+            self._run.evaluations += 1
+        several = evaluation and (self._run.evaluations > 1 or id(optimizer) in self._run.multi_evaluation)
+        if several and pending is not None and pending.step == global_step:
+            # the step waiting for more backward passes gets another evaluation of the closure: dropped
+            pending._execution.free()
+            self._run.pending, self._run.partitions = None, None
+            self._several_evaluations(global_step, optimizer, set(), evaluation)
+            ignored, micro, count = True, 0, 1
+        elif pending is not None and pending.step == global_step and undeclared:
             # another backward pass of the step whose end was not declared: one more partition of its rows
             pending._execution.free()
             self._run.pending = None
@@ -431,7 +447,15 @@ class Cockpit:
             if micro == 0 and self._active_at(global_step):  # a step is stored once (a notebook cell run again)
                 self._output.check_new_step(global_step, (q.output for q in self.quantities), not undeclared)
             finished = self._run.finished
-            if undeclared and finished is not None and finished[0] == global_step:
+            repeated = undeclared and finished is not None and finished[0] == global_step
+            if several or (repeated and needs_closure(optimizer)):
+                # the optimizer evaluates its closure several times per step (LBFGS): the step is invalid
+                self._several_evaluations(global_step, optimizer, finished[1] if repeated else set(), evaluation)
+                ignored = True
+            elif repeated and _failed_check(self._output.checks.get(global_step), "backward_passes"):
+                self._count_pass(global_step)  # yet another pass of a step already withdrawn
+                ignored = True
+            elif repeated:
                 # a further backward pass of a step already finished as a whole: its values describe only the
                 # first pass's rows; they are withdrawn and the step is stored as invalid, and the cockpit now
                 # finishes steps when the optimizer steps (the next ones are merged)
@@ -487,10 +511,8 @@ class Cockpit:
             complete=self._run.micro is None and self._run.pending is not tracked,
         )
 
-    def _invalidate(self, step: int, decomposed: set[str]) -> None:
-        """A finished step turned out to have more backward passes: withdraw its values (they describe the
-        first pass, not the optimizer step)."""
-        self._run.accumulates = True
+    def _withdraw_step(self, step: int, decomposed: set[str]) -> list[str]:
+        """Withdraw the values ``step`` stored for the quantities named in ``decomposed``; their names."""
         self._run.invalid_steps.add(step)
         withdrawn = []
         for quantity in self.quantities:
@@ -499,15 +521,64 @@ class Cockpit:
                 del quantity.output[step]
                 withdrawn.append(name)
         self._output.retract(step, withdrawn)
+        return withdrawn
+
+    def _count_pass(self, step: int) -> None:
+        """One more backward pass of a step already stored as invalid: its checks count it."""
+        record = dict(self._output.checks[step])
+        record["backward_passes"] = record.get("backward_passes", 1) + 1
+        self._store_checks(step, record)
+
+    def _several_evaluations(self, step: int, optimizer: Any, decomposed: set[str], counted: bool) -> None:
+        """A backward pass of ``step`` inside ``optimizer.step(closure)`` that is not the step's only one (or the
+        optimizer was seen to evaluate its closure several times per step): the step is invalid, said once.
+        ``counted``: :attr:`StepRun.evaluations` counts the step's passes (the optimizer's hooks saw its step
+        begin; not at the first step, whose hooks are set up by its first pass)."""
+        run = self._run
+        learned = run.multi_evaluation.setdefault(id(optimizer), step)
+        record = self._output.checks.get(step)
+        if _failed_check(record, "closure_evaluations"):
+            self._count_pass(step)
+            return
+        withdrawn = self._withdraw_step(step, decomposed)
+        passes = run.evaluations if counted else (1 if record is None else record.get("backward_passes", 1) + 1)
+        record = dict(record) if record is not None else StepChecks(step).to_dict()
+        name = type(optimizer).__name__
+        seen = "" if learned == step else f" (as it did at step {learned}: this step is not computed)"
+        record["valid"] = False
+        record["backward_passes"] = passes
+        record["failed"] = list(record.get("failed", [])) + [{
+            "check": "closure_evaluations",
+            "reason": (
+                f"{name}.step(closure) evaluates its closure (a forward and backward pass) several times per "
+                f"optimizer step{seen}, at parameters it changes in between (LBFGS's iterations and line search): "
+                f"such a step cannot be described by one batch's per-sample gradients at one set of parameters, so "
+                f"step {step} stores no numbers. Use one evaluation per step (LBFGS(max_iter=1) without "
+                "line_search_fn), or enter the cockpit only around the first evaluation of each optimizer step (the "
+                "quantities then describe the gradient where the step starts), or leave the cockpit out for this "
+                "optimizer."
+            ),
+            "withdrawn": withdrawn,
+        }]
+        self._store_checks(step, record)
+
+    def _invalidate(self, step: int, decomposed: set[str]) -> None:
+        """A finished step turned out to have more backward passes: withdraw its values (they describe the
+        first pass, not the optimizer step)."""
+        self._run.accumulates = True
+        withdrawn = self._withdraw_step(step, decomposed)
         record = dict(self._output.checks.get(step, {"failed": [], "notes": []}))
         record["valid"] = False
+        record["backward_passes"] = record.get("backward_passes", 1) + 1
         record["failed"] = list(record.get("failed", [])) + [{
             "check": "backward_passes",
             "reason": (
                 f"step {step} got another backward pass after it was finished as a whole, so its values described "
                 "only the first pass and were withdrawn. The cockpit has learned that this loop "
                 "accumulates: from now on a step ends when info['optimizer'] steps (or the next step begins), and its "
-                "backward passes are merged. Declaring info['micro_batches'] merges them from the first step on."
+                "backward passes are merged. Declaring info['micro_batches'] merges them from the first step on. "
+                "If the passes are an optimizer's evaluations of its closure (LBFGS evaluates it up to max_iter "
+                "times per step), pass info['optimizer'] = optimizer: the cockpit then says so."
             ),
             "withdrawn": withdrawn,
         }]
@@ -521,20 +592,94 @@ class Cockpit:
             pending.finish()
 
     def _watch_optimizer(self, optimizer: Any) -> None:
-        """Finish a pending step right before ``optimizer`` updates the parameters (a step pre-hook)."""
-        if optimizer is None or any(known() is optimizer for known, _ in self._hooked_optimizers):
+        """Step hooks on ``optimizer`` (once): right before it updates the parameters, finish a pending step and
+        check that the parameters (and gradients) are those of the last tracked block
+        (:meth:`_check_optimizer_step`); while its ``step(closure)`` runs, the backward passes begun are its
+        closure's evaluations (:attr:`StepRun.stepping`)."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return
+        if any(known() is optimizer for known, _ in self._hooked_optimizers):
             return
         import weakref
+
+        from cockpit_like.utils.optim import looking_ahead
 
         me = weakref.ref(self)
 
         def before_step(opt, args, kwargs) -> None:
             cockpit = me()
-            if cockpit is not None and cockpit._run.pending is not None:
+            if cockpit is None or looking_ahead():
+                return
+            if cockpit._run.pending is not None:
                 cockpit._flush()
+            cockpit._check_optimizer_step(opt)
+            closure = args[0] if args else kwargs.get("closure")
+            if closure is not None:
+                cockpit._run.stepping, cockpit._run.evaluations = opt, 0
 
-        handle = optimizer.register_step_pre_hook(before_step)
-        self._hooked_optimizers.append((weakref.ref(optimizer), handle))
+        def after_step(opt, args, kwargs) -> None:
+            cockpit = me()
+            if cockpit is None or looking_ahead():
+                return
+            if cockpit._run.stepping is opt:
+                cockpit._run.stepping, cockpit._run.evaluations = None, 0
+            watch = cockpit._run.watch
+            if watch is not None and watch[1] is opt:
+                # not compared before this step: the block ran inside it (a closure's evaluation, at the first
+                # step, whose hooks the block itself set up): its parameters were the optimizer's
+                cockpit._run.watch = None
+
+        handles = (optimizer.register_step_pre_hook(before_step), optimizer.register_step_post_hook(after_step))
+        self._hooked_optimizers.append((weakref.ref(optimizer), handles))
+
+    def _check_optimizer_step(self, optimizer: Any) -> None:
+        """``optimizer`` is about to step: the parameters must be those the last tracked block outside its step
+        saw (else the quantities that measure the parameters or the update are withdrawn at that step, and a note
+        says why), and the gradients of a step finished at the block's end those its backward pass left, or
+        these times one factor (else a note, and Alpha, which predicted the update from them, is withdrawn)."""
+        watch = self._run.watch
+        if watch is None or watch[1] is not optimizer:
+            return
+        self._run.watch = None
+        step, _, before, grads = watch
+        moved = parameters_moved(self.params, step, before)
+        if moved:
+            names = self._env.param_name_list()
+            shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
+            self._withdraw_motion(
+                step, lambda q: getattr(q, "reads_parameters", False), ends=True,
+                note=(f"the parameters ({shown}) changed between the backward pass of step {step} and "
+                      f"{type(optimizer).__name__}.step() (e.g. SAM's perturbation, removed after the cockpit's "
+                      "block): the step's loss and gradients were taken at other parameters than those the "
+                      "optimizer stepped from, so the quantities that measure the parameters or the update are "
+                      "withdrawn at this step: {withdrawn}. Enter the cockpit around the backward pass at the "
+                      "parameters the optimizer steps from, or leave these quantities out."),
+            )  # fmt: skip
+        if grads is not None and gradients_changed(self.params, step, grads):
+            self._withdraw_motion(
+                step, lambda q: getattr(q, "predicts_update", False), ends=False,
+                note=(f"the gradients changed between the end of the backward pass of step {step} and "
+                      f"{type(optimizer).__name__}.step(), and not by one factor (e.g. SAM's second backward pass, "
+                      "per-parameter clipping): the quantities describe the gradient of the backward pass, not the "
+                      "one the optimizer used; withdrawn, as they predict the update from it: {withdrawn}."),
+            )  # fmt: skip
+
+    def _withdraw_motion(self, step: int, which: Callable[[Quantity], bool], ends: bool, note: str) -> None:
+        """Withdraw the values of ``step`` of the quantities ``which`` selects (and, with ``ends``, the values whose
+        end was ``step``), and add ``note`` (``{withdrawn}``: their names) to the step's checks."""
+        withdrawn = []
+        for quantity in self.quantities:
+            if not which(quantity):
+                continue
+            name = self.name_of(quantity)
+            if quantity.is_active(step):
+                withdrawn.append(name)
+            for removed in quantity.withdraw(step, ends=ends):
+                self._output.retract(removed, [name])
+        record = dict(self._output.checks.get(step, {"valid": True, "failed": [], "notes": []}))
+        text = note.format(withdrawn=", ".join(sorted(set(withdrawn))) or "none was stored")
+        record["notes"] = list(record.get("notes", [])) + [text]
+        self._store_checks(step, record)
 
     def _micro_batch(self, step: int, info: dict) -> tuple[int, int]:
         """``(index, count)`` of the backward pass that begins: its place among the step's micro-batches."""
@@ -830,3 +975,9 @@ def _check_step_arguments(global_step: Any, info: Any) -> None:
         raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
+
+
+def _failed_check(record: dict[str, Any] | None, check: str) -> bool:
+    """Whether a step's checks ``record`` holds a failed ``check``."""
+    return record is not None and any(entry.get("check") == check for entry in record.get("failed", []))
+

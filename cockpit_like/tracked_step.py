@@ -34,8 +34,8 @@ from cockpit_like.backends.hvp import NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.invariants import notable, tolerance_for
+from cockpit_like.checks.probe import probe_directions, project, project_all
 from cockpit_like.checks.rows import coupled_rows
-from cockpit_like.checks.probe import probe_directions, project
 from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.quantities.needs import StepNeeds
@@ -69,6 +69,17 @@ class StepRun:
     finished: tuple[int, set[str]] | None = None
     #: steps found invalid after they were stored: late values of their quantities are dropped
     invalid_steps: set[int] = field(default_factory=set)
+    #: the optimizer (``info["optimizer"]``) whose ``step(closure)`` is running: backward passes begun meanwhile
+    #: are its closure's evaluations
+    stepping: Any = None
+    #: tracked backward passes begun during the running ``step(closure)``
+    evaluations: int = 0
+    #: ``{id(optimizer): step}``: optimizers seen to evaluate their closure several times in one step (LBFGS),
+    #: with the step where it was seen
+    multi_evaluation: dict[int, int] = field(default_factory=dict)
+    #: ``(step, optimizer, parameter projections, gradient projections or None)`` of the last tracked block
+    #: outside its optimizer's step, compared when that optimizer steps (:meth:`Cockpit._check_optimizer_step`)
+    watch: Any = None
 
 
 @dataclass(frozen=True)
@@ -336,6 +347,7 @@ class TrackedStep:
         if not self.active:
             execution.free()
             return False
+        self._watch_parameters()
         if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
             self._fingerprint = _fingerprint(env.params, self.step)
             env.run.pending = self
@@ -345,6 +357,28 @@ class TrackedStep:
             return False
         self.finish()
         return False
+
+    def _watch_parameters(self) -> None:
+        """Keep a projection of the parameters (and, for a step finished at the block's end, of the gradients) as
+        the block leaves them, to be compared when ``info["optimizer"]`` steps (:meth:`Cockpit._check_optimizer_step`):
+        the parameters must be those the optimizer steps from. Not for a block inside the optimizer's
+        ``step(closure)`` (its closure: the parameters are the optimizer's by construction) or sharded ones."""
+        env, optimizer = self.env, self.info.get("optimizer")
+        if not (env.self_checks and _is_optimizer(optimizer)) or env.run.stepping is optimizer:
+            return
+        if needs_closure(optimizer):  # the block is inside its step (the first step's, before the hooks were set)
+            return
+        if any(is_dtensor(p) for p in env.params):
+            return
+        # the gradients as the step's last backward pass leaves them, where the step ends at this block (a deferred
+        # step checks its own when it finishes)
+        grads = _fingerprint(env.params, self.step) if self.last and not self.open_ended else None
+        watch = env.run.watch
+        if watch is not None and watch[0] == self.step and watch[1] is optimizer:
+            # a further backward pass of the step: the parameters are compared with the first one's
+            env.run.watch = (*watch[:3], grads)
+            return
+        env.run.watch = (self.step, optimizer, parameter_prints(env.params, self.step), grads)
 
     def finish(self) -> None:
         """Merge the step's backward passes, check them, track the quantities and publish what they stored."""
@@ -385,8 +419,12 @@ class TrackedStep:
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
                 ranks.unscale_graph_grads(view)
-            stats, info = partitions.merge(params, execution.whole_step_results(), reduction)
-            stats.update({asked: stats[met_by] for asked, met_by in execution.aliases})
+            # in one process the needs computed after the backward pass (Hessian-vector products through p.grad)
+            # wait for the checks: a step that failed one (stale gradients, a second pass, changed parameters)
+            # stores no number, and its p.grad (or its graph) may not be the step's. Under DDP every rank
+            # computes them, as its collectives must match the other ranks'
+            whole = {} if ranks is None else execution.whole_step_results()
+            stats, info = partitions.merge(params, whole, reduction)
             if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
                 env.run.accumulates = True
             names = env.param_name_list()
@@ -403,6 +441,9 @@ class TrackedStep:
                     "needs the GGN diagonal, which the cockpit now computes beside it from the next step on)",
                 )
                 env.run.scaled_losses = True
+            if ranks is None and checks.valid:
+                stats.update(partitions.merge_whole(execution.whole_step_results()))
+            stats.update({asked: stats[met_by] for asked, met_by in execution.aliases if met_by in stats})
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params,
@@ -577,6 +618,19 @@ def _is_optimizer(value: Any) -> bool:
     return isinstance(value, torch.optim.Optimizer)
 
 
+def needs_closure(optimizer: Any) -> bool:
+    """Whether ``optimizer.step`` requires a closure (LBFGS: it evaluates the loss itself, possibly several times)."""
+    if not _is_optimizer(optimizer):
+        return False
+    import inspect
+
+    try:
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
 #: steps that share the probe's directions (drawn again every so many steps, kept in between)
 PROBE_PERIOD = 16
 
@@ -596,6 +650,48 @@ def _fingerprint(params: list[torch.Tensor], step: int) -> dict[int, float | Non
             index: None if p.grad is None else float(project(p.grad, probe_directions(seed, index, p.shape, p.device)))
             for index, p in enumerate(params)
         }
+
+
+def parameter_prints(params: list[torch.Tensor], step: int) -> list[float]:
+    """A projection of each parameter on a fixed random rank-one direction (the cockpit's own generator, another
+    seed than the gradients'), ``O(numel)`` and one read from the device: compared when the optimizer steps, it
+    tells whether the parameters are still those of the tracked backward pass."""
+    with torch.no_grad():
+        return project_all(_probe_seed(step) + 2, [(index, p.detach()) for index, p in enumerate(params)])
+
+
+def parameters_moved(params: list[torch.Tensor], step: int, before: list[float]) -> list[int]:
+    """The indices of the parameters whose projection (:func:`parameter_prints`) differs from ``before`` by more
+    than rounding: a perturbation added and subtracted again (``p.add_(e); p.sub_(e)``) is off by at most a few
+    units of the last place of each entry, which projects to at most ``4 eps sqrt(numel) ||p||``."""
+    now = parameter_prints(params, step)
+    moved = []
+    for index, (a, b) in enumerate(zip(before, now)):
+        if a == b:
+            continue
+        param = params[index]
+        dtype = param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
+        eps = max(torch.finfo(dtype).eps, torch.finfo(param.dtype).eps if param.dtype.is_floating_point else 0.0)
+        with torch.no_grad():
+            scale = float(param.detach().to(dtype).norm()) * math.sqrt(max(param.numel(), 1))
+        if not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > 4 * eps * scale:
+            moved.append(index)
+    return moved
+
+
+def gradients_changed(params: list[torch.Tensor], step: int, before: dict[int, float | None]) -> bool:
+    """Whether the gradients differ from their projections ``before`` (:func:`_fingerprint`) other than by one
+    factor (clipping by the norm, ``GradScaler.unscale_``); gradients cleared since then count as unchanged."""
+    now = _fingerprint(params, step)
+    if all(v is None for v in now.values()):
+        return False
+    if any((before[i] is None) != (now.get(i) is None) for i in before):
+        return True
+    ratios = [now[i] / before[i] for i in before if before[i] and now.get(i) is not None]
+    zeros = [i for i in before if before[i] == 0.0 and now.get(i) not in (None, 0.0)]
+    if zeros:
+        return True
+    return bool(ratios) and not all(abs(r - ratios[0]) <= 1e-5 * abs(ratios[0]) for r in ratios)
 
 
 def _stale_gradients(params: list[torch.Tensor], seed: int) -> dict[int, float]:

@@ -20,7 +20,7 @@ from cockpit_like.functional.krylov import (
 )
 from cockpit_like.quantities import HessEigenvalues, HessMaxEV, HessSpectralDensity, HessTraceEstimate
 from cockpit_like.utils import schedules
-from tests.helpers import dense_hessian, make_batch, make_problem
+from tests.helpers import dense_hessian, make_batch, make_mlp, make_problem
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook", "ignore:Using backward")
 DT = torch.float64
@@ -381,3 +381,68 @@ def test_freshly_initialised_bart_top_eigenvalue(seed):
     assert top.get_output()[0] == pytest.approx(magnitude.item(), rel=1e-2)
     assert extremes.get_output()[0]["largest"] == pytest.approx(exact[-1].item(), rel=1e-2)
     assert extremes.get_output()[0]["smallest"] == pytest.approx(exact[0].item(), rel=1e-2)
+
+
+@pytest.mark.parametrize("extended", [True, False])
+def test_frozen_parameters_are_left_out_of_the_curvature_operator(extended):
+    """A frozen parameter passed in Cockpit(model.parameters()) (as documented): the curvature quantities
+    describe the Hessian of the trainable parameters, the submatrix of the dense float64 Hessian (its
+    eigenvalues, spectral density, trace; the same draws of the cockpit's generator on a dense twin), and a
+    frozen parameter's block of the diagonal is zero; before the fix the products raised
+    ("One of the differentiated Tensors does not require grad")."""
+    from cockpit_like.backends.randomness import generator
+    from cockpit_like.quantities import HessTrace
+
+    model, lossfunc, _ = make_problem("mlp") if extended else (make_mlp(), torch.nn.CrossEntropyLoss(), None)
+    frozen = [1, 4]  # first layer's bias and the last layer's weight
+    params = list(model.parameters())
+    for index in frozen:
+        params[index].requires_grad_(False)
+    eigen = HessEigenvalues(schedules.linear(1), rtol=1e-10)
+    density = HessSpectralDensity(schedules.linear(1), rtol=1e-10)
+    hutchpp = HessTraceEstimate(schedules.linear(1), rtol=1e-10, samples=3)
+    hutchinson = HessTraceEstimate(schedules.linear(1), rtol=1e-10, method="hutchinson")
+    plain = HessMaxEV(schedules.linear(1), accelerate=False, rtol=1e-10, atol=0.0, max_iter=500)
+    diagonal = HessTrace(schedules.linear(1), curvature="hutchinson", hutchinson_samples=3)
+    quantities = [eigen, density, hutchpp, hutchinson, plain, diagonal]
+    cockpit = Cockpit(params, quantities=quantities, **({} if extended else {"model": model}))
+    inputs, labels = make_batch("mlp", 5, seed=0)
+    loss = lossfunc(model(inputs), labels)
+    with cockpit(0, info={"loss": loss, "batch_size": 5}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    assert cockpit.checks[0]["valid"] and len(cockpit.checks[0]["frozen"]) == 2
+    full = dense_hessian(model, inputs, labels)
+    sizes = [p.numel() for p in params]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    keep = torch.cat([torch.arange(s, s + n) for i, (s, n) in enumerate(zip(starts, sizes)) if i not in frozen])
+    hessian = full[keep][:, keep]  # the trainable parameters' Hessian
+    D = hessian.shape[0]
+    exact = torch.linalg.eigvalsh(hessian)
+    value = eigen.get_output()[0]
+    assert value["largest"] == pytest.approx(exact[-1].item(), rel=1e-8)
+    assert value["smallest"] == pytest.approx(exact[0].item(), rel=1e-8, abs=1e-10)
+    assert plain.get_output()[0] == pytest.approx(exact[exact.abs().argmax()].item(), rel=1e-6)
+    probe = curvature_engine.rademacher(
+        curvature_engine.DEFAULT_PROBES, D, DT, "cpu", curvature_engine.step_generator(0, "lanczos probes"))
+    twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
+    out = density.get_output()[0]
+    assert out["dimension"] == D and len(out["nodes"]) == twin.num_products
+    units = probe / math.sqrt(D)
+    moments = torch.stack([
+        torch.stack([u @ torch.linalg.matrix_power(hessian, j) @ u for u in units]).mean() for j in range(6)
+    ])
+    nodes, weights = torch.tensor(out["nodes"], dtype=DT), torch.tensor(out["weights"], dtype=DT)
+    torch.testing.assert_close(quadrature_moments(nodes, weights, 5), moments, rtol=1e-7, atol=1e-10)
+    assert hutchinson.get_output()[0]["trace"] == pytest.approx(
+        torch.stack([r @ hessian @ r for r in probe]).mean().item(), rel=1e-8)
+    samples = curvature_engine.rademacher(3, D, DT, "cpu", curvature_engine.step_generator(0, "hutch++"))
+    assert hutchpp.get_output()[0]["trace"] == pytest.approx(deflated_trace(lambda v: hessian @ v, twin, samples)[0], rel=1e-7)
+    # Hutchinson's diagonal: the same draws on the trainable entries; a frozen parameter's block is zero
+    draws = generator(0, "hutchinson diagonal", "cpu")
+    estimate = torch.zeros(D, dtype=DT)
+    for _ in range(3):
+        v = torch.randint(0, 2, (D,), generator=draws).to(DT).mul_(2).sub_(1)
+        estimate += v * (hessian @ v) / 3
+    blocks = iter(estimate.split([n for i, n in enumerate(sizes) if i not in frozen]))
+    expected = [0.0 if i in frozen else next(blocks).sum().item() for i in range(len(params))]
+    assert diagonal.get_output()[0] == pytest.approx(expected, rel=1e-8, abs=1e-12)

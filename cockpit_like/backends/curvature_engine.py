@@ -5,7 +5,9 @@ step's last backward pass, read with ``record.stat(need)``): block Lanczos
 with full re-orthogonalisation
 (:func:`cockpit_like.functional.krylov.lanczos_decomposition`) on the
 Hessian-vector products of the mean loss through the graph of ``p.grad``
-(:func:`~cockpit_like.backends.hvp.hessian_vector_product`). Its start block is
+(:func:`~cockpit_like.backends.hvp.hessian_vector_product`), with respect to
+the trainable parameters (frozen ones are left out of the operator:
+:func:`~cockpit_like.backends.hvp.curvature_params`). Its start block is
 ``probes`` Rademacher vectors (unbiased probes for spectral density and trace,
 the same draw on every rank; see :func:`step_generator`: the cockpit's own
 generator, seeded per step; torch's RNG is never read or advanced) followed by the warm
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cockpit_like.backends.distributed import same_on_all_ranks
-from cockpit_like.backends.hvp import HutchinsonDiagonal, hessian_vector_product
+from cockpit_like.backends.hvp import HutchinsonDiagonal, curvature_params, hessian_vector_product, scatter_blocks
 from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace, lanczos_decomposition
 
@@ -68,6 +70,11 @@ class WarmStart:
 
     def __hash__(self) -> int:
         return hash(tuple((tuple(v.shape), str(v.dtype)) for v in self.vectors))
+
+
+def _dimension(params: list[torch.Tensor]) -> int:
+    """The size of the Hessian-vector products' vectors: the trainable parameters' entries."""
+    return sum(params[i].numel() for i in curvature_params(params))
 
 
 def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
@@ -111,7 +118,7 @@ class LanczosNeed:
     def compute(self, execution) -> KrylovDecomposition:
         params = execution.params
         matvec = hessian_vector_product(params, _OWNER)
-        size = sum(p.numel() for p in params)
+        size = _dimension(params)  # the trainable parameters (frozen ones are left out of the operator)
         dtype, device = params[0].dtype, params[0].device
         generator = step_generator(execution.step, "lanczos probes", device)
         rows = list(rademacher(self.probes, size, dtype, device, generator))
@@ -146,7 +153,7 @@ class KrylovTrace:
         decomposition = execution.whole_step_result(self.lanczos)  # first: its probes are drawn first
         params = execution.params
         matvec = hessian_vector_product(params, _OWNER)
-        size = sum(p.numel() for p in params)
+        size = _dimension(params)
         device = params[0].device
         samples = rademacher(self.samples, size, params[0].dtype, device, step_generator(execution.step, "hutch++", device))
         estimate, error = deflated_trace(matvec, decomposition, samples)
@@ -195,19 +202,23 @@ class DeflatedDiagonal:
     def compute(self, execution) -> dict:
         decomposition = execution.whole_step_result(self.lanczos)
         params = execution.params
-        sizes = [p.numel() for p in params]
         matvec = hessian_vector_product(params, _OWNER)
+        indices = curvature_params(params)  # the trainable parameters; frozen ones get zeros
+        sizes = [params[i].numel() for i in indices]
         dtype, device = params[0].dtype, params[0].device
         draws = rademacher(self.samples, sum(sizes), dtype, device, step_generator(execution.step, "deflated diagonal", device))
         diagonal, estimates = deflated_diagonal(matvec, decomposition, draws)
         blocks = torch.stack([piece.sum(1) for piece in estimates.split(sizes, dim=1)], dim=1).to(torch.float64).cpu()
         if self.samples > 1:  # the exact part has no error; the samples' block sums are i.i.d.
-            block_errors = (blocks.std(dim=0) / self.samples**0.5).tolist()
+            errors = (blocks.std(dim=0) / self.samples**0.5).tolist()
             trace_error = float(blocks.sum(1).std() / self.samples**0.5)
         else:
-            block_errors, trace_error = [float("nan")] * len(sizes), float("nan")
+            errors, trace_error = [float("nan")] * len(sizes), float("nan")
+        block_errors = [0.0] * len(params)  # a frozen parameter's block is zero, exactly
+        for index, error in zip(indices, errors):
+            block_errors[index] = error
         return {
-            "diagonal": [piece.view_as(p) for piece, p in zip(diagonal.split(sizes), params)],
+            "diagonal": scatter_blocks(list(diagonal.split(sizes)), indices, params),
             "block_errors": block_errors,
             "trace_error": trace_error,
             "products": self.samples,

@@ -28,7 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MissingGraphError", "NoSecondDerivativeError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit"]
+__all__ = [
+    "MissingGraphError", "NoSecondDerivativeError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit",
+    "curvature_params", "scatter_blocks",
+]
 
 
 class MissingGraphError(RuntimeError):
@@ -95,8 +98,33 @@ class NoSecondDerivativeError(RuntimeError):
         )
 
 
+def curvature_params(params: list[torch.Tensor]) -> list[int]:
+    """The indices of the parameters the Hessian is taken with respect to: the trainable ones.
+
+    A frozen parameter (``requires_grad=False``) has no gradient in the run, so
+    the loss's derivatives with respect to it are not defined by the training:
+    the curvature quantities describe the Hessian of the loss as a function of
+    the trainable parameters, the frozen ones held fixed. Its eigenvalues,
+    spectral density and trace are those of that matrix (no spurious zero
+    eigenvalues for the frozen entries); per-parameter results (a diagonal,
+    a block's trace) are zero for a frozen parameter, as its gradient is (the
+    step's ``checks["frozen"]`` names it). A parameter that requires a gradient
+    but gets none at the step (unused) stays in: its rows of the Hessian are zero.
+    """
+    return [i for i, p in enumerate(params) if p.requires_grad]
+
+
+def scatter_blocks(pieces: list[torch.Tensor], indices: list[int], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per parameter, shaped like it: ``pieces`` (flat, of ``params[indices]``) in place, zeros elsewhere."""
+    out = [torch.zeros_like(p) for p in params]
+    for index, piece in zip(indices, pieces):
+        out[index] = piece.view_as(params[index])
+    return out
+
+
 def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV", *, local: bool = False):
-    """``v -> H v`` (flat, params order) by double backprop through ``p.grad``.
+    """``v -> H v`` by double backprop through ``p.grad``, ``v`` and ``H v`` flat over the trainable parameters
+    (:func:`curvature_params`, in params order; frozen ones are left out of the operator).
 
     Under DistributedDataParallel (:mod:`cockpit_like.backends.distributed`)
     ``H`` is the Hessian of the global batch's mean loss: each rank's product
@@ -112,20 +140,22 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
     from cockpit_like.backends.distributed import global_product, graph_grads
 
     grads = graph_grads(params)
-    missing = [i for i, g in enumerate(grads) if g is None]
+    trainable = curvature_params(params)
+    missing = [i for i in trainable if grads[i] is None]
     if missing:
         raise RuntimeError(
             f"{owner}: parameters {missing} have no gradient after backward; pass only "
             "parameters that the loss depends on to Cockpit(params)"
         )
-    live = [i for i, g in enumerate(grads) if g.requires_grad]
+    live = [k for k, i in enumerate(trainable) if grads[i].requires_grad]
     if not live:
         raise MissingGraphError(
             f"{owner} needs Hessian-vector products, but the gradients carry no graph. Call "
             "`loss.backward(create_graph=cockpit.create_graph(global_step))` inside the "
             "cockpit context."
         )
-    sizes = [p.numel() for p in params]
+    inputs = [params[i] for i in trainable]
+    sizes = [p.numel() for p in inputs]
 
     def matvec(vector: torch.Tensor) -> torch.Tensor:
         pieces = vector.split(sizes)
@@ -135,9 +165,9 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             try:
                 products = torch.autograd.grad(
-                    [grads[i] for i in live],
-                    params,
-                    grad_outputs=[pieces[i].reshape(params[i].shape) for i in live],
+                    [grads[trainable[k]] for k in live],
+                    inputs,
+                    grad_outputs=[pieces[k].reshape(inputs[k].shape) for k in live],
                     retain_graph=True,
                     allow_unused=True,
                 )
@@ -158,7 +188,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
         product = torch.cat(
             [
                 (torch.zeros_like(p) if hv is None else hv.detach()).reshape(-1)
-                for p, hv in zip(params, products)
+                for p, hv in zip(inputs, products)
             ]
         )
         return product if local else global_product(product)
@@ -220,20 +250,22 @@ class HutchinsonDiagonal:
         """The estimate for the tracked parameters of ``execution`` (a :class:`~cockpit_like.backends.step.StepExecution`)."""
         params = execution.params
         matvec = hessian_vector_product(params, "Hutchinson's estimator (curvature='hutchinson')", local=True)
-        size = sum(p.numel() for p in params)
+        indices = curvature_params(params)  # the operator's parameters: frozen ones get zeros
+        sizes = [params[i].numel() for i in indices]
+        size = sum(sizes)
         total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
         from cockpit_like.backends.randomness import generator
 
         draws = generator(execution.step, "hutchinson diagonal", total.device)
-        sizes = [p.numel() for p in params]
         blocks = []
         for _ in range(self.samples):
             v = torch.randint(0, 2, (size,), device=total.device, generator=draws).to(total.dtype).mul_(2).sub_(1)
             sample = v * matvec(v)
             total.add_(sample)
-            blocks.append(torch.stack([piece.sum() for piece in sample.split(sizes)]))
+            blocks.append(torch.stack(scatter_blocks([piece.sum() for piece in sample.split(sizes)],
+                                                     indices, [sample.new_zeros(())] * len(params))))
         total.div_(self.samples)
-        result = DiagonalEstimate(piece.view_as(p) for piece, p in zip(total.split(sizes), params))
+        result = DiagonalEstimate(scatter_blocks(list(total.split(sizes)), indices, params))
         result.blocks = torch.stack(blocks)  # [samples, params]: each sample's block sums
         result.errors = _standard_errors(result.blocks.to(torch.float64).cpu())
         return result

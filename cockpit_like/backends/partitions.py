@@ -333,6 +333,17 @@ class StepPartitions:
         return stats, infos()
 
 
+    def merge_whole(self, whole: dict) -> dict:
+        """The results of needs computed once for the process (after every backward pass) in one process, merged
+        as :meth:`merge` merges them when they are passed to it (where the step's checks must come first)."""
+        if len(self.partitions) == 1 or not whole:
+            return dict(whole)
+        reduction = Reduction([p.rows for p in self.partitions], self.rows, step=self.step).for_process()
+        finishers = {key: across(key, value, reduction) for key, value in whole.items()}
+        reduction.run()
+        return {key: finish() for key, finish in finishers.items()}
+
+
 def across(key, value, reduction: Reduction) -> Callable[[], Any]:
     """``key.across_ranks(value, reduction)``: how a statistic's or need's result merges, or a clear error."""
     combine = getattr(key, "across_ranks", None)

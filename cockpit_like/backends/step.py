@@ -426,15 +426,17 @@ class StepExecution:
         ``diag_ggn_exact = G``, so ``G + R = G + (diag_h - G) / s``. The other
         curvature buffers (GGN, KFAC) are GGN-type and need nothing.
         """
-        if self._loss_scale == 1.0 or not any(isinstance(ext, DiagHessian) for ext in self.extensions):
-            return
+        correct = self._loss_scale != 1.0 and any(isinstance(ext, DiagHessian) for ext in self.extensions)
         inverse = 1.0 / self._loss_scale
         for param in self.params:
             diag_h, ggn = getattr(param, "diag_h", None), getattr(param, "diag_ggn_exact", None)
-            if diag_h is not None and ggn is not None:
+            if correct and diag_h is not None and ggn is not None:
                 param.diag_h = ggn + (diag_h - ggn) * inverse
-            elif diag_h is not None:
+            elif correct and diag_h is not None:
                 self.curvature_unscaled = True
+            # the GGN diagonal added for the correction goes, also where the seen factor made it unneeded (a
+            # second undeclared backward pass assumed to be a divided loss): every backward pass of a step
+            # leaves the same buffers to merge
             if self._added_ggn and hasattr(param, "diag_ggn_exact"):
                 delattr(param, "diag_ggn_exact")
 

@@ -119,6 +119,8 @@ class Alpha(TwoStepQuantity):
 
     SAVE_SHIFT = 1
     _INFO = {"batch_size", "individual_losses", "loss"}
+    reads_parameters = True
+    predicts_update = True
 
     def __init__(self, track_schedule, verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)

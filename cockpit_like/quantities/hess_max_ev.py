@@ -8,7 +8,7 @@ import torch
 
 from cockpit_like.backends.curvature_engine import DEFAULT_RTOL
 from cockpit_like.backends.randomness import generator
-from cockpit_like.backends.hvp import MissingGraphError, hessian_vector_product
+from cockpit_like.backends.hvp import MissingGraphError, curvature_params, hessian_vector_product
 from cockpit_like.functional.eigen import power_iteration
 from cockpit_like.quantities.hessian_spectrum import KrylovQuantity
 
@@ -153,6 +153,7 @@ class HessMaxEV(KrylovQuantity):
         return float(result.value)
 
     def _start_vector(self, params: list[torch.Tensor], global_step: int) -> torch.Tensor:
+        params = [params[i] for i in curvature_params(params)]  # the operator's space (frozen ones left out)
         size = sum(p.numel() for p in params)
         previous = self._previous
         if (

@@ -22,6 +22,7 @@ import math
 import torch
 
 from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, KrylovTrace, LanczosNeed, WarmStart
+from cockpit_like.backends.hvp import curvature_params
 from cockpit_like.context import get_record
 from cockpit_like.functional.krylov import KrylovDecomposition
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -154,6 +155,9 @@ class HessSpectralDensity(KrylovQuantity):
     (averaging more probes) or smaller ``rtol`` (more nodes) refine the density
     at the cost of a decomposition of its own.
 
+    ``D`` counts the trainable parameters' entries: the Hessian is taken with respect to them (frozen
+    parameters are left out, :func:`~cockpit_like.backends.hvp.curvature_params`).
+
     Stored value: ``{"nodes": [float], "weights": [float], "dimension": D,
     "products": int}``; smooth it with
     :func:`cockpit_like.functional.krylov.gaussian_density` (the dashboard's
@@ -166,7 +170,7 @@ class HessSpectralDensity(KrylovQuantity):
         return {
             "nodes": nodes.tolist(),
             "weights": weights.mean(0).tolist(),
-            "dimension": sum(p.numel() for p in params),
+            "dimension": curvature_dimension(params),
             "products": result.num_products,
         }
 
@@ -215,7 +219,12 @@ class HessTraceEstimate(KrylovQuantity):
                 "standard_error": trace["standard_error"],
                 "products": result.num_products + trace["products"],
             }
-        size = sum(p.numel() for p in params)
+        size = curvature_dimension(params)
         samples = size * result.probe_traces()
         error = float(samples.std() / math.sqrt(samples.numel())) if samples.numel() > 1 else math.nan
         return {"trace": float(samples.mean()), "standard_error": error, "products": result.num_products}
+
+
+def curvature_dimension(params: list[torch.Tensor]) -> int:
+    """The dimension of the Hessian the curvature engine decomposes: the trainable parameters' entries."""
+    return sum(params[i].numel() for i in curvature_params(params))

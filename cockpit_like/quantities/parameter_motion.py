@@ -23,10 +23,20 @@ class Distance(TwoStepQuantity):
     """
 
     SAVE_SHIFT = 0
+    reads_parameters = True
 
     def __init__(self, track_schedule, verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)
         self._reference_step: int | None = None
+
+    def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
+        """As for any quantity of two steps; where ``global_step`` gave the reference, the next tracked step
+        gives it instead (its parameters were not the optimizer's)."""
+        removed = super().withdraw(global_step, ends)
+        self._skipped_starts.discard(global_step)
+        if self._reference_step == global_step:
+            self._reference_step = None
+        return removed
 
     def is_start(self, global_step: int) -> bool:
         return self._reference_step is None
@@ -50,6 +60,7 @@ class UpdateSize(TwoStepQuantity):
     """
 
     SAVE_SHIFT = 1
+    reads_parameters = True
 
     def _compute_start(self, global_step, params, batch_loss):
         self.save_to_cache(

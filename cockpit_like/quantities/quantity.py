@@ -198,9 +198,24 @@ class Quantity:
             getattr(self, name).load_state_dict(value)
 
     # ---- computing ---------------------------------------------------------
+    #: the value measures the parameters the step saw (Distance, UpdateSize, Alpha): withdrawn where the optimizer
+    #: stepped from other parameters than the tracked backward pass's (``Cockpit._check_optimizer_step``)
+    reads_parameters: bool = False
+    #: the value predicts the optimizer's update from the step's gradient (Alpha): withdrawn where the gradients
+    #: changed before the optimizer's step other than by one factor
+    predicts_update: bool = False
+
     def skip(self, global_step: int) -> None:
         """``global_step`` was scheduled but stores nothing (it failed a self-check, or what it needs was left
         out): release what :meth:`prepare_forward` set up for it. The default does nothing."""
+
+    def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
+        """The values computed at ``global_step`` no longer hold: remove them; the steps they were stored under.
+        (``ends``: also the values whose end was ``global_step``, for quantities of two steps.)"""
+        if global_step in self.output:
+            del self.output[global_step]
+            return [global_step]
+        return []
 
     def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
         """Compute and store the value if the schedule asks for it."""
@@ -294,6 +309,21 @@ class TwoStepQuantity(Quantity):
             self._skipped_starts.add(global_step)
         self._skipped_starts.discard(global_step - self.SAVE_SHIFT)
         self.clean_cache(global_step)
+
+    def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
+        """Drop what ``global_step`` started (its value will not be computed) and remove the values computed
+        there: the one stored under it (``SAVE_SHIFT = 0``) and, with ``ends``, the one whose end it was."""
+        removed = []
+        if self.SAVE_SHIFT == 0 and global_step in self.output:
+            del self.output[global_step]
+            removed.append(global_step)
+        start = global_step - self.SAVE_SHIFT
+        if ends and self.SAVE_SHIFT > 0 and start in self.output:
+            del self.output[start]
+            removed.append(start)
+        if self._cache.pop(global_step, None) is not None or self.is_start(global_step):
+            self._skipped_starts.add(global_step)
+        return removed
 
     def _compute_start(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement _compute_start")

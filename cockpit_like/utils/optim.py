@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import torch
 
-__all__ = ["lookahead_update", "lookahead_parameters", "is_elementwise", "ComputeStep"]
+__all__ = ["lookahead_update", "lookahead_parameters", "is_elementwise", "looking_ahead", "ComputeStep"]
 
 _IMMUTABLE = (bool, int, float, str, type(None), tuple)
 
@@ -113,6 +113,7 @@ def _shadow_step(
     the shadows as they are, not copied (the optimizer may write into them:
     torch's foreach SGD with Nesterov momentum does; their ``_version`` tells).
     """
+    global _LOOKING_AHEAD
     saved_groups = optimizer.param_groups
     attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
     rng = torch.get_rng_state()
@@ -141,7 +142,11 @@ def _shadow_step(
                     groups.append(dict(group, params=shadowed))
             if groups:
                 optimizer.param_groups = groups
-                optimizer.step()
+                _LOOKING_AHEAD += 1  # the optimizer's step hooks see a look-ahead, not the training's step
+                try:
+                    optimizer.step()
+                finally:
+                    _LOOKING_AHEAD -= 1
             # the shadows are ours: each becomes its update in place (no third copy of the parameters)
             return {key: shadow.detach().sub_(param.detach()) for key, (param, shadow) in shadows.items()}
         finally:
@@ -151,6 +156,15 @@ def _shadow_step(
             for key, value in attributes.items():
                 setattr(optimizer, key, value)
             torch.set_rng_state(rng)
+
+
+#: look-aheads running now: an optimizer's step hooks called meanwhile are the look-ahead's (:func:`looking_ahead`)
+_LOOKING_AHEAD = 0
+
+
+def looking_ahead() -> bool:
+    """Whether ``optimizer.step()`` is being called by a look-ahead on shadow copies (its step hooks then run too)."""
+    return _LOOKING_AHEAD > 0
 
 
 #: optimizers whose update of a parameter reads only that parameter, its gradient and its state

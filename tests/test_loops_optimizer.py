@@ -1,0 +1,279 @@
+"""Loops whose optimizer step is not one plain backward pass before ``optimizer.step()`` (found outside the
+repository's tests): a forgotten ``zero_grad`` and SAM with curvature quantities, LBFGS's closure, and parameters
+or gradients changed between the tracked block and ``optimizer.step()``."""
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.utils.configuration import configuration
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook", "ignore:Alpha")
+DT = torch.float64
+
+
+def mlp(extended):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
+    return extend(model) if extended else model
+
+
+def batch(seed=1, rows=8):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 6, dtype=DT, generator=generator), torch.randint(0, 4, (rows,), generator=generator)
+
+
+def cockpit_for(model, extended, quantities):
+    return Cockpit(model.parameters(), quantities=quantities, **({} if extended else {"model": model}))
+
+
+def info_of(outputs, y, optimizer):
+    """The step's info; ``info["loss"]`` from BackPACK's extended loss module (its second-order extensions
+    start there), equal to the mean of the rows' losses."""
+    losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    loss = extend(nn.CrossEntropyLoss())(outputs, y)
+    return {"batch_size": len(y), "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+
+
+@pytest.mark.parametrize("extended", [True, False])
+def test_a_forgotten_zero_grad_with_curvature_fails_the_step_without_running_the_curvature(extended):
+    """The full preset and no zero_grad(): steps 1 and 2 end like economy's (invalid, stale_gradient, one
+    gradients-accumulate finding); the Hessian-vector products never run on the stale p.grad, whose graph the
+    optimizer's in-place update has broken (before: a RuntimeError from the curvature engine)."""
+    model = mlp(extended)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = cockpit_for(model, extended, configuration("full"))
+    x, y = batch()
+    for step in range(3):
+        info = info_of(model(x), y, optimizer)  # forgot: optimizer.zero_grad()
+        with cockpit(step, info=info):
+            info["loss"].backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    output = cockpit.get_output()
+    assert cockpit.checks[0]["valid"] and "HessMaxEV" in output[0]
+    for step in (1, 2):
+        assert [f["check"] for f in cockpit.invalid_steps[step]] == ["stale_gradient"]
+        assert "zero_grad" in cockpit.invalid_steps[step][0]["reason"]
+        assert set(output[step]) <= {"checks", "findings", "UpdateSize", "Alpha"}
+    assert [(f.rule, f.step) for f in cockpit.findings] == [("gradients-accumulate", 1)]
+
+
+@pytest.mark.parametrize("extended", [True, False])
+def test_sam_with_both_passes_in_the_block_and_curvature_ends_invalid_without_a_crash(extended):
+    """SAM, both backward passes inside ``with cockpit(step)``, the full preset: every step invalid with its
+    reason (step 0 withdrawn as accumulating, then the gradient check), no curvature on the graph the perturbation
+    invalidated, and (BackPACK) both passes leave the same curvature buffers (before: a RuntimeError from the
+    curvature engine, then a PartitionError from the GGN diagonal added to the second pass only)."""
+    model = mlp(extended)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    cockpit = cockpit_for(model, extended, configuration("full"))
+    x, y = batch()
+    for step in range(3):
+        optimizer.zero_grad()
+        info = info_of(model(x), y, optimizer)
+        with cockpit(step, info=info):
+            info["loss"].backward(create_graph=cockpit.create_graph(step))
+        with torch.no_grad():
+            norm = torch.stack([p.grad.norm() for p in params]).norm()
+            perturbation = [0.05 * p.grad / norm for p in params]
+            for p, e in zip(params, perturbation):
+                p.add_(e)
+        optimizer.zero_grad()
+        info = info_of(model(x), y, optimizer)
+        with cockpit(step, info=info):
+            info["loss"].backward(create_graph=cockpit.create_graph(step))
+        with torch.no_grad():
+            for p, e in zip(params, perturbation):
+                p.sub_(e)
+        optimizer.step()
+    checks = cockpit.checks
+    assert [f["check"] for f in checks[0]["failed"]] == ["backward_passes"]
+    for step in (1, 2):
+        assert [f["check"] for f in checks[step]["failed"]] == ["gradient"] and checks[step]["backward_passes"] == 2
+        assert "HessMaxEV" not in cockpit.get_output().get(step, {})
+
+
+# ---- LBFGS: an optimizer that evaluates its closure several times per step -----------------------------------
+def _lbfgs(max_iter, with_optimizer, tracked=True):
+    model = mlp(True)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=max_iter)
+    cockpit = cockpit_for(model, True, configuration("economy")) if tracked else None
+    x, y = batch()
+    calls = {}
+    for step in range(3):
+        def closure():
+            calls[step] = calls.get(step, 0) + 1
+            optimizer.zero_grad()
+            info = info_of(model(x), y, optimizer)
+            if not with_optimizer:
+                del info["optimizer"]
+            if cockpit is None:
+                info["loss"].backward()
+            else:
+                with cockpit(step, info=info):
+                    info["loss"].backward(create_graph=cockpit.create_graph(step))
+            return info["loss"]
+
+        optimizer.step(closure)
+    return cockpit, calls, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("with_optimizer", [True, False])
+def test_lbfgs_with_several_evaluations_per_step_is_invalid_and_says_why(with_optimizer):
+    """LBFGS(max_iter=3), the closure's backward pass in the cockpit's block: no crash (before: TypeError from the
+    look-ahead calling LBFGS.step() without a closure), every step invalid with one failed entry that names the
+    cause (with info['optimizer']) or mentions it, the closure's evaluations counted, and the run unchanged."""
+    cockpit, calls, params = _lbfgs(3, with_optimizer)
+    _, plain_calls, plain = _lbfgs(3, with_optimizer, tracked=False)
+    assert calls == plain_calls and all(torch.equal(a, b) for a, b in zip(params, plain))
+    output = cockpit.get_output()
+    for step in range(3):
+        checks = cockpit.checks[step]
+        assert not checks["valid"] and len(checks["failed"]) == 1, checks["failed"]
+        assert checks["backward_passes"] == calls[step] == 3
+        reason = checks["failed"][0]["reason"]
+        if with_optimizer:
+            assert checks["failed"][0]["check"] == "closure_evaluations"
+            assert "LBFGS" in reason and "max_iter=1" in reason
+        else:
+            assert checks["failed"][0]["check"] == "backward_passes" and "LBFGS" in reason
+        assert set(output[step]) == {"checks"}
+
+
+def test_lbfgs_with_one_evaluation_per_step_is_tracked_exactly():
+    """LBFGS(max_iter=1): one evaluation per step, valid steps whose gradient norms are the brute-force ones at the
+    parameters of the evaluation (float64), and no parameter note (the block runs inside the optimizer's step)."""
+    model = mlp(True)
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=1)
+    cockpit = cockpit_for(model, True, configuration("economy"))
+    x, y = batch()
+    expected = {}
+    for step in range(3):
+        def closure():
+            optimizer.zero_grad()
+            grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+            expected[step] = [float(g.norm()) for g in grads]
+            info = info_of(model(x), y, optimizer)
+            with cockpit(step, info=info):
+                info["loss"].backward()
+            return info["loss"]
+
+        optimizer.step(closure)
+    output = cockpit.get_output()
+    for step in range(3):
+        assert cockpit.checks[step]["valid"] and not cockpit.checks[step]["notes"]
+        assert output[step]["GradNorm"] == pytest.approx(expected[step], rel=1e-12)
+    assert "UpdateSize" in output[0] and "Distance" in output[2]
+
+
+# ---- parameters or gradients changed between the tracked block and optimizer.step() -------------------------
+def _sam(tracked_pass):
+    """SAM with the cockpit around the first backward pass (at theta) or the second (at theta + e); the
+    perturbation is removed after the block, before optimizer.step(). The parameters before each step."""
+    model = mlp(True)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    cockpit = cockpit_for(model, True, configuration("economy"))
+    x, y = batch()
+    thetas = []
+
+    def one_pass(step, tracked):
+        info = info_of(model(x), y, optimizer)
+        if tracked:
+            with cockpit(step, info=info):
+                info["loss"].backward()
+        else:
+            info["loss"].backward()
+
+    for step in range(3):
+        thetas.append([p.detach().clone() for p in params])
+        optimizer.zero_grad()
+        one_pass(step, tracked_pass == "first")
+        with torch.no_grad():
+            norm = torch.stack([p.grad.norm() for p in params]).norm()
+            perturbation = [0.05 * p.grad / norm for p in params]
+            for p, e in zip(params, perturbation):
+                p.add_(e)
+        optimizer.zero_grad()
+        one_pass(step, tracked_pass == "second")
+        with torch.no_grad():
+            for p, e in zip(params, perturbation):
+                p.sub_(e)
+        optimizer.step()
+    thetas.append([p.detach().clone() for p in params])
+    return cockpit, thetas
+
+
+def test_parameters_changed_before_the_optimizer_step_withdraw_what_measures_them():
+    """SAM tracking the perturbed pass: the optimizer steps from other parameters than the block saw. Before,
+    UpdateSize (1-6% off ||theta_{t+1} - theta_t||) and Distance were stored as valid; now they and Alpha are
+    withdrawn at every step with a note naming the cause, and the gradient quantities stay."""
+    cockpit, _ = _sam("second")
+    output = cockpit.get_output()
+    for step in range(3):
+        checks = cockpit.checks[step]
+        assert checks["valid"] and len(checks["notes"]) == 1
+        assert "parameters" in checks["notes"][0] and "SAM" in checks["notes"][0] and "UpdateSize" in checks["notes"][0]
+        assert not {"Distance", "UpdateSize", "Alpha"} & set(output[step])
+        assert {"GradNorm", "Loss", "NormTest"} <= set(output[step])
+
+
+def test_gradients_changed_before_the_optimizer_step_are_noted_and_alpha_withdrawn():
+    """SAM tracking the first pass: the parameters are restored to the last bits (p.add_(e); p.sub_(e) counts as
+    unchanged: UpdateSize equals the brute-force update to 1e-12), but the optimizer steps with the gradient of the
+    second pass: a note says so (before: nothing, the check only ran for deferred steps) and Alpha, which predicted
+    the update from the tracked gradient, is withdrawn."""
+    cockpit, thetas = _sam("first")
+    output = cockpit.get_output()
+    for step in range(3):
+        checks = cockpit.checks[step]
+        assert checks["valid"] and len(checks["notes"]) == 1 and "gradients changed" in checks["notes"][0]
+        assert "Alpha" not in output[step] and "Distance" in output[step]
+    for step in range(2):
+        true = [float((a - b).norm()) for a, b in zip(thetas[step + 1], thetas[step])]
+        assert output[step]["UpdateSize"] == pytest.approx(true, rel=1e-12)
+        distance = [float((a - b).norm()) for a, b in zip(thetas[step], thetas[0])]
+        assert output[step]["Distance"] == pytest.approx(distance, rel=1e-12, abs=1e-15)
+
+
+def test_a_plain_loop_and_clipping_by_the_norm_get_no_note():
+    """The checks at the optimizer step say nothing where nothing changed, or the gradients by one factor."""
+    model = mlp(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    cockpit = cockpit_for(model, True, configuration("economy"))
+    x, y = batch()
+    for step in range(3):
+        optimizer.zero_grad()
+        info = info_of(model(x), y, optimizer)
+        with cockpit(step, info=info):
+            info["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        optimizer.step()
+    output = cockpit.get_output()
+    assert all(cockpit.checks[s]["valid"] and not cockpit.checks[s]["notes"] for s in range(3))
+    assert {"Alpha", "UpdateSize", "Distance"} <= set(output[0])
+
+
+def test_a_block_inside_the_optimizers_step_closure_gets_no_parameter_note():
+    """SGD.step(closure) with the backward pass in the closure (Lightning's automatic optimization): the block runs
+    inside the optimizer's step, also at the first step, whose hooks the block itself sets up; the update that
+    follows is the optimizer's, not a change of the parameters behind its back."""
+    model = mlp(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = cockpit_for(model, True, configuration("economy"))
+    x, y = batch()
+    for step in range(3):
+        def closure():
+            optimizer.zero_grad()
+            info = info_of(model(x), y, optimizer)
+            with cockpit(step, info=info):
+                info["loss"].backward()
+            return info["loss"]
+
+        optimizer.step(closure)
+    output = cockpit.get_output()
+    assert all(cockpit.checks[s]["valid"] and not cockpit.checks[s]["notes"] for s in range(3))
+    assert {"Alpha", "UpdateSize", "Distance"} <= set(output[0])
