@@ -347,15 +347,18 @@ class TrackedStep:
         if not self.active:
             execution.free()
             return False
-        self._watch_parameters()
         if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
+            self._watch_parameters()
             self._fingerprint = _fingerprint(env.params, self.step)
             env.run.pending = self
             return False
         if not self.last:  # more declared micro-batches to come
+            self._watch_parameters()
             execution.free()
             return False
         self.finish()
+        # after the step's merge: under DDP the cockpit's own reduction of a graph step writes p.grad there
+        self._watch_parameters()
         return False
 
     def _watch_parameters(self) -> None:

@@ -363,11 +363,12 @@ class StepExecution:
                     "extensions need a model built from supported layers in nn.Sequential containers (no "
                     "skip connections, no custom modules) and a supported loss function (a mean "
                     "cross-entropy or MSE over [B, C] outputs; not BCEWithLogits over several outputs, KLDiv or "
-                    "a hand-written loss), extended (`lossfunc = backpack.extend(lossfunc)`). Fixes: pass "
-                    "curvature='hutchinson' to HessTrace / TICDiag / TICTrace (Hessian-vector products on any "
-                    "model and loss; 'auto', the presets' default, picks BackPACK where the model looks "
-                    "supported and cannot check the loss function); leave out the quantities that need these "
-                    "extensions; or replace the layer or loss with a supported one."
+                    "a hand-written loss), extended (`lossfunc = backpack.extend(lossfunc)`). Fixes: for an unsupported model, pass "
+                    "curvature='auto' to HessTrace / TICDiag / TICTrace (Hessian-vector products where the model "
+                    "is not an extended chain of supported layers; the presets' default); for an unsupported "
+                    "loss, which 'auto' cannot check, pass curvature='hutchinson' (Hessian-vector products on any "
+                    "model and loss); leave out the quantities that need these extensions; or replace the layer "
+                    "or loss with a supported one."
                 ) from exc
             if replay_error is not None:  # raised after backward returned: nothing else propagates it
                 raise replay_error
