@@ -17,7 +17,7 @@ from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL,
 from cockpit_like.functional.krylov import deflated_diagonal, lanczos_decomposition
 from cockpit_like.quantities import HessMaxEV, HessTrace, TICTrace
 from cockpit_like.utils import schedules
-from tests.helpers import block_sizes, dense_hessian, make_batch, make_problem
+from tests.helpers import block_sizes, dense_hessian, hutchinson_errors, make_batch, make_problem
 
 DT = torch.float64
 
@@ -91,11 +91,15 @@ def test_hess_trace_equals_its_dense_twin_with_the_same_draws_and_stores_its_err
     sizes = block_sizes(model)
     expected = [float(b.sum()) for b in diagonal.split(sizes)]
     assert trace.get_output()[0] == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
-    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-6, abs=1e-12)
+    # the error bars: the larger of the samples' and the bound from the deflated operator's products (dense)
+    Q = K.basis[: K.num_products]
+    outside = torch.eye(D, dtype=DT) - Q.T @ Q
+    block_errors, total_error = hutchinson_errors(draws, draws @ (outside @ hessian @ outside), sizes)
+    assert trace.standard_errors[0] == pytest.approx(block_errors, rel=1e-6, abs=1e-12)
+    assert trace.total_errors[0] == pytest.approx(total_error, rel=1e-6)
     assert tic.standard_errors[0] > 0
-    # the exact trace lies within a few standard errors of the estimate (total: the samples' sums)
-    assert abs(sum(trace.get_output()[0]) - torch.trace(hessian).item()) <= 4 * float(blocks.sum(1).std() / 2) + 1e-8
+    # the exact trace lies within a few standard errors of the estimate
+    assert abs(sum(trace.get_output()[0]) - torch.trace(hessian).item()) <= 4 * total_error + 1e-8
     assert trace.settings() == {"curvature": "hutch++", "computed_with": "hutch++", "hutchinson_samples": 4}
 
 
@@ -109,7 +113,8 @@ def test_shares_the_decomposition_and_gives_the_same_value_alone_and_with_hessma
 
 
 def test_hutchinson_stores_the_standard_errors_of_its_own_samples():
-    """curvature='hutchinson' (the 'auto' choice off BackPACK): the block traces' standard errors of the same draws."""
+    """curvature='hutchinson' (the 'auto' choice off BackPACK): the block traces' standard errors of the same draws
+    and products (the larger of the samples' and the bound from the products' squared norms), and TICTrace's."""
     trace = HessTrace(schedules.linear(1), curvature="hutchinson")
     tic = TICTrace(schedules.linear(1), curvature="hutchinson")
     model, hessian = _train_step([trace, tic])
@@ -122,8 +127,11 @@ def test_hutchinson_stores_the_standard_errors_of_its_own_samples():
     sizes = block_sizes(model)
     blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
     assert trace.get_output()[0] == pytest.approx(blocks.mean(0).tolist(), rel=1e-8, abs=1e-12)
-    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-8, abs=1e-12)
-    total, total_error = blocks.sum(1).mean().item(), (blocks.sum(1).std() / 2).item()
+    signs = torch.stack(samples)
+    block_errors, total_error = hutchinson_errors(signs, signs @ hessian, sizes)
+    assert trace.standard_errors[0] == pytest.approx(block_errors, rel=1e-8, abs=1e-12)
+    assert trace.total_errors[0] == pytest.approx(total_error, rel=1e-8)
+    total = blocks.sum(1).mean().item()
     numerator = tic.get_output()[0] * (total + 1e-7)
     assert tic.standard_errors[0] == pytest.approx(abs(numerator) / (total + 1e-7) ** 2 * total_error, rel=1e-6)
 
