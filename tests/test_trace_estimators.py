@@ -162,6 +162,30 @@ def test_the_benchmark_scripts_run_end_to_end(tmp_path):
         assert row["trace_h"] == pytest.approx(row["trace_g"] + row["trace_h_minus_g"], rel=1e-9, abs=1e-12)
 
 
+def test_the_error_bar_benchmark_runs_end_to_end(tmp_path):
+    """``benchmarks/trace_error_bars.py`` (the command that regenerates docs/curvature.md's coverage table) on one
+    small held-out model: every variant of the error bar is measured on the same draws, the stored error is the
+    larger of the samples' and the products' bound, and the table is written between its markers."""
+    import json
+
+    from benchmarks import trace_error_bars
+
+    docs = tmp_path / "doc.md"
+    docs.write_text(f"before\n{trace_error_bars.BEGIN}\nold\n{trace_error_bars.END}\nafter\n")
+    trace_error_bars.main(["--sets", "held-out", "--only", "depthwise", "--steps", "1", "--held-out-seeds", "3",
+                           "--json", str(tmp_path / "e.json"), "--docs", str(docs)])
+    found = json.loads((tmp_path / "e.json").read_text())
+    assert found["failures"] == [] and len(found["sets"]["held-out"]) == 1
+    row = found["sets"]["held-out"][0]
+    for method in trace_error_bars.ESTIMATORS:
+        assert len(row["seeds"][method]) == 3
+        for draw in row["seeds"][method]:
+            assert draw["errors"] == pytest.approx(max(draw["sample_errors"], draw["product_errors"]), rel=1e-12)
+    assert set(found["summary"]["held-out"]["hutch++"]) == set(trace_error_bars.VARIANTS)
+    text = docs.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "depthwise_silu" in text
+
+
 def test_the_exact_part_in_blocks_of_columns_equals_it_in_one(monkeypatch):
     """The exact part is computed in blocks of columns (its temporaries stay small): 3 blocks give the one-block
     value, with a decomposition that has not-yet-multiplied rows (the ``E^T R`` term)."""
