@@ -156,6 +156,21 @@ def block_sizes(model: nn.Module) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
+def hutchinson_errors(signs: torch.Tensor, products: torch.Tensor, sizes: list[int]) -> tuple[list[float], float]:
+    """Dense twin of the stored standard errors of Hutchinson's block traces (float64): ``signs`` ``[K, D]``
+    (``+-1``), ``products`` ``[K, D]`` the operator's products with them. Per block and for the total, the larger
+    of the samples' standard deviation over ``sqrt(K)`` and ``sqrt(2 mean_k ||(A v_k)_p||^2 / K)``."""
+    count = signs.shape[0]
+    blocks = torch.stack([e.sum(1) for e in (signs * products).split(sizes, dim=1)], dim=1)
+    energies = torch.stack([(x**2).sum(1) for x in products.split(sizes, dim=1)], dim=1)
+    bound = (2 * energies.mean(0) / count).sqrt()
+    total_bound = (2 * energies.sum(1).mean() / count).sqrt()
+    if count < 2:
+        return bound.tolist(), float(total_bound)
+    return (torch.maximum(blocks.std(0) / count**0.5, bound).tolist(),
+            float(torch.maximum(blocks.sum(1).std() / count**0.5, total_bound)))
+
+
 def assert_nested_close(actual, expected, where: str = "", rtol: float = 1e-8, atol: float = 1e-11) -> None:
     """``actual`` equals ``expected`` leaf by leaf (dicts by key, lists and tuples by position; numbers,
     arrays and tensors to ``rtol`` / ``atol``, NaN equal to NaN; anything else by ``==``)."""

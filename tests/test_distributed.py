@@ -470,6 +470,16 @@ def test_presets_match_one_process_on_the_concatenated_batch(ranks):
         # the same value on every rank, bit for bit
         _assert_close(ranks[1]["outputs"][(problem, preset)], ranks[0]["outputs"][(problem, preset)],
                       f"{problem}/{preset} rank 1 vs rank 0", rtol=0, atol=0)  # fmt: skip
+    # Hutchinson's error bar (layernorm_mlp: no BackPACK diagonal): the samples' part is one process's, the bound
+    # from the products' squared norms averages the ranks' own (convexity: never below one process's)
+    for preset in ("business", "full"):
+        expected = _train("layernorm_mlp", preset, slice(None)).get_output()
+        for step, values in expected.items():
+            single = values["checks"]["standard_errors"]["HessTrace"]
+            for result in ranks:
+                spread = result["outputs"][("layernorm_mlp", preset)][step]["checks"]["standard_errors"]["HessTrace"]
+                assert spread["estimator"] == single["estimator"] and spread["samples"] == single["samples"]
+                assert single["standard_error"] * (1 - 1e-9) <= spread["standard_error"] < float("inf")
     # the comparison can fail: rank 0's local batch alone gives other values
     local = _train("mlp", "economy", _rows(0)).get_output()
     assert not np.isclose(local[1]["NormTest"], ranks[0]["outputs"][("mlp", "economy")][1]["NormTest"])

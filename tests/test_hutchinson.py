@@ -158,6 +158,41 @@ def test_the_estimator_is_unbiased_over_all_sign_vectors():
     torch.testing.assert_close(mean, torch.diagonal(dense), rtol=1e-12, atol=1e-12)
 
 
+def test_the_error_bound_from_the_products_is_unbiased_and_conservative_over_all_sign_vectors():
+    """``product_standard_errors``: over every Rademacher vector, ``||(A v)_p||^2`` averages to ``||A_p,:||_F^2``,
+    and ``2 ||A_p,:||_F^2`` is at least the exact variance of one sample of block ``p``'s trace (and
+    ``2 ||A||_F^2`` of the total's), per block and in total; with one sample the bound alone is the error."""
+    from cockpit_like.backends.hvp import product_standard_errors
+
+    n, sizes = 6, [2, 3, 1]
+    signs = torch.tensor([[1 - 2 * ((k >> j) & 1) for j in range(n)] for k in range(2**n)], dtype=torch.float64)
+    for seed in range(5):
+        generator = torch.Generator().manual_seed(seed)
+        dense = torch.randn(n, n, generator=generator, dtype=torch.float64)
+        dense = dense + dense.T
+        products = signs @ dense  # rows: A v
+        blocks = torch.stack([e.sum(1) for e in (signs * products).split(sizes, dim=1)], dim=1)
+        energies = torch.stack([(x**2).sum(1) for x in products.split(sizes, dim=1)], dim=1)
+        rows = torch.stack([(r**2).sum() for r in dense.split(sizes)])  # ||A_p,:||_F^2
+        torch.testing.assert_close(energies.mean(0), rows, rtol=1e-12, atol=1e-12)
+        variances = blocks.var(0, unbiased=False)  # exact: every sign vector once
+        assert (variances <= 2 * rows * (1 + 1e-12)).all()
+        total = float(blocks.sum(1).var(unbiased=False))
+        assert total == pytest.approx(float(2 * ((dense**2).sum() - (torch.diagonal(dense) ** 2).sum())), rel=1e-12)
+        assert total <= float(2 * (dense**2).sum())
+        # the standard errors of K draws: the larger of the samples' and the bound, the bound alone for one draw
+        errors = product_standard_errors(blocks[:4], energies[:4])
+        bound = (2 * energies[:4].mean(0) / 4).sqrt()
+        assert errors["product_errors"]["block_errors"] == pytest.approx(bound.tolist(), rel=1e-12)
+        assert errors["sample_errors"]["block_errors"] == pytest.approx((blocks[:4].std(0) / 2).tolist(), rel=1e-12)
+        assert errors["block_errors"] == pytest.approx(torch.maximum(blocks[:4].std(0) / 2, bound).tolist(), rel=1e-12)
+        assert errors["trace_error"] == pytest.approx(
+            max(float(blocks[:4].sum(1).std() / 2), float((2 * energies[:4].sum(1).mean() / 4).sqrt())), rel=1e-12)
+        one = product_standard_errors(blocks[5:6], energies[5:6])
+        assert one["trace_error"] == pytest.approx(float((2 * energies[5].sum()).sqrt()), rel=1e-12)
+        assert one["sample_errors"]["trace_error"] != one["sample_errors"]["trace_error"]  # NaN
+
+
 @pytest.mark.parametrize("problem", ["mlp", "cnn"])
 def test_auto_is_the_exact_diagonal_on_backpack_models(problem):
     """On extended nn.Sequential models, the presets' 'auto' curvature is BackPACK's DiagHessian (Cockpit's numbers)."""

@@ -23,6 +23,7 @@ from cockpit_like.functional.krylov import deflated_diagonal, lanczos_decomposit
 from cockpit_like.quantities import HessMaxEV, HessTrace
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
+from tests.helpers import hutchinson_errors
 
 DT = torch.float64
 BATCH = 6
@@ -80,7 +81,11 @@ def _hutch_plus_plus_blocks(hessian, step, sizes):
     draws = rademacher(4, D, DT, "cpu", step_generator(step, "deflated diagonal"))
     diagonal, estimates = deflated_diagonal(lambda v: hessian @ v, K, draws)
     blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
-    return [float(b.sum()) for b in diagonal.split(sizes)], blocks
+    # the error bars' dense twin: the deflated operator (I - P) H (I - P), P = Q^T Q, times the draws
+    Q = K.basis[: K.num_products]
+    outside = torch.eye(D, dtype=DT) - Q.T @ Q
+    errors = hutchinson_errors(draws, draws @ (outside @ hessian @ outside), sizes)
+    return [float(b.sum()) for b in diagonal.split(sizes)], blocks, errors
 
 
 def _hutchinson_blocks(hessian, step, sizes):
@@ -89,7 +94,8 @@ def _hutchinson_blocks(hessian, step, sizes):
     samples = [torch.randint(0, 2, (D,), generator=draws).to(DT) * 2 - 1 for _ in range(4)]
     estimates = torch.stack([v * (hessian @ v) for v in samples])
     blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
-    return blocks.mean(0).tolist(), blocks
+    signs = torch.stack(samples)
+    return blocks.mean(0).tolist(), blocks, hutchinson_errors(signs, signs @ hessian, sizes)
 
 
 def test_auto_uses_the_engines_space_where_hessmaxev_runs_and_hutchinson_where_not():
@@ -102,16 +108,18 @@ def test_auto_uses_the_engines_space_where_hessmaxev_runs_and_hutchinson_where_n
     assert trace.method == "hutchinson" and trace.settings()["computed_with"] == "hutchinson"
     assert trace.estimators == {0: "hutch++", 1: "hutchinson"}
 
-    expected, blocks = _hutch_plus_plus_blocks(hessians[0], 0, sizes)
+    expected, blocks, (block_errors, total_error) = _hutch_plus_plus_blocks(hessians[0], 0, sizes)
     assert trace.get_output()[0] == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-6, abs=1e-12)
-    assert trace.total_errors[0] == pytest.approx(float(blocks.sum(1).std() / 2), rel=1e-6)
+    assert trace.standard_errors[0] == pytest.approx(block_errors, rel=1e-6, abs=1e-12)
+    assert trace.total_errors[0] == pytest.approx(total_error, rel=1e-6)
+    assert trace.total_errors[0] >= float(blocks.sum(1).std() / 2) * (1 - 1e-9)  # never below the samples' own
 
-    expected, blocks = _hutchinson_blocks(hessians[1], 1, sizes)
+    expected, blocks, (block_errors, total_error) = _hutchinson_blocks(hessians[1], 1, sizes)
     assert trace.get_output()[1] == pytest.approx(expected, rel=1e-8, abs=1e-12)
-    assert trace.total_errors[1] == pytest.approx(float(blocks.sum(1).std() / 2), rel=1e-8)
+    assert trace.standard_errors[1] == pytest.approx(block_errors, rel=1e-8, abs=1e-12)
+    assert trace.total_errors[1] == pytest.approx(total_error, rel=1e-8)
     # the two estimators differ (so the first comparison could fail): Hutchinson's at step 0 is another number
-    hutchinson_at_0, _ = _hutchinson_blocks(hessians[0], 0, sizes)
+    hutchinson_at_0, _, _ = _hutchinson_blocks(hessians[0], 0, sizes)
     assert sum(hutchinson_at_0) != pytest.approx(sum(trace.get_output()[0]), rel=1e-3)
 
 
@@ -138,7 +146,7 @@ def test_the_full_preset_gives_explicit_hutch_plus_plus_and_business_explicit_hu
 def test_an_explicit_hutchinson_stays_hutchinson_beside_the_engine():
     trace = HessTrace(linear(1), curvature="hutchinson")
     model, hessians = _run([HessMaxEV(linear(1)), trace], steps=1)
-    expected, _ = _hutchinson_blocks(hessians[0], 0, [p.numel() for p in model.parameters()])
+    expected, _, _ = _hutchinson_blocks(hessians[0], 0, [p.numel() for p in model.parameters()])
     assert trace.estimators == {0: "hutchinson"}
     assert trace.get_output()[0] == pytest.approx(expected, rel=1e-8, abs=1e-12)
 

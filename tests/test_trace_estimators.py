@@ -17,7 +17,7 @@ from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL,
 from cockpit_like.functional.krylov import deflated_diagonal, lanczos_decomposition
 from cockpit_like.quantities import HessMaxEV, HessTrace, TICTrace
 from cockpit_like.utils import schedules
-from tests.helpers import block_sizes, dense_hessian, make_batch, make_problem
+from tests.helpers import block_sizes, dense_hessian, hutchinson_errors, make_batch, make_problem
 
 DT = torch.float64
 
@@ -91,11 +91,15 @@ def test_hess_trace_equals_its_dense_twin_with_the_same_draws_and_stores_its_err
     sizes = block_sizes(model)
     expected = [float(b.sum()) for b in diagonal.split(sizes)]
     assert trace.get_output()[0] == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
-    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-6, abs=1e-12)
+    # the error bars: the larger of the samples' and the bound from the deflated operator's products (dense)
+    Q = K.basis[: K.num_products]
+    outside = torch.eye(D, dtype=DT) - Q.T @ Q
+    block_errors, total_error = hutchinson_errors(draws, draws @ (outside @ hessian @ outside), sizes)
+    assert trace.standard_errors[0] == pytest.approx(block_errors, rel=1e-6, abs=1e-12)
+    assert trace.total_errors[0] == pytest.approx(total_error, rel=1e-6)
     assert tic.standard_errors[0] > 0
-    # the exact trace lies within a few standard errors of the estimate (total: the samples' sums)
-    assert abs(sum(trace.get_output()[0]) - torch.trace(hessian).item()) <= 4 * float(blocks.sum(1).std() / 2) + 1e-8
+    # the exact trace lies within a few standard errors of the estimate
+    assert abs(sum(trace.get_output()[0]) - torch.trace(hessian).item()) <= 4 * total_error + 1e-8
     assert trace.settings() == {"curvature": "hutch++", "computed_with": "hutch++", "hutchinson_samples": 4}
 
 
@@ -109,7 +113,8 @@ def test_shares_the_decomposition_and_gives_the_same_value_alone_and_with_hessma
 
 
 def test_hutchinson_stores_the_standard_errors_of_its_own_samples():
-    """curvature='hutchinson' (the 'auto' choice off BackPACK): the block traces' standard errors of the same draws."""
+    """curvature='hutchinson' (the 'auto' choice off BackPACK): the block traces' standard errors of the same draws
+    and products (the larger of the samples' and the bound from the products' squared norms), and TICTrace's."""
     trace = HessTrace(schedules.linear(1), curvature="hutchinson")
     tic = TICTrace(schedules.linear(1), curvature="hutchinson")
     model, hessian = _train_step([trace, tic])
@@ -122,8 +127,11 @@ def test_hutchinson_stores_the_standard_errors_of_its_own_samples():
     sizes = block_sizes(model)
     blocks = torch.stack([e.sum(1) for e in estimates.split(sizes, dim=1)], dim=1)
     assert trace.get_output()[0] == pytest.approx(blocks.mean(0).tolist(), rel=1e-8, abs=1e-12)
-    assert trace.standard_errors[0] == pytest.approx((blocks.std(0) / 2).tolist(), rel=1e-8, abs=1e-12)
-    total, total_error = blocks.sum(1).mean().item(), (blocks.sum(1).std() / 2).item()
+    signs = torch.stack(samples)
+    block_errors, total_error = hutchinson_errors(signs, signs @ hessian, sizes)
+    assert trace.standard_errors[0] == pytest.approx(block_errors, rel=1e-8, abs=1e-12)
+    assert trace.total_errors[0] == pytest.approx(total_error, rel=1e-8)
+    total = blocks.sum(1).mean().item()
     numerator = tic.get_output()[0] * (total + 1e-7)
     assert tic.standard_errors[0] == pytest.approx(abs(numerator) / (total + 1e-7) ** 2 * total_error, rel=1e-6)
 
@@ -152,6 +160,30 @@ def test_the_benchmark_scripts_run_end_to_end(tmp_path):
     for row, other in zip(rows, found["rows"]):
         assert row["trace_h"] == pytest.approx(other["exact_trace"], rel=1e-10)  # two scripts, one exact trace
         assert row["trace_h"] == pytest.approx(row["trace_g"] + row["trace_h_minus_g"], rel=1e-9, abs=1e-12)
+
+
+def test_the_error_bar_benchmark_runs_end_to_end(tmp_path):
+    """``benchmarks/trace_error_bars.py`` (the command that regenerates docs/curvature.md's coverage table) on one
+    small held-out model: every variant of the error bar is measured on the same draws, the stored error is the
+    larger of the samples' and the products' bound, and the table is written between its markers."""
+    import json
+
+    from benchmarks import trace_error_bars
+
+    docs = tmp_path / "doc.md"
+    docs.write_text(f"before\n{trace_error_bars.BEGIN}\nold\n{trace_error_bars.END}\nafter\n")
+    trace_error_bars.main(["--sets", "held-out", "--only", "depthwise", "--steps", "1", "--held-out-seeds", "3",
+                           "--json", str(tmp_path / "e.json"), "--docs", str(docs)])
+    found = json.loads((tmp_path / "e.json").read_text())
+    assert found["failures"] == [] and len(found["sets"]["held-out"]) == 1
+    row = found["sets"]["held-out"][0]
+    for method in trace_error_bars.ESTIMATORS:
+        assert len(row["seeds"][method]) == 3
+        for draw in row["seeds"][method]:
+            assert draw["errors"] == pytest.approx(max(draw["sample_errors"], draw["product_errors"]), rel=1e-12)
+    assert set(found["summary"]["held-out"]["hutch++"]) == set(trace_error_bars.VARIANTS)
+    text = docs.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text and "depthwise_silu" in text
 
 
 def test_the_exact_part_in_blocks_of_columns_equals_it_in_one(monkeypatch):

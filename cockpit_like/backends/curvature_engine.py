@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cockpit_like.backends.distributed import same_on_all_ranks
-from cockpit_like.backends.hvp import HutchinsonDiagonal, curvature_params, hessian_vector_product, scatter_blocks
+from cockpit_like.backends.hvp import (
+    HutchinsonDiagonal, curvature_params, hessian_vector_product, product_standard_errors, scatter_blocks,
+)
 from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace, lanczos_decomposition
 
@@ -185,13 +187,17 @@ class DeflatedDiagonal:
     the cockpit's generator (one product each): unbiased for ``diag(H)``, with
     the variance of Hutchinson on the Hessian less its dominant directions,
     which the Lanczos space holds. Summed over a parameter's entries it is an
-    unbiased estimate of that block's trace, whose standard error is that of
-    the ``K`` samples' block sums (the exact part has none).
+    unbiased estimate of that block's trace. Its standard error (the exact
+    part has none) is the larger of the ``K`` samples' and the conservative
+    bound from the products' squared norms
+    (:func:`~cockpit_like.backends.hvp.product_standard_errors`, on the
+    deflated operator ``(I - P) H (I - P)``).
 
     The math is :func:`~cockpit_like.functional.krylov.deflated_diagonal`.
 
     Result: ``{"diagonal": [tensor per param], "block_errors": [float per param],
-    "trace_error": float, "products": K}``.
+    "trace_error": float, "sample_errors", "product_errors", "products": K}`` (the two
+    ``{"block_errors", "trace_error"}`` that the errors are the larger of).
     """
 
     samples: int = 4
@@ -208,19 +214,24 @@ class DeflatedDiagonal:
         dtype, device = params[0].dtype, params[0].device
         draws = rademacher(self.samples, sum(sizes), dtype, device, step_generator(execution.step, "deflated diagonal", device))
         diagonal, estimates = deflated_diagonal(matvec, decomposition, draws)
-        blocks = torch.stack([piece.sum(1) for piece in estimates.split(sizes, dim=1)], dim=1).to(torch.float64).cpu()
-        if self.samples > 1:  # the exact part has no error; the samples' block sums are i.i.d.
-            errors = (blocks.std(dim=0) / self.samples**0.5).tolist()
-            trace_error = float(blocks.sum(1).std() / self.samples**0.5)
-        else:
-            errors, trace_error = [float("nan")] * len(sizes), float("nan")
-        block_errors = [0.0] * len(params)  # a frozen parameter's block is zero, exactly
-        for index, error in zip(indices, errors):
-            block_errors[index] = error
+        pieces = estimates.split(sizes, dim=1)
+        blocks = torch.stack([piece.sum(1) for piece in pieces], dim=1).to(torch.float64).cpu()
+        # the exact part has no error; the samples' block sums are i.i.d., and the rows of ``estimates`` are
+        # g * (B g) with B = (I - P) H (I - P) and g = +-1, so their squares are those of the products B g
+        energies = torch.stack([piece.square().sum(1) for piece in pieces], dim=1).cpu()
+        errors = product_standard_errors(blocks, energies)
+
+        def spread(found: dict) -> dict:  # per trainable block -> per parameter (a frozen one's block is 0, exactly)
+            block_errors = [0.0] * len(params)
+            for index, error in zip(indices, found["block_errors"]):
+                block_errors[index] = error
+            return {"block_errors": block_errors, "trace_error": found["trace_error"]}
+
         return {
             "diagonal": scatter_blocks(list(diagonal.split(sizes)), indices, params),
-            "block_errors": block_errors,
-            "trace_error": trace_error,
+            **spread(errors),
+            "sample_errors": spread(errors["sample_errors"]),
+            "product_errors": spread(errors["product_errors"]),
             "products": self.samples,
         }
 

@@ -65,8 +65,13 @@ On any model (no BackPACK needed):
 
 The estimators keep each step's standard error beside the stored value, in
 ``standard_errors[step]`` (0.0 where ``"ggn"`` is exact): per parameter block
-for HessTrace (from the samples' block sums; the total's in
-``total_errors[step]``), of the value for TICTrace (first order in the
+for HessTrace (the total's in ``total_errors[step]``; with ``"hutchinson"``
+and ``"hutch++"`` the larger of the samples' standard deviation over
+``sqrt(m)`` and the conservative bound ``sqrt(2 mean_k ||(A v_k)_p||^2 / m)``
+from the squared norms of the same products, ``A`` the Hessian or its
+deflated part: :func:`~cockpit_like.backends.hvp.product_standard_errors`;
+from 4 samples the first alone is too noisy to be an honest error bar), of
+the value for TICTrace (first order in the
 trace's error, ``N / t^2 * se(t)``) and, with the ``"ggn"`` draws, for
 TICDiag (first order in the draws' deviations from their mean); none for
 Hutchinson's TICDiag and the BackPACK diagonals (exact, or one Monte-Carlo
