@@ -242,3 +242,21 @@ def accumulated_steps(cockpit, problem, optimizer, steps: int, rows: int, micro_
                 (loss / micro_batches).backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     return cockpit.get_output()
+
+
+def row_stats_probe(track_schedule):
+    """A quantity that stores this step's per-sample sums of squares (per parameter) and squared norms (per row):
+    what a brute-force loop over rows is compared with."""
+    from cockpit_like.backends.per_sample_stats import SquaredNorms, SumOfSquares
+    from cockpit_like.context import get_record
+    from cockpit_like.quantities.quantity import SingleStepQuantity
+
+    class RowStatsProbe(SingleStepQuantity):
+        def per_sample_stats(self, step):
+            return [SumOfSquares(), SquaredNorms()]
+
+        def _compute(self, step, params, loss):
+            record = get_record(step)
+            return [s.clone() for s in record.stat(SumOfSquares())], record.stat(SquaredNorms()).clone()
+
+    return RowStatsProbe(track_schedule)

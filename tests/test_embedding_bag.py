@@ -12,20 +12,10 @@ from torch import nn
 import cockpit_like.backends.hooks as hooks
 from cockpit_like import Cockpit
 from cockpit_like.backends.hooks import UncoveredParameterError
-from cockpit_like.backends.per_sample_stats import SquaredNorms, SumOfSquares
-from cockpit_like.context import get_record
-from cockpit_like.quantities.quantity import SingleStepQuantity
+from tests.helpers import row_stats_probe
 
 ROWS = 6
 
-
-class _Probe(SingleStepQuantity):
-    def per_sample_stats(self, step):
-        return [SumOfSquares(), SquaredNorms()]
-
-    def _compute(self, step, params, loss):
-        record = get_record(step)
-        return [s.clone() for s in record.stat(SumOfSquares())], record.stat(SquaredNorms()).clone()
 
 
 class Bags(nn.Module):
@@ -81,7 +71,7 @@ def test_embedding_bag_rule_matches_the_loop(monkeypatch, form, mode, weighted, 
         raise AssertionError("the generic torch.func fallback ran: the EmbeddingBag rule did not apply")
 
     monkeypatch.setattr(hooks, "per_sample_grads", no_generic_fallback)
-    probe = _Probe(lambda step: True)
+    probe = row_stats_probe(lambda step: True)
     cockpit = Cockpit(params, quantities=[probe], model=model)
     loss = F.cross_entropy(model(ids, offsets, weights), labels)
     with cockpit(0, info={"loss": loss, "batch_size": ROWS}):
@@ -101,7 +91,7 @@ def test_max_mode_with_2d_ids_is_re_run():
     params = list(model.parameters())
     losses = F.cross_entropy(model(ids), labels, reduction="none")
     rows = [torch.autograd.grad(losses[i] / ROWS, params, retain_graph=True) for i in range(ROWS)]
-    probe = _Probe(lambda step: True)
+    probe = row_stats_probe(lambda step: True)
     cockpit = Cockpit(params, quantities=[probe], model=model)
     loss = F.cross_entropy(model(ids), labels)
     with cockpit(0, info={"loss": loss, "batch_size": ROWS}):
@@ -115,7 +105,7 @@ def test_max_mode_with_offsets_is_refused_naming_the_layer_and_the_fix():
     model = Bags("max").double()
     ids, offsets, _, labels = _inputs("offsets", False, False)
     offsets = torch.tensor([0, 2, 5, 6, 9, 11])
-    cockpit = Cockpit(model.parameters(), quantities=[_Probe(lambda step: True)], model=model)
+    cockpit = Cockpit(model.parameters(), quantities=[row_stats_probe(lambda step: True)], model=model)
     loss = F.cross_entropy(model(ids, offsets), labels)
     with pytest.raises(UncoveredParameterError, match=r"EmbeddingBag layer .*bag.*mode='max'.*1-D ids and offsets.*2-D"):
         with cockpit(0, info={"loss": loss, "batch_size": ROWS}):

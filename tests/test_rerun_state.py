@@ -14,19 +14,9 @@ from torch.nn.utils import parametrizations, parametrize
 
 from cockpit_like import Cockpit
 from cockpit_like.backends.hooks import UncoveredParameterError
-from cockpit_like.backends.per_sample_stats import SquaredNorms, SumOfSquares
-from cockpit_like.context import get_record
-from cockpit_like.quantities.quantity import SingleStepQuantity
 from cockpit_like.utils.configuration import configuration
+from tests.helpers import row_stats_probe
 
-
-class _Probe(SingleStepQuantity):
-    def per_sample_stats(self, step):
-        return [SumOfSquares(), SquaredNorms()]
-
-    def _compute(self, step, params, loss):
-        record = get_record(step)
-        return [s.clone() for s in record.stat(SumOfSquares())], record.stat(SquaredNorms()).clone()
 
 
 class Counting(nn.Module):
@@ -71,7 +61,7 @@ def test_spectral_norm_per_sample_gradients_match_the_loop(iterations, warm):
     model = _spectral(iterations, warm)
     inputs, labels = _batch(0)
     params = list(model.parameters())
-    probe = _Probe(lambda step: True)
+    probe = row_stats_probe(lambda step: True)
     cockpit = Cockpit(params, quantities=[probe], model=model)
     losses = F.cross_entropy(model(inputs), labels, reduction="none")
     rows = [torch.autograd.grad(losses[i] / 8, params, retain_graph=True) for i in range(8)]
@@ -131,7 +121,7 @@ def test_a_parametrization_the_rerun_cannot_reproduce_is_named():
     parametrize.register_parametrization(layer, "weight", _Jitter())
     model = nn.Sequential(layer, nn.Tanh(), nn.Linear(6, 3)).double()
     inputs, labels = _batch(0)
-    cockpit = Cockpit(model.parameters(), quantities=[_Probe(lambda step: True)], model=model)
+    cockpit = Cockpit(model.parameters(), quantities=[row_stats_probe(lambda step: True)], model=model)
     loss = F.cross_entropy(model(inputs), labels)
     with pytest.raises(UncoveredParameterError, match=r"parametrizations .*parametrizations\.weight \(_Jitter\)"):
         with cockpit(0, info={"loss": loss, "batch_size": 8}):
