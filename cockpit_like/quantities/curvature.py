@@ -238,7 +238,13 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             exact, estimator = choice
             self._method = exact if backpack_curvature_compatible(models, CURVATURES[exact]()) else estimator
 
+    #: without ``info["outputs"]``, ``"auto"``'s GGN falls back to an estimate of the Hessian diagonal (TICTrace, a
+    #: sum, keeps an honest error bar); TICDiag divides entry by entry and stores nothing instead
+    _falls_back = True
+
     def _need(self, global_step: int):
+        if global_step in self._without_outputs and not self._falls_back:
+            return None
         method = self._step_method(global_step)
         if method == "hutchinson":
             # "auto" deflates by the step's Lanczos space where another quantity computes it anyway
@@ -421,7 +427,21 @@ class TICDiag(_TIC):
     dominate; ``"diag_h"`` may even have ``c_j + epsilon <= 0``, as in Cockpit.
     """
 
+    #: an estimate of the Hessian's diagonal is indefinite and noisy entry by entry: ``1 / (c_j + epsilon)`` of it
+    #: means nothing (values of +-5e4, negative), so ``"auto"`` without ``info["outputs"]`` stores no value
+    _falls_back = False
+
     def _compute(self, global_step, params, batch_loss):
+        if global_step in self._without_outputs:
+            self._without_outputs.discard(global_step)
+            get_record(global_step).note(
+                f"TICDiag at step {global_step}: no value stored: curvature='auto' divides by the GGN diagonal "
+                "(positive) of the cross-entropy of info['outputs'], which this step did not give, and an estimate "
+                "of the Hessian's diagonal is indefinite and noisy entry by entry (1 / (c_j + epsilon) of it can be "
+                "huge or negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last), "
+                "or ask for curvature='hutchinson' explicitly; TICTrace falls back with an error bar"
+            )
+            return None
         batch_size, squares, diagonals = self._inputs(global_step, params)
         if diagonals is None:  # not this loss's curvature: no value (the step's notes say why)
             return None
