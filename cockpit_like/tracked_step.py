@@ -19,6 +19,7 @@ modules, :mod:`cockpit_like.run_output` and :mod:`cockpit_like.context`.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import replace
@@ -562,20 +563,18 @@ class TrackedStep:
             scale = partitions.scale * passes / declared if declared > 1 else partitions.scale
         if self._fingerprint is None:
             return scale, None
-        now = _fingerprint(self.env.params, self.step)
-        before = self._fingerprint
-        if all(v is None for v in now.values()) and any(v is not None for v in before.values()):
+        factor = gradient_factor(self._fingerprint, _fingerprint(self.env.params, self.step))
+        if factor == CLEARED:
             reason = (f"the gradients were cleared before step {self.step} was finished: the step ends when "
                       "info['optimizer'] steps or the next step begins")
             if scale / passes > 1.0:
                 self.env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
             checks.fail("gradient", reason)
             return None, None
-        ratios = [now[i] / before[i] for i in before if before[i] and now.get(i) is not None]
-        if not ratios or all(abs(r - 1.0) <= 1e-6 for r in ratios):
+        if factor is not None and abs(factor - 1.0) <= 1e-6:
             return scale, None
-        if all(abs(r - ratios[0]) <= 1e-5 * abs(ratios[0]) for r in ratios):
-            return scale * ratios[0], ratios[0]
+        if factor is not None:
+            return scale * factor, factor
         checks.fail("gradient", f"the gradients of step {self.step} changed between the end of the backward pass and "
                     "the optimizer step, and not by one factor (per-parameter clipping? an optimizer wrapper?): the "
                     "cockpit cannot tell the gradient the per-sample rows belong to")
@@ -623,12 +622,16 @@ def _is_optimizer(value: Any) -> bool:
 
 def needs_closure(optimizer: Any) -> bool:
     """Whether ``optimizer.step`` requires a closure (LBFGS: it evaluates the loss itself, possibly several times)."""
-    if not _is_optimizer(optimizer):
-        return False
+    return _is_optimizer(optimizer) and _closure_required(type(optimizer))
+
+
+@functools.lru_cache(maxsize=None)
+def _closure_required(cls: type) -> bool:
+    """:func:`needs_closure` of an optimizer class (its ``step`` signature, read once per class)."""
     import inspect
 
     try:
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        closure = inspect.signature(cls.step).parameters.get("closure")
     except (TypeError, ValueError):
         return False
     return closure is not None and closure.default is inspect.Parameter.empty
@@ -682,19 +685,30 @@ def parameters_moved(params: list[torch.Tensor], step: int, before: list[float])
     return moved
 
 
-def gradients_changed(params: list[torch.Tensor], step: int, before: dict[int, float | None]) -> bool:
-    """Whether the gradients differ from their projections ``before`` (:func:`_fingerprint`) other than by one
-    factor (clipping by the norm, ``GradScaler.unscale_``); gradients cleared since then count as unchanged."""
-    now = _fingerprint(params, step)
+#: :func:`gradient_factor` of gradients cleared in between
+CLEARED = "cleared"
+
+
+def gradient_factor(before: dict[int, float | None], now: dict[int, float | None]) -> float | str | None:
+    """The one factor the gradients were scaled by between two :func:`_fingerprint` projections (``1.0``:
+    unchanged; clipping by the norm, ``GradScaler.unscale_``), :data:`CLEARED` where every gradient was cleared
+    since, ``None`` where they changed other than by one factor (a gradient appeared, went, or moved apart)."""
     if all(v is None for v in now.values()):
-        return False
+        return CLEARED if any(v is not None for v in before.values()) else 1.0
     if any((before[i] is None) != (now.get(i) is None) for i in before):
-        return True
+        return None
+    if any(before[i] == 0.0 and now.get(i) not in (None, 0.0) for i in before):
+        return None
     ratios = [now[i] / before[i] for i in before if before[i] and now.get(i) is not None]
-    zeros = [i for i in before if before[i] == 0.0 and now.get(i) not in (None, 0.0)]
-    if zeros:
-        return True
-    return bool(ratios) and not all(abs(r - ratios[0]) <= 1e-5 * abs(ratios[0]) for r in ratios)
+    if not ratios:
+        return 1.0
+    return ratios[0] if all(abs(r - ratios[0]) <= 1e-5 * abs(ratios[0]) for r in ratios) else None
+
+
+def gradients_changed(params: list[torch.Tensor], step: int, before: dict[int, float | None]) -> bool:
+    """Whether the gradients differ from their projections ``before`` other than by one factor; gradients cleared
+    since then count as unchanged (:func:`gradient_factor`)."""
+    return gradient_factor(before, _fingerprint(params, step)) is None
 
 
 def _stale_gradients(params: list[torch.Tensor], seed: int) -> dict[int, float]:
