@@ -145,6 +145,16 @@ def test_the_mean_of_the_losses_must_be_the_loss():
     check_losses_mean({"loss": losses.mean(), "individual_losses": losses}, 0)
     with pytest.raises(ValueError, match=r"info\['loss'\] is 3.5 but the mean of info\['individual_losses'\] is 2.3333333"):
         check_losses_mean({"loss": torch.tensor(3.5), "individual_losses": losses}, 0)
+    with pytest.raises(ValueError) as raised:  # not a round factor: no hint about scaled losses
+        check_losses_mean({"loss": torch.tensor(3.5), "individual_losses": losses}, 0)
+    assert "x that mean" not in str(raised.value)
+
+
+@pytest.mark.parametrize("factor, shown", [(1024.0, "1024 x"), (0.25, "1/4 x"), (3.0, "3 x")])
+def test_a_scaled_or_divided_loss_passed_as_the_loss_is_named_with_its_factor(factor, shown):
+    losses = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"info\['loss'\] is " + shown + r" that mean: pass as info\['loss'\] the mean loss"):
+        check_losses_mean({"loss": losses.mean() * factor, "individual_losses": losses}, 0)
 
 
 @pytest.mark.parametrize("form", ["factors", "sequence", "grad_batch", "sum"])

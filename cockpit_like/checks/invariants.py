@@ -88,7 +88,7 @@ def check_losses_mean(info: dict, step: int) -> None:
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
-        "backward pass's rows. Common causes: a loss averaged over all tokens of a padded batch while each row's "
+        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)} Common causes: a loss averaged over all tokens of a padded batch while each row's "
         "loss is its own token mean (give each row its token sum divided by the batch's mean number of tokens, "
         "or average the loss over rows); a loss with an extra term: a per-row auxiliary loss (add each row's "
         "term to that row's loss), a penalty on the parameters such as weight decay (use the optimizer's "
@@ -97,6 +97,22 @@ def check_losses_mean(info: dict, step: int) -> None:
         "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); losses of another batch "
         "than the loss."
     )
+
+
+def _scaled_loss_hint(loss_value: float, mean: float) -> str:
+    """Where ``info["loss"]`` is a round multiple (``S``, ``K``) or fraction (``1/K``) of the rows' mean: what
+    that usually means (the scaled or divided tensor passed instead of the loss)."""
+    if mean == 0.0 or loss_value == 0.0:
+        return ""
+    ratio = loss_value / mean
+    for factor, shown in ((ratio, f"{round(ratio):d}"), (1.0 / ratio, f"1/{round(1.0 / ratio):d}")):
+        if factor >= 2.0 and abs(factor - round(factor)) <= 1e-6 * factor:
+            return (
+                f" info['loss'] is {shown} x that mean: pass as info['loss'] the mean loss itself, not the tensor "
+                "you call backward() on after scaling or dividing it (scaler.scale(loss), loss / K); the cockpit "
+                "sees that factor on its own (docs/your_training_loop.md, 'The loss factor')."
+            )
+    return ""
 
 
 def notable(record: dict[str, Any]) -> bool:
