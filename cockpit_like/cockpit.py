@@ -36,7 +36,7 @@ from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
 from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quiet import QuietStep
-from cockpit_like.run_output import RunOutput
+from cockpit_like.run_output import RunOutput, StepAlreadyTrackedError
 from cockpit_like.tracked_step import (
     StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, parameters_moved,
 )
@@ -444,6 +444,15 @@ class Cockpit:
         else:
             self._flush()
             micro, count = self._micro_batch(global_step, info or {})
+            if micro == 0 and self._run.stepped is not None and self._run.stepped[0] == global_step:
+                raise StepAlreadyTrackedError(
+                    f"cockpit step {global_step}: this step was tracked and {self._run.stepped[1]}.step() has run "
+                    "since, so "
+                    "this backward pass belongs to a new optimizer step under the same global_step. Give each "
+                    "optimizer step its own number (e.g. count optimizer steps, not epochs or batches of an "
+                    "accumulating loop); the micro-batches of one step share a number and come before its "
+                    "optimizer.step()."
+                )
             if micro == 0 and self._active_at(global_step):  # a step is stored once (a notebook cell run again)
                 self._output.check_new_step(global_step, (q.output for q in self.quantities), not undeclared)
             finished = self._run.finished
@@ -584,12 +593,12 @@ class Cockpit:
         }]
         self._store_checks(step, record)
 
-    def _flush(self) -> None:
+    def _flush(self, at_optimizer_step: bool = False) -> None:
         """Finish the step whose end was not declared (its optimizer stepped, the next step begins, or the
         output is read): merge its backward passes, check them and track its quantities."""
         pending, self._run.pending = self._run.pending, None
         if pending is not None:
-            pending.finish()
+            pending.finish(at_optimizer_step=at_optimizer_step)
 
     def _watch_optimizer(self, optimizer: Any) -> None:
         """Step hooks on ``optimizer`` (once): right before it updates the parameters, finish a pending step and
@@ -611,7 +620,7 @@ class Cockpit:
             if cockpit is None or looking_ahead():
                 return
             if cockpit._run.pending is not None:
-                cockpit._flush()
+                cockpit._flush(at_optimizer_step=cockpit._run.pending.info.get("optimizer") is opt)
             cockpit._check_optimizer_step(opt)
             closure = args[0] if args else kwargs.get("closure")
             if closure is not None:
@@ -623,6 +632,8 @@ class Cockpit:
                 return
             if cockpit._run.stepping is opt:
                 cockpit._run.stepping, cockpit._run.evaluations = None, 0
+            if cockpit._run.finished is not None and cockpit._run.pending is None:
+                cockpit._run.stepped = (cockpit._run.finished[0], type(opt).__name__)
             watch = cockpit._run.watch
             if watch is not None and watch[1] is opt:
                 # not compared before this step: the block ran inside it (a closure's evaluation, at the first
