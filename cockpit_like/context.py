@@ -89,6 +89,8 @@ class StepRecord:
     #: ``{quantity name: {"standard_error", "estimator", "samples", "reliable"}}`` of the estimated values (the
     #: step's ``checks["standard_errors"]``)
     standard_errors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the step finished when ``info["optimizer"]`` began its step: ``p.grad`` is what it steps with
+    at_optimizer_step: bool = False
 
     def note(self, text: str) -> None:
         """Say something about this step's numbers in its ``checks["notes"]`` (where a quantity cannot be

@@ -81,6 +81,9 @@ class StepRun:
     #: ``(step, optimizer, parameter projections, gradient projections or None)`` of the last tracked block
     #: outside its optimizer's step, compared when that optimizer steps (:meth:`Cockpit._check_optimizer_step`)
     watch: Any = None
+    #: ``(step, optimizer class)``: the step finished last, once an optimizer stepped after it: a pass with that number
+    #: again is a new optimizer step under a repeated number (:meth:`Cockpit.__call__` refuses it)
+    stepped: tuple[int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,16 @@ class TrackedStep:
         self._loss_finite: bool | None | object = _UNCHECKED
         #: the step's end is not known in advance: more backward passes of this step may follow, and the
         #: step is finished when the optimizer steps or the next step begins (undeclared micro-batches)
+        #: (also where a quantity's computation must wait for the optimizer's step: Quantity.waits_for_optimizer,
+        #: unless the block runs inside that step, a closure's evaluation, or the step needs a closure)
+        optimizer = info.get("optimizer")
+        waits = (
+            env.run.stepping is None and not needs_closure(optimizer)
+            and any(q.waits_for_optimizer(global_step) for q in env.active_at(global_step))
+        )  # fmt: skip
         self.open_ended = (
-            env.run.accumulates and "micro_batches" not in info and env.ranks is None
-            and _is_optimizer(info.get("optimizer"))
+            (env.run.accumulates or waits) and "micro_batches" not in info and env.ranks is None
+            and _is_optimizer(optimizer)
         )  # fmt: skip
         self._split = micro_batches > 1 or env.ranks is not None or self.open_ended
         #: a backward pass of a step already withdrawn (see Cockpit._invalidate): nothing is computed
@@ -216,7 +226,7 @@ class TrackedStep:
         if self.active and (env.run.partitions is None or env.run.partitions.step != step):
             scaler = grad_scale(self.info, step)
             factor = scaler * loss_scale(self.info, step)
-            env.run.partitions = StepPartitions(step, factor, skippable=scaler != 1.0)
+            env.run.partitions = StepPartitions(step, factor, skippable=scaler != 1.0, grad_scaler=scaler)
             env.run.partitions.checks = StepChecks(step)
             if env.self_checks:  # what p.grad held before this step's first backward pass (zero after zero_grad)
                 env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
@@ -384,8 +394,9 @@ class TrackedStep:
             return
         env.run.watch = (self.step, optimizer, parameter_prints(env.params, self.step), grads)
 
-    def finish(self) -> None:
-        """Merge the step's backward passes, check them, track the quantities and publish what they stored."""
+    def finish(self, at_optimizer_step: bool = False) -> None:
+        """Merge the step's backward passes, check them, track the quantities and publish what they stored
+        (``at_optimizer_step``: called as ``info["optimizer"]`` begins its step)."""
         env, execution = self.env, self._execution
         ranks = env.ranks if self.active else None
         partitions = env.run.partitions
@@ -412,7 +423,9 @@ class TrackedStep:
                 f"cockpit step {self.step}: no tracked parameter got a gradient. Call loss.backward() inside "
                 "the cockpit's block, and pass the parameters the loss depends on to Cockpit(params)."
             )
-        view = StepGradients(params, scale)
+        # the optimizer steps on p.grad as it is at its step: without a declared GradScaler's scale, which the
+        # scaler takes off before (where the step finishes at the optimizer's step, it has already)
+        view = StepGradients(params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler)
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
@@ -450,7 +463,7 @@ class TrackedStep:
             stats.update({asked: stats[met_by] for asked, met_by in execution.aliases if met_by in stats})
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
-                loss_is_finite=self._loss_is_finite, live_params=params,
+                loss_is_finite=self._loss_is_finite, live_params=params, at_optimizer_step=at_optimizer_step,
             )
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why

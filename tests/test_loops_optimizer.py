@@ -164,9 +164,13 @@ def test_lbfgs_with_one_evaluation_per_step_is_tracked_exactly():
         optimizer.step(closure)
     output = cockpit.get_output()
     for step in range(3):
-        assert cockpit.checks[step]["valid"] and not cockpit.checks[step]["notes"]
+        notes = cockpit.checks[step]["notes"]
+        assert cockpit.checks[step]["valid"] and all(n.startswith(f"Alpha of step {step - 1} is not stored") for n in notes)
         assert output[step]["GradNorm"] == pytest.approx(expected[step], rel=1e-12)
     assert "UpdateSize" in output[0] and "Distance" in output[2]
+    # Alpha cannot look ahead with LBFGS (its step needs a closure): the update it assumed along the negative
+    # gradient is not LBFGS's, so it stores no value and says so (before: an approximate one and a warning)
+    assert "Alpha" not in output[1] and "needs a closure, such as LBFGS" in cockpit.checks[2]["notes"][0]
 
 
 # ---- parameters or gradients changed between the tracked block and optimizer.step() -------------------------
@@ -239,22 +243,32 @@ def test_gradients_changed_before_the_optimizer_step_are_noted_and_alpha_withdra
         assert output[step]["Distance"] == pytest.approx(distance, rel=1e-12, abs=1e-15)
 
 
-def test_a_plain_loop_and_clipping_by_the_norm_get_no_note():
-    """The checks at the optimizer step say nothing where nothing changed, or the gradients by one factor."""
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_plain_loop_and_clipping_by_the_norm_get_no_change_note(clip):
+    """The checks at the optimizer step say nothing where nothing changed, or the gradients by one factor. With
+    momentum, clipping changes the update's direction: Alpha's first start step stores no value (its note says
+    why) and the next ones wait for the optimizer's step (their notes say the gradients were scaled)."""
     model = mlp(True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     cockpit = cockpit_for(model, True, configuration("economy"))
     x, y = batch()
-    for step in range(3):
+    for step in range(4):
         optimizer.zero_grad()
         info = info_of(model(x), y, optimizer)
         with cockpit(step, info=info):
             info["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
         optimizer.step()
     output = cockpit.get_output()
-    assert all(cockpit.checks[s]["valid"] and not cockpit.checks[s]["notes"] for s in range(3))
+    notes = [note for s in range(4) for note in cockpit.checks[s]["notes"]]
+    assert all(cockpit.checks[s]["valid"] for s in range(4)) and not [n for n in notes if "changed between" in n]
     assert {"Alpha", "UpdateSize", "Distance"} <= set(output[0])
+    if not clip:
+        assert not notes
+    else:  # momentum's first step has no buffer yet: the first update off the prediction is step 1's
+        assert "Alpha" not in output[1] and "Alpha of step 1 is not stored" in cockpit.checks[2]["notes"][-1]
+        assert "Alpha" in output[2] and "the gradients were scaled by" in cockpit.checks[2]["notes"][0]
 
 
 def test_a_block_inside_the_optimizers_step_closure_gets_no_parameter_note():

@@ -127,7 +127,7 @@ def test_checkpoint_is_plain_and_holds_the_cross_step_state(runs):
     alpha_cache = state["Alpha"]["state"]["cache"]
     assert list(alpha_cache) == [resume_run.CHECKPOINT]
     # checked at the optimizer's step: the predicted update and the gradient sum were freed there
-    assert sorted(alpha_cache[resume_run.CHECKPOINT]) == ["observations", "params", "settled"]
+    assert sorted(alpha_cache[resume_run.CHECKPOINT]) == ["observations", "params", "prediction", "settled"]
     assert alpha_cache[resume_run.CHECKPOINT]["params"][1] == resume_run.CHECKPOINT  # kept until the next step
     assert state["Distance"]["state"]["cache"][0]["params"][1] is None  # kept for the whole run
     size = sum(p.numel() for p in make_problem("mlp")[0].parameters())

@@ -280,8 +280,11 @@ class StepPartitions:
         skippable: a ``GradScaler`` is in play, so a step with non-finite gradients is one it skips.
     """
 
-    def __init__(self, step: int, scale: float = 1.0, skippable: bool = False):
+    def __init__(self, step: int, scale: float = 1.0, skippable: bool = False, grad_scaler: float = 1.0):
         self.step, self.scale, self.skippable = step, float(scale), bool(skippable)
+        #: the scale of the declared ``GradScaler`` (1: none), part of :attr:`scale`: it unscales the gradients
+        #: before the optimizer steps
+        self.grad_scaler = float(grad_scaler)
         self.partitions: list[Partition] = []
         #: the step's self-checks (:class:`~cockpit_like.checks.StepChecks`), set by the tracked step
         self.checks = None
@@ -463,8 +466,11 @@ class StepGradients:
     per-sample statistics read a parameter's gradient of the step.
     """
 
-    def __init__(self, params: list[torch.Tensor], scale: float):
+    def __init__(self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0):
         self.params, self.scale = list(params), float(scale)
+        #: the part of ``scale`` taken off the gradients before the optimizer steps (a declared GradScaler's
+        #: scale, where the step finishes before its ``unscale_``)
+        self.unscaled_later = float(unscaled_later)
         self._originals = list(params)
         self._saved: list[torch.Tensor | None] | None = None
         self._stand_ins: dict[int, torch.Tensor] = {}
@@ -504,6 +510,19 @@ class StepGradients:
         stand_in = self._stand_ins.get(id(param))
         return param.grad if stand_in is None else stand_in.grad
 
+    def optimizer_gradients(self, params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor] | None:
+        """``{param: gradient}`` as the optimizer gets it where the quantities see it divided by the scale (a loss
+        factor, micro-batches not divided by their number, clipping or unscaling before the optimizer's step):
+        the user's own gradient tensors; ``None`` where the two are the same."""
+        if self._saved is None or self.scale == self.unscaled_later:
+            return None
+        divisor = self.unscaled_later
+        saved = {id(original): grad for original, grad in zip(self._originals, self._saved)}
+        return {
+            param: saved[id(param)] if divisor == 1.0 else saved[id(param)] / divisor
+            for param in params if saved.get(id(param)) is not None
+        }  # fmt: skip
+
     def unscale(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Other gradients of the step (a rank's local ones with their graph) divided by the scale."""
         if self.scale == 1.0:
@@ -530,6 +549,12 @@ _VIEW: StepGradients | None = None
 def step_grad(param: torch.Tensor) -> torch.Tensor | None:
     """``param``'s gradient of the step as the quantities see it (unscaled, whole; see :class:`StepGradients`)."""
     return param.grad if _VIEW is None else _VIEW.grad_of(param)
+
+
+def optimizer_gradients(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor] | None:
+    """The gradients ``params``' optimizer steps with, where they differ from :func:`step_grad`'s (for a
+    look-ahead of its update: :func:`cockpit_like.utils.optim.lookahead_update`'s ``gradients``)."""
+    return None if _VIEW is None else _VIEW.optimizer_gradients(params)
 
 
 def step_memo(key: Any, compute: Callable[[], Any]) -> Any:

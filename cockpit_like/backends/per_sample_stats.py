@@ -56,7 +56,7 @@ from typing import ClassVar
 import torch
 
 from cockpit_like.backends.fast_histograms import Hist1dCounter, Hist2dCounter
-from cockpit_like.backends.partitions import step_grad, step_memo, whole
+from cockpit_like.backends.partitions import optimizer_gradients, step_grad, step_memo, whole
 from cockpit_like.backends.per_sample import (
     GRAD_BATCH_TRANSFORMS,
     PerSampleStat,
@@ -702,10 +702,10 @@ class PredictedSlopes(PerSampleStat):
         optimizer = state["optimizer"]
         if optimizer is None:
             direction = [-g for g in grads]
-        else:  # the same update for every partition of the step: one look-ahead
+        else:  # the same update for every partition of the step: one look-ahead, on the gradients it steps with
             direction = step_memo(
                 ("lookahead", id(optimizer), tuple(id(p) for p in params)),
-                lambda: [whole(d) for d in lookahead_update(optimizer, params)],
+                lambda: [whole(d) for d in lookahead_update(optimizer, params, optimizer_gradients(params))],
             )
         dots = sum(kept.dots(direction[index]) for index, _, kept in state["pending"])
         state["pending"].clear()

@@ -44,8 +44,9 @@ from collections.abc import Sequence
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import is_dtensor, step_memo, whole
+from cockpit_like.backends.partitions import is_dtensor, optimizer_gradients, step_memo, whole
 from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
+from cockpit_like.checks.invariants import tolerance_for
 from cockpit_like.functional import tensor_lists
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
@@ -126,6 +127,12 @@ class Alpha(TwoStepQuantity):
         super().__init__(track_schedule, verbose=verbose)
         self._end_direction: tuple[int, list[torch.Tensor]] | None = None
         self._tracked_params: list[torch.Tensor] = []
+        #: an update was seen off the look-ahead made at the end of the backward pass (the gradients changed by
+        #: a factor before the optimizer's step: clipping, a loss factor): start steps then wait for the step
+        self._waits = False
+
+    def waits_for_optimizer(self, global_step: int) -> bool:
+        return self._waits and self.is_start(global_step)
 
     def required_info(self, global_step: int) -> set[str]:
         return set(self._INFO) if self.is_active(global_step) else set()
@@ -155,6 +162,7 @@ class Alpha(TwoStepQuantity):
         record = context.get_record(global_step)
         batch_size = record.require("batch_size", "Alpha")
         result = record.stat(PredictedSlopes(self._slopes_key(global_step)))
+        prediction = "waited" if record.at_optimizer_step else "backward"  # from which gradients
         if result["mode"] == "predicted":
             grad_sum, predicted, slopes = self._predicted_slopes(global_step, record, params, result, batch_size)
         else:
@@ -165,6 +173,8 @@ class Alpha(TwoStepQuantity):
                     raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
                 grad_sum = [kept.batch_sum() for kept in retained]
                 predicted = self._predict_update(global_step, record, params, grad_sum)
+                if predicted is None:  # no look-ahead: the update is assumed along the negative gradient
+                    predicted, prediction = [-g for g in grad_sum], "guessed"
                 slopes = self._slopes(retained, predicted, batch_size)
             finally:
                 retained.clear()  # nothing per-sample survives this step
@@ -176,6 +186,7 @@ class Alpha(TwoStepQuantity):
         self.save_to_cache(global_step, "grad_batch_sum", grad_sum, keep)
         mean_u, var_u = sample_mean_and_variance(slopes)
         self.save_to_cache(global_step, "observations", (f0, var_f0, mean_u, var_u), keep)
+        self.save_to_cache(global_step, "prediction", prediction, keep)
         # settled at the optimizer's step: the predicted update and the gradient sum are not kept through
         # the next forward and backward pass (GPT-style model, B = 16: 40% -> 21% of B x D x 4 added)
         self._watch_step(global_step, record.info.get("optimizer"))
@@ -207,6 +218,8 @@ class Alpha(TwoStepQuantity):
             tau = _norm(direction).item()
             same, mean_u0 = self._check(start, direction, tau) if tau > 0 else (True, None)
         settled = {"tau": tau, "same": same, "mean_u0": mean_u0}
+        if not same and self.load_from_cache(start, "prediction") == "backward":
+            self._waits = True  # already for the next start step, which begins before this one's value is made
         entries = self._cache[start]
         keep = entries["predicted_update"][1]
         for key in ("predicted_update", "grad_batch_sum"):
@@ -223,12 +236,12 @@ class Alpha(TwoStepQuantity):
                 UserWarning,
                 stacklevel=4,
             )
-            return [-g for g in grad_sum]
+            return None
         try:  # the optimizer owns the cockpit's own tensors (params may be whole stand-ins of sharded ones)
             live = record.live_params or params
             return step_memo(
                 ("lookahead", id(optimizer), tuple(id(p) for p in live)),
-                lambda: [whole(d) for d in lookahead_update(optimizer, live)],
+                lambda: [whole(d) for d in lookahead_update(optimizer, live, optimizer_gradients(live))],
             )
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
             warnings.warn(
@@ -240,7 +253,7 @@ class Alpha(TwoStepQuantity):
                 UserWarning,
                 stacklevel=4,
             )
-            return [-g for g in grad_sum]
+            return None
 
     def _predicted_slopes(self, global_step, record, params, result, batch_size):
         """Slopes from the dots reduced during backward along the per-layer predicted update (element-wise
@@ -295,18 +308,34 @@ class Alpha(TwoStepQuantity):
         else:
             same, exact = self._check(start, direction, tau)
         mean_u0 = mean_u0 if exact is None else exact
-        if not same:
-            warnings.warn(
-                f"Alpha: the update from step {start} to {global_step} differs in direction from "
-                "the optimizer's look-ahead (gradients or parameters changed between backward and "
-                "optimizer.step(), or info['optimizer'] is missing/does not do the update). The "
-                "start slope's variance is measured along the predicted direction, so alpha at "
-                f"step {start} is approximate. Call optimizer.step() right after the `with cockpit(...)` "
-                "block, without changing gradients or parameters in between, and pass info['optimizer'].",
-                UserWarning,
-                stacklevel=4,
-            )
+        if not same:  # the start slopes' variance was taken along another direction: no value (never a wrong one)
+            record.note(self._off_prediction(start, global_step))
+            return None
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+
+    def _off_prediction(self, start: int, end: int) -> str:
+        """What the note says where the update from ``start`` was not in the predicted direction; the next start
+        steps wait for the optimizer's step where that can help."""
+        prediction = self.load_from_cache(start, "prediction") if self.is_cached(start, "prediction") else "backward"
+        why = (f"Alpha of step {start} is not stored: the update from step {start} to {end} is not in the direction "
+               "the optimizer's look-ahead predicted for the step's per-sample slopes, whose variance Alpha needs")
+        if prediction == "guessed":
+            return (f"Alpha of step {start} is not stored: the update from step {start} to {end} is not along the "
+                    "negative gradient, which Alpha assumed as it could not look ahead with the optimizer (no "
+                    "info['optimizer'], or an optimizer whose step() needs a closure, such as LBFGS). Pass "
+                    "info['optimizer'] = optimizer, one whose step() can run without a closure, to track Alpha.")
+        if prediction == "waited":
+            return (f"{why}, although the look-ahead ran at the optimizer's step on the gradients it got: the "
+                    "parameters changed outside optimizer.step() (a projection, a rollback, load_state_dict), or "
+                    "info['optimizer'] is not the optimizer that made the update.")
+        self._waits = True
+        return (f"{why} from the gradients at the end of the backward pass. The gradients changed before the "
+                "optimizer's step (clipping or a loss factor with an optimizer whose update is not just a multiple "
+                "of the gradient: momentum, weight decay, Adam), or the parameters changed outside "
+                "optimizer.step(), or info['optimizer'] is not the optimizer that made the update. From the next "
+                "start step on, Alpha predicts the update when info['optimizer'] steps, from the gradients it gets "
+                "(the step's per-sample rows are kept until then), where the loop lets it: one cockpit block per "
+                "step outside optimizer.step(closure), in one process.")
 
     def _check(self, start: int, direction, tau: float) -> tuple[bool, float | None]:
         """Whether the update from ``start`` (``direction``, of norm ``tau > 0``) has the predicted direction;
@@ -324,7 +353,10 @@ class Alpha(TwoStepQuantity):
 
         ``theta_{t+1} - theta_t`` carries a rounding error of about ``eps ||theta||``,
         i.e. ``eps * relative_size`` (``relative_size = ||theta_t|| / tau``) relative to
-        the step, so a tiny step next to large parameters gets a wider tolerance.
+        the step, so a tiny step next to large parameters gets a wider tolerance. The
+        prediction is made from the per-sample rows' sum, which may differ from ``p.grad``
+        as much as the gradient self-check allows (:func:`~cockpit_like.checks.invariants.tolerance_for`:
+        a model that computes inside in float32, autocast): directions within that agree.
         """
         norm_actual = _norm(actual) if norm_actual is None else norm_actual  # ||actual||, if known
         norm_predicted = _norm(predicted)
@@ -334,4 +366,4 @@ class Alpha(TwoStepQuantity):
         # || a / |a| - p / |p| || = || a - (|a| / |p|) p || / |a|: temporaries a group of parameters at a time
         ratio = float(norm_actual / norm_predicted)
         gap = _norm(tensor_lists.differences(actual, predicted, alpha=ratio)) / norm_actual
-        return bool(gap <= eps * (1000 + 20 * relative_size))
+        return bool(gap <= max(eps * (1000 + 20 * relative_size), tolerance_for(actual[0].dtype)))

@@ -205,6 +205,12 @@ class Quantity:
     #: changed before the optimizer's step other than by one factor
     predicts_update: bool = False
 
+    def waits_for_optimizer(self, global_step: int) -> bool:
+        """Whether ``global_step`` must end when ``info["optimizer"]`` steps, not at the end of the cockpit's
+        block: what the quantity computes then reads the gradients the optimizer gets (after clipping or
+        unscaling), its per-sample rows kept until then. Default: no."""
+        return False
+
     def skip(self, global_step: int) -> None:
         """``global_step`` was scheduled but stores nothing (it failed a self-check, or what it needs was left
         out): release what :meth:`prepare_forward` set up for it. The default does nothing."""
