@@ -54,6 +54,7 @@ class _GradBatchToReducer(FirstOrderModuleExtension):
         super().__init__(params=None)
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        _check_kept_call(module, g_out)
         reducer = extension.reducer
         todo = []
         for name in self._names:
@@ -67,10 +68,30 @@ class _GradBatchToReducer(FirstOrderModuleExtension):
             reducer.offer_grad_batch(param, getattr(self._inner, name)(extension, module, g_inp, g_out, None))
 
 
+def _check_kept_call(module: Module, g_out) -> None:
+    """BackPACK's forward hook keeps the last call's input and output on the module: they must be those of the
+    call this backward pass reaches, else a clear error (an extra forward pass with gradients on, or a backward
+    pass outside the cockpit's block that freed them; without ``Cockpit(..., model=model)`` the cockpit cannot
+    see the calls and let its hooks take the rows instead)."""
+    output = getattr(module, "output", None)
+    if hasattr(module, "input0") and output is not None and output.shape == g_out[0].shape:
+        return
+    found = "nothing (freed)" if output is None else f"an output of shape {tuple(output.shape)}"
+    raise ValueError(
+        f"the BackPACK-extended {type(module).__name__} kept {found} where the backward pass brings an output "
+        f"gradient of shape {tuple(g_out[0].shape)}: the module ran again after the forward pass of the loss "
+        "being backpropagated (a forward pass with gradients enabled: an evaluation batch, a probe), or a backward "
+        "pass outside the cockpit's block (torch.autograd.grad) freed what BackPACK kept. BackPACK keeps one call "
+        "per module. Run other forward passes under torch.no_grad() or before the training forward pass, or pass "
+        "Cockpit(..., model=model): its hooks then take the rows of such modules."
+    )
+
+
 class _LinearFactors(_GradBatchToReducer):
     """``nn.Linear``: offers ``(x, delta)`` for 2-D inputs, ``grad_batch`` otherwise."""
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        _check_kept_call(module, g_out)
         x, delta = module.input0, g_out[0]
         if x.dim() != 2 or delta.dim() != 2 or extension.get_subsampling() is not None:
             super().__call__(extension, module, g_inp, g_out)
@@ -92,6 +113,7 @@ class _Conv2dUnfold(_GradBatchToReducer):
     """
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        _check_kept_call(module, g_out)
         x = module.input0
         if extension.get_subsampling() is not None or not supports_unfold(module, x):
             super().__call__(extension, module, g_inp, g_out)

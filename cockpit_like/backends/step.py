@@ -182,6 +182,11 @@ class StepExecution:
         #: extended modules that ran more than once in this pass: BackPACK keeps one call's input and output per
         #: module, so its extensions cannot run there (the hooks sum a parameter's calls, exactly)
         self._repeated_extended = _repeated_extended(calls)
+        #: extended modules whose buffers BackPACK's forward hook kept are another call's (or were freed): the module
+        #: ran again after this pass's forward call (an evaluation batch with gradients on), or a backward pass
+        #: outside the cockpit's block freed them; the hooks take these modules' rows too
+        self._stale_extended = [m for m in _stale_extended(calls) if m not in self._repeated_extended]
+        self._repeated_extended += self._stale_extended
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []
         requests, hooks = list(needs.requests), list(needs.hooks)
@@ -213,6 +218,7 @@ class StepExecution:
             self.merges_passes = self.hook_backend is not None and not use_backpack
         #: ``1 / row_scale``: the factor between the backpropagated loss and this pass's mean loss
         self._loss_scale = 1.0 / float(row_scale)
+        requests = self._without_half_precision_curvature(requests, calls)
         self._added_ggn = False
         #: BackPACK's Hessian diagonal of a scaled loss could not be corrected (no GGN diagonal beside it)
         self.curvature_unscaled = False
@@ -221,6 +227,17 @@ class StepExecution:
                 requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
                 self._added_ggn = True
         self.extensions = merge_extensions(requests)
+        if self.extensions and self._stale_extended:
+            named = sorted({type(module).__name__ for module in self._stale_extended})
+            wanted = sorted({describe(extension) for extension in self.extensions})
+            raise ValueError(
+                f"cockpit step {step}: the BackPACK-extended module(s) {named} ran again after the forward pass "
+                "of the loss this step backpropagates (a forward pass with gradients enabled, such as an evaluation "
+                "batch or a probe), or a backward pass outside the cockpit's block freed what BackPACK kept of "
+                f"them; BackPACK keeps one call's input and output per module, so its extensions {wanted} cannot "
+                "run on this step. Run other forward passes under torch.no_grad() or before the training forward "
+                "pass, or use the model without backpack.extend (Cockpit(..., model=model))."
+            )
         if self.extensions and self._repeated_extended:
             named = sorted({type(module).__name__ for module in self._repeated_extended})
             wanted = sorted({describe(extension) for extension in self.extensions})
@@ -240,6 +257,30 @@ class StepExecution:
         self._collector = collector
         #: the curvature factors' replays of this pass (:mod:`cockpit_like.backends.column_blocks`)
         self._replays: list = []
+
+    def _without_half_precision_curvature(self, requests: list, calls: list) -> list:
+        """BackPACK's second-order extensions multiply float32 weights with the outputs an autocast forward pass
+        kept in float16 / bfloat16, which fails: the quantities that asked for them are left out of this step, with
+        a note (the rest of the step runs)."""
+        half = sorted({
+            type(call.module).__name__ for call in calls
+            if is_extended(call.module) and getattr(getattr(call.module, "output", None), "dtype", None) in HALF
+        })  # fmt: skip
+        from cockpit_like.quantities.needs import USER_EXTENSIONS
+
+        second = [(owner, ext) for owner, ext in requests if owner != USER_EXTENSIONS and _second_order(ext)]
+        if not (half and second):
+            return requests
+        owners = sorted({owner for owner, _ in second})
+        self._left_out |= set(owners)
+        self.notes.append(
+            f"{', '.join(owners)} left out: BackPACK's second-order extensions "
+            f"({', '.join(sorted({describe(ext) for _, ext in second}))}) cannot run on layers whose outputs an "
+            f"autocast forward pass made in half precision ({', '.join(half)}); pass curvature='hutchinson' to "
+            "these quantities (Hessian-vector products), or run the forward pass of the steps they track without "
+            "autocast"
+        )
+        return [(owner, ext) for owner, ext in requests if (owner, ext) not in second]
 
     @staticmethod
     def _backpack_per_sample(tracer, calls: list, raw_batch_grad: bool, stats=(), repeated=()) -> bool:
@@ -583,6 +624,32 @@ def _repeated_extended(calls: list) -> list:
         if seen[id(module)] == 2:
             repeated.append(module)
     return repeated
+
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _second_order(extension) -> bool:
+    """Whether ``extension`` is one of BackPACK's second-order extensions (they backpropagate matrices)."""
+    return type(extension).__module__.startswith("backpack.extensions.secondorder")
+
+
+def _stale_extended(calls: list) -> list:
+    """The BackPACK-extended modules of ``calls`` whose output kept by BackPACK (``module.output``) is not the
+    call's: another call of the module came after it, or BackPACK freed its buffers."""
+    from cockpit_like.backends.tracer import Shell, _flat_outputs
+
+    stale = []
+    for call in calls:
+        module = call.module
+        outputs = _flat_outputs(call.output) if is_extended(module) else []
+        if not outputs or module in stale:
+            continue
+        kept, first = getattr(module, "output", None), outputs[0]  # BackPACK keeps a call's first output
+        same = first.is_tensor(kept) if isinstance(first, Shell) and first.ref is not None else kept is first
+        if not same and (isinstance(first, torch.Tensor) or first.ref is not None):
+            stale.append(module)
+    return stale
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:

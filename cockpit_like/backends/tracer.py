@@ -83,10 +83,16 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
 class Shell:
     """A recorded output without its values: shape, dtype, device and graph node (see :func:`_record`)."""
 
-    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr")
+    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr", "ref")
 
-    def __init__(self, shape, dtype, device, grad_fn, output_nr):
+    def __init__(self, shape, dtype, device, grad_fn, output_nr, ref=None):
         self.shape, self.dtype, self.device, self.grad_fn, self.output_nr = torch.Size(shape), dtype, device, grad_fn, output_nr
+        #: a weak reference to the recorded tensor (``None``: not kept): whether another holder's tensor is it
+        self.ref = ref
+
+    def is_tensor(self, value) -> bool:
+        """Whether ``value`` is the recorded tensor (still alive)."""
+        return self.ref is not None and self.ref() is value
 
     def dim(self) -> int:
         return len(self.shape)
@@ -100,7 +106,7 @@ class Shell:
 
 def _shell(value):
     if isinstance(value, torch.Tensor):
-        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr)
+        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr, weakref.ref(value))
     return value
 
 

@@ -24,6 +24,10 @@ from cockpit_like.quantities.utils_transforms import merge_transform_hooks, spli
 __all__ = ["StepNeeds"]
 
 
+#: the owner of the extensions the user passed to the cockpit's block (``*exts``) among a step's requests
+USER_EXTENSIONS = "the user's *exts"
+
+
 @dataclass(frozen=True)
 class StepNeeds:
     """The merged needs of one step.
@@ -64,7 +68,7 @@ class StepNeeds:
         create_graph: bool = False,
     ) -> StepNeeds:
         """Ask every quantity in ``quantities`` what it needs at ``step``; merge by value."""
-        requests = [("the user's *exts", ext) for ext in user_exts]
+        requests = [(USER_EXTENSIONS, ext) for ext in user_exts]
         stats, hooks, needs, owners, transforms, partial = [], [], [], [], [], []
         raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in user_exts)
         for quantity in quantities:

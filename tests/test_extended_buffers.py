@@ -1,0 +1,88 @@
+"""What BackPACK keeps on an extended module (the last call's input and output) when the loop does more than the
+training forward pass (found outside the repository's tests): a second forward pass with gradients on, a backward
+pass outside the cockpit's block that frees the buffers, and an autocast forward pass under BackPACK's
+second-order extensions."""
+
+import warnings
+
+import pytest
+import torch
+from backpack import extend
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.utils.configuration import configuration
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
+
+
+def _model(extended=True, dtype=torch.float64):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(dtype)
+    return extend(model) if extended else model
+
+
+def _data(step, rows=8, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(50 + step)
+    return torch.randn(rows, 6, generator=generator, dtype=dtype), torch.randint(0, 4, (rows,), generator=generator)
+
+
+def _train(extra=None, preset="economy", extended=True, autocast=False, steps=3, dtype=torch.float64):
+    model = _model(extended, dtype)
+    lossfunc = extend(nn.CrossEntropyLoss()) if extended else nn.CrossEntropyLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model)
+    for step in range(steps):
+        x, y = _data(step, dtype=dtype)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            outputs = model(x)
+            loss = lossfunc(outputs, y)
+            losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+        if extra == "forward":  # a probe or evaluation batch with gradients on, never backpropagated
+            model(_data(99, rows=5, dtype=dtype)[0]).sum()
+        elif extra == "same_rows":  # the same number of rows: nothing in the shapes tells
+            model(_data(98, dtype=dtype)[0]).sum()
+        elif extra == "autograd":  # a backward pass outside the block: BackPACK's hooks free what they kept
+            x1, y1 = _data(97, rows=1, dtype=dtype)
+            torch.autograd.grad(nn.functional.cross_entropy(model(x1), y1), list(model.parameters()))
+        info = {"batch_size": len(y), "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    return cockpit
+
+
+@pytest.mark.parametrize("extra", ["forward", "same_rows", "autograd"])
+def test_another_pass_of_an_extended_model_leaves_the_step_exact(extra):
+    """Before: a raw size mismatch from the histograms, an AttributeError ('input0'), or an invalid step whose
+    reason named other causes. The modules whose kept buffers are another call's are found from the recorded
+    calls, and the hooks take their rows: every value equals the run without the extra pass."""
+    reference = _train().get_output()
+    output = _train(extra).get_output()
+    for step in range(3):
+        assert output[step].get("checks", {}).get("valid", True)
+        for name in ("GradNorm", "NormTest", "InnerTest", "OrthoTest"):
+            assert output[step][name] == pytest.approx(reference[step][name], rel=1e-10), (step, name)
+
+
+def test_another_pass_before_backpacks_curvature_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"ran again after the forward pass of the loss.*torch.no_grad\(\)"):
+        _train("forward", preset="business")
+
+
+def test_autocast_leaves_backpacks_second_order_quantities_out_with_a_note():
+    """Under bfloat16 autocast BackPACK's Hessian diagonal fails on the mixed dtypes (before: a raw einsum error,
+    the whole step lost); the quantities that asked for it store nothing at the step and a note says why, the rest
+    of the preset stores what the same model without extend stores."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        extended = _train(preset="business", autocast=True, dtype=torch.float32)
+        plain = _train(preset="business", extended=False, autocast=True, dtype=torch.float32)
+    output, reference = extended.get_output(), plain.get_output()
+    for step in range(3):
+        notes = output[step]["checks"]["notes"]
+        assert "HessTrace" not in output[step] and "TICDiag" not in output[step]
+        assert any("HessTrace, TICDiag left out" in n and "half precision" in n for n in notes), notes
+        assert "HessTrace" in reference[step]  # the hooks' Hessian-vector products run under autocast
+        assert output[step]["GradNorm"] == pytest.approx(reference[step]["GradNorm"], rel=1e-3)
