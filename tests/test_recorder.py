@@ -626,3 +626,141 @@ def test_module_names_under_torch_compile_are_the_users():
 
     assert user_name("_orig_mod.0") == "0" and user_name("_orig_mod.block._orig_mod.fc") == "block.fc"
     assert user_name("encoder.layer.1") == "encoder.layer.1" and user_name("_orig_mod") == "_orig_mod"
+
+
+# ---- masks made inside the forward pass by writing into a tensor -----------------------------------------
+class PaddedScores(nn.Module):
+    """``MaskedScores`` with a padding mask built inside forward (the last of 4 positions masked in every
+    row), written in one of several ways; ``self.mask`` masks whole rows (a fully masked row: NaN)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.mask = torch.zeros(5, 4, dtype=torch.bool)
+
+    def forward(self, x):
+        pad = torch.zeros(5, 4, dtype=x.dtype)
+        if self.how == "slice_assign":  # aten.lift_fresh of the number, then fill_ of a slice view of pad
+            pad[:, 3:] = float("-inf")
+        elif self.how == "fill_view":  # fill_ of a slice view, a Python number
+            pad[:, 3:].fill_(float("-inf"))
+        elif self.how == "copy_slice":  # copy_ into a slice view
+            pad[:, 3:] = torch.full((5, 1), float("-inf"), dtype=x.dtype)
+        elif self.how == "index_put":  # index_put_ on pad itself, a lifted scalar tensor
+            pad.index_put_((torch.arange(5), torch.full((5,), 3)), torch.tensor(float("-inf"), dtype=x.dtype))
+        elif self.how == "tensor_constant":  # torch.tensor(...) made in forward
+            pad = pad + torch.tensor([0.0, 0.0, 0.0, float("-inf")], dtype=x.dtype)
+        return torch.softmax((x + pad).masked_fill(self.mask, -math.inf), dim=-1)
+
+
+def _padded_net(how):
+    torch.manual_seed(0)
+    scores = PaddedScores(how)
+    return nn.Sequential(nn.Linear(4, 4), scores, nn.Linear(4, 3)).to(DTYPE), scores
+
+
+def _mask_row_2_at_step_1(scores):
+    def mask_a_row(step):
+        scores.mask = torch.zeros(5, 4, dtype=torch.bool)
+        if step == 1:
+            scores.mask[2] = True  # every position of row 2 masked
+
+    return mask_a_row
+
+
+#: per way of writing the padding mask: the operation that writes the -inf into pad
+_WRITERS = {
+    "slice_assign": "aten.fill_.Tensor",
+    "fill_view": "aten.fill_.Scalar",
+    "copy_slice": "aten.copy_.default",
+    "index_put": "aten.index_put_.default",
+    "tensor_constant": "aten.lift_fresh.default",
+}
+
+
+@pytest.mark.parametrize("how", sorted(_WRITERS))
+def test_a_mask_written_inside_forward_is_intended_and_the_softmax_is_the_origin(tmp_path, how):
+    model, scores = _padded_net(how)
+    cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model, record_dir=tmp_path)
+    with pytest.warns(RuntimeWarning, match="loss is nan"):
+        train(model, cockpit, 2, _batch, nn.CrossEntropyLoss(), _mask_row_2_at_step_1(scores))
+    record = cockpit.records[1]
+    origin = record.first_nonfinite
+    assert (origin["kind"], origin["op"], origin["module"], origin["phase"]) == (
+        "operation", "aten._softmax.default", "1", "forward")
+    assert origin["outputs"][0]["nan"] == 4  # row 2: 0/0 at its 4 positions
+    assert "intended infinity" in origin["message"] and "the step received it" not in origin["message"]
+    (finding,) = record.findings
+    assert "keep one position unmasked" in finding.fix and "check the batch" not in finding.fix
+
+    forward = [op for op in record.ops if op["phase"] == "forward"]
+    (writer,) = [op for op in forward if op["op"] == _WRITERS[how]]
+    add = next(op for op in forward if op["op"] == "aten.add.Tensor" and op["index"] > writer["index"])
+    padded = [v for v in add["inputs"] if record.value(v)["nonfinite"]]
+    assert len(padded) == 1  # pad as add read it: its last column -inf (5 entries; the constant: 1), no NaN
+    assert (record.value(padded[0])["nonfinite"], record.value(padded[0])["nan"]) == (1 if how == "tensor_constant" else 5, 0)
+    intended = set(record.to_dict()["intended_infinities"])
+    assert set(writer["outputs"]) <= intended and padded[0] in intended and set(add["outputs"]) <= intended
+    assert all(record.value(v)["nan"] == 0 for v in intended)
+    assert not any(record.value(v).get("source") == "input" for v in intended)
+    if how in ("slice_assign", "fill_view", "copy_slice"):  # pad, read again after a write into its slice
+        (zeros,) = [op for op in forward if op["op"] == "aten.zeros.default" and op["module"] == "1"]
+        assert record.value(padded[0])["written_by"] == writer["index"]
+        assert record.value(padded[0])["alias_of"] == zeros["outputs"][0]  # the id pad had before the write
+    if how in ("slice_assign", "index_put", "tensor_constant"):  # the constant -inf of the code
+        (lift,) = [op for op in forward if op["op"] == "aten.lift_fresh.default" and record.value(op["outputs"][0])["nonfinite"]]
+        assert record.value(lift["inputs"][0])["source"] == "constant"
+
+    # the replay program and the FX graph compute the same values: the same origin, the same NaN loss
+    done = _run_program(tmp_path / "step_1.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"first non-finite value: op {origin['op_index']}: aten._softmax.default" in done.stdout
+    graph_module, inputs = to_graph_module(record)
+    replayed = graph_module(*inputs)
+    assert torch.isnan(replayed[-1]) and torch.isnan(replayed[0][2]).all() and torch.isfinite(replayed[0][[0, 1, 3, 4]]).all()
+
+
+def test_a_nan_in_the_batch_is_still_the_input_with_masks_written_inside_forward():
+    model, scores = _padded_net("slice_assign")
+    cockpit = Cockpit(model.parameters(), [GradNorm(linear(1))], model=model)
+
+    def batch(step):
+        x, y = _batch(step)
+        if step == 1:
+            x[4, 1] = float("nan")  # the data, not the model's code
+        return x, y
+
+    with pytest.warns(RuntimeWarning, match="loss is nan"):
+        train(model, cockpit, 2, batch, nn.CrossEntropyLoss())
+    origin = cockpit.records[1].first_nonfinite
+    assert (origin["kind"], origin["op"], origin["module"]) == ("input", "aten.addmm.default", "0")
+    assert "the value input (v" in origin["message"] and "the step received it" in origin["message"]
+    (given,) = [v for v in origin["inputs"] if v.get("nonfinite")]
+    assert (given["source"], given["nan"], given["shape"]) == ("input", 1, [5, 4])
+    assert cockpit.records[1].to_dict()["intended_infinities"] == []
+    (finding,) = cockpit.records[1].findings
+    assert "check the batch" in finding.fix
+
+
+def test_a_nan_constant_of_the_code_is_an_operation_not_an_input(tmp_path):
+    class NanBias(nn.Module):
+        def forward(self, x):
+            return x + torch.tensor([0.0, float("nan"), 0.0], dtype=x.dtype)  # a typo'd mask: NaN, not -inf
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), NanBias()).to(DTYPE)
+    cockpit = Cockpit(model.parameters(), [], model=model)  # no quantity: the loss check alone
+    x, y = _batch(0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    assert torch.isnan(loss)
+    with cockpit(0, info={"loss": loss, "loss_fn": lambda output: nn.functional.cross_entropy(output, y)}):
+        loss.backward()
+    record = cockpit.records[0]
+    origin = record.first_nonfinite
+    assert (origin["kind"], origin["op"], origin["module"]) == ("operation", "aten.lift_fresh.default", "1")
+    assert "a constant that the code of the step made and that holds NaN" in origin["message"]
+    assert "received" not in origin["message"]
+    (finding,) = record.findings
+    assert "constant in the model's code holds NaN" in finding.fix
+    namespace = runpy.run_path(str(record.save(tmp_path)["program"]))
+    assert namespace["main"]() == 0 and namespace["FIRST"] == [origin["op_index"]]

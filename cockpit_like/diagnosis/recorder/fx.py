@@ -59,13 +59,21 @@ def to_graph_module(record) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
     data, tensors = record.data, record.tensors
     ops = replayable_ops(record)
     produced = {v for op in ops for v in op["outputs"] if v is not None}
+    # a tensor read again after an in-place operation wrote into it through a view: the same node
+    aliases = {int(k): info["alias_of"] for k, info in data["values"].items() if info.get("alias_of") is not None}
+
+    def base_of(value_id: int) -> int:
+        while value_id in aliases and value_id not in produced:
+            value_id = aliases[value_id]
+        return value_id
+
     random_outputs = [v for op in ops if op.get("random") for v in op["outputs"] if v is not None]
     external: list[int] = []
     seen: set[int] = set()
     for op in ops:
         if op.get("random"):
             continue
-        for value_id in op["inputs"]:
+        for value_id in map(base_of, op["inputs"]):
             if value_id not in produced and value_id not in seen:
                 seen.add(value_id)
                 external.append(value_id)
@@ -78,6 +86,7 @@ def to_graph_module(record) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
         env = {v: graph.call_function(torch.ops.aten.clone.default, (node,)) for v, node in env.items()}
 
     def node_of(value_id: int) -> torch.fx.Node:
+        value_id = value_id if value_id in env else base_of(value_id)
         if value_id not in env:
             raise NotReplayableError(f"value v{value_id} is read before any recorded operation made it")
         return env[value_id]
@@ -95,10 +104,10 @@ def to_graph_module(record) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
         for position, value_id in enumerate(op["outputs"]):
             if value_id is not None:
                 env[value_id] = graph.call_function(operator.getitem, (node, position))
-    results = [env[v] for v in data["outputs"].get("output", []) if v in env]
+    results = [env[base_of(v)] for v in data["outputs"].get("output", []) if base_of(v) in env]
     loss_id = data["outputs"].get("loss")
-    if loss_id is not None and loss_id in env:
-        results.append(env[loss_id])
+    if loss_id is not None and base_of(loss_id) in env:
+        results.append(env[base_of(loss_id)])
     graph.output(tuple(results))
     graph.lint()
     missing = [v for v in external if v not in tensors]

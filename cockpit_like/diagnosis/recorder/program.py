@@ -102,6 +102,11 @@ def export_program(record, folder: str | Path) -> dict[str, Path]:
     loads: list[str] = []
 
     def name_of(value_id: int) -> str:
+        info = data["values"].get(str(value_id), {})
+        if value_id not in produced and info.get("alias_of") is not None:  # the same tensor, written through a view
+            base = name_of(info["alias_of"])
+            lines.append(f"v{value_id} = {base}  # {base} after op {info.get('written_by')} wrote into it through a view")
+            produced.add(value_id)
         if value_id not in produced and f"v{value_id}" not in loaded:
             if value_id not in saved:
                 raise NotReplayableError(
@@ -148,8 +153,11 @@ def export_program(record, folder: str | Path) -> dict[str, Path]:
             lines.append(f"check({op['index']}, {', '.join(f'v{v}=v{v}' for v in tensor_outputs)})")
             checked += tensor_outputs
 
-    expected_outputs = [v for v in data["outputs"].get("output", []) if v in produced]
     loss_id = data["outputs"].get("loss")
+    for value_id in data["outputs"].get("output", []) + [loss_id]:  # an output written through a view
+        if value_id is not None and value_id not in produced and data["values"].get(str(value_id), {}).get("alias_of") is not None:
+            name_of(value_id)
+    expected_outputs = [v for v in data["outputs"].get("output", []) if v in produced]
     expected = {f"v{v}": tensors[v] for v in expected_outputs if v in tensors}
     if loss_id is not None and loss_id in produced and loss_id in tensors:
         expected[f"v{loss_id}"] = tensors[loss_id]

@@ -72,6 +72,10 @@ _HINTS = {
     "reciprocal": "reciprocal is inf at 0: add an epsilon",
     "_softmax": "softmax gets NaN when a whole row is -inf (every position masked): keep one position unmasked",
     "_log_softmax": "log_softmax gets NaN when a whole row is -inf or inf: bound the logits",
+    "lift_fresh": "a constant in the model's code holds NaN (torch.tensor(float('nan')), x[...] = float('nan')): "
+    "find it at this place of the forward pass and write the number meant (a mask takes float('-inf'))",
+    "lift_fresh_copy": "a constant in the model's code holds NaN (torch.tensor(float('nan')), x[...] = float('nan')): "
+    "find it at this place of the forward pass and write the number meant (a mask takes float('-inf'))",
 }
 
 
@@ -195,7 +199,8 @@ class Record:
         non-finite entries are all infinite, none NaN, and either ``op`` makes them from a constant
         (``masked_fill(mask, -inf)``, ``where``, ``full``: :data:`_MASK_MAKERS`) or passes on an
         infinity-only input without making NaN (an addition of the caller's -inf mask, a view:
-        :data:`_MASK_PASSERS`)."""
+        :data:`_MASK_PASSERS`). Constants of the code and tensors written through a view are masks
+        by :meth:`_made_on_purpose`, checked when an operation reads them."""
         info = self.value(value_id)
         if info.get("nan", 0) or not info.get("nonfinite", 0):
             return False
@@ -209,13 +214,42 @@ class Record:
                                                                or self._external(v) for v in op["inputs"])
 
     def _external(self, value_id: int) -> bool:
-        """Whether a value came into the step from outside (made by no recorded operation)."""
-        return value_id not in self._made
+        """Whether a value came into the step from outside (made by no recorded operation, no constant
+        of the step's code, not written by a recorded operation through a view)."""
+        info = self.value(value_id)
+        return value_id not in self._made and info.get("source") != "constant" and "written_by" not in info
+
+    def _made_on_purpose(self, value_id: int) -> bool:
+        """Whether ``value_id``, read by an operation, holds infinities the step's own code put there (a mask)
+        without being an operation's output: a constant (``torch.tensor(float("-inf"))``, the number in
+        ``pad[:, 6:] = float("-inf")``), or a tensor a recorded operation wrote masks into through a view
+        (``pad`` after ``pad[:, 6:].fill_(float("-inf"))``) that held masks or finite numbers before."""
+        if value_id in self._masks or not self._nonfinite(value_id):
+            return False
+        info = self.value(value_id)
+        if info.get("nan", 0):
+            return False
+        if info.get("source") == "constant":
+            return True
+        writer, before = info.get("written_by"), info.get("alias_of")
+        if writer is None or writer >= len(self.ops) or self.ops[writer]["index"] != writer:
+            return False
+        written = [v for v in self.ops[writer]["outputs"] if v is not None]
+        return all(v in self._masks or not self._nonfinite(v) for v in written + [before])
+
+    def _source_of(self, value_id: int) -> str:
+        """Where a value read from outside the step came from, in words."""
+        info = self.value(value_id)
+        if "written_by" in info:
+            writer = self.ops[info["written_by"]]["op"] if info["written_by"] < len(self.ops) else "an operation"
+            return f"v{info.get('alias_of')} after {writer} (op {info['written_by']}) wrote into it through a view"
+        return info.get("source") or "an input"
 
     def _find_first_nonfinite(self) -> dict[str, Any] | None:
         self._made = {v for op in self.ops for v in op["outputs"]}
         self._masks: set[int] = set()  # values holding intended infinities (masks), found on the way
         for op in self.ops:
+            self._masks.update(v for v in op["inputs"] if self._made_on_purpose(v))
             bad = [v for v in op["outputs"] if self._nonfinite(v)]
             if not bad:
                 continue
@@ -227,8 +261,16 @@ class Record:
             masks_in = [v for v in op["inputs"] if v in self._masks]
             inputs = [_range_of(v, self.value(v)) for v in op["inputs"]]
             outputs = [_range_of(v, self.value(v)) for v in bad]
-            if bad_inputs:  # finite outputs so far: a non-finite value came in from outside (a parameter, the batch)
-                source = self.value(bad_inputs[0]).get("source") or "an input"
+            made = [v for v in bad_inputs if self.value(v).get("source") == "constant"]
+            if made:  # a NaN the code wrote itself: torch.tensor(float("nan")), x[i] = float("nan")
+                message = (
+                    f"{op['op']} in {_where(op)} (op {op['index']}, {op['phase']} pass) took in a constant that "
+                    f"the code of the step made and that holds NaN ({_describe_range(_range_of(made[0], self.value(made[0])))}: "
+                    f"a torch.tensor(...) or a Python number written into a tensor)"
+                )
+                kind = "operation"
+            elif bad_inputs:  # finite outputs so far: a non-finite value came in from outside (a parameter, the batch)
+                source = self._source_of(bad_inputs[0])
                 message = (
                     f"the value {source} (v{bad_inputs[0]}) was already non-finite when {op['op']} in "
                     f"{_where(op)} read it (op {op['index']}, {op['phase']} pass): the step received it"

@@ -17,7 +17,18 @@ forward pass or the loss (parameters, the batch, buffers) is an *external*
 value: a copy is kept so that the record can be replayed. So are the
 outputs of random operations (dropout masks). Each output gets summary
 values: min and max of its finite entries, the count of NaN and of all
-non-finite entries.
+non-finite entries. Two kinds of value are made by the step's own code
+although no recorded operation outputs them:
+
+* a *constant*: the tensor ``torch.tensor(...)`` builds in Python, or the one a
+  Python number becomes in ``x[:, 6:] = float("-inf")``, reaches the dispatcher
+  only through ``aten.lift_fresh``; its value gets ``"source": "constant"``.
+* a value written *through a view*: after ``pad[:, 6:].fill_(...)`` (or
+  ``copy_``, or any in-place operation on a view) the base ``pad`` holds other
+  numbers under the same tensor. A tensor read again after a recorded
+  in-place operation changed its storage (its version counter moved) gets a
+  new id with ``"alias_of"`` (the id it had) and ``"written_by"`` (the
+  operation that wrote).
 
 May import torch and :mod:`cockpit_like.diagnosis.recorder` only.
 """
@@ -53,6 +64,10 @@ DATA_DEPENDENT = {
     "aten::unique_consecutive",
     "aten::allclose",
 }
+
+#: operations that lift a tensor made in Python (``torch.tensor(...)``, a number written into a slice) into
+#: the dispatcher: their input is a constant of the program, not a value the step received
+_LIFTS = {"aten::lift_fresh", "aten::lift_fresh_copy"}
 
 #: autograd nodes that run module backward hooks (BackPACK's extensions), not the model's math
 _HOOK_NODES = {"BackwardHookFunctionBackward"}
@@ -95,6 +110,22 @@ def summarize(tensor: torch.Tensor, values: bool = True) -> dict[str, Any]:
             nan = nonfinite = 0
     info.update({"min": low, "max": high, "nonfinite": int(nonfinite), "nan": int(nan)})
     return info
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The version counter (moved by every in-place write, shared by a tensor and its views), or ``None``."""
+    try:
+        return tensor._version
+    except (RuntimeError, AttributeError):  # inference tensors, some subclasses
+        return None
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """Which memory a tensor lives in (shared by a tensor and its views), or ``None`` where it has none."""
+    try:
+        return str(tensor.device), tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
 
 
 def encode_argument(value: Any, tensor_id: Callable[[torch.Tensor], int]) -> Any:
@@ -165,6 +196,13 @@ class Tape(TorchDispatchMode):
         self.not_replayable: list[int] = []
         self.root_outputs: list[int] = []
         self._ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        #: value id -> the tensor's version counter when the id was given
+        self._versions: dict[int, int | None] = {}
+        #: storage -> (index of the last recorded operation that wrote into it, version counter after it)
+        self._writes: dict[tuple[str, int], tuple[int, int | None]] = {}
+        #: (index, tensor) written by the last recorded operation; autograd moves the version counter of an
+        #: in-place operation's tensor after our mode returns, so it is read when the next operation comes
+        self._pending: list[tuple[int, torch.Tensor]] = []
         self._next_id = 0
         self._stack: list[nn.Module] = []
         self._root_depth = 0
@@ -195,6 +233,7 @@ class Tape(TorchDispatchMode):
             return
         self._active = False
         self.__exit__(None, None, None)
+        self._pending = []
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -254,15 +293,20 @@ class Tape(TorchDispatchMode):
         value_id = self._next_id
         self._next_id += 1
         self._ids[tensor] = value_id
+        self._versions[value_id] = _version_of(tensor)
         self.values[value_id] = info
         return value_id
 
-    def _input_id(self, tensor: torch.Tensor, keep: bool, phase: str) -> int:
+    def _input_id(self, tensor: torch.Tensor, keep: bool, phase: str, constant: bool = False) -> int:
+        """The id of an operation's input; a tensor not seen before is an external value (``constant``: one
+        the step's code made in Python, the input of ``aten.lift_fresh``)."""
         value_id = self._ids.get(tensor)
         if value_id is not None:
-            return value_id
+            return self._rewritten_id(tensor, value_id)
         source = self.names.get(id(tensor))
-        if source is None:  # the batch, or in the backward pass a tensor autograd saved or made
+        if constant:
+            source = "constant"
+        elif source is None:  # the batch, or in the backward pass a tensor autograd saved or made
             source = "autograd" if phase == "backward" else "input"
         info = summarize(tensor, self.summaries)
         info["source"] = source
@@ -271,6 +315,42 @@ class Tape(TorchDispatchMode):
         if keep:
             self.tensors[value_id] = tensor.detach().clone()
         return value_id
+
+    def _rewritten_id(self, tensor: torch.Tensor, value_id: int) -> int:
+        """``value_id``, or a new id if a recorded in-place operation on a view of ``tensor`` (or on a tensor
+        it is a view of) changed its numbers since ``value_id`` was given (see the module docstring)."""
+        now = _version_of(tensor)
+        if now is None or now == self._versions.get(value_id, now):
+            return value_id
+        key = _storage_key(tensor)
+        write = self._writes.get(key) if key is not None else None
+        if write is None or write[1] != now:  # changed by something the tape did not see: as before
+            return value_id
+        info = summarize(tensor, self.summaries)
+        info.update({"source": None, "op": None, "alias_of": value_id, "written_by": write[0]})
+        return self._new_id(tensor, info)
+
+    def _note_writes(self, func, args, kwargs, index: int) -> None:
+        """Remember the tensors an in-place (or ``out=``) operation wrote into, for :meth:`_settle_writes`."""
+        for position, argument in enumerate(func._schema.arguments):
+            alias = argument.alias_info
+            if alias is None or not alias.is_write:
+                continue
+            value = kwargs.get(argument.name) if argument.kwarg_only or position >= len(args) else args[position]
+            self._pending += [(index, leaf) for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+
+    def _settle_writes(self) -> None:
+        """The version counters the last recorded in-place operation left: of the storage it wrote into (for
+        :meth:`_rewritten_id`), and of the value it gave a new id (which is then not "changed since")."""
+        pending, self._pending = self._pending, []
+        for index, tensor in pending:
+            version = _version_of(tensor)
+            key = _storage_key(tensor)
+            if key is not None:
+                self._writes[key] = (index, version)
+            value_id = self._ids.get(tensor)
+            if value_id is not None and self.values[value_id].get("op") == index:
+                self._versions[value_id] = version
 
     # ---- the operations ---------------------------------------------------------------
     def _current_phase(self, node) -> str:
@@ -283,6 +363,8 @@ class Tape(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._pending:
+            self._settle_writes()
         node = torch._C._current_autograd_node()
         if self._busy or self.paused() or (node is not None and node.name() in _HOOK_NODES):
             return func(*args, **kwargs)
@@ -293,10 +375,10 @@ class Tape(TorchDispatchMode):
         phase = self._current_phase(node)
         replay = phase in ("forward", "loss")
         leaves, _ = tree_flatten((args, kwargs))
+        schema_name = func._schema.name
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                self._input_id(leaf, keep=replay, phase=phase)
-        schema_name = func._schema.name
+                self._input_id(leaf, keep=replay, phase=phase, constant=schema_name in _LIFTS)
         encoded_args = encode_argument(list(args), self._ids.__getitem__)
         encoded_kwargs = {k: encode_argument(v, self._ids.__getitem__) for k, v in kwargs.items()}
         inputs = [self._ids[leaf] for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -320,6 +402,8 @@ class Tape(TorchDispatchMode):
         elif peek != self._peek:  # the autograd node of this operation was created just before it ran
             self._node_op[peek - 1] = index
         self._peek = peek if phase != "backward" else self._peek
+        if func._schema.is_mutable:
+            self._note_writes(func, args, kwargs, index)
         random = torch.Tag.nondeterministic_seeded in func.tags
         summaries = self.summaries and schema_name not in _UNINITIALISED
         outputs = []
