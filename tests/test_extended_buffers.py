@@ -86,3 +86,22 @@ def test_autocast_leaves_backpacks_second_order_quantities_out_with_a_note():
         assert any("HessTrace, TICDiag left out" in n and "half precision" in n for n in notes), notes
         assert "HessTrace" in reference[step]  # the hooks' Hessian-vector products run under autocast
         assert output[step]["GradNorm"] == pytest.approx(reference[step]["GradNorm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("tracked", ["all", "first_layer"])
+def test_backpacks_curvature_without_an_extended_loss_is_a_clear_error(tracked):
+    """An extended model with a loss that is not (F.cross_entropy): BackPACK's Hessian diagonal has no loss
+    Hessian to start from, and with only the first layer tracked it held the activations' residual terms alone
+    (HessTrace -0.70 where the dense Hessian gives -0.23, TICDiag -49 for 1.9, on a valid step). Now an error
+    says to extend the loss, or to use Hessian-vector products."""
+    model = _model()
+    params = list(model[0].parameters()) if tracked == "first_layer" else list(model.parameters())
+    cockpit = Cockpit(params, quantities=configuration("business"), model=model)
+    x, y = _data(0)
+    outputs = model(x)
+    loss = nn.functional.cross_entropy(outputs, y)
+    info = {"batch_size": 8, "individual_losses": nn.functional.cross_entropy(outputs, y, reduction="none"),
+            "loss": loss, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
+    with pytest.raises(Exception, match=r"no extended loss module ran in this backward pass.*curvature='hutchinson'"):
+        with cockpit(0, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))

@@ -24,6 +24,7 @@ import math
 import torch
 from backpack import backpack, hook_store_io
 from backpack.extensions import BatchGrad, DiagGGNExact, DiagHessian
+from backpack.utils.module_classification import is_loss
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
@@ -255,6 +256,8 @@ class StepExecution:
         self._warnings = None
         self._hooks = hooks
         self._collector = collector
+        #: BackPACK ran an extended loss module in this pass (its second-order extensions start there)
+        self._loss_ran = False
         #: the curvature factors' replays of this pass (:mod:`cockpit_like.backends.column_blocks`)
         self._replays: list = []
 
@@ -337,6 +340,8 @@ class StepExecution:
             hooks = list(self._hooks)
             if self._collector is not None:
                 hooks.append(self._collector)
+            if any(_second_order(ext) for ext in self.extensions):
+                hooks.append(self._loss_seen)
             exts, hook = self._blocked(self.extensions), _chain(hooks) if hooks else None
             if self._create_graph:
                 # backward(create_graph=True) would record everything the hooks compute (Finding 9)
@@ -526,9 +531,27 @@ class StepExecution:
             raise NotExtendedError(self._uncovered_message(missing))
         return reducer.results()
 
+    def _loss_seen(self, module: torch.nn.Module) -> None:
+        """BackPACK's extension hook: note an extended loss module in the pass."""
+        if is_loss(module):
+            self._loss_ran = True
+
     def check(self) -> None:
         """Every tracked parameter got what was asked for, or a clear error."""
         params = self.params
+        started = [ext for ext in self.extensions if _second_order(ext)]
+        if started and not self._loss_ran:
+            # the curvature's matrices start at the loss module; without it, what the activations add on their
+            # own (the residual terms of a Hessian diagonal) would be taken for the whole curvature
+            raise NotExtendedError(
+                f"step {self.step}: BackPACK's {', '.join(sorted({describe(ext) for ext in started}))} start at the "
+                "loss module, and no extended loss module ran in this backward pass: info['loss'] was not computed "
+                "by a loss function wrapped in backpack.extend (F.cross_entropy, or an nn.CrossEntropyLoss that is "
+                "not extended). Compute the loss with `lossfunc = backpack.extend(nn.CrossEntropyLoss())` (or "
+                "MSELoss, BCEWithLogitsLoss), or pass curvature='hutchinson' to the curvature quantities "
+                "(Hessian-vector products: any loss); the presets' curvature 'auto' picks BackPACK on an extended "
+                "model."
+            )
         if self.reducer is not None:
             missing = [i for i in range(len(params)) if i not in self.reducer.seen]
             if missing and len(missing) == len(params) and all(p.grad is None for p in params):
