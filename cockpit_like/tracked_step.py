@@ -416,7 +416,10 @@ class TrackedStep:
                 f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
                 "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
             )
-        _record_coverage(checks, params, env.param_names())
+        untouched = self._untouched_stale(checks, params)
+        for index in untouched:  # zero at this step: nothing of theirs for the per-sample check to take off
+            del checks.stale[index]
+        _record_coverage(checks, params, env.param_names(), untouched)
         if all(p.grad is None for p in params):
             execution.free()
             raise RuntimeError(
@@ -425,7 +428,9 @@ class TrackedStep:
             )
         # the optimizer steps on p.grad as it is at its step: without a declared GradScaler's scale, which the
         # scaler takes off before (where the step finishes at the optimizer's step, it has already)
-        view = StepGradients(params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler)
+        view = StepGradients(
+            params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler, zeros=untouched
+        )
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
@@ -445,8 +450,8 @@ class TrackedStep:
             if len(partitions.partitions) > 1 and "micro_batches" not in self.info:
                 env.run.accumulates = True
             names = env.param_name_list()
-            if checks.stale:
-                self._judge_stale(checks, names, scale)
+            if checks.stale or untouched:
+                self._judge_stale(checks, names, scale, untouched)
             if self._probe is not None and self._probe in stats:
                 checks.compare_probe(stats[self._probe], self._probe.seed, view.params,
                                      lambda p: p.grad, lambda i: names[i], stale_scale=scale)  # fmt: skip
@@ -519,22 +524,46 @@ class TrackedStep:
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         env.diagnose(new_values)
 
-    def _judge_stale(self, checks: StepChecks, names: list[str], scale: float) -> None:
+    def _optimized(self) -> set[int] | None:
+        """``id`` of the parameters ``info["optimizer"]`` updates (``None``: no optimizer given)."""
+        optimizer = self.info.get("optimizer")
+        if not _is_optimizer(optimizer):
+            return None
+        return {id(p) for group in optimizer.param_groups for p in group["params"]}
+
+    def _untouched_stale(self, checks: StepChecks, params: list[torch.Tensor]) -> list[int]:
+        """Parameters outside ``info["optimizer"]`` whose p.grad held earlier steps' gradients and that this step's
+        backward passes left as they were (a replaced layer's old parameters, a branch no longer used): their
+        gradient at this step is zero, not what p.grad holds."""
+        optimized = self._optimized()
+        if not checks.stale or optimized is None:
+            return []
+        now = _stale_gradients([params[i] for i in checks.stale], _probe_seed(self.step), list(checks.stale))
+        return [i for i, before in checks.stale.items() if id(params[i]) not in optimized and now.get(i) == before]
+
+    def _judge_stale(self, checks: StepChecks, names: list[str], scale: float, untouched: list[int] = ()) -> None:
         """Gradients that were not zero when the step's first backward pass began: for parameters the optimizer
         updates, the step's gradient is not its own (a forgotten ``zero_grad``): the step fails and the
-        diagnosis hears of it once; for others (left out of the optimizer, so never zeroed) a note."""
-        optimizer = self.info.get("optimizer")
-        optimized = None
-        if _is_optimizer(optimizer):
-            optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        diagnosis hears of it once; for others (left out of the optimizer, so never zeroed) a note, and those
+        the step's backward passes did not reach count as zero."""
+        optimized = self._optimized()
         params = self.env.params
         stale = [i for i in checks.stale if optimized is None or id(params[i]) in optimized]
-        others = [i for i in checks.stale if i not in stale]
+        others = [i for i in checks.stale if i not in stale and i not in untouched]
+        if untouched:
+            checks.note(
+                f"p.grad of {', '.join(names[i] for i in untouched[:3])}{' ...' if len(untouched) > 3 else ''} (not "
+                "in info['optimizer']) holds gradients of earlier steps and got nothing from this step's backward "
+                "pass: counted as zero (in no_gradient). Parameters no longer in the model (a replaced layer) stay "
+                "tracked by this cockpit: to track the new ones, create a new Cockpit with them."
+            )
         if others:
             checks.note(
                 f"p.grad of {', '.join(names[i] for i in others[:3])}{' ...' if len(others) > 3 else ''} (not in "
-                "info['optimizer'], so never zeroed) holds gradients of earlier steps: GradNorm and the quantities "
-                "that read p.grad see their sum; the per-sample check compared this step's part"
+                "info['optimizer'], so never zeroed) holds gradients of earlier steps: GradNorm, the gradient tests "
+                "(NormTest, InnerTest, OrthoTest, which compare the rows with p.grad) and the other quantities that "
+                "read p.grad see their sum with this step's gradient; the per-sample check compared this step's part. "
+                "Zero these gradients with the others (model.zero_grad(), or add the parameters to the optimizer)"
             )
         if not stale:
             return
@@ -724,12 +753,13 @@ def gradients_changed(params: list[torch.Tensor], step: int, before: dict[int, f
     return gradient_factor(before, _fingerprint(params, step)) is None
 
 
-def _stale_gradients(params: list[torch.Tensor], seed: int) -> dict[int, float]:
+def _stale_gradients(params: list[torch.Tensor], seed: int, indices: list[int] | None = None) -> dict[int, float]:
     """``{index: projection}`` of the parameters whose p.grad is not zero before the step's backward pass (the probe's
-    directions; nothing to read after ``zero_grad()``, which sets it to None)."""
+    directions; nothing to read after ``zero_grad()``, which sets it to None). ``indices``: the tracked indices of
+    ``params`` where they are some of the tracked parameters."""
     stale = {}
     with torch.no_grad():
-        for index, param in enumerate(params):
+        for index, param in zip(range(len(params)) if indices is None else indices, params):
             grad = param.grad
             if grad is None or is_dtensor(grad):
                 continue
@@ -739,13 +769,16 @@ def _stale_gradients(params: list[torch.Tensor], seed: int) -> dict[int, float]:
     return stale
 
 
-def _record_coverage(checks: StepChecks, params: list[torch.Tensor], names: dict[int, str]) -> None:
-    """Which tracked parameters are frozen, and which got no gradient at this step."""
+def _record_coverage(checks: StepChecks, params: list[torch.Tensor], names: dict[int, str], untouched=()) -> None:
+    """Which tracked parameters are frozen, and which got no gradient at this step (``untouched``: p.grad holds only
+    earlier steps' gradients)."""
     def name(index: int, param: torch.Tensor) -> str:
         return names.get(id(param), f"param_{index}")
 
     checks.frozen = [name(i, p) for i, p in enumerate(params) if not p.requires_grad]
-    checks.no_gradient = [name(i, p) for i, p in enumerate(params) if p.requires_grad and p.grad is None]
+    checks.no_gradient = [
+        name(i, p) for i, p in enumerate(params) if p.requires_grad and (p.grad is None or i in untouched)
+    ]
 
 
 def _last_items(output: dict, count: int) -> list[tuple[int, Any]]:

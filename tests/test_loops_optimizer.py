@@ -291,3 +291,35 @@ def test_a_block_inside_the_optimizers_step_closure_gets_no_parameter_note():
     output = cockpit.get_output()
     assert all(cockpit.checks[s]["valid"] and not cockpit.checks[s]["notes"] for s in range(3))
     assert {"Alpha", "UpdateSize", "Distance"} <= set(output[0])
+
+
+@pytest.mark.parametrize("extended", [True, False])
+def test_a_replaced_layer_counts_as_no_gradient_with_a_note(extended):
+    """The head replaced by a new layer and the optimizer rebuilt at step 2 (found outside the tests): the cockpit
+    still tracks the old head, whose p.grad holds step 1's gradient. Before: GradNorm stored that leftover at
+    every later step and NormTest mixed it with the step's rows, on valid steps. Now the old head counts as zero
+    (no_gradient), a note says why, and the rest is exact."""
+    model = mlp(extended)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = cockpit_for(model, extended, configuration("economy"))
+    for step in range(4):
+        if step == 2:
+            torch.manual_seed(3)
+            model[2] = nn.Linear(8, 4).to(DT)
+            if extended:
+                model[2] = extend(model[2])
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        x, y = batch(seed=10 + step)
+        expected = [float(g.norm()) for g in torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model[0].parameters()))]
+        optimizer.zero_grad()
+        info = info_of(model(x), y, optimizer)
+        with cockpit(step, info=info):
+            info["loss"].backward()
+        optimizer.step()
+        checks = cockpit.checks.get(step, {"valid": True, "notes": [], "no_gradient": []})
+        assert checks["valid"]
+        norms = cockpit.get_output()[step]["GradNorm"]
+        assert norms[:2] == pytest.approx(expected, rel=1e-10)
+        if step >= 2:
+            assert norms[2:] == [0.0, 0.0] and checks["no_gradient"] == ["2.weight", "2.bias"]
+            assert "got nothing from this step's backward pass" in checks["notes"][0]

@@ -30,7 +30,7 @@ May import torch and :mod:`cockpit_like.backends`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -466,8 +466,10 @@ class StepGradients:
     per-sample statistics read a parameter's gradient of the step.
     """
 
-    def __init__(self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0):
+    def __init__(self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0, zeros: Iterable[int] = ()):
         self.params, self.scale = list(params), float(scale)
+        #: indices of parameters whose p.grad holds only earlier steps' gradients: zero at this step
+        self.zeros = set(zeros)
         #: the part of ``scale`` taken off the gradients before the optimizer steps (a declared GradScaler's
         #: scale, where the step finishes before its ``unscale_``)
         self.unscaled_later = float(unscaled_later)
@@ -491,10 +493,10 @@ class StepGradients:
                     stand_in.grad = grad if self.scale == 1.0 else grad * inverse
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
-        elif self.scale != 1.0 or any(p.grad is None for p in self._originals):
+        elif self.scale != 1.0 or self.zeros or any(p.grad is None for p in self._originals):
             self._saved = [p.grad for p in self._originals]
-            for param, grad in zip(self._originals, self._saved):
-                if grad is None:  # not in the step's graph (unused, frozen): its gradient is zero
+            for index, (param, grad) in enumerate(zip(self._originals, self._saved)):
+                if grad is None or index in self.zeros:  # not in the step's graph (unused, frozen, replaced): zero
                     param.grad = torch.zeros_like(param)
                 elif self.scale != 1.0:
                     param.grad = grad * inverse
