@@ -86,6 +86,27 @@ def test_a_quantity_that_works_without_per_sample_stats_computes_under_batch_nor
     assert cockpit.get_output()[1]["RowsIfAny"] == 4 and "NormTest" in cockpit.get_output()[1]
 
 
+def test_an_embedding_scaled_by_the_batch_id_counts_leaves_the_per_sample_quantities_out_with_a_note():
+    """nn.Embedding(scale_grad_by_freq=True) divides each id's gradient by its count in the whole batch: a row's
+    gradient depends on the other rows (found outside the tests: every step invalid, nothing stored, the reason
+    naming other causes). Now like BatchNorm in training mode: a note names the option, the rest is stored."""
+    from cockpit_like.quantities import GradNorm, Loss
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 4, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 3)).double()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1)), GradNorm(linear(1)), Loss(linear(1))], model=model)
+    ids, labels = torch.tensor([[1, 1, 2], [1, 3, 4], [5, 6, 1], [2, 2, 2]]), torch.tensor([0, 1, 2, 0])
+    outputs = model(ids)
+    losses = nn.functional.cross_entropy(outputs, labels, reduction="none")
+    with cockpit(0, info={"batch_size": 4, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    values = cockpit.get_output()[0]
+    assert values["checks"]["valid"] and "NormTest" not in values
+    assert "Embedding(scale_grad_by_freq=True)" in values["checks"]["notes"][0]
+    expected = [float(p.grad.norm()) for p in model.parameters()]
+    assert values["GradNorm"] == pytest.approx(expected, rel=1e-12)
+
+
 def test_backpack_assertion_becomes_an_explained_error():
     # BackPACK asserts on average pooling without count_include_pad inside its curvature extensions
     model = extend(nn.Sequential(nn.Conv2d(2, 3, 3), nn.AvgPool2d(2, count_include_pad=False), nn.Flatten(), nn.Linear(3, 3)).double())

@@ -108,6 +108,7 @@ __all__ = [
     "BatchNormInTrainingError",
     "UncoveredParameterError",  # re-exported from cockpit_like.backends.rerun
     "couples_samples",
+    "coupling_reason",
 ]
 
 
@@ -116,10 +117,21 @@ class BatchNormInTrainingError(RuntimeError):
 
 
 def couples_samples(module: nn.Module) -> bool:
-    """Whether ``module`` normalises with statistics of the current batch (batch norm in training mode)."""
-    if not isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return False
-    return module.training or not module.track_running_stats
+    """Whether a row's gradient through ``module`` depends on the other rows of the batch: batch norm in training
+    mode (statistics of the current batch), an embedding with ``scale_grad_by_freq`` (each id's gradient divided by
+    its count in the whole batch)."""
+    return coupling_reason(module) is not None
+
+
+def coupling_reason(module: nn.Module) -> str | None:
+    """Why ``module`` couples the rows of the batch (:func:`couples_samples`), for the step's note; ``None`` if not."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or not module.track_running_stats):
+        return (f"{type(module).__name__} in training mode normalises with the whole batch's statistics "
+                "(model.eval() on the norms, or GroupNorm / LayerNorm, gives the rows back)")
+    if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.scale_grad_by_freq:
+        return (f"{type(module).__name__}(scale_grad_by_freq=True) divides each id's gradient by its count in the "
+                "whole batch (scale_grad_by_freq=False gives the rows back)")
+    return None
 
 
 @contextlib.contextmanager
@@ -261,15 +273,13 @@ class HookBackend:
                 call.position = position
         for index, call in enumerate(calls):
             module = call.module
-            if couples_samples(module):
+            reason = coupling_reason(module)
+            if reason is not None:
                 raise BatchNormInTrainingError(
-                    f"{type(module).__name__} layer {self._module_name(module)} is in training mode: it "
-                    "normalises with statistics of the whole batch, so every sample's gradient depends "
-                    "on the other samples and per-sample quantities (gradient tests, histograms, Alpha, "
-                    "TIC, ...) are undefined. Fixes: call model.eval() on the batch norms during the "
-                    "cockpit's steps (running statistics), replace them by nn.GroupNorm / nn.LayerNorm, "
-                    "or track only quantities without per-sample statistics (Loss, GradNorm, Distance, "
-                    "UpdateSize, HessMaxEV)."
+                    f"layer {self._module_name(module)}: {reason}, so every sample's gradient depends on the other "
+                    "samples and per-sample quantities (gradient tests, histograms, Alpha, TIC, ...) are undefined. "
+                    "Fix the layer as said, or track only quantities without per-sample statistics (Loss, GradNorm, "
+                    "Distance, UpdateSize, HessMaxEV)."
                 )
             if handled_elsewhere(module):
                 call.params = []

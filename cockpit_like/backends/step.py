@@ -28,7 +28,7 @@ from backpack.utils.module_classification import is_loss
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, couples_samples
+from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, coupling_reason
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 from cockpit_like.backends.randomness import seeded_sampling
@@ -148,17 +148,12 @@ class StepExecution:
         if math_attention:
             self.notes.append(MATH_ATTENTION_NOTE)
         self._left_out: set[str] = set()
-        coupling = [call.module for call in calls if couples_samples(call.module)]
+        coupling = sorted({reason for call in calls if (reason := coupling_reason(call.module)) is not None})
         why = None
         if stats and coupling and not raw_batch_grad:
-            # BatchNorm in training mode: every row's gradient depends on the other rows, so per-sample
-            # gradients are undefined; the quantities that read them are left out of this step
-            kinds = sorted({type(module).__name__ for module in coupling})
-            why = (
-                f"{', '.join(kinds)} in training mode normalises with the whole batch's statistics, so a "
-                "row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / LayerNorm, "
-                "gives them back)"
-            )
+            # BatchNorm in training mode, an embedding scaling by the batch's id counts: every row's gradient
+            # depends on the other rows, so per-sample gradients are undefined; their quantities are left out
+            why = f"{'; '.join(coupling)}, so a row's gradient depends on the other rows"
         elif stats and not raw_batch_grad and row_check is not None:
             # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients
             coupled = row_check(self.root_outputs)
