@@ -1,7 +1,8 @@
-"""What BackPACK keeps on an extended module (the last call's input and output) when the loop does more than the
-training forward pass (found outside the repository's tests): a second forward pass with gradients on, a backward
-pass outside the cockpit's block that frees the buffers, and an autocast forward pass under BackPACK's
-second-order extensions."""
+"""Extended (BackPACK) models where BackPACK alone would go wrong (found outside the repository's tests): what it
+keeps on a module (the last call's input and output) when the loop does more than the training forward pass (a
+second forward pass with gradients on, a backward pass outside the cockpit's block that frees the buffers), an
+autocast forward pass or a loss that is not extended under its second-order extensions, and a layer configuration
+it cannot compute."""
 
 import warnings
 
@@ -105,3 +106,34 @@ def test_backpacks_curvature_without_an_extended_loss_is_a_clear_error(tracked):
     with pytest.raises(Exception, match=r"no extended loss module ran in this backward pass.*curvature='hutchinson'"):
         with cockpit(0, info=info):
             loss.backward(create_graph=cockpit.create_graph(0))
+
+
+def test_a_transposed_convolution_with_output_padding_takes_the_hooks_path():
+    """BackPACK 1.7 fails on ConvTranspose1d/2d with output_padding (a raw shape error from its unfold, found
+    outside the tests): the hooks take that layer's rows, exact against a loop of torch.autograd.grad, and the
+    curvature 'auto' uses Hessian-vector products on the model."""
+    from cockpit_like.quantities import GradNorm, HessTrace, NormTest
+    from cockpit_like.utils.schedules import linear
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.ConvTranspose1d(2, 3, 3, stride=2, padding=1, output_padding=1), nn.Tanh(),
+                                 nn.Flatten(), nn.Linear(24, 3)).double())  # fmt: skip
+    quantities = [GradNorm(linear(1)), NormTest(linear(1)), HessTrace(linear(1))]
+    cockpit = Cockpit(model.parameters(), quantities=quantities, model=model)
+    assert quantities[2].method == "hutchinson"
+    x, y = torch.randn(5, 2, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    rows = [torch.autograd.grad(nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
+            for i in range(5)]  # fmt: skip
+    outputs = model(x)
+    losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    loss = extend(nn.CrossEntropyLoss())(outputs, y)
+    with cockpit(0, info={"batch_size": 5, "individual_losses": losses, "loss": loss}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    values = cockpit.get_output()[0]
+    grads = torch.stack([torch.cat([g.reshape(-1) for g in row]) for row in rows])
+    mean = grads.mean(0)
+    expected = ((grads - mean).square().sum() / (4 * 5 * mean.square().sum())).sqrt().item()
+    assert values["NormTest"] == pytest.approx(expected, rel=1e-10)
+    sizes = [p.numel() for p in model.parameters()]
+    assert values["GradNorm"] == pytest.approx([float(g.norm()) for g in mean.split(sizes)], rel=1e-10)
+    assert "HessTrace" in values

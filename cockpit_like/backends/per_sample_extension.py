@@ -32,6 +32,7 @@ from backpack.extensions.firstorder.base import FirstOrderBackpropExtension, Fir
 from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, supports_unfold
 from cockpit_like.backends.module_rules import conv2d_weight_rows
 from cockpit_like.backends.per_sample import PerSampleReducer
+from cockpit_like.backends.step import backpack_computes_per_sample
 
 __all__ = ["PerSampleStatistics"]
 
@@ -54,6 +55,8 @@ class _GradBatchToReducer(FirstOrderModuleExtension):
         super().__init__(params=None)
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        if not backpack_computes_per_sample(module):
+            return  # a configuration BackPACK gets wrong: the hooks take its rows
         _check_kept_call(module, g_out)
         reducer = extension.reducer
         todo = []

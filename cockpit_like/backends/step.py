@@ -67,8 +67,17 @@ def _batch_grad_classes() -> frozenset:
 
 
 def backpack_computes_per_sample(module: torch.nn.Module) -> bool:
-    """Whether BackPACK computes ``module``'s per-sample gradients (extended, class supported)."""
-    return type(module) in _batch_grad_classes() and is_extended(module)
+    """Whether BackPACK computes ``module``'s per-sample gradients (extended, class supported, and not a
+    configuration BackPACK gets wrong: :func:`_backpack_fails_on`)."""
+    return type(module) in _batch_grad_classes() and is_extended(module) and not _backpack_fails_on(module)
+
+
+def _backpack_fails_on(module: torch.nn.Module) -> bool:
+    """Configurations of supported classes that BackPACK 1.7 cannot compute: a transposed convolution with
+    ``output_padding`` (its weight's Jacobian is unfolded to the output size without the padding, a shape error).
+    The hooks take their rows; the curvature ``"auto"`` uses Hessian-vector products."""
+    padding = getattr(module, "output_padding", None)
+    return isinstance(module, torch.nn.modules.conv._ConvTransposeNd) and any(int(p) != 0 for p in padding)
 
 
 def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> bool:
@@ -90,7 +99,7 @@ def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> b
             if next(module.children(), None) is not None:
                 if type(module) is not torch.nn.Sequential:
                     return False
-            elif type(module) not in supported or not is_extended(module):
+            elif type(module) not in supported or not is_extended(module) or _backpack_fails_on(module):
                 return False
     return True
 
