@@ -127,9 +127,12 @@ def _cmd_summary(args: argparse.Namespace) -> int:
     path = _resolve(args.log)
     metadata, steps = read_log_with_metadata(path, progress=_progress(args))
     rows = summary_rows(steps)
-    first, final = (min(steps), max(steps)) if steps else (None, None)
+    if not steps and not metadata:  # an empty .jsonl (docs/logs.md#reading); every other non-log raised
+        print(f"{path}: 0 steps: an empty stream (the run stopped before its first step reached the file)")
+        return 0
+    span = f"{len(steps)} steps ({min(steps)} .. {max(steps)})" if steps else "0 steps"
     library = metadata.get("library", "?")
-    print(f"{path}: {len(steps)} steps ({first} .. {final}), written by {library} {metadata.get('version', '')}".rstrip())
+    print(f"{path}: {span}, written by {library} {metadata.get('version', '')}".rstrip())
     if not rows:
         print("(nothing tracked)")
         return 0

@@ -277,30 +277,99 @@ def _progress(iterable, total: int, path: Path, unit: str, enabled: bool | None)
     return progress(iterable, total, f"reading {path.name}", enabled, unit=unit, delay=0.0 if enabled else 0.5)
 
 
-def _read_stream(lines: list[str], path: Path, progress: bool | None = False) -> tuple[dict, dict[int, dict[str, Any]]]:
+def _json_kind(value: Any) -> str:
+    """What a JSON document is, in words: ``a JSON array``, ``a JSON number``, ..."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return "a JSON array"
+    if isinstance(value, bool):
+        return f"the JSON value {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return "a JSON number"
+    if isinstance(value, str):
+        return "a JSON string"
+    return "the JSON value null"
+
+
+#: What a cockpit log looks like, for the errors on a file that is not one.
+LOG_FORMS = (
+    "A cockpit log is the JSON object Cockpit.write() writes "
+    '({"schema": "cockpit_like.log", "schema_version": 1, "metadata": {...}, "steps": {"0": {"Loss": ...}, ...}}), '
+    "the stream Cockpit(..., stream_to=...) writes (a .jsonl file: the header line "
+    '{"schema": "cockpit_like.stream", ...}, then one {"step": s, "values": {...}} line per step), '
+    'or a log written by Cockpit (cockpit-for-pytorch: {"0": {"Loss": ...}, "1": {...}}). '
+    "Check that the path names the run's log (docs/logs.md)."
+)
+
+
+def _not_a_log(path: Path, problem: str) -> ValueError:
+    """The error for a file that is not a cockpit log: the file, what is wrong with it, and the forms a log has."""
+    return ValueError(f"{path} is not a cockpit log: {problem}. {LOG_FORMS}")
+
+
+def _read_stream(
+    lines: list[str], path: Path, progress: bool | None = False, first_line: int = 1
+) -> tuple[dict, dict[int, dict[str, Any]]]:
+    """The metadata and steps of stream lines (``first_line``: the number of ``lines[0]`` in the file, for errors).
+
+    Raises:
+        ValueError: a line is not one a stream has (:func:`_not_a_log`), or is not JSON and is not the last.
+    """
     metadata: dict = {}
     steps: dict[int, dict[str, Any]] = {}
     for number, line in enumerate(_progress(lines, len(lines), path, "line", progress)):
         if not line.strip():
             continue
+        where = f"line {first_line + number}"
         try:
             document = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines) - 1:
                 break  # the line in flight when the run stopped
-            raise ValueError(f"{path}: line {number + 1} is not valid JSON") from None
+            raise ValueError(f"{path}: {where} is not valid JSON") from None
+        if not isinstance(document, dict):
+            raise _not_a_log(path, f"{where} is {_json_kind(document)}, where a stream has one JSON object per line")
         if "schema" in document:
+            if document["schema"] != _STREAM:
+                raise _not_a_log(path, f'{where} has "schema": {document["schema"]!r}, where a stream\'s header has '
+                                       f'"{_STREAM}"')
             _check_version(document, path)
-            metadata = document.get("metadata", {})
+            metadata = _metadata_of(document, path)
             continue
-        if "step" not in document and "metadata" in document:  # updated metadata
-            metadata = document["metadata"]
-            continue
-        values = steps.setdefault(int(document["step"]), {})
+        if "step" not in document:
+            if "metadata" in document:  # updated metadata
+                metadata = _metadata_of(document, path)
+                continue
+            keys = ", ".join(sorted(map(str, document))[:5])
+            raise _not_a_log(path, f'{where} is a JSON object without "step" (its keys: {keys or "none"})')
+        step, values = document["step"], document.get("values", {})
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise _not_a_log(path, f"{where} has step {step!r}, where a stream has a whole number")
+        if not isinstance(values, dict):
+            raise _not_a_log(path, f'{where} has "values" that are {_json_kind(values)}, not an object of name: value')
+        merged = steps.setdefault(step, {})
         for name in document.get("retract", ()):
-            values.pop(name, None)
-        values.update(decode(document.get("values", {})))
+            merged.pop(name, None)
+        merged.update(decode(values))
     return metadata, steps
+
+
+def _metadata_of(document: dict, path: Path) -> dict:
+    metadata = document.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise _not_a_log(path, f'its "metadata" is {_json_kind(metadata)}, not an object')
+    return metadata
+
+
+def _steps_of(items: Mapping[str, Any], path: Path, progress: bool | None) -> dict[int, dict[str, Any]]:
+    """``{step: values}`` of a full log's ``steps`` or a Cockpit log, checking that each is ``"<int>": {...}``."""
+    steps: dict[int, dict[str, Any]] = {}
+    for key, values in _progress(items.items(), len(items), path, "step", progress):
+        if not isinstance(values, dict):
+            raise _not_a_log(path, f"step {key} holds {_json_kind(values)}, not an object of name: value")
+        steps[int(key)] = decode(values)
+    return steps
 
 
 def _check_version(document: dict, path: Path) -> None:
@@ -323,26 +392,61 @@ def _resolve(path: str | os.PathLike) -> Path:
 
 
 def read_log_with_metadata(path: str | os.PathLike, progress: bool | None = False) -> tuple[dict, dict[int, dict[str, Any]]]:
-    """``(metadata, {step: {name: value}})`` from any log form (``progress``: as in :func:`read_log`)."""
+    """``(metadata, {step: {name: value}})`` from any log form (``progress``: as in :func:`read_log`).
+
+    An empty ``.jsonl`` (0 bytes, or only a header line torn by a crash) is an
+    empty stream, ``({}, {})``: a run stopped before its first step reached
+    the file. Every other file that is not a cockpit log raises.
+
+    Raises:
+        FileNotFoundError: no file at ``path`` (nor with ``.json`` / ``.jsonl``).
+        ValueError: the file is not a cockpit log (an empty ``.json``, a JSON
+            array, number or string, an object of another kind, lines that are
+            not a stream), or one of a newer schema version.
+    """
     path = _resolve(path)
     text = path.read_text()
-    stripped = text.lstrip()
-    if stripped.startswith("{") and '"schema": "cockpit_like.stream"' not in text.split("\n", 1)[0]:
+    if not text.strip():
+        if path.suffix == ".jsonl":
+            return {}, {}  # an empty stream: the run stopped before its first step reached the file
+        raise _not_a_log(path, "the file is empty" if not text else "the file holds only white space")
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError as error:
+        lines = text.split("\n")
+        first = next(number for number, line in enumerate(lines) if line.strip())
         try:
-            document = json.loads(text)
+            header = json.loads(lines[first])
         except json.JSONDecodeError:
-            document = None
-        if isinstance(document, dict):
-            if document.get("schema") == _FULL:
-                _check_version(document, path)
-                items = document["steps"].items()
-                steps = {int(k): decode(v) for k, v in _progress(items, len(items), path, "step", progress)}
-                return document.get("metadata", {}), steps
-            if all(key.lstrip("-").isdigit() for key in document):  # a Cockpit log
-                items = document.items()
-                return {"library": "cockpit"}, {int(k): decode(v) for k, v in _progress(items, len(items), path, "step", progress)}
-            raise ValueError(f"{path} is JSON but not a cockpit log")
-    return _read_stream(text.split("\n"), path, progress)
+            header = None
+        if isinstance(header, dict) and header.get("schema") == _STREAM:
+            return _read_stream(lines[first:], path, progress, first_line=first + 1)
+        if header is None and path.suffix == ".jsonl" and "\n" not in text.strip():
+            return {}, {}  # a stream whose header line was torn by a crash: no step reached the file
+        if header is None:
+            raise _not_a_log(path, f"it is not JSON ({error.msg}: line {error.lineno} column {error.colno})") from None
+        raise _not_a_log(path, f"the file is not one JSON document, and its first line ({lines[first].strip()[:60]}) "
+                               f'is not the header of a stream ({{"schema": "{_STREAM}", ...}})') from None
+    if not isinstance(document, dict):
+        raise _not_a_log(path, f"it holds {_json_kind(document)}")
+    schema = document.get("schema")
+    if schema == _STREAM:  # a stream with its header line only: a run that tracked no step
+        return _read_stream([text], path, progress)
+    if schema == _FULL:
+        _check_version(document, path)
+        steps = document.get("steps")
+        if not isinstance(steps, dict):
+            raise _not_a_log(path, f'it has "schema": "{_FULL}" but its "steps" are '
+                                   f"{'missing' if steps is None else _json_kind(steps)}, not an object of steps")
+        if not all(key.lstrip("-").isdigit() for key in steps):
+            raise _not_a_log(path, 'its "steps" have keys that are not step numbers')
+        return _metadata_of(document, path), _steps_of(steps, path, progress)
+    if schema is None and all(key.lstrip("-").isdigit() for key in document):  # a Cockpit log ({} if it has no step)
+        return {"library": "cockpit"}, _steps_of(document, path, progress)
+    if schema is not None:
+        raise _not_a_log(path, f'it has "schema": {schema!r}, which is not a cockpit log\'s')
+    keys = ", ".join(sorted(document)[:5]) + (", ..." if len(document) > 5 else "")
+    raise _not_a_log(path, f'it is a JSON object with neither "schema" nor step numbers as keys (its keys: {keys})')
 
 
 def read_log(path: str | os.PathLike, progress: bool | None = False) -> dict[int, dict[str, Any]]:

@@ -43,6 +43,7 @@ class LogFollower:
         self.metadata: dict = {}
         self._offset = 0
         self._pending = b""
+        self._lines = 0  # complete lines read so far (for the line numbers of errors)
         self._stamp: tuple[int, int] | None = None
 
     def poll(self) -> bool:
@@ -59,7 +60,7 @@ class LogFollower:
             return True
         size = self.path.stat().st_size
         if size < self._offset:  # rewritten from the start
-            self.steps, self.metadata, self._offset, self._pending = {}, {}, 0, b""
+            self.steps, self.metadata, self._offset, self._pending, self._lines = {}, {}, 0, b"", 0
         if size == self._offset:
             return False
         with open(self.path, "rb") as handle:
@@ -75,7 +76,8 @@ class LogFollower:
     def _add(self, lines: list[str]) -> bool:
         from cockpit_like.logs import _read_stream
 
-        metadata, steps = _read_stream(lines, self.path)
+        metadata, steps = _read_stream(lines, self.path, first_line=self._lines + 1)
+        self._lines += len(lines)
         if metadata:
             self.metadata = metadata
         for step, values in steps.items():

@@ -125,3 +125,90 @@ def test_closed_pipe_ends_quietly(run):
     result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, env=env)
     assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
     assert result.returncode == 0
+
+
+# Every subcommand reads its log through cockpit_like.logs.read_log_with_metadata: a file that is not a cockpit
+# log is exit status 2 and one message naming the file, what is wrong with it and what a log looks like.
+def _subcommand_args(tmp_path: Path) -> dict[str, list[str]]:
+    """The options each subcommand needs besides LOG (outputs under ``tmp_path``)."""
+    return {
+        "plot": ["-o", str(tmp_path / "dash.png")],
+        "summary": [],
+        "export": ["--to", "tensorboard", str(tmp_path / "tb"), "--no-progress"],
+        "watch": ["--once", "-o", str(tmp_path / "watch.png")],
+        "influence": [],
+        "diagnose": [],
+        "spikes": [],
+    }
+
+
+def test_every_subcommand_is_in_the_not_a_log_tests(tmp_path):
+    from cockpit_like.cli import _parser
+
+    commands = next(a for a in _parser()._actions if a.dest == "command").choices
+    assert set(commands) == set(_subcommand_args(tmp_path))  # a new subcommand gets these tests too
+
+
+NOT_LOGS = {  # file name: (its text, what the message says is wrong)
+    "array.json": ("[1, 2]\n", "it holds a JSON array"),
+    "array_lines.json": ("[\n 1,\n 2\n]\n", "it holds a JSON array"),
+    "number.json": ("3\n", "it holds a JSON number"),
+    "string.json": ('"run"', "it holds a JSON string"),
+    "empty.json": ("", "the file is empty"),
+    "other.json": ('{"a": 1, "b": [2]}', 'neither "schema" nor step numbers as keys (its keys: a, b)'),
+    "no_steps.json": ('{"schema": "cockpit_like.log", "schema_version": 1}', '"steps" are missing'),
+    "bad_step.json": ('{"1": 5}', "step 1 holds a JSON number"),
+    "text.json": ("hello\n", "it is not JSON"),
+    "lines.jsonl": ('{"a": 1}\n{"a": 2}\n', None),  # the message depends on the reader (whole file or watch's)
+}
+
+
+@pytest.mark.parametrize("command", sorted(_subcommand_args(Path("."))))
+@pytest.mark.parametrize("name", sorted(NOT_LOGS))
+def test_a_file_that_is_not_a_log_is_exit_status_2_and_says_why(tmp_path, capsys, command, name):
+    text, problem = NOT_LOGS[name]
+    path = tmp_path / name
+    path.write_text(text)
+    assert main([command, str(path), *_subcommand_args(tmp_path)[command]]) == 2
+    captured = capsys.readouterr()
+    assert f"cockpit-like {command}: error: {path} is not a cockpit log: " in captured.err
+    if problem is not None:
+        assert problem in captured.err
+    assert '"schema": "cockpit_like.log"' in captured.err and '"schema": "cockpit_like.stream"' in captured.err
+    assert captured.out == ""
+    assert not (tmp_path / "dash.png").exists() and not (tmp_path / "watch.png").exists()
+
+
+def test_not_a_log_from_the_console_has_no_traceback(tmp_path):
+    """The outside tester's repro: ``cockpit-like summary`` on a JSON array printed a TypeError traceback."""
+    (tmp_path / "list.json").write_text("[1,2]\n")
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "cockpit_like.cli", "summary", str(tmp_path / "list.json")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{tmp_path / 'list.json'} is not a cockpit log: it holds a JSON array" in result.stderr
+
+
+@pytest.mark.parametrize("command", sorted(_subcommand_args(Path("."))))
+@pytest.mark.parametrize("text", ["", "\n", '{"schema": "cockpit_like.stream", "schema_ver'], ids=["0 bytes", "blank", "torn header"])
+def test_an_empty_stream_is_a_log_without_steps(tmp_path, capsys, command, text):
+    """A ``.jsonl`` with no complete line is the stream of a run stopped before its first step reached the file
+    (the writer creates the file at the first step, docs/logs.md#reading): every subcommand treats it as a log
+    with no steps, and ``summary`` says so."""
+    path = tmp_path / "run.jsonl"
+    path.write_text(text)
+    assert main([command, str(path), *_subcommand_args(tmp_path)[command]]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    if command == "summary":
+        assert captured.out == f"{path}: 0 steps: an empty stream (the run stopped before its first step reached the file)\n"
+    if command in ("plot", "watch"):
+        assert captured.out == f"wrote {tmp_path / ('dash.png' if command == 'plot' else 'watch.png')}\n"
+
+
+def test_a_stream_with_its_header_only_is_a_run_without_steps(tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    path.write_text('{"schema": "cockpit_like.stream", "schema_version": 1, "metadata": {"library": "cockpit_like", '
+                    '"version": "9.9"}}\n')
+    assert main(["summary", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: 0 steps, written by cockpit_like 9.9\n(nothing tracked)\n"

@@ -339,7 +339,7 @@ def test_run_data_and_smoothing():
     np.testing.assert_array_equal(steps, [2]) and np.testing.assert_array_equal(values, [2.0])
     np.testing.assert_allclose(data.block_norm("B")[1], [5.0])
     np.testing.assert_allclose(data.block_sum("B")[1], [7.0])
-    np.testing.assert_allclose(smooth(np.array([1.0, 2.0, np.nan, 4.0]), 3), [1.5, 1.5, 3.0, 4.0])
+    np.testing.assert_allclose(smooth(np.array([1.0, 2.0, np.nan, 4.0]), 3), [1.5, 1.5, np.nan, 4.0])  # no bridge
     flat = smooth(np.full(50, 2.0))
     np.testing.assert_allclose(flat, 2.0)
 
@@ -550,3 +550,169 @@ def test_a_logged_estimated_run_renders_its_bands(tmp_path):
     plotter.plot(str(path), show_plot=False)
     ax = plotter.axes["hess_trace"]
     assert [c for c in ax.collections if c.get_gid() == "band:HessTrace"]
+
+
+# ---- non-finite values are marked, and no curve passes through them ----------------------------------------
+def _brute_smooth(values: list[float], window: int) -> list[float]:
+    """The centred moving average of each finite value over its neighbours up to ``window // 2`` away on either
+    side, stopping at the first non-finite one (NaN at non-finite values), by loops."""
+    half, result = window // 2, []
+    for i, value in enumerate(values):
+        if not math.isfinite(value):
+            result.append(math.nan)
+            continue
+        taken = [value]
+        for direction in (-1, 1):
+            for j in range(i + direction, i + direction * (half + 1), direction):
+                if not 0 <= j < len(values) or not math.isfinite(values[j]):
+                    break
+                taken.append(values[j])
+        result.append(sum(taken) / len(taken))
+    return result
+
+
+def test_smoothing_does_not_reach_across_non_finite_values():
+    generator = np.random.default_rng(0)
+    for trial in range(20):
+        values = generator.normal(size=int(generator.integers(1, 60)))
+        for index in generator.choice(len(values), size=min(len(values), 4), replace=False):
+            values[index] = generator.choice([np.nan, np.inf, -np.inf, values[index]])
+        window = int(generator.choice([3, 5, 7]))
+        np.testing.assert_allclose(smooth(values, window), _brute_smooth(values.tolist(), window), equal_nan=True)
+
+
+def _kind(value: float) -> str | None:
+    if math.isnan(value):
+        return "NaN"
+    return None if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+
+
+def _norm(blocks):
+    return math.sqrt(sum(x * x for x in blocks))
+
+
+# (panel, series name, stored key, stored value of the panel's value v, the panel's value of what is stored)
+NONFINITE_SERIES = [
+    ("loss", "Loss", "Loss", lambda v: v, lambda x: x),
+    ("loss", "train_loss", "train_loss", lambda v: v, lambda x: x),
+    ("accuracy", "valid_accuracy", "valid_accuracy", lambda v: v, lambda x: x),
+    ("grad_norm", "GradNorm", "GradNorm", lambda v: [v, 0.5], _norm),
+    ("distance", "Distance", "Distance", lambda v: [0.25, v], _norm),
+    ("distance", "UpdateSize", "UpdateSize", lambda v: [v], _norm),
+    ("grad_tests", "NormTest", "NormTest", lambda v: v, lambda x: x),
+    ("grad_tests", "InnerTest", "InnerTest", lambda v: v, lambda x: x),
+    ("grad_tests", "OrthoTest", "OrthoTest", lambda v: v, lambda x: x),
+    ("hess_max_ev", "HessMaxEV", "HessMaxEV", lambda v: v, lambda x: x),
+    ("hess_trace", "HessTrace", "HessTrace", lambda v: [v, 2.0], sum),
+    ("kfac_trace", "KFACTrace", "KFACTrace", lambda v: {"trace_total": v, "frobenius_total": 1.0},
+     lambda x: x["trace_total"]),
+    ("tic", "TICDiag", "TICDiag", lambda v: v, lambda x: x),
+    ("tic", "TICTrace", "TICTrace", lambda v: v, lambda x: x),
+    ("learning_rate", "learning_rate", "learning_rate", lambda v: v, lambda x: x),
+    ("mean_gsnr", "MeanGSNR", "MeanGSNR", lambda v: v, lambda x: x),
+    ("cabs", "CABS", "CABS", lambda v: v, lambda x: x),
+    ("early_stopping", "EarlyStopping", "EarlyStopping", lambda v: v, lambda x: x),
+    ("custom", "MyQuantity", "MyQuantity", lambda v: v, lambda x: x),
+    ("self_influence", "SelfInfluence.max", "SelfInfluence", lambda v: {"max": v, "mean": 1.0}, lambda x: x["max"]),
+    ("preconditioned_grad_norm", "PreconditionedGradNorm", "PreconditionedGradNorm",
+     lambda v: {"value": v, "grad_norm_squared": 1.0}, lambda x: x["value"]),
+]
+LOGGED = {"train_loss", "valid_accuracy", "learning_rate"}  # drawn as lines through their points, no smoothing
+
+
+def _nonfinite_run(steps: int = 60) -> dict:
+    """Every per-step series of the dashboards with a NaN, an inf and a -inf at steps of its own (logged figures
+    every 5 steps)."""
+    output: dict[int, dict] = {step: {} for step in range(steps)}
+    for index, (_, _, key, store, _) in enumerate(NONFINITE_SERIES):
+        every = 5 if key in LOGGED - {"learning_rate"} else 1
+        at = range(0, steps, every)
+        bad = {2 + index: math.nan, 27 + index: math.inf, 50 + index % 10: -math.inf}  # (21 series, 60 steps)
+        bad = {step // every * every: value for step, value in bad.items()}
+        if index == 0:
+            bad.update({3: math.nan, 4: math.nan})  # several of a kind, side by side
+        for step in at:
+            value = bad.get(step, 1.0 + 0.5 * math.sin(step / 4 + index))
+            output[step][key] = store(value)
+    return output
+
+
+def _expected(output: dict, key: str, reduce) -> tuple[list[int], list[float]]:
+    steps = sorted(step for step in output if key in output[step])
+    return steps, [float(reduce(output[step][key])) for step in steps]
+
+
+def test_every_series_panel_marks_its_non_finite_steps_live_and_from_a_log(tmp_path):
+    """The outside trial: a NaN and an inf loss were invisible (the smoothed line went through them, no mark).
+    Every panel with a per-step series marks each NaN / inf / -inf step (a marker with its kind, a vertical line
+    and a label), and its smoothed curve breaks there; checked against the stored values, live and from a log."""
+    from cockpit_like.logs import write_log
+
+    output = _nonfinite_run()
+    path = write_log(tmp_path / "run", output, {})
+    pictures = []
+    for source in (output, str(path)):
+        plotter = CockpitPlotter(secondary_screen=True)
+        plotter.plot(source, show_plot=False)
+        pictures.append(plotter)
+    for plotter in pictures:
+        series_panels = {key for key, ax in plotter.axes.items()
+                         if any((line.get_gid() or "").startswith("raw:") for line in ax.get_lines())}
+        assert series_panels == {panel for panel, *_ in NONFINITE_SERIES}  # every panel with a series is tested
+        for panel, name, key, _, reduce in NONFINITE_SERIES:
+            ax = plotter.axes[panel]
+            steps, values = _expected(output, key, reduce)
+            assert sum(_kind(value) is not None for value in values) >= 3  # (a norm turns -inf into inf)
+            for kind in ("NaN", "inf", "-inf"):
+                at = [step for step, value in zip(steps, values) if _kind(value) == kind]
+                markers = [line for line in ax.get_lines() if line.get_gid() == f"nonfinite:{name}:{kind}"]
+                if not at:
+                    assert not markers, (panel, name, kind)
+                    continue
+                assert len(markers) == 1, (panel, name, kind)
+                np.testing.assert_array_equal(markers[0].get_xdata(), at)
+                assert markers[0].get_label().endswith(f": {kind} ({len(at)} step{'s' if len(at) > 1 else ''})")
+                lines = [c for c in ax.collections if c.get_gid() == f"nonfinite-line:{name}:{kind}"]
+                assert len(lines) == 1 and [segment[0][0] for segment in lines[0].get_segments()] == at
+                labels = [t.get_text() for t in ax.texts if t.get_gid() == f"nonfinite-label:{name}:{kind}"]
+                assert labels == [kind + (f" ×{len(at)}" if len(at) > 1 else "")]
+            if name in LOGGED:
+                continue
+            smoothed = [line for line in ax.get_lines() if line.get_gid() == f"smooth:{name}"]
+            assert len(smoothed) == 1
+            np.testing.assert_array_equal(smoothed[0].get_xdata(), steps)
+            window = max(3, (len(values) // 15) | 1)  # docs/instruments.md: about a fifteenth, odd, at least 3
+            np.testing.assert_allclose(smoothed[0].get_ydata(), _brute_smooth(values, window), equal_nan=True)
+
+
+def test_a_finite_run_has_no_non_finite_marks():
+    output = {step: {"Loss": 1.0 / (step + 1), "GradNorm": [1.0, 2.0]} for step in range(10)}
+    plotter = CockpitPlotter()
+    plotter.plot(output, show_plot=False)
+    for ax in plotter.axes.values():
+        gids = [artist.get_gid() or "" for artist in (*ax.get_lines(), *ax.collections, *ax.texts)]
+        assert not [gid for gid in gids if gid.startswith("nonfinite")]
+
+
+def test_the_repro_loss_panel_shows_nan_and_inf():
+    """The outside tester's repro: Loss 1 - 0.01 s with NaN at step 4 and inf at step 6."""
+    steps = {s: {"Loss": 1.0 - 0.01 * s} for s in range(10)}
+    steps[4]["Loss"], steps[6]["Loss"] = math.nan, math.inf
+    plotter = CockpitPlotter()
+    plotter.plot(steps, show_plot=False)
+    ax = plotter.axes["loss"]
+    marks = {line.get_gid(): line.get_xdata().tolist() for line in ax.get_lines()
+             if (line.get_gid() or "").startswith("nonfinite:")}
+    assert marks == {"nonfinite:Loss:NaN": [4], "nonfinite:Loss:inf": [6]}
+    smoothed = next(line for line in ax.get_lines() if line.get_gid() == "smooth:Loss").get_ydata()
+    assert np.isnan(smoothed[[4, 6]]).all()
+    assert smoothed[5] == pytest.approx(0.95) and smoothed[3] == pytest.approx((0.98 + 0.97) / 2)
+    assert {"NaN", "inf"} <= {t.get_text() for t in ax.texts}
+
+
+def test_alpha_note_counts_nan_and_inf_apart():
+    plotter = CockpitPlotter()
+    plotter.plot({0: {"Alpha": math.nan}, 1: {"Alpha": math.inf}, 2: {"Alpha": -math.inf}, 3: {"Alpha": 0.5}},
+                 show_plot=False)
+    note = plotter.axes["alpha"].get_legend().get_title().get_text()
+    assert "4 fits" in note and "1 NaN" in note and "1 inf" in note and "1 -inf" in note

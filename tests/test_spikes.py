@@ -194,9 +194,11 @@ def test_name_cause_order():
 
 
 # ---- the post-mortem in a run --------------------------------------------------------------------------
-def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, batch_norm=False, **post_args):
+def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, batch_norm=False,
+               losses_out: list | None = None, **post_args):
     """An MLP on blobs (batch 16) with a fault at ``onset``: ``row`` (row 3 scaled by 1e3, a wrong label) or
-    ``lr`` (x100); ``batch_norm``: a BatchNorm1d (training mode) after the first layer."""
+    ``lr`` (x100); ``batch_norm``: a BatchNorm1d (training mode) after the first layer; ``losses_out``: gets each
+    step's row losses (float64)."""
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
     centers = torch.randn(4, 6, generator=generator) * 2
@@ -218,6 +220,8 @@ def _spiky_run(fault: str, steps: int = 30, onset: int = 22, cockpit_args=None, 
             group["lr"] = 5.0 if fault == "lr" and step >= onset else 0.05
         optimizer.zero_grad()
         losses = nn.functional.cross_entropy(model(x), labels, reduction="none")
+        if losses_out is not None:
+            losses_out.append(losses.detach().to(torch.float64).clone())
         ids = torch.arange(16) + 100 * step
         with cockpit(step, info={"batch_size": 16, "individual_losses": losses, "loss": losses.mean(),
                                  "optimizer": optimizer, "sample_ids": ids}):
@@ -276,6 +280,60 @@ def test_name_cause_without_per_sample_gradients_reads_the_rows_share_of_the_los
     assert name_cause({"rows": spread, "rows_by_loss": by_loss, "step": 5})["cause"] == "unknown"
     # with gradients the loss shares are not read
     assert name_cause({"rows": {**rows, "gradients": True}, "rows_by_loss": by_loss})["cause"] == "unknown"
+
+
+def test_name_cause_states_the_batch_median_as_a_loss_and_its_shift_in_spreads():
+    """The bad-batch clause: the median row loss as a loss, and how many spreads above or below (an outside trial
+    printed "the batch's median row loss is -0.279 spreads above", the shift shown as a loss with the wrong side)."""
+    rows = {"batch": 16, "outlier_rows": 0, "outlier_share": 0.0, "top_share": 0.1,
+            "row_loss_baseline": 2.0, "row_loss_scale": 0.5, "median_shift": -1.0}
+    why = name_cause({"rows": rows})["checks"]["bad-rows"]["why"]
+    assert why.endswith("; the batch's median row loss is 1.5 against the previous steps' 2 (spread 0.5): 1 spreads below")
+    why = name_cause({"rows": {**rows, "median_shift": 3.0}})["why"]  # 2 + 3 x 0.5: a bad batch
+    assert why.endswith("; the batch's median row loss is 3.5 against the previous steps' 2 (spread 0.5): 3 spreads above")
+    older = {key: value for key, value in rows.items() if key not in ("row_loss_baseline", "row_loss_scale")}
+    assert name_cause({"rows": older})["checks"]["bad-rows"]["why"].endswith(
+        "; the batch's median row loss is 1 spreads below the previous steps' median row loss")
+    assert "median row loss" not in name_cause({"rows": {**rows, "median_shift": math.nan}})["checks"]["bad-rows"]["why"]
+
+
+def _lower_median(values) -> float:
+    """torch.median's median (the lower of the two middle values), by sorting."""
+    ordered = sorted(float(v) for v in values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def test_cli_states_the_batch_median_row_loss_of_the_spike_step(tmp_path, capsys):
+    """``cockpit-like spikes``: the numbers of the bad-batch clause against brute force from the run's row losses:
+    the step's median row loss, the previous 5 steps' median of their median row losses, their spread (the
+    median of each step's 1.4826 MAD, floored at 2% of the run's first loss) and the shift in spreads."""
+    import re
+
+    from cockpit_like.cli import main
+
+    losses: list = []
+    cockpit, _ = _spiky_run("row", losses_out=losses)
+    path = cockpit.write(str(tmp_path / "run"))
+    assert main(["spikes", path, "--step", "22", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    number = r"(-?[0-9.]+(?:e[+-]?[0-9]+)?)"
+    found = re.findall(rf"the batch's median row loss is {number} against the previous steps' {number} "
+                       rf"\(spread {number}\): {number} spreads (above|below)", text)
+    assert len(found) == 2, text  # the likeliest cause's line and the bad-rows check's
+    assert found[0] == found[1]
+    median, baseline, spread, shift, side = found[0]
+    brute_median = _lower_median(losses[22])
+    previous = [_lower_median(step) for step in losses[17:22]]
+    brute_baseline = float(sorted(previous)[2])  # the median of 5
+    scales = [1.4826 * _lower_median((step - _lower_median(step)).abs()) for step in losses[17:22]]
+    first_loss = sorted(float(step.mean()) for step in losses[:3])[1]
+    brute_spread = max(sorted(scales)[2], 0.02 * abs(first_loss))
+    brute_shift = (brute_median - brute_baseline) / brute_spread
+    assert float(median) == pytest.approx(brute_median, rel=5e-3)
+    assert float(baseline) == pytest.approx(brute_baseline, rel=5e-3)
+    assert float(spread) == pytest.approx(brute_spread, rel=5e-3)
+    assert float(shift) == pytest.approx(abs(brute_shift), rel=5e-3, abs=1e-3)
+    assert side == ("above" if brute_shift >= 0 else "below")
 
 
 def test_post_mortem_names_the_learning_rate():

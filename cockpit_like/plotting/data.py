@@ -66,10 +66,18 @@ def _sum_of_blocks(value: Any) -> float:
 
 
 def smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
-    """Centred moving average that ignores NaNs (no lag, unlike an exponential average).
+    """Centred moving average that does not reach across a non-finite value (no lag, unlike an exponential average).
 
-    ``window`` defaults to about a fifteenth of the points (odd, at least 3);
-    near the ends the window shrinks to the points available.
+    ``window`` defaults to about a fifteenth of the points (odd, at least 3).
+    A NaN, inf or -inf splits the series: each stretch of finite values is
+    averaged on its own (near its ends the window shrinks to the points
+    available) and the non-finite points are NaN, a gap in the curve, so that
+    a curve never passes smoothly through a step whose value is not finite
+    (the instruments mark those steps, :func:`~cockpit_like.plotting.instruments.mark_nonfinite`).
+
+    Example:
+        >>> smooth(np.array([1.0, 2.0, np.nan, 4.0, 6.0]), 3).tolist()
+        [1.5, 1.5, nan, 5.0, 5.0]
     """
     values = np.asarray(values, dtype=float)
     n = len(values)
@@ -79,13 +87,16 @@ def smooth(values: np.ndarray, window: int | None = None) -> np.ndarray:
         window = max(3, (n // 15) | 1)
     half = window // 2
     finite = np.isfinite(values)
-    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
-    counts = np.concatenate([[0], np.cumsum(finite)])
     index = np.arange(n)
-    low, high = np.clip(index - half, 0, n), np.clip(index + half + 1, 0, n)
-    number = counts[high] - counts[low]
+    # the finite stretch around each point: [one past the last non-finite point before it, the next one)
+    start = np.maximum.accumulate(np.where(finite, -1, index)) + 1
+    end = np.minimum.accumulate(np.where(finite, n, index)[::-1])[::-1]
+    low, high = np.maximum(index - half, start), np.minimum(index + half + 1, end)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    number = high - low
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(number > 0, (sums[high] - sums[low]) / np.maximum(number, 1), np.nan)
+        return np.where(finite & (number > 0), (sums[np.clip(high, 0, n)] - sums[np.clip(low, 0, n)])
+                        / np.maximum(number, 1), np.nan)
 
 
 class RunData:

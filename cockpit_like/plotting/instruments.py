@@ -8,7 +8,9 @@ quantity to add.
 
 Artists carry ``gid`` tags so that tests (and curious users) can find what
 was drawn: ``"raw:<name>"`` for the raw points of a time series (one point
-per tracked step), ``"smooth:<name>"`` for its smoothed curve, and
+per tracked step), ``"smooth:<name>"`` for its smoothed curve,
+``"nonfinite:<name>:<kind>"`` (kind ``NaN``, ``inf``, ``-inf``) for the marks at
+the steps where the series is not finite (:func:`mark_nonfinite`), and
 ``"not-tracked"`` for the blank-panel label.
 
 Series that share a panel differ by more than colour (:func:`series_style`):
@@ -28,7 +30,7 @@ import numpy as np
 from cockpit_like.plotting.data import RunData, smooth
 from cockpit_like.plotting.findings_panel import draw_findings
 
-__all__ = ["DrawOptions", "Instrument", "PRIMARY", "SECONDARY", "layer_histogram"]
+__all__ = ["DrawOptions", "Instrument", "PRIMARY", "SECONDARY", "layer_histogram", "mark_nonfinite"]
 
 COLORS = {
     "blue": "#1f77b4",
@@ -131,9 +133,57 @@ def _log_if_positive(ax, *arrays: np.ndarray) -> None:
         ax.set_yscale("log", nonpositive="mask")
 
 
+#: The kinds of non-finite values: (name, test, marker, height in the axes (0 bottom, 1 top))
+NONFINITE_KINDS = (
+    ("NaN", np.isnan, "X", 0.93),
+    ("inf", np.isposinf, "^", 0.93),
+    ("-inf", np.isneginf, "v", 0.07),
+)
+
+
+def mark_nonfinite(ax, name: str, steps: np.ndarray, values: np.ndarray, color: str,
+                   label: str | None = None) -> int:
+    """Mark the steps where ``values`` is NaN, inf or -inf; return how many there are.
+
+    A line, a point and a dot are not drawn for a non-finite value, so such a
+    step would be invisible. Each kind gets, at its steps, a dotted vertical
+    line across the panel (gid ``"nonfinite-line:<name>:<kind>"``), a marker
+    near the top (NaN: a cross, inf: a triangle up) or the bottom (-inf: a
+    triangle down) with a legend entry ``"<label>: NaN (k steps)"`` (gid
+    ``"nonfinite:<name>:<kind>"``), and the text ``NaN`` / ``inf`` / ``-inf``
+    (``x k`` for several) beside its first step. The marks use the axes'
+    height, so they leave the y range (and a log scale) alone.
+    """
+    values = np.asarray(values, dtype=float)
+    steps = np.asarray(steps, dtype=float)
+    label = label or name
+    across = ax.get_xaxis_transform()  # x in steps, y in the axes' height
+    total = 0
+    for kind, test, marker, height in NONFINITE_KINDS:
+        where = test(values)
+        count = int(where.sum())
+        if not count:
+            continue
+        total += count
+        at = steps[where]
+        from matplotlib.collections import LineCollection
+
+        ax.add_collection(LineCollection([[(x, 0.0), (x, 1.0)] for x in at], transform=across, colors=color,
+                                         linestyles=":", linewidths=1.0, alpha=0.7, zorder=1.5,
+                                         gid=f"nonfinite-line:{name}:{kind}"), autolim=False)
+        ax.plot(at, np.full(count, height), transform=across, linestyle="none", marker=marker, markersize=5.5,
+                color=color, markeredgecolor="black", markeredgewidth=0.5, clip_on=False, zorder=6,
+                gid=f"nonfinite:{name}:{kind}", label=f"{label}: {kind} ({count} step{'s' if count > 1 else ''})")
+        ax.annotate(kind + (f" ×{count}" if count > 1 else ""), (at[0], height), xycoords=across,
+                    xytext=(4, 0), textcoords="offset points", va="center", fontsize=_SMALL, color=color,
+                    fontweight="bold", gid=f"nonfinite-label:{name}:{kind}")
+    return total
+
+
 def timeseries(ax, name: str, steps: np.ndarray, values: np.ndarray, color: str, label: str | None = None,
                smoothed: bool = True, style: dict | None = None) -> None:
-    """Raw points (one per tracked step) and a smoothed curve (``style``: :func:`series_style`)."""
+    """Raw points (one per tracked step), a smoothed curve (``style``: :func:`series_style`) that breaks at
+    non-finite values, and the marks of those (:func:`mark_nonfinite`)."""
     label = label or name
     style = {"linewidth": 1.6, **(style or {})}
     ax.plot(steps, values, linestyle="none", marker=".", markersize=3, alpha=0.35, color=color, gid=f"raw:{name}",
@@ -142,6 +192,7 @@ def timeseries(ax, name: str, steps: np.ndarray, values: np.ndarray, color: str,
         ax.plot(steps, smooth(values), color=color, label=label, gid=f"smooth:{name}", **style)
     else:
         ax.plot([], [], color=color, label=label, **{k: v for k, v in style.items() if k != "markevery"})
+    mark_nonfinite(ax, name, steps, values, color, label)
 
 
 def _legend(ax, **kwargs) -> None:
@@ -236,8 +287,9 @@ def draw_alpha(ax, data: RunData, options: DrawOptions) -> None:
     note = f"{len(steps)} fits"
     if outside:
         note += f", {outside} beyond ±{limit:.1f} in end bins"
-    if finite.size < len(values):
-        note += f", {len(values) - finite.size} NaN"
+    for kind, test, _, _ in NONFINITE_KINDS:
+        if test(values).any():
+            note += f", {int(test(values).sum())} {kind}"
     ax.set_xlim(-limit, limit)
     ax.set_ylim(0, 1.35 * top)
     ax.set_yticks([])
@@ -422,16 +474,19 @@ def draw_learning_rate(ax, data: RunData, options: DrawOptions) -> None:
     ``LearningRate`` quantity (one value per tracked step; one rate for all parameter groups)."""
     title = "Learning rate"
     steps, values = data.scalar("learning_rate")
-    if not len(steps):
-        steps, values = data.scalar("LearningRate")
-        keep = np.isfinite(values)
-        steps, values = steps[keep], values[keep]
+    if not len(steps):  # the quantity stores a list where the groups' rates differ: those steps are left out
+        tracked, raw = data.values("LearningRate")
+        keep = [isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in raw]
+        steps = np.asarray([s for s, k in zip(tracked, keep) if k], dtype=float)
+        values = np.asarray([v for v, k in zip(raw, keep) if k], dtype=float)
     if not len(steps):
         not_tracked(ax, title, [], "pass learning_rate= to cockpit.log(...)\nor track LearningRate")
         return
     ax.set_title(title, **_TITLE)
     ax.plot(steps, values, drawstyle="steps-post", marker=".", markersize=4, color=COLORS["blue"],
             gid="raw:learning_rate")
+    if mark_nonfinite(ax, "learning_rate", steps, values, COLORS["blue"], "lr"):
+        _legend(ax, loc="best")
     _log_if_positive(ax, values)
     ax.set_ylabel("lr", fontsize=8)
     _step_axis(ax, options)
@@ -466,6 +521,7 @@ def _logged_line(ax, key: str, steps: np.ndarray, values: np.ndarray, color: str
     if count > 1:
         style.update(series_style(index, count, len(steps)), markevery=1)  # few points: mark each
     ax.plot(steps, values, color=color, label=label, gid=f"raw:{key}", **style)
+    mark_nonfinite(ax, key, steps, values, color, label)
 
 
 def draw_accuracy(ax, data: RunData, options: DrawOptions) -> None:

@@ -19,7 +19,7 @@ others' checks are kept beside it):
    ``earlier_steps`` steps before carried at least ``top_share`` of that step's
    gradient (its update made this spike: a spike often shows one step after
    the bad row, once its update landed), or the whole batch's median
-   row loss is ``batch_shift`` spreads above the previous steps' rows (a bad
+   row loss is at least ``batch_shift`` spreads above the previous steps' (a bad
    batch: with the learning rate unchanged and the sharpness not past 2/lr or
    not tracked, the data is the likeliest cause; a slow blow-up of a too
    large learning rate looks the same when the sharpness is not tracked);
@@ -51,6 +51,20 @@ CAUSES = ("bad-rows", "precision", "learning-rate", "curvature", "unknown")
 
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _batch_median(shift: Any, baseline: Any, spread: Any) -> str:
+    """The clause on the whole batch: its median row loss (``baseline + shift x spread``), the previous steps'
+    median row loss and their spread, and the shift in spreads (``median_shift``, a robust z-score); "" when
+    not known."""
+    if not _finite(shift):
+        return ""
+    side = "above" if shift >= 0 else "below"
+    if not (_finite(baseline) and _finite(spread)):
+        return f"; the batch's median row loss is {abs(shift):.3g} spreads {side} the previous steps' median row loss"
+    median = baseline + shift * spread
+    return (f"; the batch's median row loss is {median:.3g} against the previous steps' {baseline:.3g} "
+            f"(spread {spread:.3g}): {abs(shift):.3g} spreads {side}")
 
 
 def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float = 1.0, outlier_share: float = 0.5,
@@ -110,8 +124,7 @@ def name_cause(evidence: dict[str, Any], lr_jump: float = 1.5, sharpness: float 
         suspects = current if individual else (earlier[:3] if earlier else (current if whole else []))
         row_why = (f"{rows.get('outlier_rows', 0)} of {batch} rows have outlier losses and carry "
                    f"{share_out:.0%} of {of_what}; the top row carries {top:.0%}"
-                   + (f"; the batch's median row loss is {shift:.3g} spreads above the previous steps' rows"
-                      if _finite(shift) else ""))
+                   + _batch_median(shift, rows.get("row_loss_baseline"), rows.get("row_loss_scale")))
         if earlier and not individual:
             culprit = earlier[0]
             row_why = (f"row {culprit.get('row')} (id {culprit.get('id')}) of step {culprit.get('step')} carried "
