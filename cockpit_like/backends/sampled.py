@@ -1,7 +1,7 @@
 """The Monte-Carlo GGN diagonal on any model, from labels sampled from the model's predictions.
 
-For a cross-entropy loss that is the mean over ``N`` positions (rows, or
-rows times tokens), ``L = (1/N) sum_n CE(f_n, y_n)``, the generalized
+For a cross-entropy loss that is the mean over the ``N`` positions it counts (rows, or
+rows times tokens; an ignored position has no gradient and is left out), ``L = (1/N) sum_n CE(f_n, y_n)``, the generalized
 Gauss-Newton matrix is ``G = (1/N) sum_n J_n^T (diag(p_n) - p_n p_n^T) J_n``
 with ``p_n = softmax(f_n)``. With labels ``ŷ_n`` drawn from ``p_n`` (the
 cockpit's generator, seeded per step: :mod:`cockpit_like.backends.randomness`), ``s_n = p_n - e_ŷn`` has ``E[s_n s_n^T] = diag(p_n) - p_n p_n^T``, so for
@@ -29,7 +29,8 @@ import torch
 from cockpit_like.backends.per_sample_stats import SumOfSquares
 from cockpit_like.backends.randomness import generator
 
-__all__ = ["SampledGGNDiagonal", "GGNDiagonal", "logits_from_info", "sample_cross_entropy", "looks_like_mean_cross_entropy"]
+__all__ = ["SampledGGNDiagonal", "GGNDiagonal", "logits_from_info", "sample_cross_entropy", "looks_like_mean_cross_entropy",
+           "mean_cross_entropy_check"]
 
 
 def logits_from_info(info: dict, what: str) -> torch.Tensor:
@@ -45,11 +46,14 @@ def logits_from_info(info: dict, what: str) -> torch.Tensor:
     return outputs.reshape(-1, outputs.shape[-1])
 
 
-def sample_cross_entropy(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """The mean cross-entropy of ``logits`` ``[N, C]`` with labels drawn from ``softmax(logits)`` by ``generator``."""
+def sample_cross_entropy(logits: torch.Tensor, generator: torch.Generator | None = None, counted=None) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` ``[N, C]`` with labels drawn from ``softmax(logits)`` by ``generator``
+    (with ``counted``, a ``[N]`` bool mask: the mean over those positions; a label is drawn for every one)."""
     with torch.no_grad():
         labels = torch.multinomial(torch.softmax(logits.detach(), dim=1), 1, generator=generator).squeeze(1)
-    return torch.nn.functional.cross_entropy(logits, labels)
+    if counted is None:
+        return torch.nn.functional.cross_entropy(logits, labels)
+    return torch.nn.functional.cross_entropy(logits, labels.masked_fill(~counted.to(labels.device), -100))
 
 
 @dataclass(frozen=True)
@@ -57,65 +61,146 @@ class SampledGGNDiagonal:
     """Need: the one-sample (``samples``-sample) Monte-Carlo GGN diagonal of a mean cross-entropy loss."""
 
     samples: int = 1
+    #: computed from per-sample rows of a backward pass of its own (none where a module couples the rows)
+    per_sample_rows = True
 
     def compute(self, execution) -> list[torch.Tensor]:
         logits = logits_from_info(execution.info, "curvature='diag_ggn_mc' on a model BackPACK cannot handle")
-        positions = logits.shape[0]
+        checks, counted = _loss_checks(execution, execution.info["outputs"])
+        refused = _refused(checks, execution.params)  # not this loss's curvature: nothing computed
+        if refused is not None:
+            return _with_checks(refused, checks)
+        positions = logits.shape[0] if counted is None else int(counted.sum())
         total = None
         # the logits' sum in the seed: each backward pass of the step (micro-batch) draws its own labels
         draws = generator(execution.step, "sampled ggn labels", logits.device, float(logits.detach().sum()))
         for _ in range(self.samples):
-            sampled = sample_cross_entropy(logits, draws)
+            sampled = sample_cross_entropy(logits, draws, counted)
             squares = execution.per_sample_pass(sampled, [SumOfSquares()])[SumOfSquares()]
             total = squares if total is None else [t.add_(s) for t, s in zip(total, squares)]
-        return [t.mul_(positions / self.samples) for t in total]
+        from cockpit_like.backends.hvp import DiagonalEstimate
+
+        return _with_checks(DiagonalEstimate(t.mul_(positions / self.samples) for t in total), checks)
 
     def across_ranks(self, result, reduction):
         """Under DDP: the batch-weighted mean of the ranks' estimates (each from its own sampled labels:
-        an unbiased estimate of the global batch's diagonal, not the one a single process would draw)."""
-        parts = [reduction.mean(d) for d in result]
-        return lambda: [part() for part in parts]
+        an unbiased estimate of the global batch's diagonal, not the one a single process would draw), with
+        the checks of every part (:func:`_merged_verdict`)."""
+        return _merged_verdict(result, reduction)
 
 
-def looks_like_mean_cross_entropy(loss, outputs: torch.Tensor) -> bool | None:
-    """Whether ``loss`` is a mean cross-entropy of ``outputs`` (logits, classes last), from its gradient.
+def looks_like_mean_cross_entropy(loss, outputs: torch.Tensor, losses=None) -> bool | None:
+    """Whether ``loss`` is a plain mean cross-entropy of ``outputs`` (logits, classes last), from its gradient
+    and its value; the verdict of :func:`mean_cross_entropy_check` (which also says why not)."""
+    return mean_cross_entropy_check(loss, outputs, losses)[0]
+
+
+def mean_cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[bool | None, str | None]:
+    """``(verdict, why not)`` of :func:`_cross_entropy_check` (see there)."""
+    return _cross_entropy_check(loss, outputs, losses)[:2]
+
+
+def _cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[bool | None, str | None, torch.Tensor | None]:
+    """``(verdict, why not)``: whether ``loss`` is a plain mean cross-entropy of ``outputs`` (logits, classes last).
 
     For ``L = (1/N) sum_n CE(f_n, y_n)`` with any label distributions ``y_n``
-    (hard labels, label smoothing), ``∂L/∂f_n = (p_n - y_n) / N``; so over the
+    (hard labels, label smoothing, soft labels), ``∂L/∂f_n = (p_n - y_n) / N``; so over the
     ``N`` rows with a gradient (positions a loss ignores have none),
-    ``y_n = p_n - N ∂L/∂f_n`` must be a distribution: entries in ``[0, 1]``,
-    summing to 1. One backward pass from ``loss`` to ``outputs`` only (the
-    loss's own operations; the graph is kept). ``None``: cannot tell (no loss
-    tensor, or ``outputs`` is not the tensor the loss was computed from).
+
+    1. **the gradient**: ``y'_n = p_n - N ∂L/∂f_n`` must be a distribution: entries in ``[0, 1]``, summing
+       to 1 (an MSE or a sum-reduced loss fails here);
+    2. **the value**: the loss must be the cross-entropy of those labels, ``(1/N) sum_n -<y'_n, log p_n>``,
+       and with ``losses`` (``info["individual_losses"]``, ``[B]``) each row's loss its share
+       ``(B/N) sum_{t in row} -<y'_t, log p_t>`` (``[B, C]`` outputs: the row's own cross-entropy; ``[B, T, C]``:
+       its positions' mean where every position counts). A weighted cross-entropy (class weights, ``0.5 * CE``)
+       ``w_n CE(f_n, y_n)`` with ``w_n <= 1`` has the gradient of the labels ``(1 - w_n) p_n + w_n y_n``, a
+       distribution, but the loss is ``(1 - w_n) H(p_n)`` below their cross-entropy, and its curvature is
+       ``w_n`` times the cross-entropy's; distillation ``a T^2 KL(q_T || softmax(f / T)) + (1 - a) CE`` passes
+       step 1 too. Step 2 tells them apart (to the tolerance of step 1, relative to the row's loss plus the
+       entropy of ``p_n``; in half precision, 5%, a weight within a few percent of 1 can pass). A loss that
+       differs from the cross-entropy by a constant has its curvature but fails too (a KL divergence to
+       soft labels, ``CE - H(y)``): the value cannot tell a constant from a weight, so it is refused.
+
+    One backward pass from ``loss`` to ``outputs`` only (the loss's own operations; the graph is kept).
+    ``None``: cannot tell (no loss tensor, or ``outputs`` is not the tensor the loss was computed from).
+    The reason is a sentence fragment for the step's note (``None`` where the verdict is not False); the
+    third entry the positions the loss counts (``[N_all]`` bool, those with a gradient; ``None`` where the
+    verdict is ``None``): the mean is over them, so the GGN is ``(1/N) sum`` over them only.
     """
     if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or loss.numel() != 1:
-        return None
+        return None, None, None
     try:
         (gradient,) = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
     except RuntimeError:
-        return None
+        return None, None, None
     if gradient is None:
-        return None
+        return None, None, None
     classes = outputs.shape[-1]
     gradient = gradient.detach().reshape(-1, classes).to(torch.float64)
-    probs = torch.softmax(outputs.detach().reshape(-1, classes).to(torch.float64), dim=1)
+    log_probs = torch.log_softmax(outputs.detach().reshape(-1, classes).to(torch.float64), dim=1)
+    probs = log_probs.exp()
     used = gradient.abs().amax(1) > 0
     rows = int(used.sum())
     if rows == 0:
-        return None
+        return None, None, None
     labels = probs[used] - rows * gradient[used]
     tolerance = 1e-3 if outputs.dtype in (torch.float32, torch.float64) else 5e-2
-    return bool(
+    if not (
         (labels > -tolerance).all() and (labels < 1 + tolerance).all()
         and ((labels.sum(1) - 1).abs() < tolerance).all()
-    )
+    ):
+        return False, (
+            "its gradient in the outputs is not (softmax - labels) / N for any labels, soft labels included (an "
+            "MSE, a sum-reduced loss, another loss)"
+        ), used
+    # the value: the labels' cross-entropy at every position with a gradient
+    cross = torch.zeros(used.shape[0], dtype=torch.float64, device=labels.device)
+    cross[used] = -(labels * log_probs[used]).sum(1)
+    spread = torch.zeros_like(cross)  # H(p_n): what a weighted cross-entropy's value lacks, (1 - w) H(p_n)
+    spread[used] = -(probs[used] * log_probs[used]).sum(1)
+    value = float(loss.detach().to(torch.float64))
+    scale = abs(value) + float(spread.sum()) / rows
+    mean_cross = float(cross.sum()) / rows
+    if abs(mean_cross - value) > tolerance * scale:
+        return False, (
+            f"its gradient fits the labels y' = softmax - N dL/doutputs, but the loss, {value:.6g}, is not their "
+            f"mean cross-entropy, {mean_cross:.6g}"
+        ), used
+    if not (isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.numel() > 0):
+        return True, None, used
+    batch = losses.numel()
+    shape = tuple(outputs.shape[:-1])
+    dims = [d for d, size in enumerate(shape) if size == batch]
+    if not dims:  # no dimension of the outputs holds the rows (flattened positions): the mean is checked
+        return True, None, used
+    given = losses.detach().to(torch.float64).to(cross.device)
+    worst = None
+    for dim in dims:  # the rows' dimension (batch first, or sequence first where that fits)
+        others = [d for d in range(len(shape)) if d != dim]
+
+        def per_row(values):
+            values = values.reshape(shape)
+            return (values.sum(others) if others else values) * (batch / rows)
+
+        row_cross, row_spread = per_row(cross), per_row(spread)
+        off = (row_cross - given).abs() - tolerance * (given.abs() + row_spread)
+        if bool((off <= 0).all()):
+            return True, None, used
+        row = int(off.argmax())
+        if worst is None:
+            worst = (row, float(given[row]), float(row_cross[row]))
+    row, given_row, cross_row = worst
+    return False, (
+        f"its gradient fits the labels y' = softmax - N dL/doutputs, but the rows' losses are not their "
+        f"cross-entropies (row {row}: info['individual_losses'] {given_row:.6g}, the labels' cross-entropy "
+        f"{cross_row:.6g})"
+    ), used
 
 
-def _outside_outputs(outputs: torch.Tensor, params: list) -> list[int]:
-    """Indices of the tracked parameters that got a gradient at this step but that ``outputs`` do not depend on
-    (a walk of the autograd graph from the outputs to its leaves; nothing is computed)."""
+def _leaves(tensor) -> set[int]:
+    """``id`` of every leaf tensor the autograd graph of ``tensor`` reaches (a walk; nothing is computed)."""
     reached, seen = set(), set()
-    stack = [getattr(outputs, "grad_fn", None)]
+    stack = [getattr(tensor, "grad_fn", None)]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -125,15 +210,95 @@ def _outside_outputs(outputs: torch.Tensor, params: list) -> list[int]:
         if variable is not None:
             reached.add(id(variable))
         stack.extend(child for child, _ in node.next_functions)
+    return reached
+
+
+def _outside_outputs(outputs: torch.Tensor, params: list, loss=None) -> list[int]:
+    """Indices of the tracked parameters that the loss depends on (its graph reaches them; without a loss
+    tensor: they got a gradient) but that ``outputs`` do not (walks of the autograd graphs; nothing is
+    computed). A parameter this pass does not use (an expert without tokens in this micro-batch) is not one."""
+    reached = _leaves(outputs)
+    if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+        used = _leaves(loss)
+        return [i for i, p in enumerate(params) if p.requires_grad and id(p) in used and id(p) not in reached]
     return [i for i, p in enumerate(params) if p.requires_grad and p.grad is not None and id(p) not in reached]
+
+
+def _loss_checks(execution, outputs: torch.Tensor) -> dict:
+    """Whether the GGN of the cross-entropy of ``outputs`` is the loss's curvature at this pass: the
+    attributes the result carries (``cross_entropy``: :func:`mean_cross_entropy_check`'s verdict,
+    ``not_cross_entropy``: why not, ``outside_indices`` / ``outside``: the parameters the loss reaches other
+    than through the outputs, ``names``: every tracked parameter's, for the merge), and the positions the
+    loss counts (``None``: all)."""
+    info, params = execution.info, execution.params
+    checked, why_not, counted = _cross_entropy_check(info.get("loss"), outputs, info.get("individual_losses"))
+    outside = _outside_outputs(outputs, params, info.get("loss"))
+    names = getattr(execution, "names", {}) or {}
+    labels = [names.get(id(p), f"#{i}") for i, p in enumerate(params)]
+    checks = {"cross_entropy": checked, "not_cross_entropy": why_not, "outside_indices": outside,
+              "outside": [labels[i] for i in outside], "names": labels}  # fmt: skip
+    return checks, counted
+
+
+def _refused(checks: dict, params: list):
+    """Zeros where ``checks`` say this GGN is not the loss's curvature (no value is stored at the step, so
+    nothing is computed), else ``None``."""
+    if checks["cross_entropy"] is not False and not checks["outside_indices"]:
+        return None
+    from cockpit_like.backends.hvp import DiagonalEstimate
+
+    result = DiagonalEstimate(torch.zeros_like(p) for p in params)
+    result.exact, result.draws, result.errors = False, None, None
+    return result
+
+
+def _with_checks(result, checks: dict):
+    for key, value in checks.items():
+        setattr(result, key, value)
+    return result
+
+
+def _merged_verdict(result, reduction):
+    """The batch-weighted mean of the parts' diagonals, and their checks: the loss is not a mean cross-entropy
+    of the outputs if it is not in one part (micro-batch or rank), and a parameter outside the outputs in one
+    part is outside in the merged result (one small sum rides along with the diagonals)."""
+    from cockpit_like.backends.hvp import DiagonalEstimate
+
+    parts = [reduction.mean(d) for d in result]
+    count = len(result)
+    flags = torch.zeros(count + 2, dtype=torch.float64)
+    for index in getattr(result, "outside_indices", ()):
+        flags[index] = 1.0
+    verdict = getattr(result, "cross_entropy", None)
+    flags[count], flags[count + 1] = float(verdict is False), float(verdict is None)
+    merged_flags = reduction.sum(flags)
+    names = getattr(result, "names", None) or [f"#{i}" for i in range(count)]
+    reason = getattr(result, "not_cross_entropy", None)
+
+    def finish():
+        merged = DiagonalEstimate(part() for part in parts)
+        seen = merged_flags.value
+        outside = [i for i in range(count) if float(seen[i]) > 0]
+        merged.outside_indices, merged.outside, merged.names = outside, [names[i] for i in outside], names
+        merged.cross_entropy = False if float(seen[count]) > 0 else (None if float(seen[count + 1]) > 0 else True)
+        merged.not_cross_entropy = None
+        if merged.cross_entropy is False:
+            merged.not_cross_entropy = reason or (
+                "in another micro-batch or rank of the step it is not (its gradient in the outputs or its value "
+                "does not fit a cross-entropy of them)"
+            )
+        return merged
+
+    return finish
 
 
 @dataclass(frozen=True)
 class GGNDiagonal:
     """Need: the GGN diagonal of a mean cross-entropy loss over ``info["outputs"]``, positive, on any model.
 
-    ``G = (1/N) sum_n J_n^T H_n J_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (``p_n = softmax(f_n)``, ``N``
-    positions). A root ``S_n = diag(sqrt p_n) - p_n sqrt(p_n)^T`` (``S_n S_n^T = H_n``) has the columns
+    ``G = (1/N) sum_n J_n^T H_n J_n`` with ``H_n = diag(p_n) - p_n p_n^T`` (``p_n = softmax(f_n)``, over the
+    ``N`` positions the loss counts: those with a gradient; an ignored position, label ``-100``, has no
+    curvature either). A root ``S_n = diag(sqrt p_n) - p_n sqrt(p_n)^T`` (``S_n S_n^T = H_n``) has the columns
     ``s_nc = sqrt(p_nc) (e_c - p_n)``.
 
     - **exact** where the outputs are ``[B, C]`` (one position per row, so a row's gradient is one
@@ -151,8 +316,9 @@ class GGNDiagonal:
       ``sqrt(p) * xi - p <sqrt(p), xi>``: no ``C x C`` matrix.
 
     Result: a :class:`~cockpit_like.backends.hvp.DiagonalEstimate` (one tensor per tracked parameter) with
-    ``cross_entropy`` (:func:`looks_like_mean_cross_entropy` of ``info["loss"]``: False where the loss is
-    not a mean cross-entropy of the outputs, so this GGN is not the loss's), ``exact`` (bool), ``errors`` (``{"block_errors", "trace_error"}``, standard errors of the block traces
+    ``cross_entropy`` (:func:`mean_cross_entropy_check` of ``info["loss"]`` and ``info["individual_losses"]``:
+    False where the loss is not a plain mean cross-entropy of the outputs, so this GGN is not the loss's; then
+    ``not_cross_entropy`` says why and nothing is computed), ``exact`` (bool), ``errors`` (``{"block_errors", "trace_error"}``, standard errors of the block traces
     and of the total from the draws; zeros where exact) and ``draws`` (the draws' diagonals, for the
     standard error of a function of the whole diagonal such as TICDiag; ``[]`` where exact). Cost: ``C``
     or ``samples`` hook-only backward passes through the step's graph (``create_graph``); the draws are
@@ -161,33 +327,32 @@ class GGNDiagonal:
 
     samples: int = 4
     max_classes: int = 10
+    #: computed from per-sample rows of backward passes of its own (none where a module couples the rows)
+    per_sample_rows = True
 
     def compute(self, execution):
         what = "TIC's GGN diagonal (curvature='auto' on a model BackPACK cannot handle)"
         logits = logits_from_info(execution.info, what)
         outputs = execution.info["outputs"]
-        positions, classes = logits.shape
+        classes = logits.shape[1]
         count = len(execution.params)
-        checked = looks_like_mean_cross_entropy(execution.info.get("loss"), outputs)
-        outside = _outside_outputs(outputs, execution.params)
-        if outside:  # the loss has terms that do not pass through the outputs: this GGN is not its curvature
-            from cockpit_like.backends.hvp import DiagonalEstimate
+        checks, counted = _loss_checks(execution, outputs)
+        result = _refused(checks, execution.params)  # not this loss's curvature: nothing computed
+        if result is None:
+            result = self._diagonal(execution, logits, outputs, classes, count, counted)
+        return _with_checks(result, checks)
 
-            result = DiagonalEstimate(torch.zeros_like(p) for p in execution.params)
-            names = getattr(execution, "names", {}) or {}
-            result.outside = [names.get(id(execution.params[i]), f"#{i}") for i in outside]
-            result.cross_entropy, result.exact, result.draws, result.errors = checked, False, None, None
-            return result
-        result = self._diagonal(execution, logits, outputs, positions, classes, count)
-        result.cross_entropy = checked
-        return result
-
-    def _diagonal(self, execution, logits, outputs, positions, classes, count):
+    def _diagonal(self, execution, logits, outputs, classes, count, counted=None):
         from cockpit_like.backends.hvp import DiagonalEstimate, _standard_errors
         from cockpit_like.functional.loss_hessian import loss_hessian_sqrt
 
+        # the loss is the mean over the positions it counts (ignored ones have no gradient): G = (1/N) sum over them
+        positions = logits.shape[0] if counted is None else int(counted.sum())
+        weights = None if counted is None or bool(counted.all()) else counted.to(logits.dtype).unsqueeze(1)
         if outputs.dim() == 2 and classes <= self.max_classes:
             roots = loss_hessian_sqrt(logits, "cross_entropy")  # [N, C, C], columns s_nc
+            if weights is not None:
+                roots = roots * weights.unsqueeze(2)
             total = None
             for c in range(classes):
                 squares = execution.per_sample_pass((logits * roots[:, :, c]).sum(), [SumOfSquares()])[SumOfSquares()]
@@ -206,6 +371,8 @@ class GGNDiagonal:
                 signs = torch.randint(0, 2, logits.shape, device=logits.device, generator=draws).to(logits.dtype)
                 sketch = roots * signs.mul_(2).sub_(1)
                 sketch = sketch - probs * sketch.sum(1, keepdim=True)  # S_n xi_n
+                if weights is not None:
+                    sketch = sketch * weights
             squares = execution.per_sample_pass((logits * sketch).sum(), [SumOfSquares()])[SumOfSquares()]
             samples.append([s.div_(positions) for s in squares])
         result = DiagonalEstimate(torch.stack(column).mean(0) for column in zip(*samples))
@@ -216,6 +383,6 @@ class GGNDiagonal:
 
     def across_ranks(self, result, reduction):
         """Under DDP or micro-batches: the batch-weighted mean of the parts' diagonals (each part's own
-        draws: unbiased for the whole batch's diagonal); the standard errors are not combined (none kept)."""
-        parts = [reduction.mean(d) for d in result]
-        return lambda: [part() for part in parts]
+        draws: unbiased for the whole batch's diagonal); the standard errors are not combined (none kept);
+        the checks of every part (:func:`_merged_verdict`)."""
+        return _merged_verdict(result, reduction)

@@ -184,6 +184,7 @@ class StepExecution:
             )
             self._left_out = set(needs.owners) - set(needs.partial)  # the others run without them
             stats = []
+        self._leave_out_row_needs(needs, coupling)
         #: extended modules that ran more than once in this pass: BackPACK keeps one call's input and output per
         #: module, so its extensions cannot run there (the hooks sum a parameter's calls, exactly)
         self._repeated_extended = _repeated_extended(calls)
@@ -264,6 +265,32 @@ class StepExecution:
         self._loss_ran = False
         #: the curvature factors' replays of this pass (:mod:`cockpit_like.backends.column_blocks`)
         self._replays: list = []
+
+    def _leave_out_row_needs(self, needs, coupling: list) -> None:
+        """The step needs that run a backward pass of their own for per-sample rows (``per_sample_rows``: TIC's
+        GGN diagonal on any model, the sampled GGN) cannot where a module couples the rows
+        (BatchNorm in training mode): they are not computed, and the quantities that asked for them are left
+        out of the step with a note (the rest of the step runs). Where the per-sample quantities were left
+        out already (a loss over the batch), the needs only they asked for are not computed."""
+        rows = [need for need in self.needs if getattr(need, "per_sample_rows", False)]
+        if not rows:
+            return
+        owners_of = dict(needs.need_owners)
+        if coupling:
+            owners = sorted({name for need in rows for name in owners_of.get(need, ())} - self._left_out)
+            if owners:
+                kinds = sorted({type(module).__name__ for module in coupling})
+                self.notes.append(
+                    f"{owners} left out: their curvature comes from per-sample gradients of a second backward "
+                    f"pass, and {', '.join(kinds)} in training mode normalises with the whole batch's statistics, "
+                    "so a row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / "
+                    "LayerNorm, gives them back)"
+                )
+                self._left_out |= set(owners)
+            dropped = rows
+        else:
+            dropped = [need for need in rows if owners_of.get(need) and set(owners_of[need]) <= self._left_out]
+        self.needs = [need for need in self.needs if need not in dropped]
 
     def _without_half_precision_curvature(self, requests: list, calls: list) -> list:
         """BackPACK's second-order extensions multiply float32 weights with the outputs an autocast forward pass
@@ -524,15 +551,23 @@ class StepExecution:
         reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False, budget_bytes=self._memory_budget)
         calls = [call.fresh() for call in self._calls]
         backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size)
+        trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         backend.enter()
         try:
-            torch.autograd.grad(loss, self.params, retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
         finally:
             backend.remove_hooks()
         backend.finish()
+        reached = {i for i, grad in zip(trainable, grads) if grad is not None}
+        del grads
         missing = [i for i in range(len(self.params)) if i not in reducer.seen]
-        if missing:
-            raise NotExtendedError(self._uncovered_message(missing))
+        uncovered = [i for i in missing if i in reached]
+        if uncovered:  # the loss reaches them, but no module call computed their rows
+            raise NotExtendedError(self._uncovered_message(uncovered))
+        for index in missing:
+            # not in this loss's graph (a branch skipped at this step, an expert without tokens, a frozen
+            # parameter): every row's gradient is zero, as in the step's own pass (:meth:`check`)
+            reducer.reduce_lazy(self.params[index], _zero_rows(int(self._batch_size or 1), self.params[index]))
         return reducer.results()
 
     def _loss_seen(self, module: torch.nn.Module) -> None:

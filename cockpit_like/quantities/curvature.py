@@ -313,13 +313,18 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                 )
                 return None
             if getattr(result, "cross_entropy", None) is False:
+                why = getattr(result, "not_cross_entropy", None) or (
+                    "its gradient in the outputs is not (softmax - labels) / N for any labels, soft labels included"
+                )
                 get_record(global_step).note(
-                    f"{type(self).__name__} at step {global_step}: no value stored: the GGN diagonal is the "
-                    "cross-entropy's of info['outputs'], but info['loss'] is not a mean cross-entropy of them (its "
-                    "gradient in the outputs is not (softmax - labels) / N for any labels, soft labels included), so "
-                    "the curvature would not be this loss's. For a cross-entropy loss pass its logits (classes "
-                    "last) as info['outputs']; for another loss (MSE, BCE, a focal loss) leave info['outputs'] out "
-                    "and pass an explicit curvature ('hutchinson': unbiased, indefinite and noisy)"
+                    f"{type(self).__name__} at step {global_step}: no value stored: the GGN diagonal is the plain "
+                    "cross-entropy's of info['outputs'], but info['loss'] is not a mean cross-entropy of them: "
+                    f"{why}. A weighted cross-entropy (class weights, a factor such as 0.5 * CE), distillation or a "
+                    "focal loss has another curvature, so the value would not be this loss's. For a plain "
+                    "cross-entropy (hard or soft labels, label smoothing, ignored positions) pass its logits (classes "
+                    "last) as info['outputs'] and the rows' losses as info['individual_losses']; for another loss "
+                    "leave info['outputs'] out and pass an explicit curvature ('hutchinson': unbiased, indefinite and "
+                    "noisy)"
                 )
                 return None
             return list(result)

@@ -43,6 +43,8 @@ class StepNeeds:
         owners: names of the quantities that asked for per-sample statistics (for messages).
         partial: those of ``owners`` that compute what they can where a step cannot have per-sample statistics
             (``Quantity.works_without_per_sample_stats``).
+        need_owners: ``(need, names)`` pairs: the quantities that asked for each of ``needs`` (directly, or for
+            a need it meets), so that a need the step cannot meet leaves out exactly them.
         raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
         create_graph: the backward pass keeps the graph.
     """
@@ -54,6 +56,7 @@ class StepNeeds:
     aliases: tuple = ()
     owners: tuple = ()
     partial: tuple = ()
+    need_owners: tuple = ()
     raw_batch_grad: bool = False
     create_graph: bool = False
     user_types: frozenset = field(default_factory=frozenset)
@@ -70,6 +73,7 @@ class StepNeeds:
         """Ask every quantity in ``quantities`` what it needs at ``step``; merge by value."""
         requests = [(USER_EXTENSIONS, ext) for ext in user_exts]
         stats, hooks, needs, owners, transforms, partial = [], [], [], [], [], []
+        asked_by: list[tuple[Any, str]] = []
         raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in user_exts)
         for quantity in quantities:
             name = name_of(quantity)
@@ -86,7 +90,9 @@ class StepNeeds:
                 if quantity.works_without_per_sample_stats:
                     partial.append(name)
             stats.extend(s for s in asked if s not in stats)
-            needs.extend(n for n in quantity.curvature_needs(step) if n not in needs)
+            its_needs = list(quantity.curvature_needs(step))
+            asked_by.extend((n, name) for n in its_needs)
+            needs.extend(n for n in its_needs if n not in needs)
         if transforms:
             stats.append(merge_transform_hooks(transforms))
         asked, needs, aliases = tuple(needs), [], []
@@ -96,6 +102,10 @@ class StepNeeds:
                 aliases.append((need, met_by))
             if met_by not in needs:
                 needs.append(met_by)
+        met = dict(aliases)
+        need_owners = tuple(
+            (need, tuple(dict.fromkeys(name for n, name in asked_by if met.get(n, n) == need))) for need in needs
+        )
         return cls(
             requests=tuple(requests),
             stats=tuple(stats),
@@ -104,6 +114,7 @@ class StepNeeds:
             aliases=tuple(aliases),
             owners=tuple(owners),
             partial=tuple(partial),
+            need_owners=need_owners,
             raw_batch_grad=raw_batch_grad,
             create_graph=bool(create_graph),
             user_types=frozenset(type(ext) for ext in user_exts),
