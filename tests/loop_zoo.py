@@ -29,6 +29,7 @@ issue demands numbers.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -220,9 +221,19 @@ def custom_layer_mlp(seed: int = 0) -> nn.Sequential:
 
 
 def weight_norm_mlp(seed: int = 0) -> nn.Sequential:
-    """The first layer's weight reparametrised by torch.nn.utils.parametrizations.weight_norm."""
+    """The first layer's weight reparametrised by torch.nn.utils.parametrizations.weight_norm (``[8, 6]``: at
+    8 rows its leading dimension is the batch size)."""
     model = mlp(seed)
     torch.nn.utils.parametrizations.weight_norm(model[0])
+    return model
+
+
+def weight_norm_hook_mlp(seed: int = 0) -> nn.Sequential:
+    """The same with the older torch.nn.utils.weight_norm (a forward pre-hook computes the weight)."""
+    model = mlp(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated in favour of the parametrization
+        torch.nn.utils.weight_norm(model[0])
     return model
 
 

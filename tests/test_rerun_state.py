@@ -58,7 +58,24 @@ def _batch(step: int):
 def test_spectral_norm_per_sample_gradients_match_the_loop(iterations, warm):
     """The re-run computes the weight of the forward pass (power iteration from the vectors the call began
     with), so the per-sample gradients are the step's; cold vectors made the re-run differ before."""
-    model = _spectral(iterations, warm)
+    assert_rows_match_the_loop(_spectral(iterations, warm))
+
+
+@pytest.mark.parametrize("parametrization", ["weight_norm", "spectral_norm"])
+@pytest.mark.parametrize("out_features", [8, 6], ids=["out_features_equal_rows", "other"])
+def test_a_parametrized_weight_with_as_many_rows_as_the_batch(parametrization, out_features):
+    """A parametrization computes the ``[out, in]`` weight from its own parameters, with no argument: at
+    ``out == B`` its output's leading dimension is the batch size, yet no row reaches it. Its parameters climb
+    to the parametrized Linear, whose re-run computes them row by row; the same numbers as the loop (before: at
+    ``out == B`` the parametrization itself was re-run row by row, RuntimeError: Mismatch in shape)."""
+    torch.manual_seed(0)
+    layer = getattr(parametrizations, parametrization)(nn.Linear(5, out_features))
+    model = nn.Sequential(layer, nn.Tanh(), nn.Linear(out_features, 3)).double()
+    assert_rows_match_the_loop(model)
+
+
+def assert_rows_match_the_loop(model: nn.Module) -> None:
+    """The per-sample squared gradients and norms of one step (8 rows) are those of a loop of autograd.grad."""
     inputs, labels = _batch(0)
     params = list(model.parameters())
     probe = row_stats_probe(lambda step: True)

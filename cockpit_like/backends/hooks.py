@@ -99,6 +99,7 @@ from cockpit_like.backends.rerun import (
     _random_submodule,
     per_sample_grad_rows,
     per_sample_grads,
+    rows_in_arguments,
 )
 from cockpit_like.backends.tracer import Call, ModelTracer, Shell, _call_nodes, _flat_outputs, _graph_nodes
 
@@ -354,6 +355,12 @@ class HookBackend:
                 call.consumer = self._broadcast_add(output, batch)
                 return call.consumer is not None
         if not all(_batched(call.module, 0 if i == 0 else 1, t, batch) is not None for i, t in with_grad):
+            return False
+        rerun = type(call.module) not in RECOMPUTE_RULES
+        if rerun and not rows_in_arguments(call.module, call.args, call.kwargs, batch):
+            # the re-run splits the arguments only: outputs of the batch's size computed from no row
+            # (weight_norm's [B, in] weight) are not the rows' (a recompute rule reads its own layout:
+            # EmbeddingBag's 1-D ids with B + 1 offsets)
             return False
         return not _output_used_inside(call, [t for _, t in with_grad])
 

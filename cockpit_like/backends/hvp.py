@@ -30,7 +30,7 @@ import torch
 
 __all__ = [
     "MissingGraphError", "NoSecondDerivativeError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit",
-    "curvature_params", "scatter_blocks",
+    "curvature_params", "scatter_blocks", "fused_weight_norms",
 ]
 
 
@@ -194,6 +194,36 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
         return product if local else global_product(product)
 
     return matvec
+
+
+def fused_weight_norms(models: list) -> list[str]:
+    """Names of the weights that PyTorch's fused weight norm computes in ``models``: its double backward is wrong.
+
+    ``torch._weight_norm(v, g, dim)`` (``torch.nn.utils.parametrizations.weight_norm`` and the older
+    ``torch.nn.utils.weight_norm``) runs the fused ``_weight_norm_interface`` where ``dim`` is 0 or the last
+    dimension, whose second derivative treats the norms ``||v||`` as constants: the Hessian-vector products
+    through it are neither the Hessian's nor symmetric (``dim=None`` takes differentiable operations and is
+    right). Named in what the curvature quantities say where their products are not symmetric.
+    """
+    from torch.nn.utils.parametrizations import _WeightNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    def fused(dim: int, v: torch.Tensor) -> bool:
+        return dim == 0 or dim == v.dim() - 1
+
+    found: list[str] = []
+    for model in models:
+        for name, module in model.named_modules():
+            prefix = f"{name}." if name else ""
+            for tensor, parts in getattr(module, "parametrizations", {}).items():
+                v = getattr(parts, "original1", None)
+                if v is not None and any(isinstance(p, _WeightNorm) and fused(p.dim, v) for p in parts):
+                    found.append(prefix + tensor)
+            for hook in module._forward_pre_hooks.values():
+                v = getattr(module, f"{getattr(hook, 'name', '')}_v", None)
+                if isinstance(hook, WeightNorm) and isinstance(v, torch.Tensor) and fused(hook.dim, v):
+                    found.append(prefix + hook.name)
+    return list(dict.fromkeys(found))
 
 
 def graph_limit(error: BaseException) -> str | None:

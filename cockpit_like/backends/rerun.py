@@ -78,6 +78,22 @@ def _batched(module, position, tensor, batch) -> int | None:
     return None
 
 
+def _argument_dims(module, args, kwargs, batch: int) -> list[int | None]:
+    """The batch dimension (or ``None``) of every tensor in the arguments of a call of ``module``, also inside
+    tuples, lists and dicts, in the order of :func:`~torch.utils._pytree.tree_flatten` over ``args`` then
+    ``kwargs``: the tensors a re-run splits into rows."""
+    slots = list(enumerate(args or ())) + list((kwargs or {}).items())
+    return [_batched(module, position, leaf, batch) for position, value in slots for leaf in tree_flatten(value)[0]]
+
+
+def rows_in_arguments(module, args, kwargs, batch: int) -> bool:
+    """Whether some tensor argument of the call has the batch dimension: the rows reach a call only through
+    its arguments, so a call without one (a parametrization computing a weight from its own parameters,
+    ``weight_norm``'s ``[out, in]`` where ``out`` equals the batch size) computes the same outputs for every
+    row, whatever their leading dimension, and cannot tell the rows' gradients apart."""
+    return any(dim is not None for dim in _argument_dims(module, args, kwargs, batch))
+
+
 def per_sample_grads(
     module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
     shared: bool = False, state: list | None = None,
@@ -143,13 +159,12 @@ class _Rerun:
         args, kwargs = list(args or ()), dict(kwargs or {})
         # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
         slots = [(i, value) for i, value in enumerate(args)] + list(kwargs.items())
-        structure, values, dims = [], [], []
+        structure, values = [], []
         for position, value in slots:
             leaves, spec = tree_flatten(value)
             structure.append((len(leaves), spec))
-            for leaf in leaves:
-                values.append(leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf))
-                dims.append(None if shared else _batched(module, position, leaf, batch))
+            values += [leaf.detach() if isinstance(leaf, torch.Tensor) else _replayable(leaf) for leaf in leaves]
+        dims = [None] * len(values) if shared else _argument_dims(module, args, kwargs, batch)
         out_dims = [_batched(module, 0 if index == 0 else 1, g, batch) for index, g in zip(want, grads)]
         if any(d is None for d in out_dims):
             raise UncoveredParameterError(

@@ -24,11 +24,16 @@ vectors multiplied so far. From it:
   probes projected off the space (:func:`deflated_trace`).
 
 The stop rule is on residuals: the largest and the smallest Ritz values both
-have ``||r|| <= rtol * max |theta|`` (:meth:`KrylovDecomposition.error_bounds`:
-an eigenvalue lies within ``||r||``, always), or the space is invariant; never
-two consecutive estimates agreeing, and never the gap estimate ``||r||^2 / gap``
-(:meth:`KrylovDecomposition.error_estimates`), whose gap comes from the Ritz
-values found so far and can be optimistic on clustered or near-tied spectra.
+have ``||r|| + delta <= rtol * max |theta|`` (:meth:`KrylovDecomposition.error_bounds`:
+an eigenvalue lies within ``||r||`` where ``A`` is symmetric), or the space is
+invariant; never two consecutive estimates agreeing, and never the gap estimate
+``||r||^2 / gap`` (:meth:`KrylovDecomposition.error_estimates`), whose gap comes
+from the Ritz values found so far and can be optimistic on clustered or near-tied
+spectra. ``delta`` (:meth:`KrylovDecomposition.asymmetry`) is how far the products
+are from a symmetric operator's on the space: 0 to rounding for a Hessian, but not
+where a double backward is wrong (PyTorch's fused ``weight_norm`` treats the norms
+as constants); where ``delta`` alone exceeds the tolerance the solve stops
+unconverged, since nothing about the eigenvalues can be certified.
 
 Example:
     >>> A = torch.diag(torch.tensor([3.0, 1.0, -2.0, 0.5], dtype=torch.float64))
@@ -100,9 +105,40 @@ class KrylovDecomposition:
         _, vectors = self._eigh()
         return _residual_norms(self.coefficients[self.num_products :], vectors)
 
-    def error_bounds(self) -> torch.Tensor:
-        """The residual ``r_i`` of each Ritz pair: a rigorous bound, an eigenvalue lies within ``r_i`` of ``theta_i``.
+    def asymmetry(self) -> float:
+        """``delta = ||(C - C^T) / 2||_2`` of ``C = Q_m^T A Q_m`` as multiplied (:attr:`projection` symmetrises it).
 
+        Every symmetric ``S`` has ``||A - S|| >= delta``: the products differ from those of any symmetric
+        operator, the Hessian included, by at least ``delta``. A Hessian's products are symmetric to rounding
+        (at most ``2e-6 max|theta|`` in float32 and ``5e-8`` in float64 on the models of
+        ``benchmarks/stop_rule.py``, wav2vec2's weight-normed convolution aside); where a double backward is
+        wrong they are not (PyTorch's fused ``weight_norm``: ``0.04-0.3 max|theta|`` on a small MLP), and then
+        neither the residuals nor the Ritz values say anything about the Hessian.
+        """
+        return _asymmetry(self.coefficients, self.num_products)
+
+    def _scale(self) -> float:
+        values = self.ritz_values()
+        return float(values.abs().max()) if values.numel() else 0.0
+
+    def symmetry_tolerance(self, rtol: float) -> float:
+        """``max(rtol, eps^(1/3)) * max|theta|`` (``eps`` of the basis' dtype): the largest :meth:`asymmetry` of
+        products taken as a symmetric operator's (rounding stays far below ``eps^(1/3)``: 6e-6 in float64,
+        5e-3 in float32)."""
+        return _symmetry_tolerance(rtol, self._scale(), self.basis.dtype)
+
+    def symmetric(self, rtol: float) -> bool:
+        """Whether :meth:`asymmetry` is within :meth:`symmetry_tolerance`: else the products are not a symmetric
+        operator's (the solve stopped unconverged) and nothing about the Hessian is certified."""
+        return self.asymmetry() <= self.symmetry_tolerance(rtol)
+
+    def error_bounds(self) -> torch.Tensor:
+        """``r_i + delta`` per Ritz pair: the residual plus :meth:`asymmetry` where it is above rounding.
+
+        The residual is a rigorous bound for a symmetric operator: an eigenvalue lies within ``r_i`` of
+        ``theta_i``. ``delta`` (counted above ``eps^(1/3) max|theta|`` only, so that rounding never
+        changes a stop) is added so that products which differ from any symmetric operator's by more than
+        the tolerance never pass the stop rule.
         This is what the stop rule uses. It does not say *which* eigenvalue
         that is; the extreme Ritz values approach the extreme eigenvalues from
         inside (``theta_min >= lambda_min``, ``theta_max <= lambda_max``), and
@@ -110,7 +146,7 @@ class KrylovDecomposition:
         spectrum means, with high probability, that the extreme eigenvalue was
         found (``benchmarks/stop_rule.py`` measures how often on real models).
         """
-        return self.residuals()
+        return self.residuals() + _counted_asymmetry(self.asymmetry(), self._scale(), self.basis.dtype)
 
     def error_estimates(self) -> torch.Tensor:
         """``min(r_i, r_i^2 / gap_i)`` per Ritz value: the typical error, NOT a bound (never used to stop).
@@ -170,11 +206,15 @@ def lanczos_decomposition(
     Lanczos; with ``b`` rows, block Lanczos (the spaces of all rows grow together).
 
     Stops after a product once every probe was multiplied and both the largest
-    and the smallest Ritz value have the residual
-    ``r <= rtol * max |theta|`` (the numbers of
+    and the smallest Ritz value have ``r + delta <= rtol * max |theta|``
+    (residual plus asymmetry, the numbers of
     :meth:`KrylovDecomposition.error_bounds`, from the small float64 ``T`` and
     ``E`` kept as the solve goes), when no basis vector is left to multiply (the
-    space is invariant: exact), or after ``max_products``.
+    space is invariant: exact), or after ``max_products``. Unconverged where
+    ``delta`` (:meth:`KrylovDecomposition.asymmetry`) alone exceeds the
+    tolerance (at least ``eps^(1/3) * max|theta|``) when the residuals are within
+    it, or the space is invariant: the products are not a symmetric operator's,
+    so more of them cannot help (:meth:`KrylovDecomposition.symmetric` is False).
 
     Memory: the basis takes ``min(n, max_products + b)`` rows of ``n`` at most,
     in blocks of rows that are never copied while it grows (on the CPU one
@@ -254,14 +294,22 @@ def lanczos_decomposition(
         if m < count_probes:
             continue
         if m >= basis.size:  # nothing left to multiply: the space is invariant, the Ritz pairs exact
-            converged = True
+            # (where the products are a symmetric operator's)
+            scale = float(_ritz_pairs(coefficients, m)[0].abs().max())
+            converged = _asymmetry(coefficients, m) <= _symmetry_tolerance(rtol, scale, starts.dtype)
             break
         values, vectors = _ritz_pairs(coefficients, m)  # what error_bounds() of the result would give
         errors = _residual_norms(coefficients[m : basis.size, :m], vectors)
         tolerance = rtol * float(values.abs().max())
         if float(errors[0]) <= tolerance and float(errors[-1]) <= tolerance:
-            converged = True
-            break
+            asymmetry = _asymmetry(coefficients, m)  # (only here: it decides nothing while a residual is larger)
+            scale = float(values.abs().max())
+            if asymmetry > _symmetry_tolerance(rtol, scale, starts.dtype):
+                break  # not a symmetric operator's products (a wrong double backward): nothing to certify
+            asymmetry = _counted_asymmetry(asymmetry, scale, starts.dtype)
+            if float(errors[0]) + asymmetry <= tolerance and float(errors[-1]) + asymmetry <= tolerance:
+                converged = True
+                break
     Q = basis.tensor()
     if unit_probes:
         probe_coordinates = (Q[:m] @ torch.stack(unit_probes).T).T.to(torch.float64).cpu()
@@ -377,6 +425,29 @@ def _ritz_pairs(coefficients: torch.Tensor, m: int) -> tuple[torch.Tensor, torch
     """Eigenpairs of ``T = (C + C^T) / 2``, ``C`` the top ``m x m`` block of the coefficients."""
     square = coefficients[:m, :m]
     return torch.linalg.eigh((square + square.T) / 2)
+
+
+def _asymmetry(coefficients: torch.Tensor, m: int) -> float:
+    """``||(C - C^T) / 2||_2`` of the top ``m x m`` block of the coefficients (:meth:`KrylovDecomposition.asymmetry`)."""
+    square = coefficients[:m, :m]
+    if m < 2:
+        return 0.0
+    return float(torch.linalg.matrix_norm((square - square.T) / 2, ord=2))
+
+
+def _rounding_asymmetry(dtype: torch.dtype) -> float:
+    """``eps^(1/3)``: :meth:`KrylovDecomposition.asymmetry` up to this share of ``max|theta|`` is taken as rounding."""
+    return torch.finfo(dtype).eps ** (1 / 3)
+
+
+def _symmetry_tolerance(rtol: float, scale: float, dtype: torch.dtype) -> float:
+    """:meth:`KrylovDecomposition.symmetry_tolerance` of Ritz values up to ``scale`` in magnitude."""
+    return max(rtol, _rounding_asymmetry(dtype)) * scale
+
+
+def _counted_asymmetry(asymmetry: float, scale: float, dtype: torch.dtype) -> float:
+    """The asymmetry that :meth:`KrylovDecomposition.error_bounds` adds: 0 where it is rounding."""
+    return asymmetry if asymmetry > _rounding_asymmetry(dtype) * scale else 0.0
 
 
 def _residual_norms(rest: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:

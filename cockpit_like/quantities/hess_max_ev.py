@@ -74,7 +74,8 @@ class HessMaxEV(KrylovQuantity):
         hvp_counts: ``{global_step: number of Hessian-vector products}``.
         converged: ``{global_step: whether the stop rule was met}``.
 
-    Stored value: the eigenvalue, a Python float.
+    Stored value: the eigenvalue, a Python float; none where the products are not symmetric (a wrong
+    double backward, such as PyTorch's fused ``weight_norm``: the step's ``checks["notes"]`` say so).
     """
 
     def __init__(
@@ -129,6 +130,8 @@ class HessMaxEV(KrylovQuantity):
         if not self._accelerate:
             return self._plain_power_iteration(global_step, params)
         decomposition = self.decomposition(global_step)
+        if self.not_a_hessian(global_step, decomposition):
+            return None  # products that are not the Hessian's (PyTorch's fused weight_norm): the note says why
         values = decomposition.ritz_values()
         top = not self._use_power or abs(float(values[-1])) >= abs(float(values[0]))
         if not decomposition.converged:

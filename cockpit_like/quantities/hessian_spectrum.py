@@ -12,7 +12,11 @@ whether the stop rule held at each step (:attr:`KrylovQuantity.hvp_counts`,
 
 All need ``loss.backward(create_graph=cockpit.create_graph(step))``; the
 Hessian is that of the mean loss ``L`` w.r.t. all tracked parameters (under
-DDP, of the global batch's mean loss).
+DDP, of the global batch's mean loss). Where the products are not symmetric
+(:meth:`~cockpit_like.functional.krylov.KrylovDecomposition.asymmetry` above
+``rtol * max|theta|`` and above rounding: a wrong double backward, such as
+PyTorch's fused ``weight_norm``) they are not the Hessian's: no value is
+stored, and the step's ``checks["notes"]`` say why.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import math
 import torch
 
 from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, KrylovTrace, LanczosNeed, WarmStart
-from cockpit_like.backends.hvp import curvature_params
+from cockpit_like.backends.hvp import curvature_params, fused_weight_norms
 from cockpit_like.context import get_record
 from cockpit_like.functional.krylov import KrylovDecomposition
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -80,6 +84,10 @@ class KrylovQuantity(SingleStepQuantity):
         self._warm: list[torch.Tensor] | None = None
         self.hvp_counts: dict[int, int] = {}
         self.converged: dict[int, bool] = {}
+        self._weight_norms: list[str] = []  # the models' fused weight norms: named where products are not symmetric
+
+    def adapt_to_models(self, models: list) -> None:
+        self._weight_norms = fused_weight_norms(models)
 
     def lanczos_need(self) -> LanczosNeed:
         """The decomposition this quantity reads (equal for quantities with equal arguments and history)."""
@@ -116,6 +124,41 @@ class KrylovQuantity(SingleStepQuantity):
             self._warm = [top] if result.num_products == 1 else [top, bottom]
         return result
 
+    def not_a_hessian(self, global_step: int, result: KrylovDecomposition) -> bool:
+        """Whether the step's products are not a symmetric operator's (then a note says why; store no value).
+
+        :meth:`~cockpit_like.functional.krylov.KrylovDecomposition.asymmetry` ``delta`` above the tolerance
+        ``max(rtol, eps^(1/3)) * max|theta|``: the products differ from the Hessian's by at least ``delta`` (a
+        wrong double backward), so no Ritz value, quadrature or trace from them is the Hessian's.
+        """
+        if result.symmetric(self._krylov_rtol):
+            return False
+        scale = float(result.ritz_values().abs().max())
+        tolerance, asymmetry = result.symmetry_tolerance(self._krylov_rtol), result.asymmetry()
+        if self._weight_norms:
+            cause = (
+                f"Here PyTorch's fused weight norm computes {', '.join(self._weight_norms)} "
+                "(torch.nn.utils.parametrizations.weight_norm or torch.nn.utils.weight_norm with dim 0 or the "
+                "last dimension): its double backward treats the norms ||v|| as constants. Compute the weight "
+                "with differentiable operations instead, the formula PyTorch uses where it does not fuse "
+                "(the same values to rounding): a parametrization whose forward(g, v) returns "
+                "v * (g / torch.norm_except_dim(v, 2, dim)) and whose right_inverse(w) returns "
+                "(torch.norm_except_dim(w, 2, dim), w), dim as in weight_norm (0 by default)"
+            )
+        else:
+            cause = (
+                "An operation of the model has a wrong second derivative (PyTorch's fused weight norm is a known "
+                "one: its double backward treats the norms as constants)"
+            )
+        get_record(global_step).note(
+            f"{type(self).__name__} at step {global_step}: no value stored: the Hessian-vector products are not "
+            f"symmetric. On the Lanczos space of {result.num_products} products they differ from any symmetric "
+            f"operator's, the Hessian's included, by at least {asymmetry:.3g} ({asymmetry / scale:.1%} of "
+            f"max|theta|), more than the tolerance {tolerance:.3g} (max(rtol, eps^(1/3)) * max|theta|), so no "
+            f"eigenvalue, density or trace from them is the Hessian's (converged[{global_step}] is False). {cause}."
+        )
+        return True
+
 
 class HessEigenvalues(KrylovQuantity):
     """The largest and the smallest eigenvalue of the Hessian ``∇²L`` of the mean loss.
@@ -132,6 +175,8 @@ class HessEigenvalues(KrylovQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         result = self.decomposition(global_step)
+        if self.not_a_hessian(global_step, result):
+            return None
         values = result.ritz_values()
         return {
             "largest": float(values[-1]),
@@ -166,6 +211,8 @@ class HessSpectralDensity(KrylovQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         result = self.decomposition(global_step)
+        if self.not_a_hessian(global_step, result):
+            return None
         nodes, weights = result.quadrature()
         return {
             "nodes": nodes.tolist(),
@@ -212,6 +259,8 @@ class HessTraceEstimate(KrylovQuantity):
     def _compute(self, global_step, params, batch_loss):
         need = self._step_need()
         result = self.decomposition(global_step)
+        if self.not_a_hessian(global_step, result):
+            return None
         if self._method == "hutch++":
             trace = get_record(global_step).stat(need)
             return {
