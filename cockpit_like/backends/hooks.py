@@ -73,7 +73,16 @@ from the shapes and the autograd graph of the forward pass):
   output, which its decoder reads: the gradient at that output would count
   the inner use twice), nor if an output has no batch dimension; with no
   qualifying call (a model that returns its loss) the step raises
-  :class:`UncoveredParameterError` naming the layer and the parameters.
+  :class:`UncoveredParameterError` naming the layer and the parameters;
+- **the batch's shape, other rows**: then every call that computes
+  parameters (and every call they climb to) is checked on the graph from its
+  outputs to the model's outputs (:mod:`cockpit_like.backends.row_paths`,
+  ``_route_rows``, from the last call to the first): its row ``n`` must reach
+  the model's outputs as row ``n`` (an expert that gets ``B`` tokens gathered
+  by index has the batch's shape, but its row ``r`` is token ``idx[r]``'s).
+  Where it does not, the call climbs as above. The walk jumps over the calls
+  re-run row by row (their re-run checks that they keep the rows) and over
+  ``nn.MultiheadAttention``.
 
 May import torch and :mod:`cockpit_like.backends` (the tracer and the re-run
 included). ``ModelTracer`` and ``UncoveredParameterError`` are re-exported
@@ -101,6 +110,7 @@ from cockpit_like.backends.rerun import (
     per_sample_grads,
     rows_in_arguments,
 )
+from cockpit_like.backends.row_paths import ACCEPT, RowPaths
 from cockpit_like.backends.tracer import Call, ModelTracer, Shell, _call_nodes, _flat_outputs, _graph_nodes
 
 __all__ = [
@@ -246,6 +256,11 @@ class HookBackend:
         self._handled = handled_elsewhere
         self._errors: list[UncoveredParameterError] = []
         self._consumers: dict[int, list] | None = None
+        #: ``{id(node): [(consumer, position, output_nr)]}``, made with ``_consumers``
+        self._edges: dict[int, list] = {}
+        #: where the rows of the calls' outputs go (:mod:`cockpit_like.backends.row_paths`; ``None``: not checked)
+        self._paths: RowPaths | None = None
+        self._root_modules: set[int] = set()
         #: ``(id(call), id(param))`` -> autograd's gradient of that use (``_WAITING``: its node has not run)
         self._sums: dict[tuple[int, int], Any] = {}
         #: forms waiting for their use's sum: ``(id(call), id(param))`` -> ``(param, form)``
@@ -254,11 +269,12 @@ class HookBackend:
         self._all_calls = calls
         self.calls = self._assign(calls, handled_elsewhere)
         self._all_calls = []
+        self._paths, self._edges = None, {}  # decided: the walks' bookkeeping is not needed any more
         #: parameters a call of the step's forward pass computes (a recomputation does not compute them again)
         self._assigned = {id(p) for call in self.calls for p in call.params}
 
     # ---- which call computes which parameter -------------------------------------------
-    def _assign(self, calls: list[Call], handled_elsewhere) -> list[Call]:
+    def _assign(self, calls: list[Call], handled_elsewhere, route: bool = True) -> list[Call]:
         tracked = self._params
         called = {id(call.module) for call in calls}
         owned = {id(p) for call in calls for p in call.module.parameters(recurse=False)}
@@ -303,6 +319,8 @@ class HookBackend:
         for index, call in enumerate(calls):  # inner calls first: a climbed parameter may climb on
             if call.params and not self._carries_batch(call):
                 self._climb(calls, index)
+        if route:
+            self._route_rows(calls)
         for outer, call in enumerate(calls):
             if call.params and rule_for(call.module) is None and type(call.module) not in RECOMPUTE_RULES:
                 # the fallback's vjp covers every use inside the call (RoBERTa's LM head owns the bias
@@ -364,11 +382,13 @@ class HookBackend:
             return False
         return not _output_used_inside(call, [t for _, t in with_grad])
 
-    def _climb(self, calls: list[Call], index: int) -> None:
+    def _climb(self, calls: list[Call], index: int, broken: str | None = None) -> None:
         """Move ``calls[index]``'s parameters to the smallest enclosing call that carries the batch.
 
         The enclosing call's ``torch.func`` fallback then computes their per-sample gradients
         (through every use inside it: a table read by several layers, tokens routed from every row).
+        ``broken``: the call has the batch's shape, but its rows do not reach the model's outputs row
+        for row (what breaks them, :meth:`_route_rows`).
         """
         call = calls[index]
         for outer in range(index + 1, len(calls)):
@@ -377,13 +397,29 @@ class HookBackend:
                 continue  # not an enclosing call, or a layer with a rule (it computes only its own parameters)
             if not self._carries_batch(candidate):
                 continue
+            if self._paths is not None and self._broken_rows(candidate) is not None:
+                continue  # its rows are not the samples' either
             climbing = list(call.params)
             self._claim_nested(calls, outer, {id(p) for p in climbing})
             known = {id(p) for p in candidate.params}
             candidate.params = candidate.params + [p for p in climbing if id(p) not in known]
             candidate.climbed = True
+            if self._paths is not None:
+                self._add_box(candidate)
             return
         names = [self._param_name(p) for p in call.params]
+        if broken is not None:
+            call.params = []
+            self._errors.append(UncoveredParameterError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)}: its outputs have the batch "
+                f"dimension, but their rows do not reach the model's outputs row for row ({broken}: e.g. tokens "
+                "gathered by index for an expert and added back with index_add), so the rows' gradients of "
+                f"{names} cannot be told apart, and no enclosing module's call has the batch dimension in its "
+                "inputs and outputs. Call the model so that some module around this layer takes and returns "
+                "tensors whose rows are the samples (it is then re-run row by row), or leave these parameters "
+                "out of Cockpit(params)."
+            ))
+            return
         shapes = [list(t.shape) for t in _flat_outputs(call.output) if t.grad_fn is not None]
         call.params = []
         batch = self._call_batch(call)
@@ -407,6 +443,104 @@ class HookBackend:
             "some module around this layer takes and returns tensors whose leading dimension is the batch "
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
         ))
+
+    # ---- where the rows go ---------------------------------------------------------------
+    def _route_rows(self, calls: list[Call]) -> None:
+        """The calls whose rows do not reach the model's outputs row for row climb (see
+        :mod:`cockpit_like.backends.row_paths`): an expert that gets ``B`` tokens gathered by index has the
+        batch's shape, but its row ``r`` belongs to whichever sample its token came from.
+
+        Later calls first: the calls re-run row by row (fallbacks, climbed calls) keep the rows from their
+        inputs to their outputs (their re-run checks it), so a walk from an earlier call jumps over them,
+        and a call that climbs here (an expert) makes its target such a call before the walks from the
+        calls before it (the layers before a mixture-of-experts block) reach it.
+        """
+        if not any(call.params and self._call_batch(call) > 1 for call in calls):
+            return
+        self._consumer_map(calls)
+        roots = {id(ref()) for ref in self.tracer.roots}
+        self._root_modules = roots
+        ends: dict[int, dict[int, int | None]] = {}
+        for call in calls:
+            if id(call.module) in roots:
+                for node, nr, state in self._output_rows(call):
+                    ends.setdefault(id(node), {})[nr] = state[0] if state != ACCEPT else None
+        self._paths = RowPaths(self._edges, ends)
+        for call in calls:
+            if self._keeps_rows(call):
+                self._add_box(call)
+        for index in reversed(range(len(calls))):
+            call = calls[index]
+            if not call.params:
+                continue
+            broken = self._broken_rows(call)
+            if broken is None:
+                continue
+            if type(call.module) is not nn.MultiheadAttention:
+                self._paths.remove_box(id(call))  # its parameters move on: it is not re-run
+            self._climb(calls, index, broken)
+
+    def _keeps_rows(self, call: Call) -> bool:
+        """Whether ``call`` takes its rows from its inputs to its outputs row for row for certain: it is re-run
+        row by row (a fallback or a climbed call; the re-run reproduces the recorded outputs or fails), or it is
+        ``nn.MultiheadAttention`` (rows along dimension 0, or 1 without ``batch_first``)."""
+        if id(call.module) in self._root_modules:
+            return False  # nothing enters the model from outside its own calls
+        if type(call.module) is nn.MultiheadAttention:
+            return True
+        if not call.params or call.consumer is not None:
+            return False
+        return call.climbed or (rule_for(call.module) is None and type(call.module) not in RECOMPUTE_RULES)
+
+    def _output_rows(self, call: Call) -> list[tuple[Any, int, Any]]:
+        """``(node, output_nr, state)`` of ``call``'s outputs with gradients: ``(dimension, rows per sample)``
+        of their rows, or ``ACCEPT`` (no rows)."""
+        module, batch = call.module, self._call_batch(call)
+        if call.consumer is not None:  # a shared output: its rows are those of the addition to the batch
+            return [(call.consumer, 0, (0, 1))]
+        if call.node is not None:
+            output = call.output
+            nr = output.output_nr if getattr(output, "grad_fn", None) is call.node else 0
+            outputs = [(0, call.node, nr, output)]
+        else:
+            outputs = [(i, t.grad_fn, t.output_nr, t) for i, t in enumerate(_flat_outputs(call.output)) if t.grad_fn is not None]
+        found = []
+        for i, node, nr, t in outputs:
+            if isinstance(module, nn.MultiheadAttention):
+                dim = 0 if module.batch_first or i > 0 else 1  # [T, B, E] without batch_first; weights [B, T, S]
+            elif rule_for(module) is not None:
+                dim = 0
+            else:
+                dim = _batched(module, 0 if i == 0 else 1, t, batch)
+            shape = tuple(t.shape)
+            if dim is None or dim >= len(shape) or not shape[dim] or shape[dim] % batch:
+                found.append((node, nr, ACCEPT))
+            else:
+                found.append((node, nr, (dim, shape[dim] // batch)))
+        return found
+
+    def _broken_rows(self, call: Call) -> str | None:
+        """What keeps ``call``'s output rows from reaching the model's outputs row for row (``None``: nothing)."""
+        if self._paths is None or self._call_batch(call) <= 1:
+            return None
+        return self._paths.broken(self._output_rows(call))
+
+    def _add_box(self, call: Call) -> None:
+        if not self._keeps_rows(call):
+            return
+        module, batch = call.module, self._call_batch(call)
+        inputs = []
+        slots = list(enumerate(call.args or ())) + list((call.kwargs or {}).items())
+        for position, value in slots:
+            for leaf in _flat_outputs(value):
+                if not isinstance(leaf, torch.Tensor) or leaf.grad_fn is None:
+                    continue
+                if isinstance(module, nn.MultiheadAttention):
+                    dim = 0 if module.batch_first else 1
+                else:
+                    dim = _batched(module, position, leaf, batch)
+                inputs.append((leaf.grad_fn, leaf.output_nr, dim))
+        self._paths.add_box(id(call), f"{type(module).__name__} layer {self._module_name(module)}", self._output_rows(call), inputs)
 
     def _flattened(self, call: Call, x: torch.Tensor, batch: int) -> bool:
         """Whether ``x`` holds the rows of the batch flattened sample-major (``[B*k, ...]``, OPT's MLP):
@@ -457,14 +591,17 @@ class HookBackend:
         """``{id(node): nodes that read its output}`` in the graph below ``calls``' outputs (made once)."""
         if self._consumers is None:
             self._consumers = defaultdict(list)
+            edges: dict[int, list] = defaultdict(list)
+            self._edges = edges
             starts = [node for call in calls for node in _call_nodes(call)]
             seen = {id(node) for node in starts}
             while starts:
                 node = starts.pop()
-                for child, _ in node.next_functions:
+                for position, (child, nr) in enumerate(node.next_functions):
                     if child is None:
                         continue
                     self._consumers[id(child)].append(node)
+                    edges[id(child)].append((node, position, nr))
                     if id(child) not in seen:
                         seen.add(id(child))
                         starts.append(child)
@@ -519,7 +656,7 @@ class HookBackend:
         own = [p for p in self.tracer.named_params(call.module, recurse=False).values() if id(p) in self._params]
         if not own or any(id(p) in self._assigned for p in own):
             return
-        for adopted in self._assign([call], self._handled):
+        for adopted in self._assign([call], self._handled, route=False):
             self._assigned.update(id(p) for p in adopted.params)
             self.calls.append(adopted)
             self._register(adopted)
