@@ -266,12 +266,13 @@ class StepExecution:
         #: the curvature factors' replays of this pass (:mod:`cockpit_like.backends.column_blocks`)
         self._replays: list = []
 
-    def _leave_out_row_needs(self, needs, coupling: list) -> None:
+    def _leave_out_row_needs(self, needs, coupling: list[str]) -> None:
         """The step needs that run a backward pass of their own for per-sample rows (``per_sample_rows``: TIC's
-        GGN diagonal on any model, the sampled GGN) cannot where a module couples the rows
-        (BatchNorm in training mode): they are not computed, and the quantities that asked for them are left
-        out of the step with a note (the rest of the step runs). Where the per-sample quantities were left
-        out already (a loss over the batch), the needs only they asked for are not computed."""
+        GGN diagonal on any model, the sampled GGN) cannot where a module couples the rows (BatchNorm in
+        training mode; ``coupling``: why, :func:`~cockpit_like.backends.hooks.coupling_reason`): they are not
+        computed, and the quantities that asked for them are left out of the step with a note (the rest of the
+        step runs). Where the per-sample quantities were left out already (a loss over the batch), the needs
+        only they asked for are not computed."""
         rows = [need for need in self.needs if getattr(need, "per_sample_rows", False)]
         if not rows:
             return
@@ -279,12 +280,9 @@ class StepExecution:
         if coupling:
             owners = sorted({name for need in rows for name in owners_of.get(need, ())} - self._left_out)
             if owners:
-                kinds = sorted({type(module).__name__ for module in coupling})
                 self.notes.append(
                     f"{owners} left out: their curvature comes from per-sample gradients of a second backward "
-                    f"pass, and {', '.join(kinds)} in training mode normalises with the whole batch's statistics, "
-                    "so a row's gradient depends on the other rows (model.eval() on the norms, or GroupNorm / "
-                    "LayerNorm, gives them back)"
+                    f"pass, and {'; '.join(coupling)}, so a row's gradient depends on the other rows"
                 )
                 self._left_out |= set(owners)
             dropped = rows
