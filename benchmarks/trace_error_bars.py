@@ -177,7 +177,7 @@ def _estimates(name, factory, state, inputs, targets, step, seed) -> dict:
 
 
 def run_model(name, factory, steps: int, batch_size: int, seeds: int) -> list[dict]:
-    from benchmarks.trace_estimators import exact_hessian_facts
+    from benchmarks.trace_estimators import step_reference
 
     problem, reference = factory(0), factory(0)
     model, twin = problem.model, reference.model
@@ -185,10 +185,7 @@ def run_model(name, factory, steps: int, batch_size: int, seeds: int) -> list[di
     optimizer = torch.optim.SGD(params, lr=0.05)
     rows = []
     for step in range(steps):
-        inputs, targets = problem.batch(batch_size, 200 + step)
-        twin.load_state_dict(model.state_dict())
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        facts = exact_hessian_facts(reference, twin, inputs, targets)
+        inputs, targets, state, facts = step_reference(problem, reference, model, twin, batch_size, step)
         exact = sum(facts["traces"])
         draws = [_estimates(name, factory, state, inputs, targets, step, 1000 + seed) for seed in range(seeds)]
         rows.append({"model": name, "step": step, "dimension": sum(p.numel() for p in params), "exact_trace": exact,

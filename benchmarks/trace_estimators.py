@@ -71,6 +71,15 @@ def loss_logits(name, outputs):
     return logits[:, :-1] if name in LANGUAGE_MODELS else logits
 
 
+def step_reference(problem, reference, model, twin, batch_size: int, step: int):
+    """The step's batch, a copy of ``model``'s state, and the exact facts of its Hessian (on ``twin``, a plain
+    copy of ``model`` in ``reference``): ``(inputs, targets, state, facts)``."""
+    inputs, targets = problem.batch(batch_size, 200 + step)
+    twin.load_state_dict(model.state_dict())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return inputs, targets, state, exact_hessian_facts(reference, twin, inputs, targets)
+
+
 def exact_hessian_facts(problem, model, inputs, targets) -> dict:
     """Per-block traces, ``||H||_F^2`` and ``sum_j H_jj^2`` of the mean loss's Hessian (``D`` products on unit
     vectors, float64): Hutchinson's variance per sample of the total is ``2 (||H||_F^2 - sum_j H_jj^2)``."""
@@ -222,10 +231,7 @@ def run_model(name, factory, steps: int, batch_size: int) -> list[dict]:
     optimizer = torch.optim.SGD(params, lr=0.05)
     rows = []
     for step in range(steps):
-        inputs, targets = problem.batch(batch_size, 200 + step)
-        twin.load_state_dict(model.state_dict())
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        facts = exact_hessian_facts(reference, twin, inputs, targets)
+        inputs, targets, state, facts = step_reference(problem, reference, model, twin, batch_size, step)
         exact = facts["traces"]
         squares = squared_grads(reference, twin, inputs, targets)
         ggn = exact_ggn_diagonal(name, reference, twin, inputs)

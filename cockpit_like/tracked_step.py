@@ -171,9 +171,11 @@ class TrackedStep:
         #: (also where a quantity's computation must wait for the optimizer's step: Quantity.waits_for_optimizer,
         #: unless the block runs inside that step, a closure's evaluation, or the step needs a closure)
         optimizer = info.get("optimizer")
+        #: the quantities scheduled at this step (``active`` once the block is entered, unless ignored)
+        self._scheduled = list(env.active_at(global_step))
         waits = (
             env.run.stepping is None and not needs_closure(optimizer)
-            and any(q.waits_for_optimizer(global_step) for q in env.active_at(global_step))
+            and any(q.waits_for_optimizer(global_step) for q in self._scheduled)
         )  # fmt: skip
         self.open_ended = (
             (env.run.accumulates or waits) and "micro_batches" not in info and env.ranks is None
@@ -190,7 +192,7 @@ class TrackedStep:
     def __enter__(self) -> TrackedStep:
         env, step = self.env, self.step
         env.run.next_step = step + 1 if self.last else step  # the next forward pass belongs to this step
-        self.active = [] if self.ignored else list(env.active_at(step))
+        self.active = [] if self.ignored else self._scheduled
         if not self.active and (not self.user_exts or self.ignored):
             env.tracer.drop_calls()  # nothing tracked: drop what the forward pass noted
             if self.debug:

@@ -121,6 +121,22 @@ def _lbfgs(max_iter, with_optimizer, tracked=True):
     return cockpit, calls, [p.detach().clone() for p in model.parameters()]
 
 
+def _steps_in_closures(model, optimizer, cockpit, x, y, steps=3, before=None):
+    """``steps`` optimizer steps, each ``optimizer.step(closure)`` with the cockpit's block in the closure (as
+    Lightning's automatic optimization); ``before(step)`` runs in the closure before its forward pass."""
+    for step in range(steps):
+        def closure():
+            optimizer.zero_grad()
+            if before is not None:
+                before(step)
+            info = info_of(model(x), y, optimizer)
+            with cockpit(step, info=info):
+                info["loss"].backward()
+            return info["loss"]
+
+        optimizer.step(closure)
+
+
 @pytest.mark.parametrize("with_optimizer", [True, False])
 def test_lbfgs_with_several_evaluations_per_step_is_invalid_and_says_why(with_optimizer):
     """LBFGS(max_iter=3), the closure's backward pass in the cockpit's block: no crash (before: TypeError from the
@@ -151,17 +167,12 @@ def test_lbfgs_with_one_evaluation_per_step_is_tracked_exactly():
     cockpit = cockpit_for(model, True, configuration("economy"))
     x, y = batch()
     expected = {}
-    for step in range(3):
-        def closure():
-            optimizer.zero_grad()
-            grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
-            expected[step] = [float(g.norm()) for g in grads]
-            info = info_of(model(x), y, optimizer)
-            with cockpit(step, info=info):
-                info["loss"].backward()
-            return info["loss"]
 
-        optimizer.step(closure)
+    def reference(step):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+        expected[step] = [float(g.norm()) for g in grads]
+
+    _steps_in_closures(model, optimizer, cockpit, x, y, before=reference)
     output = cockpit.get_output()
     for step in range(3):
         notes = cockpit.checks[step]["notes"]
@@ -278,16 +289,7 @@ def test_a_block_inside_the_optimizers_step_closure_gets_no_parameter_note():
     model = mlp(True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     cockpit = cockpit_for(model, True, configuration("economy"))
-    x, y = batch()
-    for step in range(3):
-        def closure():
-            optimizer.zero_grad()
-            info = info_of(model(x), y, optimizer)
-            with cockpit(step, info=info):
-                info["loss"].backward()
-            return info["loss"]
-
-        optimizer.step(closure)
+    _steps_in_closures(model, optimizer, cockpit, *batch())
     output = cockpit.get_output()
     assert all(cockpit.checks[s]["valid"] and not cockpit.checks[s]["notes"] for s in range(3))
     assert {"Alpha", "UpdateSize", "Distance"} <= set(output[0])

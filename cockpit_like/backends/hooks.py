@@ -118,7 +118,6 @@ __all__ = [
     "HookBackend",
     "BatchNormInTrainingError",
     "UncoveredParameterError",  # re-exported from cockpit_like.backends.rerun
-    "couples_samples",
     "coupling_reason",
 ]
 
@@ -127,15 +126,10 @@ class BatchNormInTrainingError(RuntimeError):
     """A batch norm in training mode mixes the samples: per-sample quantities are undefined."""
 
 
-def couples_samples(module: nn.Module) -> bool:
-    """Whether a row's gradient through ``module`` depends on the other rows of the batch: batch norm in training
-    mode (statistics of the current batch), an embedding with ``scale_grad_by_freq`` (each id's gradient divided by
-    its count in the whole batch)."""
-    return coupling_reason(module) is not None
-
-
 def coupling_reason(module: nn.Module) -> str | None:
-    """Why ``module`` couples the rows of the batch (:func:`couples_samples`), for the step's note; ``None`` if not."""
+    """Why a row's gradient through ``module`` depends on the other rows of the batch, for the step's note: batch
+    norm in training mode (statistics of the current batch), an embedding with ``scale_grad_by_freq`` (each id's
+    gradient divided by its count in the whole batch); ``None`` if it does not."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and (module.training or not module.track_running_stats):
         return (f"{type(module).__name__} in training mode normalises with the whole batch's statistics "
                 "(model.eval() on the norms, or GroupNorm / LayerNorm, gives the rows back)")
