@@ -29,8 +29,9 @@ without keeping per-sample gradients from one step to the next:
   (slopes depend only on the direction) the result is exact. Otherwise (the
   gradients were changed between backward and ``step()``, e.g. clipping with
   an adaptive optimizer, or no ``info["optimizer"]`` for a non-SGD optimizer)
-  Alpha warns; the start slope mean stays exact (from ``sum_i grad_batch_i``),
-  only its variance is taken along the predicted direction.
+  the start slopes' variance was taken along another direction: Alpha stores
+  no value for that step, says why in the end step's notes, and from then on
+  predicts the update when the optimizer steps (:meth:`Alpha.waits_for_optimizer`).
 
 Scaling: mean loss, ``grad_batch[i] = g_i / B``; ``u_{k,i} = B grad_batch_{k,i}^T d / tau``
 with ``B = info["batch_size"]``. Stored under the start step (``SAVE_SHIFT = 1``).
