@@ -233,6 +233,12 @@ class StepExecution:
                 requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
                 self._added_ggn = True
         self.extensions = merge_extensions(requests)
+        from cockpit_like.quantities.needs import USER_EXTENSIONS
+
+        #: the quantities whose BackPACK extensions start at the loss module (second order), and the values of the
+        #: extended loss modules this pass ran (:meth:`_loss_seen`, :meth:`_check_loss_module`)
+        self._second_owners = sorted({o for o, ext in requests if o != USER_EXTENSIONS and _second_order(ext)})
+        self._loss_values: list[torch.Tensor] = []
         if self.extensions and self._stale_extended:
             named = sorted({type(module).__name__ for module in self._stale_extended})
             wanted = sorted({describe(extension) for extension in self.extensions})
@@ -477,6 +483,7 @@ class StepExecution:
         from cockpit_like.backends.partitions import Partition, take_mean_fields
 
         self.check()
+        self._check_loss_module()
         self._unscale_curvature()
         computed = {need: need.compute(self) for need in self.needs}
         fields = take_mean_fields(self.params, self.extensions) if split else {}
@@ -572,6 +579,40 @@ class StepExecution:
         """BackPACK's extension hook: note an extended loss module in the pass."""
         if is_loss(module):
             self._loss_ran = True
+            output = getattr(module, "output", None)
+            if isinstance(output, torch.Tensor) and output.numel() == 1:
+                self._loss_values.append(output.detach().reshape(()))
+
+    def _check_loss_module(self) -> None:
+        """BackPACK's second-order extensions give the curvature of the extended loss module's output ``M``; the
+        quantities describe ``info["loss"]``. Where the two differ (a term added beside the loss module, such as a
+        distillation or auxiliary loss on the same outputs; a weight or a sum reduction: ``0.5 * lossfunc(...)``,
+        ``reduction="sum"``), those curvatures differ too, so the quantities that asked for them are left out
+        of the step with a note. A factor applied after ``info["loss"]`` (a GradScaler, ``loss / K``) is
+        corrected elsewhere (:meth:`_unscale_curvature`)."""
+        loss = self.info.get("loss")
+        if not (self._loss_ran and self._second_owners and self._loss_values) or loss is None:
+            return
+        module = float(torch.stack([v.to(torch.float64) for v in self._loss_values]).sum())
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        dtype = self._loss_values[0].dtype
+        rtol = 0.01 if dtype in HALF else 1e4 * torch.finfo(dtype).eps
+        if not (math.isfinite(module) and math.isfinite(value)) or abs(module - value) <= rtol * max(abs(module), abs(value)):
+            return
+        owners = [owner for owner in self._second_owners if owner not in self._left_out]
+        if not owners:
+            return
+        self._left_out |= set(owners)
+        count = len(self._loss_values)
+        shown = "the extended loss module's output" if count == 1 else f"the sum of the {count} extended loss modules' outputs"
+        self.notes.append(
+            f"{', '.join(owners)} left out: BackPACK's second-order extensions give the curvature of {shown} "
+            f"({module:.6g}), and info['loss'] is {value:.6g}: the loss has terms beside the extended loss module "
+            "(a distillation or auxiliary term on the same outputs), a weight on it, or a sum reduction, so their "
+            "curvature is not info['loss']'s. Pass curvature='hutchinson' to these quantities (Hessian-vector "
+            "products of info['loss'], any loss), or make info['loss'] the output of one extended mean-reduced loss "
+            "module"
+        )
 
     def check(self) -> None:
         """Every tracked parameter got what was asked for, or a clear error."""
