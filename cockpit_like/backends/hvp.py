@@ -187,7 +187,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                 ) from error
         product = torch.cat(
             [
-                (torch.zeros_like(p) if hv is None else hv.detach()).reshape(-1)
+                (torch.zeros_like(p) if hv is None else hv.detach().to_dense() if hv.is_sparse else hv.detach()).reshape(-1)
                 for p, hv in zip(inputs, products)
             ]
         )

@@ -326,7 +326,7 @@ def _conv1d(module: nn.Conv1d, x: torch.Tensor, delta: torch.Tensor) -> dict[str
 
 
 def _embedding(module: nn.Embedding, tokens: torch.Tensor, delta: torch.Tensor) -> dict[str, Form] | None:
-    if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+    if module.max_norm is not None or module.scale_grad_by_freq:  # (``sparse``: the rows are the same, dense)
         return None
     batch, (vocab, width) = tokens.shape[0], module.weight.shape
     tokens, delta = tokens.reshape(batch, -1), delta.reshape(batch, -1, width)

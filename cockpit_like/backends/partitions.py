@@ -493,11 +493,13 @@ class StepGradients:
                     stand_in.grad = grad if self.scale == 1.0 else grad * inverse
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
-        elif self.scale != 1.0 or self.zeros or any(p.grad is None for p in self._originals):
+        elif self.scale != 1.0 or self.zeros or any(p.grad is None or p.grad.is_sparse for p in self._originals):
             self._saved = [p.grad for p in self._originals]
             for index, (param, grad) in enumerate(zip(self._originals, self._saved)):
                 if grad is None or index in self.zeros:  # not in the step's graph (unused, frozen, replaced): zero
                     param.grad = torch.zeros_like(param)
+                elif grad.is_sparse:  # an embedding's sparse gradient (``sparse=True``): the quantities read it dense
+                    param.grad = grad.to_dense() if self.scale == 1.0 else grad.to_dense() * inverse
                 elif self.scale != 1.0:
                     param.grad = grad * inverse
         _VIEW = self

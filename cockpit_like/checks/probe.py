@@ -81,6 +81,8 @@ def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch
     """``<tensor, u v^T>`` (or ``<tensor, r>``) as a float64 scalar; ``tensor`` is shaped like the parameter
     and read in its own dtype (float32 or better: matrix-vector products, no copy of it)."""
     flat = tensor.detach()
+    if flat.is_sparse:  # an embedding's sparse gradient (``sparse=True``)
+        flat = flat.to_dense()
     if flat.dtype not in (torch.float32, torch.float64):
         flat = flat.float()
     if directions[0].dtype != flat.dtype:
