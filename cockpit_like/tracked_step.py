@@ -476,6 +476,16 @@ class TrackedStep:
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
             skipped |= execution.left_out_owners()
+            rows = info.get("batch_size")
+            if isinstance(rows, int) and rows < 2:
+                single = sorted(env.name_of(q) for q in self.active if q.needs_two_samples and env.name_of(q) not in skipped)
+                if single:
+                    skipped |= set(single)
+                    checks.note(
+                        f"{', '.join(single)} left out: the step has {rows} sample(s), and they estimate a variance "
+                        "over the step's samples (divisor B - 1), undefined with one (Cockpit stores inf or NaN); "
+                        "the two-step ones (Alpha) also store nothing for the step before"
+                    )
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:

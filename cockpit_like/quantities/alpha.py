@@ -123,6 +123,7 @@ class Alpha(TwoStepQuantity):
     _INFO = {"batch_size", "individual_losses", "loss"}
     reads_parameters = True
     predicts_update = True
+    needs_two_samples = True  # the fit weighs by the variances of the losses and slopes over the samples
 
     def __init__(self, track_schedule, verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)

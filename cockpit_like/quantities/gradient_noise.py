@@ -71,6 +71,7 @@ def unique_learning_rate(optimizer, owner: str) -> float:
 
 class _SumOfSquaresQuantity(SingleStepQuantity):
     _info: set[str] = {"batch_size"}
+    needs_two_samples = True  # a variance over the samples (divisor B - 1)
 
     def per_sample_stats(self, global_step: int) -> list:
         return [SumOfSquares()] if self.should_compute(global_step) else []

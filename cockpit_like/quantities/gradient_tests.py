@@ -25,6 +25,7 @@ __all__ = ["NormTest", "InnerTest", "OrthoTest"]
 
 class _GramTest(SingleStepQuantity):
     _test = None
+    needs_two_samples = True  # a variance over the samples (divisor B - 1)
 
     def per_sample_stats(self, global_step: int) -> list:
         return [GramSummary()] if self.should_compute(global_step) else []

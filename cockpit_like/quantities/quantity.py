@@ -204,6 +204,9 @@ class Quantity:
     #: the value predicts the optimizer's update from the step's gradient (Alpha): withdrawn where the gradients
     #: changed before the optimizer's step other than by one factor
     predicts_update: bool = False
+    #: the value estimates a variance over the step's samples (divisor ``B - 1``: the gradient tests, GSNR, CABS,
+    #: EarlyStopping, Alpha's fit): a step with one sample stores no value, with a note (Cockpit stores inf or NaN)
+    needs_two_samples: bool = False
 
     def waits_for_optimizer(self, global_step: int) -> bool:
         """Whether ``global_step`` must end when ``info["optimizer"]`` steps, not at the end of the cockpit's
