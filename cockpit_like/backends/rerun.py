@@ -225,7 +225,28 @@ class _Rerun:
                     self._vmap = False
             live = dict(zip(self.param_names, self.params))
             params = [self.params[k] for k in chosen]
-            return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
+            try:
+                return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
+            except UncoveredParameterError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the user's forward pass on a part of the batch
+                raise UncoveredParameterError(self._failed_message(error)) from error
+
+    def _failed_message(self, error: Exception) -> str:
+        """Why re-running the module on some rows failed, where its forward pass on the whole batch ran."""
+        sliced = [list(self.values[k].shape) for k in self.batched]
+        whole = [list(v.shape) for k, v in enumerate(self.values) if isinstance(v, torch.Tensor) and k not in self.batched]
+        return (
+            f"{type(self.module).__name__}: re-running it on single rows of the batch to get per-sample gradients "
+            f"failed inside its forward pass ({type(error).__name__}: {error}), though the training step's forward "
+            f"pass on the whole batch ran. The cockpit slices the arguments whose dimension of size {self.batch} "
+            f"is the batch (shapes {sliced}) and passes the others whole ({whole}); a forward pass whose other "
+            "arguments also hold the samples in another layout (the nodes of a batch of graphs with a `batch` "
+            "vector, rows flattened with their positions) cannot run on one row that way. Put the per-sample "
+            "layers in a module whose arguments carry the batch in their first dimension (the graph-level head "
+            "after pooling), leave the other parameters out of Cockpit(params), or leave out the per-sample "
+            "quantities."
+        ) + _parametrization_hint(self.module)
 
     def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
         """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""
@@ -251,8 +272,10 @@ class _Rerun:
                 f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
                 "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
                 "its forward pass depends on state (a key/value cache filled by earlier forward passes: pass "
-                "use_cache=False while training; random numbers: set dropout to 0 or call .eval(); a loss or "
-                "statistic over the whole batch computed inside it)." + _parametrization_hint(self.module)
+                "use_cache=False while training; random numbers: set dropout and drop-path (stochastic depth) rates to 0 "
+                "or call .eval(), and where the forward pass draws in eval mode too (random masking: ViTMAE's), pass "
+                "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
+                "inside it)." + _parametrization_hint(self.module)
             )
 
 
