@@ -27,7 +27,12 @@ rule was set on the ``dev`` models (``tests/zoo.py``, the test helpers' MLP and
 CNN, synthetic spectra) and is reported separately on the ``held-out`` ones
 (Hugging Face configs of ``tests/hf_zoo.py`` and architectures added here:
 LSTM, vanilla RNN, a ReLU/BatchNorm CNN, wav2vec2, SegFormer, ConvNeXt, Swin,
-DistilBERT, Whisper's encoder where transformers builds them).
+DistilBERT, Whisper's encoder where transformers builds them). A third group,
+``outside-4``, holds an outside tester's architectures (round 4; defined in
+``benchmarks/stop_rule_outside4.py`` as the tester built them, batch 5),
+including the model of its report ``p01`` on which HessMaxEV stored a missed
+top eigenvalue as converged; it was added after the rule was fixed and is
+reported, not tuned on. ``--groups`` selects groups.
 
     python benchmarks/stop_rule.py --json benchmarks/results/stop_rule.json --docs docs/curvature.md
 
@@ -89,8 +94,9 @@ def synthetic_matrix(leading: list[float], n: int, seed: int) -> torch.Tensor:
 @dataclass
 class Case:
     name: str
-    group: str  # "dev" or "held-out"
+    group: str  # "dev", "held-out" or "outside-4"
     factory: object  # seed -> tests.zoo.Problem
+    batch_size: int | None = None  # None: the command line's --batch-size
 
 
 def _classification(features, classes):
@@ -255,7 +261,13 @@ def cases() -> list[Case]:
         Case("new/swin", "held-out", _swin),
         Case("new/distilbert", "held-out", _distilbert),
     ]
+    from benchmarks.stop_rule_outside4 import BATCH, OUTSIDE4
+
+    made += [Case(f"outside4/{name}", "outside-4", factory, BATCH) for name, factory in OUTSIDE4.items()]
     return made
+
+
+GROUPS = ("dev", "held-out", "outside-4")
 
 
 # ---- references -------------------------------------------------------------------------------
@@ -274,14 +286,17 @@ def exact_extremes(problem, model, inputs, targets, dense_limit: int) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     with _math_attention():
         loss = problem.sample_losses(problem.forward(model, inputs), targets).mean()
-        grads = torch.autograd.grad(loss, params, create_graph=True)
+        grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    # parameters the loss does not use (BigBird's unused pooler) or uses linearly: zero rows of the Hessian
+    used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
     sizes = [p.numel() for p in params]
     dimension = sum(sizes)
 
     def hvp(vector: torch.Tensor) -> torch.Tensor:
         pieces = [piece.reshape(p.shape) for piece, p in zip(vector.split(sizes), params)]
         with _math_attention():
-            out = torch.autograd.grad(grads, params, pieces, retain_graph=True, allow_unused=True)
+            out = torch.autograd.grad([grads[i] for i in used], params, [pieces[i] for i in used],
+                                      retain_graph=True, allow_unused=True)
         return torch.cat([(torch.zeros_like(p) if o is None else o).reshape(-1) for o, p in zip(out, params)])
 
     if dimension <= dense_limit:
@@ -309,13 +324,15 @@ def _largest_magnitude(largest: float, smallest: float) -> float:
 def judge(largest: float, smallest: float, top: float, bottom: float, value: float, scale: float, rtol: float) -> dict:
     """Whether the extreme Ritz values and HessMaxEV's value are within the claimed tolerance of the reference."""
     tolerance = rtol * scale
-    magnitude_ok = abs(value - _largest_magnitude(largest, smallest)) <= tolerance or (
-        abs(abs(largest) - abs(smallest)) <= tolerance and min(abs(value - largest), abs(value - smallest)) <= tolerance
-    )
+    error_value = abs(value - _largest_magnitude(largest, smallest))
+    if abs(abs(largest) - abs(smallest)) <= tolerance:  # the ends' magnitudes tie: either is accepted
+        error_value = min(abs(value - largest), abs(value - smallest))
+    magnitude_ok = error_value <= tolerance
     return {
         "tolerance": tolerance,
         "error_top": top - largest,
         "error_bottom": bottom - smallest,
+        "error_hessmaxev": error_value,
         "within": bool(abs(top - largest) <= tolerance and abs(bottom - smallest) <= tolerance and magnitude_ok),
     }
 
@@ -335,6 +352,7 @@ def run_model(case: Case, steps: int, batch_size: int, dense_limit: int, rtol: f
     params = [p for p in model.parameters() if p.requires_grad]
     cockpit = Cockpit(params, quantities=[maxev, extremes], model=model)
     optimizer = torch.optim.SGD(params, lr=0.05)
+    batch_size = case.batch_size or batch_size
     rows = []
     for step in range(steps):
         inputs, targets = problem.batch(batch_size, 100 + step)
@@ -350,7 +368,8 @@ def run_model(case: Case, steps: int, batch_size: int, dense_limit: int, rtol: f
         value = extremes.get_output()[step]
         scale = max(abs(value["largest"]), abs(value["smallest"]))
         row = {
-            "model": case.name, "group": case.group, "step": step, "dimension": reference["dimension"],
+            "model": case.name, "group": case.group, "step": step, "batch_size": batch_size,
+            "dimension": reference["dimension"],
             "reference": reference["method"], "largest": reference["largest"], "smallest": reference["smallest"],
             "top": value["largest"], "bottom": value["smallest"], "hessmaxev": maxev.get_output()[step],
             "products": value["products"], "converged": value["converged"],
@@ -387,11 +406,14 @@ def run_synthetic(name: str, leading: list[float], steps: int, n: int, rtol: flo
 
 
 # ---- report -----------------------------------------------------------------------------------
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], rtol: float = 1e-2) -> dict:
     out = {}
-    for group in ("dev", "held-out", "all"):
+    for group in [g for g in GROUPS if any(r["group"] == g for r in rows)] + ["all"]:
         chosen = [r for r in rows if group == "all" or r["group"] == group]
         converged = [r for r in chosen if r["converged"]]
+        # of the converged steps, relative to max|theta| (the tolerance's scale): the extreme Ritz values and HessMaxEV
+        errors = [max(abs(r["error_top"]), abs(r["error_bottom"]), r["error_hessmaxev"]) * rtol / r["tolerance"]
+                  for r in converged if r["tolerance"] > 0]
         out[group] = {
             "models": len({r["model"] for r in chosen}),
             "steps": len(chosen),
@@ -399,18 +421,22 @@ def summary(rows: list[dict]) -> dict:
             "converged_within": sum(r["within"] for r in converged),
             "unconverged": len(chosen) - len(converged),
             "median_products": sorted(r["products"] for r in chosen)[len(chosen) // 2] if chosen else None,
+            "largest_error": max(errors, default=None),
         }
     return out
 
 
 def markdown(rows: list[dict], failures: list[str], rtol: float, header: str) -> str:
-    stats = summary(rows)
+    stats = summary(rows, rtol)
     lines = [header, ""]
-    lines.append("| group | models | steps | say converged | of those within rtol * max abs(theta) | not converged | median products |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("| group | models | steps | say converged | of those within rtol * max abs(theta) | not converged | "
+                 "largest error of a converged step, % of max abs(theta) | median products |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for group, s in stats.items():
         share = f"{s['converged_within']} ({100 * s['converged_within'] / max(s['converged'], 1):.1f}%)"
-        lines.append(f"| {group} | {s['models']} | {s['steps']} | {s['converged']} | {share} | {s['unconverged']} | {s['median_products']} |")
+        error = "-" if s["largest_error"] is None else f"{100 * s['largest_error']:.2f}"
+        lines.append(f"| {group} | {s['models']} | {s['steps']} | {s['converged']} | {share} | {s['unconverged']} | "
+                     f"{error} | {s['median_products']} |")
     lines += ["", f"Per model and step (reference: exact largest / smallest eigenvalue; engine: the extreme Ritz values; "
               f"error relative to max abs(theta); tolerance rtol = {rtol:g}):", ""]
     lines.append("| model | group | D | ref | step | largest | engine | smallest | engine | HessMaxEV | products | converged | within |")
@@ -425,6 +451,12 @@ def markdown(rows: list[dict], failures: list[str], rtol: float, header: str) ->
         lines += ["", "Models that could not run (left out of the counts):", ""]
         lines += [f"- {f}" for f in failures]
     return "\n".join(lines) + "\n"
+
+
+def _outside_batch() -> int:
+    from benchmarks.stop_rule_outside4 import BATCH
+
+    return BATCH
 
 
 def write_docs(path: Path, table: str) -> None:
@@ -443,6 +475,8 @@ def parse_args(argv=None):
     parser.add_argument("--dense-limit", type=int, default=800, help="largest D with a dense reference")
     parser.add_argument("--synthetic-size", type=int, default=1500, help="dimension of the synthetic matrices")
     parser.add_argument("--only", default=None, help="comma-separated substrings of model names to run")
+    parser.add_argument("--groups", default=",".join(GROUPS),
+                        help=f"comma-separated groups to run (default: all of {', '.join(GROUPS)})")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     parser.add_argument("--docs", type=Path, default=None, help="rewrite the table in this markdown file")
     parser.add_argument("--probes", type=int, default=None, help="start vectors (default: the engine's)")
@@ -462,8 +496,12 @@ def main(argv=None) -> int:
         KrylovDecomposition.error_bounds = KrylovDecomposition.error_estimates  # the old stop rule, measured only
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    chosen = cases()
-    spectra = synthetic_spectra()
+    groups = args.groups.split(",")
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"unknown groups {sorted(unknown)}; known: {', '.join(GROUPS)}")
+    chosen = [c for c in cases() if c.group in groups]
+    spectra = synthetic_spectra() if "dev" in groups else {}
     if args.only:
         keys = args.only.split(",")
         chosen = [c for c in chosen if any(k in c.name for k in keys)]
@@ -490,13 +528,14 @@ def main(argv=None) -> int:
         print(f"{case.name}: {[(r['products'], r['converged'], r['within']) for r in got]}", flush=True)
     header = (
         f"Regenerated by `python benchmarks/stop_rule.py --docs docs/curvature.md` "
-        f"({args.steps} steps per model, batch {args.batch_size}, {probes} start vectors, stop rule: {args.rule}, "
+        f"({args.steps} steps per model, batch {args.batch_size} (outside-4: {_outside_batch()}, the tester's), "
+        f"{probes} start vectors, stop rule: {args.rule}, "
         f"torch {torch.__version__}, "
         f"{time.time() - started:.0f} s on 1 thread)."
     )
-    print(json.dumps(summary(rows), indent=1))
+    print(json.dumps(summary(rows, DEFAULT_RTOL), indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "failures": failures, "summary": summary(rows)}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "failures": failures, "summary": summary(rows, DEFAULT_RTOL)}, indent=1))
     if args.docs:
         write_docs(args.docs, markdown(rows, failures, DEFAULT_RTOL, header))
     return 0

@@ -103,6 +103,15 @@ def test_benchmark_lists_forty_models_and_regenerates_its_table(tmp_path, capsys
     assert len(rows) == 1 and rows[0]["within"] and rows[0]["converged"]
 
 
+def test_benchmark_groups_select_the_outside_testers_models(capsys):
+    assert stop_rule.main(["--dry-run", "--groups", "outside-4"]) == 0
+    listed = capsys.readouterr().out.strip().splitlines()
+    assert len(listed) >= 20 and all(line.startswith("outside-4 outside4/") for line in listed)
+    assert "outside-4 outside4/instnorm_lrn (p01)" in listed
+    with pytest.raises(SystemExit, match="unknown groups"):
+        stop_rule.main(["--dry-run", "--groups", "outside"])
+
+
 def test_judge_accepts_either_end_only_when_their_magnitudes_tie():
     ok = stop_rule.judge(7.95, -7.89, 7.95, -7.89, -7.89, 7.95, 1e-2)
     assert ok["within"]  # |7.95| and |-7.89| are within 0.0795 of each other
