@@ -443,8 +443,19 @@ def _fsdp_module_class():
     return FSDPModule
 
 
+def pruned(module: nn.Module) -> bool:
+    """``torch.nn.utils.prune`` reparametrizes ``module`` (a forward pre-hook computes ``weight = weight_orig *
+    weight_mask``): the rules' gradients are the computed tensor's, not the parameter's; the ``torch.func``
+    fallback re-runs the hook with the parameter, so it takes these modules."""
+    from torch.nn.utils.prune import BasePruningMethod
+
+    return any(isinstance(hook, BasePruningMethod) for hook in module._forward_pre_hooks.values())
+
+
 def rule_for(module: nn.Module) -> Rule | None:
     """The per-layer rule of ``module``, or ``None`` (the ``torch.func`` fallback)."""
+    if module._forward_pre_hooks and pruned(module):
+        return None
     rule = RULES.get(layer_class(module))
     if rule is not None:
         return rule

@@ -94,6 +94,8 @@ class _LinearFactors(_GradBatchToReducer):
     """``nn.Linear``: offers ``(x, delta)`` for 2-D inputs, ``grad_batch`` otherwise."""
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        if not backpack_computes_per_sample(module):
+            return  # a configuration BackPACK gets wrong (pruned): the hooks take its rows
         _check_kept_call(module, g_out)
         x, delta = module.input0, g_out[0]
         if x.dim() != 2 or delta.dim() != 2 or extension.get_subsampling() is not None:
@@ -116,6 +118,8 @@ class _Conv2dUnfold(_GradBatchToReducer):
     """
 
     def __call__(self, extension: "PerSampleStatistics", module: Module, g_inp, g_out) -> None:
+        if not backpack_computes_per_sample(module):
+            return  # a configuration BackPACK gets wrong (pruned): the hooks take its rows
         _check_kept_call(module, g_out)
         x = module.input0
         if extension.get_subsampling() is not None or not supports_unfold(module, x):

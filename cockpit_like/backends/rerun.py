@@ -290,11 +290,22 @@ def _model_kept(module: nn.Module):
         for name, value in owner._buffers.items()
         if isinstance(value, torch.Tensor)
     ]
+    from torch.nn.utils.prune import BasePruningMethod
+
+    # ``prune``'s forward pre-hook sets the computed ``weight`` as a plain attribute: the re-run's goes, the user's stays
+    computed = [
+        (owner, hook._tensor_name, owner.__dict__[hook._tensor_name])
+        for owner in module.modules() if owner._forward_pre_hooks
+        for hook in owner._forward_pre_hooks.values()
+        if isinstance(hook, BasePruningMethod) and hook._tensor_name in owner.__dict__
+    ]  # fmt: skip
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        for owner, name, value in computed:
+            owner.__dict__[name] = value
         with torch.no_grad():
             for owner, name, value, copy in kept:
                 if owner._buffers.get(name) is not value:

@@ -74,10 +74,15 @@ def backpack_computes_per_sample(module: torch.nn.Module) -> bool:
 
 def _backpack_fails_on(module: torch.nn.Module) -> bool:
     """Configurations of supported classes that BackPACK 1.7 cannot compute: a transposed convolution with
-    ``output_padding`` (its weight's Jacobian is unfolded to the output size without the padding, a shape error).
+    ``output_padding`` (its weight's Jacobian is unfolded to the output size without the padding, a shape error);
+    a module pruned by ``torch.nn.utils.prune`` (BackPACK differentiates the computed ``weight``).
     The hooks take their rows; the curvature ``"auto"`` uses Hessian-vector products."""
     padding = getattr(module, "output_padding", None)
-    return isinstance(module, torch.nn.modules.conv._ConvTransposeNd) and any(int(p) != 0 for p in padding)
+    if isinstance(module, torch.nn.modules.conv._ConvTransposeNd) and any(int(p) != 0 for p in padding):
+        return True
+    from cockpit_like.backends.module_rules import pruned
+
+    return bool(module._forward_pre_hooks) and pruned(module)  # its gradients are weight's, not weight_orig's
 
 
 def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> bool:

@@ -315,11 +315,22 @@ class ModelTracer:
         return self._tracked <= self._covered
 
     def named_params(self, module: nn.Module, recurse: bool = True) -> dict[str, torch.Tensor]:
-        """``module``'s parameters by name as the cockpit attached it (else as it is now)."""
+        """``module``'s parameters by name as they are now, except that a sharded parameter (FSDP2's DTensor, what
+        the cockpit tracks) stands for the whole one the module holds while it runs. A parameter replaced since the
+        cockpit attached (``layer.weight = nn.Parameter(...)``, ``prune`` moving it to ``weight_orig``) is found
+        under its current name: rows are never credited to a tracked parameter the module no longer uses."""
+        current = dict(module.named_parameters(recurse=recurse))
         kept = self._named.get(id(module))
         if kept is None:
-            return dict(module.named_parameters(recurse=recurse))
-        return kept[0] if recurse else kept[1]
+            return current
+        kept = kept[0] if recurse else kept[1]
+        from cockpit_like.backends.partitions import is_dtensor
+
+        for name, param in current.items():
+            old = kept.get(name)
+            if old is not None and old is not param and is_dtensor(old):
+                current[name] = old
+        return current
 
     def _found(self, module: nn.Module, args: tuple) -> None:
         if self.paused or not torch.is_grad_enabled():
