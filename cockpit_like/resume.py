@@ -340,7 +340,9 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
             quantity.output = unpack(entry["output"], params)
         else:
             name = entry["name"]
-            quantity.output = {step: values[name] for step, values in sorted(streamed.items()) if name in values}
+            quantity.output = {
+                step: quantity.from_log(values[name], params) for step, values in sorted(streamed.items()) if name in values
+            }
     if state["epoch_logs"] is not None:
         epoch_logs = unpack(state["epoch_logs"], params)
     else:

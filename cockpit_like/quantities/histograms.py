@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
+import torch
+
 from cockpit_like import context
 from cockpit_like.backends.per_sample_stats import Histogram1dCounts, Histogram2dCounts
 from cockpit_like.quantities.bin_adaptation import NoAdaptation
@@ -47,6 +50,28 @@ def _check_bins(bins, owner: str, axis: str = "") -> int:
 
 class _AdaptiveHistogram(SingleStepQuantity):
     """Shared logic: active at histogram steps and at the adapters' steps."""
+
+    #: the numpy dtype of the stored counts, given the gradients' (None: theirs)
+    _counts_dtype = None
+
+    def from_log(self, value, params):
+        """The stream's lists as the arrays of :meth:`_compute` (counts, float32 edges)."""
+        if not isinstance(value, dict) or "hist" not in value:
+            return value
+        counts = self._counts_dtype
+        if counts is None:
+            counts = np.float64 if params and params[0].dtype == torch.float64 else np.float32
+        restored = dict(value)
+        for key, part in value.items():
+            if isinstance(part, dict) and "hist" in part:  # GradHist2d's per-parameter histograms
+                restored[key] = self.from_log(part, params)
+        restored["hist"] = np.asarray(value["hist"], dtype=counts)
+        edges = value.get("edges")
+        if edges is not None and len(edges) and isinstance(edges[0], list):
+            restored["edges"] = tuple(np.asarray(e, dtype=np.float32) for e in edges)
+        elif edges is not None:
+            restored["edges"] = np.asarray(edges, dtype=np.float32)
+        return restored
 
     def _adapters(self) -> list:
         """The bin adaptations in ``self._adapt`` (without ``None``)."""
@@ -153,6 +178,8 @@ class GradHist2d(_AdaptiveHistogram):
             raise ValueError(f"GradHist2d: adapt must be a pair (x adapter, y adapter), got {adapt!r}")
         self._adapt = [NoAdaptation(verbose=verbose) if a is None else a for a in adapt]
         self._keep_individual = bool(keep_individual)
+
+    _counts_dtype = np.int64
 
     def _counts_stat(self):
         return Histogram2dCounts(self._bins, tuple(tuple(float(v) for v in r) for r in self._range))

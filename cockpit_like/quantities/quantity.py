@@ -197,6 +197,12 @@ class Quantity:
         for name, value in state.get("objects", {}).items():
             getattr(self, name).load_state_dict(value)
 
+    def from_log(self, value: Any, params: list) -> Any:
+        """A value of this quantity read back from its log or stream (arrays come back as lists) in the form it had
+        in memory (``get_output()`` of a resumed run is the uninterrupted run's). ``params``: the cockpit's.
+        Default: as read."""
+        return value
+
     # ---- computing ---------------------------------------------------------
     #: the value measures the parameters the step saw (Distance, UpdateSize, Alpha): withdrawn where the optimizer
     #: stepped from other parameters than the tracked backward pass's (``Cockpit._check_optimizer_step``)
