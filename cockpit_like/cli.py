@@ -251,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
     export.add_argument("--to", required=True, choices=("tensorboard", "wandb", "mlflow"), help="where to")
     export.add_argument("directory", metavar="DIR",
-                        help="TensorBoard log dir / W&B run folder's parent / MLflow file store")
+                        help="TensorBoard log dir / W&B's dir (the run goes to DIR/wandb/...) / MLflow file store")
     export.add_argument("--image-every", type=int, default=0, metavar="N",
                         help="also store the dashboard image every N steps (default 0: none)")
     export.add_argument("--no-progress", action="store_true", help="no progress bar")

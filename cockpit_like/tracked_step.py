@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import sys
 import warnings
 from dataclasses import replace
 from collections.abc import Callable
@@ -214,7 +216,7 @@ class TrackedStep:
             check_sample_ids(self.info, step, self.micro_batches, distributed=env.ranks is not None)
         if env.self_checks:
             check_losses_mean(self.info, step)
-        self._check_loss()
+        loss_warning = self._check_loss()
         create_graph = env.create_graph(step)
         if env.ranks is not None and self.active:
             owners = tuple(env.name_of(q) for q in self.active if q.create_graph(step))
@@ -234,6 +236,7 @@ class TrackedStep:
                 env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
             env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
             env.run.partitions.checks.declared = self.micro_batches
+        self._warn_loss(loss_warning)
         if self.active and env.run.partitions.partitions:
             first = env.run.partitions.partitions[0].info
             if ("sample_ids" in first) != ("sample_ids" in self.info):
@@ -292,17 +295,28 @@ class TrackedStep:
             self._loss_finite = loss_finite(self.info.get("loss"))
         return self._loss_finite
 
-    def _check_loss(self) -> None:
-        if self.loss_finite() is False:
-            self._loss_is_finite = False
-            loss = self.info["loss"]
-            warnings.warn(
-                f"[cockpit_like] step {self.step}: the loss is {float(loss.detach() if isinstance(loss, torch.Tensor) else loss):g}; quantities "
-                "that cannot be computed store NaN for this step. cockpit.records (docs/recorder.md) names the operation "
-                "that made the first non-finite value; lower the learning rate, clip the gradients or check the inputs",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    def _check_loss(self) -> str | None:
+        """The warning for a non-finite ``info["loss"]`` (``None``: finite, or no loss given)."""
+        if self.loss_finite() is not False:
+            return None
+        self._loss_is_finite = False
+        loss = self.info["loss"]
+        return (
+            f"[cockpit_like] step {self.step}: the loss is {float(loss.detach() if isinstance(loss, torch.Tensor) else loss):g}; quantities "
+            "that cannot be computed store NaN for this step. cockpit.records (docs/recorder.md) names the operation "
+            "that made the first non-finite value; lower the learning rate, clip the gradients or check the inputs"
+        )
+
+    def _warn_loss(self, message: str | None) -> None:
+        """Warn of a non-finite loss now, or, where a ``GradScaler`` may skip the step, once the step is known to be
+        tracked (:meth:`finish`): a skipped step stores no value and no record, so the warning would be false."""
+        if message is None:
+            return
+        partitions = self.env.run.partitions
+        if partitions is not None and partitions.step == self.step and partitions.skippable:
+            partitions.loss_warning = partitions.loss_warning or message
+            return
+        warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
 
     # ---- exit: compute, store, free ---------------------------------------------
     def __exit__(self, exc_type, exc, traceback) -> bool:
@@ -440,6 +454,8 @@ class TrackedStep:
                 env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
                 self.skipped = True
                 return
+            if partitions.loss_warning is not None:  # the step is tracked after all: its non-finite loss is told now
+                warnings.warn(partitions.loss_warning, RuntimeWarning, stacklevel=_user_stacklevel())
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
                 ranks.unscale_graph_grads(view)
@@ -664,6 +680,18 @@ class TrackedStep:
         for step, value in _last_items(quantity.output, 2):
             if before.get(step, _MISSING) is not value:
                 new_values.setdefault(step, {})[name] = value
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warnings.warn`, called from the caller of this function, that names the first
+    frame outside ``cockpit_like`` (the user's ``with cockpit(...)``, ``cockpit.end()`` or ``optimizer.step()``)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 _MISSING = object()

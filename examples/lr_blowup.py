@@ -14,7 +14,9 @@ fix for the cause::
 
 With ``diagnose=True`` the cockpit also tracks what the economy preset does
 not (``ParamNorm``, ``LearningRate``, ``ActivationStats``) so that no rule is
-skipped; see docs/diagnosis.md.
+skipped but those that read what no preset run has (``HessMaxEV``,
+``valid_loss``, ``PostMortem``: the ``note:`` lines of ``cockpit-like
+diagnose``); see docs/diagnosis.md and docs/cli.md.
 """
 
 from __future__ import annotations

@@ -408,6 +408,26 @@ def test_bad_rules_and_arguments():
         Cockpit(model.parameters(), on_finding="print")
 
 
+def test_the_rule_classes_are_importable_from_the_package():
+    """docs/diagnosis.md: ``from cockpit_like.diagnosis import LossDiverging``; every built-in rule is re-exported
+    (the same class) and listed in the package's ``__all__``; ``diagnose=[LossDiverging(factor=5.0)]`` runs it."""
+    import cockpit_like.diagnosis as package
+    from cockpit_like.diagnosis import LossDiverging
+
+    for rule in R.default_rules():  # every default rule's class, wherever it is defined
+        name = type(rule).__name__
+        assert getattr(package, name, None) is type(rule) and name in package.__all__, name
+    for name in R.__all__:
+        assert getattr(package, name, None) is getattr(R, name) and name in package.__all__, name
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1))], model=model, diagnose=[LossDiverging(factor=5.0)])
+    train(model, lossfunc, individual, cockpit, "mlp", steps=2)
+    (rule,) = cockpit.diagnosis.rules
+    assert isinstance(rule, R.LossDiverging) and rule.factor == 5.0
+    assert "loss-diverging" not in cockpit.diagnosis.notes()  # it ran on the stored losses
+    cockpit.close()
+
+
 # ---- the cockpit: storage, stream, callback ------------------------------------------------------------
 class StopTraining(Exception):
     pass

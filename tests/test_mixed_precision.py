@@ -4,7 +4,8 @@
   every quantity of every preset equals the run without scaling (rtol 1e-10),
   also with accumulation;
 - a step whose scaled gradients overflow is stored as skipped (output, stream),
-  with no record and no finding, and the next step is tracked as usual;
+  with no record, no finding and no warning of a non-finite loss, and the next
+  step is tracked as usual;
 - fp16 and bf16 autocast on CPU: within the tolerance documented in
   docs/your_training_loop.md of the float64 reference.
 """
@@ -141,6 +142,61 @@ def test_a_skipped_step_is_stored_as_skipped(tmp_path):
     for source in (cockpit, str(tmp_path / "run.json")):
         figure = CockpitPlotter().plot(source, show_plot=False, save_plot=False)
         assert "1 step skipped by the GradScaler (last: 1)" in figure._suptitle.get_text()
+
+
+@pytest.mark.parametrize("scaled", [True, False])
+def test_a_non_finite_loss_warns_only_where_the_step_is_tracked(scaled):
+    """A step whose loss is infinite: under a GradScaler it is skipped (no value, no record), so the cockpit does
+    not warn that its quantities store NaN; without a scaler the same step is tracked, and it warns. A non-finite
+    loss whose gradients are finite (an infinite term without a graph) is not skipped: it warns under a scaler too."""
+    model, lossfunc, individual = make_problem("mlp")
+    model = model.float()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+    told = {}
+    for step in range(4):
+        inputs, labels = make_batch("mlp", ROWS, step)
+        optimizer.zero_grad()
+        outputs = model(inputs.float())
+        losses = individual(outputs, labels)
+        if step == 1:  # an infinite loss with infinite gradients
+            losses = losses * math.inf
+        if step == 2:  # an infinite loss with finite gradients: an infinite constant added
+            losses = losses + torch.tensor(math.inf)
+        loss = losses.mean()
+        info = {"batch_size": ROWS, "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+        if scaled:
+            info["grad_scaler"] = scaler
+        with _recorded_warnings() as caught:
+            with cockpit(step, info=info):
+                scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        told[step] = [w for w in caught if f"step {step}: the loss is " in str(w.message)]
+    assert (1 in cockpit.skipped_steps) == scaled and 2 not in cockpit.skipped_steps
+    assert told[0] == []
+    if scaled:  # the skipped step left the model as it was (without a scaler, SGD stepped to NaN at step 1)
+        assert told[3] == []
+    assert len(told[1]) == (0 if scaled else 1)  # a skipped step stores nothing: no warning that says it does
+    assert len(told[2]) == 1 and "store NaN for this step" in str(told[2][0].message)
+    # the warnings name the training loop's line, not one of the package
+    assert {w.filename for step in (1, 2) for w in told[step]} == {__file__}
+
+
+class _recorded_warnings:
+    """A ``with`` block that records every warning raised in it."""
+
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings(record=True)
+        caught = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return caught
+
+    def __exit__(self, *exc):
+        return self._catch.__exit__(*exc)
 
 
 def _relative(a, b):

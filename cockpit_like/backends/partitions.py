@@ -288,6 +288,9 @@ class StepPartitions:
         self.partitions: list[Partition] = []
         #: the step's self-checks (:class:`~cockpit_like.checks.StepChecks`), set by the tracked step
         self.checks = None
+        #: the warning of a non-finite loss, held back while the step may be one the ``GradScaler`` skips
+        #: (given when the step is tracked; a skipped step stores no value, so it would be false there)
+        self.loss_warning: str | None = None
 
     @property
     def rows(self) -> int:

@@ -7,7 +7,10 @@ What lives here:
 - :mod:`~cockpit_like.diagnosis.history`: :class:`RunHistory`, the stored
   values the rules read;
 - :mod:`~cockpit_like.diagnosis.rule`: :class:`Rule`, the contract of a rule;
-- :mod:`~cockpit_like.diagnosis.rules`: the built-in rules;
+- :mod:`~cockpit_like.diagnosis.rules`: the built-in rules (their classes,
+  e.g. :class:`LossDiverging`, are importable from this package too, and so
+  is ``loss-spike``'s :class:`LossSpike` of
+  :mod:`~cockpit_like.diagnosis.spike_rule`);
 - :mod:`~cockpit_like.diagnosis.recipe`: what the rules know of the training
   recipe (the scheduled learning rate, an adaptive optimizer, how far the
   loss came), read from stored values;
@@ -44,7 +47,37 @@ from cockpit_like.diagnosis.findings import (
 )
 from cockpit_like.diagnosis.history import RunHistory
 from cockpit_like.diagnosis.rule import Rule
-from cockpit_like.diagnosis.rules import default_rules
+from cockpit_like.diagnosis.rules import (
+    ConstantInputs,
+    DeadUnits,
+    ExplodingGradient,
+    ExplodingRecurrence,
+    GradientsAccumulate,
+    LargeInputScale,
+    LearningRateJump,
+    LossAtChance,
+    LossDiverging,
+    LossJump,
+    LossNotDecreasing,
+    NoiseDominated,
+    NoisyLoss,
+    NonFiniteLoss,
+    Overfitting,
+    PoorInitialization,
+    SaturatedOutput,
+    SaturatedUnits,
+    SharpnessAboveStability,
+    SmallBatch,
+    StepOvershoots,
+    StepTooShort,
+    UnchangedParameters,
+    UpdateRatioTooLarge,
+    UpdateRatioTooSmall,
+    VanishingGradient,
+    WeightsShrinking,
+    default_rules,
+)
+from cockpit_like.diagnosis.spike_rule import LossSpike
 
 __all__ = [
     "Finding",
@@ -56,6 +89,35 @@ __all__ = [
     "RunHistory",
     "Rule",
     "default_rules",
+    # the built-in rules (cockpit_like.diagnosis.rules), for diagnose=[...] with thresholds of one's own
+    "NonFiniteLoss",
+    "LossDiverging",
+    "LossNotDecreasing",
+    "NoisyLoss",
+    "SmallBatch",
+    "LargeInputScale",
+    "ConstantInputs",
+    "LossAtChance",
+    "ExplodingGradient",
+    "VanishingGradient",
+    "UpdateRatioTooSmall",
+    "UpdateRatioTooLarge",
+    "StepOvershoots",
+    "StepTooShort",
+    "SharpnessAboveStability",
+    "NoiseDominated",
+    "DeadUnits",
+    "SaturatedUnits",
+    "PoorInitialization",
+    "UnchangedParameters",
+    "Overfitting",
+    "LearningRateJump",
+    "WeightsShrinking",
+    "GradientsAccumulate",
+    "SaturatedOutput",
+    "LossJump",
+    "ExplodingRecurrence",
+    "LossSpike",
     "Diagnosis",
     "DiagnosisReport",
     "diagnose",

@@ -228,7 +228,8 @@ class WandbExporter(Exporter):
     """Logs to a Weights & Biases run (``pip install cockpit_like[wandb]``).
 
     Args:
-        directory: ``wandb.init(dir=...)``: where the run folder goes (created).
+        directory: ``wandb.init(dir=...)`` (created): W&B puts the run folder in its ``wandb`` folder there,
+            ``directory/wandb/offline-run-<time>-<id>`` (:attr:`run_dir`).
         run: a run of your own (from ``wandb.init``) instead; :meth:`close` then
             leaves it open.
         mode: ``"offline"``, ``"online"`` or ``"disabled"``; default
@@ -362,7 +363,7 @@ def make_exporter(to: str, directory: str | os.PathLike, **options: Any) -> Expo
     """An exporter of kind ``to`` writing under ``directory``.
 
     TensorBoard: event files in ``directory``; W&B: the run folder in
-    ``directory`` (offline unless ``WANDB_MODE`` says otherwise); MLflow: a file
+    ``directory/wandb`` (offline unless ``WANDB_MODE`` says otherwise); MLflow: a file
     store at ``directory`` (``file:`` URI), unless ``options`` give ``tracking_uri``.
     """
     if to not in EXPORTERS:

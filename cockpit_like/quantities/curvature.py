@@ -58,8 +58,10 @@ On any model (no BackPACK needed):
   (their denominator must be positive: with the Hessian's indefinite, noisy
   estimate TIC came out as +-5e4 and negative). TIC with the GGN is the TIC
   of the GGN, as Cockpit's ``curvature="diag_ggn_exact"`` is, and positive.
-  Where a step gives no ``info["outputs"]``, ``"auto"``'s TIC takes
-  ``"hutchinson"`` at that step and its ``checks["notes"]`` say so. Decided
+  Where a step gives no ``info["outputs"]``, ``"auto"``'s TICTrace takes
+  ``"hutchinson"`` at that step (with its error bar) and TICDiag stores no
+  value (it divides entry by entry by an indefinite, noisy estimate); the
+  step's ``checks["notes"]`` say so. Decided
   when the cockpit learns the model, and written to the log metadata
   (``settings()["computed_with"]``). Without a known model, ``"diag_h"``.
 

@@ -1,0 +1,98 @@
+"""The documentation says what the code does: snippets run as written and give what their prose promises, and
+pasted command output is what the command prints.
+
+- README "Any model" and docs/your_model.md "Hugging Face models": the ``full`` preset on a model that is not
+  extended gives ``TICDiag`` at every step because the loop passes the logits as ``info["outputs"]`` (without
+  them it stores no value: docs/your_model.md);
+- docs/cli.md: the sample of ``cockpit-like diagnose`` after ``python examples/lr_blowup.py`` is the command's
+  own output (its lines, in order; ``...`` marks what the sample leaves out).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+
+from cockpit_like import Cockpit  # noqa: E402
+from cockpit_like.utils.configuration import configuration  # noqa: E402
+from tests.test_examples import load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fenced_block(path: Path, heading: str, language: str = "") -> str:
+    """The first fenced block (```language) after the line that starts with ``heading``."""
+    text = path.read_text()
+    start = text.index("\n" + heading) + 1
+    opening = f"```{language}\n"
+    begin = text.index(opening, start) + len(opening)
+    return text[begin : text.index("```", begin)]
+
+
+def _run_snippet(code: str, names: dict) -> dict:
+    namespace = dict(names)
+    exec(compile(code, "<snippet>", "exec"), namespace)  # noqa: S102 (the documentation's own code)
+    return namespace
+
+
+def _assert_ticdiag_at_every_step(cockpit: Cockpit, steps: int) -> None:
+    output = cockpit.get_output()
+    for step in range(steps):
+        assert "TICDiag" in output[step], (step, output[step]["checks"]["notes"])
+        assert math.isfinite(output[step]["TICDiag"]) and output[step]["TICDiag"] > 0
+        assert not [note for note in output[step]["checks"]["notes"] if note.startswith("TICDiag")]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_readme_any_model_loop_gives_ticdiag():
+    code = fenced_block(ROOT / "README.md", "## Any model", "python")
+    generator = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+              for _ in range(3)]  # fmt: skip
+    torch.manual_seed(0)
+    namespace = _run_snippet(code, {"torch": torch, "Cockpit": Cockpit, "configuration": configuration,
+                                    "loader": loader})  # fmt: skip
+    _assert_ticdiag_at_every_step(namespace["cockpit"], steps=3)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_gpt2_example_of_your_model_gives_ticdiag():
+    pytest.importorskip("transformers")
+    code = fenced_block(ROOT / "docs" / "your_model.md", "## Hugging Face models", "python")
+    generator = torch.Generator().manual_seed(0)
+    loader = []
+    for _ in range(2):
+        ids = torch.randint(1, 100, (4, 16), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, 10:] = 0  # padded rows: their positions are ignored by the loss
+        mask[3, 5:] = 0
+        loader.append((ids, mask))
+    torch.manual_seed(0)
+    namespace = _run_snippet(code, {"loader": loader})
+    _assert_ticdiag_at_every_step(namespace["cockpit"], steps=2)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_cli_diagnose_sample_is_what_the_command_prints(tmp_path, monkeypatch, capsys):
+    from cockpit_like.cli import main
+
+    sample = fenced_block(ROOT / "docs" / "cli.md", "## `cockpit-like diagnose").splitlines()
+    monkeypatch.chdir(tmp_path)
+    load("lr_blowup").main(["--no-show"])  # `python examples/lr_blowup.py`, as the doc says (its defaults)
+    capsys.readouterr()
+    assert main(["diagnose", "runs/lr_blowup.json"]) == 1  # an error finding: exit status 1 (docs/cli.md)
+    printed = capsys.readouterr().out.splitlines()
+    assert sample[0] == printed[0]
+    # every line of the sample, in order, except the "..." that marks what it leaves out
+    lines = iter(printed)
+    for line in sample:
+        if line.strip() != "...":
+            assert any(line == printed_line for printed_line in lines), f"not printed (in this order): {line!r}"
+    notes = [line for line in printed if line.startswith("note:")]
+    assert notes and notes == [line for line in sample if line.startswith("note:")]  # every note, none more
