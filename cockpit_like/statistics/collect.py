@@ -193,12 +193,16 @@ class _Step:
         """Fold ``inputs`` ``[B T, in]`` (count ``B T``) and ``grads`` ``[B T, out]`` (count ``B``) into layer ``name``."""
         stats = self.plan.stats
         logs = self.layers.get(name)
+        # a layer called several times in the pass (used twice, weight tying within a layer): its calls' rows are
+        # positions of the same samples ("expand" over calls), so the inputs count B T per call, and the output
+        # gradients count the B samples once
+        samples = batch if logs is None else 0
         if logs is None:
             logs = self.layers[name] = {"forward": empty_states(stats["forward"]), "backward": empty_states(stats["backward"])}
         for stat in stats["forward"]:
             logs["forward"][stat.name] = stat.update(logs["forward"][stat.name], inputs, inputs.shape[0])
         for stat in stats["backward"]:
-            logs["backward"][stat.name] = stat.update(logs["backward"][stat.name], grads, batch)
+            logs["backward"][stat.name] = stat.update(logs["backward"][stat.name], grads, samples)
 
     def _log_factors(self, index: int, factors, sequence) -> bool:
         """``layers_from="factors"``: log a weight given as ``sum_t a_t b_t^T`` as a layer (``True`` if it was)."""
