@@ -474,6 +474,9 @@ class StepGradients:
         #: scale, where the step finishes before its ``unscale_``)
         self.unscaled_later = float(unscaled_later)
         self._originals = list(params)
+        #: ``id`` of the parameters without a gradient as the loop leaves them (``p.grad`` None: not in the step's
+        #: graph): the quantities count their gradient as zero, the optimizer skips them (no decay, no momentum)
+        self._gradless = {id(p) for p in params if p.grad is None}
         self._saved: list[torch.Tensor | None] | None = None
         self._stand_ins: dict[int, torch.Tensor] = {}
         self._memo: dict[Any, Any] = {}
@@ -512,18 +515,28 @@ class StepGradients:
         stand_in = self._stand_ins.get(id(param))
         return param.grad if stand_in is None else stand_in.grad
 
-    def optimizer_gradients(self, params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor] | None:
+    def optimizer_gradients(self, params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor | None] | None:
         """``{param: gradient}`` as the optimizer gets it where the quantities see it divided by the scale (a loss
         factor, micro-batches not divided by their number, clipping or unscaling before the optimizer's step):
-        the user's own gradient tensors; ``None`` where the two are the same."""
-        if self._saved is None or self.scale == self.unscaled_later:
+        the user's own gradient tensors; ``None`` where the two are the same. A parameter without a gradient
+        (``p.grad`` None, which the quantities count as zero) maps to ``None``: the optimizer skips it, and so
+        does a look-ahead (:func:`cockpit_like.utils.optim.lookahead_update`)."""
+        differ = self._saved is not None and self.scale != self.unscaled_later
+        if not differ and not self._gradless:
             return None
         divisor = self.unscaled_later
-        saved = {id(original): grad for original, grad in zip(self._originals, self._saved)}
-        return {
-            param: saved[id(param)] if divisor == 1.0 else saved[id(param)] / divisor
-            for param in params if saved.get(id(param)) is not None
-        }  # fmt: skip
+        saved = {} if self._saved is None else dict(zip(map(id, self._originals), self._saved))
+        gradients: dict[torch.Tensor, torch.Tensor | None] = {}
+        for param in params:
+            if id(param) in self._gradless:
+                gradients[param] = None
+            elif differ and saved.get(id(param)) is not None:
+                gradients[param] = saved[id(param)] if divisor == 1.0 else saved[id(param)] / divisor
+        return gradients
+
+    def gradless(self, params: list[torch.Tensor]) -> set[int]:
+        """Indices of ``params`` without a gradient as the loop leaves them (the optimizer skips them)."""
+        return {index for index, param in enumerate(params) if id(param) in self._gradless}
 
     def unscale(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Other gradients of the step (a rank's local ones with their graph) divided by the scale."""
@@ -557,6 +570,12 @@ def optimizer_gradients(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.
     """The gradients ``params``' optimizer steps with, where they differ from :func:`step_grad`'s (for a
     look-ahead of its update: :func:`cockpit_like.utils.optim.lookahead_update`'s ``gradients``)."""
     return None if _VIEW is None else _VIEW.optimizer_gradients(params)
+
+
+def gradless(params: list[torch.Tensor]) -> set[int]:
+    """Indices of ``params`` whose ``p.grad`` the loop left None at the finishing step (the quantities count it as
+    zero; the optimizer skips the parameter): empty outside a finishing step."""
+    return set() if _VIEW is None else _VIEW.gradless(params)
 
 
 def step_memo(key: Any, compute: Callable[[], Any]) -> Any:

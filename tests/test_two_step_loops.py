@@ -1,0 +1,131 @@
+"""The two-step quantities (Alpha, UpdateSize) in loops found outside the tests (a fourth round): a head without a
+gradient at some steps, gradients changed by other than one factor before ``optimizer.step()``, the cockpit
+entered at some optimizer steps only or with step numbers that skip, and a step a GradScaler skipped. Float64,
+against brute force: the updates from parameter snapshots, Alpha from its definition (``reference_alpha``)."""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from cockpit_like import Cockpit
+from cockpit_like.quantities import Alpha, Distance, GradNorm, UpdateSize
+from cockpit_like.utils.schedules import linear
+from tests.test_alpha import reference_alpha
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
+DT = torch.float64
+B = 6
+
+
+class TwoHeads(nn.Module):
+    """A trunk and two heads; the second is used only where ``use2`` (a task absent from some batches)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Sequential(nn.Linear(5, 6), nn.ReLU())
+        self.h1, self.h2 = nn.Linear(6, 3), nn.Linear(6, 3)
+        self.use2 = True
+        self.to(DT)
+
+    def forward(self, x):
+        z = self.trunk(x)
+        return self.h1(z) + self.h2(z) if self.use2 else self.h1(z)
+
+
+def per_sample_grads(model, x, y):
+    """``[grad_batch_p]`` of the mean loss's rows (zeros for a parameter the rows do not use), by torch.func."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def row_loss(p, xi, yi):
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    grads = vmap(grad(row_loss), (None, 0, 0))(params, x, y)
+    return [grads[name] for name in params]
+
+
+def batch(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(B, 5, dtype=DT, generator=generator), torch.randint(0, 3, (B,), generator=generator)
+
+
+def quantities():
+    return [Alpha(linear(1)), UpdateSize(linear(1)), Distance(linear(1)), GradNorm(linear(1))]
+
+
+def train(model, optimizer, iterations, tracked=lambda it: it, between=None, use2=None, scaler=None, poison=()):
+    """``iterations`` optimizer steps; the cockpit entered where ``tracked(it)`` is a step number (not None).
+    ``between(it)``: runs after the block, before the optimizer's step. The observations of each tracked step
+    (parameters before it, per-sample gradients, losses) and the parameters after the loop."""
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    observed = {}
+    for it in range(iterations):
+        if use2 is not None:
+            model.use2 = use2[it]
+        x, y = batch(it)
+        if it in poison:
+            x[0] = 1e306  # a row far off, labelled as its least likely class: the scaled gradients overflow
+            with torch.no_grad():
+                y[0] = model(x)[0].argmin()
+        step = tracked(it)
+        optimizer.zero_grad()
+        outputs = model(x)
+        losses = F.cross_entropy(outputs, y, reduction="none")
+        loss = losses.mean()
+        if step is not None:
+            observed[step] = {"params": [p.detach().clone() for p in model.parameters()], "loss": loss.item(),
+                              "losses": losses.detach(), "grads": per_sample_grads(model, x, y)}  # fmt: skip
+            info = {"batch_size": B, "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+            with cockpit(step, info=info):
+                (loss if scaler is None else scaler.scale(loss)).backward()
+        else:
+            (loss if scaler is None else scaler.scale(loss)).backward()
+        if between is not None:
+            between(it, model)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+    final = [p.detach().clone() for p in model.parameters()]
+    return cockpit, observed, final
+
+
+def norms(a, b):
+    return [float((x - y).norm()) for x, y in zip(a, b)]
+
+
+def notes(cockpit, step):
+    return cockpit.checks.get(step, {}).get("notes", [])
+
+
+HEAD_OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.05),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, weight_decay=0.01),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_OPTIMIZERS))
+def test_a_head_without_a_gradient_is_left_alone_by_alphas_look_ahead(name):
+    """zero_grad(set_to_none=True) and a head unused at steps 0, 2, 3: torch's optimizers skip a parameter whose
+    .grad is None (no weight decay, no momentum for it). Before, Alpha's look-ahead stepped the head on a zero
+    gradient (the cockpit counts a parameter without a gradient as zero), the prediction missed, and Alpha was
+    withdrawn with a note blaming the loop; now its look-ahead skips it as the optimizer does: exact."""
+    model = TwoHeads()
+    optimizer = HEAD_OPTIMIZERS[name](model.parameters())
+    use2 = [False, True, False, False, True, True]
+    cockpit, observed, _ = train(model, optimizer, 6, use2=use2)
+    alpha = cockpit.get_output()
+    for step in range(5):
+        expected = reference_alpha(observed[step], observed[step + 1], B)
+        assert alpha[step].get("Alpha") == pytest.approx(expected, rel=1e-8, abs=1e-10), step
+        assert not [n for n in notes(cockpit, step) if "Alpha" in n], step
+    # the other statistics still count the head's gradient as zero, and say so
+    assert cockpit.checks[0]["no_gradient"] == ["h2.weight", "h2.bias"]
+    assert alpha[0]["GradNorm"][-2:] == [0.0, 0.0]
