@@ -667,12 +667,19 @@ class Cockpit:
                       "parameters the optimizer steps from, or leave these quantities out."),
             )  # fmt: skip
         if grads is not None and gradients_changed(self.params, step, grads):
+            # those that can predict from the optimizer's gradients learn to wait for its step (Alpha)
+            learned = sorted(self.name_of(q) for q in self.quantities
+                             if getattr(q, "predicts_update", False) and q.learn_to_wait(step))  # fmt: skip
+            waits = (f"; from the next tracked step on, {', '.join(learned)} waits for {type(optimizer).__name__}.step() "
+                     "and predicts the update from the gradients it steps with (the step's per-sample rows and the "
+                     "backward pass's gradients are kept until then)") if learned else ""  # fmt: skip
             self._withdraw_motion(
                 step, lambda q: getattr(q, "predicts_update", False), ends=False,
                 note=(f"the gradients changed between the end of the backward pass of step {step} and "
                       f"{type(optimizer).__name__}.step(), and not by one factor (e.g. SAM's second backward pass, "
-                      "per-parameter clipping): the quantities describe the gradient of the backward pass, not the "
-                      "one the optimizer used; withdrawn, as they predict the update from it: {withdrawn}."),
+                      "per-parameter clipping by value, gradient noise): the quantities describe the gradient of the "
+                      "backward pass, not the one the optimizer used; withdrawn, as they predict the update from it: "
+                      "{withdrawn}" + waits + "."),
             )  # fmt: skip
 
     def _withdraw_motion(self, step: int, which: Callable[[Quantity], bool], ends: bool, note: str) -> None:

@@ -181,6 +181,12 @@ class TrackedStep:
             (env.run.accumulates or waits) and "micro_batches" not in info and env.ranks is None
             and _is_optimizer(optimizer)
         )  # fmt: skip
+        #: the gradients as the step's backward passes left them, kept where the step waits for the optimizer's
+        #: step for a quantity (Alpha) and the loop may change them before (clipping by value, gradient noise):
+        #: the quantities describe these, the look-ahead steps with the optimizer's (:meth:`_step_scale`)
+        self._waits = waits and self.open_ended
+        self._kept: list[torch.Tensor | None] | None = None
+        self._use_kept = False
         self._split = micro_batches > 1 or env.ranks is not None or self.open_ended
         #: a backward pass of a step already withdrawn (see Cockpit._invalidate): nothing is computed
         self.ignored = ignored
@@ -363,6 +369,8 @@ class TrackedStep:
         if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
             self._watch_parameters()
             self._fingerprint = _fingerprint(env.params, self.step)
+            if self._waits and not any(is_dtensor(p) for p in env.params):  # one copy of the gradients, until then
+                self._kept = [None if p.grad is None else p.grad.detach().clone() for p in env.params]
             env.run.pending = self
             return False
         if not self.last:  # more declared micro-batches to come
@@ -431,8 +439,10 @@ class TrackedStep:
         # the optimizer steps on p.grad as it is at its step: without a declared GradScaler's scale, which the
         # scaler takes off before (where the step finishes at the optimizer's step, it has already)
         view = StepGradients(
-            params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler, zeros=untouched
+            params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler, zeros=untouched,
+            kept=self._kept if self._use_kept else None,
         )
+        self._kept = None  # the view holds them while the quantities read them
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
@@ -619,6 +629,13 @@ class TrackedStep:
             return scale, None
         if factor is not None:
             return scale * factor, factor
+        if self._kept is not None:  # the step waited for the optimizer (Alpha) and kept the backward pass's gradients
+            self._use_kept = True
+            checks.note(f"the gradients changed between the end of the backward pass of step {self.step} and the "
+                        "optimizer step, and not by one factor (clipping by value, gradient noise, SAM's second pass): "
+                        "the quantities describe the gradients of the backward pass (kept until the optimizer's step), "
+                        "Alpha predicts the update from those the optimizer steps with")
+            return scale, None
         checks.fail("gradient", f"the gradients of step {self.step} changed between the end of the backward pass and "
                     "the optimizer step, and not by one factor (per-parameter clipping? an optimizer wrapper?): the "
                     "cockpit cannot tell the gradient the per-sample rows belong to")

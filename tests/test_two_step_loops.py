@@ -129,3 +129,39 @@ def test_a_head_without_a_gradient_is_left_alone_by_alphas_look_ahead(name):
     # the other statistics still count the head's gradient as zero, and say so
     assert cockpit.checks[0]["no_gradient"] == ["h2.weight", "h2.bias"]
     assert alpha[0]["GradNorm"][-2:] == [0.0, 0.0]
+
+
+def _clip_value(it, model):
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
+
+
+def _add_noise(it, model):
+    generator = torch.Generator().manual_seed(7 + it)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.grad.add_(0.01 * torch.randn(p.shape, dtype=DT, generator=generator))
+
+
+@pytest.mark.parametrize("change", [_clip_value, _add_noise], ids=["clip_grad_value", "gradient_noise"])
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_gradients_changed_before_the_step_store_no_alpha_once_then_alpha_waits_and_is_exact(change, name):
+    """clip_grad_value_ (or gradient noise) after the block: the optimizer steps with other gradients than those
+    the backward pass left, and not by one factor. Before, Alpha was withdrawn at every step (the check at the
+    optimizer step dropped its start before Alpha could learn to wait); now the first step stores none and says
+    why, the later steps wait for the optimizer's step and predict from the gradients it gets: exact. The other
+    quantities describe the backward pass's gradient (as before)."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3) if name == "sgd" else torch.optim.Adam(model.parameters(), lr=0.02)
+    cockpit, observed, _ = train(model, optimizer, 5, between=change)
+    output = cockpit.get_output()
+    assert "Alpha" not in output[0]
+    assert "from the next tracked step on" in notes(cockpit, 0)[0] and "Alpha" in notes(cockpit, 0)[0]
+    for step in range(1, 4):
+        expected = reference_alpha(observed[step], observed[step + 1], B)
+        assert output[step]["Alpha"] == pytest.approx(expected, rel=1e-8, abs=1e-10), step
+        assert cockpit.checks[step]["valid"], step
+        assert any("not by one factor" in n for n in notes(cockpit, step)), step
+        mean = [g.mean(0) for g in observed[step]["grads"]]  # the backward pass's gradient, not the changed one
+        assert output[step]["GradNorm"] == pytest.approx([float(g.norm()) for g in mean], rel=1e-10), step
+        update = norms(observed[step + 1]["params"], observed[step]["params"])
+        assert output[step]["UpdateSize"] == pytest.approx(update, rel=1e-12), step

@@ -466,8 +466,15 @@ class StepGradients:
     per-sample statistics read a parameter's gradient of the step.
     """
 
-    def __init__(self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0, zeros: Iterable[int] = ()):
+    def __init__(
+        self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0, zeros: Iterable[int] = (),
+        kept: list[torch.Tensor | None] | None = None,
+    ):
         self.params, self.scale = list(params), float(scale)
+        #: the gradients as the backward passes left them, where the loop changed them since, and not by one factor
+        #: (clipping by value before a step that waited for the optimizer): the quantities read these, the
+        #: optimizer (and a look-ahead, :meth:`optimizer_gradients`) the user's
+        self.kept = kept
         #: indices of parameters whose p.grad holds only earlier steps' gradients: zero at this step
         self.zeros = set(zeros)
         #: the part of ``scale`` taken off the gradients before the optimizer steps (a declared GradScaler's
@@ -496,13 +503,16 @@ class StepGradients:
                     stand_in.grad = grad if self.scale == 1.0 else grad * inverse
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
-        elif self.scale != 1.0 or self.zeros or any(p.grad is None for p in self._originals):
+        elif self.kept is not None or self.scale != 1.0 or self.zeros or any(p.grad is None for p in self._originals):
             self._saved = [p.grad for p in self._originals]
-            for index, (param, grad) in enumerate(zip(self._originals, self._saved)):
+            read = self._saved if self.kept is None else self.kept
+            for index, (param, grad) in enumerate(zip(self._originals, read)):
                 if grad is None or index in self.zeros:  # not in the step's graph (unused, frozen, replaced): zero
                     param.grad = torch.zeros_like(param)
                 elif self.scale != 1.0:
                     param.grad = grad * inverse
+                elif self.kept is not None:
+                    param.grad = grad
         _VIEW = self
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
@@ -521,7 +531,7 @@ class StepGradients:
         the user's own gradient tensors; ``None`` where the two are the same. A parameter without a gradient
         (``p.grad`` None, which the quantities count as zero) maps to ``None``: the optimizer skips it, and so
         does a look-ahead (:func:`cockpit_like.utils.optim.lookahead_update`)."""
-        differ = self._saved is not None and self.scale != self.unscaled_later
+        differ = self._saved is not None and (self.kept is not None or self.scale != self.unscaled_later)
         if not differ and not self._gradless:
             return None
         divisor = self.unscaled_later
@@ -548,7 +558,7 @@ class StepGradients:
         global _VIEW
         if _VIEW is self:
             _VIEW = None
-        self._stand_ins, self._memo = {}, {}
+        self._stand_ins, self._memo, self.kept = {}, {}, None
         self.params = list(self._originals)
         if self._saved is None:
             return

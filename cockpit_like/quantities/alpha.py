@@ -135,6 +135,10 @@ class Alpha(TwoStepQuantity):
     def waits_for_optimizer(self, global_step: int) -> bool:
         return self._waits and self.is_start(global_step)
 
+    def learn_to_wait(self, global_step: int) -> bool:
+        learned, self._waits = not self._waits, True
+        return learned
+
     def required_info(self, global_step: int) -> set[str]:
         return set(self._INFO) if self.is_active(global_step) else set()
 

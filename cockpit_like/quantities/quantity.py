@@ -211,6 +211,13 @@ class Quantity:
         unscaling), its per-sample rows kept until then. Default: no."""
         return False
 
+    def learn_to_wait(self, global_step: int) -> bool:
+        """``info["optimizer"]`` stepped with other gradients than the backward pass of ``global_step`` left, and not
+        by one factor (clipping by value, gradient noise): the values of a :attr:`predicts_update` quantity there
+        are withdrawn. Whether the quantity now learned to predict from the gradients the optimizer gets, from its
+        next start step on (:meth:`waits_for_optimizer`). Default: no."""
+        return False
+
     def skip(self, global_step: int) -> None:
         """``global_step`` was scheduled but stores nothing (it failed a self-check, or what it needs was left
         out): release what :meth:`prepare_forward` set up for it. The default does nothing."""
@@ -306,6 +313,13 @@ class TwoStepQuantity(Quantity):
             self._store(start, value)
         self._skipped_starts.discard(start)
         self.clean_cache(global_step)
+
+    def learn_to_wait(self, global_step: int) -> bool:
+        """``info["optimizer"]`` stepped with other gradients than the backward pass of ``global_step`` left, and not
+        by one factor (clipping by value, gradient noise): the values of a :attr:`predicts_update` quantity there
+        are withdrawn. Whether the quantity now learned to predict from the gradients the optimizer gets, from its
+        next start step on (:meth:`waits_for_optimizer`). Default: no."""
+        return False
 
     def skip(self, global_step: int) -> None:
         """The step stores nothing: no start information is kept (its end stores nothing either), and the
