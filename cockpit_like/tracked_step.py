@@ -84,6 +84,10 @@ class StepRun:
     #: ``(step, optimizer class)``: the step finished last, once an optimizer stepped after it: a pass with that number
     #: again is a new optimizer step under a repeated number (:meth:`Cockpit.__call__` refuses it)
     stepped: tuple[int, str] | None = None
+    #: ``[step, id(optimizer), count]``: the steps ``info["optimizer"]`` of the step finished last has made since
+    #: (its step post-hook counts them); more than one before the next tracked step, and the values of two-step
+    #: quantities that start at that step and end at the next (UpdateSize, Alpha) would span several updates
+    updates: list | None = None
 
 
 @dataclass(frozen=True)
@@ -449,6 +453,7 @@ class TrackedStep:
             if skippable and not gradients_finite(params):
                 env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
                 self.skipped = True
+                self._count_updates()
                 return
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
@@ -523,6 +528,7 @@ class TrackedStep:
         env.store_checks(self.step, record)
         tracked_names = {env.name_of(q) for q in self.active}
         env.run.finished = (self.step, tracked_names)
+        self._count_updates()
         env.output.note_tracked(self.step)
         for step in [s for s in new_values if s in env.run.invalid_steps]:  # late values of a withdrawn step
             for name in [n for n in new_values[step] if n in tracked_names]:
@@ -535,6 +541,11 @@ class TrackedStep:
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         env.diagnose(new_values)
+
+    def _count_updates(self) -> None:
+        """From now on count the steps of the step's ``info["optimizer"]`` (:attr:`StepRun.updates`)."""
+        optimizer = self.info.get("optimizer")
+        self.env.run.updates = [self.step, id(optimizer), 0] if _is_optimizer(optimizer) else None
 
     def _optimized(self) -> set[int] | None:
         """``id`` of the parameters ``info["optimizer"]`` updates (``None``: no optimizer given)."""

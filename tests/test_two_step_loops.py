@@ -165,3 +165,38 @@ def test_gradients_changed_before_the_step_store_no_alpha_once_then_alpha_waits_
         assert output[step]["GradNorm"] == pytest.approx([float(g.norm()) for g in mean], rel=1e-10), step
         update = norms(observed[step + 1]["params"], observed[step]["params"])
         assert output[step]["UpdateSize"] == pytest.approx(update, rel=1e-12), step
+
+
+def test_updatesize_and_alpha_store_nothing_where_the_optimizer_stepped_several_times_between_tracked_steps():
+    """The block entered every 4th iteration, numbered 0, 1, 2 by the loop, the optimizer stepping every iteration.
+    Before, UpdateSize[0] was the norm of four updates, stored as valid without a note (and Alpha's note blamed
+    the gradients, and Alpha then waited for the step); now both store nothing, a note at the step says why.
+    Distance (from the first parameters) is unaffected."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    cockpit, observed, _ = train(model, optimizer, 9, tracked=lambda it: it // 4 if it % 4 == 0 else None)
+    output = cockpit.get_output()
+    for step in (0, 1):
+        assert "UpdateSize" not in output[step] and "Alpha" not in output[step], step
+        said = [n for n in notes(cockpit, step) if "UpdateSize" in n]
+        assert len(said) == 1 and "Alpha" in said[0] and "4 times" in said[0], step
+        assert cockpit.checks[step]["valid"]
+    for step in (0, 1, 2):
+        distance = norms(observed[step]["params"], observed[0]["params"])
+        assert output[step]["Distance"] == pytest.approx(distance, rel=1e-12, abs=1e-15)
+    assert not [n for s in (0, 1, 2) for n in notes(cockpit, s) if "direction" in n]  # no misleading Alpha note
+
+
+def test_a_plain_loop_gets_every_value_and_no_note():
+    """One optimizer step per tracked step, consecutive numbers: the values of Cockpit, exact, nothing noted."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cockpit, observed, _ = train(model, optimizer, 4)
+    output = cockpit.get_output()
+    for step in range(4):
+        assert not notes(cockpit, step)
+    for step in range(3):
+        assert output[step]["UpdateSize"] == pytest.approx(norms(observed[step + 1]["params"], observed[step]["params"]), rel=1e-12)
+        assert output[step]["Alpha"] == pytest.approx(reference_alpha(observed[step], observed[step + 1], B), rel=1e-8)

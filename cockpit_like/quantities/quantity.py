@@ -211,6 +211,11 @@ class Quantity:
         unscaling), its per-sample rows kept until then. Default: no."""
         return False
 
+    def drop_start(self, start: int, end: int) -> bool:
+        """The value that starts at ``start`` and ends at ``end`` cannot be computed (the optimizer stepped several
+        times in between): drop what ``start`` kept for it; whether there was such a value. Default: no."""
+        return False
+
     def learn_to_wait(self, global_step: int) -> bool:
         """``info["optimizer"]`` stepped with other gradients than the backward pass of ``global_step`` left, and not
         by one factor (clipping by value, gradient noise): the values of a :attr:`predicts_update` quantity there
@@ -314,12 +319,23 @@ class TwoStepQuantity(Quantity):
         self._skipped_starts.discard(start)
         self.clean_cache(global_step)
 
+    def drop_start(self, start: int, end: int) -> bool:
+        """The value that starts at ``start`` and ends at ``end`` cannot be computed (the optimizer stepped several
+        times in between): drop what ``start`` kept for it; whether there was such a value. Default: no."""
+        return False
+
     def learn_to_wait(self, global_step: int) -> bool:
         """``info["optimizer"]`` stepped with other gradients than the backward pass of ``global_step`` left, and not
         by one factor (clipping by value, gradient noise): the values of a :attr:`predicts_update` quantity there
         are withdrawn. Whether the quantity now learned to predict from the gradients the optimizer gets, from its
         next start step on (:meth:`waits_for_optimizer`). Default: no."""
         return False
+
+    def drop_start(self, start: int, end: int) -> bool:
+        if self.SAVE_SHIFT == 0 or end - self.SAVE_SHIFT != start or start not in self._cache:
+            return False
+        del self._cache[start]
+        return True
 
     def skip(self, global_step: int) -> None:
         """The step stores nothing: no start information is kept (its end stores nothing either), and the
