@@ -706,9 +706,7 @@ class Cockpit:
 
     def _note(self, step: int, text: str) -> None:
         """Add ``text`` to the notes of ``step``'s checks (stored already, or stored with it)."""
-        record = dict(self._output.checks.get(step, {"valid": True, "failed": [], "notes": []}))
-        record["notes"] = list(record.get("notes", [])) + [text]
-        self._store_checks(step, record)
+        self._env.add_note(step, text)
 
     def _withdraw_motion(self, step: int, which: Callable[[Quantity], bool], ends: bool, note: str) -> None:
         """Withdraw the values of ``step`` of the quantities ``which`` selects (and, with ``ends``, the values whose

@@ -88,6 +88,8 @@ class StepRun:
     #: (its step post-hook counts them); more than one before the next tracked step, and the values of two-step
     #: quantities that start at that step and end at the next (UpdateSize, Alpha) would span several updates
     updates: list | None = None
+    #: a warning said once that the step numbers skip the end steps of two-step quantities
+    gap_warned: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,12 @@ class StepEnvironment:
     def store_checks(self, step: int, record: dict[str, Any]) -> None:
         if self.keeps_output():
             self.output.store_checks(step, record)
+
+    def add_note(self, step: int, text: str) -> None:
+        """Add ``text`` to the notes of ``step``'s checks (stored already, or stored with it)."""
+        record = dict(self.output.checks.get(step, {"valid": True, "failed": [], "notes": []}))
+        record["notes"] = list(record.get("notes", [])) + [text]
+        self.store_checks(step, record)
 
 
 class StepContext:
@@ -454,6 +462,7 @@ class TrackedStep:
                 env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
                 self.skipped = True
                 self._count_updates()
+                self._end_at_skipped_step(params)
                 return
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
@@ -491,6 +500,7 @@ class TrackedStep:
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
             skipped |= execution.left_out_owners()
+            self._note_lost_ends(checks)
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:
@@ -541,6 +551,63 @@ class TrackedStep:
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         env.diagnose(new_values)
+
+    def _end_at_skipped_step(self, params: list[torch.Tensor]) -> None:
+        """A GradScaler skips the step: it stores nothing, but the update of the step before was made and the
+        parameters are fine: the values that end here and read only the parameters (UpdateSize) are stored, the
+        others (Alpha: this step's loss and gradients) are not, and a note at their step says why."""
+        env = self.env
+        new_values: dict[int, dict[str, Any]] = {}
+        lost: dict[int, list[str]] = {}
+        for quantity in self.active:
+            name = env.name_of(quantity)
+            before = dict(_last_items(quantity.output, 2))
+            for start in quantity.skip_optimizer_step(self.step, params):
+                lost.setdefault(start, []).append(name)
+            for step, value in _last_items(quantity.output, 2):
+                if before.get(step, _MISSING) is not value:
+                    if step in env.run.invalid_steps or not env.keeps_output():
+                        quantity.output.pop(step, None)
+                    else:
+                        new_values.setdefault(step, {})[name] = value
+        for step, values in sorted(new_values.items()):
+            env.output.publish(step, values)
+        for start, names in sorted(lost.items()):
+            names = sorted(names)
+            env.add_note(start, (
+                f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: a GradScaler "
+                f"skipped step {self.step} (its gradients are not finite), and {'it ends' if len(names) == 1 else 'they end'} "
+                f"with that step's loss and gradients. The update from step {start} to {self.step} was made: UpdateSize "
+                f"of step {start} is stored."
+            ))  # fmt: skip
+
+    def _note_lost_ends(self, checks: StepChecks) -> None:
+        """Values of two-step quantities (UpdateSize, Alpha) whose end step the loop's step numbers skipped (0, 2,
+        4, ...): as in Cockpit they are not stored; a note here, and a warning once per run, say why."""
+        lost: dict[tuple[int, int], list[str]] = {}
+        for quantity in self.active:
+            for start, end in quantity.lost_ends(self.step):
+                lost.setdefault((start, end), []).append(self.env.name_of(quantity))
+        for (start, end), names in sorted(lost.items()):
+            names = sorted(names)
+            checks.note(
+                f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: "
+                f"{'it needs' if len(names) == 1 else 'they need'} the cockpit entered at step {end} (the parameters "
+                f"after the update of step {start}), and the next step it was entered at is {self.step}. Quantities of "
+                "two steps end at the next step number: number the optimizer steps 0, 1, 2, ... (a schedule picks the "
+                "steps whose quantities are computed)."
+            )  # fmt: skip
+        if lost and not self.env.run.gap_warned:
+            self.env.run.gap_warned = True
+            (start, end), names = min(lost.items())
+            warnings.warn(
+                f"[cockpit_like] the step numbers skip step {end} (step {self.step} follows step {start}): "
+                f"{', '.join(sorted(names))} of step {start} {'is' if len(names) == 1 else 'are'} not stored, as in "
+                "Cockpit (they end at the next step number). Quantities of two steps need consecutive step numbers, "
+                "one per optimizer step; the notes of the steps in the checks say which values are missing.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _count_updates(self) -> None:
         """From now on count the steps of the step's ``info["optimizer"]`` (:attr:`StepRun.updates`)."""

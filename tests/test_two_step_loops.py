@@ -200,3 +200,44 @@ def test_a_plain_loop_gets_every_value_and_no_note():
     for step in range(3):
         assert output[step]["UpdateSize"] == pytest.approx(norms(observed[step + 1]["params"], observed[step]["params"]), rel=1e-12)
         assert output[step]["Alpha"] == pytest.approx(reference_alpha(observed[step], observed[step + 1], B), rel=1e-8)
+
+
+def test_step_numbers_that_skip_store_no_two_step_values_and_say_why_once():
+    """global_step 0, 2, 4, 6, one optimizer step each: as in Cockpit, UpdateSize and Alpha of step t need the
+    cockpit entered at t + 1, so none is stored. Before, nothing said why; now a note at the step where it is
+    noticed and one warning."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cockpit, observed, _ = train(model, optimizer, 4, tracked=lambda it: 2 * it)
+    output = cockpit.get_output()
+    assert not [s for s in output if {"UpdateSize", "Alpha"} & set(output[s])]
+    for step in (2, 4, 6):
+        said = [n for n in notes(cockpit, step) if f"of step {step - 2}" in n]
+        assert len(said) == 1 and "UpdateSize" in said[0] and "Alpha" in said[0], step
+        assert f"entered at step {step - 1}" in said[0], step
+    gaps = [w for w in caught if "consecutive" in str(w.message)]
+    assert len(gaps) == 1
+    assert output[4]["Distance"] == pytest.approx(norms(observed[4]["params"], observed[0]["params"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_a_step_the_grad_scaler_skipped_ends_updatesize_but_not_alpha(name):
+    """A GradScaler skips step 2 (its gradients overflow). The update from step 1 to step 2 was made and the
+    parameters at step 2 are fine: UpdateSize[1] is stored (before: dropped without a note); Alpha[1] needs step
+    2's loss and gradients, which are not finite: not stored, and a note says why. Step 2 stays stored as skipped."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2) if name == "sgd" else torch.optim.Adam(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    cockpit, observed, _ = train(model, optimizer, 6, scaler=scaler, poison=(2,))
+    output = cockpit.get_output()
+    assert cockpit.skipped_steps == {2: {"reason": "grad_scaler", "scale": 2.0**16}} and output[2] == {"skipped": cockpit.skipped_steps[2]}
+    for step in (0, 1, 3, 4):
+        update = norms(observed[step + 1]["params"], observed[step]["params"])
+        assert output[step]["UpdateSize"] == pytest.approx(update, rel=1e-12, abs=1e-15), step
+    assert "Alpha" not in output[1]
+    said = [n for n in notes(cockpit, 1) if "Alpha of step 1" in n]
+    assert len(said) == 1 and "skipped step 2" in said[0]
+    for step in (0, 3, 4):
+        assert output[step]["Alpha"] == pytest.approx(reference_alpha(observed[step], observed[step + 1], B), rel=1e-8)
