@@ -577,8 +577,8 @@ class TrackedStep:
             env.add_note(start, (
                 f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: a GradScaler "
                 f"skipped step {self.step} (its gradients are not finite), and {'it ends' if len(names) == 1 else 'they end'} "
-                f"with that step's loss and gradients. The update from step {start} to {self.step} was made: UpdateSize "
-                f"of step {start} is stored."
+                f"with that step's loss and gradients (the update from step {start} to {self.step} was made: what reads "
+                "only the parameters, UpdateSize, is stored)."
             ))  # fmt: skip
 
     def _note_lost_ends(self, checks: StepChecks) -> None:
