@@ -444,6 +444,8 @@ class Cockpit:
         else:
             self._flush()
             micro, count = self._micro_batch(global_step, info or {})
+            if micro == 0:
+                self._check_updates_between(global_step)
             if micro == 0 and self._run.stepped is not None and self._run.stepped[0] == global_step:
                 raise StepAlreadyTrackedError(
                     f"cockpit step {global_step}: this step was tracked and {self._run.stepped[1]}.step() has run "
@@ -634,6 +636,9 @@ class Cockpit:
                 cockpit._run.stepping, cockpit._run.evaluations = None, 0
             if cockpit._run.finished is not None and cockpit._run.pending is None:
                 cockpit._run.stepped = (cockpit._run.finished[0], type(opt).__name__)
+            updates = cockpit._run.updates
+            if updates is not None and updates[1] == id(opt):
+                updates[2] += 1
             watch = cockpit._run.watch
             if watch is not None and watch[1] is opt:
                 # not compared before this step: the block ran inside it (a closure's evaluation, at the first
@@ -667,13 +672,41 @@ class Cockpit:
                       "parameters the optimizer steps from, or leave these quantities out."),
             )  # fmt: skip
         if grads is not None and gradients_changed(self.params, step, grads):
+            # those that can predict from the optimizer's gradients learn to wait for its step (Alpha)
+            learned = sorted(self.name_of(q) for q in self.quantities
+                             if getattr(q, "predicts_update", False) and q.learn_to_wait(step))  # fmt: skip
+            waits = (f"; from the next tracked step on, {', '.join(learned)} waits for {type(optimizer).__name__}.step() "
+                     "and predicts the update from the gradients it steps with (the step's per-sample rows and the "
+                     "backward pass's gradients are kept until then)") if learned else ""  # fmt: skip
             self._withdraw_motion(
                 step, lambda q: getattr(q, "predicts_update", False), ends=False,
                 note=(f"the gradients changed between the end of the backward pass of step {step} and "
                       f"{type(optimizer).__name__}.step(), and not by one factor (e.g. SAM's second backward pass, "
-                      "per-parameter clipping): the quantities describe the gradient of the backward pass, not the "
-                      "one the optimizer used; withdrawn, as they predict the update from it: {withdrawn}."),
+                      "per-parameter clipping by value, gradient noise): the quantities describe the gradient of the "
+                      "backward pass, not the one the optimizer used; withdrawn, as they predict the update from it: "
+                      "{withdrawn}" + waits + "."),
             )  # fmt: skip
+
+    def _check_updates_between(self, step: int) -> None:
+        """A new step begins: where the optimizer of the step tracked last stepped more than once since, the values
+        that start there and end here (UpdateSize, Alpha: ``theta_{t+1} - theta_t``) would span several updates:
+        they are not computed, and a note at their step says why."""
+        updates, self._run.updates = self._run.updates, None
+        if updates is None or updates[2] <= 1:
+            return
+        start, _, count = updates
+        lost = sorted(self.name_of(q) for q in self.quantities if q.drop_start(start, step))
+        if lost:
+            self._note(start, (
+                f"{', '.join(lost)} of step {start} {'is' if len(lost) == 1 else 'are'} not stored: the optimizer "
+                f"stepped {count} times between the tracked steps {start} and {step}, so theta_{step} - theta_{start} "
+                f"spans {count} updates, not the update of step {start}. Enter the cockpit at every optimizer step, "
+                "numbered 0, 1, 2, ... (a schedule picks the steps whose quantities are computed)."
+            ))  # fmt: skip
+
+    def _note(self, step: int, text: str) -> None:
+        """Add ``text`` to the notes of ``step``'s checks (stored already, or stored with it)."""
+        self._env.add_note(step, text)
 
     def _withdraw_motion(self, step: int, which: Callable[[Quantity], bool], ends: bool, note: str) -> None:
         """Withdraw the values of ``step`` of the quantities ``which`` selects (and, with ``ends``, the values whose
@@ -687,10 +720,7 @@ class Cockpit:
                 withdrawn.append(name)
             for removed in quantity.withdraw(step, ends=ends):
                 self._output.retract(removed, [name])
-        record = dict(self._output.checks.get(step, {"valid": True, "failed": [], "notes": []}))
-        text = note.format(withdrawn=", ".join(sorted(set(withdrawn))) or "none was stored")
-        record["notes"] = list(record.get("notes", [])) + [text]
-        self._store_checks(step, record)
+        self._note(step, note.format(withdrawn=", ".join(sorted(set(withdrawn))) or "none was stored"))
 
     def _micro_batch(self, step: int, info: dict) -> tuple[int, int]:
         """``(index, count)`` of the backward pass that begins: its place among the step's micro-batches."""

@@ -86,6 +86,12 @@ class StepRun:
     #: ``(step, optimizer class)``: the step finished last, once an optimizer stepped after it: a pass with that number
     #: again is a new optimizer step under a repeated number (:meth:`Cockpit.__call__` refuses it)
     stepped: tuple[int, str] | None = None
+    #: ``[step, id(optimizer), count]``: the steps ``info["optimizer"]`` of the step finished last has made since
+    #: (its step post-hook counts them); more than one before the next tracked step, and the values of two-step
+    #: quantities that start at that step and end at the next (UpdateSize, Alpha) would span several updates
+    updates: list | None = None
+    #: a warning said once that the step numbers skip the end steps of two-step quantities
+    gap_warned: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,12 @@ class StepEnvironment:
     def store_checks(self, step: int, record: dict[str, Any]) -> None:
         if self.keeps_output():
             self.output.store_checks(step, record)
+
+    def add_note(self, step: int, text: str) -> None:
+        """Add ``text`` to the notes of ``step``'s checks (stored already, or stored with it)."""
+        record = dict(self.output.checks.get(step, {"valid": True, "failed": [], "notes": []}))
+        record["notes"] = list(record.get("notes", [])) + [text]
+        self.store_checks(step, record)
 
 
 class StepContext:
@@ -183,6 +195,12 @@ class TrackedStep:
             (env.run.accumulates or waits) and "micro_batches" not in info and env.ranks is None
             and _is_optimizer(optimizer)
         )  # fmt: skip
+        #: the gradients as the step's backward passes left them, kept where the step waits for the optimizer's
+        #: step for a quantity (Alpha) and the loop may change them before (clipping by value, gradient noise):
+        #: the quantities describe these, the look-ahead steps with the optimizer's (:meth:`_step_scale`)
+        self._waits = waits and self.open_ended
+        self._kept: list[torch.Tensor | None] | None = None
+        self._use_kept = False
         self._split = micro_batches > 1 or env.ranks is not None or self.open_ended
         #: a backward pass of a step already withdrawn (see Cockpit._invalidate): nothing is computed
         self.ignored = ignored
@@ -377,6 +395,8 @@ class TrackedStep:
         if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
             self._watch_parameters()
             self._fingerprint = _fingerprint(env.params, self.step)
+            if self._waits and not any(is_dtensor(p) for p in env.params):  # one copy of the gradients, until then
+                self._kept = [None if p.grad is None else p.grad.detach().clone() for p in env.params]
             env.run.pending = self
             return False
         if not self.last:  # more declared micro-batches to come
@@ -445,14 +465,18 @@ class TrackedStep:
         # the optimizer steps on p.grad as it is at its step: without a declared GradScaler's scale, which the
         # scaler takes off before (where the step finishes at the optimizer's step, it has already)
         view = StepGradients(
-            params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler, zeros=untouched
+            params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler, zeros=untouched,
+            kept=self._kept if self._use_kept else None,
         )
+        self._kept = None  # the view holds them while the quantities read them
         try:
             reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
             if skippable and not gradients_finite(params):
                 env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
                 self.skipped = True
+                self._count_updates()
+                self._end_at_skipped_step(params)
                 return
             if partitions.loss_warning is not None:  # the step is tracked after all: its non-finite loss is told now
                 warnings.warn(partitions.loss_warning, RuntimeWarning, stacklevel=_user_stacklevel())
@@ -502,6 +526,7 @@ class TrackedStep:
                         "over the step's samples (divisor B - 1), undefined with one (Cockpit stores inf or NaN); "
                         "the two-step ones (Alpha) also store nothing for the step before"
                     )
+            self._note_lost_ends(checks)
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:
@@ -539,6 +564,7 @@ class TrackedStep:
         env.store_checks(self.step, record)
         tracked_names = {env.name_of(q) for q in self.active}
         env.run.finished = (self.step, tracked_names)
+        self._count_updates()
         env.output.note_tracked(self.step)
         for step in [s for s in new_values if s in env.run.invalid_steps]:  # late values of a withdrawn step
             for name in [n for n in new_values[step] if n in tracked_names]:
@@ -551,6 +577,68 @@ class TrackedStep:
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         env.diagnose(new_values)
+
+    def _end_at_skipped_step(self, params: list[torch.Tensor]) -> None:
+        """A GradScaler skips the step: it stores nothing, but the update of the step before was made and the
+        parameters are fine: the values that end here and read only the parameters (UpdateSize) are stored, the
+        others (Alpha: this step's loss and gradients) are not, and a note at their step says why."""
+        env = self.env
+        new_values: dict[int, dict[str, Any]] = {}
+        lost: dict[int, list[str]] = {}
+        for quantity in self.active:
+            name = env.name_of(quantity)
+            before = dict(_last_items(quantity.output, 2))
+            for start in quantity.skip_optimizer_step(self.step, params):
+                lost.setdefault(start, []).append(name)
+            for step, value in _last_items(quantity.output, 2):
+                if before.get(step, _MISSING) is not value:
+                    if step in env.run.invalid_steps or not env.keeps_output():
+                        quantity.output.pop(step, None)
+                    else:
+                        new_values.setdefault(step, {})[name] = value
+        for step, values in sorted(new_values.items()):
+            env.output.publish(step, values)
+        for start, names in sorted(lost.items()):
+            names = sorted(names)
+            env.add_note(start, (
+                f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: a GradScaler "
+                f"skipped step {self.step} (its gradients are not finite), and {'it ends' if len(names) == 1 else 'they end'} "
+                f"with that step's loss and gradients (the update from step {start} to {self.step} was made: what reads "
+                "only the parameters, UpdateSize, is stored)."
+            ))  # fmt: skip
+
+    def _note_lost_ends(self, checks: StepChecks) -> None:
+        """Values of two-step quantities (UpdateSize, Alpha) whose end step the loop's step numbers skipped (0, 2,
+        4, ...): as in Cockpit they are not stored; a note here, and a warning once per run, say why."""
+        lost: dict[tuple[int, int], list[str]] = {}
+        for quantity in self.active:
+            for start, end in quantity.lost_ends(self.step):
+                lost.setdefault((start, end), []).append(self.env.name_of(quantity))
+        for (start, end), names in sorted(lost.items()):
+            names = sorted(names)
+            checks.note(
+                f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: "
+                f"{'it needs' if len(names) == 1 else 'they need'} the cockpit entered at step {end} (the parameters "
+                f"after the update of step {start}), and the next step it was entered at is {self.step}. Quantities of "
+                "two steps end at the next step number: number the optimizer steps 0, 1, 2, ... (a schedule picks the "
+                "steps whose quantities are computed)."
+            )  # fmt: skip
+        if lost and not self.env.run.gap_warned:
+            self.env.run.gap_warned = True
+            (start, end), names = min(lost.items())
+            warnings.warn(
+                f"[cockpit_like] the step numbers skip step {end} (step {self.step} follows step {start}): "
+                f"{', '.join(sorted(names))} of step {start} {'is' if len(names) == 1 else 'are'} not stored, as in "
+                "Cockpit (they end at the next step number). Quantities of two steps need consecutive step numbers, "
+                "one per optimizer step; the notes of the steps in the checks say which values are missing.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _count_updates(self) -> None:
+        """From now on count the steps of the step's ``info["optimizer"]`` (:attr:`StepRun.updates`)."""
+        optimizer = self.info.get("optimizer")
+        self.env.run.updates = [self.step, id(optimizer), 0] if _is_optimizer(optimizer) else None
 
     def _optimized(self) -> set[int] | None:
         """``id`` of the parameters ``info["optimizer"]`` updates (``None``: no optimizer given)."""
@@ -645,6 +733,13 @@ class TrackedStep:
             return scale, None
         if factor is not None:
             return scale * factor, factor
+        if self._kept is not None:  # the step waited for the optimizer (Alpha) and kept the backward pass's gradients
+            self._use_kept = True
+            checks.note(f"the gradients changed between the end of the backward pass of step {self.step} and the "
+                        "optimizer step, and not by one factor (clipping by value, gradient noise, SAM's second pass): "
+                        "the quantities describe the gradients of the backward pass (kept until the optimizer's step), "
+                        "Alpha predicts the update from those the optimizer steps with")
+            return scale, None
         checks.fail("gradient", f"the gradients of step {self.step} changed between the end of the backward pass and "
                     "the optimizer step, and not by one factor (per-parameter clipping? an optimizer wrapper?): the "
                     "cockpit cannot tell the gradient the per-sample rows belong to")

@@ -236,22 +236,48 @@ def test_parameters_changed_before_the_optimizer_step_withdraw_what_measures_the
         assert {"GradNorm", "Loss", "NormTest"} <= set(output[step])
 
 
-def test_gradients_changed_before_the_optimizer_step_are_noted_and_alpha_withdrawn():
+def _observation(model, theta, x, y):
+    """What Alpha's definition reads at parameters ``theta``: the rows' losses and per-sample gradients (torch.func)."""
+    from torch.func import functional_call, grad, vmap
+
+    names = [name for name, _ in model.named_parameters()]
+    params = dict(zip(names, theta))
+
+    def row_loss(p, xi, yi):
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    losses = nn.functional.cross_entropy(functional_call(model, params, (x,)), y, reduction="none").detach()
+    grads = vmap(grad(row_loss), (None, 0, 0))(params, x, y)
+    return {"params": theta, "grads": [grads[n] for n in names], "loss": losses.mean().item(), "losses": losses}
+
+
+def test_gradients_changed_before_the_optimizer_step_are_noted_and_alpha_waits_for_the_step():
     """SAM tracking the first pass: the parameters are restored to the last bits (p.add_(e); p.sub_(e) counts as
     unchanged: UpdateSize equals the brute-force update to 1e-12), but the optimizer steps with the gradient of the
     second pass: a note says so (before: nothing, the check only ran for deferred steps) and Alpha, which predicted
-    the update from the tracked gradient, is withdrawn."""
+    the update from the tracked gradient, is withdrawn at step 0. Before the fourth round it was withdrawn at every
+    step; now it learns to wait for the optimizer's step and predicts from the gradient the optimizer gets (the
+    quantities still describe the tracked pass's gradient, kept until then): Alpha of step 1 from its definition."""
+    from tests.test_alpha import reference_alpha
+
     cockpit, thetas = _sam("first")
     output = cockpit.get_output()
     for step in range(3):
         checks = cockpit.checks[step]
         assert checks["valid"] and len(checks["notes"]) == 1 and "gradients changed" in checks["notes"][0]
-        assert "Alpha" not in output[step] and "Distance" in output[step]
+        assert "Distance" in output[step]
+    assert "Alpha" not in output[0] and "from the next tracked step on, Alpha waits" in cockpit.checks[0]["notes"][0]
+    assert "kept until the optimizer's step" in cockpit.checks[1]["notes"][0]
+    model, (x, y) = mlp(False), batch()  # not extended: torch.func runs it
+    observed = [_observation(model, theta, x, y) for theta in thetas]
+    assert output[1]["Alpha"] == pytest.approx(reference_alpha(observed[1], observed[2], len(y)), rel=1e-8)
     for step in range(2):
         true = [float((a - b).norm()) for a, b in zip(thetas[step + 1], thetas[step])]
         assert output[step]["UpdateSize"] == pytest.approx(true, rel=1e-12)
         distance = [float((a - b).norm()) for a, b in zip(thetas[step], thetas[0])]
         assert output[step]["Distance"] == pytest.approx(distance, rel=1e-12, abs=1e-15)
+        gradient = [float(g.mean(0).norm()) for g in observed[step]["grads"]]  # the tracked (first) pass's
+        assert output[step]["GradNorm"] == pytest.approx(gradient, rel=1e-10)
 
 
 @pytest.mark.parametrize("clip", [False, True])

@@ -469,14 +469,24 @@ class StepGradients:
     per-sample statistics read a parameter's gradient of the step.
     """
 
-    def __init__(self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0, zeros: Iterable[int] = ()):
+    def __init__(
+        self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0, zeros: Iterable[int] = (),
+        kept: list[torch.Tensor | None] | None = None,
+    ):
         self.params, self.scale = list(params), float(scale)
+        #: the gradients as the backward passes left them, where the loop changed them since, and not by one factor
+        #: (clipping by value before a step that waited for the optimizer): the quantities read these, the
+        #: optimizer (and a look-ahead, :meth:`optimizer_gradients`) the user's
+        self.kept = kept
         #: indices of parameters whose p.grad holds only earlier steps' gradients: zero at this step
         self.zeros = set(zeros)
         #: the part of ``scale`` taken off the gradients before the optimizer steps (a declared GradScaler's
         #: scale, where the step finishes before its ``unscale_``)
         self.unscaled_later = float(unscaled_later)
         self._originals = list(params)
+        #: ``id`` of the parameters without a gradient as the loop leaves them (``p.grad`` None: not in the step's
+        #: graph): the quantities count their gradient as zero, the optimizer skips them (no decay, no momentum)
+        self._gradless = {id(p) for p in params if p.grad is None}
         self._saved: list[torch.Tensor | None] | None = None
         self._stand_ins: dict[int, torch.Tensor] = {}
         self._memo: dict[Any, Any] = {}
@@ -496,15 +506,20 @@ class StepGradients:
                     stand_in.grad = grad if self.scale == 1.0 else grad * inverse
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
-        elif self.scale != 1.0 or self.zeros or any(p.grad is None or p.grad.is_sparse for p in self._originals):
+        elif self.kept is not None or self.scale != 1.0 or self.zeros or any(
+            p.grad is None or p.grad.is_sparse for p in self._originals
+        ):
             self._saved = [p.grad for p in self._originals]
-            for index, (param, grad) in enumerate(zip(self._originals, self._saved)):
+            read = self._saved if self.kept is None else self.kept
+            for index, (param, grad) in enumerate(zip(self._originals, read)):
                 if grad is None or index in self.zeros:  # not in the step's graph (unused, frozen, replaced): zero
                     param.grad = torch.zeros_like(param)
                 elif grad.is_sparse:  # an embedding's sparse gradient (``sparse=True``): the quantities read it dense
                     param.grad = grad.to_dense() if self.scale == 1.0 else grad.to_dense() * inverse
                 elif self.scale != 1.0:
                     param.grad = grad * inverse
+                elif self.kept is not None:
+                    param.grad = grad
         _VIEW = self
 
     def memo(self, key: Any, compute: Callable[[], Any]) -> Any:
@@ -517,18 +532,28 @@ class StepGradients:
         stand_in = self._stand_ins.get(id(param))
         return param.grad if stand_in is None else stand_in.grad
 
-    def optimizer_gradients(self, params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor] | None:
+    def optimizer_gradients(self, params: list[torch.Tensor]) -> dict[torch.Tensor, torch.Tensor | None] | None:
         """``{param: gradient}`` as the optimizer gets it where the quantities see it divided by the scale (a loss
         factor, micro-batches not divided by their number, clipping or unscaling before the optimizer's step):
-        the user's own gradient tensors; ``None`` where the two are the same."""
-        if self._saved is None or self.scale == self.unscaled_later:
+        the user's own gradient tensors; ``None`` where the two are the same. A parameter without a gradient
+        (``p.grad`` None, which the quantities count as zero) maps to ``None``: the optimizer skips it, and so
+        does a look-ahead (:func:`cockpit_like.utils.optim.lookahead_update`)."""
+        differ = self._saved is not None and (self.kept is not None or self.scale != self.unscaled_later)
+        if not differ and not self._gradless:
             return None
         divisor = self.unscaled_later
-        saved = {id(original): grad for original, grad in zip(self._originals, self._saved)}
-        return {
-            param: saved[id(param)] if divisor == 1.0 else saved[id(param)] / divisor
-            for param in params if saved.get(id(param)) is not None
-        }  # fmt: skip
+        saved = {} if self._saved is None else dict(zip(map(id, self._originals), self._saved))
+        gradients: dict[torch.Tensor, torch.Tensor | None] = {}
+        for param in params:
+            if id(param) in self._gradless:
+                gradients[param] = None
+            elif differ and saved.get(id(param)) is not None:
+                gradients[param] = saved[id(param)] if divisor == 1.0 else saved[id(param)] / divisor
+        return gradients
+
+    def gradless(self, params: list[torch.Tensor]) -> set[int]:
+        """Indices of ``params`` without a gradient as the loop leaves them (the optimizer skips them)."""
+        return {index for index, param in enumerate(params) if id(param) in self._gradless}
 
     def unscale(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Other gradients of the step (a rank's local ones with their graph) divided by the scale."""
@@ -540,7 +565,7 @@ class StepGradients:
         global _VIEW
         if _VIEW is self:
             _VIEW = None
-        self._stand_ins, self._memo = {}, {}
+        self._stand_ins, self._memo, self.kept = {}, {}, None
         self.params = list(self._originals)
         if self._saved is None:
             return
@@ -562,6 +587,12 @@ def optimizer_gradients(params: list[torch.Tensor]) -> dict[torch.Tensor, torch.
     """The gradients ``params``' optimizer steps with, where they differ from :func:`step_grad`'s (for a
     look-ahead of its update: :func:`cockpit_like.utils.optim.lookahead_update`'s ``gradients``)."""
     return None if _VIEW is None else _VIEW.optimizer_gradients(params)
+
+
+def gradless(params: list[torch.Tensor]) -> set[int]:
+    """Indices of ``params`` whose ``p.grad`` the loop left None at the finishing step (the quantities count it as
+    zero; the optimizer skips the parameter): empty outside a finishing step."""
+    return set() if _VIEW is None else _VIEW.gradless(params)
 
 
 def step_memo(key: Any, compute: Callable[[], Any]) -> Any:

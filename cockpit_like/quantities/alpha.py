@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import is_dtensor, optimizer_gradients, step_memo, whole
+from cockpit_like.backends.partitions import gradless, is_dtensor, optimizer_gradients, step_memo, whole
 from cockpit_like.backends.per_sample_stats import DirectionalDots, PredictedSlopes
 from cockpit_like.checks.invariants import tolerance_for
 from cockpit_like.functional import tensor_lists
@@ -135,6 +135,10 @@ class Alpha(TwoStepQuantity):
 
     def waits_for_optimizer(self, global_step: int) -> bool:
         return self._waits and self.is_start(global_step)
+
+    def learn_to_wait(self, global_step: int) -> bool:
+        learned, self._waits = not self._waits, True
+        return learned
 
     def required_info(self, global_step: int) -> set[str]:
         return set(self._INFO) if self.is_active(global_step) else set()
@@ -266,6 +270,12 @@ class Alpha(TwoStepQuantity):
         if missing:
             raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
         predicted, grad_sum, dots = result["direction"], result["grad_sum"], result["dots"]
+        # a parameter without a gradient (p.grad None: an unused head) was predicted, during the backward pass, from
+        # its zero rows; the optimizer skips it (no weight decay, no momentum): its update is zero. Its rows add
+        # nothing to the dots, so only the norm changes
+        skipped = gradless(record.live_params or params)
+        if skipped:
+            predicted = [torch.zeros_like(d) if i in skipped else d for i, d in enumerate(predicted)]
         norm = _norm(predicted)
         slopes = torch.zeros_like(dots) if norm == 0 else batch_size * dots / norm
         return grad_sum, predicted, slopes

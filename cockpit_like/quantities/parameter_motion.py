@@ -61,6 +61,7 @@ class UpdateSize(TwoStepQuantity):
 
     SAVE_SHIFT = 1
     reads_parameters = True
+    ends_on_parameters = True  # a step a GradScaler skipped still ends it: the update before it was made
 
     def _compute_start(self, global_step, params, batch_loss):
         self.save_to_cache(

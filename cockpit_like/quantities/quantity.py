@@ -220,6 +220,31 @@ class Quantity:
         unscaling), its per-sample rows kept until then. Default: no."""
         return False
 
+    def lost_ends(self, global_step: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of the values started before whose end step the cockpit was not entered (its step
+        numbers skip it; ``global_step`` is entered now): they will never be computed, and what their start
+        kept is dropped. Default: none."""
+        return []
+
+    def drop_start(self, start: int, end: int) -> bool:
+        """The value that starts at ``start`` and ends at ``end`` cannot be computed (the optimizer stepped several
+        times in between): drop what ``start`` kept for it; whether there was such a value. Default: no."""
+        return False
+
+    def learn_to_wait(self, global_step: int) -> bool:
+        """``info["optimizer"]`` stepped with other gradients than the backward pass of ``global_step`` left, and not
+        by one factor (clipping by value, gradient noise): the values of a :attr:`predicts_update` quantity there
+        are withdrawn. Whether the quantity now learned to predict from the gradients the optimizer gets, from its
+        next start step on (:meth:`waits_for_optimizer`). Default: no."""
+        return False
+
+    def skip_optimizer_step(self, global_step: int, params: list[torch.Tensor]) -> list[int]:
+        """A GradScaler skipped ``global_step`` (its gradients are not finite): the step stores nothing, and the
+        parameters are those the update of the step before left. The steps whose values are lost with it (a
+        note at each says why). Default: :meth:`skip`, none lost."""
+        self.skip(global_step)
+        return []
+
     def skip(self, global_step: int) -> None:
         """``global_step`` was scheduled but stores nothing (it failed a self-check, or what it needs was left
         out): release what :meth:`prepare_forward` set up for it. The default does nothing."""
@@ -295,6 +320,8 @@ class TwoStepQuantity(Quantity):
         self._cache: dict[int, dict[str, tuple[Any, Callable[[int], bool]]]] = {}
         #: start steps that stored nothing (:meth:`skip`): their end computes nothing
         self._skipped_starts: set[int] = set()
+        #: start steps whose value waits for its end step (``SAVE_SHIFT > 0``; :meth:`lost_ends`)
+        self._awaiting: set[int] = set()
 
     def is_start(self, global_step: int) -> bool:
         return self.should_compute(global_step)
@@ -309,12 +336,44 @@ class TwoStepQuantity(Quantity):
     def track(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:
         if self.is_start(global_step):
             self._compute_start(global_step, params, batch_loss)
+            if self.SAVE_SHIFT > 0 and global_step in self._cache:
+                self._awaiting.add(global_step)
         start = global_step - self.SAVE_SHIFT
         if self.is_end(global_step) and start not in self._skipped_starts:
             value = self._compute_end(global_step, params, batch_loss)
             self._store(start, value)
         self._skipped_starts.discard(start)
+        self._awaiting.discard(start)
         self.clean_cache(global_step)
+
+    def lost_ends(self, global_step: int) -> list[tuple[int, int]]:
+        lost = sorted(start for start in self._awaiting if start + self.SAVE_SHIFT < global_step)
+        for start in lost:
+            self._awaiting.discard(start)
+            self._cache.pop(start, None)
+        return [(start, start + self.SAVE_SHIFT) for start in lost]
+
+    #: the end step reads only the parameters (UpdateSize): a step a GradScaler skipped still ends the value
+    ends_on_parameters: bool = False
+
+    def skip_optimizer_step(self, global_step: int, params: list[torch.Tensor]) -> list[int]:
+        """As :meth:`skip`, but the value that ends here is still computed where it reads only the parameters
+        (:attr:`ends_on_parameters`); otherwise its start step is returned (lost)."""
+        start, lost = global_step - self.SAVE_SHIFT, []
+        if self.SAVE_SHIFT > 0 and self.is_end(global_step) and start in self._cache and start not in self._skipped_starts:
+            if self.ends_on_parameters:
+                self._store(start, self._compute_end(global_step, params, None))
+            else:
+                lost.append(start)
+        self.skip(global_step)
+        return lost
+
+    def drop_start(self, start: int, end: int) -> bool:
+        if self.SAVE_SHIFT == 0 or end - self.SAVE_SHIFT != start or start not in self._cache:
+            return False
+        del self._cache[start]
+        self._awaiting.discard(start)
+        return True
 
     def skip(self, global_step: int) -> None:
         """The step stores nothing: no start information is kept (its end stores nothing either), and the
@@ -323,6 +382,7 @@ class TwoStepQuantity(Quantity):
         if self.is_start(global_step):
             self._skipped_starts.add(global_step)
         self._skipped_starts.discard(global_step - self.SAVE_SHIFT)
+        self._awaiting.discard(global_step - self.SAVE_SHIFT)
         self.clean_cache(global_step)
 
     def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
@@ -338,6 +398,7 @@ class TwoStepQuantity(Quantity):
             removed.append(start)
         if self._cache.pop(global_step, None) is not None or self.is_start(global_step):
             self._skipped_starts.add(global_step)
+        self._awaiting.discard(global_step)
         return removed
 
     def _compute_start(self, global_step: int, params: list[torch.Tensor], batch_loss: Any) -> None:

@@ -27,7 +27,7 @@ _IMMUTABLE = (bool, int, float, str, type(None), tuple)
 def lookahead_update(
     optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],
-    gradients: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    gradients: Mapping[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> list[torch.Tensor]:
     """The update ``optimizer.step()`` would make now, without making it.
 
@@ -53,7 +53,10 @@ def lookahead_update(
         params: the parameters whose update is returned.
         gradients: optional ``{param: gradient}`` used instead of ``param.grad``
             for the parameters it contains (e.g. ``grad_batch.sum(0)`` while
-            ``param.grad`` is not written yet).
+            ``param.grad`` is not written yet); a ``None`` gradient: the
+            parameter has none, and the optimizer skips it (as torch's
+            optimizers skip a ``p.grad`` that is None: no weight decay, no
+            momentum), its update is zero.
 
     Returns:
         ``[theta_p(after) - theta_p(before) for p in params]`` (zeros for
@@ -99,13 +102,13 @@ def _parts(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list
 
 def _shadow_step(
     optimizer: torch.optim.Optimizer,
-    gradients: Mapping[torch.Tensor, torch.Tensor],
+    gradients: Mapping[torch.Tensor, torch.Tensor | None],
     only: set[int] | None = None,
     lend: bool = False,
 ) -> dict[int, torch.Tensor]:
     """``{id(param): update}`` of one ``optimizer.step()`` on shadow copies (all parameters, or those in ``only``).
 
-    Each shadow gets ``gradients[param]`` (else ``param.grad``) and a copy of the
+    Each shadow gets ``gradients[param]`` (else ``param.grad``; none where that is None) and a copy of the
     parameter's state; the step runs on new group dicts (same hyperparameters)
     holding the shadows. The real parameters, gradients, state and groups are
     never written; the optimizer's plain attributes and torch's CPU RNG are restored.
