@@ -77,6 +77,7 @@ from cockpit_like.diagnosis.rules import (
     WeightsShrinking,
     default_rules,
 )
+from cockpit_like.diagnosis import rules as _rules
 from cockpit_like.diagnosis.spike_rule import LossSpike
 
 __all__ = [
@@ -90,33 +91,7 @@ __all__ = [
     "Rule",
     "default_rules",
     # the built-in rules (cockpit_like.diagnosis.rules), for diagnose=[...] with thresholds of one's own
-    "NonFiniteLoss",
-    "LossDiverging",
-    "LossNotDecreasing",
-    "NoisyLoss",
-    "SmallBatch",
-    "LargeInputScale",
-    "ConstantInputs",
-    "LossAtChance",
-    "ExplodingGradient",
-    "VanishingGradient",
-    "UpdateRatioTooSmall",
-    "UpdateRatioTooLarge",
-    "StepOvershoots",
-    "StepTooShort",
-    "SharpnessAboveStability",
-    "NoiseDominated",
-    "DeadUnits",
-    "SaturatedUnits",
-    "PoorInitialization",
-    "UnchangedParameters",
-    "Overfitting",
-    "LearningRateJump",
-    "WeightsShrinking",
-    "GradientsAccumulate",
-    "SaturatedOutput",
-    "LossJump",
-    "ExplodingRecurrence",
+    *(name for name in _rules.__all__ if name != "default_rules"),
     "LossSpike",
     "Diagnosis",
     "DiagnosisReport",
