@@ -632,7 +632,7 @@ class TrackedStep:
                 "Cockpit (they end at the next step number). Quantities of two steps need consecutive step numbers, "
                 "one per optimizer step; the notes of the steps in the checks say which values are missing.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=_user_stacklevel(),
             )
 
     def _count_updates(self) -> None:
