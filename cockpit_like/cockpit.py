@@ -673,8 +673,11 @@ class Cockpit:
             )  # fmt: skip
         if grads is not None and gradients_changed(self.params, step, grads):
             # those that can predict from the optimizer's gradients learn to wait for its step (Alpha)
+            # (not under DDP, whose steps end at the block with the ranks' collectives, nor where the optimizer
+            # steps with a closure: there the values stay withdrawn, step by step)
+            can_wait = self._ranks is None and not needs_closure(optimizer)
             learned = sorted(self.name_of(q) for q in self.quantities
-                             if getattr(q, "predicts_update", False) and q.learn_to_wait(step))  # fmt: skip
+                             if can_wait and getattr(q, "predicts_update", False) and q.learn_to_wait(step))  # fmt: skip
             waits = (f"; from the next tracked step on, {', '.join(learned)} waits for {type(optimizer).__name__}.step() "
                      "and predicts the update from the gradients it steps with (the step's per-sample rows and the "
                      "backward pass's gradients are kept until then)") if learned else ""  # fmt: skip

@@ -191,9 +191,10 @@ class TrackedStep:
             env.run.stepping is None and not needs_closure(optimizer)
             and any(q.waits_for_optimizer(global_step) for q in self._scheduled)
         )  # fmt: skip
+        # (with declared micro-batches only their last backward pass waits for the optimizer: the step's end is known)
         self.open_ended = (
-            (env.run.accumulates or waits) and "micro_batches" not in info and env.ranks is None
-            and _is_optimizer(optimizer)
+            ((env.run.accumulates and "micro_batches" not in info) or (waits and self.last))
+            and env.ranks is None and _is_optimizer(optimizer)
         )  # fmt: skip
         #: the gradients as the step's backward passes left them, kept where the step waits for the optimizer's
         #: step for a quantity (Alpha) and the loop may change them before (clipping by value, gradient noise):

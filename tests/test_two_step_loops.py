@@ -242,3 +242,38 @@ def test_a_step_the_grad_scaler_skipped_ends_updatesize_but_not_alpha(name):
     assert len(said) == 1 and "skipped step 2" in said[0]
     for step in (0, 3, 4):
         assert output[step]["Alpha"] == pytest.approx(reference_alpha(observed[step], observed[step + 1], B), rel=1e-8)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_declared_micro_batches_and_clipping_with_adamw_alpha_waits_and_is_exact(micro_batches):
+    """info['micro_batches'] declared (as the Hugging Face Trainer's callback does, 1 without accumulation) and
+    clip_grad_norm_ before AdamW's step (the Trainer's defaults): before, Alpha learned to wait for the optimizer but
+    a step with declared micro-batches always ended at its last backward pass, so no Alpha was ever stored; now the
+    last micro-batch waits for the optimizer's step: none at step 0 (a note), exact from step 1."""
+    model = TwoHeads()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    observed = {}
+    for step in range(5):
+        x, y = batch(step)
+        observed[step] = {"params": [p.detach().clone() for p in model.parameters()], "grads": per_sample_grads(model, x, y)}
+        with torch.no_grad():
+            losses = F.cross_entropy(model(x), y, reduction="none")
+        observed[step].update(loss=losses.mean().item(), losses=losses)
+        optimizer.zero_grad()
+        for part in torch.arange(B).chunk(micro_batches):
+            part_losses = F.cross_entropy(model(x[part]), y[part], reduction="none")
+            info = {"batch_size": len(part), "individual_losses": part_losses, "loss": part_losses.mean(),
+                    "optimizer": optimizer, "micro_batches": micro_batches}  # fmt: skip
+            with cockpit(step, info=info):
+                (part_losses.mean() / micro_batches).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        optimizer.step()
+    output = cockpit.get_output()
+    assert "Alpha" not in output[0]
+    for step in range(1, 4):
+        expected = reference_alpha(observed[step], observed[step + 1], B)
+        assert output[step]["Alpha"] == pytest.approx(expected, rel=1e-8, abs=1e-10), step
+        assert cockpit.checks[step]["valid"], step
+        update = norms(observed[step + 1]["params"], observed[step]["params"])
+        assert output[step]["UpdateSize"] == pytest.approx(update, rel=1e-12), step
