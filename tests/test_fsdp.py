@@ -2,7 +2,7 @@
 
 Every quantity of the economy preset (and the other first-order quantities
 that work sharded) equals one process on the concatenated batch (float64,
-rtol 1e-8), on an MLP, a LayerNorm MLP and a transformer encoder, each with
+rtol 1e-8), on an MLP (also with a frozen layer), a LayerNorm MLP and a transformer encoder, each with
 every layer and the root sharded. Per-sample statistics come from module
 hooks on each rank's rows, merged as under DDP; the quantities read whole
 gradients gathered once per tracked step. Quantities that need
@@ -24,7 +24,7 @@ from tests import zoo
 from tests.test_distributed import _assert_close, _spawn
 
 WORLD, GLOBAL_BATCH, STEPS = 2, 8, 3
-PROBLEMS = ("layernorm_mlp", "encoder", "mlp")
+PROBLEMS = ("layernorm_mlp", "encoder", "mlp", "frozen_mlp")
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -36,6 +36,10 @@ def _mlp(seed: int = 0) -> zoo.Problem:
 
 
 def _problem(name: str) -> zoo.Problem:
+    if name == "frozen_mlp":  # a frozen first weight (found outside the tests: no gradient to gather, it crashed)
+        problem = _mlp()
+        problem.model[0].weight.requires_grad_(False)
+        return problem
     return _mlp() if name == "mlp" else getattr(zoo, name)(seed=0)
 
 

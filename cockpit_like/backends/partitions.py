@@ -501,9 +501,11 @@ class StepGradients:
                 grad = param.grad
                 value = whole(param.detach())
                 stand_in = torch.nn.Parameter(value.clone(), requires_grad=param.requires_grad)
-                if grad is not None:
+                if grad is not None and index not in self.zeros:
                     grad = whole(grad.detach())
                     stand_in.grad = grad if self.scale == 1.0 else grad * inverse
+                else:  # frozen, unused or replaced: a zero gradient, as for plain parameters below
+                    stand_in.grad = torch.zeros_like(stand_in)
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
         elif self.kept is not None or self.scale != 1.0 or self.zeros or any(
