@@ -342,3 +342,57 @@ def test_bad_arguments():
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"))
     with pytest.raises(ValueError, match="'valid_los' is not a cockpit.log figure"):
         CockpitCallback(cockpit, metrics={"valid_los": "val/loss"})
+
+
+def _two_optimizer_fit(tmp_path, say_which: bool):
+    """Manual optimization with two optimizers, GAN style: opt_a steps net a, then opt_b steps net b."""
+    import lightning as L
+
+    from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
+
+    x, y = _data()
+
+    class TwoNets(CockpitModule, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = torch.nn.Linear(5, 3).double()
+            self.b = torch.nn.Linear(5, 3).double()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            inputs, labels = batch
+            opt_a, opt_b = self.optimizers()
+            for net, opt in ((self.a, opt_a), (self.b, opt_b)):
+                opt.zero_grad()
+                losses = F.cross_entropy(net(inputs), labels, reduction="none")
+                if say_which:
+                    self.cockpit_info(individual_losses=losses, optimizer=opt)
+                else:
+                    self.cockpit_info(individual_losses=losses)
+                self.manual_backward(losses.mean())
+                opt.step()
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.5), torch.optim.SGD(self.b.parameters(), lr=0.3)]
+
+    net = TwoNets()
+    cockpit = Cockpit(net.parameters(), configuration("economy"), model=net)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", callbacks=[CockpitCallback(cockpit)], logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)  # fmt: skip
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH)
+    trainer.fit(net, loader)
+    return cockpit
+
+
+def test_two_optimizers_need_to_say_which_steps(tmp_path):
+    """Before, the callback passed trainer.optimizers[0] at every backward pass: every b-step failed as 'a forgotten
+    zero_grad()' (a's gradient is not b's optimizer's). Now it asks for the optimizer, and with it every step is
+    valid, GradNorm the norms of the stepping net's gradients (the other net's leftovers counted as zero)."""
+    pytest.importorskip("lightning")
+    with pytest.raises(ValueError, match=r"self.cockpit_info\(optimizer=opt"):
+        _two_optimizer_fit(tmp_path, say_which=False)
+    cockpit = _two_optimizer_fit(tmp_path, say_which=True)
+    assert cockpit.invalid_steps == {}
+    assert len(cockpit.checks) == 6  # 3 batches, two optimizer steps each (numbered by trainer.global_step)

@@ -235,9 +235,21 @@ class _CockpitCallbackBase:
             info["loss_scale"] = micro_batches / accumulate
         if self._batch_size is not None:
             info["batch_size"] = self._batch_size
+        pending = pl_module.__dict__.pop("_cockpit_pending_info", None) or {}
+        if len(trainer.optimizers) > 1 and "optimizer" not in pending:
+            raise ValueError(
+                f"CockpitCallback: the trainer has {len(trainer.optimizers)} optimizers, and the cockpit cannot tell "
+                f"which one steps after the backward pass of step {step} (it checks that the gradients it reads are "
+                "that step's, and its two-step quantities follow that optimizer's update). Say so in training_step, "
+                "before self.manual_backward(loss): self.cockpit_info(optimizer=opt, ...) with opt from "
+                "self.optimizers()."
+            )
         if trainer.optimizers:
             info["optimizer"] = trainer.optimizers[0]
-        info.update(pl_module.__dict__.pop("_cockpit_pending_info", None) or {})
+        info.update(pending)
+        wrapped = getattr(info.get("optimizer"), "optimizer", None)  # Lightning's LightningOptimizer wraps it
+        if isinstance(wrapped, torch.optim.Optimizer) and not isinstance(info["optimizer"], torch.optim.Optimizer):
+            info["optimizer"] = wrapped
         losses = info.get("individual_losses")
         if isinstance(losses, torch.Tensor) and losses.dim() == 1:
             info["batch_size"] = len(losses)
