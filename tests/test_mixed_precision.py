@@ -387,3 +387,45 @@ def test_a_bfloat16_bert_trains_with_the_cockpit():
     output = cockpit.get_output()
     assert all("GradNorm" in output[step] for step in range(3))
     assert all(("NormTest" in output[step]) == cockpit.checks[step]["valid"] for step in range(3))
+
+
+def test_half_precision_hessian_products_that_overflow_store_no_curvature():
+    """fp16 autocast and a GradScaler with the full preset (found outside the tests: a tiny GPT-2): the Hessian-vector
+    products through the half-precision graph of the scaled loss overflow. Before, the Lanczos engine's eigh raised
+    out of scaler.step(optimizer) (the cockpit's optimizer hook) and HessTrace stored NaN; now the solve stops at the
+    first non-finite product and the curvature quantities store no value, with a note."""
+    transformers = pytest.importorskip("transformers")
+    from cockpit_like.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=32, n_positions=64, n_embd=64, n_layer=2, n_head=4)
+    model = transformers.GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model)
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, 32, (8, 32), generator=generator)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            logits = model(input_ids=ids).logits[:, :-1]
+            losses = torch.nn.functional.cross_entropy(logits.reshape(-1, 32), ids[:, 1:].reshape(-1), reduction="none")
+            losses = losses.view(8, -1).mean(1)
+        info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer,
+                "outputs": logits}  # fmt: skip
+        with cockpit(step, info=info):
+            scaler.scale(losses.mean()).backward(create_graph=cockpit.create_graph(step))
+        scaler.step(optimizer)  # raised here before
+        scaler.update()
+    output = cockpit.get_output()
+    overflowed = 0
+    for step in output:
+        notes = " ".join(cockpit.checks[step].get("notes", []))
+        for name in ("HessMaxEV", "HessTrace"):
+            value = output[step].get(name)
+            if value is None:
+                assert f"{name} at step {step}: no value stored" in notes, (step, name)
+            else:  # a stored value is finite
+                assert all(math.isfinite(v) for v in (value if isinstance(value, list) else [value])), (step, name)
+        overflowed += "was not finite" in notes or "were not finite" in notes
+    assert overflowed  # the overflow this test is about happened

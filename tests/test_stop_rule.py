@@ -268,3 +268,27 @@ def test_weight_norm_every_krylov_quantity_stores_no_value():
     notes = output["checks"]["notes"]
     assert all(any(n.startswith(f"{name} at step 0: no value stored") for n in notes) for name in names), notes
     assert all(q.converged[0] is False for q in quantities)
+
+
+def test_a_product_that_is_not_finite_stops_the_solve_before_it():
+    """A product with an inf (a half-precision graph that overflows): the solve keeps the products before it,
+    unconverged and marked not finite, and never hands eigh a matrix with inf / NaN (it raised before)."""
+    from cockpit_like.functional.krylov import lanczos_decomposition
+
+    A = torch.diag(torch.linspace(-1.0, 2.0, 30, dtype=torch.float64))
+    calls = []
+
+    def matvec(v):
+        calls.append(1)
+        out = A @ v
+        if len(calls) == 4:
+            out[3] = float("inf")
+        return out
+
+    starts = torch.randn(2, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    result = lanczos_decomposition(matvec, starts, max_products=20, rtol=1e-12, probes=2)
+    assert not result.finite and not result.converged
+    assert result.num_products == 3 and len(calls) == 4
+    assert torch.isfinite(result.ritz_values()).all()
+    clean = lanczos_decomposition(lambda v: A @ v, starts, max_products=20, rtol=1e-12, probes=2)
+    assert clean.finite

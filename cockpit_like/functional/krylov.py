@@ -72,8 +72,10 @@ class KrylovDecomposition:
             (``m = num_products``; entries on vectors added later are zero in exact arithmetic).
         probes: ``[p, m]`` float64 coordinates ``Q_m^T u`` of the unit probes (the first ``p``
             start vectors, normalised) in the multiplied space.
-        num_products: products ``A v`` evaluated.
+        num_products: products ``A v`` evaluated (and kept).
         converged: the stop rule held (or the space became invariant).
+        finite: every product was finite; where one was not (inf or NaN: a half-precision graph that
+            overflows), the solve stopped before it, unconverged, and the space is that of the products before.
     """
 
     basis: torch.Tensor
@@ -81,6 +83,7 @@ class KrylovDecomposition:
     probes: torch.Tensor
     num_products: int
     converged: bool
+    finite: bool = True
 
     @property
     def projection(self) -> torch.Tensor:
@@ -264,7 +267,7 @@ def lanczos_decomposition(
     band = basis.size  # T is banded: A q_j has coordinates on q_{j-band} .. q_{j+band} only
     # column j: the coordinates of A q_j on the basis (float64, on the CPU: T on top, E below)
     coefficients = torch.zeros(capacity, limit, dtype=torch.float64, device="cpu")
-    converged = False
+    converged, finite = False, True
     m = 0
     while m < limit and m < basis.size:
         size = basis.size
@@ -285,6 +288,9 @@ def lanczos_decomposition(
             if index + 1 == passes or float(column[-1]) >= _ENOUGH * float(column[-2]):
                 break
             before = after
+        if not bool(torch.isfinite(column).all()):  # an inf / NaN product: nothing after it can be trusted
+            finite = False
+            break
         coefficients[:size, m] = column[:size]
         start_norm, beta = float(column[-3]), float(column[-1])
         if size < capacity and beta > 10 * eps * start_norm:
@@ -315,7 +321,7 @@ def lanczos_decomposition(
         probe_coordinates = (Q[:m] @ torch.stack(unit_probes).T).T.to(torch.float64).cpu()
     else:
         probe_coordinates = torch.zeros(0, m, dtype=torch.float64, device="cpu")
-    return KrylovDecomposition(Q, coefficients[: basis.size, :m].clone(), probe_coordinates, m, converged)
+    return KrylovDecomposition(Q, coefficients[: basis.size, :m].clone(), probe_coordinates, m, converged, finite)
 
 
 #: a second re-orthogonalisation pass where the first left less than this share of the norm (1/sqrt(2))

@@ -300,7 +300,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             self.estimators[global_step] = self._used
             if isinstance(result, dict):
                 self._errors = result
-                return result["diagonal"]
+                return self._finite_or_none(global_step, result["diagonal"])
             self._errors = getattr(result, "errors", None)
             self._draws = getattr(result, "draws", None)
             outside = getattr(result, "outside", None)
@@ -329,8 +329,24 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                     "noisy)"
                 )
                 return None
-            return list(result)
+            return self._finite_or_none(global_step, list(result))
         return _diagonals(params, self.method, type(self).__name__)
+
+    def _finite_or_none(self, global_step: int, diagonals: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """The estimated diagonals, or ``None`` and a note where they are not finite at a step whose loss is (the
+        Hessian-vector products of a half-precision graph overflow): never a NaN stored as the curvature."""
+        record = get_record(global_step)
+        if not record.loss_is_finite or all(bool(torch.isfinite(c).all()) for c in diagonals):
+            return diagonals
+        record.note(
+            f"{type(self).__name__} at step {global_step}: no value stored: the Hessian-vector products of its "
+            f"{self._used} estimate were not finite (inf or NaN) where the loss and gradients are. A graph kept in "
+            "half precision (autocast with float16) overflows in the second backward pass, most of all for a loss a "
+            "GradScaler multiplied by its scale: run the forward pass of the steps these quantities track without "
+            "autocast, or in bfloat16"
+        )
+        self._errors = None
+        return None
 
     def _keep_error(self, global_step: int, value: float, error: float) -> None:
         """Store the standard error beside the value; where it leaves the sign unknown, the step says so."""

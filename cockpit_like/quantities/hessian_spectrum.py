@@ -131,6 +131,15 @@ class KrylovQuantity(SingleStepQuantity):
         ``max(rtol, eps^(1/3)) * max|theta|``: the products differ from the Hessian's by at least ``delta`` (a
         wrong double backward), so no Ritz value, quadrature or trace from them is the Hessian's.
         """
+        if not result.finite:
+            get_record(global_step).note(
+                f"{type(self).__name__} at step {global_step}: no value stored: Hessian-vector product "
+                f"{result.num_products + 1} was not finite (inf or NaN), so the solve stopped there "
+                f"(converged[{global_step}] is False). A graph kept in half precision (autocast with float16) "
+                "overflows in the second backward pass, most of all for a loss a GradScaler multiplied by its "
+                "scale: run the forward pass of the steps these quantities track without autocast, or in bfloat16."
+            )
+            return True
         if result.symmetric(self._krylov_rtol):
             return False
         scale = float(result.ritz_values().abs().max())
