@@ -91,6 +91,9 @@ class StepRecord:
     standard_errors: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: the step finished when ``info["optimizer"]`` began its step: ``p.grad`` is what it steps with
     at_optimizer_step: bool = False
+    #: how far (relative) the gradient self-check let the per-sample rows be from ``p.grad`` at this step (0: not
+    #: checked): 5e-2 where the rows came in half precision (autocast), the float32 or float64 tolerance otherwise
+    rows_tolerance: float = 0.0
 
     def note(self, text: str) -> None:
         """Say something about this step's numbers in its ``checks["notes"]`` (where a quantity cannot be

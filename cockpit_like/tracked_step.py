@@ -512,6 +512,7 @@ class TrackedStep:
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params, at_optimizer_step=at_optimizer_step,
+                rows_tolerance=float((checks.gradient or {}).get("tolerance", 0.0)),
             )
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
