@@ -397,7 +397,9 @@ class TrackedStep:
             self._watch_parameters()
             self._fingerprint = _fingerprint(env.params, self.step)
             if self._waits and not any(is_dtensor(p) for p in env.params):  # one copy of the gradients, until then
-                self._kept = [None if p.grad is None else p.grad.detach().clone() for p in env.params]
+                # (with the graph of p.grad where the step has one: Hessian-vector products run through it at the
+                # optimizer's step, after the loop changed p.grad in place)
+                self._kept = [None if p.grad is None else _kept_copy(p.grad) for p in env.params]
             env.run.pending = self
             return False
         if not self.last:  # more declared micro-batches to come
@@ -780,6 +782,13 @@ class TrackedStep:
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _kept_copy(grad: torch.Tensor) -> torch.Tensor:
+    """A copy of ``grad`` that the loop's in-place changes (clipping, noise) leave alone; with its graph (a clone
+    is differentiable) where it has one."""
+    with torch.enable_grad():
+        return grad.clone() if grad.requires_grad else grad.detach().clone()
 
 
 def _user_stacklevel() -> int:

@@ -277,3 +277,37 @@ def test_declared_micro_batches_and_clipping_with_adamw_alpha_waits_and_is_exact
         assert cockpit.checks[step]["valid"], step
         update = norms(observed[step + 1]["params"], observed[step]["params"])
         assert output[step]["UpdateSize"] == pytest.approx(update, rel=1e-12), step
+
+
+def test_a_waiting_step_keeps_the_graph_for_hessian_vector_products():
+    """clip_grad_value_ after the block makes Alpha wait for the optimizer's step, and the step keeps a copy of the
+    backward pass's gradients for the quantities. The copy was detached, so HessMaxEV at such a step raised
+    MissingGraphError out of optimizer.step(); now it keeps the graph: HessMaxEV equals the dense Hessian's."""
+    from cockpit_like.quantities import HessMaxEV
+
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    hess = HessMaxEV(linear(1))
+    cockpit = Cockpit(model.parameters(), quantities=[Alpha(linear(1)), hess], model=model)
+    names = [name for name, _ in model.named_parameters()]
+    for step in range(4):
+        x, y = batch(step)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        shapes = [p.shape for p in model.parameters()]
+
+        def mean_loss(vector, x=x, y=y):
+            pieces = torch.split(vector, [s.numel() for s in shapes])
+            values = {n: piece.reshape(s) for n, piece, s in zip(names, pieces, shapes)}
+            return F.cross_entropy(functional_call(model, values, (x,)), y)
+
+        eigenvalues = torch.linalg.eigvalsh(torch.autograd.functional.hessian(mean_loss, flat))
+        expected = float(eigenvalues[eigenvalues.abs().argmax()])
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.05)
+        optimizer.step()  # raised MissingGraphError at the waiting steps before
+        got = cockpit.get_output()[step]["HessMaxEV"]
+        assert got == pytest.approx(expected, rel=1e-2), step
+    assert "Alpha" in cockpit.get_output()[2]  # the later steps waited (and stored Alpha)

@@ -230,7 +230,7 @@ class Alpha(TwoStepQuantity):
             self._waits = True  # already for the next start step, which begins before this one's value is made
         entries = self._cache[start]
         keep = entries["predicted_update"][1]
-        for key in ("predicted_update", "grad_batch_sum"):
+        for key in ("predicted_update", "grad_batch_sum", "rows_tolerance"):
             entries.pop(key, None)
         self.save_to_cache(start, "settled", settled, keep)
 
