@@ -92,6 +92,8 @@ class StepRun:
     updates: list | None = None
     #: a warning said once that the step numbers skip the end steps of two-step quantities
     gap_warned: bool = False
+    #: steps whose block raised (nothing of them stored): the notes of the values that ended there say so
+    raised: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -618,8 +620,16 @@ class TrackedStep:
         for quantity in self.active:
             for start, end in quantity.lost_ends(self.step):
                 lost.setdefault((start, end), []).append(self.env.name_of(quantity))
+        raised = self.env.run.raised
         for (start, end), names in sorted(lost.items()):
             names = sorted(names)
+            if end in raised:  # entered, but its block raised: nothing of it was stored
+                checks.note(
+                    f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: "
+                    f"{'it ends' if len(names) == 1 else 'they end'} at step {end}, whose block raised (nothing of "
+                    "that step was stored)."
+                )
+                continue
             checks.note(
                 f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: "
                 f"{'it needs' if len(names) == 1 else 'they need'} the cockpit entered at step {end} (the parameters "
@@ -627,6 +637,7 @@ class TrackedStep:
                 "two steps end at the next step number: number the optimizer steps 0, 1, 2, ... (a schedule picks the "
                 "steps whose quantities are computed)."
             )  # fmt: skip
+        lost = {pair: names for pair, names in lost.items() if pair[1] not in raised}
         if lost and not self.env.run.gap_warned:
             self.env.run.gap_warned = True
             (start, end), names = min(lost.items())
@@ -752,6 +763,7 @@ class TrackedStep:
     def _abandon(self, ranks, execution: StepExecution) -> None:
         """The backward pass failed: the step is dropped (other ranks are told), buffers freed."""
         self.env.run.partitions = None
+        self.env.run.raised.add(self.step)
         if ranks is not None:  # tell the other ranks (backends/distributed.py)
             ranks.abandon_step(self.step, self.env.params, int(self.info.get("batch_size", 0)))
         execution.free()

@@ -311,3 +311,33 @@ def test_a_waiting_step_keeps_the_graph_for_hessian_vector_products():
         got = cockpit.get_output()[step]["HessMaxEV"]
         assert got == pytest.approx(expected, rel=1e-2), step
     assert "Alpha" in cockpit.get_output()[2]  # the later steps waited (and stored Alpha)
+
+
+def test_a_step_whose_block_raised_is_named_in_the_note_of_the_values_it_ended():
+    """Step 2's block raises (the loop catches it and goes on): UpdateSize and Alpha of step 1, which end at step 2,
+    are not stored. Before, the note said the cockpit was not entered at step 2 and the loop's step numbers skip (and
+    warned so); now it says that step 2 raised, and nothing warns of skipping numbers."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            try:
+                with cockpit(step, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean(),
+                                         "optimizer": optimizer}):  # fmt: skip
+                    losses.mean().backward()
+                    if step == 2:
+                        raise KeyError("the loop's own error")
+            except KeyError:
+                continue
+            optimizer.step()
+    output = cockpit.get_output()
+    assert "UpdateSize" not in output[1] and "Alpha" not in output[1]
+    said = [n for n in notes(cockpit, 3) if "of step 1" in n]
+    assert len(said) == 1 and "step 2, whose block raised" in said[0]
+    assert not [w for w in caught if "consecutive" in str(w.message)]
+    assert "UpdateSize" in output[0]
