@@ -38,7 +38,7 @@ from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput, StepAlreadyTrackedError
 from cockpit_like.tracked_step import (
-    StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, parameters_moved,
+    StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, not_stored, parameters_moved,
 )
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
@@ -701,7 +701,7 @@ class Cockpit:
         lost = sorted(self.name_of(q) for q in self.quantities if q.drop_start(start, step))
         if lost:
             self._note(start, (
-                f"{', '.join(lost)} of step {start} {'is' if len(lost) == 1 else 'are'} not stored: the optimizer "
+                f"{not_stored(lost, start)}: the optimizer "
                 f"stepped {count} times between the tracked steps {start} and {step}, so theta_{step} - theta_{start} "
                 f"spans {count} updates, not the update of step {start}. Enter the cockpit at every optimizer step, "
                 "numbered 0, 1, 2, ... (a schedule picks the steps whose quantities are computed)."

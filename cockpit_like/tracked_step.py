@@ -607,10 +607,9 @@ class TrackedStep:
         for start, names in sorted(lost.items()):
             names = sorted(names)
             env.add_note(start, (
-                f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: a GradScaler "
-                f"skipped step {self.step} (its gradients are not finite), and {'it ends' if len(names) == 1 else 'they end'} "
-                f"with that step's loss and gradients (the update from step {start} to {self.step} was made: what reads "
-                "only the parameters, UpdateSize, is stored)."
+                f"{not_stored(names, start)}: a GradScaler skipped step {self.step} (its gradients are not finite), "
+                f"and {_they(names, 'it ends', 'they end')} with that step's loss and gradients (the update from "
+                f"step {start} to {self.step} was made: what reads only the parameters, UpdateSize, is stored)."
             ))  # fmt: skip
 
     def _note_lost_ends(self, checks: StepChecks) -> None:
@@ -620,32 +619,26 @@ class TrackedStep:
         for quantity in self.active:
             for start, end in quantity.lost_ends(self.step):
                 lost.setdefault((start, end), []).append(self.env.name_of(quantity))
-        raised = self.env.run.raised
+        raised = {pair: sorted(names) for pair, names in lost.items() if pair[1] in self.env.run.raised}
+        lost = {pair: sorted(names) for pair, names in lost.items() if pair not in raised}
+        for (start, end), names in sorted(raised.items()):  # entered, but its block raised: nothing of it stored
+            checks.note(f"{not_stored(names, start)}: {_they(names, 'it ends', 'they end')} at step {end}, whose block "
+                        "raised (nothing of that step was stored).")  # fmt: skip
         for (start, end), names in sorted(lost.items()):
-            names = sorted(names)
-            if end in raised:  # entered, but its block raised: nothing of it was stored
-                checks.note(
-                    f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: "
-                    f"{'it ends' if len(names) == 1 else 'they end'} at step {end}, whose block raised (nothing of "
-                    "that step was stored)."
-                )
-                continue
             checks.note(
-                f"{', '.join(names)} of step {start} {'is' if len(names) == 1 else 'are'} not stored: "
-                f"{'it needs' if len(names) == 1 else 'they need'} the cockpit entered at step {end} (the parameters "
-                f"after the update of step {start}), and the next step it was entered at is {self.step}. Quantities of "
-                "two steps end at the next step number: number the optimizer steps 0, 1, 2, ... (a schedule picks the "
-                "steps whose quantities are computed)."
+                f"{not_stored(names, start)}: {_they(names, 'it needs', 'they need')} the cockpit entered at step "
+                f"{end} (the parameters after the update of step {start}), and the next step it was entered at is "
+                f"{self.step}. Quantities of two steps end at the next step number: number the optimizer steps 0, 1, "
+                "2, ... (a schedule picks the steps whose quantities are computed)."
             )  # fmt: skip
-        lost = {pair: names for pair, names in lost.items() if pair[1] not in raised}
         if lost and not self.env.run.gap_warned:
             self.env.run.gap_warned = True
             (start, end), names = min(lost.items())
             warnings.warn(
                 f"[cockpit_like] the step numbers skip step {end} (step {self.step} follows step {start}): "
-                f"{', '.join(sorted(names))} of step {start} {'is' if len(names) == 1 else 'are'} not stored, as in "
-                "Cockpit (they end at the next step number). Quantities of two steps need consecutive step numbers, "
-                "one per optimizer step; the notes of the steps in the checks say which values are missing.",
+                f"{not_stored(names, start)}, as in Cockpit (they end at the next step number). Quantities of two "
+                "steps need consecutive step numbers, one per optimizer step; the notes of the steps in the checks say "
+                "which values are missing.",
                 UserWarning,
                 stacklevel=_user_stacklevel(),
             )
@@ -794,6 +787,15 @@ class TrackedStep:
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def not_stored(names: list[str], start: int) -> str:
+    """``"A, B of step 3 are not stored"``: the start of the notes on two-step values that are lost."""
+    return f"{', '.join(names)} of step {start} {_they(names, 'is', 'are')} not stored"
+
+
+def _they(names: list[str], one: str, several: str) -> str:
+    return one if len(names) == 1 else several
 
 
 def _kept_copy(grad: torch.Tensor) -> torch.Tensor:

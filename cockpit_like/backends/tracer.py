@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES
+from cockpit_like.backends.partitions import is_dtensor
 
 __all__ = ["ModelTracer", "Call", "Shell", "stateful_parts", "snapshot_state"]
 
@@ -324,8 +325,6 @@ class ModelTracer:
         if kept is None:
             return current
         kept = kept[0] if recurse else kept[1]
-        from cockpit_like.backends.partitions import is_dtensor
-
         for name, param in current.items():
             old = kept.get(name)
             if old is not None and old is not param and is_dtensor(old):

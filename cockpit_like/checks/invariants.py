@@ -51,10 +51,11 @@ def _norms(tensors: list[torch.Tensor]) -> list[float]:
     if not tensors:
         return []
     norms = []
-    for tensor in tensors:
+    for tensor in tensors:  # in the gradient's own dtype (no float64 copy of it), half precision widened
         values = tensor.detach()
         values = values.coalesce().values() if values.is_sparse else values
-        norms.append(torch.linalg.vector_norm(values, dtype=torch.float64))
+        values = values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
+        norms.append(torch.linalg.vector_norm(values).to(torch.float64))
     return torch.stack([n.to(norms[0].device) for n in norms]).tolist()
 
 
