@@ -68,6 +68,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
 
 from cockpit_like.backends.conv_unfold import conv2d_bias_grad_batch, conv2d_weight_grad_batch, supports_unfold
 from cockpit_like.backends.per_sample import LazyRows, linear_sum, materialize_linear, materialize_sequence, sequence_sum
@@ -447,8 +448,6 @@ def pruned(module: nn.Module) -> bool:
     """``torch.nn.utils.prune`` reparametrizes ``module`` (a forward pre-hook computes ``weight = weight_orig *
     weight_mask``): the rules' gradients are the computed tensor's, not the parameter's; the ``torch.func``
     fallback re-runs the hook with the parameter, so it takes these modules."""
-    from torch.nn.utils.prune import BasePruningMethod
-
     return any(isinstance(hook, BasePruningMethod) for hook in module._forward_pre_hooks.values())
 
 

@@ -36,7 +36,7 @@ from torch import nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from cockpit_like.backends.module_rules import finite_parts
+from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
 
@@ -290,8 +290,6 @@ def _model_kept(module: nn.Module):
         for name, value in owner._buffers.items()
         if isinstance(value, torch.Tensor)
     ]
-    from torch.nn.utils.prune import BasePruningMethod
-
     # ``prune``'s forward pre-hook sets the computed ``weight`` as a plain attribute: the re-run's goes, the user's stays
     computed = [
         (owner, hook._tensor_name, owner.__dict__[hook._tensor_name])

@@ -29,6 +29,7 @@ from backpack.utils.module_classification import is_loss
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
 from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, coupling_reason
+from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 from cockpit_like.backends.randomness import seeded_sampling
@@ -80,8 +81,6 @@ def _backpack_fails_on(module: torch.nn.Module) -> bool:
     padding = getattr(module, "output_padding", None)
     if isinstance(module, torch.nn.modules.conv._ConvTransposeNd) and any(int(p) != 0 for p in padding):
         return True
-    from cockpit_like.backends.module_rules import pruned
-
     return bool(module._forward_pre_hooks) and pruned(module)  # its gradients are weight's, not weight_orig's
 
 
