@@ -497,3 +497,27 @@ def test_bf16_autocast_with_adamw_stores_alpha_from_the_first_step():
     output = cockpit.get_output()
     assert math.isfinite(output[0]["Alpha"]) and math.isfinite(output[1]["Alpha"])
     assert not [n for s in (0, 1) for n in cockpit.checks.get(s, {}).get("notes", []) if "Alpha" in n]
+
+
+def test_a_conv1d_under_bf16_autocast_gets_its_rows():
+    """Conv1d's hook rule got the recorded float32 input and a bfloat16 output gradient under autocast and raised
+    'expected scalar type Float but found BFloat16' inside the backward pass (found outside the tests: a text CNN);
+    now both are widened: every step valid, the rows within the half-precision tolerance of p.grad."""
+    from cockpit_like.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 6, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(60, 3))  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(8):
+        x, y = torch.randn(8, 4, 10, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = torch.nn.functional.cross_entropy(model(x).float(), y, reduction="none")
+        with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            losses.mean().backward()
+        optimizer.step()
+    assert cockpit.invalid_steps == {}
+    assert all(check["gradient"]["layers"] == 4 for check in cockpit.checks.values())

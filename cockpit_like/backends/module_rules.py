@@ -321,6 +321,9 @@ def _conv1d(module: nn.Conv1d, x: torch.Tensor, delta: torch.Tensor) -> dict[str
     if module.groups != 1 or x.dim() != 3 or module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None
     (k,), (d,), (s,), (p,) = module.kernel_size, module.dilation, module.stride, module.padding
+    if x.dtype != delta.dtype:  # autocast: the recorded float32 input, a half-precision output gradient
+        wide = torch.promote_types(x.dtype, delta.dtype)
+        x, delta = x.to(wide), delta.to(wide)
     patches = F.unfold(x.unsqueeze(2), (1, k), dilation=(1, d), padding=(0, p), stride=(1, s))  # [B, C*k, L]
     weight = torch.bmm(delta, patches.transpose(1, 2))  # [B, C_out, C_in * k]
     return {"weight": Dense(weight.reshape(x.shape[0], *module.weight.shape)), "bias": Dense(conv2d_bias_grad_batch(delta))}
