@@ -521,3 +521,34 @@ def test_a_conv1d_under_bf16_autocast_gets_its_rows():
         optimizer.step()
     assert cockpit.invalid_steps == {}
     assert all(check["gradient"]["layers"] == 4 for check in cockpit.checks.values())
+
+
+def test_a_module_re_run_per_row_under_bf16_autocast_runs_in_the_recorded_precision():
+    """A GRU (the fallback re-runs it row by row) under bf16 autocast: the re-run ran without autocast on the
+    recorded bfloat16 input and raised 'RNN input dtype (torch.bfloat16) does not match weight dtype' (found outside
+    the tests: a text model); now it runs under the recorded call's autocast: every step valid."""
+    from cockpit_like.utils.configuration import configuration
+
+    class Text(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.gru, self.head = torch.nn.Embedding(20, 8), torch.nn.GRU(8, 8, batch_first=True), torch.nn.Linear(8, 3)
+
+        def forward(self, ids):
+            return self.head(self.gru(self.embed(ids))[0][:, -1])
+
+    torch.manual_seed(0)
+    model = Text()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids, y = torch.randint(0, 20, (6, 5), generator=generator), torch.randint(0, 3, (6,), generator=generator)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = torch.nn.functional.cross_entropy(model(ids).float(), y, reduction="none")
+        with cockpit(step, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            losses.mean().backward()
+        optimizer.step()
+    assert cockpit.invalid_steps == {}
+    assert all("NormTest" in cockpit.get_output()[step] for step in range(4))

@@ -928,7 +928,8 @@ class HookBackend:
         self._refuse_unsplittable(call)
         batch = self._batch(call)
         arguments = (call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer)
-        options = {"recorded": call.entries, "shared": call.consumer is not None, "state": call.state}
+        options = {"recorded": call.entries, "shared": call.consumer is not None, "state": call.state,
+                   "autocast": call.autocast}
         budget = getattr(self.reducer, "budget_bytes", None)
         row_bytes = sum(p.numel() * max(4, p.element_size()) for p in call.params)
         if budget is not None and batch > 1 and batch * row_bytes > budget:

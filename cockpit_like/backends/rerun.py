@@ -96,7 +96,7 @@ def rows_in_arguments(module, args, kwargs, batch: int) -> bool:
 
 def per_sample_grads(
     module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
-    shared: bool = False, state: list | None = None,
+    shared: bool = False, state: list | None = None, autocast: tuple | None = None,
 ) -> list[torch.Tensor]:
     """``[B, *p.shape]`` per parameter of ``params``: per row, the gradient of ``sum_k <out_k, grads_k>``.
 
@@ -109,10 +109,11 @@ def per_sample_grads(
     all rows (leading 1), whose rows' gradients ``grads`` come from where it was
     added to the batch; its inputs are not split. ``recorded``: the outputs of the
     forward pass, which the re-run must reproduce (else an error says why not). ``state``: the buffers of
-    the module's parametrizations when the call began (``Call.state``), which each re-run starts from.
+    the module's parametrizations when the call began (``Call.state``), which each re-run starts from;
+    ``autocast``: the autocast the call ran under (``Call.autocast``), which each re-run runs under.
     The model's buffers and torch's random number generators are left as they were.
     """
-    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state)
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state, autocast)
     with _model_kept(module):
         results, outputs = rerun.rows(0, batch)
         rerun.check(outputs, recorded, 0, batch)
@@ -121,7 +122,7 @@ def per_sample_grads(
 
 def per_sample_grad_rows(
     module, params, args, kwargs, want, grads, batch, tracer, recorded: list[torch.Tensor] | None = None,
-    shared: bool = False, state: list | None = None,
+    shared: bool = False, state: list | None = None, autocast: tuple | None = None,
 ) -> list[LazyRows]:
     """:func:`per_sample_grads` a block of rows at a time: per parameter a
     :class:`~cockpit_like.backends.per_sample.LazyRows` whose ``make(start, stop)``
@@ -129,7 +130,7 @@ def per_sample_grad_rows(
     checked against ``recorded`` once), so that no ``[B, *p.shape]`` exists when
     the reducer takes blocks under its budget. A parameter's blocks re-run the
     module's rows once each: ``len(params)`` re-runs of the batch in all."""
-    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state)
+    rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state, autocast)
     checked: set[tuple[int, int]] = set()
 
     def maker(index: int):
@@ -149,12 +150,13 @@ def per_sample_grad_rows(
 class _Rerun:
     """A module call prepared for re-running rows (:func:`per_sample_grads`)."""
 
-    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared, state=None):
+    def __init__(self, module, params, args, kwargs, want, grads, batch, tracer, shared, state=None, autocast=None):
         names: dict[int, str] = {}
         for name, p in module.named_parameters():
             names.setdefault(id(p), name)
         self.module, self.params, self.tracer, self.batch = module, list(params), tracer, batch
         self.state = state or []
+        self.autocast = autocast
         self.param_names = [names[id(p)] for p in params]
         args, kwargs = list(args or ()), dict(kwargs or {})
         # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
@@ -189,7 +191,8 @@ class _Rerun:
                 offset += count
             call_args = rebuilt[: len(args)]
             call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
-            out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
+            with _autocast_as(autocast):  # the precision the recorded call ran in (autocast), else none
+                out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
             return tuple(out[i] for i in want)
 
         self.run = run
@@ -267,7 +270,7 @@ class _Rerun:
             ]
         if not (start == 0 and stop == self.batch):
             recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
-        if not _same_outputs(outputs, recorded):
+        if not _same_outputs(outputs, recorded, half=self.autocast is not None):
             raise UncoveredParameterError(
                 f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
                 "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
@@ -277,6 +280,13 @@ class _Rerun:
                 "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
                 "inside it)." + _parametrization_hint(self.module)
             )
+
+
+def _autocast_as(state: tuple | None):
+    """``torch.autocast`` as a recorded call ran under it (``(device type, dtype)``), or nothing."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(state[0], dtype=state[1])
 
 
 @contextlib.contextmanager
@@ -382,9 +392,10 @@ def _replayable(value):
     return value
 
 
-def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor]) -> bool:
+def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor], half: bool = False) -> bool:
     """Equal up to rounding: the largest difference within ``tolerance * (1 + largest |value|)``, with a
-    tolerance by precision (a re-run of a whole stack row by row rounds differently from the batch)."""
+    tolerance by precision (a re-run of a whole stack row by row rounds differently from the batch; ``half``:
+    the call ran under autocast, which computes in half precision whatever dtype it returns)."""
     for new, old in zip(recomputed, recorded):
         old = old.detach()
         if new.shape != old.shape:
@@ -396,7 +407,7 @@ def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor]) 
         new, old = parts
         if not old.numel():
             continue
-        tolerance = {torch.float64: 1e-7, torch.float32: 1e-3}.get(old.dtype, 2e-2)
+        tolerance = 2e-2 if half else {torch.float64: 1e-7, torch.float32: 1e-3}.get(old.dtype, 2e-2)
         scale = 1 + float(old.abs().max())
         if not float((new - old).abs().max()) <= tolerance * scale:  # a NaN where the step had a number fails too
             return False

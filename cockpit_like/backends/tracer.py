@@ -47,6 +47,14 @@ _TRACERS: "weakref.WeakValueDictionary[int, ModelTracer]" = weakref.WeakValueDic
 _IDS = itertools.count()
 
 
+def autocast_state() -> tuple[str, torch.dtype] | None:
+    """``(device type, dtype)`` of the autocast active now (CPU or CUDA), or ``None``."""
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            return device, torch.get_autocast_dtype(device)
+    return None
+
+
 def _record(tracer_id: int, module, args, kwargs, output) -> None:
     # a module-level function bound by functools.partial to an int: a pickled model carries no
     # tracer; a deep copy's hooks report to the same tracer, whose step ignores calls that are not
@@ -72,7 +80,7 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
         output = tree_map(_shell, output)
     # the output is returned unchanged: the cockpit never changes what the model computes
-    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)), state)
+    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)), state, autocast_state())
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
         return
@@ -181,11 +189,13 @@ class Call:
 
     __slots__ = (
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
-        "start", "position", "climbed", "consumer", "flat", "state",
+        "start", "position", "climbed", "consumer", "flat", "state", "autocast",
     )
 
-    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0, state=None):
+    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0, state=None, autocast=None):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        #: ``(device type, dtype)`` of the autocast the call ran under (``None``: none): a re-run runs under it too
+        self.autocast = autocast
         #: the buffers of the module's parametrizations as they were when the call began
         #: (:func:`snapshot_state`; ``None``: none): a re-run of the call starts from them
         self.state = state
@@ -211,7 +221,8 @@ class Call:
 
     def fresh(self) -> "Call":
         """The same recorded call with no backward state (for another backward pass)."""
-        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start, self.state)
+        call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start, self.state,
+                    self.autocast)
         call.position = self.position
         return call
 
