@@ -36,6 +36,7 @@ from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad
 from cockpit_like.backends.hvp import NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
+from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
 from cockpit_like.checks.probe import probe_directions, project, project_all
 from cockpit_like.checks.rows import coupled_rows
@@ -208,6 +209,7 @@ class TrackedStep:
         #: a backward pass of a step already withdrawn (see Cockpit._invalidate): nothing is computed
         self.ignored = ignored
         self._factor: LossFactor | None = None
+        self._roots: BackwardRoots | None = None
         self._probe: GradientProbe | None = None
         self._fingerprint: dict[int, float | None] | None = None
 
@@ -298,6 +300,8 @@ class TrackedStep:
                 f"create_graph: {create_graph}; backward pass {self.micro + 1} of {self.micro_batches}"
             )
         self._execution.enter()
+        if self._factor is not None:  # what the user's backward passes propagate (last: nothing after it can raise)
+            self._roots = BackwardRoots()
         return self
 
     def _row_check(self, needs):
@@ -347,9 +351,12 @@ class TrackedStep:
         env = self.env
         ranks = env.ranks if self.active else None
         partitions = env.run.partitions
-        factor = self._factor
+        factor, roots = self._factor, self._roots
         if factor is not None:
             factor.remove()
+        if roots is not None:
+            roots.remove()
+            self._roots = None
         try:
             execution.exit(exc_type, exc, traceback)
             if exc_type is None and self.active:
@@ -371,6 +378,11 @@ class TrackedStep:
                         "could not be seen and the declared factor was used. Pass the loss tensor you call "
                         "backward() on as info['loss'] (or individual_losses with their graph)."
                     )
+                if roots is not None:
+                    seen = partition.factor if partition.factor is not None else partitions.checks.assumed
+                    why = undeclared_terms(roots, self.info.get("loss"), seen)
+                    if why is not None:
+                        partitions.checks.fail("backpropagated_loss", f"step {self.step}: {why}.")
                 for note in execution.notes:
                     partitions.checks.note(note)
                 if execution.repeated_passes:

@@ -186,9 +186,40 @@ def torch_nn():
     return nn
 
 
+def torch_rng():
+    import torch
+
+    return torch
+
+
+@pytest.fixture(scope="module")
+def _gpt2_small_cache():
+    cache = []
+    yield cache
+    cache.clear()  # 500 MB: not kept past this module
+
+
+@pytest.fixture
+def gpt2_small_built_once(_gpt2_small_cache, monkeypatch):
+    """GPT-2 small takes about 10 s to build (124M parameters initialised): built once for this module, each
+    child loop gets a copy (the same weights and random stream as a fresh build: ``build_problem`` seeds before it)."""
+    import copy
+
+    original = overhead._gpt2_small
+
+    def built():
+        if not _gpt2_small_cache:
+            _gpt2_small_cache.append((original(), torch_rng().get_rng_state()))
+        (model, shape), after = _gpt2_small_cache[0]
+        torch_rng().set_rng_state(after)  # the random stream where a fresh build leaves it
+        return copy.deepcopy(model), shape
+
+    monkeypatch.setattr(overhead, "_gpt2_small", built)
+
+
 @pytest.mark.parametrize("problem", overhead.HOOK_PROBLEMS)
 @pytest.mark.parametrize("config", ["plain", "nothing", "economy"])
-def test_hook_problem_child_loop(problem, config):
+def test_hook_problem_child_loop(problem, config, gpt2_small_built_once):
     """The child's training loop (in this process) on the small models: one timed step. gpt2-small has no
     small size (124M parameters, 256 tokens): batches of 2 and no warm-up step (a step of batch 4 took 7-20 s
     and 3 GB; the warm-up step is tested on the others)."""

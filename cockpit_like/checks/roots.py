@@ -1,0 +1,190 @@
+"""What a tracked step's backward passes propagated: the value of their roots.
+
+The per-sample rows come from the gradients that reach each layer, so they
+are the rows of whatever tensor the user called ``backward()`` on; the
+quantities that also read ``info["loss"]`` and ``info["individual_losses"]``
+(the Loss, Alpha's fit of loss values and slopes) are right only where that
+tensor is ``f * info["loss"]``, ``f`` the factor the loss hook saw
+(:mod:`~cockpit_like.checks.loss_factor`). A loss with an undeclared term (an
+auxiliary head's loss, a penalty on activations, a second loss backpropagated
+in the same block) passes the gradient check, since the rows hold the term
+too. Its value does not pass this one: while a tracked block is open,
+:class:`BackwardRoots` reads ``sum_i <root_i, grad_i>`` of each
+``torch.autograd.backward`` call the user's thread makes (``loss.backward()``
+goes through it), before the call runs; the step compares the total with
+``f * info["loss"]``.
+
+The wrapper is installed while at least one block watches, and removed with
+the last one (where nothing else replaced it since); the cockpit's own
+backward passes (:func:`~cockpit_like.backends.internal.cockpit_work`) are
+not counted. ``torch.autograd.grad`` is not a root: gradients set by hand
+are not compared.
+
+May import torch and :mod:`cockpit_like.backends.internal`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+
+import torch
+
+from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
+
+__all__ = ["BackwardRoots", "roots_tolerance"]
+
+_LOCK = threading.Lock()
+_WATCHERS: list[BackwardRoots] = []
+_ORIGINAL = None
+_WRAPPER = None
+
+
+def roots_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance between the propagated value and ``f * info["loss"]`` (rounding of the root's own sum,
+    of a factor read from a half-precision gradient, of a loss computed apart in another order)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 2e-2
+    if dtype == torch.float64:
+        return 1e-9
+    return 1e-4
+
+
+class BackwardRoots:
+    """Watches the ``torch.autograd.backward`` calls of the thread that created it until :meth:`remove`.
+
+    Attributes:
+        values: one 0-d float64 tensor per call, ``sum_i <root_i, grad_i>`` (``grad_i`` ones where not given).
+        dtype: the roots' widest floating dtype seen (for the tolerance).
+        unreadable: a call whose value could not be read (a root without a value, mismatched shapes).
+    """
+
+    def __init__(self):
+        self.values: list[torch.Tensor] = []
+        self.dtype: torch.dtype | None = None
+        self.unreadable = False
+        self._thread = threading.get_ident()
+        with _LOCK:
+            _install()
+            _WATCHERS.append(self)
+
+    @property
+    def calls(self) -> int:
+        return len(self.values) + int(self.unreadable)
+
+    def total(self) -> float | None:
+        """The sum of the calls' values (``None``: no call seen, or one unreadable)."""
+        if self.unreadable or not self.values:
+            return None
+        with cockpit_work():
+            return float(torch.stack([v.to(self.values[0].device) for v in self.values]).sum())
+
+    def _record(self, tensors, grad_tensors) -> None:
+        if threading.get_ident() != self._thread:
+            return
+        with cockpit_work(), torch.no_grad():
+            try:
+                roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+                if grad_tensors is None:
+                    grads = [None] * len(roots)
+                elif isinstance(grad_tensors, torch.Tensor):
+                    grads = [grad_tensors]
+                else:
+                    grads = list(grad_tensors)
+                value = None
+                for root, grad in zip(roots, grads, strict=True):
+                    if not isinstance(root, torch.Tensor) or is_nested_or_sparse(root):
+                        raise TypeError("not a dense tensor")
+                    part = root.detach().to(torch.float64)
+                    part = part.sum() if grad is None else (part * grad.detach().to(torch.float64)).sum()
+                    value = part if value is None else value + part.to(value.device)
+                    wider = root.dtype if root.is_floating_point() else None
+                    if wider is not None and (self.dtype is None or _bits(wider) > _bits(self.dtype)):
+                        self.dtype = wider
+                if value is None:
+                    raise TypeError("no roots")
+                self.values.append(value)
+            except (TypeError, ValueError, RuntimeError):
+                self.unreadable = True
+
+    def remove(self) -> None:
+        with _LOCK:
+            if self in _WATCHERS:
+                _WATCHERS.remove(self)
+            if not _WATCHERS:
+                _uninstall()
+
+
+def is_nested_or_sparse(tensor: torch.Tensor) -> bool:
+    return bool(getattr(tensor, "is_nested", False)) or tensor.is_sparse
+
+
+def _bits(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits if dtype.is_floating_point else 0
+
+
+def _install() -> None:
+    global _ORIGINAL, _WRAPPER
+    if _WRAPPER is not None and torch.autograd.backward is _WRAPPER:
+        return
+    original = torch.autograd.backward
+
+    @functools.wraps(original)
+    def backward(tensors, grad_tensors=None, *args, **kwargs):
+        # (not the cockpit's own passes, nor one run inside a backward pass: reentrant checkpointing's recomputation)
+        if _WATCHERS and not in_cockpit_work() and torch._C._current_graph_task_id() == -1:
+            for watcher in list(_WATCHERS):
+                watcher._record(tensors, grad_tensors)
+        return original(tensors, grad_tensors, *args, **kwargs)
+
+    _ORIGINAL, _WRAPPER = original, backward
+    torch.autograd.backward = backward
+
+
+def _uninstall() -> None:
+    global _ORIGINAL, _WRAPPER
+    if _WRAPPER is not None and torch.autograd.backward is _WRAPPER:
+        torch.autograd.backward = _ORIGINAL
+    _ORIGINAL = _WRAPPER = None
+
+
+def undeclared_terms(roots: BackwardRoots, loss, factor: float | None) -> str | None:
+    """Why the propagated roots are not ``factor * info["loss"]`` (``None``: they are, or cannot be compared).
+
+    Args:
+        roots: the block's :class:`BackwardRoots` (removed).
+        loss: ``info["loss"]`` (a one-element tensor or a number; anything else is not compared).
+        factor: the factor seen by the loss hook, or the declared one where none was seen.
+    """
+    total = roots.total()
+    if total is None or factor is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            return None
+        with cockpit_work():
+            value, dtype = float(loss.detach().reshape(-1)[0]), loss.dtype
+    elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        value, dtype = float(loss), None
+    else:
+        return None
+    expected = factor * value
+    if not (math.isfinite(total) and math.isfinite(expected)):
+        return None  # a non-finite loss has its own warning
+    widest = [d for d in (dtype, roots.dtype) if d is not None and d.is_floating_point]
+    tolerance = max((roots_tolerance(d) for d in widest), default=roots_tolerance(torch.float32))
+    if abs(total - expected) <= tolerance * max(abs(total), abs(expected)):
+        return None
+    passes = f"the {roots.calls} backward passes of this block propagated" if roots.calls > 1 else "the backward pass propagated"
+    return (
+        f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "
+        f"{'seen' if factor is not None else 'declared'} at info['loss'] is {factor:.6g} ({factor:.6g} x {value:.8g} = "
+        f"{expected:.8g}): the tensor backpropagated has terms that info['loss'] and info['individual_losses'] do "
+        "not hold (an auxiliary loss, a second loss backpropagated in the same block, a penalty on activations or "
+        "parameters). The per-sample rows hold those terms and the declared losses do not, so the quantities that "
+        "read both (Alpha, the per-sample tests against the loss) would mix two losses. Declare the loss you "
+        "backpropagate: info['loss'] its value, info['individual_losses'] each row's share of it (a per-row "
+        "auxiliary loss added to its row's loss), or backpropagate info['loss'] alone "
+        "(docs/your_training_loop.md#self-checks)"
+    )
