@@ -405,7 +405,7 @@ class Cockpit:
         """The context manager around ``loss.backward()`` for ``global_step``
         (:meth:`begin` on entry, :meth:`end` on exit)."""
         _check_step_arguments(global_step, info)
-        return StepContext(self.begin, self.end, global_step, exts, info or {}, debug)
+        return StepContext(self.begin, self.end, global_step, exts, _inner_optimizer(info or {}), debug)
 
     def begin(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False) -> None:
         """Open ``global_step``: call before ``loss.backward()``, then :meth:`end`.
@@ -415,6 +415,7 @@ class Cockpit:
         the Hugging Face ``Trainer``). Only one step is open at a time.
         """
         _check_step_arguments(global_step, info)
+        info = _inner_optimizer(info) if info is not None else None
         if self._open_step is not None:
             raise RuntimeError(
                 f"cockpit.begin({global_step}): step {self._open_step.step} is still open. "
@@ -1019,6 +1020,26 @@ def _check_step_arguments(global_step: Any, info: Any) -> None:
         raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
+
+
+def _inner_optimizer(info: dict) -> dict:
+    """``info`` with ``info["optimizer"]`` the optimizer that steps the parameters, where it is a wrapper that only
+    forwards to one (accelerate's ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` without its
+    initialisation, so it has no step hooks; Lightning's ``LightningOptimizer``): the wrapped one, in a copy of
+    ``info`` (the caller's dict is left as it is). A wrapper with a step of its own that is a whole optimizer
+    (Lookahead) stays."""
+    optimizer = info.get("optimizer")
+    inner = optimizer
+    for _ in range(8):  # wrappers of wrappers
+        if isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "_optimizer_step_pre_hooks"):
+            break
+        wrapped = getattr(inner, "optimizer", None)
+        if wrapped is None or wrapped is inner:
+            break
+        inner = wrapped
+    if inner is optimizer:
+        return info
+    return {**info, "optimizer": inner}
 
 
 def _failed_check(record: dict[str, Any] | None, check: str) -> bool:

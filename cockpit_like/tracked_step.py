@@ -381,8 +381,10 @@ class TrackedStep:
                 if roots is not None:
                     seen = partition.factor if partition.factor is not None else partitions.checks.assumed
                     why = undeclared_terms(roots, self.info.get("loss"), seen)
-                    if why is not None:
-                        partitions.checks.fail("backpropagated_loss", f"step {self.step}: {why}.")
+                    known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
+                    if why is not None and not known:  # (once per step: the first micro-batch that shows it)
+                        where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""
+                        partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
                 for note in execution.notes:
                     partitions.checks.note(note)
                 if execution.repeated_passes:

@@ -182,3 +182,37 @@ def test_another_threads_backward_pass_is_not_counted():
     cockpit, _, _ = run(backward, steps=1)
     thread.join()
     assert done.is_set() and failed(cockpit, 0) == [], cockpit.checks[0]
+
+
+def test_a_two_stage_backward_through_detached_features_says_it_is_not_a_loss():
+    """GradCache-style: the head's loss on detached features, then ``features.backward(features.grad)`` inside the
+    block: the root is a tensor with a gradient of the user's, not a loss."""
+    model = TwoTasks()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    x, y, _ = batch(0)
+    features = model.trunk(x)
+    detached = features.detach().requires_grad_(True)
+    losses = F.cross_entropy(model.h1(detached), y, reduction="none")
+    losses.mean().backward()
+    with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
+        features.backward(detached.grad)
+    reason = next(f["reason"] for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss")
+    assert "features.backward(grad)" in reason and "not a loss" in reason
+
+
+def test_micro_batches_with_an_undeclared_term_fail_the_step_once():
+    model = TwoTasks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer.zero_grad()
+    for micro in range(3):
+        x, y, t = batch(micro)
+        o1, o2 = model(x)
+        losses = F.cross_entropy(o1, y, reduction="none")
+        info = {"batch_size": B, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer,
+                "micro_batches": 3}  # fmt: skip
+        with cockpit(0, info=info):
+            ((losses.mean() + ((o2 - t) ** 2).mean()) / 3).backward()
+    optimizer.step()
+    failures = [f for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss"]
+    assert len(failures) == 1 and "backward pass 1 of 3" in failures[0]["reason"]

@@ -64,6 +64,8 @@ class BackwardRoots:
         self.values: list[torch.Tensor] = []
         self.dtype: torch.dtype | None = None
         self.unreadable = False
+        #: a root with more than one element was given its gradient (``features.backward(grad)``: not a loss)
+        self.vector_roots = False
         self._thread = threading.get_ident()
         with _LOCK:
             _install()
@@ -96,6 +98,8 @@ class BackwardRoots:
                 for root, grad in zip(roots, grads, strict=True):
                     if not isinstance(root, torch.Tensor) or is_nested_or_sparse(root):
                         raise TypeError("not a dense tensor")
+                    if grad is not None and root.numel() > 1:
+                        self.vector_roots = True
                     part = root.detach().to(torch.float64)
                     part = part.sum() if grad is None else (part * grad.detach().to(torch.float64)).sum()
                     value = part if value is None else value + part.to(value.device)
@@ -177,6 +181,14 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None) -> str | 
     if abs(total - expected) <= tolerance * max(abs(total), abs(expected)):
         return None
     passes = f"the {roots.calls} backward passes of this block propagated" if roots.calls > 1 else "the backward pass propagated"
+    if roots.vector_roots:
+        return (
+            f"{passes} {total:.8g} (the sum of <tensor, gradient> over its roots), but info['loss'] is {value:.8g} "
+            f"and the factor seen at it is {factor:.6g}: a tensor with more than one element was backpropagated with a "
+            "gradient of your own (features.backward(grad), a two-stage backward through detached features), which "
+            "is not a loss, so the rows cannot be declared by info['loss'] and info['individual_losses']. Enter the "
+            "cockpit around a backward pass of the loss itself (docs/your_training_loop.md#self-checks)"
+        )
     return (
         f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "
         f"{'seen' if factor is not None else 'declared'} at info['loss'] is {factor:.6g} ({factor:.6g} x {value:.8g} = "
