@@ -30,10 +30,12 @@ May import torch, :mod:`cockpit_like.backends.tracer` and
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
@@ -191,7 +193,8 @@ class _Rerun:
                 offset += count
             call_args = rebuilt[: len(args)]
             call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
-            with _autocast_as(autocast):  # the precision the recorded call ran in (autocast), else none
+            # the precision the recorded call ran in (autocast), else none; no `.data` assignment (_DataKept)
+            with _autocast_as(autocast), _DataKept(module):
                 out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
             return tuple(out[i] for i in want)
 
@@ -224,6 +227,8 @@ class _Rerun:
                 try:
                     detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
                     return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+                except UncoveredParameterError:
+                    raise
                 except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
                     self._vmap = False
             live = dict(zip(self.param_names, self.params))
@@ -280,6 +285,72 @@ class _Rerun:
                 "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
                 "inside it)." + _parametrization_hint(self.module)
             )
+
+
+_DATA = torch._C.TensorBase.data  # the `.data` property, whose setter a TorchFunctionMode sees as its `__set__`
+
+
+class _DataKept(TorchFunctionMode):
+    """No tensor's ``.data`` is replaced during a re-run of ``module``.
+
+    A forward pass that converts a submodule (``self.classifier = self.classifier.to(self.dtype)``, as Hugging
+    Face's SwitchTransformers router does: ``Module.to`` assigns each parameter's ``.data``) or assigns
+    ``param.data = ...`` itself crashes the process inside ``vmap(vjp(...))`` where the tensor is one of the
+    re-run's constant parameters (a segmentation fault in the next operation that reads it), and torch.func
+    refuses it where the tensor is a variable. An assignment that changes nothing (the tensor itself, as
+    ``Module.to`` assigns where the dtype and device are already right, or an equal tensor of the same dtype,
+    device and shape) is skipped, so the re-run computes what the forward pass computed; any other raises
+    :class:`UncoveredParameterError` naming the submodule. The check is one identity test per operation."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == "__set__":
+            tensor, value = args[0], args[1]
+            if value is tensor or _equal(tensor, value):
+                return None
+            raise UncoveredParameterError(_data_message(self.module))
+        return func(*args, **(kwargs or {}))
+
+
+def _equal(tensor, value) -> bool:
+    """``value`` is ``tensor``'s dtype, device, shape and values (``False`` where that cannot be told, as
+    for a value that differs by row inside ``vmap``)."""
+    if not isinstance(value, torch.Tensor) or (value.dtype, value.device, value.shape) != (
+        tensor.dtype, tensor.device, tensor.shape
+    ):
+        return False
+    try:
+        return bool(torch.equal(tensor, value))
+    except Exception:  # noqa: BLE001 - a batched value (data-dependent control flow under vmap)
+        return False
+
+
+def _data_message(module: nn.Module) -> str:
+    """Why a re-run of ``module`` was refused: a ``.data`` assignment, in the submodule whose forward pass
+    made it (the innermost ``self`` on the stack that is part of ``module``; looked up on this error only)."""
+    names = {id(child): name for name, child in module.named_modules()}
+    where = ""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            name = names[id(owner)]
+            where = f" (in {'itself' if not name else repr(name)}, a {type(owner).__name__})"
+            break
+        frame = frame.f_back
+    return (
+        f"{type(module).__name__}: its forward pass replaces a tensor's `.data`{where}, as `Module.to`, "
+        "`.float()` or `.half()` called inside a forward pass does (`self.layer = self.layer.to(dtype)`) where "
+        "the parameters change dtype or device, or as `param.data = ...` does. The cockpit gets per-sample "
+        "gradients of this module by re-running it row by row with torch.func, which cannot run such an "
+        "assignment (the process would crash). Convert the module once before training (`model.to(dtype)`, "
+        "or the submodule to the dtype its forward pass asks for) so that the assignment changes nothing, "
+        "move the assignment out of the forward pass, leave this module's parameters out of "
+        "Cockpit(params), or leave out the per-sample quantities."
+    )
 
 
 def _autocast_as(state: tuple | None):
