@@ -533,7 +533,7 @@ class TrackedStep:
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
-            skipped |= execution.left_out_owners()
+            skipped |= execution.left_out_owners().union(*(partition.left_out for partition in partitions.partitions))
             rows = info.get("batch_size")
             if isinstance(rows, int) and rows < 2:
                 single = sorted(env.name_of(q) for q in self.active if q.needs_two_samples and env.name_of(q) not in skipped)

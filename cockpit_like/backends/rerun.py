@@ -42,11 +42,17 @@ from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
 
-__all__ = ["UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
+__all__ = ["NonFiniteOutputsError", "UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
 
 
 class UncoveredParameterError(RuntimeError):
     """A tracked parameter got no per-sample gradient from any backend."""
+
+
+class NonFiniteOutputsError(UncoveredParameterError):
+    """A re-run did not reproduce a forward pass whose outputs (or the re-run's) were not finite: nothing to check
+    the per-sample gradients against. The step goes on without its per-sample values, with a note
+    (:meth:`~cockpit_like.backends.step.StepExecution.exit`); the non-finite loss or gradient has its own warning."""
 
 
 def _random_submodule(module: nn.Module) -> str | None:
@@ -276,6 +282,15 @@ class _Rerun:
         if not (start == 0 and stop == self.batch):
             recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
         if not _same_outputs(outputs, recorded, half=self.autocast is not None):
+            nonfinite = _nonfinite_count(recorded)
+            if nonfinite or _nonfinite_count(outputs):
+                where = "the training step's forward pass" if nonfinite else "the re-run"
+                raise NonFiniteOutputsError(
+                    f"the outputs of {type(self.module).__name__} were not finite ({nonfinite or _nonfinite_count(outputs)} "
+                    f"entries inf or NaN in {where}): its per-sample gradients come from re-running it row by row, "
+                    "and a re-run of non-finite values (an overflow rounds otherwise row by row than in the batch) "
+                    "cannot be checked against the forward pass"
+                )
             raise UncoveredParameterError(
                 f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
                 "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
@@ -461,6 +476,14 @@ def _replayable(value):
     if hasattr(value, "get_seq_length") and hasattr(value, "update"):
         return None
     return value
+
+
+def _nonfinite_count(tensors: list[torch.Tensor]) -> int:
+    """The number of inf or NaN entries in the floating-point tensors of ``tensors``."""
+    return sum(
+        int((~torch.isfinite(t.detach())).sum()) for t in tensors
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )  # fmt: skip
 
 
 def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor], half: bool = False) -> bool:
