@@ -150,6 +150,28 @@ def test_the_mean_of_the_losses_must_be_the_loss():
     assert "x that mean" not in str(raised.value)
 
 
+def test_a_mean_off_at_float32_rounding_for_float64_losses_names_the_lower_precision_factor():
+    """The docs' padded-rows recipe once multiplied float64 losses by ``B / counted`` (an integer tensor: a
+    float32 factor): the rows' mean was off by 5e-8 relative, and the error listed causes that were all wrong."""
+    generator = torch.Generator().manual_seed(0)
+    per_token = torch.rand(4, 5, generator=generator, dtype=torch.float64) * 4
+    labels = torch.randint(3, 40, (4, 5), generator=generator)
+    labels[1, 3:], labels[2, 2:] = -100, -100  # 15 counted tokens
+    per_token = per_token * (labels != -100)
+    counted = (labels != -100).sum()
+    loss = per_token.sum() / counted
+    rounded = per_token.sum(1) * (labels.shape[0] / counted)  # float32 factor
+    assert (labels.shape[0] / counted).dtype == torch.float32
+    with pytest.raises(ValueError, match="at float32 rounding level") as raised:
+        check_losses_mean({"loss": loss, "individual_losses": rounded}, 0)
+    assert "counted.to(per_token.dtype)" in str(raised.value) and "weight decay" not in str(raised.value)
+    check_losses_mean({"loss": loss, "individual_losses": per_token.sum(1) * (4 / counted.to(per_token.dtype))}, 0)
+    # a real difference (an extra term of 1 %) keeps the list of common causes
+    with pytest.raises(ValueError, match="Common causes") as raised:
+        check_losses_mean({"loss": loss * 1.01, "individual_losses": rounded}, 0)
+    assert "rounding level" not in str(raised.value)
+
+
 @pytest.mark.parametrize("factor, shown", [(1024.0, "1024 x"), (0.25, "1/4 x"), (3.0, "3 x")])
 def test_a_scaled_or_divided_loss_passed_as_the_loss_is_named_with_its_factor(factor, shown):
     losses = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)

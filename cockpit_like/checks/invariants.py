@@ -98,6 +98,21 @@ def check_losses_mean(info: dict, step: int) -> None:
     scale = float(detached.to(torch.float64).abs().mean()) + abs(loss_value)
     if abs(mean - loss_value) <= 64 * eps * scale + 1e-300:
         return
+    rounding = _rounding_level(abs(mean - loss_value) / max(abs(mean), abs(loss_value)), eps)
+    if rounding is not None:
+        raise ValueError(
+            f"cockpit step {step}: info['loss'] is {loss_value:.17g} but the mean of info['individual_losses'] is "
+            f"{mean:.17g} (relative difference {abs(mean - loss_value) / max(abs(mean), abs(loss_value)):.2g}, "
+            f"beyond the {_dtype_name(dtype)} / {_dtype_name(detached.dtype)} rounding this check allows). The "
+            f"cockpit's per-sample quantities need loss = mean(individual_losses) over this backward pass's rows. "
+            f"A difference at {rounding} rounding level means that they agree but one of them went through lower "
+            "precision: a factor or term computed in a lower precision than the losses (an integer tensor in a "
+            "division: `B / counted` with `counted = (labels != -100).sum()` is float32 even for float64 losses; "
+            f"compute it in the losses' dtype, `counted.to(per_token.dtype)`: docs/your_model.md, 'Padding or "
+            "ignored tokens'), or the per-row losses computed from other logits (a float32 copy, autocast) than "
+            "the loss. Compute both from the same tensors in the same dtype. (Otherwise: a small extra term in the "
+            "loss that the rows lack, such as an auxiliary loss or a penalty.)"
+        )
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
@@ -110,6 +125,20 @@ def check_losses_mean(info: dict, step: int) -> None:
         "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); losses of another batch "
         "than the loss."
     )
+
+
+def _rounding_level(relative: float, eps: float) -> str | None:
+    """``"float32"`` or ``"half-precision"`` where a relative difference that the check at precision ``eps``
+    refuses is what one rounding of a lower precision makes (a few units in its last place), else ``None``."""
+    for name, lower, units in (("float32", torch.finfo(torch.float32).eps, 16),
+                               ("half-precision (float16)", torch.finfo(torch.float16).eps, 1)):  # fmt: skip
+        if lower > eps and relative <= units * lower:
+            return name
+    return None
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _scaled_loss_hint(loss_value: float, mean: float) -> str:
