@@ -28,7 +28,7 @@ from backpack.utils.module_classification import is_loss
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, coupling_reason
+from cockpit_like.backends.hooks import BatchSizeMismatchError, HookBackend, UncoveredParameterError, coupling_reason
 from cockpit_like.backends.rerun import NonFiniteOutputsError
 from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
@@ -468,6 +468,10 @@ class StepExecution:
                 self.hook_backend.finish()
             except NonFiniteOutputsError as error:
                 self._without_rows(str(error))
+            except BatchSizeMismatchError as error:
+                raise BatchSizeMismatchError(
+                    f"step {self.step}: {error} (Needed for the per-sample statistics of {self.stat_owners}.)"
+                ) from error
             except UncoveredParameterError as error:
                 raise UncoveredParameterError(
                     f"step {self.step}: {error} Needed for the per-sample statistics of "
