@@ -548,7 +548,7 @@ class TrackedStep:
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:
-                        quantity.skip(self.step)
+                        quantity.skip_at(self.step, view.params)
                         continue
                     self._track(quantity, new_values, view.params)
             except BaseException:  # a quantity failed: the step stores nothing, so memory agrees with the stream
