@@ -386,6 +386,7 @@ class TrackedStep:
                 for note in execution.notes:
                     partitions.checks.note(note)
                 if execution.repeated_passes:
+                    partitions.checks.extra_passes += execution.passes_in_block - 1
                     learned = execution.merges_passes and not env.run.multi_pass
                     partitions.checks.fail(
                         "backward_passes",

@@ -126,6 +126,22 @@ def test_two_losses_in_one_block_first_invalid_then_summed_exactly():
             assert output[step][name] == pytest.approx(reference[step][name], rel=1e-10)
 
 
+@pytest.mark.parametrize("passes", [2, 3])
+def test_the_step_that_fails_for_several_passes_in_one_block_counts_them(passes):
+    """Its record said backward_passes: 1 beside the failed check that several passes ran."""
+    model = mlp()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    x, y = data(0)
+    outputs = model(x)
+    losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    with cockpit(0, info={"batch_size": len(y), "individual_losses": losses, "loss": losses.mean()}):
+        for k in range(passes):
+            (losses.mean() / passes).backward(retain_graph=k < passes - 1)
+    checks = cockpit.checks[0]
+    assert "backward_passes" in [f["check"] for f in checks["failed"]]
+    assert checks["backward_passes"] == passes
+
+
 def test_undeclared_micro_batches_first_step_withdrawn_then_merged_exactly(tmp_path):
     whole = train(steps=3).get_output()
     accumulated = train(steps=3, micro_batches=2, stream_to=tmp_path / "run")

@@ -245,6 +245,9 @@ class HookBackend:
         self.reducer = reducer
         self.accumulate_passes = bool(accumulate_passes)
         self.repeated = False
+        #: the backward passes seen through one call's output (more than one: :attr:`repeated`)
+        self.passes = 1
+        self._arrivals: dict[tuple[int, int], int] = {}
         self.tracer = tracer
         self.batch_size = batch_size
         self._handles: list[Any] = []
@@ -811,6 +814,11 @@ class HookBackend:
         if call.waiting <= 0:
             if call.done and any(grad_outputs[nr] is not None for nr, _ in entries):
                 self.repeated = True  # another backward pass through a call already processed
+                for nr, slot in entries:  # the passes through each output: the block's passes, at least
+                    if grad_outputs[nr] is not None:
+                        key = (id(call), slot)
+                        self._arrivals[key] = self._arrivals.get(key, 1) + 1
+                        self.passes = max(self.passes, self._arrivals[key])
             return
         with self.tracer.pause():  # the cockpit's own work: not part of a recorded step
             for nr, slot in entries:

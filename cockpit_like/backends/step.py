@@ -358,6 +358,11 @@ class StepExecution:
         hooks = self.hook_backend is not None and self.hook_backend.repeated
         return hooks or (self.reducer is not None and self.reducer.repeated)
 
+    @property
+    def passes_in_block(self) -> int:
+        """The backward passes seen inside the block (at least; more than one: :attr:`repeated_passes`)."""
+        return 1 if self.hook_backend is None else self.hook_backend.passes
+
     def left_out_owners(self) -> set[str]:
         """The quantities whose per-sample statistics this pass left out (see :attr:`notes`)."""
         return set(self._left_out)

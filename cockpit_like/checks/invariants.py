@@ -177,6 +177,9 @@ class StepChecks:
         self.failed: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.factors: list[float | None] = []
+        #: backward passes beyond one per block, seen where a block ran several that were not merged
+        #: (the ``backward_passes`` check): counted in the record's ``backward_passes``
+        self.extra_passes: int = 0
         self.assumed: float = 1.0
         #: ``info["micro_batches"]`` as declared (1: none)
         self.declared: int = 1
@@ -282,7 +285,7 @@ class StepChecks:
         record: dict[str, Any] = {
             "valid": self.valid,
             "failed": [dict(f) for f in self.failed],
-            "backward_passes": len(self.factors),
+            "backward_passes": len(self.factors) + self.extra_passes,
             "declared_passes": self.declared,
             "loss_factor": factor,
             "assumed_factor": self.assumed,
