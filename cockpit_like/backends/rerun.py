@@ -30,7 +30,9 @@ May import torch, :mod:`cockpit_like.backends.tracer` and
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
+import warnings
 
 import torch
 from torch import nn
@@ -232,7 +234,8 @@ class _Rerun:
             if self._vmap:
                 try:
                     detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
-                    return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+                    with _batching_rules_told(self.module):
+                        return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
                 except UncoveredParameterError:
                     raise
                 except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
@@ -366,6 +369,46 @@ def _data_message(module: nn.Module) -> str:
         "move the assignment out of the forward pass, leave this module's parameters out of "
         "Cockpit(params), or leave out the per-sample quantities."
     )
+
+
+#: torch.func's warning where ``vmap`` has no batching rule for an operation (it loops over the rows there)
+_NO_BATCHING_RULE = re.compile(r"There is a performance drop because we have not yet implemented the batching rule for ([\w:.]+?)\.? ")
+#: the operations whose missing batching rule the cockpit has told of (once per process)
+_TOLD: set[str] = set()
+
+
+@contextlib.contextmanager
+def _batching_rules_told(module: nn.Module):
+    """torch.func's "performance drop ... batching rule for aten::op" warnings of a ``vmap`` re-run, told once
+    per operation and process in the cockpit's words: they concern the cockpit's own re-run (exact either way,
+    only slower), and the cockpit's steps reset the warnings registry, so torch's own message came back at every
+    tracked step (an LSTM fed a ``pack_padded_sequence``). Every other warning is passed on as it was."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield
+    finally:
+        _tell(caught, module)
+
+
+def _tell(caught: list, module: nn.Module) -> None:
+    """The warnings ``caught`` in a re-run of ``module``: see :func:`_batching_rules_told`."""
+    for warning in caught:
+        found = _NO_BATCHING_RULE.search(str(warning.message)) if issubclass(warning.category, UserWarning) else None
+        if found is None:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno, source=warning.source)
+            continue
+        operation = found.group(1)
+        if operation in _TOLD:
+            continue
+        _TOLD.add(operation)
+        warnings.warn(
+            f"[cockpit_like] {type(module).__name__}: the cockpit's per-row re-run (torch.func vmap) runs {operation}, "
+            "which has no batching rule in torch.func (torch.func loops over the rows there, or the cockpit re-runs "
+            "the module row by row): slower, the per-sample gradients are the same. Told once per operation "
+            "(torch.func's own 'performance drop' warning is not repeated at every tracked step).",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _autocast_as(state: tuple | None):
