@@ -142,6 +142,25 @@ def test_the_step_that_fails_for_several_passes_in_one_block_counts_them(passes)
     assert checks["backward_passes"] == passes
 
 
+def test_a_parameter_transformed_through_functional_call_fails_the_gradient_check_naming_that_cause():
+    """``functional_call(model, {"0.weight": w * mask})``: the layer's rows are the masked tensor's; the check's
+    list of causes now names this one (and the fix: a parametrization, which the cockpit re-runs)."""
+    model = mlp()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    name, weight = next(iter(model.named_parameters()))
+    mask = (torch.arange(weight.numel()).reshape(weight.shape) % 3 != 0).to(weight.dtype)
+    x, y = data(0)
+    params = dict(model.named_parameters())
+    params[name] = params[name] * mask
+    losses = nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y, reduction="none")
+    with cockpit(0, info={"batch_size": len(y), "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    failed = cockpit.checks[0]["failed"]
+    assert [f["check"] for f in failed] == ["gradient"] and failed[0]["parameters"] == [name]
+    assert "a parameter transformed before the layer uses it" in failed[0]["reason"]
+    assert "torch.nn.utils.parametrize" in failed[0]["reason"]
+
+
 def test_undeclared_micro_batches_first_step_withdrawn_then_merged_exactly(tmp_path):
     whole = train(steps=3).get_output()
     accumulated = train(steps=3, micro_batches=2, stream_to=tmp_path / "run")

@@ -271,7 +271,11 @@ class StepChecks:
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
-                "optimizer.zero_grad()), gradients changed in place before the step ended, or a layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
+                "optimizer.zero_grad()), gradients changed in place before the step ended, a layer that mixes rows, or "
+                "a parameter transformed before the layer uses it (torch.func.functional_call(model, {name: p * mask}), "
+                "a weight computed by hand in the training loop: the layer's rows are the transformed tensor's, not "
+                "the parameter's; use torch.nn.utils.parametrize or prune, whose parametrized layers the cockpit "
+                "re-runs). Enter the cockpit around every backward pass of the step, or leave the "
                 "per-sample quantities out for such steps (docs/your_training_loop.md#self-checks).",
                 parameters=[name_of(i) for i, *_ in offenders],
             )
