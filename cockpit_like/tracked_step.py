@@ -388,6 +388,7 @@ class TrackedStep:
                 for note in execution.notes:
                     partitions.checks.note(note)
                 if execution.repeated_passes:
+                    partitions.checks.extra_passes += execution.passes_in_block - 1
                     learned = execution.merges_passes and not env.run.multi_pass
                     partitions.checks.fail(
                         "backward_passes",
@@ -535,7 +536,7 @@ class TrackedStep:
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
-            skipped |= execution.left_out_owners()
+            skipped |= execution.left_out_owners().union(*(partition.left_out for partition in partitions.partitions))
             rows = info.get("batch_size")
             if isinstance(rows, int) and rows < 2:
                 single = sorted(env.name_of(q) for q in self.active if q.needs_two_samples and env.name_of(q) not in skipped)
@@ -550,7 +551,7 @@ class TrackedStep:
             try:
                 for quantity in self.active:
                     if env.name_of(quantity) in skipped:
-                        quantity.skip(self.step)
+                        quantity.skip_at(self.step, view.params)
                         continue
                     self._track(quantity, new_values, view.params)
             except BaseException:  # a quantity failed: the step stores nothing, so memory agrees with the stream

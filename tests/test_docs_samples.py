@@ -4,6 +4,8 @@ pasted command output is what the command prints.
 - README "Any model" and docs/your_model.md "Hugging Face models": the ``full`` preset on a model that is not
   extended gives ``TICDiag`` at every step because the loop passes the logits as ``info["outputs"]`` (without
   them it stores no value: docs/your_model.md);
+- docs/your_model.md "Padding or ignored tokens": the row losses of a padded batch on a float64 model pass the
+  cockpit's losses check;
 - docs/cli.md: the sample of ``cockpit-like diagnose`` after ``python examples/lr_blowup.py`` is the command's
   own output (its lines, in order; ``...`` marks what the sample leaves out).
 """
@@ -76,6 +78,39 @@ def test_gpt2_example_of_your_model_gives_ticdiag():
     torch.manual_seed(0)
     namespace = _run_snippet(code, {"loader": loader})
     _assert_ticdiag_at_every_step(namespace["cockpit"], steps=2)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_padded_rows_recipe_on_a_float64_model_passes_the_losses_check():
+    """docs/your_model.md "Padding or ignored tokens": its row losses on a float64 BART (labels padded with -100)
+    average to the model's own loss at float64 precision, so the cockpit's check accepts them (a float32
+    factor ``B / counted`` once made it refuse a correct loss)."""
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+
+    code = fenced_block(ROOT / "docs" / "your_model.md", "**Padding or ignored tokens.**", "python")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=24, max_position_embeddings=16, dropout=0.0,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+    )  # fmt: skip
+    model = transformers.BartForConditionalGeneration(config).double()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (4, 6), generator=generator)
+    labels = torch.randint(3, 40, (4, 5), generator=generator)
+    labels[1, 3:], labels[2, 2:] = -100, -100
+    outputs = model(input_ids=ids, labels=labels)
+    namespace = _run_snippet(code, {"F": F, "torch": torch, "logits": outputs.logits, "labels": labels})
+    losses = namespace["losses"]
+    assert losses.dtype == torch.float64
+    assert float(losses.mean()) == pytest.approx(float(outputs.loss), rel=1e-13)
+    assert float(namespace["loss"]) == pytest.approx(float(outputs.loss), rel=1e-13)
+    with cockpit(0, info={"batch_size": 4, "individual_losses": losses, "loss": outputs.loss}):
+        outputs.loss.backward()
+    assert cockpit.checks[0]["valid"], cockpit.checks[0]
+    assert "NormTest" in cockpit.get_output()[0]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -9,6 +9,7 @@ from torch import nn
 
 from cockpit_like import Cockpit
 from cockpit_like.cockpit import BatchNormInTrainingError, NotExtendedError, UnsupportedLayerError
+from cockpit_like.backends.rerun import UncoveredParameterError
 from cockpit_like.quantities import GradNorm, HessMaxEV, HessTrace, NormTest
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
@@ -181,6 +182,36 @@ def test_no_enclosing_call_with_the_batch_is_named_with_the_quantities():
     message = str(error.value)
     assert "_Table" in message and "'inner.positions'" in message and "no batch dimension" in message
     assert "'NormTest'" in message and "no enclosing module" in message and "inner.positions.table" in message
+
+
+class _Sequence(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+@pytest.mark.parametrize("model, shape", [
+    (lambda: nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)), (3, 5)),  # a short last batch of 3
+    (_Sequence, (3, 6, 4)),  # [B, T, F] with T = the wrong batch size
+])  # fmt: skip
+def test_a_wrong_batch_size_is_named_with_both_numbers(model, shape):
+    """info['batch_size'] of 6 (the loader's nominal size) where the step's rows are 3, without
+    individual_losses: the error says that batch_size is likely wrong (it blamed the model's structure)."""
+    torch.manual_seed(0)
+    model = model().double()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    x = torch.randn(*shape, dtype=torch.float64)
+    y = torch.randint(0, 3, shape[:-1])
+    out = model(x)
+    loss = nn.functional.cross_entropy(out.reshape(-1, 3), y.reshape(-1))
+    with pytest.raises(UncoveredParameterError) as error, cockpit(0, info={"loss": loss, "batch_size": 6}):
+        loss.backward()
+    message = str(error.value)
+    assert "info['batch_size'] is 6, but every tensor" in message and "has 3 rows" in message
+    assert "likely wrong" in message and "len(targets)" in message and "compute the loss outside" not in message
 
 
 class _Outside(nn.Module):

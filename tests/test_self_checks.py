@@ -126,6 +126,41 @@ def test_two_losses_in_one_block_first_invalid_then_summed_exactly():
             assert output[step][name] == pytest.approx(reference[step][name], rel=1e-10)
 
 
+@pytest.mark.parametrize("passes", [2, 3])
+def test_the_step_that_fails_for_several_passes_in_one_block_counts_them(passes):
+    """Its record said backward_passes: 1 beside the failed check that several passes ran."""
+    model = mlp()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    x, y = data(0)
+    outputs = model(x)
+    losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    with cockpit(0, info={"batch_size": len(y), "individual_losses": losses, "loss": losses.mean()}):
+        for k in range(passes):
+            (losses.mean() / passes).backward(retain_graph=k < passes - 1)
+    checks = cockpit.checks[0]
+    assert "backward_passes" in [f["check"] for f in checks["failed"]]
+    assert checks["backward_passes"] == passes
+
+
+def test_a_parameter_transformed_through_functional_call_fails_the_gradient_check_naming_that_cause():
+    """``functional_call(model, {"0.weight": w * mask})``: the layer's rows are the masked tensor's; the check's
+    list of causes now names this one (and the fix: a parametrization, which the cockpit re-runs)."""
+    model = mlp()
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    name, weight = next(iter(model.named_parameters()))
+    mask = (torch.arange(weight.numel()).reshape(weight.shape) % 3 != 0).to(weight.dtype)
+    x, y = data(0)
+    params = dict(model.named_parameters())
+    params[name] = params[name] * mask
+    losses = nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y, reduction="none")
+    with cockpit(0, info={"batch_size": len(y), "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    failed = cockpit.checks[0]["failed"]
+    assert [f["check"] for f in failed] == ["gradient"] and failed[0]["parameters"] == [name]
+    assert "a parameter transformed before the layer uses it" in failed[0]["reason"]
+    assert "torch.nn.utils.parametrize" in failed[0]["reason"]
+
+
 def test_undeclared_micro_batches_first_step_withdrawn_then_merged_exactly(tmp_path):
     whole = train(steps=3).get_output()
     accumulated = train(steps=3, micro_batches=2, stream_to=tmp_path / "run")
@@ -148,6 +183,28 @@ def test_the_mean_of_the_losses_must_be_the_loss():
     with pytest.raises(ValueError) as raised:  # not a round factor: no hint about scaled losses
         check_losses_mean({"loss": torch.tensor(3.5), "individual_losses": losses}, 0)
     assert "x that mean" not in str(raised.value)
+
+
+def test_a_mean_off_at_float32_rounding_for_float64_losses_names_the_lower_precision_factor():
+    """The docs' padded-rows recipe once multiplied float64 losses by ``B / counted`` (an integer tensor: a
+    float32 factor): the rows' mean was off by 5e-8 relative, and the error listed causes that were all wrong."""
+    generator = torch.Generator().manual_seed(0)
+    per_token = torch.rand(4, 5, generator=generator, dtype=torch.float64) * 4
+    labels = torch.randint(3, 40, (4, 5), generator=generator)
+    labels[1, 3:], labels[2, 2:] = -100, -100  # 15 counted tokens
+    per_token = per_token * (labels != -100)
+    counted = (labels != -100).sum()
+    loss = per_token.sum() / counted
+    rounded = per_token.sum(1) * (labels.shape[0] / counted)  # float32 factor
+    assert (labels.shape[0] / counted).dtype == torch.float32
+    with pytest.raises(ValueError, match="at float32 rounding level") as raised:
+        check_losses_mean({"loss": loss, "individual_losses": rounded}, 0)
+    assert "counted.to(per_token.dtype)" in str(raised.value) and "weight decay" not in str(raised.value)
+    check_losses_mean({"loss": loss, "individual_losses": per_token.sum(1) * (4 / counted.to(per_token.dtype))}, 0)
+    # a real difference (an extra term of 1 %) keeps the list of common causes
+    with pytest.raises(ValueError, match="Common causes") as raised:
+        check_losses_mean({"loss": loss * 1.01, "individual_losses": rounded}, 0)
+    assert "rounding level" not in str(raised.value)
 
 
 @pytest.mark.parametrize("factor, shown", [(1024.0, "1024 x"), (0.25, "1/4 x"), (3.0, "3 x")])

@@ -244,6 +244,30 @@ def test_a_step_the_grad_scaler_skipped_ends_updatesize_but_not_alpha(name):
         assert output[step]["Alpha"] == pytest.approx(reference_alpha(observed[step], observed[step + 1], B), rel=1e-8)
 
 
+def test_distance_is_measured_from_the_first_step_also_where_it_failed_a_check():
+    """Step 0 fails a self-check (a gradient left by a backward pass before the block, no zero_grad after it): it
+    stores nothing, but its parameters are theta_0, the first the cockpit saw; Distance at the later steps is
+    measured from them (before: from theta_1, zeros at step 1)."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    snapshots = {}
+    for step in range(4):
+        x, y = batch(step)
+        optimizer.zero_grad()
+        if step == 0:  # a one-off check before training, its gradients not cleared
+            F.cross_entropy(model(x), y).backward()
+        snapshots[step] = [p.detach().clone() for p in model.parameters()]
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            losses.mean().backward()
+        optimizer.step()
+    output = cockpit.get_output()
+    assert not cockpit.checks[0]["valid"] and "Distance" not in output[0]
+    for step in (1, 2, 3):
+        assert output[step]["Distance"] == pytest.approx(norms(snapshots[step], snapshots[0]), rel=1e-12, abs=1e-15)
+
+
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_declared_micro_batches_and_clipping_with_adamw_alpha_waits_and_is_exact(micro_batches):
     """info['micro_batches'] declared (as the Hugging Face Trainer's callback does, 1 without accumulation) and

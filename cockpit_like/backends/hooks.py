@@ -117,9 +117,14 @@ __all__ = [
     "ModelTracer",  # re-exported from cockpit_like.backends.tracer
     "HookBackend",
     "BatchNormInTrainingError",
+    "BatchSizeMismatchError",
     "UncoveredParameterError",  # re-exported from cockpit_like.backends.rerun
     "coupling_reason",
 ]
+
+
+class BatchSizeMismatchError(UncoveredParameterError):
+    """``info["batch_size"]`` is not the number of rows of the step's forward pass (it names both)."""
 
 
 class BatchNormInTrainingError(RuntimeError):
@@ -240,6 +245,9 @@ class HookBackend:
         self.reducer = reducer
         self.accumulate_passes = bool(accumulate_passes)
         self.repeated = False
+        #: the backward passes seen through one call's output (more than one: :attr:`repeated`)
+        self.passes = 1
+        self._arrivals: dict[tuple[int, int], int] = {}
         self.tracer = tracer
         self.batch_size = batch_size
         self._handles: list[Any] = []
@@ -261,6 +269,12 @@ class HookBackend:
         self._parked: dict[tuple[int, int], tuple] = {}
         self._flat_nodes: set[int] = set()
         self._all_calls = calls
+        #: the leading sizes (other than 1) of every tensor the step's calls took and returned: where none is
+        #: ``batch_size`` and they agree on another, ``info["batch_size"]`` is likely wrong (:meth:`_wrong_batch_size`)
+        self._leading = {
+            int(t.shape[0]) for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output))
+            if t.dim() > 0 and t.shape[0] != 1
+        }  # fmt: skip
         self.calls = self._assign(calls, handled_elsewhere)
         self._all_calls = []
         self._paths, self._edges = None, {}  # decided: the walks' bookkeeping is not needed any more
@@ -429,6 +443,13 @@ class HookBackend:
             ))
             return
         # raised by finish(), after the backward pass, where the step adds the quantities that need it
+        wrong = self._wrong_batch_size()
+        if wrong is not None:
+            self._errors.append(BatchSizeMismatchError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)}: the rows' gradients of {names} "
+                f"cannot be told apart because {wrong}"
+            ))
+            return
         self._errors.append(UncoveredParameterError(
             f"{type(call.module).__name__} layer {self._module_name(call.module)}: its outputs (shapes {shapes}) or "
             f"inputs have no batch dimension of size {self._call_batch(call)}, so the cockpit cannot tell the "
@@ -437,6 +458,20 @@ class HookBackend:
             "some module around this layer takes and returns tensors whose leading dimension is the batch "
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
         ))
+
+    def _wrong_batch_size(self) -> str | None:
+        """Why ``info["batch_size"]`` is likely wrong, where no tensor of the step's calls has that many rows
+        and they all have another number of rows (a short last batch passed with the loader's nominal size),
+        else ``None``."""
+        if self.batch_size is None or len(self._leading) != 1 or int(self.batch_size) in self._leading:
+            return None
+        (rows,) = self._leading
+        return (
+            f"info['batch_size'] is {int(self.batch_size)}, but every tensor the modules of this step's forward "
+            f"pass took and returned has {rows} rows (leading dimension {rows}; none has {int(self.batch_size)}): "
+            f"info['batch_size'] is likely wrong, e.g. the loader's nominal batch size on a short last batch. Pass "
+            "the number of rows of this batch (`'batch_size': len(targets)`)."
+        )
 
     # ---- where the rows go ---------------------------------------------------------------
     def _route_rows(self, calls: list[Call]) -> None:
@@ -779,6 +814,11 @@ class HookBackend:
         if call.waiting <= 0:
             if call.done and any(grad_outputs[nr] is not None for nr, _ in entries):
                 self.repeated = True  # another backward pass through a call already processed
+                for nr, slot in entries:  # the passes through each output: the block's passes, at least
+                    if grad_outputs[nr] is not None:
+                        key = (id(call), slot)
+                        self._arrivals[key] = self._arrivals.get(key, 1) + 1
+                        self.passes = max(self.passes, self._arrivals[key])
             return
         with self.tracer.pause():  # the cockpit's own work: not part of a recorded step
             for nr, slot in entries:

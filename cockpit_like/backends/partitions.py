@@ -262,12 +262,18 @@ class Partition:
         info: its ``info`` dict (``loss``, ``individual_losses``).
     """
 
-    __slots__ = ("rows", "finish", "fields", "info", "factor")
+    __slots__ = ("rows", "finish", "fields", "info", "factor", "left_out", "rows_lost", "drop_rows")
 
     def __init__(self, rows: int, finish: Callable[[], dict], fields: dict, info: dict):
         self.rows, self.finish, self.fields, self.info = rows, finish, fields, info
         #: the factor between the root it propagated and its ``info["loss"]`` (None: not seen)
         self.factor: float | None = None
+        #: the quantities this pass left out of the step (their per-sample statistics could not be had)
+        self.left_out: set[str] = set()
+        #: this pass lost its per-sample statistics (a re-run of non-finite outputs): the step's other passes
+        #: drop theirs (``drop_rows``: their ``finish`` without them), so that the passes merge
+        self.rows_lost = False
+        self.drop_rows: Callable[[], None] = lambda: None
 
 
 class StepPartitions:
@@ -319,6 +325,9 @@ class StepPartitions:
             for (index, field), value in first.fields.items():
                 setattr(params[index], field, value)
             return results, first.info
+        if any(partition.rows_lost for partition in self.partitions):
+            for partition in self.partitions:
+                partition.drop_rows()
         if reduction is None:
             reduction = Reduction([p.rows for p in self.partitions], self.rows, step=self.step)
         finishers, fields, infos = None, None, None

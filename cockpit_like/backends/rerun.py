@@ -30,21 +30,31 @@ May import torch, :mod:`cockpit_like.backends.tracer` and
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
+import warnings
 
 import torch
 from torch import nn
 from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
 
-__all__ = ["UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
+__all__ = ["NonFiniteOutputsError", "UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
 
 
 class UncoveredParameterError(RuntimeError):
     """A tracked parameter got no per-sample gradient from any backend."""
+
+
+class NonFiniteOutputsError(UncoveredParameterError):
+    """A re-run did not reproduce a forward pass whose outputs (or the re-run's) were not finite: nothing to check
+    the per-sample gradients against. The step goes on without its per-sample values, with a note
+    (:meth:`~cockpit_like.backends.step.StepExecution.exit`); the non-finite loss or gradient has its own warning."""
 
 
 def _random_submodule(module: nn.Module) -> str | None:
@@ -191,7 +201,8 @@ class _Rerun:
                 offset += count
             call_args = rebuilt[: len(args)]
             call_kwargs = dict(zip(kwargs, rebuilt[len(args):]))
-            with _autocast_as(autocast):  # the precision the recorded call ran in (autocast), else none
+            # the precision the recorded call ran in (autocast), else none; no `.data` assignment (_DataKept)
+            with _autocast_as(autocast), _DataKept(module):
                 out = _flat_outputs(functional_call(module, p, tuple(call_args), call_kwargs))
             return tuple(out[i] for i in want)
 
@@ -223,7 +234,10 @@ class _Rerun:
             if self._vmap:
                 try:
                     detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
-                    return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+                    with _batching_rules_told(self.module):
+                        return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
+                except UncoveredParameterError:
+                    raise
                 except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
                     self._vmap = False
             live = dict(zip(self.param_names, self.params))
@@ -271,6 +285,15 @@ class _Rerun:
         if not (start == 0 and stop == self.batch):
             recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
         if not _same_outputs(outputs, recorded, half=self.autocast is not None):
+            nonfinite = _nonfinite_count(recorded)
+            if nonfinite or _nonfinite_count(outputs):
+                where = "the training step's forward pass" if nonfinite else "the re-run"
+                raise NonFiniteOutputsError(
+                    f"the outputs of {type(self.module).__name__} were not finite ({nonfinite or _nonfinite_count(outputs)} "
+                    f"entries inf or NaN in {where}): its per-sample gradients come from re-running it row by row, "
+                    "and a re-run of non-finite values (an overflow rounds otherwise row by row than in the batch) "
+                    "cannot be checked against the forward pass"
+                )
             raise UncoveredParameterError(
                 f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
                 "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
@@ -280,6 +303,112 @@ class _Rerun:
                 "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
                 "inside it)." + _parametrization_hint(self.module)
             )
+
+
+_DATA = torch._C.TensorBase.data  # the `.data` property, whose setter a TorchFunctionMode sees as its `__set__`
+
+
+class _DataKept(TorchFunctionMode):
+    """No tensor's ``.data`` is replaced during a re-run of ``module``.
+
+    A forward pass that converts a submodule (``self.classifier = self.classifier.to(self.dtype)``, as Hugging
+    Face's SwitchTransformers router does: ``Module.to`` assigns each parameter's ``.data``) or assigns
+    ``param.data = ...`` itself crashes the process inside ``vmap(vjp(...))`` where the tensor is one of the
+    re-run's constant parameters (a segmentation fault in the next operation that reads it), and torch.func
+    refuses it where the tensor is a variable. An assignment that changes nothing (the tensor itself, as
+    ``Module.to`` assigns where the dtype and device are already right, or an equal tensor of the same dtype,
+    device and shape) is skipped, so the re-run computes what the forward pass computed; any other raises
+    :class:`UncoveredParameterError` naming the submodule. The check is one identity test per operation."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", "") == "__set__":
+            tensor, value = args[0], args[1]
+            if value is tensor or _equal(tensor, value):
+                return None
+            raise UncoveredParameterError(_data_message(self.module))
+        return func(*args, **(kwargs or {}))
+
+
+def _equal(tensor, value) -> bool:
+    """``value`` is ``tensor``'s dtype, device, shape and values (``False`` where that cannot be told, as
+    for a value that differs by row inside ``vmap``)."""
+    if not isinstance(value, torch.Tensor) or (value.dtype, value.device, value.shape) != (
+        tensor.dtype, tensor.device, tensor.shape
+    ):
+        return False
+    try:
+        return bool(torch.equal(tensor, value))
+    except Exception:  # noqa: BLE001 - a batched value (data-dependent control flow under vmap)
+        return False
+
+
+def _data_message(module: nn.Module) -> str:
+    """Why a re-run of ``module`` was refused: a ``.data`` assignment, in the submodule whose forward pass
+    made it (the innermost ``self`` on the stack that is part of ``module``; looked up on this error only)."""
+    names = {id(child): name for name, child in module.named_modules()}
+    where = ""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            name = names[id(owner)]
+            where = f" (in {'itself' if not name else repr(name)}, a {type(owner).__name__})"
+            break
+        frame = frame.f_back
+    return (
+        f"{type(module).__name__}: its forward pass replaces a tensor's `.data`{where}, as `Module.to`, "
+        "`.float()` or `.half()` called inside a forward pass does (`self.layer = self.layer.to(dtype)`) where "
+        "the parameters change dtype or device, or as `param.data = ...` does. The cockpit gets per-sample "
+        "gradients of this module by re-running it row by row with torch.func, which cannot run such an "
+        "assignment (the process would crash). Convert the module once before training (`model.to(dtype)`, "
+        "or the submodule to the dtype its forward pass asks for) so that the assignment changes nothing, "
+        "move the assignment out of the forward pass, leave this module's parameters out of "
+        "Cockpit(params), or leave out the per-sample quantities."
+    )
+
+
+#: torch.func's warning where ``vmap`` has no batching rule for an operation (it loops over the rows there)
+_NO_BATCHING_RULE = re.compile(r"There is a performance drop because we have not yet implemented the batching rule for ([\w:.]+?)\.? ")
+#: the operations whose missing batching rule the cockpit has told of (once per process)
+_TOLD: set[str] = set()
+
+
+@contextlib.contextmanager
+def _batching_rules_told(module: nn.Module):
+    """torch.func's "performance drop ... batching rule for aten::op" warnings of a ``vmap`` re-run, told once
+    per operation and process in the cockpit's words: they concern the cockpit's own re-run (exact either way,
+    only slower), and the cockpit's steps reset the warnings registry, so torch's own message came back at every
+    tracked step (an LSTM fed a ``pack_padded_sequence``). Every other warning is passed on as it was."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            yield
+    finally:
+        _tell(caught, module)
+
+
+def _tell(caught: list, module: nn.Module) -> None:
+    """The warnings ``caught`` in a re-run of ``module``: see :func:`_batching_rules_told`."""
+    for warning in caught:
+        found = _NO_BATCHING_RULE.search(str(warning.message)) if issubclass(warning.category, UserWarning) else None
+        if found is None:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno, source=warning.source)
+            continue
+        operation = found.group(1)
+        if operation in _TOLD:
+            continue
+        _TOLD.add(operation)
+        warnings.warn(
+            f"[cockpit_like] {type(module).__name__}: the cockpit's per-row re-run (torch.func vmap) runs {operation}, "
+            "which has no batching rule in torch.func (torch.func loops over the rows there, or the cockpit re-runs "
+            "the module row by row): slower, the per-sample gradients are the same. Told once per operation "
+            "(torch.func's own 'performance drop' warning is not repeated at every tracked step).",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _autocast_as(state: tuple | None):
@@ -390,6 +519,14 @@ def _replayable(value):
     if hasattr(value, "get_seq_length") and hasattr(value, "update"):
         return None
     return value
+
+
+def _nonfinite_count(tensors: list[torch.Tensor]) -> int:
+    """The number of inf or NaN entries in the floating-point tensors of ``tensors``."""
+    return sum(
+        int((~torch.isfinite(t.detach())).sum()) for t in tensors
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )  # fmt: skip
 
 
 def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor], half: bool = False) -> bool:

@@ -28,7 +28,8 @@ from backpack.utils.module_classification import is_loss
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import HookBackend, UncoveredParameterError, coupling_reason
+from cockpit_like.backends.hooks import BatchSizeMismatchError, HookBackend, UncoveredParameterError, coupling_reason
+from cockpit_like.backends.rerun import NonFiniteOutputsError
 from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
@@ -130,6 +131,8 @@ class StepExecution:
         self.step = step
         self.info = info or {}
         self.stat_owners = list(needs.owners)
+        #: the quantities that run without their per-sample statistics where those are left out
+        self._partial_owners = set(needs.partial)
         #: step needs computed after each backward pass (they read this pass's graph, e.g. its outputs)
         self.needs = [need for need in needs.needs if not getattr(need, "whole_step", False)]
         #: step needs computed once, after the step's last backward pass (Hessian-vector products of p.grad)
@@ -161,6 +164,8 @@ class StepExecution:
         if math_attention:
             self.notes.append(MATH_ATTENTION_NOTE)
         self._left_out: set[str] = set()
+        #: the per-sample statistics of this pass could not be had after its backward pass (:meth:`_without_rows`)
+        self._rows_lost = False
         coupling = sorted({reason for call in calls if (reason := coupling_reason(call.module)) is not None})
         why = None
         if stats and coupling and not raw_batch_grad:
@@ -353,6 +358,11 @@ class StepExecution:
         hooks = self.hook_backend is not None and self.hook_backend.repeated
         return hooks or (self.reducer is not None and self.reducer.repeated)
 
+    @property
+    def passes_in_block(self) -> int:
+        """The backward passes seen inside the block (at least; more than one: :attr:`repeated_passes`)."""
+        return 1 if self.hook_backend is None else self.hook_backend.passes
+
     def left_out_owners(self) -> set[str]:
         """The quantities whose per-sample statistics this pass left out (see :attr:`notes`)."""
         return set(self._left_out)
@@ -461,6 +471,12 @@ class StepExecution:
         if self.hook_backend is not None:
             try:
                 self.hook_backend.finish()
+            except NonFiniteOutputsError as error:
+                self._without_rows(str(error))
+            except BatchSizeMismatchError as error:
+                raise BatchSizeMismatchError(
+                    f"step {self.step}: {error} (Needed for the per-sample statistics of {self.stat_owners}.)"
+                ) from error
             except UncoveredParameterError as error:
                 raise UncoveredParameterError(
                     f"step {self.step}: {error} Needed for the per-sample statistics of "
@@ -468,6 +484,19 @@ class StepExecution:
                     "of the batch on its own; leave these quantities out, or leave this module's "
                     "parameters out of Cockpit(params)."
                 ) from error
+
+    def _without_rows(self, why: str) -> None:
+        """The per-sample statistics of this pass cannot be had (``why``): the quantities that need them are left
+        out of the step with a note, the others run (the training run goes on)."""
+        left = sorted(set(self.stat_owners) - self._partial_owners)
+        partial = f"; {sorted(self._partial_owners)} computed without them" if self._partial_owners else ""
+        self.notes.append(
+            (f"per-sample quantities {left} left out" if left else "per-sample statistics left out")
+            + f": {why}{partial}"
+        )
+        self._left_out |= set(left)
+        self.reducer = None
+        self._rows_lost = True
 
     def _leave_warnings(self) -> None:
         if self._warnings is not None:
@@ -491,16 +520,21 @@ class StepExecution:
         self._unscale_curvature()
         computed = {need: need.compute(self) for need in self.needs}
         fields = take_mean_fields(self.params, self.extensions) if split else {}
-        reducer = self.reducer
+        reducer = [self.reducer]
 
         def finish() -> dict:
-            results = {} if reducer is None else reducer.results()
+            results = {} if reducer[0] is None else reducer[0].results()
             results.update(computed)
             return results
 
+        def drop_rows() -> None:
+            reducer[0] = None
+
         if rows is None:
             rows = int(self.info.get("batch_size", 0))
-        return Partition(rows, finish, fields, self.info)
+        partition = Partition(rows, finish, fields, self.info)
+        partition.left_out, partition.rows_lost, partition.drop_rows = self.left_out_owners(), self._rows_lost, drop_rows
+        return partition
 
     def _unscale_curvature(self) -> None:
         """BackPACK's Hessian diagonal of the pass's mean loss when the backpropagated loss was scaled by ``s``.

@@ -98,6 +98,21 @@ def check_losses_mean(info: dict, step: int) -> None:
     scale = float(detached.to(torch.float64).abs().mean()) + abs(loss_value)
     if abs(mean - loss_value) <= 64 * eps * scale + 1e-300:
         return
+    rounding = _rounding_level(abs(mean - loss_value) / max(abs(mean), abs(loss_value)), eps)
+    if rounding is not None:
+        raise ValueError(
+            f"cockpit step {step}: info['loss'] is {loss_value:.17g} but the mean of info['individual_losses'] is "
+            f"{mean:.17g} (relative difference {abs(mean - loss_value) / max(abs(mean), abs(loss_value)):.2g}, "
+            f"beyond the {_dtype_name(dtype)} / {_dtype_name(detached.dtype)} rounding this check allows). The "
+            f"cockpit's per-sample quantities need loss = mean(individual_losses) over this backward pass's rows. "
+            f"A difference at {rounding} rounding level means that they agree but one of them went through lower "
+            "precision: a factor or term computed in a lower precision than the losses (an integer tensor in a "
+            "division: `B / counted` with `counted = (labels != -100).sum()` is float32 even for float64 losses; "
+            f"compute it in the losses' dtype, `counted.to(per_token.dtype)`: docs/your_model.md, 'Padding or "
+            "ignored tokens'), or the per-row losses computed from other logits (a float32 copy, autocast) than "
+            "the loss. Compute both from the same tensors in the same dtype. (Otherwise: a small extra term in the "
+            "loss that the rows lack, such as an auxiliary loss or a penalty.)"
+        )
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
@@ -110,6 +125,20 @@ def check_losses_mean(info: dict, step: int) -> None:
         "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); losses of another batch "
         "than the loss."
     )
+
+
+def _rounding_level(relative: float, eps: float) -> str | None:
+    """``"float32"`` or ``"half-precision"`` where a relative difference that the check at precision ``eps``
+    refuses is what one rounding of a lower precision makes (a few units in its last place), else ``None``."""
+    for name, lower, units in (("float32", torch.finfo(torch.float32).eps, 16),
+                               ("half-precision (float16)", torch.finfo(torch.float16).eps, 1)):  # fmt: skip
+        if lower > eps and relative <= units * lower:
+            return name
+    return None
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _scaled_loss_hint(loss_value: float, mean: float) -> str:
@@ -148,6 +177,9 @@ class StepChecks:
         self.failed: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.factors: list[float | None] = []
+        #: backward passes beyond one per block, seen where a block ran several that were not merged
+        #: (the ``backward_passes`` check): counted in the record's ``backward_passes``
+        self.extra_passes: int = 0
         self.assumed: float = 1.0
         #: ``info["micro_batches"]`` as declared (1: none)
         self.declared: int = 1
@@ -239,7 +271,11 @@ class StepChecks:
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
-                "optimizer.zero_grad()), gradients changed in place before the step ended, or a layer that mixes rows. Enter the cockpit around every backward pass of the step, or leave the "
+                "optimizer.zero_grad()), gradients changed in place before the step ended, a layer that mixes rows, or "
+                "a parameter transformed before the layer uses it (torch.func.functional_call(model, {name: p * mask}), "
+                "a weight computed by hand in the training loop: the layer's rows are the transformed tensor's, not "
+                "the parameter's; use torch.nn.utils.parametrize or prune, whose parametrized layers the cockpit "
+                "re-runs). Enter the cockpit around every backward pass of the step, or leave the "
                 "per-sample quantities out for such steps (docs/your_training_loop.md#self-checks).",
                 parameters=[name_of(i) for i, *_ in offenders],
             )
@@ -253,7 +289,7 @@ class StepChecks:
         record: dict[str, Any] = {
             "valid": self.valid,
             "failed": [dict(f) for f in self.failed],
-            "backward_passes": len(self.factors),
+            "backward_passes": len(self.factors) + self.extra_passes,
             "declared_passes": self.declared,
             "loss_factor": factor,
             "assumed_factor": self.assumed,

@@ -19,11 +19,13 @@ class Distance(TwoStepQuantity):
 
     The reference ``theta_0`` is taken at the first step the cockpit is entered
     (Cockpit insists on step 0; starting later is not an error here), and kept
-    for the whole run. Stored under every scheduled step.
+    for the whole run, also where that step failed a self-check and stores
+    nothing (its parameters are right). Stored under every scheduled step.
     """
 
     SAVE_SHIFT = 0
     reads_parameters = True
+    starts_on_parameters = True
 
     def __init__(self, track_schedule, verbose: bool = False):
         super().__init__(track_schedule, verbose=verbose)

@@ -249,6 +249,11 @@ class Quantity:
         """``global_step`` was scheduled but stores nothing (it failed a self-check, or what it needs was left
         out): release what :meth:`prepare_forward` set up for it. The default does nothing."""
 
+    def skip_at(self, global_step: int, params: list[torch.Tensor]) -> None:
+        """As :meth:`skip`, where ``params`` are the step's parameters (the step failed a self-check, or what the
+        quantity needs was left out; its parameters are right). Default: :meth:`skip`."""
+        self.skip(global_step)
+
     def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
         """The values computed at ``global_step`` no longer hold: remove them; the steps they were stored under.
         (``ends``: also the values whose end was ``global_step``, for quantities of two steps.)"""
@@ -355,6 +360,18 @@ class TwoStepQuantity(Quantity):
 
     #: the end step reads only the parameters (UpdateSize): a step a GradScaler skipped still ends the value
     ends_on_parameters: bool = False
+
+    #: the start reads only the parameters and stores nothing under the start step (Distance's ``theta_0``): a
+    #: step that stores nothing because it failed a self-check still starts (a step a GradScaler skipped need
+    #: not: the optimizer did not step, so the next step's parameters are the same)
+    starts_on_parameters: bool = False
+
+    def skip_at(self, global_step: int, params: list[torch.Tensor]) -> None:
+        """As :meth:`skip`; where the start reads only the parameters (:attr:`starts_on_parameters`), the step
+        still starts."""
+        if self.starts_on_parameters and self.is_start(global_step):
+            self._compute_start(global_step, params, None)
+        self.skip(global_step)
 
     def skip_optimizer_step(self, global_step: int, params: list[torch.Tensor]) -> list[int]:
         """As :meth:`skip`, but the value that ends here is still computed where it reads only the parameters
