@@ -480,7 +480,7 @@ class Cockpit:
             self._quiet.open()
             declared = tracked.micro_batches if "micro_batches" in tracked.info else None
             with self._recorder.beginning(
-                global_step, tracked.info, tracked.loss_finite, micro, declared, tracked.open_ended
+                global_step, tracked.info, tracked.loss_finite, micro, declared, tracked.accumulating
             ):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:

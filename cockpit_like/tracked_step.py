@@ -196,10 +196,11 @@ class TrackedStep:
             and any(q.waits_for_optimizer(global_step) for q in self._scheduled)
         )  # fmt: skip
         # (with declared micro-batches only their last backward pass waits for the optimizer: the step's end is known)
-        self.open_ended = (
-            ((env.run.accumulates and "micro_batches" not in info) or (waits and self.last))
-            and env.ranks is None and _is_optimizer(optimizer)
-        )  # fmt: skip
+        finished_by_optimizer = env.ranks is None and _is_optimizer(optimizer)
+        #: more backward passes of this step may follow: the loop was seen to accumulate undeclared micro-batches
+        #: (a step open only because a quantity waits for the optimizer's step has the passes it is seen to have)
+        self.accumulating = env.run.accumulates and "micro_batches" not in info and finished_by_optimizer
+        self.open_ended = self.accumulating or (waits and self.last and finished_by_optimizer)
         #: the gradients as the step's backward passes left them, kept where the step waits for the optimizer's
         #: step for a quantity (Alpha) and the loop may change them before (clipping by value, gradient noise):
         #: the quantities describe these, the look-ahead steps with the optimizer's (:meth:`_step_scale`)
