@@ -39,7 +39,7 @@ from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepCheck
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
 from cockpit_like.checks.probe import probe_directions, project_all
-from cockpit_like.checks.prints import NonFinitePrint, any_nonfinite, nonfinite_counts, parts, print_of
+from cockpit_like.checks.prints import NonFinitePrint, any_nonfinite, finite_print, nonfinite_counts, parts, print_of
 from cockpit_like.checks.rows import coupled_rows
 from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
@@ -891,7 +891,7 @@ def parameter_prints(params: list[torch.Tensor], step: int) -> list[float | NonF
     with torch.no_grad():
         values = project_all(seed, [(index, p.detach()) for index, p in enumerate(params)])
         return [
-            print_of(p, probe_directions(seed, index, p.shape, p.device), value)
+            value if math.isfinite(value) else finite_print(p, probe_directions(seed, index, p.shape, p.device))
             for index, (p, value) in enumerate(zip(params, values))
         ]
 

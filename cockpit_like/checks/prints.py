@@ -17,6 +17,7 @@ entries compare as unchanged, and the finite entries are compared as before.
 The extra work is paid only by tensors whose projection is not finite.
 
 Example:
+    >>> from cockpit_like.checks.probe import probe_directions
     >>> t = torch.tensor([1.0, float("nan"), 2.0])
     >>> dirs = probe_directions(0, 0, t.shape, t.device)
     >>> a, b = print_of(t, dirs), print_of(t.clone(), dirs)
@@ -61,12 +62,10 @@ def finite_print(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> 
         return NonFinitePrint(float(project(torch.where(finite, t, 0.0), directions)), float(project(codes, directions)))
 
 
-def print_of(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...], value: float | None = None) -> float | NonFinitePrint:
-    """``project(tensor, directions)`` as a float where it is finite, else the tensor's :class:`NonFinitePrint`
-    (``value``: the projection, where the caller has it already)."""
-    if value is None:
-        with torch.no_grad():
-            value = float(project(tensor, directions))
+def print_of(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> float | NonFinitePrint:
+    """``project(tensor, directions)`` as a float where it is finite, else the tensor's :class:`NonFinitePrint`."""
+    with torch.no_grad():
+        value = float(project(tensor, directions))
     return value if math.isfinite(value) else finite_print(tensor, directions)
 
 
