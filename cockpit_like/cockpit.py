@@ -37,8 +37,10 @@ from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput, StepAlreadyTrackedError
+from cockpit_like.checks.prints import any_nonfinite
 from cockpit_like.tracked_step import (
-    StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, not_stored, parameters_moved,
+    NONFINITE_CHANGE, StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, not_stored,
+    parameters_moved,
 )
 
 __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
@@ -479,7 +481,7 @@ class Cockpit:
             self._quiet.open()
             declared = tracked.micro_batches if "micro_batches" in tracked.info else None
             with self._recorder.beginning(
-                global_step, tracked.info, tracked.loss_finite, micro, declared, tracked.open_ended
+                global_step, tracked.info, tracked.loss_finite, micro, declared, tracked.accumulating
             ):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:
@@ -685,8 +687,10 @@ class Cockpit:
             self._withdraw_motion(
                 step, lambda q: getattr(q, "predicts_update", False), ends=False,
                 note=(f"the gradients changed between the end of the backward pass of step {step} and "
-                      f"{type(optimizer).__name__}.step(), and not by one factor (e.g. SAM's second backward pass, "
-                      "per-parameter clipping by value, gradient noise): the quantities describe the gradient of the "
+                      f"{type(optimizer).__name__}.step(), and not by one factor ("
+                      + (NONFINITE_CHANGE if any_nonfinite(grads) else "e.g. SAM's second backward pass, "
+                         "per-parameter clipping by value, gradient noise")
+                      + "): the quantities describe the gradient of the "
                       "backward pass, not the one the optimizer used; withdrawn, as they predict the update from it: "
                       "{withdrawn}" + waits + "."),
             )  # fmt: skip

@@ -38,7 +38,8 @@ from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
-from cockpit_like.checks.probe import probe_directions, project, project_all
+from cockpit_like.checks.probe import probe_directions, project_all
+from cockpit_like.checks.prints import NonFinitePrint, any_nonfinite, finite_print, nonfinite_counts, parts, print_of
 from cockpit_like.checks.rows import coupled_rows
 from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
@@ -195,10 +196,11 @@ class TrackedStep:
             and any(q.waits_for_optimizer(global_step) for q in self._scheduled)
         )  # fmt: skip
         # (with declared micro-batches only their last backward pass waits for the optimizer: the step's end is known)
-        self.open_ended = (
-            ((env.run.accumulates and "micro_batches" not in info) or (waits and self.last))
-            and env.ranks is None and _is_optimizer(optimizer)
-        )  # fmt: skip
+        finished_by_optimizer = env.ranks is None and _is_optimizer(optimizer)
+        #: more backward passes of this step may follow: the loop was seen to accumulate undeclared micro-batches
+        #: (a step open only because a quantity waits for the optimizer's step has the passes it is seen to have)
+        self.accumulating = env.run.accumulates and "micro_batches" not in info and finished_by_optimizer
+        self.open_ended = self.accumulating or (waits and self.last and finished_by_optimizer)
         #: the gradients as the step's backward passes left them, kept where the step waits for the optimizer's
         #: step for a quantity (Alpha) and the loop may change them before (clipping by value, gradient noise):
         #: the quantities describe these, the look-ahead steps with the optimizer's (:meth:`_step_scale`)
@@ -517,6 +519,8 @@ class TrackedStep:
             if self._probe is not None and self._probe in stats:
                 checks.compare_probe(stats[self._probe], self._probe.seed, view.params,
                                      lambda p: p.grad, lambda i: names[i], stale_scale=scale)  # fmt: skip
+            if not self._loss_is_finite or checks.nonfinite_gradients or any_nonfinite(self._fingerprint):
+                _note_nonfinite_gradients(checks, self.step, view.params, names)
             if execution.curvature_unscaled:
                 checks.fail(
                     "loss_factor",
@@ -759,12 +763,16 @@ class TrackedStep:
         if self._kept is not None:  # the step waited for the optimizer (Alpha) and kept the backward pass's gradients
             self._use_kept = True
             checks.note(f"the gradients changed between the end of the backward pass of step {self.step} and the "
-                        "optimizer step, and not by one factor (clipping by value, gradient noise, SAM's second pass): "
+                        "optimizer step, and not by one factor ("
+                        + (NONFINITE_CHANGE if any_nonfinite(self._fingerprint) else
+                           "clipping by value, gradient noise, SAM's second pass") + "): "
                         "the quantities describe the gradients of the backward pass (kept until the optimizer's step), "
                         "Alpha predicts the update from those the optimizer steps with")
             return scale, None
         checks.fail("gradient", f"the gradients of step {self.step} changed between the end of the backward pass and "
-                    "the optimizer step, and not by one factor (per-parameter clipping? an optimizer wrapper?): the "
+                    "the optimizer step, and not by one factor ("
+                    + (NONFINITE_CHANGE if any_nonfinite(self._fingerprint) else
+                       "per-parameter clipping? an optimizer wrapper?") + "): the "
                     "cockpit cannot tell the gradient the per-sample rows belong to")
         return scale, None
 
@@ -864,84 +872,129 @@ def _probe_seed(step: int) -> int:
     return 0x5EED_C0C0 + 7 * (int(step) // PROBE_PERIOD)
 
 
-def _fingerprint(params: list[torch.Tensor], step: int) -> dict[int, float | None]:
+def _fingerprint(params: list[torch.Tensor], step: int) -> dict[int, float | NonFinitePrint | None]:
     """A projection of each gradient on a fixed random direction: compared at the step's end, it tells
-    whether (and by which factor) the gradients changed after the backward pass."""
+    whether (and by which factor) the gradients changed after the backward pass. A gradient with NaN or
+    infinite entries gets a :class:`~cockpit_like.checks.prints.NonFinitePrint` (NaN at the same places is
+    unchanged)."""
     seed = _probe_seed(step) + 1
     with torch.no_grad():
         return {
-            index: None if p.grad is None else float(project(p.grad, probe_directions(seed, index, p.shape, p.device)))
+            index: None if p.grad is None else print_of(p.grad, probe_directions(seed, index, p.shape, p.device))
             for index, p in enumerate(params)
         }
 
 
-def parameter_prints(params: list[torch.Tensor], step: int) -> list[float]:
+def parameter_prints(params: list[torch.Tensor], step: int) -> list[float | NonFinitePrint]:
     """A projection of each parameter on a fixed random rank-one direction (the cockpit's own generator, another
     seed than the gradients'), ``O(numel)`` and one read from the device: compared when the optimizer steps, it
-    tells whether the parameters are still those of the tracked backward pass."""
+    tells whether the parameters are still those of the tracked backward pass. A parameter with NaN or infinite
+    entries gets a :class:`~cockpit_like.checks.prints.NonFinitePrint` (read again, only then)."""
+    seed = _probe_seed(step) + 2
     with torch.no_grad():
-        return project_all(_probe_seed(step) + 2, [(index, p.detach()) for index, p in enumerate(params)])
+        values = project_all(seed, [(index, p.detach()) for index, p in enumerate(params)])
+        return [
+            value if math.isfinite(value) else finite_print(p, probe_directions(seed, index, p.shape, p.device))
+            for index, (p, value) in enumerate(zip(params, values))
+        ]
 
 
-def parameters_moved(params: list[torch.Tensor], step: int, before: list[float]) -> list[int]:
+def parameters_moved(params: list[torch.Tensor], step: int, before: list[float | NonFinitePrint]) -> list[int]:
     """The indices of the parameters whose projection (:func:`parameter_prints`) differs from ``before`` by more
     than rounding: a perturbation added and subtracted again (``p.add_(e); p.sub_(e)``) is off by at most a few
-    units of the last place of each entry, which projects to at most ``4 eps sqrt(numel) ||p||``."""
+    units of the last place of each entry, which projects to at most ``4 eps sqrt(numel) ||p||``. Non-finite
+    entries are unchanged where they are the same ones (NaN where NaN was): only the finite ones are compared."""
     now = parameter_prints(params, step)
     moved = []
-    for index, (a, b) in enumerate(zip(before, now)):
+    for index, (then, later) in enumerate(zip(before, now)):
+        (a, where_a), (b, where_b) = parts(then), parts(later)
+        if where_a != where_b:  # non-finite entries appeared, went or moved
+            moved.append(index)
+            continue
         if a == b:
             continue
-        param = params[index]
+        param = params[index].detach()
         dtype = param.dtype if param.dtype in (torch.float32, torch.float64) else torch.float32
         eps = max(torch.finfo(dtype).eps, torch.finfo(param.dtype).eps if param.dtype.is_floating_point else 0.0)
         with torch.no_grad():
-            scale = float(param.detach().to(dtype).norm()) * math.sqrt(max(param.numel(), 1))
+            if where_b:  # the norm of the finite entries
+                param = torch.where(torch.isfinite(param), param, 0.0)
+            scale = float(param.to(dtype).norm()) * math.sqrt(max(param.numel(), 1))
         if not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > 4 * eps * scale:
             moved.append(index)
     return moved
 
 
+#: why gradients that were not finite at the end of the backward pass changed before the optimizer's step
+NONFINITE_CHANGE = ("they were not finite at the end of the backward pass, and NaN entries are not where they were: "
+                    "clipping by the norm, for one, makes every entry of a non-finite gradient NaN")
+
 #: :func:`gradient_factor` of gradients cleared in between
 CLEARED = "cleared"
 
 
-def gradient_factor(before: dict[int, float | None], now: dict[int, float | None]) -> float | str | None:
+def gradient_factor(
+    before: dict[int, float | NonFinitePrint | None], now: dict[int, float | NonFinitePrint | None]
+) -> float | str | None:
     """The one factor the gradients were scaled by between two :func:`_fingerprint` projections (``1.0``:
     unchanged; clipping by the norm, ``GradScaler.unscale_``), :data:`CLEARED` where every gradient was cleared
-    since, ``None`` where they changed other than by one factor (a gradient appeared, went, or moved apart)."""
+    since, ``None`` where they changed other than by one factor (a gradient appeared, went, or moved apart, or
+    its non-finite entries are not the same ones: NaN at the same places is unchanged, a factor leaves them)."""
     if all(v is None for v in now.values()):
         return CLEARED if any(v is not None for v in before.values()) else 1.0
     if any((before[i] is None) != (now.get(i) is None) for i in before):
         return None
-    if any(before[i] == 0.0 and now.get(i) not in (None, 0.0) for i in before):
+    pairs = {i: (parts(before[i]), parts(now[i])) for i in before if before[i] is not None}
+    if any(then[1] != later[1] for then, later in pairs.values()):
         return None
-    ratios = [now[i] / before[i] for i in before if before[i] and now.get(i) is not None]
+    finite = {i: (then[0], later[0]) for i, (then, later) in pairs.items()}
+    if any(a == 0.0 and b != 0.0 for a, b in finite.values()):
+        return None
+    ratios = [b / a for a, b in finite.values() if a]
     if not ratios:
         return 1.0
     return ratios[0] if all(abs(r - ratios[0]) <= 1e-5 * abs(ratios[0]) for r in ratios) else None
 
 
-def gradients_changed(params: list[torch.Tensor], step: int, before: dict[int, float | None]) -> bool:
+def gradients_changed(params: list[torch.Tensor], step: int, before: dict[int, float | NonFinitePrint | None]) -> bool:
     """Whether the gradients differ from their projections ``before`` other than by one factor; gradients cleared
     since then count as unchanged (:func:`gradient_factor`)."""
     return gradient_factor(before, _fingerprint(params, step)) is None
 
 
-def _stale_gradients(params: list[torch.Tensor], seed: int, indices: list[int] | None = None) -> dict[int, float]:
+def _stale_gradients(
+    params: list[torch.Tensor], seed: int, indices: list[int] | None = None
+) -> dict[int, float | NonFinitePrint]:
     """``{index: projection}`` of the parameters whose p.grad is not zero before the step's backward pass (the probe's
     directions; nothing to read after ``zero_grad()``, which sets it to None). ``indices``: the tracked indices of
-    ``params`` where they are some of the tracked parameters."""
+    ``params`` where they are some of the tracked parameters. A non-finite p.grad gets its
+    :class:`~cockpit_like.checks.prints.NonFinitePrint` (the same NaN later: untouched)."""
     stale = {}
     with torch.no_grad():
         for index, param in zip(range(len(params)) if indices is None else indices, params):
             grad = param.grad
             if grad is None or is_dtensor(grad):
                 continue
-            value = float(project(grad, probe_directions(seed, index, param.shape, param.device)))
+            value = print_of(grad, probe_directions(seed, index, param.shape, param.device))
             if value != 0.0:
                 stale[index] = value
     return stale
+
+
+def _note_nonfinite_gradients(checks: StepChecks, step: int, params: list[torch.Tensor], names: list[str]) -> None:
+    """A note of how many entries of the step's gradients are NaN or infinite, and where (nothing where none is)."""
+    counts = nonfinite_counts([(names[i], p.grad) for i, p in enumerate(params)])
+    if not counts:
+        return
+    nan, inf = sum(c[1] for c in counts), sum(c[2] for c in counts)
+    total = sum(p.grad.numel() for p in params if p.grad is not None)
+    shown = ", ".join(f"{name} {n + i} of {size}" for name, n, i, size in counts[:3]) + (" ..." if len(counts) > 3 else "")
+    checks.note(
+        f"the gradients of step {step} are not finite: {nan + inf} of their {total} entries ({nan} NaN, {inf} "
+        f"infinite; {shown}). What is computed from them is NaN or infinite, or leaves those entries out where "
+        "its note says so; NaN where NaN was counts as unchanged at the optimizer's step. cockpit.records names "
+        "the operation that made the first non-finite value (docs/recorder.md)."
+    )
 
 
 def _record_coverage(checks: StepChecks, params: list[torch.Tensor], names: dict[int, str], untouched=()) -> None:

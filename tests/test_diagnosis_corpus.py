@@ -308,6 +308,22 @@ def test_causes_read_in_context():
         group_findings([{"rule": "x"}])
 
 
+def test_a_loss_spike_joins_the_incident_its_post_mortem_names():
+    """The loss-spike finding of a learning-rate jump (its post-mortem: cause learning-rate, strong) was an incident
+    of its own, "other: cause unknown"; it is evidence of the learning rate's incident now (curvature too: a rate
+    past 2/lr). A spike of bad rows names no cause of this layer and stays apart."""
+    spike = f("loss-spike", 41, cause="learning-rate", strength="strong", series=["loss", "grad_norm"])
+    found = group_findings([f("update-ratio-too-large", 40, layer="0.weight"), f("learning-rate-jump", 40), spike,
+                            f("loss-diverging", 42, since=40)])
+    assert [i.cause for i in found] == ["learning-rate-too-large"]
+    assert "loss-spike" in [x.rule for x in found[0].evidence]
+    assert cause_of(f("loss-spike", 9, cause="curvature")) == "learning-rate-too-large"
+    assert cause_of(f("nonfinite-loss", 45, "error"), [spike]) == "learning-rate-too-large"  # blown up by the rate
+    rows = f("loss-spike", 80, cause="bad-rows", strength="strong")
+    assert cause_of(rows) == "other"
+    assert [i.cause for i in group_findings([rows])] == ["other"]
+
+
 # ---- the scorer ----------------------------------------------------------------------------------------
 def test_scorer_figures_on_hand_made_runs():
     runs = [

@@ -17,6 +17,8 @@ from cockpit_like.backends.per_sample_stats import (
     DirectionalDots,
     Histogram1dCounts,
     Histogram2dCounts,
+    Histogram1dTally,
+    Histogram2dTally,
     SumOfSquares,
 )
 
@@ -93,6 +95,8 @@ def _halves(stat, grads: torch.Tensor, params: list[torch.Tensor]):
         AbsMax(),
         Histogram1dCounts(7, (-1.0, 1.0)),
         Histogram2dCounts((4, 3), ((-1.0, 1.0), (-2.0, 2.0))),
+        Histogram1dTally(7, (-1.0, 1.0)),
+        Histogram2dTally((4, 3), ((-1.0, 1.0), (-2.0, 2.0))),
         DirectionalDots("d", (torch.randn(3, 4, dtype=DTYPE, generator=torch.Generator().manual_seed(2)),)),
     ],
     ids=lambda stat: type(stat).__name__,

@@ -2,6 +2,8 @@
 repository's tests): a forgotten ``zero_grad`` and SAM with curvature quantities, LBFGS's closure, and parameters
 or gradients changed between the tracked block and ``optimizer.step()``."""
 
+import warnings
+
 import pytest
 import torch
 from backpack import extend
@@ -351,3 +353,72 @@ def test_a_replaced_layer_counts_as_no_gradient_with_a_note(extended):
         if step >= 2:
             assert norms[2:] == [0.0, 0.0] and checks["no_gradient"] == ["2.weight", "2.bias"]
             assert "got nothing from this step's backward pass" in checks["notes"][0]
+
+
+# ---- a step that goes non-finite: NaN compares as unchanged where it is the same -------------------------
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_nan_step_gets_a_note_that_says_so_and_no_false_change_note(clip):
+    """One NaN input at step 1 makes every gradient NaN, and the parameters NaN from step 2 on. Before, NaN compared
+    unequal to itself: the notes said the gradients (step 1) and the parameters (step 2) changed between the backward
+    pass and SGD.step() (SAM, clipping by value) and withdrew Alpha, Distance and UpdateSize. Now the NaN steps say
+    their gradients are not finite, and how many entries; clipping by the norm (every entry NaN already: nothing
+    changes where NaN is) adds nothing."""
+    model = mlp(True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = cockpit_for(model, True, configuration("economy"))
+    for step in range(4):
+        x, y = batch(step)
+        if step == 1:
+            x[2, 0] = float("nan")
+        optimizer.zero_grad()
+        info = info_of(model(x), y, optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the loss is NaN (said once per step)
+            with cockpit(step, info=info):
+                info["loss"].backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        optimizer.step()
+    notes = {s: cockpit.checks[s]["notes"] for s in range(4)}
+    assert not [n for s in notes for n in notes[s] if "changed between" in n], notes
+    assert not [n for n in notes[0] if "not finite" in n]
+    entries = sum(p.numel() for p in model.parameters())
+    for step in (1, 2, 3):
+        assert f"the gradients of step {step} are not finite: {entries} of their {entries} entries" in notes[step][0]
+    assert "Alpha of step 1 is not stored: the update from step 1 to 2 is not finite" in " ".join(notes[2])
+    output = cockpit.get_output()
+    assert {"Distance", "UpdateSize"} <= set(output[1]) and "Distance" in output[2]
+
+
+def test_prints_take_nan_at_the_same_places_as_unchanged_and_see_real_changes():
+    """The comparisons behind the notes, on tensors with NaN and infinite entries: the same ones are unchanged (a
+    factor scales the finite entries only); a NaN that moved, appeared or went, or a changed finite entry, is a
+    change."""
+    from cockpit_like.tracked_step import _fingerprint, gradient_factor, parameter_prints, parameters_moved
+
+    torch.manual_seed(0)
+    params = [torch.randn(5, 4, dtype=DT), torch.randn(5, dtype=DT)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    params[0].grad[1, 2] = float("nan")
+    params[1].grad[3] = float("inf")
+    before = _fingerprint(params, 0)
+    assert gradient_factor(before, _fingerprint(params, 0)) == 1.0
+    for p in params:
+        p.grad.mul_(0.5)  # clipping by the norm, GradScaler.unscale_
+    assert gradient_factor(before, _fingerprint(params, 0)) == pytest.approx(0.5)
+    moved = params[0].grad.clone()
+    moved[1, 2], moved[0, 0] = 1.0, float("nan")
+    for change in (moved, params[0].grad.nan_to_num(), params[0].grad.clamp(-0.1, 0.1)):
+        saved, params[0].grad = params[0].grad, change
+        assert gradient_factor(before, _fingerprint(params, 0)) is None
+        params[0].grad = saved
+    params[0].detach().fill_(float("nan"))
+    prints = parameter_prints(params, 3)
+    assert parameters_moved(params, 3, prints) == []
+    with torch.no_grad():
+        params[1][0] += 1.0
+    assert parameters_moved(params, 3, prints) == [1]
+    with torch.no_grad():
+        params[0][0, 0] = 0.0  # a NaN went
+    assert parameters_moved(params, 3, prints) == [0, 1]

@@ -253,6 +253,40 @@ def test_a_nonfinite_loss_in_micro_batch_0_is_recorded_there(tmp_path):
     assert namespace["main"]() == 0
 
 
+@pytest.mark.parametrize("declared", [False, True])
+def test_a_single_backward_pass_waiting_for_the_optimizer_is_no_micro_batch(declared):
+    """Alpha waits for the optimizer's step (clip_grad_value_ changed the gradients at step 0), so the cockpit leaves
+    step 2 open until SGD.step(): before, the recorder took that for undeclared micro-batches and its record and
+    finding read "step 2, micro-batch 0" and "Step 2 has several backward passes". One backward pass is none (as
+    without info["optimizer"]); ``declared``: info["micro_batches"] = 1 says the same."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    cockpit = Cockpit(model.parameters(), configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        if step == 2:
+            x[1] = float("nan")
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        info = {"loss": losses.mean(), "batch_size": len(y), "individual_losses": losses, "optimizer": optimizer}
+        if declared:
+            info["micro_batches"] = 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(step, info=info):
+                info["loss"].backward()
+        if step == 0:
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        optimizer.step()
+    assert "Alpha waits" in " ".join(cockpit.checks[0]["notes"])  # step 2 waited for the optimizer's step
+    record = cockpit.records[2]
+    assert record.data["micro_batch"] is None and record.data["micro_batches"] is None
+    assert not [note for note in record.notes if "micro-batch" in note]
+    (finding,) = [f for f in cockpit.findings if f.rule == "nonfinite-origin"]
+    assert finding.message.startswith("step 2: ") and "micro-batch" not in finding.message
+
+
 # ---- a step the GradScaler skipped ------------------------------------------------------------------
 @pytest.mark.parametrize("declare_scaler", [True, False])
 def test_a_step_the_grad_scaler_skipped_gets_no_record_and_no_finding(declare_scaler):

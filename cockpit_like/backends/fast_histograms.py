@@ -7,7 +7,8 @@ The counts are exactly those of :mod:`cockpit_like.functional.histograms`
   ``trunc((x - lo) * bins / (hi - lo))`` computed in the data dtype with the
   edges ``lo``, ``hi`` rounded to it (as ``histc`` does), ``x = hi`` in the
   last bin, NaN not counted.
-- 2-D: ``trunc((x - lo) / w)`` per axis on data clamped to the end-bin centres.
+- 2-D: ``trunc((x - lo) / w)`` per axis on data clamped to the end-bin centres; a pair with a NaN (the
+  gradient entry or the parameter's) is not counted either (:meth:`Hist2dCounter.dropped` counts them).
 
 Instead of ``histc`` (slow on CPU) or whole-tensor temporaries (a large
 allocation is paid in page faults), values are processed in chunks of about
@@ -561,8 +562,8 @@ class _Dominant2d:
 
     The band ends are checked with the binning code itself at the extreme
     values a product in the band can round to (bins are monotone in ``v``), so
-    the counts are exact. Needs finite factors and no product of nonzero factors
-    that underflows to zero (checked).
+    the counts are exact. Needs finite factors, no NaN parameter entry and no
+    product of nonzero factors that underflows to zero (checked).
     """
 
     def __init__(self, counter: "Hist2dCounter", x, delta, theta, sorted_x, bins: tuple[int, int, int], cuts: tuple[float, float]):
@@ -594,7 +595,7 @@ class _Dominant2d:
         if not force and (x.device.type != "cpu" or delta.numel() * x.shape[1] < DOMINANT_MIN_ENTRIES):
             return None
         band = counter.zero_band(delta.shape[0], delta.dtype, delta.device)
-        if band is None or not bool(torch.isfinite(delta).all()):
+        if band is None or not bool(torch.isfinite(delta).all()) or bool(torch.isnan(theta).any()):
             return None
         order, sorted_abs = _sort_abs_rows(x.detach())
         if not bool(torch.isfinite(sorted_abs[:, -1]).all()):  # inf and NaN sort last
@@ -661,13 +662,13 @@ class _Dominant2d:
 
         both, agree = per_ybin(both), per_ybin(agree)
         positions = torch.bincount(theta_index, minlength=ybins)
-        listed_y = listed.view(xbins, ybins).sum(0)  # listed products are never zero
+        listed_y = counter.finish(listed).sum(0)  # listed products are never zero
         fill = torch.zeros(xbins, ybins, dtype=torch.int64, device=device)
         fill[self.zn] += (both - agree) // 2 - negatives
         fill[self.zp] += (both + agree) // 2 - (listed_y - negatives)
         fill[self.z0] += batch * positions - both
         counts += listed
-        counts += fill.view(-1)
+        counts[: counter.size] += fill.view(-1)
 
 
 class Hist2dCounter:
@@ -683,25 +684,47 @@ class Hist2dCounter:
         self.xmin, self.xmax = self.xlo + self.xw / 2, xhi - self.xw / 2
         self.ymin, self.ymax = self.ylo + self.yw / 2, yhi - self.yw / 2
 
+    @property
+    def size(self) -> int:
+        """``xbins * ybins``: the counts' slots of pairs that are counted; slots from here on hold the pairs
+        with a NaN (:meth:`new_counts`)."""
+        return self.xbins * self.ybins
+
     def theta_index(self, theta: torch.Tensor) -> torch.Tensor:
-        """``trunc((clamp(theta) - lo) / w)`` flattened, as the reference."""
-        return ((theta.detach().clamp(self.ymin, self.ymax) - self.ylo) / self.yw).long().reshape(-1)
+        """``trunc((clamp(theta) - lo) / w)`` flattened, as the reference; :attr:`size` (past every counted
+        pair) for a NaN."""
+        index = (theta.detach().clamp(self.ymin, self.ymax) - self.ylo) / self.yw
+        return index.nan_to_num_(nan=float(self.size)).long().reshape(-1)
 
     def new_counts(self, device) -> torch.Tensor:
-        return torch.zeros(self.xbins * self.ybins, dtype=torch.int64, device=device)
+        """int64 ``[xbins * ybins + ybins]``: the pairs' counts, then a row of the pairs whose gradient entry is
+        NaN (x-bin ``xbins``; those with a NaN parameter entry are folded into its first slot)."""
+        return torch.zeros(self.size + self.ybins, dtype=torch.int64, device=device)
 
-    def add(self, counts, chunk: torch.Tensor, scale: float, theta_index: torch.Tensor, buffers: _Buffers) -> None:
-        """Count pairs of ``scale * chunk`` (``[rows, P]``) with ``theta_index`` (``[P]``)."""
+    def nan_theta(self, theta_index: torch.Tensor) -> bool:
+        """Whether ``theta_index`` (:meth:`theta_index`) holds a NaN parameter entry (one read per layer)."""
+        return bool(theta_index.numel()) and int(theta_index.max()) >= self.size
+
+    def add(
+        self, counts, chunk: torch.Tensor, scale: float, theta_index: torch.Tensor, buffers: _Buffers,
+        nan_theta: bool = False,
+    ) -> None:
+        """Count pairs of ``scale * chunk`` (``[rows, P]``) with ``theta_index`` (``[P]``); ``nan_theta``: it
+        holds a NaN parameter entry (:meth:`nan_theta`)."""
         values, index = buffers.take(tuple(chunk.shape))
         torch.mul(chunk, scale, out=values)
         values.clamp_(self.xmin, self.xmax).sub_(self.xlo).div_(self.xw)
-        # bin arithmetic in int32 (half the memory traffic of int64; xbins * ybins fits)
+        values.nan_to_num_(nan=float(self.xbins))  # a NaN entry: the row past the last x-bin (not counted)
+        # bin arithmetic in int32 (half the memory traffic of int64; 2 * xbins * ybins fits)
         pairs = values.to(torch.int32).mul_(self.ybins).add_(theta_index.to(torch.int32))
+        if nan_theta:  # a NaN parameter entry: not counted
+            pairs.clamp_(max=self.size)
         index.copy_(pairs)
         buffers.count(counts, index)
 
     def _xindex(self, values: torch.Tensor, index: torch.Tensor) -> None:
         values.clamp_(self.xmin, self.xmax).sub_(self.xlo).div_(self.xw)
+        values.nan_to_num_(nan=float(self.xbins))
         _truncate(values, index)
 
     def bins_of(self, values: list[float], dtype: torch.dtype, device) -> list[int]:
@@ -739,15 +762,21 @@ class Hist2dCounter:
         return None
 
     def finish(self, counts: torch.Tensor) -> torch.Tensor:
-        return counts.view(self.xbins, self.ybins)
+        """The ``[xbins, ybins]`` counts of the counted pairs (a view of ``counts``)."""
+        return counts[: self.size].view(self.xbins, self.ybins)
+
+    def dropped(self, counts: torch.Tensor) -> torch.Tensor:
+        """How many pairs ``counts`` left out (a NaN gradient or parameter entry), an int64 scalar tensor."""
+        return counts[self.size :].sum()
 
     def count_grad_batch(self, counts, grad_batch, theta, chunk: int | None = None, scale: int | None = None) -> None:
         chunk = default_chunk(grad_batch.device) if chunk is None else chunk
         scale = grad_batch.shape[0] if scale is None else scale
         theta_index = self.theta_index(theta).to(torch.int32)
+        nan_theta = self.nan_theta(theta_index)
         buffers = _Buffers(min(chunk_size(grad_batch, chunk), grad_batch.numel()), grad_batch.dtype, grad_batch.device)
         for part, start, stop in _chunks_of_grad_batch(grad_batch, chunk):
-            self.add(counts, part, scale, theta_index.view(-1)[start:stop], buffers)
+            self.add(counts, part, scale, theta_index.view(-1)[start:stop], buffers, nan_theta)
 
     def count_outer(self, counts, x, delta, theta, chunk: int | None = None, sparse: float | None = None, dominant: bool | None = None) -> None:
         """Count pairs ``(B * delta_i x_i^T, theta)``; ``sparse`` as :meth:`Hist1dCounter.count_outer`.
@@ -770,6 +799,7 @@ class Hist2dCounter:
             return self.count_outer_dense(counts, x, delta, theta, chunk)
         scale = factors.batch
         theta_index = self.theta_index(theta)
+        nan_theta = self.nan_theta(theta_index)
         grid = theta_index.view(factors.out, factors.width)
         buffers = _Buffers(factors.buffer_size(chunk), delta.dtype, delta.device)
         mask_d = torch.zeros(factors.batch, factors.out, dtype=torch.float64, device=delta.device)
@@ -780,13 +810,17 @@ class Hist2dCounter:
             mask_x[start:stop].scatter_(1, ox, 1.0)
             if pd * px:
                 pairs = grid[od.unsqueeze(2), ox.unsqueeze(1)].view(stop - start, pd * px)
-                self.add(counts, factors.products(start, stop, pd, px, buffers), scale, pairs, buffers)
+                self.add(counts, factors.products(start, stop, pd, px, buffers), scale, pairs, buffers, nan_theta)
         # positions (a, b) of sample i not enumerated hold exact zeros, paired with theta_ab
         zeros = (factors.batch - mask_d.t() @ mask_x).round_().long().reshape(-1)
         value = torch.zeros(1, dtype=delta.dtype, device=delta.device).mul_(scale)
         index = torch.empty(1, dtype=torch.int64, device=delta.device)
         self._xindex(value, index)
         start = int(index[0]) * self.ybins
+        if nan_theta:  # the zeros paired with a NaN parameter entry are not counted
+            nan = theta_index >= self.size
+            counts[self.size] += zeros[nan].sum()
+            theta_index, zeros = theta_index[~nan], zeros[~nan]
         counts[start : start + self.ybins].scatter_add_(0, theta_index, zeros)
 
     def count_outer_dense(self, counts, x, delta, theta, chunk: int | None = None) -> None:
@@ -794,6 +828,7 @@ class Hist2dCounter:
         chunk = default_chunk(delta.device) if chunk is None else chunk
         scale = delta.shape[0]
         theta_index = self.theta_index(theta).to(torch.int32)
+        nan_theta = self.nan_theta(theta_index)
         buffers = _Buffers(_outer_size(x, delta, chunk), delta.dtype, delta.device)
         for part, start, stop in _outer_chunks(x, delta, chunk, buffers):
-            self.add(counts, part, scale, theta_index.view(-1)[start:stop], buffers)
+            self.add(counts, part, scale, theta_index.view(-1)[start:stop], buffers, nan_theta)

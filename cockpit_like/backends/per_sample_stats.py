@@ -13,8 +13,11 @@ statistic                   result                                          used
 :class:`SquaredNorms`       ``[||gb[i]||^2 for i]`` (B)                    per-sample gradient norms (benchmarks)
 :class:`SumOfSquares`       ``[s_p = sum_i gb_p[i]**2 for p]`` (O(D))       MeanGSNR, CABS, EarlyStopping
 :class:`AbsMax`             ``(max_{p,i,j} |gb_p[i, j]|, B)``               bin_adaptation.GradAbsMax
-:class:`Histogram1dCounts`  counts of ``B * gb`` entries                    GradHist1d
-:class:`Histogram2dCounts`  counts of pairs ``(B * gb, theta)``             GradHist2d
+:class:`Histogram1dCounts`  counts of ``B * gb`` entries (NaN not counted)   (tests, benchmarks)
+:class:`Histogram2dCounts`  counts of pairs ``(B * gb, theta)`` (NaN not        (tests, benchmarks)
+                            counted)
+:class:`Histogram1dTally`   ``HistogramTally(counts, not_counted)``         GradHist1d
+:class:`Histogram2dTally`   ``HistogramTally(counts, not_counted)``         GradHist2d
 :class:`DirectionalDots`    ``[sum_p <gb_p[i], d_p> for i]`` (B)            Alpha (end step)
 :class:`RetainedGradBatch`  ``grad_batch`` of every parameter, kept until   Alpha (start step, within one step
                             the step's quantities ran                       only, see docs/gradient_statistics.md)
@@ -50,8 +53,9 @@ convolution on its unfolded input: ``gb[i] = sum_t a_it b_it^T``, ``a``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -72,6 +76,9 @@ __all__ = [
     "AbsMax",
     "Histogram1dCounts",
     "Histogram2dCounts",
+    "Histogram1dTally",
+    "Histogram2dTally",
+    "HistogramTally",
     "DirectionalDots",
     "RetainedGradBatch",
     "PredictedSlopes",
@@ -436,7 +443,7 @@ class Histogram2dCounts(PerSampleStat):
         counter = Hist2dCounter(self.bins, self.range)
         counts = counter.new_counts(grad_batch.device)
         counter.count_grad_batch(counts, grad_batch, whole(param.detach()))
-        state[index] = counter.finish(counts)
+        state[index] = counts
         return state
 
     def accumulate_factors(self, state, index, param, kind, x, delta):
@@ -445,7 +452,7 @@ class Histogram2dCounts(PerSampleStat):
         counter = Hist2dCounter(self.bins, self.range)
         counts = counter.new_counts(delta.device)
         counter.count_outer(counts, x, delta, whole(param.detach()))
-        state[index] = counter.finish(counts)
+        state[index] = counts
         return state
 
     def borrows(self, state, nbytes) -> bool:
@@ -456,14 +463,61 @@ class Histogram2dCounts(PerSampleStat):
     def accumulate_rows(self, state, index, param, grad_batch, rows):
         counter = Hist2dCounter(self.bins, self.range)
         if rows.start == 0:
-            state[index] = counter.finish(counter.new_counts(grad_batch.device))
+            state[index] = counter.new_counts(grad_batch.device)
         theta = rows.once("theta", lambda: whole(param.detach()))  # one gather per layer (FSDP), not per block
-        counter.count_grad_batch(state[index].view(-1), grad_batch, theta, scale=rows.batch)
+        counter.count_grad_batch(state[index], grad_batch, theta, scale=rows.batch)
         return state
+
+    def finalize(self, state):
+        counter = Hist2dCounter(self.bins, self.range)
+        return [None if counts is None else counter.finish(counts).clone() for counts in state]
 
     def across_ranks(self, result, reduction):
         parts = [None if counts is None else reduction.sum(counts) for counts in result]
         return lambda: [None if part is None else part.value for part in parts]
+
+
+class HistogramTally(NamedTuple):
+    """A histogram's counts and how many per-sample gradient entries (1-D) or pairs (2-D) it did not count
+    (a NaN: ``histc``'s rule), an int64 scalar tensor."""
+
+    counts: Any
+    not_counted: torch.Tensor
+
+
+def _sum_tally(result: HistogramTally, reduction, counts_across) -> Callable[[], HistogramTally]:
+    counts, dropped = counts_across(result.counts, reduction), reduction.sum(result.not_counted)
+    return lambda: HistogramTally(counts(), dropped.value)
+
+
+@dataclass(frozen=True)
+class Histogram1dTally(Histogram1dCounts):
+    """:class:`Histogram1dCounts` with the number of entries it did not count (NaN), as a :class:`HistogramTally`
+    (what GradHist1d reads: a NaN step says how many entries its counts leave out)."""
+
+    def finalize(self, state):
+        if state is None:
+            return None
+        return HistogramTally(super().finalize(state), state[1][self.bins + 1].clone())
+
+    def across_ranks(self, result, reduction):
+        return _sum_tally(result, reduction, super().across_ranks)
+
+
+@dataclass(frozen=True)
+class Histogram2dTally(Histogram2dCounts):
+    """:class:`Histogram2dCounts` with the number of pairs it did not count (a NaN gradient or parameter entry), as
+    a :class:`HistogramTally` (what GradHist2d reads)."""
+
+    def finalize(self, state):
+        counter = Hist2dCounter(self.bins, self.range)
+        reached = [counts for counts in state if counts is not None]
+        dropped = sum((counter.dropped(counts) for counts in reached[1:]), counter.dropped(reached[0])) if reached else (
+            torch.zeros((), dtype=torch.int64))
+        return HistogramTally(super().finalize(state), dropped)
+
+    def across_ranks(self, result, reduction):
+        return _sum_tally(result, reduction, super().across_ranks)
 
 
 @dataclass(frozen=True)

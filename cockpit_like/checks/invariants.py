@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from cockpit_like.checks.prints import NonFinitePrint
 from cockpit_like.checks.probe import project_all
 
 __all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for", "notable"]
@@ -186,8 +187,11 @@ class StepChecks:
         self.gradient: dict[str, Any] | None = None
         self.no_gradient: list[str] = []
         self.frozen: list[str] = []
-        #: ``{index: projection}`` of the gradients p.grad held before the step's first backward pass
-        self.stale: dict[int, float] = {}
+        #: ``{index: projection}`` of the gradients p.grad held before the step's first backward pass (a
+        #: :class:`~cockpit_like.checks.prints.NonFinitePrint` for one with NaN or infinite entries)
+        self.stale: dict[int, float | NonFinitePrint] = {}
+        #: indices of the parameters whose gradient the probe saw non-finite (the step's note counts their entries)
+        self.nonfinite_gradients: list[int] = []
         #: ``{quantity: {"standard_error", "estimator", "samples", "reliable"}}`` of the step's estimated values
         self.standard_errors: dict[str, dict[str, Any]] = {}
 
@@ -236,7 +240,8 @@ class StepChecks:
             param, grad = params[index], grads[k]
             expected = 0.0 if grad is None else projected.pop()
             size = 0.0 if grad is None else sizes.pop()
-            expected -= self.stale.get(index, 0.0) / stale_scale
+            stale = self.stale.get(index, 0.0)
+            expected -= (math.nan if isinstance(stale, NonFinitePrint) else stale) / stale_scale
             got, spread = pairs[2 * k], pairs[2 * k + 1]
             dtype = param.dtype if grad is None else grad.dtype
             tolerance = tolerance_for(torch.float16 if low or half_step else dtype)  # half precision: looser
@@ -244,8 +249,10 @@ class StepChecks:
             scale = max(spread, abs(got), abs(expected), floor, size)
             if not (math.isfinite(got) and math.isfinite(expected)):
                 error = math.inf if math.isfinite(got) != math.isfinite(expected) or got != expected else 0.0
+                if not math.isfinite(expected):
+                    self.nonfinite_gradients.append(index)
                 if not math.isfinite(got) and not math.isfinite(expected):
-                    continue  # a non-finite gradient: the non-finite handling speaks for it
+                    continue  # a non-finite gradient: the non-finite handling speaks for it (a note of the step)
             else:
                 error = 0.0 if scale == 0.0 else abs(got - expected) / scale
             if error > worst:

@@ -26,7 +26,9 @@ How findings are grouped (deterministic, from the findings alone):
    dead units). Findings of rules that mostly see symptoms (dead units,
    vanishing gradients, unchanged parameters, a loss that does not fall)
    compete only when nothing stronger is near, unless they hold from the
-   first tracked step (``evidence["at_start"]``).
+   first tracked step (``evidence["at_start"]``). A ``loss-spike`` is read by
+   the cause its post-mortem names (a learning-rate or curvature spike is
+   evidence of a learning rate too large).
 3. The incident takes every later finding its cause explains (its own
    evidence, and the symptoms listed in :data:`CAUSES`); what is left opens
    the next incident. ``info`` findings are attached as symptoms where a
@@ -201,10 +203,23 @@ _SMALL_BATCH_SYMPTOMS = ("loss-diverging", "update-ratio-too-large", "exploding-
                          "step-overshoots")
 
 
+#: the loss-spike post-mortem's causes (``loss-spike``'s ``evidence["cause"]``, :mod:`cockpit_like.spikes.causes`)
+#: that name a cause of this layer: a learning rate that jumped, or one past the stability bound 2/lr
+_SPIKE_CAUSES = {"learning-rate": "learning-rate-too-large", "curvature": "learning-rate-too-large"}
+
+
+def _spike_cause(finding: Finding) -> str:
+    """The cause a ``loss-spike`` finding names through its post-mortem (``other`` for rows, precision, unknown)."""
+    cause = finding.evidence.get("cause") if isinstance(finding.evidence, dict) else None
+    return _SPIKE_CAUSES.get(cause, "other")
+
+
 def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
     """The cause ``finding`` is evidence of, read in the context of the run's other ``findings``."""
     rule = finding.rule
     findings = list(findings)
+    if rule == "loss-spike":  # the post-mortem named the spike's cause: a learning-rate spike is the rate's
+        return _spike_cause(finding)
     if rule in _CONSTANT_INPUT_SYMPTOMS and not finding.evidence.get("at_start"):
         # (a windowed finding's evidence may start up to ``_WINDOW_LEAD`` steps before the inputs turned
         # constant, at the first step its window reaches back to, when only the window's last steps are new)
@@ -265,7 +280,8 @@ def _nonfinite_cause(finding: Finding, findings: Iterable[Finding]) -> str:
     blow_up = {"loss-diverging", "update-ratio-too-large", "loss-spikes"}
     for other in findings:
         if other.step <= finding.step and other is not finding and (other.rule in blow_up or (
-                other.rule == "exploding-gradient" and other.severity != "error")):
+                other.rule == "exploding-gradient" and other.severity != "error") or (
+                other.rule == "loss-spike" and _spike_cause(other) == "learning-rate-too-large")):
             return "learning-rate-too-large"
     return "nonfinite-operation"
 

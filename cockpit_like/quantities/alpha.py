@@ -39,6 +39,7 @@ with ``B = info["batch_size"]``. Stored under the start step (``SAVE_SHIFT = 1``
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -313,6 +314,11 @@ class Alpha(TwoStepQuantity):
         f1, var_f1 = self._loss_moments(record)
         if tau == 0:
             return -1  # no step (Cockpit divides by zero here)
+        if not math.isfinite(tau):  # NaN or inf: no direction to compare, and nothing for the loop to change
+            record.note(f"Alpha of step {start} is not stored: the update from step {start} to {global_step} is "
+                        f"not finite (its norm is {tau}: the gradients of step {start} or the parameters at step "
+                        f"{global_step} hold NaN or infinite entries, or are too large for their dtype).")
+            return None
         dots = record.stat(DirectionalDots(self._dots_key(global_step)))
         mean_u1, var_u1 = sample_mean_and_variance(batch_size * dots / tau)
         if self.is_cached(start, "settled"):  # checked right after optimizer.step() (_settle)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.per_sample_stats import Histogram1dCounts, Histogram2dCounts
+from cockpit_like.backends.per_sample_stats import Histogram1dTally, Histogram2dTally, HistogramTally
 from cockpit_like.quantities.bin_adaptation import NoAdaptation
 from cockpit_like.functional.histograms import hist_edges
 from cockpit_like.quantities.quantity import SingleStepQuantity
@@ -97,12 +97,29 @@ class _AdaptiveHistogram(SingleStepQuantity):
         """Set the range from the adaptations scheduled at ``global_step``."""
         raise NotImplementedError
 
+    #: what the note of a step with NaN entries says of ``{n}`` of them
+    _not_counted = "{n} per-sample gradient entries are NaN and not counted"
+
+    def _counts(self, global_step):
+        """The step's counts; where some entries are NaN (not counted, as ``torch.histc`` does), a note of the
+        step says how many, so that the histogram's smaller total is not read as fewer samples."""
+        record = context.get_record(global_step)
+        tally: HistogramTally = record.stat(self._counts_stat())
+        missing = int(tally.not_counted)
+        if missing:
+            name = record.quantity or type(self).__name__
+            record.note(f"{name} at step {global_step}: {self._not_counted.format(n=missing)} (the histogram's "
+                        "total is short by as many; infinite entries are counted in the end bins, with the other "
+                        "outliers)")
+        return tally.counts
+
 
 class GradHist1d(_AdaptiveHistogram):
     """Histogram of all per-sample gradient entries ``g_{i,p,j} = B * grad_batch_{i,p,j}``.
 
     Values are clamped to ``range`` (outliers land in the end bins) and counted
-    with ``torch.histc``; counts are summed over parameters (total ``B * D``).
+    with ``torch.histc``; counts are summed over parameters (total ``B * D``; NaN entries are not counted,
+    and a note of the step says how many).
     Stored: ``{"hist": float ndarray[bins] (gradient dtype), "edges":
     float32 ndarray[bins + 1]}``.
 
@@ -121,7 +138,7 @@ class GradHist1d(_AdaptiveHistogram):
         self._adapt = NoAdaptation(verbose=verbose) if adapt is None else adapt
 
     def _counts_stat(self):
-        return Histogram1dCounts(self._bins, tuple(float(v) for v in self._range))
+        return Histogram1dTally(self._bins, tuple(float(v) for v in self._range))
 
     def settings(self):
         adapt = self._adapt
@@ -129,8 +146,7 @@ class GradHist1d(_AdaptiveHistogram):
         return {"bins": self._bins, "range": list(self._range), "adapt": adapt}
 
     def _compute(self, global_step, params, batch_loss):
-        counts = context.get_record(global_step).stat(self._counts_stat())
-        return {"hist": counts, "edges": hist_edges(self._bins, self._range)}
+        return {"hist": self._counts(global_step), "edges": hist_edges(self._bins, self._range)}
 
     def _update_range(self, global_step, record, params):
         if self._adapt is not None and self._adapt.should_compute(global_step):
@@ -143,7 +159,8 @@ class GradHist2d(_AdaptiveHistogram):
     Entry ``j`` of block ``p`` contributes the ``B`` pairs
     ``(g_{i,p,j} = B * grad_batch_{i,p,j}, theta_{p,j})``. Per axis, with bin
     width ``w = (hi - lo) / bins``, values are clamped to ``[lo + w/2, hi - w/2]``
-    (outliers sit in the end bins' centres) and binned by ``trunc((v - lo) / w)``.
+    (outliers sit in the end bins' centres) and binned by ``trunc((v - lo) / w)``;
+    a pair with a NaN is not counted, and a note of the step says how many.
     Stored: ``{"hist": int64 ndarray[xbins, ybins], "edges": (x edges, y edges)}``
     (float32), and with ``keep_individual`` also ``"param_groups"`` (the number
     of parameter tensors) and ``"param_{i}"`` (each tensor's own hist/edges).
@@ -181,8 +198,10 @@ class GradHist2d(_AdaptiveHistogram):
 
     _counts_dtype = np.int64
 
+    _not_counted = "{n} pairs (per-sample gradient entry, parameter entry) hold a NaN and are not counted"
+
     def _counts_stat(self):
-        return Histogram2dCounts(self._bins, tuple(tuple(float(v) for v in r) for r in self._range))
+        return Histogram2dTally(self._bins, tuple(tuple(float(v) for v in r) for r in self._range))
 
     def settings(self):
         return {
@@ -193,7 +212,7 @@ class GradHist2d(_AdaptiveHistogram):
         }
 
     def _compute(self, global_step, params, batch_loss):
-        per_param = context.get_record(global_step).stat(self._counts_stat())
+        per_param = self._counts(global_step)
         edges = (hist_edges(self._bins[0], self._range[0]), hist_edges(self._bins[1], self._range[1]))
         reached = [h for h in per_param if h is not None]
         result = {"hist": sum(reached[1:], reached[0].clone()), "edges": edges}
