@@ -156,10 +156,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from cockpit_like.integrations.exporters import export_log
+    from cockpit_like.integrations.exporters import MissingPackage, export_log
 
-    exporter = export_log(args.log, args.to, args.directory, image_every=args.image_every,
-                          progress=None if not args.no_progress else False)
+    try:
+        exporter = export_log(args.log, args.to, args.directory, image_every=args.image_every,
+                              progress=None if not args.no_progress else False)
+    except MissingPackage as error:  # a message with the install command, not a traceback
+        print(f"cockpit-like export: error: --to {args.to}: {error}", file=sys.stderr)
+        return 2
     where = {"tensorboard": "log_dir", "wandb": "run_dir", "mlflow": "run_id"}[args.to]
     print(f"exported {args.log} to {args.to}: {where} {getattr(exporter, where)}")
     return 0
