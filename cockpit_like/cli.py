@@ -232,6 +232,17 @@ def _cmd_spikes(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (``--top``, ``--last``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1 or more), got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cockpit-like", description="Inspect cockpit_like (and Cockpit) training logs."
@@ -273,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.set_defaults(handler=_cmd_watch)
     influence = commands.add_parser("influence", help="list the most influential samples (SelfInfluence)")
     influence.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
-    influence.add_argument("--top", type=int, default=20, metavar="N", help="rows to print (default 20)")
+    influence.add_argument("--top", type=_positive_int, default=20, metavar="N", help="rows to print (default 20)")
     influence.add_argument("--step", type=int, metavar="S", help="only this step")
     influence.add_argument("--quantity", metavar="NAME", help="only this quantity (default: every SelfInfluence)")
     influence.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
@@ -290,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     spikes = commands.add_parser("spikes", help="print the loss-spike post-mortems (PostMortem)")
     spikes.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
     spikes.add_argument("--step", type=int, metavar="S", help="only the post-mortem of this step")
-    spikes.add_argument("--last", type=int, metavar="N", help="only the last N post-mortems")
+    spikes.add_argument("--last", type=_positive_int, metavar="N", help="only the last N post-mortems")
     spikes.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
     spikes.set_defaults(handler=_cmd_spikes)
     return parser

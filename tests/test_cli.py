@@ -102,6 +102,19 @@ def test_errors(tmp_path, capsys):
         main([])
 
 
+@pytest.mark.parametrize("argv", [["influence", "LOG", "--top", "-3"], ["influence", "LOG", "--top", "0"],
+                                  ["influence", "LOG", "--top", "two"], ["spikes", "LOG", "--last", "-1"],
+                                  ["spikes", "LOG", "--last", "0"]])
+def test_counts_must_be_positive(run, capsys, argv):
+    folder, _, _ = run
+    argv = [str(folder / "run") if a == "LOG" else a for a in argv]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cockpit-like {argv[0]}: error: argument {argv[2]}: expected a positive integer" in err
+
+
 def test_module_and_console_script(run):
     folder, _, _ = run
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
