@@ -203,7 +203,15 @@ def _cmd_influence(args: argparse.Namespace) -> int:
     _, steps = read_log_with_metadata(path, progress=_progress(args))
     rows = influence_rows(steps, step=args.step, top=args.top, name=args.quantity)
     if not rows:
-        print(f"{path}: no SelfInfluence values" + ("" if args.step is None else f" at step {args.step}"))
+        named = "" if args.quantity is None else f" named {args.quantity}"
+        stored = sorted({row[1] for row in influence_rows(steps, top=sys.maxsize, name=args.quantity)})
+        if stored:  # only not at --step
+            print(f"{path}: no SelfInfluence values{named} at step {args.step} (stored at {len(stored)} "
+                  f"step{'s' if len(stored) != 1 else ''}: {stored[0]} .. {stored[-1]})")
+        else:
+            print(f"{path}: no SelfInfluence values{named} (track cockpit_like.quantities.SelfInfluence, with "
+                  "info['sample_ids'] to name the samples; it stores the k most influential samples of each "
+                  "tracked step: docs/curvature_statistics.md)")
         return 0
     print(f"{path}: the {len(rows)} most influential samples g_i^T (F + damping I)^-1 g_i (largest first)")
     _print_table([(str(k + 1), str(s), str(i), str(p), _number(v), q) for k, (v, s, i, p, q) in enumerate(rows)],

@@ -115,6 +115,14 @@ def test_counts_must_be_positive(run, capsys, argv):
     assert f"cockpit-like {argv[0]}: error: argument {argv[2]}: expected a positive integer" in err
 
 
+def test_influence_without_self_influence_says_how_to_track_it(run, capsys):
+    folder, _, _ = run
+    assert main(["influence", str(folder / "run"), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder / 'run.json'}: no SelfInfluence values (track cockpit_like.quantities.SelfInfluence")
+    assert "info['sample_ids']" in out and "docs/curvature_statistics.md" in out
+
+
 def test_module_and_console_script(run):
     folder, _, _ = run
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}
