@@ -102,6 +102,15 @@ def test_errors(tmp_path, capsys):
         main([])
 
 
+def test_a_missing_log_named_with_its_suffix_is_not_tried_with_another(tmp_path, capsys):
+    """The outside tester's repro: ``runs/missing.json`` "also tried runs/missing.json.json"."""
+    for name in ("missing.json", "missing.jsonl"):
+        assert main(["summary", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err == f"cockpit-like summary: error: no cockpit log at {tmp_path / name}\n"
+    assert main(["summary", str(tmp_path / "missing")]) == 2  # without a suffix both forms are tried
+    assert f"also tried {tmp_path / 'missing'}.json and {tmp_path / 'missing'}.jsonl" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [["influence", "LOG", "--top", "-3"], ["influence", "LOG", "--top", "0"],
                                   ["influence", "LOG", "--top", "two"], ["spikes", "LOG", "--last", "-1"],
                                   ["spikes", "LOG", "--last", "0"]])
