@@ -201,6 +201,49 @@ def test_exploding_gradient():
     assert found.severity == "error"
 
 
+def test_exploding_gradient_at_the_start_is_judged_at_the_start():
+    """The outside tester's H10: a healthy 1-D CNN whose norms fell 20x as it converged (first norm 0.961, the
+    median of 144 norms 0.0477) was called exploding "before any update" at step 143. The first norm is
+    compared with the norms of the first ``start_steps`` tracked steps only."""
+    converging = [[0.6 * 0.95**k, 0.8 * 0.95**k] for k in range(150)]  # 1.0, 0.95, ...: 20x the median at 118
+    rule = R.ExplodingGradient()
+    for count in range(5, 151):
+        assert rule.check(history({"GradNorm": converging[:count]})) == [], count
+    # measured against every median so far (the old test), it fires once the median has shrunk 20x
+    assert R.ExplodingGradient(start_steps=150).check(history({"GradNorm": converging})) != []
+    # an explosion at the first step is still seen while the run is young
+    early = [[60.0, 80.0]] + [[0.3, 0.4]] * 29
+    (found,) = rule.check(history({"GradNorm": early}))
+    assert found.evidence["at_start"] and "the median 0.5 of the first 30 tracked norms (steps 0..29)" in found.message
+    assert rule.check(history({"GradNorm": early + [[0.3, 0.4]]})) == []  # 31 norms: no longer the start
+    with pytest.raises(ValueError, match="start_steps"):
+        R.ExplodingGradient(start_steps=4)
+
+
+@pytest.mark.parametrize("names, recurrent", [
+    (["body.0.weight", "body.0.bias"], []),  # a CNN: no recurrent weights named in the fix
+    (None, None),  # no names in the log: nothing known, the fix is general
+    (["rnn.weight_ih_l0", "rnn.weight_hh_l0", "head.weight"], ["rnn.weight_hh_l0"]),
+])
+def test_exploding_gradient_at_the_start_names_recurrent_weights_only_where_the_log_shows_them(names, recurrent):
+    from cockpit_like.diagnosis import group_findings
+
+    metadata = None if names is None else {"param_names": names}
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": [[60.0, 80.0]] + [[0.3, 0.4]] * 4}, metadata))
+    assert found.evidence["recurrent"] == recurrent
+    (incident,) = group_findings([found])
+    assert incident.cause == "exploding-gradient"
+    for fix in (found.fix, incident.fix):
+        assert fix.startswith("clip gradients")
+        assert ("spectral radius" in fix) == bool(recurrent) and ("rnn.weight_hh_l0" in found.fix) == bool(recurrent)
+    if not recurrent:
+        assert "recurrent weights" not in found.fix and "width-scaled initialization" in found.fix
+    # an activation called more than once per sample (exploding-recurrence) shows a recurrence too
+    loop = Finding("exploding-recurrence", "warning", 0, "m", evidence={"since": 0})
+    (incident,) = group_findings([found, loop])
+    assert "spectral radius" in incident.fix
+
+
 def test_vanishing_gradient_names_the_layer():
     meta = {"param_names": ["in.weight", "mid.weight", "out.weight"]}
     h = history({"GradNorm": [[1.0, 1e-5, 0.5]] * 3}, meta)

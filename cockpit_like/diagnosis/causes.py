@@ -67,6 +67,40 @@ _BLOW_UP_SYMPTOMS = ("loss-diverging", "exploding-gradient", "update-ratio-too-l
                      "noisy-loss", "small-batch", "noise-dominated", "poor-initialization",
                      "update-ratio-too-small", "loss-at-chance")
 
+#: the fix of a gradient that explodes before any update in a model with a recurrence ...
+_RECURRENT_FIX = ("clip gradients (torch.nn.utils.clip_grad_norm_), initialize recurrent weights with a spectral "
+                  "radius at most 1 (orthogonal init), or use gated cells (LSTM/GRU)")
+#: ... and where nothing shows one (a CNN whose first gradient is far larger than the later ones)
+_GENERAL_EXPLODING_FIX = (
+    "clip gradients (torch.nn.utils.clip_grad_norm_) and look for what makes the first gradients large before any "
+    "update: weights initialized at too large a scale (use a width-scaled initialization), inputs or a loss far "
+    "from unit scale, or a layer applied again and again (a recurrence through time) that amplifies the gradient")
+
+
+def exploding_gradient_fix(recurrent: list[str] | None) -> str:
+    """The fix for a gradient that exploded before any update: recurrent weights only where the model is known
+    to have them (``recurrent``: the names of its recurrent weights; ``[]`` or ``None``: none known)."""
+    if not recurrent:
+        return _GENERAL_EXPLODING_FIX
+    shown = ", ".join(recurrent[:3]) + (f" +{len(recurrent) - 3}" if len(recurrent) > 3 else "")
+    return _RECURRENT_FIX.replace("recurrent weights", f"the recurrent weights ({shown})")
+
+
+def _recurrence_shown(evidence: Iterable[Finding]) -> bool:
+    """Whether a finding shows a recurrence: ``exploding-recurrence`` (an activation called more than once per
+    sample), or recurrent weights among the log's parameter names (``evidence["recurrent"]``)."""
+    return any(f.rule == "exploding-recurrence" or f.evidence.get("recurrent") for f in evidence)
+
+
+def _wording(cause_id: str, evidence: list[Finding]) -> tuple[str, str]:
+    """The cause's title and fix, for what its evidence shows: recurrent weights only for a model with a
+    recurrence."""
+    cause = CAUSES[cause_id]
+    if cause_id == "exploding-gradient" and not _recurrence_shown(evidence):
+        return cause.title, _GENERAL_EXPLODING_FIX
+    return cause.title, cause.fix
+
+
 #: every cause the layer can name
 CAUSES: dict[str, Cause] = {
     cause.id: cause
@@ -78,9 +112,7 @@ CAUSES: dict[str, Cause] = {
               "initialize weights with a variance scaled to the layer width (Kaiming for ReLU, Xavier for "
               "tanh/sigmoid), or add normalization layers or residual connections", _BLOW_UP_SYMPTOMS),
         Cause("exploding-gradient", "the gradient explodes through the model (before any update: not the "
-              "learning rate)", "clip gradients (torch.nn.utils.clip_grad_norm_), initialize recurrent "
-              "weights with a spectral radius at most 1 (orthogonal init), or use gated cells (LSTM/GRU)",
-              _BLOW_UP_SYMPTOMS),
+              "learning rate)", _RECURRENT_FIX, _BLOW_UP_SYMPTOMS),
         Cause("learning-rate-too-large", "the learning rate is too large: the loss and the updates blow up",
               "lower the learning rate (by 10x for a blow-up, 2-3x for spikes), add warm-up, or clip "
               "gradients; check the learning-rate schedule where the blow-up starts later in the run",
@@ -365,7 +397,8 @@ def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident
             taken = {id(f) for f in evidence + symptoms}
             left = [f for f in left if id(f) not in taken]
             severity = max((f.severity for f in evidence + symptoms), key=severity_rank)
-            incidents.append(Incident(cause_id, cause.title, severity, first, cause.fix, evidence, symptoms))
+            title, fix = _wording(cause_id, evidence)
+            incidents.append(Incident(cause_id, title, severity, first, fix, evidence, symptoms))
     # infos explained by an open incident's cause were taken above only when that incident is loud;
     # order: by first step, louder first on ties
     incidents.sort(key=lambda i: (i.step, -severity_rank(i.severity)))
