@@ -338,6 +338,26 @@ def _acts(**layers):
     return {name: {"kind": kind, "units": 4, "samples": 8, **fields} for name, (kind, fields) in layers.items()}
 
 
+def test_an_exactly_zero_gradient_is_said_to_be_zero_not_a_ratio():
+    """The outside tester's B03 (ReLUs dead from the start): "weight gradients differ by 5.18e+298x between
+    layers", a division by 1e-300 where a layer's gradient was exactly 0."""
+    meta = {"param_shapes": [[3, 3], [3], [3, 3]], "param_names": ["0.weight", "0.bias", "2.weight"]}
+    cut = history({"GradNorm": [[0.0, 0.0, 0.05]] * 3}, meta)
+    (found,) = R.PoorInitialization().check(cut)
+    assert found.layer == "0.weight" and found.evidence["zero"] is True
+    assert found.message.startswith("the gradient of 0.weight is exactly 0 at the first steps (median of steps 0..2)")
+    assert "differ by" not in found.message and "e+" not in found.message
+    assert found.fix == R.CUT_OFF_FIX and "biases at 0" in found.fix
+    (small,) = R.PoorInitialization().check(history({"GradNorm": [[1e-6, 1e-9, 1.0]] * 3}, meta))
+    assert "weight gradients differ by 1e+06x between layers" in small.message and small.evidence["zero"] is False
+    vanishing = R.VanishingGradient().check(cut)  # (the bias, 0 from the first step, is skipped by design)
+    assert ids(vanishing) == [("vanishing-gradient", "0.weight")]
+    assert vanishing[0].message == "the gradient of 0.weight is exactly 0 at steps 0..2 (the largest layer's: 0.05): nothing reaches it"
+    assert vanishing[0].fix == R.CUT_OFF_FIX and vanishing[0].evidence["zero"] is True
+    (tiny,) = R.VanishingGradient().check(history({"GradNorm": [[1e-6, 1.0]] * 3}))
+    assert "vanishes: norm 1e-06" in tiny.message and "Kaiming" in tiny.fix
+
+
 def test_dead_and_saturated_units():
     value = _acts(**{"1": ("relu", {"zero_fraction": 0.9, "dead_fraction": 0.75, "rms": 0.1}),
                      "3": ("relu", {"zero_fraction": 0.5, "dead_fraction": 0.25, "rms": 1.0}),

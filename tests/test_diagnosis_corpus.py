@@ -297,6 +297,9 @@ def test_causes_read_in_context():
     assert cause_of(f("exploding-gradient", 4)) == "learning-rate-too-large"
     assert cause_of(f("unchanged-parameters", 3, has_gradient=True)) == "frozen-layer"
     assert cause_of(f("vanishing-gradient", 3, zero=False)) == "poor-initialization"
+    # a weight gradient exactly 0 at the first steps is cut off (as a vanishing one of 0): not an initialization
+    assert cause_of(f("poor-initialization", 2, zero=True)) == "dead-units"
+    assert cause_of(f("poor-initialization", 2, zero=False)) == "poor-initialization"
     assert cause_of(f("my-own-rule", 3)) == "other"
     # two incidents: unnormalized inputs wins over the blow-up they cause; a later overfit is its own
     found = group_findings([f("update-ratio-too-large", 1, since=0), f("large-input-scale", 0, since=0),

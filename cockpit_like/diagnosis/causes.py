@@ -266,7 +266,7 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
         return "labels-do-not-match"
     if rule == "loss-jump":
         return "labels-do-not-match" if _data_changed(finding, findings) else "learning-rate-too-large"
-    if rule == "vanishing-gradient" and finding.evidence.get("zero"):
+    if rule in ("vanishing-gradient", "poor-initialization") and finding.evidence.get("zero"):
         return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
     if rule == "dead-units" and not finding.evidence.get("at_start", True) and finding.evidence.get("developed"):
         return "learning-rate-too-large"  # units alive at the start, killed later: large updates pushed them off

@@ -776,6 +776,12 @@ def _structurally_zero(history: RunHistory, ratio: float = 1e-4) -> set[int]:
     return memo["value"]
 
 
+#: the fix of a weight whose gradient is exactly 0 (``vanishing-gradient``, ``poor-initialization``)
+CUT_OFF_FIX = ("find what cuts the gradient off above this layer: units that are off for every sample (ReLU with "
+               "negative biases: initialize biases at 0, use Kaiming initialization or LeakyReLU/GELU), a detached "
+               "tensor, or an output the loss does not use")
+
+
 class VanishingGradient(Rule):
     """A layer's gradient norm is below ``ratio`` x the largest layer's (median over ``window`` steps) or below ``floor``.
 
@@ -819,17 +825,25 @@ class VanishingGradient(Rule):
                 layer = history.param_name(index)
                 if layer in _frozen_since(history, "GradNorm", all_steps):
                     continue  # requires_grad=False: no gradient by construction (unchanged-parameters says so)
+                zero = bool((norms[:, index] == 0).all())
+                if zero:  # cut off, not small: a ratio of 0 says nothing
+                    message = (f"the gradient of {layer} is exactly 0 at steps {steps[0]}..{steps[-1]} (the "
+                               f"largest layer's: {_g(_column_median(largest)[0])}): nothing reaches it")
+                    fix = CUT_OFF_FIX
+                else:
+                    message = (f"the gradient of {layer} vanishes: norm {_g(median[index])} (median over steps "
+                               f"{steps[0]}..{steps[-1]}), {_g(relative[index])}x the largest layer's")
+                    fix = ("use an initialization scaled to the layer width (Kaiming/Xavier), ReLU-like "
+                           "activations instead of saturating tanh/sigmoid, normalization layers or residual "
+                           "connections")
                 found.append(
                     self.finding(
                         steps[-1],
-                        f"the gradient of {layer} vanishes: norm {_g(median[index])} (median over steps "
-                        f"{steps[0]}..{steps[-1]}), {_g(relative[index])}x the largest layer's",
-                        fix="use an initialization scaled to the layer width (Kaiming/Xavier), ReLU-like "
-                        "activations instead of saturating tanh/sigmoid, normalization layers or residual "
-                        "connections",
+                        message,
+                        fix=fix,
                         layer=layer,
                         evidence={"norm": float(median[index]), "relative": float(relative[index]),
-                                  "steps": steps, "zero": bool((norms[:, index] == 0).all()),
+                                  "steps": steps, "zero": zero,
                                   "since": steps[0], "at_start": steps[0] == history.first("GradNorm", 1)[0][0]},
                     )
                 )
@@ -1622,15 +1636,24 @@ class PoorInitialization(Rule):
             return []
         layer = history.param_name(smallest)
         steps = [step for step, _ in early]
+        span = f"median of steps {steps[0]}..{steps[-1]}"
+        if norms[smallest] == 0:  # no ratio to give: the gradient is cut off, not small
+            message = (f"the gradient of {layer} is exactly 0 at the first steps ({span}), while the largest weight "
+                       f"gradient is {_g(largest)}: nothing reaches it")
+            fix = CUT_OFF_FIX
+        else:
+            message = (f"weight gradients differ by {_g(largest / norms[smallest])}x between layers at the first "
+                       f"steps ({span}); the smallest is {layer}'s ({_g(norms[smallest])})")
+            fix = ("initialize weights with a variance scaled to the layer width (Kaiming for ReLU, Xavier for "
+                   "tanh/sigmoid), or add normalization layers or residual connections")
         return [
             self.finding(
                 steps[-1],
-                f"weight gradients differ by {_g(largest / max(norms[smallest], 1e-300))}x between layers at the "
-                f"first steps; the smallest is {layer}'s ({_g(norms[smallest])})",
-                fix="initialize weights with a variance scaled to the layer width (Kaiming for ReLU, Xavier for "
-                "tanh/sigmoid), or add normalization layers or residual connections",
+                message,
+                fix=fix,
                 layer=layer,
-                evidence={"norms": [float(norms[i]) for i in weights], "steps": steps},
+                evidence={"norms": [float(norms[i]) for i in weights], "steps": steps,
+                          "zero": bool(norms[smallest] == 0)},
             )
         ]
 
