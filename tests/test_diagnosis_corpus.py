@@ -311,6 +311,16 @@ def test_causes_read_in_context():
         group_findings([{"rule": "x"}])
 
 
+def test_unnormalized_inputs_are_named_by_what_was_measured():
+    """The outside tester's B10: the headline said "the first layer's outputs are far too large" over a finding
+    about the raw input (rms 840)."""
+    (raw,) = group_findings([f("large-input-scale", 0, input_rms=840.0, since=0)])
+    assert raw.title == "the inputs are not normalized: the model's raw inputs are far larger than unit scale"
+    (first_layer,) = group_findings([f("large-input-scale", 0, layer="1", rms=50.0, since=0)])
+    assert first_layer.title == CAUSES["unnormalized-inputs"].title and "first layer's outputs" in first_layer.title
+    assert raw.fix == first_layer.fix == CAUSES["unnormalized-inputs"].fix
+
+
 # ---- the scorer ----------------------------------------------------------------------------------------
 def test_scorer_figures_on_hand_made_runs():
     runs = [

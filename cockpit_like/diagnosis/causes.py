@@ -92,12 +92,18 @@ def _recurrence_shown(evidence: Iterable[Finding]) -> bool:
     return any(f.rule == "exploding-recurrence" or f.evidence.get("recurrent") for f in evidence)
 
 
+#: the title of unnormalized inputs seen on the raw input (``DataStats``' ``input_rms``), not on the first layer
+_RAW_INPUT_TITLE = "the inputs are not normalized: the model's raw inputs are far larger than unit scale"
+
+
 def _wording(cause_id: str, evidence: list[Finding]) -> tuple[str, str]:
     """The cause's title and fix, for what its evidence shows: recurrent weights only for a model with a
-    recurrence."""
+    recurrence; the raw input or the first layer's outputs, whichever ``large-input-scale`` measured."""
     cause = CAUSES[cause_id]
     if cause_id == "exploding-gradient" and not _recurrence_shown(evidence):
         return cause.title, _GENERAL_EXPLODING_FIX
+    if cause_id == "unnormalized-inputs" and any("input_rms" in f.evidence for f in evidence):
+        return _RAW_INPUT_TITLE, cause.fix
     return cause.title, cause.fix
 
 
