@@ -311,6 +311,23 @@ def test_causes_read_in_context():
         group_findings([{"rule": "x"}])
 
 
+def test_an_incident_says_where_its_evidence_starts_and_where_it_was_found():
+    """The outside tester's B06: "labels-do-not-match (from step 0)" above "loss-at-chance (from step 53)".
+    The incident starts where its first finding's evidence starts (``since``: the loss sat at chance from
+    step 0); the step the rule needed to see it is said too, in the same words everywhere."""
+    from cockpit_like.diagnosis.report import format_incidents
+
+    chance = f("loss-at-chance", 53, since=0)
+    (incident,) = group_findings([chance, f("loss-at-chance", 76, since=0)])
+    assert incident.step == 0 and incident.found_at == 53
+    assert incident.headline().startswith("WARNING labels-do-not-match (from step 0, found at step 53): ")
+    assert incident.to_dict()["found_at"] == 53 and incident.to_dict()["step"] == 0
+    text = "\n".join(format_incidents([incident], width=200))
+    assert "evidence: loss-at-chance (from step 0, found at step 53)" in text
+    (at_once,) = group_findings([f("large-input-scale", 0, since=0)])  # found where it starts: one step
+    assert at_once.found_at == 0 and "(from step 0): " in at_once.headline()
+
+
 def test_unnormalized_inputs_are_named_by_what_was_measured():
     """The outside tester's B10: the headline said "the first layer's outputs are far too large" over a finding
     about the raw input (rms 840)."""

@@ -336,7 +336,8 @@ class Incident:
         cause: an id of :data:`CAUSES`.
         title: the cause in words.
         severity: the most severe of its findings.
-        step: the step where its evidence starts (``evidence["since"]`` of its findings, else their step).
+        step: the step where its evidence starts (``evidence["since"]`` of its findings, else their step);
+            :attr:`found_at` is the step at which a rule first reported it.
         fix: the fix for the cause.
         evidence: findings that point at the cause, by step.
         symptoms: findings the cause explains, by step.
@@ -354,13 +355,23 @@ class Incident:
     def findings(self) -> list[Finding]:
         return sorted(self.evidence + self.symptoms, key=lambda f: f.step)
 
+    @property
+    def found_at(self) -> int:
+        """The step at which a rule first reported the incident's evidence (``step`` is where that evidence
+        starts: a loss at chance level since step 0 is found once 40 steps show it)."""
+        return min((f.step for f in self.evidence), default=self.step)
+
+    def span(self) -> str:
+        """``from step S`` and, where a rule needed later steps to see it, ``, found at step N``."""
+        return f"from step {self.step}" + (f", found at step {self.found_at}" if self.found_at != self.step else "")
+
     def headline(self) -> str:
-        """One line: severity, cause, step."""
-        return f"{self.severity.upper()} {self.cause} (from step {self.step}): {self.title}"
+        """One line: severity, cause, where its evidence starts (and where it was found), title."""
+        return f"{self.severity.upper()} {self.cause} ({self.span()}): {self.title}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"cause": self.cause, "title": self.title, "severity": self.severity, "step": self.step,
-                "fix": self.fix, "evidence": [f.to_dict() for f in self.evidence],
+                "found_at": self.found_at, "fix": self.fix, "evidence": [f.to_dict() for f in self.evidence],
                 "symptoms": [f.to_dict() for f in self.symptoms]}
 
 
