@@ -156,10 +156,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from cockpit_like.integrations.exporters import export_log
+    from cockpit_like.integrations.exporters import MissingPackage, export_log
 
-    exporter = export_log(args.log, args.to, args.directory, image_every=args.image_every,
-                          progress=None if not args.no_progress else False)
+    try:
+        exporter = export_log(args.log, args.to, args.directory, image_every=args.image_every,
+                              progress=None if not args.no_progress else False)
+    except MissingPackage as error:  # a message with the install command, not a traceback
+        print(f"cockpit-like export: error: --to {args.to}: {error}", file=sys.stderr)
+        return 2
     where = {"tensorboard": "log_dir", "wandb": "run_dir", "mlflow": "run_id"}[args.to]
     print(f"exported {args.log} to {args.to}: {where} {getattr(exporter, where)}")
     return 0
@@ -199,7 +203,15 @@ def _cmd_influence(args: argparse.Namespace) -> int:
     _, steps = read_log_with_metadata(path, progress=_progress(args))
     rows = influence_rows(steps, step=args.step, top=args.top, name=args.quantity)
     if not rows:
-        print(f"{path}: no SelfInfluence values" + ("" if args.step is None else f" at step {args.step}"))
+        named = "" if args.quantity is None else f" named {args.quantity}"
+        stored = sorted({row[1] for row in influence_rows(steps, top=sys.maxsize, name=args.quantity)})
+        if stored:  # only not at --step
+            print(f"{path}: no SelfInfluence values{named} at step {args.step} (stored at {len(stored)} "
+                  f"step{'s' if len(stored) != 1 else ''}: {stored[0]} .. {stored[-1]})")
+        else:
+            print(f"{path}: no SelfInfluence values{named} (track cockpit_like.quantities.SelfInfluence, with "
+                  "info['sample_ids'] to name the samples; it stores the k most influential samples of each "
+                  "tracked step: docs/curvature_statistics.md)")
         return 0
     print(f"{path}: the {len(rows)} most influential samples g_i^T (F + damping I)^-1 g_i (largest first)")
     _print_table([(str(k + 1), str(s), str(i), str(p), _number(v), q) for k, (v, s, i, p, q) in enumerate(rows)],
@@ -226,6 +238,17 @@ def _cmd_spikes(args: argparse.Namespace) -> int:
         print()
         print(format_post_mortem(step, post, names))
     return 0
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1 (``--top``, ``--last``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer (1 or more), got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -269,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.set_defaults(handler=_cmd_watch)
     influence = commands.add_parser("influence", help="list the most influential samples (SelfInfluence)")
     influence.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
-    influence.add_argument("--top", type=int, default=20, metavar="N", help="rows to print (default 20)")
+    influence.add_argument("--top", type=_positive_int, default=20, metavar="N", help="rows to print (default 20)")
     influence.add_argument("--step", type=int, metavar="S", help="only this step")
     influence.add_argument("--quantity", metavar="NAME", help="only this quantity (default: every SelfInfluence)")
     influence.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
@@ -286,7 +309,7 @@ def _parser() -> argparse.ArgumentParser:
     spikes = commands.add_parser("spikes", help="print the loss-spike post-mortems (PostMortem)")
     spikes.add_argument("log", metavar="LOG", help="the log file (.json / .jsonl, suffix optional)")
     spikes.add_argument("--step", type=int, metavar="S", help="only the post-mortem of this step")
-    spikes.add_argument("--last", type=int, metavar="N", help="only the last N post-mortems")
+    spikes.add_argument("--last", type=_positive_int, metavar="N", help="only the last N post-mortems")
     spikes.add_argument("--no-progress", action="store_true", help="no progress bar while a long log is read")
     spikes.set_defaults(handler=_cmd_spikes)
     return parser

@@ -382,7 +382,12 @@ def _check_version(document: dict, path: Path) -> None:
 
 
 def _resolve(path: str | os.PathLike) -> Path:
+    """``path`` itself, else (when it has no ``.json`` / ``.jsonl`` suffix) ``path + ".json"``, then ``+ ".jsonl"``."""
     path = Path(path)
+    if path.suffix in (".json", ".jsonl"):  # a full name: nothing to add to it
+        if path.is_file():
+            return path
+        raise FileNotFoundError(f"no cockpit log at {path}")
     for candidate in (path, _json_path(path, ".json"), _json_path(path, ".jsonl")):
         if candidate.is_file():
             return candidate

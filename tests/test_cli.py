@@ -102,6 +102,36 @@ def test_errors(tmp_path, capsys):
         main([])
 
 
+def test_a_missing_log_named_with_its_suffix_is_not_tried_with_another(tmp_path, capsys):
+    """The outside tester's repro: ``runs/missing.json`` "also tried runs/missing.json.json"."""
+    for name in ("missing.json", "missing.jsonl"):
+        assert main(["summary", str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err == f"cockpit-like summary: error: no cockpit log at {tmp_path / name}\n"
+    assert main(["summary", str(tmp_path / "missing")]) == 2  # without a suffix both forms are tried
+    assert f"also tried {tmp_path / 'missing'}.json and {tmp_path / 'missing'}.jsonl" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["influence", "LOG", "--top", "-3"], ["influence", "LOG", "--top", "0"],
+                                  ["influence", "LOG", "--top", "two"], ["spikes", "LOG", "--last", "-1"],
+                                  ["spikes", "LOG", "--last", "0"]])
+def test_counts_must_be_positive(run, capsys, argv):
+    folder, _, _ = run
+    argv = [str(folder / "run") if a == "LOG" else a for a in argv]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cockpit-like {argv[0]}: error: argument {argv[2]}: expected a positive integer" in err
+
+
+def test_influence_without_self_influence_says_how_to_track_it(run, capsys):
+    folder, _, _ = run
+    assert main(["influence", str(folder / "run"), "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{folder / 'run.json'}: no SelfInfluence values (track cockpit_like.quantities.SelfInfluence")
+    assert "info['sample_ids']" in out and "docs/curvature_statistics.md" in out
+
+
 def test_module_and_console_script(run):
     folder, _, _ = run
     env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONPATH": str(ROOT)}

@@ -201,6 +201,49 @@ def test_exploding_gradient():
     assert found.severity == "error"
 
 
+def test_exploding_gradient_at_the_start_is_judged_at_the_start():
+    """The outside tester's H10: a healthy 1-D CNN whose norms fell 20x as it converged (first norm 0.961, the
+    median of 144 norms 0.0477) was called exploding "before any update" at step 143. The first norm is
+    compared with the norms of the first ``start_steps`` tracked steps only."""
+    converging = [[0.6 * 0.95**k, 0.8 * 0.95**k] for k in range(150)]  # 1.0, 0.95, ...: 20x the median at 118
+    rule = R.ExplodingGradient()
+    for count in range(5, 151):
+        assert rule.check(history({"GradNorm": converging[:count]})) == [], count
+    # measured against every median so far (the old test), it fires once the median has shrunk 20x
+    assert R.ExplodingGradient(start_steps=150).check(history({"GradNorm": converging})) != []
+    # an explosion at the first step is still seen while the run is young
+    early = [[60.0, 80.0]] + [[0.3, 0.4]] * 29
+    (found,) = rule.check(history({"GradNorm": early}))
+    assert found.evidence["at_start"] and "the median 0.5 of the first 30 tracked norms (steps 0..29)" in found.message
+    assert rule.check(history({"GradNorm": early + [[0.3, 0.4]]})) == []  # 31 norms: no longer the start
+    with pytest.raises(ValueError, match="start_steps"):
+        R.ExplodingGradient(start_steps=4)
+
+
+@pytest.mark.parametrize("names, recurrent", [
+    (["body.0.weight", "body.0.bias"], []),  # a CNN: no recurrent weights named in the fix
+    (None, None),  # no names in the log: nothing known, the fix is general
+    (["rnn.weight_ih_l0", "rnn.weight_hh_l0", "head.weight"], ["rnn.weight_hh_l0"]),
+])
+def test_exploding_gradient_at_the_start_names_recurrent_weights_only_where_the_log_shows_them(names, recurrent):
+    from cockpit_like.diagnosis import group_findings
+
+    metadata = None if names is None else {"param_names": names}
+    (found,) = R.ExplodingGradient().check(history({"GradNorm": [[60.0, 80.0]] + [[0.3, 0.4]] * 4}, metadata))
+    assert found.evidence["recurrent"] == recurrent
+    (incident,) = group_findings([found])
+    assert incident.cause == "exploding-gradient"
+    for fix in (found.fix, incident.fix):
+        assert fix.startswith("clip gradients")
+        assert ("spectral radius" in fix) == bool(recurrent) and ("rnn.weight_hh_l0" in found.fix) == bool(recurrent)
+    if not recurrent:
+        assert "recurrent weights" not in found.fix and "width-scaled initialization" in found.fix
+    # an activation called more than once per sample (exploding-recurrence) shows a recurrence too
+    loop = Finding("exploding-recurrence", "warning", 0, "m", evidence={"since": 0})
+    (incident,) = group_findings([found, loop])
+    assert "spectral radius" in incident.fix
+
+
 def test_vanishing_gradient_names_the_layer():
     meta = {"param_names": ["in.weight", "mid.weight", "out.weight"]}
     h = history({"GradNorm": [[1.0, 1e-5, 0.5]] * 3}, meta)
@@ -293,6 +336,26 @@ def test_noise_dominated_suggests_a_batch():
 
 def _acts(**layers):
     return {name: {"kind": kind, "units": 4, "samples": 8, **fields} for name, (kind, fields) in layers.items()}
+
+
+def test_an_exactly_zero_gradient_is_said_to_be_zero_not_a_ratio():
+    """The outside tester's B03 (ReLUs dead from the start): "weight gradients differ by 5.18e+298x between
+    layers", a division by 1e-300 where a layer's gradient was exactly 0."""
+    meta = {"param_shapes": [[3, 3], [3], [3, 3]], "param_names": ["0.weight", "0.bias", "2.weight"]}
+    cut = history({"GradNorm": [[0.0, 0.0, 0.05]] * 3}, meta)
+    (found,) = R.PoorInitialization().check(cut)
+    assert found.layer == "0.weight" and found.evidence["zero"] is True
+    assert found.message.startswith("the gradient of 0.weight is exactly 0 at the first steps (median of steps 0..2)")
+    assert "differ by" not in found.message and "e+" not in found.message
+    assert found.fix == R.CUT_OFF_FIX and "biases at 0" in found.fix
+    (small,) = R.PoorInitialization().check(history({"GradNorm": [[1e-6, 1e-9, 1.0]] * 3}, meta))
+    assert "weight gradients differ by 1e+06x between layers" in small.message and small.evidence["zero"] is False
+    vanishing = R.VanishingGradient().check(cut)  # (the bias, 0 from the first step, is skipped by design)
+    assert ids(vanishing) == [("vanishing-gradient", "0.weight")]
+    assert vanishing[0].message == "the gradient of 0.weight is exactly 0 at steps 0..2 (the largest layer's: 0.05): nothing reaches it"
+    assert vanishing[0].fix == R.CUT_OFF_FIX and vanishing[0].evidence["zero"] is True
+    (tiny,) = R.VanishingGradient().check(history({"GradNorm": [[1e-6, 1.0]] * 3}))
+    assert "vanishes: norm 1e-06" in tiny.message and "Kaiming" in tiny.fix
 
 
 def test_dead_and_saturated_units():

@@ -297,6 +297,9 @@ def test_causes_read_in_context():
     assert cause_of(f("exploding-gradient", 4)) == "learning-rate-too-large"
     assert cause_of(f("unchanged-parameters", 3, has_gradient=True)) == "frozen-layer"
     assert cause_of(f("vanishing-gradient", 3, zero=False)) == "poor-initialization"
+    # a weight gradient exactly 0 at the first steps is cut off (as a vanishing one of 0): not an initialization
+    assert cause_of(f("poor-initialization", 2, zero=True)) == "dead-units"
+    assert cause_of(f("poor-initialization", 2, zero=False)) == "poor-initialization"
     assert cause_of(f("my-own-rule", 3)) == "other"
     # two incidents: unnormalized inputs wins over the blow-up they cause; a later overfit is its own
     found = group_findings([f("update-ratio-too-large", 1, since=0), f("large-input-scale", 0, since=0),
@@ -322,6 +325,33 @@ def test_a_loss_spike_joins_the_incident_its_post_mortem_names():
     rows = f("loss-spike", 80, cause="bad-rows", strength="strong")
     assert cause_of(rows) == "other"
     assert [i.cause for i in group_findings([rows])] == ["other"]
+
+
+def test_an_incident_says_where_its_evidence_starts_and_where_it_was_found():
+    """The outside tester's B06: "labels-do-not-match (from step 0)" above "loss-at-chance (from step 53)".
+    The incident starts where its first finding's evidence starts (``since``: the loss sat at chance from
+    step 0); the step the rule needed to see it is said too, in the same words everywhere."""
+    from cockpit_like.diagnosis.report import format_incidents
+
+    chance = f("loss-at-chance", 53, since=0)
+    (incident,) = group_findings([chance, f("loss-at-chance", 76, since=0)])
+    assert incident.step == 0 and incident.found_at == 53
+    assert incident.headline().startswith("WARNING labels-do-not-match (from step 0, found at step 53): ")
+    assert incident.to_dict()["found_at"] == 53 and incident.to_dict()["step"] == 0
+    text = "\n".join(format_incidents([incident], width=200))
+    assert "evidence: loss-at-chance (from step 0, found at step 53)" in text
+    (at_once,) = group_findings([f("large-input-scale", 0, since=0)])  # found where it starts: one step
+    assert at_once.found_at == 0 and "(from step 0): " in at_once.headline()
+
+
+def test_unnormalized_inputs_are_named_by_what_was_measured():
+    """The outside tester's B10: the headline said "the first layer's outputs are far too large" over a finding
+    about the raw input (rms 840)."""
+    (raw,) = group_findings([f("large-input-scale", 0, input_rms=840.0, since=0)])
+    assert raw.title == "the inputs are not normalized: the model's raw inputs are far larger than unit scale"
+    (first_layer,) = group_findings([f("large-input-scale", 0, layer="1", rms=50.0, since=0)])
+    assert first_layer.title == CAUSES["unnormalized-inputs"].title and "first layer's outputs" in first_layer.title
+    assert raw.fix == first_layer.fix == CAUSES["unnormalized-inputs"].fix
 
 
 # ---- the scorer ----------------------------------------------------------------------------------------

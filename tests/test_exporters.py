@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 import time
 from pathlib import Path
 
@@ -239,6 +240,28 @@ def test_bad_target_and_arguments(run, capsys):
         TensorBoardExporter(run["folder"] / "x", image_every=-1)
     assert main(["export", str(run["folder"] / "missing.json"), "--to", "tensorboard", str(run["folder"] / "y")]) == 2
     assert "no cockpit log" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("to, modules, install", [
+    ("tensorboard", ("tensorboard", "torch.utils.tensorboard"), "pip install tensorboard"),
+    ("wandb", ("wandb",), "pip install wandb"),
+    ("mlflow", ("mlflow", "mlflow.entities", "mlflow.tracking"), "pip install mlflow-skinny"),
+])
+def test_cli_export_without_the_package_says_what_to_install(run, capsys, monkeypatch, to, modules, install):
+    """The outside tester's repro: ``--to wandb`` without wandb printed a traceback and exited with 1."""
+    from cockpit_like.integrations.exporters import MissingPackage, make_exporter
+
+    for module in modules:
+        monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    target = run["folder"] / f"missing_{to}"
+    assert main(["export", str(run["log"]), "--to", to, str(target), "--no-progress"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"cockpit-like export: error: --to {to}: ")
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert f"install it with: {install} (or pip install 'cockpit_like[{to}]')" in captured.err
+    with pytest.raises(MissingPackage) as raised:  # an ImportError, for code that catches those
+        make_exporter(to, target)
+    assert isinstance(raised.value, ImportError) and raised.value.install == install
 
 
 def test_optional_packages_are_not_imported_with_the_package():

@@ -69,6 +69,46 @@ _BLOW_UP_SYMPTOMS = ("loss-diverging", "exploding-gradient", "update-ratio-too-l
                      "noisy-loss", "small-batch", "noise-dominated", "poor-initialization",
                      "update-ratio-too-small", "loss-at-chance")
 
+#: the fix of a gradient that explodes before any update in a model with a recurrence ...
+_RECURRENT_FIX = ("clip gradients (torch.nn.utils.clip_grad_norm_), initialize recurrent weights with a spectral "
+                  "radius at most 1 (orthogonal init), or use gated cells (LSTM/GRU)")
+#: ... and where nothing shows one (a CNN whose first gradient is far larger than the later ones)
+_GENERAL_EXPLODING_FIX = (
+    "clip gradients (torch.nn.utils.clip_grad_norm_) and look for what makes the first gradients large before any "
+    "update: weights initialized at too large a scale (use a width-scaled initialization), inputs or a loss far "
+    "from unit scale, or a layer applied again and again (a recurrence through time) that amplifies the gradient")
+
+
+def exploding_gradient_fix(recurrent: list[str] | None) -> str:
+    """The fix for a gradient that exploded before any update: recurrent weights only where the model is known
+    to have them (``recurrent``: the names of its recurrent weights; ``[]`` or ``None``: none known)."""
+    if not recurrent:
+        return _GENERAL_EXPLODING_FIX
+    shown = ", ".join(recurrent[:3]) + (f" +{len(recurrent) - 3}" if len(recurrent) > 3 else "")
+    return _RECURRENT_FIX.replace("recurrent weights", f"the recurrent weights ({shown})")
+
+
+def _recurrence_shown(evidence: Iterable[Finding]) -> bool:
+    """Whether a finding shows a recurrence: ``exploding-recurrence`` (an activation called more than once per
+    sample), or recurrent weights among the log's parameter names (``evidence["recurrent"]``)."""
+    return any(f.rule == "exploding-recurrence" or f.evidence.get("recurrent") for f in evidence)
+
+
+#: the title of unnormalized inputs seen on the raw input (``DataStats``' ``input_rms``), not on the first layer
+_RAW_INPUT_TITLE = "the inputs are not normalized: the model's raw inputs are far larger than unit scale"
+
+
+def _wording(cause_id: str, evidence: list[Finding]) -> tuple[str, str]:
+    """The cause's title and fix, for what its evidence shows: recurrent weights only for a model with a
+    recurrence; the raw input or the first layer's outputs, whichever ``large-input-scale`` measured."""
+    cause = CAUSES[cause_id]
+    if cause_id == "exploding-gradient" and not _recurrence_shown(evidence):
+        return cause.title, _GENERAL_EXPLODING_FIX
+    if cause_id == "unnormalized-inputs" and any("input_rms" in f.evidence for f in evidence):
+        return _RAW_INPUT_TITLE, cause.fix
+    return cause.title, cause.fix
+
+
 #: every cause the layer can name
 CAUSES: dict[str, Cause] = {
     cause.id: cause
@@ -80,9 +120,7 @@ CAUSES: dict[str, Cause] = {
               "initialize weights with a variance scaled to the layer width (Kaiming for ReLU, Xavier for "
               "tanh/sigmoid), or add normalization layers or residual connections", _BLOW_UP_SYMPTOMS),
         Cause("exploding-gradient", "the gradient explodes through the model (before any update: not the "
-              "learning rate)", "clip gradients (torch.nn.utils.clip_grad_norm_), initialize recurrent "
-              "weights with a spectral radius at most 1 (orthogonal init), or use gated cells (LSTM/GRU)",
-              _BLOW_UP_SYMPTOMS),
+              "learning rate)", _RECURRENT_FIX, _BLOW_UP_SYMPTOMS),
         Cause("learning-rate-too-large", "the learning rate is too large: the loss and the updates blow up",
               "lower the learning rate (by 10x for a blow-up, 2-3x for spikes), add warm-up, or clip "
               "gradients; check the learning-rate schedule where the blow-up starts later in the run",
@@ -249,7 +287,7 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
         return "labels-do-not-match"
     if rule == "loss-jump":
         return "labels-do-not-match" if _data_changed(finding, findings) else "learning-rate-too-large"
-    if rule == "vanishing-gradient" and finding.evidence.get("zero"):
+    if rule in ("vanishing-gradient", "poor-initialization") and finding.evidence.get("zero"):
         return "dead-units"  # exactly 0: cut off (dead units upstream), not a small initialization
     if rule == "dead-units" and not finding.evidence.get("at_start", True) and finding.evidence.get("developed"):
         return "learning-rate-too-large"  # units alive at the start, killed later: large updates pushed them off
@@ -314,7 +352,8 @@ class Incident:
         cause: an id of :data:`CAUSES`.
         title: the cause in words.
         severity: the most severe of its findings.
-        step: the step where its evidence starts (``evidence["since"]`` of its findings, else their step).
+        step: the step where its evidence starts (``evidence["since"]`` of its findings, else their step);
+            :attr:`found_at` is the step at which a rule first reported it.
         fix: the fix for the cause.
         evidence: findings that point at the cause, by step.
         symptoms: findings the cause explains, by step.
@@ -332,13 +371,23 @@ class Incident:
     def findings(self) -> list[Finding]:
         return sorted(self.evidence + self.symptoms, key=lambda f: f.step)
 
+    @property
+    def found_at(self) -> int:
+        """The step at which a rule first reported the incident's evidence (``step`` is where that evidence
+        starts: a loss at chance level since step 0 is found once 40 steps show it)."""
+        return min((f.step for f in self.evidence), default=self.step)
+
+    def span(self) -> str:
+        """``from step S`` and, where a rule needed later steps to see it, ``, found at step N``."""
+        return f"from step {self.step}" + (f", found at step {self.found_at}" if self.found_at != self.step else "")
+
     def headline(self) -> str:
-        """One line: severity, cause, step."""
-        return f"{self.severity.upper()} {self.cause} (from step {self.step}): {self.title}"
+        """One line: severity, cause, where its evidence starts (and where it was found), title."""
+        return f"{self.severity.upper()} {self.cause} ({self.span()}): {self.title}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"cause": self.cause, "title": self.title, "severity": self.severity, "step": self.step,
-                "fix": self.fix, "evidence": [f.to_dict() for f in self.evidence],
+                "found_at": self.found_at, "fix": self.fix, "evidence": [f.to_dict() for f in self.evidence],
                 "symptoms": [f.to_dict() for f in self.symptoms]}
 
 
@@ -381,7 +430,8 @@ def group_findings(findings: Iterable[Finding], slack: int = 3) -> list[Incident
             taken = {id(f) for f in evidence + symptoms}
             left = [f for f in left if id(f) not in taken]
             severity = max((f.severity for f in evidence + symptoms), key=severity_rank)
-            incidents.append(Incident(cause_id, cause.title, severity, first, cause.fix, evidence, symptoms))
+            title, fix = _wording(cause_id, evidence)
+            incidents.append(Incident(cause_id, title, severity, first, fix, evidence, symptoms))
     # infos explained by an open incident's cause were taken above only when that incident is loud;
     # order: by first step, louder first on ties
     incidents.sort(key=lambda i: (i.step, -severity_rank(i.severity)))

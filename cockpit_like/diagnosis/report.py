@@ -6,7 +6,7 @@ import json
 import textwrap
 from typing import Any
 
-from cockpit_like.diagnosis.causes import Incident, group_findings
+from cockpit_like.diagnosis.causes import Incident, group_findings, since
 from cockpit_like.diagnosis.engine import DiagnosisReport
 from cockpit_like.diagnosis.findings import Finding
 
@@ -26,7 +26,8 @@ def _rows(findings: list[Finding], width: int) -> list[tuple[str, ...]]:
 
 
 def _listing(findings: list[Finding]) -> str:
-    """``rule (layers; from step N), ...``: per rule, in the order found, the layers it named."""
+    """``rule (layers; from step S[, found at step N]), ...``: per rule, in the order found, the layers it
+    named, where its first finding's evidence starts and, when later, the step that finding was made at."""
     by_rule: dict[str, list[Finding]] = {}
     for finding in sorted(findings, key=lambda f: f.step):
         by_rule.setdefault(finding.rule, []).append(finding)
@@ -34,7 +35,9 @@ def _listing(findings: list[Finding]) -> str:
     for rule, found in by_rule.items():
         layers = list(dict.fromkeys(f.layer for f in found if f.layer))
         named = ", ".join(layers[:3]) + (f" +{len(layers) - 3}" if len(layers) > 3 else "")
-        parts.append(f"{rule} ({named + '; ' if named else ''}from step {found[0].step})")
+        start, step = since(found[0]), found[0].step
+        span = f"from step {start}" + (f", found at step {step}" if step != start else "")
+        parts.append(f"{rule} ({named + '; ' if named else ''}{span})")
     return "; ".join(parts)
 
 
@@ -42,8 +45,7 @@ def format_incidents(incidents: list[Incident], width: int = 72) -> list[str]:
     """The grouped diagnosis as text: per incident the cause, its evidence, the symptoms it explains, the fix."""
     lines = []
     for number, incident in enumerate(incidents, 1):
-        lines.append(f"{number}. {incident.severity.upper()} {incident.cause} (from step {incident.step}): "
-                     f"{incident.title}")
+        lines.append(f"{number}. {incident.severity.upper()} {incident.cause} ({incident.span()}): {incident.title}")
         for label, text in (("evidence", _listing(incident.evidence)), ("symptoms", _listing(incident.symptoms)),
                             ("fix", incident.fix)):
             if text:

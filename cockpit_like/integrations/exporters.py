@@ -56,7 +56,22 @@ from cockpit_like.integrations.flatten import flatten
 from cockpit_like.logs import decode, encode
 from cockpit_like.utils.progress import progress as progress_bar
 
-__all__ = ["Exporter", "TensorBoardExporter", "WandbExporter", "MLflowExporter", "EXPORTERS", "export_log", "make_exporter"]
+__all__ = ["Exporter", "TensorBoardExporter", "WandbExporter", "MLflowExporter", "EXPORTERS", "MissingPackage",
+           "export_log", "make_exporter"]
+
+
+class MissingPackage(ImportError):
+    """An exporter's package is not installed (or does not import); the message says what to install.
+
+    Attributes:
+        package: the package the exporter imports (``"wandb"``).
+        install: the command that installs it (``"pip install wandb"``).
+    """
+
+    def __init__(self, exporter: str, package: str, distribution: str, extra: str, error: ImportError):
+        self.package, self.install = package, f"pip install {distribution}"
+        super().__init__(f"{exporter} needs the {package} package, which is not installed or does not import "
+                         f"({error}); install it with: {self.install} (or pip install 'cockpit_like[{extra}]')")
 
 
 class Exporter:
@@ -191,7 +206,7 @@ class TensorBoardExporter(Exporter):
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
-                raise ImportError("TensorBoardExporter needs tensorboard: pip install cockpit_like[tensorboard]") from error
+                raise MissingPackage("TensorBoardExporter", "tensorboard", "tensorboard", "tensorboard", error) from error
             writer, self._owns_writer = SummaryWriter(log_dir=os.fspath(log_dir)), True
         else:
             self._owns_writer = False
@@ -249,7 +264,7 @@ class WandbExporter(Exporter):
         try:
             import wandb
         except ImportError as error:
-            raise ImportError("WandbExporter needs wandb: pip install cockpit_like[wandb]") from error
+            raise MissingPackage("WandbExporter", "wandb", "wandb", "wandb", error) from error
         self._wandb = wandb
         if run is None:
             if directory is not None:
@@ -318,7 +333,7 @@ class MLflowExporter(Exporter):
             from mlflow.entities import Metric
             from mlflow.tracking import MlflowClient
         except ImportError as error:
-            raise ImportError("MLflowExporter needs mlflow: pip install cockpit_like[mlflow]") from error
+            raise MissingPackage("MLflowExporter", "mlflow", "mlflow-skinny", "mlflow", error) from error
         self._metric = Metric
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri = tracking_uri

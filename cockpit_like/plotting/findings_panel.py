@@ -80,7 +80,7 @@ def draw_findings(ax, data: RunData, options: Any) -> None:
         body += "\n" + textwrap.fill(textwrap.shorten("Fix: " + incident.fix, 200, placeholder=" ..."), 66,
                                      break_on_hyphens=False)
         blocks.append((f"incident:{incident.severity}:{incident.cause}",
-                       f"● {incident.severity.upper()} {incident.cause} (from step {incident.step})",
+                       f"● {incident.severity.upper()} {incident.cause} ({incident.span()})",
                        incident.severity, body))
     y, shown = 0.97, 0
     for gid, head, severity, body in blocks[:MAX_LINES]:
