@@ -34,6 +34,7 @@ from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 from cockpit_like.backends.randomness import seeded_sampling
+from cockpit_like.backends.tracer import graph_kernels
 
 __all__ = [
     "StepExecution",
@@ -569,8 +570,9 @@ class StepExecution:
         and both are in the result.
         """
         self._whole_results: dict = {}
-        for need in self.whole_step_needs:
-            self.whole_step_result(need)
+        with graph_kernels(held=bool(self._create_graph and self.whole_step_needs)):
+            for need in self.whole_step_needs:
+                self.whole_step_result(need)
         return dict(self._whole_results)
 
     def whole_step_result(self, need):

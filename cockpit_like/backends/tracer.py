@@ -479,6 +479,22 @@ class _GraphKernels:
 _graph_kernels = _GraphKernels()
 
 
+@contextlib.contextmanager
+def graph_kernels(held: bool = True):
+    """The kernels of a forward pass whose step needs the graph, held while the cockpit (or the user's backward
+    pass of such a step) runs autograd through that step's graph: non-reentrant activation checkpointing
+    recomputes its forward there, and a recomputation with another attention kernel saves other tensors
+    (``CheckpointError``: "different metadata"). ``held=False``: nothing."""
+    if not held:
+        yield
+        return
+    _graph_kernels.acquire()
+    try:
+        yield
+    finally:
+        _graph_kernels.release()
+
+
 def _graph_nodes(root) -> dict[int, object]:
     """``{id: node}`` of every autograd node the backward pass from ``root`` visits.
 
