@@ -845,6 +845,7 @@ class Cockpit:
         self._flush()
         if not self.keeps_output:
             return None
+        self._output.drain()  # lines a failed stream write left (a full disk, an interrupt) are tried again
         path = write_log(logpath, self.get_output(), self.metadata())
         print(f"[cockpit_like] writing output to {path}")
         return str(path)

@@ -160,3 +160,8 @@ class RunOutput:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+
+    def drain(self) -> None:
+        """Write what the stream could not write before (a failed write's lines), if any."""
+        if self.stream is not None:
+            self.stream.drain()
