@@ -529,7 +529,16 @@ class Cockpit:
                 tracked.release()
             self._recorder.let_go()
             self._quiet.close()
+            self._write_stream()
             raise
+
+    def _write_stream(self) -> None:
+        """Write what the stream could not write (an interrupt in the middle of a line); never raises an
+        ``Exception``: what is still not written waits for the next write."""
+        try:
+            self._output.drain()
+        except Exception:  # noqa: BLE001 - the failure being handled is the one to show
+            pass
 
     def _end(self, tracked: TrackedStep, error: BaseException | None) -> None:
         done = tracked.micro + 1

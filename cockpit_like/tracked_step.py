@@ -216,6 +216,7 @@ class TrackedStep:
         self._fingerprint: dict[int, float | None] | None = None
         #: the other ranks were told that this step failed (:meth:`_abandon`)
         self._told = False
+        self._stored: dict[int, dict[str, Any]] = {}
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> TrackedStep:
@@ -464,7 +465,47 @@ class TrackedStep:
 
     def finish(self, at_optimizer_step: bool = False) -> None:
         """Merge the step's backward passes, check them, track the quantities and publish what they stored
-        (``at_optimizer_step``: called as ``info["optimizer"]`` begins its step)."""
+        (``at_optimizer_step``: called as ``info["optimizer"]`` begins its step).
+
+        All or nothing: until the step's stream lines are queued (:meth:`RunOutput.commit`), a failure (any
+        exception, a ``KeyboardInterrupt`` anywhere) takes back what the step stored in memory, so that it stores
+        nothing, in memory as in the stream, and its next steps run as if it had raised in its block."""
+        env, run, output = self.env, self.env.run, self.env.output
+        before = (run.finished, run.updates)
+        #: ``{step: {name: value}}`` the quantities stored so far (taken back if the step fails before it is stored)
+        self._stored: dict[int, dict[str, Any]] = {}
+        output.hold()
+        try:
+            new_values = self._compute_and_store(at_optimizer_step)
+            held = output.commit()
+        except BaseException:
+            if output.rollback():  # not stored: as if the step had raised in its block
+                self._take_back(before)
+                self._abandon(None)
+            else:
+                self._abandon(None, stored=True)
+            raise
+        output.deliver(held)  # the stream, then the listeners
+        if new_values:
+            env.diagnose(new_values)
+
+    def _take_back(self, before: tuple) -> None:
+        """The step failed before it was stored: drop the values its quantities stored and what they started at it
+        (:meth:`Quantity.forget`: it can be tracked again); the run's bookkeeping of finished steps is as it was
+        ``before``."""
+        env = self.env
+        by_name = {env.name_of(quantity): quantity for quantity in self.active}
+        for step, values in self._stored.items():
+            for name in values:
+                if name in by_name:
+                    by_name[name].output.pop(step, None)
+        for quantity in self.active:
+            quantity.forget(self.step)
+        env.run.finished, env.run.updates = before
+        self.completed = self.skipped = False
+
+    def _compute_and_store(self, at_optimizer_step: bool) -> dict[int, dict[str, Any]] | None:
+        """The body of :meth:`finish`: what to diagnose (``None``: nothing, the step stores no values)."""
         env, execution = self.env, self._execution
         ranks = env.ranks if self.active else None
         partitions = env.run.partitions
@@ -472,13 +513,13 @@ class TrackedStep:
         if env.run.pending is self:
             env.run.pending = None
         checks: StepChecks = partitions.checks
-        new_values: dict[int, dict[str, Any]] = {}
+        new_values = self._stored
         params = env.params
         scale, changed = self._step_scale(partitions, checks)
         if scale is None:  # the gradients are gone (cleared before the step finished)
             execution.free()
             env.store_checks(self.step, checks.to_dict())
-            return
+            return None
         if changed is not None:
             checks.note(
                 f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
@@ -509,7 +550,7 @@ class TrackedStep:
                 self.skipped = True
                 self._count_updates()
                 self._end_at_skipped_step(params)
-                return
+                return None
             if partitions.loss_warning is not None:  # the step is tracked after all: its non-finite loss is told now
                 warnings.warn(partitions.loss_warning, RuntimeWarning, stacklevel=_user_stacklevel())
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
@@ -560,18 +601,11 @@ class TrackedStep:
                         "the two-step ones (Alpha) also store nothing for the step before"
                     )
             self._note_lost_ends(checks)
-            try:
-                for quantity in self.active:
-                    if env.name_of(quantity) in skipped:
-                        quantity.skip(self.step)
-                        continue
-                    self._track(quantity, new_values, view.params)
-            except BaseException:  # a quantity failed: the step stores nothing, so memory agrees with the stream
-                names = {env.name_of(quantity): quantity for quantity in self.active}
-                for step, values in new_values.items():
-                    for name in values:
-                        names[name].output.pop(step, None)
-                raise
+            for quantity in self.active:  # (a quantity that fails: finish takes back what the others stored)
+                if env.name_of(quantity) in skipped:
+                    quantity.skip(self.step)
+                    continue
+                self._track(quantity, new_values, view.params)
             self.completed = True
             for note in record.notes:  # what the quantities said about their numbers
                 checks.note(note)
@@ -607,16 +641,17 @@ class TrackedStep:
                         quantity.output.pop(step, None)
         for step, values in sorted(new_values.items()):
             env.output.publish(step, values)
+        new_values = {step: dict(values) for step, values in new_values.items()}
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
-        env.diagnose(new_values)
+        return new_values
 
     def _end_at_skipped_step(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skips the step: it stores nothing, but the update of the step before was made and the
         parameters are fine: the values that end here and read only the parameters (UpdateSize) are stored, the
         others (Alpha: this step's loss and gradients) are not, and a note at their step says why."""
         env = self.env
-        new_values: dict[int, dict[str, Any]] = {}
+        new_values = self._stored
         lost: dict[int, list[str]] = {}
         for quantity in self.active:
             name = env.name_of(quantity)
@@ -835,11 +870,11 @@ class TrackedStep:
                 stacklevel=4,
             )
             quantity.output[self.step] = math.nan
-        finally:
+        finally:  # (also what it stored before it failed: finish takes that back)
             record.quantity = None
-        for step, value in _last_items(quantity.output, 2):
-            if before.get(step, _MISSING) is not value:
-                new_values.setdefault(step, {})[name] = value
+            for step, value in _last_items(quantity.output, 2):
+                if before.get(step, _MISSING) is not value:
+                    new_values.setdefault(step, {})[name] = value
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))

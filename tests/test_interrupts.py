@@ -66,6 +66,23 @@ POINTS = [
     ("cockpit_like.backends.column_blocks", "ColumnReplay.run", "full", "dirty"),
     ("cockpit_like.backends.hooks", "HookBackend.finish", "economy", "dirty"),
     ("cockpit_like.backends.step", "StepExecution.partition", "economy", "dirty"),
+    # the step's computation
+    ("cockpit_like.tracked_step", "TrackedStep._step_scale", "economy", "dirty"),
+    ("cockpit_like.utils.optim", "_shadow_step", "economy", "dirty"),
+    ("cockpit_like.checks.invariants", "StepChecks.compare_probe", "economy", "dirty"),
+    ("cockpit_like.functional.krylov", "_norm", "full", "dirty"),
+    ("cockpit_like.context", "_activate", "economy full", "dirty"),
+    ("cockpit_like.quantities.alpha", "Alpha._compute_start", "economy full", "dirty"),
+    ("cockpit_like.quantities.gradient_tests", "_GramTest._compute", "economy full", "dirty"),
+    ("cockpit_like.quantities.parameter_motion", "Distance._store", "economy", "dirty after"),  # stored, then cut
+    ("cockpit_like.quantities.parameter_motion", "UpdateSize._compute_start", "economy full", "dirty"),
+    ("cockpit_like.quantities.histograms", "GradHist2d._compute", "full", "dirty"),
+    # storing and publishing
+    ("cockpit_like.run_output", "RunOutput.store_checks", "economy", "dirty"),
+    ("cockpit_like.run_output", "RunOutput.note_tracked", "economy", "dirty"),
+    ("cockpit_like.run_output", "RunOutput.publish", "economy full", "dirty"),
+    ("cockpit_like.logs", "StreamWriter._write", "economy full", "dirty"),
+    ("cockpit_like.cockpit", "Cockpit._diagnose", "economy", "dirty"),
     ("cockpit_like.tracked_step", "TrackedStep._watch_parameters", "economy", "dirty"),
     ("cockpit_like.diagnosis.recorder.control", "Recorder.after_step", "economy", "dirty"),
     ("cockpit_like.quiet", "QuietStep.close", "economy", "dirty"),

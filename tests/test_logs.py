@@ -288,7 +288,7 @@ def _stream_cockpit(tmp_path):
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["whole", "torn"])
-@pytest.mark.parametrize("times", [1], ids=["written-at-the-next-step"])
+@pytest.mark.parametrize("times", [1, 2], ids=["written-as-the-interrupt-leaves", "written-at-the-next-step"])
 def test_a_line_an_interrupt_kept_out_of_the_stream_is_written_after_all(tmp_path, monkeypatch, partial, times):
     cockpit, *problem = _stream_cockpit(tmp_path)
     failing = _Failing(monkeypatch, KeyboardInterrupt(), step=2, times=times, partial=partial)
