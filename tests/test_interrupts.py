@@ -44,6 +44,14 @@ class Injected(KeyboardInterrupt):
 #: ``first`` (at step 0, not :data:`ARMED`), ``forward`` (armed for the forward pass). Points whose work does not
 #: depend on the preset run with economy only.
 POINTS = [
+    # the first step's exit swaps BackPACK's full backward hooks for lean ones (lean_hooks.py)
+    ("cockpit_like.backends.lean_hooks", "make_lean", "economy", "dirty first"),
+    ("torch.nn.modules.module", "Module.register_forward_hook", "economy full", "dirty first"),  # the lean hook's
+    ("backpack.context", "CTX.add_hook_handle", "economy full", "dirty first"),  # between the new hook and the old's removal
+    ("cockpit_like.quantities.gradient_tests", "_GramTest._compute", "economy", "dirty first"),  # Distance's reference
+    # the forward pass (the tracer's hooks; outside the step, but the cockpit's code)
+    ("cockpit_like.cockpit", "Cockpit._before_forward", "economy", "forward"),
+    ("cockpit_like.backends.tracer", "_record", "economy full", "forward after"),  # a layer's call noted, then cut
     # cockpit.begin
     ("cockpit_like.diagnosis.recorder.control", "Recorder.step_begins", "economy", "dirty"),
     ("cockpit_like.tracked_step", "_stale_gradients", "economy", "dirty"),

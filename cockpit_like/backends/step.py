@@ -491,7 +491,7 @@ class StepExecution:
                 pass
             self._backpack = None
         if self._collector is not None:
-            self._collector.forget()
+            self._collector.settle()
         self._replays = []
         self._leave_warnings()
         if self.hook_backend is not None:
