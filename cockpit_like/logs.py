@@ -426,11 +426,11 @@ def _read_stream(
                 raise _not_a_log(path, f'{where} has "schema": {document["schema"]!r}, where a stream\'s header has '
                                        f'"{_STREAM}"')
             _check_version(document, path)
-            metadata = _metadata_of(document, path)
+            metadata = merge_metadata(metadata, _metadata_of(document, path))
             continue
         if "step" not in document:
             if "metadata" in document:  # updated metadata
-                metadata = _metadata_of(document, path)
+                metadata = merge_metadata(metadata, _metadata_of(document, path))
                 continue
             keys = ", ".join(sorted(map(str, document))[:5])
             raise _not_a_log(path, f'{where} is a JSON object without "step" (its keys: {keys or "none"})')
@@ -444,6 +444,37 @@ def _read_stream(
             merged.pop(name, None)
         merged.update(decode(values))
     return metadata, steps
+
+
+def merge_metadata(earlier: dict, later: dict) -> dict:
+    """The metadata of a stream with a later metadata line (or the metadata read from later lines).
+
+    A later line replaces what it holds (quantities that chose how to compute
+    once they saw the model), except the run's history: ``created`` stays the
+    first line's (when the run began), and each resumption
+    (``"resumed_at_step"``, written when a run continues the stream from a
+    checkpoint, docs/resume.md) is kept in ``"resumptions"``, a list of
+    ``{"step": ..., "created": ...}`` in order; ``"resumed_at_step"`` is the
+    last one's step.
+    """
+    if not earlier:
+        return dict(later)
+    merged = {**earlier, **later}
+    if "created" in earlier:
+        merged["created"] = earlier["created"]
+    resumptions = _resumptions(earlier) + _resumptions(later)
+    if resumptions:
+        merged["resumptions"] = resumptions
+        merged["resumed_at_step"] = resumptions[-1]["step"]
+    return merged
+
+
+def _resumptions(metadata: dict) -> list[dict]:
+    if "resumptions" in metadata:
+        return list(metadata["resumptions"])
+    if "resumed_at_step" in metadata:
+        return [{"step": metadata["resumed_at_step"], "created": metadata.get("created")}]
+    return []
 
 
 def _metadata_of(document: dict, path: Path) -> dict:

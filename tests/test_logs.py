@@ -152,6 +152,22 @@ def test_a_killed_run_keeps_every_completed_step(tmp_path):
     assert all("UpdateSize" in back[int(step)] for step, _ in printed[:-1])
 
 
+def test_metadata_lines_keep_the_runs_history_read_whole_or_a_chunk_at_a_time():
+    """A later metadata line replaces what it holds, but the run's start and its resumptions are kept (the watcher
+    reads a stream a chunk at a time: the same metadata)."""
+    from functools import reduce
+
+    from cockpit_like.logs import merge_metadata
+
+    lines = [{"created": "t0", "param_names": ["p0"]}, {"created": "t1", "resumed_at_step": 3, "param_names": ["p0"]},
+             {"created": "t2", "param_names": ["0.weight"]}, {"created": "t3", "resumed_at_step": 7}]  # fmt: skip
+    whole = reduce(merge_metadata, lines, {})
+    assert whole == {"created": "t0", "param_names": ["0.weight"], "resumed_at_step": 7,
+                     "resumptions": [{"step": 3, "created": "t1"}, {"step": 7, "created": "t3"}]}  # fmt: skip
+    for cut in range(1, len(lines)):
+        assert merge_metadata(reduce(merge_metadata, lines[:cut], {}), reduce(merge_metadata, lines[cut:], {})) == whole
+
+
 def test_reads_cockpit_logs(tmp_path):
     cockpit_style = {
         "0": {"Loss": 2.0, "GradHist1d": {"hist": {"__ndarray__": [1.0, 2.0], "dtype": "float32", "shape": [2]}}},
