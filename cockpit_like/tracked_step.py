@@ -20,6 +20,7 @@ modules, :mod:`cockpit_like.run_output` and :mod:`cockpit_like.context`.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import sys
@@ -216,7 +217,8 @@ class TrackedStep:
         self._fingerprint: dict[int, float | None] | None = None
         #: the other ranks were told that this step failed (:meth:`_abandon`)
         self._told = False
-        self._stored: dict[int, dict[str, Any]] = {}
+        #: ``{id(quantity): (len(output), its last two items)}`` as the step's finish began (:meth:`_take_back`)
+        self._outputs_before: dict[int, tuple[int, dict]] = {}
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> TrackedStep:
@@ -472,10 +474,11 @@ class TrackedStep:
         nothing, in memory as in the stream, and its next steps run as if it had raised in its block."""
         env, run, output = self.env, self.env.run, self.env.output
         before = (run.finished, run.updates)
-        #: ``{step: {name: value}}`` the quantities stored so far (taken back if the step fails before it is stored)
-        self._stored: dict[int, dict[str, Any]] = {}
+        self._outputs_before = {}
         output.hold()
         try:
+            for quantity in self.active:  # how each output ends now: a failure puts it back so
+                self._outputs_before[id(quantity)] = (len(quantity.output), dict(_last_items(quantity.output, 2)))
             new_values = self._compute_and_store(at_optimizer_step)
             held = output.commit()
         except BaseException:
@@ -490,18 +493,22 @@ class TrackedStep:
             env.diagnose(new_values)
 
     def _take_back(self, before: tuple) -> None:
-        """The step failed before it was stored: drop the values its quantities stored and what they started at it
-        (:meth:`Quantity.forget`: it can be tracked again); the run's bookkeeping of finished steps is as it was
-        ``before``."""
-        env = self.env
-        by_name = {env.name_of(quantity): quantity for quantity in self.active}
-        for step, values in self._stored.items():
-            for name in values:
-                if name in by_name:
-                    by_name[name].output.pop(step, None)
+        """The step failed before it was stored: its quantities' outputs end as they did before it (the values
+        it stored are dropped, whether or not the failure let the step note them) and what they started at it is
+        dropped (:meth:`Quantity.forget`: it can be tracked again); the run's bookkeeping of finished steps is as it
+        was ``before``."""
         for quantity in self.active:
+            if id(quantity) not in self._outputs_before:
+                continue  # (nothing was tracked before its snapshot)
+            count, tail = self._outputs_before[id(quantity)]
+            output = quantity.output
+            for step in list(itertools.islice(reversed(output), max(len(output) - count, 0))):  # added since
+                del output[step]
+            for step, value in tail.items():  # replaced since
+                if output.get(step, _MISSING) is not value:
+                    output[step] = value
             quantity.forget(self.step)
-        env.run.finished, env.run.updates = before
+        self.env.run.finished, self.env.run.updates = before
         self.completed = self.skipped = False
 
     def _compute_and_store(self, at_optimizer_step: bool) -> dict[int, dict[str, Any]] | None:
@@ -513,7 +520,7 @@ class TrackedStep:
         if env.run.pending is self:
             env.run.pending = None
         checks: StepChecks = partitions.checks
-        new_values = self._stored
+        new_values: dict[int, dict[str, Any]] = {}
         params = env.params
         scale, changed = self._step_scale(partitions, checks)
         if scale is None:  # the gradients are gone (cleared before the step finished)
@@ -601,7 +608,7 @@ class TrackedStep:
                         "the two-step ones (Alpha) also store nothing for the step before"
                     )
             self._note_lost_ends(checks)
-            for quantity in self.active:  # (a quantity that fails: finish takes back what the others stored)
+            for quantity in self.active:  # (a quantity that fails: finish takes back what the step stored)
                 if env.name_of(quantity) in skipped:
                     quantity.skip(self.step)
                     continue
@@ -641,7 +648,6 @@ class TrackedStep:
                         quantity.output.pop(step, None)
         for step, values in sorted(new_values.items()):
             env.output.publish(step, values)
-        new_values = {step: dict(values) for step, values in new_values.items()}
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         return new_values
@@ -651,7 +657,7 @@ class TrackedStep:
         parameters are fine: the values that end here and read only the parameters (UpdateSize) are stored, the
         others (Alpha: this step's loss and gradients) are not, and a note at their step says why."""
         env = self.env
-        new_values = self._stored
+        new_values: dict[int, dict[str, Any]] = {}
         lost: dict[int, list[str]] = {}
         for quantity in self.active:
             name = env.name_of(quantity)
@@ -870,11 +876,11 @@ class TrackedStep:
                 stacklevel=4,
             )
             quantity.output[self.step] = math.nan
-        finally:  # (also what it stored before it failed: finish takes that back)
+        finally:
             record.quantity = None
-            for step, value in _last_items(quantity.output, 2):
-                if before.get(step, _MISSING) is not value:
-                    new_values.setdefault(step, {})[name] = value
+        for step, value in _last_items(quantity.output, 2):
+            if before.get(step, _MISSING) is not value:
+                new_values.setdefault(step, {})[name] = value
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
