@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,6 +31,7 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import is_dtensor, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.backends.tracer import ModelTracer
+from cockpit_like.backends.user_state import restored_on_failure
 from cockpit_like.checks.invariants import StepChecks
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
@@ -424,6 +426,22 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
+        with restored_on_failure():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
+            self._release_loose()
+            self._begin(global_step, exts, info, debug)
+
+    def _release_loose(self) -> None:
+        """Finish taking down failed steps whose take-down was itself interrupted (a second interrupt)."""
+        for loose in list(self._run.loose):
+            try:
+                loose.release()
+            except Exception as error:  # noqa: BLE001 - never block the run's next steps for it
+                warnings.warn(f"[cockpit_like] taking down the failed step {loose.step} failed again "
+                              f"({type(error).__name__}: {error}); left as it is", RuntimeWarning, stacklevel=3)
+            if loose in self._run.loose:
+                self._run.loose.remove(loose)
+
+    def _begin(self, global_step: int, exts: tuple, info: dict | None, debug: bool) -> None:
         pending, ignored = self._run.pending, False
         undeclared = "micro_batches" not in (info or {}) and self._run.micro is None
         optimizer = (info or {}).get("optimizer")
@@ -485,8 +503,11 @@ class Cockpit:
             ):
                 tracked.__enter__()  # raises before the step counts as open
         except BaseException:
-            self._quiet.close()
             self._run.micro, self._run.partitions = None, None  # the step is abandoned: the next one starts afresh
+            self._run.raised.add(global_step)  # (its two-step values' notes say so)
+            tracked.release()  # (what an interrupt between its parts left set up)
+            self._recorder.let_go()
+            self._quiet.close()
             raise
         self._open_step = tracked
 
@@ -503,15 +524,43 @@ class Cockpit:
                 "before loss.backward(), and cockpit.end() once after it."
             )
         self._open_step = None
+        try:
+            with restored_on_failure():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
+                self._end(tracked, error)
+        except BaseException:  # what the failure (or an interrupt in its own take-down) skipped; each runs again safely
+            if self._run.pending is not tracked:
+                tracked.release()
+            self._recorder.let_go()
+            self._quiet.close()
+            self._write_stream()
+            raise
+
+    def _write_stream(self) -> None:
+        """Write what the stream could not write (an interrupt in the middle of a line); never raises an
+        ``Exception``: what is still not written waits for the next write."""
+        try:
+            self._output.drain()
+        except Exception:  # noqa: BLE001 - the failure being handled is the one to show
+            pass
+
+    def _end(self, tracked: TrackedStep, error: BaseException | None) -> None:
         done = tracked.micro + 1
         self._run.micro = None if error is not None or done == tracked.micro_batches else (tracked.step, done, tracked.micro_batches)
         try:
-            self._recorder.step_ends(tracked.step, tracked.info, error)
+            failure = None
+            try:
+                self._recorder.step_ends(tracked.step, tracked.info, error)
+            except BaseException as caught:  # the step is left all the same, and stores nothing
+                failure = caught
+            error = error if error is not None else failure
             if error is None:
                 tracked.__exit__(None, None, None)
             else:
                 tracked.__exit__(type(error), error, error.__traceback__)
+            if failure is not None:
+                raise failure
         except BaseException:
+            self._run.micro = None  # the step is dropped: its next backward pass starts afresh
             # the recorder still re-runs a non-finite loss of this backward pass (it never raises for one)
             self._recorder.after_step(tracked.step, tracked.info, tracked=False)
             raise
@@ -603,7 +652,8 @@ class Cockpit:
         output is read): merge its backward passes, check them and track its quantities."""
         pending, self._run.pending = self._run.pending, None
         if pending is not None:
-            pending.finish(at_optimizer_step=at_optimizer_step)
+            with restored_on_failure():
+                pending.finish(at_optimizer_step=at_optimizer_step)
 
     def _watch_optimizer(self, optimizer: Any) -> None:
         """Step hooks on ``optimizer`` (once): right before it updates the parameters, finish a pending step and
@@ -850,6 +900,7 @@ class Cockpit:
         self._flush()
         if not self.keeps_output:
             return None
+        self._output.drain()  # lines a failed stream write left (a full disk, an interrupt) are tried again
         path = write_log(logpath, self.get_output(), self.metadata())
         print(f"[cockpit_like] writing output to {path}")
         return str(path)

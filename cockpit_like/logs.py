@@ -163,6 +163,15 @@ class StreamWriter:
     lines wait in memory, so that a resumed run can instead continue the
     file at its checkpoint (:meth:`continue_at`) without losing it.
 
+    Lines go through a queue: :meth:`enqueue` adds them (all or none), and
+    :meth:`drain` writes them in order. A line whose write fails (a full disk,
+    a ``KeyboardInterrupt`` in the middle of it) stays queued: the next
+    drain cuts the file back to its last whole line and writes it again, so
+    what the cockpit stored in memory reaches the file as soon as a write
+    succeeds (the next step, :meth:`drain`, :meth:`close`). An ``OSError``
+    does not stop the run: a warning says how many lines wait, once per
+    streak of failed writes; :meth:`close` warns of those it could not write.
+
     Args:
         logpath: where to write (``.jsonl`` is appended if missing).
         metadata: written in the header line.
@@ -177,6 +186,12 @@ class StreamWriter:
         self._handle: IO[bytes] | None = None
         self._closed = False
         self._waiting: list[dict] = [{"schema": _STREAM, "schema_version": SCHEMA_VERSION, "metadata": metadata}]
+        #: encoded lines not yet written, in order
+        self._queue: list[bytes] = []
+        #: the file may hold part of a line after :attr:`_offset` (a write failed or was interrupted)
+        self._torn = False
+        #: a warning was given for the current streak of failed writes
+        self._warned = False
         self._offset = 0  # bytes in the file
         self._tail = b""  # the last line written
 
@@ -184,6 +199,11 @@ class StreamWriter:
     def opened(self) -> bool:
         """Whether the file was opened (it holds this writer's lines)."""
         return self._handle is not None or self._closed
+
+    @property
+    def pending(self) -> int:
+        """Lines queued and not yet written (a failed write's; see the class docstring)."""
+        return len(self._queue)
 
     def position(self) -> tuple[int, str]:
         """``(bytes written, last line)``: where a resumed run continues (see :meth:`continue_at`)."""
@@ -204,36 +224,90 @@ class StreamWriter:
             raise RuntimeError(f"the stream to {self.path} was already written; continue it before the first step")
         if not stream_holds(self.path, offset, tail):
             raise ValueError(f"{self.path} does not hold the line {tail[:80]!r} ending at byte {offset}")
-        handle = open(self.path, "r+b")
+        handle = open(self.path, "r+b", buffering=0)
         handle.truncate(offset)
         handle.seek(offset)
         self._handle, self._waiting, self._closed = handle, [], False
         self._offset, self._tail = offset, tail.encode()
 
-    def _open(self) -> None:
-        self._handle = open(self.path, "wb")
-        waiting, self._waiting = self._waiting, []
-        for document in waiting:
-            self._write(document)
+    @staticmethod
+    def _encode(document: dict) -> bytes:
+        return (json.dumps(document, allow_nan=False) + "\n").encode()
 
-    def _write(self, document: dict) -> None:
-        line = (json.dumps(document, allow_nan=False) + "\n").encode()
-        self._handle.write(line)
+    def _open(self) -> None:
+        # unbuffered: what a write call returns is in the file, so a failed line can be cut back exactly
+        handle = open(self.path, "wb", buffering=0)
+        self._queue[:0] = [self._encode(document) for document in self._waiting]  # (then dropped: never lost)
+        self._waiting = []
+        self._handle = handle
+
+    def _write(self, line: bytes) -> None:
+        """Write one whole line at :attr:`_offset` (after cutting off what a failed write left)."""
+        if self._torn:
+            self._handle.truncate(self._offset)
+            self._handle.seek(self._offset)
+        self._torn = True  # until the line is known to be complete
+        view = memoryview(line)
+        while view:
+            view = view[self._handle.write(view):]
+        if self._fsync:
+            os.fsync(self._handle.fileno())
         self._offset += len(line)
         self._tail = line
+        self._torn = False
+
+    def enqueue(self, lines: list[bytes]) -> None:
+        """Queue encoded lines (:meth:`step_line`, :meth:`retract_line`) to be written by :meth:`drain`."""
+        if self._closed:
+            raise RuntimeError(f"the stream to {self.path} was closed")
+        self._queue.extend(lines)  # one operation: all of them or none
+
+    def drain(self) -> bool:
+        """Write the queued lines in order; whether none is left. An ``OSError`` leaves the failed line and those
+        after it queued and warns (once per streak of failures); anything else (``KeyboardInterrupt``) propagates,
+        the lines still queued."""
+        if not self._queue:
+            return True
+        try:
+            if self._handle is None:
+                self._open()
+            while self._queue:
+                self._write(self._queue[0])
+                del self._queue[0]
+        except OSError as error:
+            if not self._warned:
+                self._warned = True
+                import warnings
+
+                warnings.warn(
+                    f"[cockpit_like] could not write to the stream {self.path} ({type(error).__name__}: {error}): "
+                    f"{len(self._queue)} line(s) wait in memory and are written as soon as a write succeeds (at the "
+                    "next step, cockpit.write() or cockpit.close()). The output in memory (cockpit.get_output(), "
+                    "cockpit.write(path)) has every step.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return False
+        self._warned = False
+        return True
+
+    def step_line(self, step: int, values: Mapping[str, Any]) -> bytes:
+        """The encoded line of a step's values (raises for a value that cannot be written, queuing nothing)."""
+        return self._encode({"step": int(step), "values": encode(values)})
+
+    def retract_line(self, step: int, names: list[str]) -> bytes:
+        """The encoded line that withdraws values of ``step`` streamed earlier (the reader drops them)."""
+        return self._encode({"step": int(step), "retract": sorted(names)})
 
     def _line(self, document: dict) -> None:
         if self._handle is None:
             if self._closed:
                 raise RuntimeError(f"the stream to {self.path} was closed")
-            if "step" not in document:
+            if "step" not in document and not self._queue:
                 self._waiting.append(document)  # header and metadata wait for the first step
                 return
-            self._open()
-        self._write(document)
-        self._handle.flush()
-        if self._fsync:
-            os.fsync(self._handle.fileno())
+        self.enqueue([self._encode(document)])
+        self.drain()
 
     def write_metadata(self, metadata: dict) -> None:
         """Replace the metadata (e.g. once quantities chose how to compute for the model)."""
@@ -241,17 +315,34 @@ class StreamWriter:
 
     def write_step(self, step: int, values: Mapping[str, Any]) -> None:
         if values:
-            self._line({"step": int(step), "values": encode(values)})
+            self.enqueue([self.step_line(step, values)])
+            self.drain()
 
     def retract(self, step: int, names: list[str]) -> None:
         """Values of ``step`` streamed earlier that no longer hold (a step found invalid after it was stored):
         the reader drops them."""
         if names:
-            self._line({"step": int(step), "retract": sorted(names)})
+            self.enqueue([self.retract_line(step, names)])
+            self.drain()
 
     def close(self) -> None:
-        if self._handle is None and not self._closed:
-            self._open()  # a run without steps still leaves its header
+        if self._closed:
+            return
+        if self._handle is None and not self._queue:
+            self._queue = [self._encode(document) for document in self._waiting]  # a run without steps: its header
+            self._waiting = []
+        self._warned = False  # a last try, and a last word if it fails
+        written = self.drain()
+        if not written:
+            import warnings
+
+            warnings.warn(
+                f"[cockpit_like] closing the stream {self.path}: {len(self._queue)} line(s) could not be written "
+                "(see the warning before); the stream misses them. Save the output in memory, which has every "
+                "step, with cockpit.write(path).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if self._handle is not None:
             self._handle.close()
             self._handle = None
@@ -335,11 +426,11 @@ def _read_stream(
                 raise _not_a_log(path, f'{where} has "schema": {document["schema"]!r}, where a stream\'s header has '
                                        f'"{_STREAM}"')
             _check_version(document, path)
-            metadata = _metadata_of(document, path)
+            metadata = merge_metadata(metadata, _metadata_of(document, path))
             continue
         if "step" not in document:
             if "metadata" in document:  # updated metadata
-                metadata = _metadata_of(document, path)
+                metadata = merge_metadata(metadata, _metadata_of(document, path))
                 continue
             keys = ", ".join(sorted(map(str, document))[:5])
             raise _not_a_log(path, f'{where} is a JSON object without "step" (its keys: {keys or "none"})')
@@ -353,6 +444,37 @@ def _read_stream(
             merged.pop(name, None)
         merged.update(decode(values))
     return metadata, steps
+
+
+def merge_metadata(earlier: dict, later: dict) -> dict:
+    """The metadata of a stream with a later metadata line (or the metadata read from later lines).
+
+    A later line replaces what it holds (quantities that chose how to compute
+    once they saw the model), except the run's history: ``created`` stays the
+    first line's (when the run began), and each resumption
+    (``"resumed_at_step"``, written when a run continues the stream from a
+    checkpoint, docs/resume.md) is kept in ``"resumptions"``, a list of
+    ``{"step": ..., "created": ...}`` in order; ``"resumed_at_step"`` is the
+    last one's step.
+    """
+    if not earlier:
+        return dict(later)
+    merged = {**earlier, **later}
+    if "created" in earlier:
+        merged["created"] = earlier["created"]
+    resumptions = _resumptions(earlier) + _resumptions(later)
+    if resumptions:
+        merged["resumptions"] = resumptions
+        merged["resumed_at_step"] = resumptions[-1]["step"]
+    return merged
+
+
+def _resumptions(metadata: dict) -> list[dict]:
+    if "resumptions" in metadata:
+        return list(metadata["resumptions"])
+    if "resumed_at_step" in metadata:
+        return [{"step": metadata["resumed_at_step"], "created": metadata.get("created")}]
+    return []
 
 
 def _metadata_of(document: dict, path: Path) -> dict:

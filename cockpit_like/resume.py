@@ -135,7 +135,7 @@ def cockpit_state(cockpit, with_output: bool | None = None) -> dict[str, Any]:
     params = cockpit.params
     stream = cockpit._output.stream
     pointer = None
-    if stream is not None and stream.opened:
+    if stream is not None and stream.opened and stream.drain():  # (lines a failed write left: in the state instead)
         offset, tail = stream.position()
         pointer = {"path": str(Path(stream.path).resolve()), "offset": offset, "tail": tail}
     if with_output is None:

@@ -53,15 +53,76 @@ class RunOutput:
         self.listeners: list[Listener] = []
         #: the last step whose quantities were tracked (noted on every rank, also where no output is kept)
         self.last_tracked: int | None = None
+        #: a step being stored (:meth:`hold`): its stream lines and listener calls wait for :meth:`commit`
+        self._held: list[tuple[bytes | None, int, dict[str, Any] | None]] | None = None
+        #: what undoes each change the step being stored made here (:meth:`rollback`)
+        self._journal: list[Callable[[], None]] = []
+
+    # ---- one step, all or nothing -------------------------------------------------------
+    def hold(self) -> None:
+        """Begin storing one step: until :meth:`commit`, what is stored here can be taken back (:meth:`rollback`)
+        and what is published waits, so that a step that fails midway (an exception, ``KeyboardInterrupt``)
+        leaves memory and stream as they were, and one that completes reaches both."""
+        self._journal = []
+        self._held = []
+
+    def commit(self) -> list | None:
+        """The step is stored: queue its stream lines (all at once); what :meth:`deliver` then hands on."""
+        held = self._held
+        if held is None:
+            return None
+        if self.stream is not None:
+            self.stream.enqueue([line for line, _, _ in held if line is not None])
+        self._held = None  # (right after the lines are queued: from here on the step counts as stored)
+        self._journal = []
+        return held
+
+    def deliver(self, held: list | None) -> None:
+        """After :meth:`commit`: write the stream, then call the listeners with what the step published."""
+        if self.stream is not None:
+            self.stream.drain()
+        for _, step, values in held or ():
+            if values is not None:
+                for listener in list(self.listeners):
+                    listener(step, values)
+
+    def rollback(self) -> bool:
+        """Take back what the step being stored changed here and drop what it published; whether it was still
+        being stored (``False``: it was committed, or none was held)."""
+        if self._held is None:
+            return False
+        for undo in reversed(self._journal):
+            undo()
+        self._journal = []
+        self._held = None
+        return True
+
+    def _undoable(self, mapping: dict, key: Any) -> None:
+        """Journal ``mapping[key]`` as it is now, while a step is held."""
+        if self._held is None:
+            return
+        if key in mapping:
+            old = mapping[key]
+            self._journal.append(lambda: mapping.__setitem__(key, old))
+        else:
+            self._journal.append(lambda: mapping.pop(key, None))
 
     # ---- who hears of it ------------------------------------------------------------
-    def publish(self, step: int, values: dict[str, Any], listeners: bool = True) -> None:
-        """Stream ``values`` of ``step``, then hand them to the listeners."""
-        if self.stream is not None:
-            self.stream.write_step(step, values)
-        if listeners:
-            for listener in list(self.listeners):
-                listener(step, values)
+    def publish(
+        self, step: int, values: dict[str, Any], listeners: bool = True, line: bytes | None = None, held: bool = True
+    ) -> None:
+        """Stream ``values`` of ``step``, then hand them to the listeners (``line``: the stream line, if not of
+        ``values``). While a step is held (:meth:`hold`), both wait for :meth:`commit` (``held=False``: not what
+        the step stores, published now)."""
+        if line is None and self.stream is not None and values:
+            line = self.stream.step_line(step, values)  # encoded now: a value that cannot be written raises here
+        entry = (line, step, values if listeners else None)
+        if held and self._held is not None:
+            self._held.append(entry)
+            return
+        if self.stream is not None and line is not None:
+            self.stream.enqueue([line])
+        self.deliver([entry])
 
     def add_listener(self, listener: Listener) -> None:
         if not callable(listener):
@@ -74,23 +135,27 @@ class RunOutput:
     # ---- what is stored ---------------------------------------------------------------
     def store_log(self, step: int, values: dict[str, Any]) -> None:
         self.epoch_logs.setdefault(step, {}).update(values)
-        self.publish(step, values)
+        self.publish(step, values, held=False)  # (the user's, also from inside a step's on_finding)
 
     def store_skipped(self, step: int, why: dict[str, Any]) -> None:
+        self._undoable(self.skipped, step)
         self.skipped[step] = dict(why)
         self.publish(step, {SKIPPED_KEY: dict(why)})
 
     def retract(self, step: int, names: list[str]) -> None:
         """Values of ``step`` already streamed that no longer hold: the stream says so (the reader drops them)."""
-        if self.stream is not None:
-            self.stream.retract(step, names)
+        if self.stream is not None and names:
+            self.publish(step, {}, listeners=False, line=self.stream.retract_line(step, names))
 
     def store_checks(self, step: int, checks: dict[str, Any]) -> None:
         """Keep a step's self-checks; stream them and show them in the output when they say something (a
         failed check, a note, frozen parameters or ones without a gradient, a loss factor or a number of
         backward passes other than declared): a plain valid step stays as it was."""
+        self._undoable(self.checks, step)
         self.checks[step] = dict(checks)
         if notable(checks):
+            if self._held is not None and step not in self.shown_checks:
+                self._journal.append(lambda: self.shown_checks.discard(step))
             self.shown_checks.add(step)
             self.publish(step, {CHECKS_KEY: dict(checks)})
 
@@ -108,12 +173,15 @@ class RunOutput:
             record = {key: entry[key] for key in ("rule", "layer", "found_at")}
             self.findings.setdefault(step, {}).setdefault(CLEARED_KEY, []).append(record)
             touched.setdefault(step, set()).add(CLEARED_KEY)
-        for step, keys in sorted(touched.items()):
-            self.publish(step, {key: self.findings[step][key] for key in sorted(keys)}, listeners=False)
+        for step, keys in sorted(touched.items()):  # (not held: a finding stays stored if its step fails)
+            self.publish(step, {key: self.findings[step][key] for key in sorted(keys)}, listeners=False, held=False)
 
     # ---- steps are stored once ------------------------------------------------------------
     def note_tracked(self, step: int) -> None:
         """``step``'s quantities were tracked (or the step was skipped by a GradScaler)."""
+        if self._held is not None:
+            last = self.last_tracked
+            self._journal.append(lambda: setattr(self, "last_tracked", last))
         self.last_tracked = step if self.last_tracked is None else max(self.last_tracked, step)
 
     def last_stored_step(self, outputs: Iterable[dict[int, Any]] = ()) -> int | None:
@@ -160,3 +228,8 @@ class RunOutput:
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
+
+    def drain(self) -> None:
+        """Write what the stream could not write before (a failed write's lines), if any."""
+        if self.stream is not None:
+            self.stream.drain()

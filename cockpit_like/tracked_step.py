@@ -20,6 +20,7 @@ modules, :mod:`cockpit_like.run_output` and :mod:`cockpit_like.context`.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import sys
@@ -96,6 +97,8 @@ class StepRun:
     gap_warned: bool = False
     #: steps whose block raised (nothing of them stored): the notes of the values that ended there say so
     raised: set[int] = field(default_factory=set)
+    #: failed steps whose take-down was itself interrupted: finished when the next step begins
+    loose: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,10 @@ class TrackedStep:
         self._roots: BackwardRoots | None = None
         self._probe: GradientProbe | None = None
         self._fingerprint: dict[int, float | None] | None = None
+        #: the other ranks were told that this step failed (:meth:`_abandon`)
+        self._told = False
+        #: ``{id(quantity): (len(output), its last two items)}`` as the step's finish began (:meth:`_take_back`)
+        self._outputs_before: dict[int, tuple[int, dict]] = {}
 
     # ---- enter: collect the needs -----------------------------------------------
     def __enter__(self) -> TrackedStep:
@@ -290,20 +297,26 @@ class TrackedStep:
         except BaseException:
             env.tracer.drop_calls()
             raise
-        if self.active and env.self_checks:
-            self._factor = LossFactor(
-                self.info.get("loss"), on_factor=self._execution.observe_loss_factor,
-                losses=self.info.get("individual_losses"), outputs=self._execution.root_outputs,
-            )  # fmt: skip
-        if self.debug:
-            print(
-                f"[cockpit_like|step {step}] quantities: {[env.name_of(q) for q in self.active]}; "
-                f"{self._execution.describe()}; per-sample statistics: {list(needs.stats)}; "
-                f"create_graph: {create_graph}; backward pass {self.micro + 1} of {self.micro_batches}"
-            )
-        self._execution.enter()
-        if self._factor is not None:  # what the user's backward passes propagate (last: nothing after it can raise)
-            self._roots = BackwardRoots()
+        try:
+            if self.active and env.self_checks:  # (made, then started: take-down finds what an interrupt let on)
+                self._factor = LossFactor(
+                    self.info.get("loss"), on_factor=self._execution.observe_loss_factor,
+                    losses=self.info.get("individual_losses"), outputs=self._execution.root_outputs,
+                )  # fmt: skip
+                self._factor.start()  # (before the execution's hooks: the factor is seen before the rows use it)
+            if self.debug:
+                print(
+                    f"[cockpit_like|step {step}] quantities: {[env.name_of(q) for q in self.active]}; "
+                    f"{self._execution.describe()}; per-sample statistics: {list(needs.stats)}; "
+                    f"create_graph: {create_graph}; backward pass {self.micro + 1} of {self.micro_batches}"
+                )
+            self._execution.enter()
+            if self._factor is not None:  # what the user's backward passes propagate (last: nothing after it raises)
+                self._roots = BackwardRoots()
+                self._roots.start()
+        except BaseException:  # (a KeyboardInterrupt too): nothing of the step stays set up
+            self._abandon(None)
+            raise
         return self
 
     def _row_check(self, needs):
@@ -352,6 +365,38 @@ class TrackedStep:
             return False
         env = self.env
         ranks = env.ranks if self.active else None
+        try:
+            self._leave_backward(exc_type, exc, traceback)
+            if exc_type is not None:
+                self._abandon(ranks)
+                return False
+            if not self.active:
+                execution.free()
+                return False
+            if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
+                self._watch_parameters()
+                self._fingerprint = _fingerprint(env.params, self.step)
+                if self._waits and not any(is_dtensor(p) for p in env.params):  # one copy of the gradients, until then
+                    # (with the graph of p.grad where the step has one: Hessian-vector products run through it at the
+                    # optimizer's step, after the loop changed p.grad in place)
+                    self._kept = [None if p.grad is None else _kept_copy(p.grad) for p in env.params]
+                env.run.pending = self
+                return False
+            if not self.last:  # more declared micro-batches to come
+                self._watch_parameters()
+                execution.free()
+                return False
+        except BaseException:  # anything, a KeyboardInterrupt too: the step is dropped, nothing stays set up
+            self._abandon(ranks)
+            raise
+        self.finish()
+        # after the step's merge: under DDP the cockpit's own reduction of a graph step writes p.grad there
+        self._watch_parameters()
+        return False
+
+    def _leave_backward(self, exc_type, exc, traceback) -> None:
+        """Take down what watched the backward pass and keep what it computed as one partition of the step."""
+        env, execution = self.env, self._execution
         partitions = env.run.partitions
         factor, roots = self._factor, self._roots
         if factor is not None:
@@ -359,76 +404,50 @@ class TrackedStep:
         if roots is not None:
             roots.remove()
             self._roots = None
-        try:
-            execution.exit(exc_type, exc, traceback)
-            if exc_type is None and self.active:
-                partition = execution.partition(self._split)
-                partition.factor = None if factor is None else factor.factor
-                partitions.add(partition)
-                partitions.checks.factors.append(partition.factor)
-                if factor is not None and factor.factor is None and factor.seeable:
-                    partitions.checks.note(
-                        "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "
-                        "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "
-                        "seen and the declared factor was used. Pass the loss you call backward() on (or the one a "
-                        "GradScaler scales) as info['loss']."
-                    )
-                elif factor is not None and not factor.seeable:
-                    partitions.checks.note(
-                        "loss factor not verified: neither info['loss'] nor info['individual_losses'] is a tensor "
-                        "with its graph (detached, or numbers), so a GradScaler, a sum-reduced or divided loss "
-                        "could not be seen and the declared factor was used. Pass the loss tensor you call "
-                        "backward() on as info['loss'] (or individual_losses with their graph)."
-                    )
-                if roots is not None:
-                    seen = partition.factor if partition.factor is not None else partitions.checks.assumed
-                    why = undeclared_terms(roots, self.info.get("loss"), seen)
-                    known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
-                    if why is not None and not known:  # (once per step: the first micro-batch that shows it)
-                        where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""
-                        partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
-                for note in execution.notes:
-                    partitions.checks.note(note)
-                if execution.repeated_passes:
-                    partitions.checks.extra_passes += execution.passes_in_block - 1
-                    learned = execution.merges_passes and not env.run.multi_pass
-                    partitions.checks.fail(
-                        "backward_passes",
-                        f"several backward passes ran inside the cockpit's block at step {self.step} (two losses with "
-                        "retain_graph=True, or the same loss twice), and the per-sample rows saw only one of them"
-                        + (". The cockpit has learned that this loop does so: from the next tracked step on it sums "
-                           "each layer's output gradients over the block's backward passes (exact)" if learned else
-                           " (BackPACK's hooks cannot sum them: backpropagate the sum of the losses once)")
-                        + ".",
-                    )
-                    if learned:
-                        env.run.multi_pass = True
-        except BaseException:
-            self._abandon(ranks, execution)
-            raise
-        if exc_type is not None:
-            self._abandon(ranks, execution)
-            return False
-        if not self.active:
-            execution.free()
-            return False
-        if self.open_ended:  # more backward passes of this step may follow: finished by Cockpit._flush
-            self._watch_parameters()
-            self._fingerprint = _fingerprint(env.params, self.step)
-            if self._waits and not any(is_dtensor(p) for p in env.params):  # one copy of the gradients, until then
-                # (with the graph of p.grad where the step has one: Hessian-vector products run through it at the
-                # optimizer's step, after the loop changed p.grad in place)
-                self._kept = [None if p.grad is None else _kept_copy(p.grad) for p in env.params]
-            env.run.pending = self
-            return False
-        if not self.last:  # more declared micro-batches to come
-            self._watch_parameters()
-            execution.free()
-            return False
-        self.finish()
-        # after the step's merge: under DDP the cockpit's own reduction of a graph step writes p.grad there
-        self._watch_parameters()
-        return False
+        execution.exit(exc_type, exc, traceback)
+        if exc_type is not None or not self.active:
+            return
+        partition = execution.partition(self._split)
+        partition.factor = None if factor is None else factor.factor
+        partitions.add(partition)
+        partitions.checks.factors.append(partition.factor)
+        if factor is not None and factor.factor is None and factor.seeable:
+            partitions.checks.note(
+                "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "
+                "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "
+                "seen and the declared factor was used. Pass the loss you call backward() on (or the one a "
+                "GradScaler scales) as info['loss']."
+            )
+        elif factor is not None and not factor.seeable:
+            partitions.checks.note(
+                "loss factor not verified: neither info['loss'] nor info['individual_losses'] is a tensor "
+                "with its graph (detached, or numbers), so a GradScaler, a sum-reduced or divided loss "
+                "could not be seen and the declared factor was used. Pass the loss tensor you call "
+                "backward() on as info['loss'] (or individual_losses with their graph)."
+            )
+        if roots is not None:
+            seen = partition.factor if partition.factor is not None else partitions.checks.assumed
+            why = undeclared_terms(roots, self.info.get("loss"), seen)
+            known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
+            if why is not None and not known:  # (once per step: the first micro-batch that shows it)
+                where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""
+                partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
+        for note in execution.notes:
+            partitions.checks.note(note)
+        if execution.repeated_passes:
+            partitions.checks.extra_passes += execution.passes_in_block - 1
+            learned = execution.merges_passes and not env.run.multi_pass
+            partitions.checks.fail(
+                "backward_passes",
+                f"several backward passes ran inside the cockpit's block at step {self.step} (two losses with "
+                "retain_graph=True, or the same loss twice), and the per-sample rows saw only one of them"
+                + (". The cockpit has learned that this loop does so: from the next tracked step on it sums "
+                   "each layer's output gradients over the block's backward passes (exact)" if learned else
+                   " (BackPACK's hooks cannot sum them: backpropagate the sum of the losses once)")
+                + ".",
+            )
+            if learned:
+                env.run.multi_pass = True
 
     def _watch_parameters(self) -> None:
         """Keep a projection of the parameters (and, for a step finished at the block's end, of the gradients) as
@@ -454,7 +473,52 @@ class TrackedStep:
 
     def finish(self, at_optimizer_step: bool = False) -> None:
         """Merge the step's backward passes, check them, track the quantities and publish what they stored
-        (``at_optimizer_step``: called as ``info["optimizer"]`` begins its step)."""
+        (``at_optimizer_step``: called as ``info["optimizer"]`` begins its step).
+
+        All or nothing: until the step's stream lines are queued (:meth:`RunOutput.commit`), a failure (any
+        exception, a ``KeyboardInterrupt`` anywhere) takes back what the step stored in memory, so that it stores
+        nothing, in memory as in the stream, and its next steps run as if it had raised in its block."""
+        env, run, output = self.env, self.env.run, self.env.output
+        before = (run.finished, run.updates)
+        self._outputs_before = {}
+        output.hold()
+        try:
+            for quantity in self.active:  # how each output ends now: a failure puts it back so
+                self._outputs_before[id(quantity)] = (len(quantity.output), dict(_last_items(quantity.output, 2)))
+            new_values = self._compute_and_store(at_optimizer_step)
+            held = output.commit()
+        except BaseException:
+            if output.rollback():  # not stored: as if the step had raised in its block
+                self._take_back(before)
+                self._abandon(None)
+            else:
+                self._abandon(None, stored=True)
+            raise
+        output.deliver(held)  # the stream, then the listeners
+        if new_values:
+            env.diagnose(new_values)
+
+    def _take_back(self, before: tuple) -> None:
+        """The step failed before it was stored: its quantities' outputs end as they did before it (the values
+        it stored are dropped, whether or not the failure let the step note them) and what they started at it is
+        dropped (:meth:`Quantity.forget`: it can be tracked again); the run's bookkeeping of finished steps is as it
+        was ``before``."""
+        for quantity in self.active:
+            if id(quantity) not in self._outputs_before:
+                continue  # (nothing was tracked before its snapshot)
+            count, tail = self._outputs_before[id(quantity)]
+            output = quantity.output
+            for step in list(itertools.islice(reversed(output), max(len(output) - count, 0))):  # added since
+                del output[step]
+            for step, value in tail.items():  # replaced since
+                if output.get(step, _MISSING) is not value:
+                    output[step] = value
+            quantity.forget(self.step)
+        self.env.run.finished, self.env.run.updates = before
+        self.completed = self.skipped = False
+
+    def _compute_and_store(self, at_optimizer_step: bool) -> dict[int, dict[str, Any]] | None:
+        """The body of :meth:`finish`: what to diagnose (``None``: nothing, the step stores no values)."""
         env, execution = self.env, self._execution
         ranks = env.ranks if self.active else None
         partitions = env.run.partitions
@@ -468,7 +532,7 @@ class TrackedStep:
         if scale is None:  # the gradients are gone (cleared before the step finished)
             execution.free()
             env.store_checks(self.step, checks.to_dict())
-            return
+            return None
         if changed is not None:
             checks.note(
                 f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
@@ -499,7 +563,7 @@ class TrackedStep:
                 self.skipped = True
                 self._count_updates()
                 self._end_at_skipped_step(params)
-                return
+                return None
             if partitions.loss_warning is not None:  # the step is tracked after all: its non-finite loss is told now
                 warnings.warn(partitions.loss_warning, RuntimeWarning, stacklevel=_user_stacklevel())
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
@@ -552,18 +616,11 @@ class TrackedStep:
                         "the two-step ones (Alpha) also store nothing for the step before"
                     )
             self._note_lost_ends(checks)
-            try:
-                for quantity in self.active:
-                    if env.name_of(quantity) in skipped:
-                        quantity.skip_at(self.step, view.params)
-                        continue
-                    self._track(quantity, new_values, view.params)
-            except BaseException:  # a quantity failed: the step stores nothing, so memory agrees with the stream
-                names = {env.name_of(quantity): quantity for quantity in self.active}
-                for step, values in new_values.items():
-                    for name in values:
-                        names[name].output.pop(step, None)
-                raise
+            for quantity in self.active:  # (a quantity that fails: finish takes back what the step stored)
+                if env.name_of(quantity) in skipped:
+                    quantity.skip_at(self.step, view.params)
+                    continue
+                self._track(quantity, new_values, view.params)
             self.completed = True
             for note in record.notes:  # what the quantities said about their numbers
                 checks.note(note)
@@ -601,7 +658,7 @@ class TrackedStep:
             env.output.publish(step, values)
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
-        env.diagnose(new_values)
+        return new_values
 
     def _end_at_skipped_step(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skips the step: it stores nothing, but the update of the step before was made and the
@@ -776,13 +833,42 @@ class TrackedStep:
                     "cockpit cannot tell the gradient the per-sample rows belong to")
         return scale, None
 
-    def _abandon(self, ranks, execution: StepExecution) -> None:
-        """The backward pass failed: the step is dropped (other ranks are told), buffers freed."""
-        self.env.run.partitions = None
-        self.env.run.raised.add(self.step)
-        if ranks is not None:  # tell the other ranks (backends/distributed.py)
-            ranks.abandon_step(self.step, self.env.params, int(self.info.get("batch_size", 0)))
-        execution.free()
+    def _abandon(self, ranks, stored: bool = False) -> None:
+        """The step failed (an exception in the user's backward pass, or anywhere in the cockpit's own work, a
+        ``KeyboardInterrupt`` included): it is dropped (the other ranks are told, once), and everything it set up
+        is taken down (:meth:`release`). ``stored``: the step was stored before the failure; only the take-down.
+        A take-down that is itself interrupted is finished when the next step begins (:attr:`StepRun.loose`)."""
+        run = self.env.run
+        if self not in run.loose:
+            run.loose.append(self)
+        try:
+            if not stored:
+                run.partitions = None
+                if run.pending is self:
+                    run.pending = None
+                if run.watch is not None and run.watch[0] == self.step:
+                    run.watch = None  # (no check at the optimizer's step of a step that stored nothing)
+                run.raised.add(self.step)
+                if ranks is not None and not self._told:  # tell the other ranks (backends/distributed.py)
+                    self._told = True
+                    ranks.abandon_step(self.step, self.env.params, int(self.info.get("batch_size", 0)))
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Take down what the step set up around the user's backward pass, from whatever state a failure left:
+        the hooks on the loss, the watcher of ``torch.autograd.backward``, BackPACK's context, the hook backend's
+        hooks, the warning filter (:meth:`StepExecution.close`), and free its buffers. Safe to call again."""
+        if self._factor is not None:
+            self._factor.remove()
+        if self._roots is not None:
+            self._roots.remove()
+        if self._execution is not None:
+            self._execution.close()
+        self._kept = None
+        run = self.env.run
+        if self in run.loose:
+            run.loose.remove(self)
 
     def _track(self, quantity: Quantity, new_values: dict[int, dict[str, Any]], params: list[torch.Tensor]) -> None:
         name = self.env.name_of(quantity)

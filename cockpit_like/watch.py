@@ -74,12 +74,12 @@ class LogFollower:
         return self._add(complete.decode("utf-8").split("\n"))
 
     def _add(self, lines: list[str]) -> bool:
-        from cockpit_like.logs import _read_stream
+        from cockpit_like.logs import _read_stream, merge_metadata
 
         metadata, steps = _read_stream(lines, self.path, first_line=self._lines + 1)
         self._lines += len(lines)
         if metadata:
-            self.metadata = metadata
+            self.metadata = merge_metadata(self.metadata, metadata)
         for step, values in steps.items():
             self.steps.setdefault(step, {}).update(values)
         return bool(steps) or bool(metadata)

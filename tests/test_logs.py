@@ -152,6 +152,22 @@ def test_a_killed_run_keeps_every_completed_step(tmp_path):
     assert all("UpdateSize" in back[int(step)] for step, _ in printed[:-1])
 
 
+def test_metadata_lines_keep_the_runs_history_read_whole_or_a_chunk_at_a_time():
+    """A later metadata line replaces what it holds, but the run's start and its resumptions are kept (the watcher
+    reads a stream a chunk at a time: the same metadata)."""
+    from functools import reduce
+
+    from cockpit_like.logs import merge_metadata
+
+    lines = [{"created": "t0", "param_names": ["p0"]}, {"created": "t1", "resumed_at_step": 3, "param_names": ["p0"]},
+             {"created": "t2", "param_names": ["0.weight"]}, {"created": "t3", "resumed_at_step": 7}]  # fmt: skip
+    whole = reduce(merge_metadata, lines, {})
+    assert whole == {"created": "t0", "param_names": ["0.weight"], "resumed_at_step": 7,
+                     "resumptions": [{"step": 3, "created": "t1"}, {"step": 7, "created": "t3"}]}  # fmt: skip
+    for cut in range(1, len(lines)):
+        assert merge_metadata(reduce(merge_metadata, lines[:cut], {}), reduce(merge_metadata, lines[cut:], {})) == whole
+
+
 def test_reads_cockpit_logs(tmp_path):
     cockpit_style = {
         "0": {"Loss": 2.0, "GradHist1d": {"hist": {"__ndarray__": [1.0, 2.0], "dtype": "float32", "shape": [2]}}},
@@ -236,3 +252,89 @@ def test_command_line_no_progress(tmp_path, capsys):
     assert main(["summary", str(whole), "--no-progress"]) == 0
     assert main(["influence", str(whole), "--no-progress"]) == 0
     assert "reading" not in capsys.readouterr().err
+
+
+# ---- a stream write that fails (a full disk, an interrupt) -------------------------------------------------
+class _Failing:
+    """``StreamWriter._write`` that fails ``times`` times from the first line of step ``step`` on (``partial``:
+    after writing the first half of the line, as a disk that fills up mid-line)."""
+
+    def __init__(self, monkeypatch, error: BaseException, step: int, times: int = 1, partial: bool = False):
+        from cockpit_like.logs import StreamWriter
+
+        original, self.started, self.failed = StreamWriter._write, False, 0
+        failing = self
+
+        def _write(writer, line):
+            failing.started = failing.started or line.startswith(b'{"step": %d,' % step)
+            if failing.started and failing.failed < times:
+                failing.failed += 1
+                if partial:
+                    writer._torn = True
+                    writer._handle.write(line[: len(line) // 2])
+                raise error
+            return original(writer, line)
+
+        monkeypatch.setattr(StreamWriter, "_write", _write)
+
+
+def _run_on(cockpit, model, lossfunc, individual, steps) -> list[int]:
+    """Train ``steps``; a step whose block raises is left (as in a notebook) and the next one goes on."""
+    from tests.helpers import make_batch
+
+    optimizer, raised = torch.optim.SGD(model.parameters(), lr=0.1), []
+    for step in steps:
+        inputs, labels = make_batch("mlp", 8, seed=1000 + step)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        try:
+            with cockpit(step, info={"batch_size": 8, "individual_losses": individual(outputs, labels), "loss": loss}):
+                loss.backward()
+        except KeyboardInterrupt:
+            raised.append(step)
+        optimizer.step()
+    return raised
+
+
+def _stream_cockpit(tmp_path):
+    model, lossfunc, individual = make_problem("mlp")
+    made = [q(linear(1)) for q in (quantities.Loss, quantities.GradNorm, quantities.UpdateSize)]
+    return Cockpit(model.parameters(), quantities=made, stream_to=tmp_path / "run"), model, lossfunc, individual
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "torn"])
+@pytest.mark.parametrize("times", [1, 2], ids=["written-as-the-interrupt-leaves", "written-at-the-next-step"])
+def test_a_line_an_interrupt_kept_out_of_the_stream_is_written_after_all(tmp_path, monkeypatch, partial, times):
+    cockpit, *problem = _stream_cockpit(tmp_path)
+    failing = _Failing(monkeypatch, KeyboardInterrupt(), step=2, times=times, partial=partial)
+    assert _run_on(cockpit, *problem, range(4)) == [2]
+    assert failing.failed == times and 2 in cockpit.get_output()  # stored in memory: its line is written too
+    assert same(read_log(tmp_path / "run.jsonl"), cockpit.get_output())  # no torn line left in the middle either
+
+
+def test_a_full_disk_warns_once_and_the_stream_catches_up_when_it_frees(tmp_path, monkeypatch):
+    import errno
+
+    cockpit, *problem = _stream_cockpit(tmp_path)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    failing = _Failing(monkeypatch, full, step=2, times=3, partial=True)
+    with pytest.warns(RuntimeWarning, match=r"could not write to the stream .*run.jsonl .*No space left.*wait in memory") as caught:
+        assert _run_on(cockpit, *problem, range(6)) == []  # the run goes on
+    assert len([w for w in caught if "could not write" in str(w.message)]) == 1 and failing.failed == 3
+    assert same(read_log(tmp_path / "run.jsonl"), cockpit.get_output())
+    assert cockpit._output.stream.pending == 0
+
+
+def test_lines_that_cannot_be_written_are_said_at_close_and_kept_in_the_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    cockpit, *problem = _stream_cockpit(tmp_path)
+    _Failing(monkeypatch, OSError(errno.ENOSPC, "No space left on device"), step=2, times=10**6)
+    with pytest.warns(RuntimeWarning, match="could not write"):
+        _run_on(cockpit, *problem, range(4))
+    state = cockpit.state_dict()  # the stream misses steps: the checkpoint holds the output itself
+    assert state["stream"] is None and state["quantities"][0]["output"] is not None
+    with pytest.warns(RuntimeWarning, match=r"closing the stream .*run.jsonl: \d+ line\(s\) could not be written"):
+        cockpit.close()
+    assert sorted(read_log(tmp_path / "run.jsonl")) == [0, 1]

@@ -484,3 +484,33 @@ def test_stream_writer_continues_only_its_own_file(tmp_path):
     other.write_step(1, {"Loss": 0.25})
     other.close()
     assert read_log(tmp_path / "s.jsonl") == {0: {"Loss": 1.0}, 1: {"Loss": 0.25}}
+
+
+def test_the_metadata_read_back_keeps_the_start_and_every_resumption(tmp_path, monkeypatch):
+    """A resumed run marks its continuation of the stream with "resumed_at_step"; the metadata lines after it
+    (the layer names, once the model is seen) must not hide it, nor the time the run began."""
+    import cockpit_like.cockpit as cockpit_module
+    from cockpit_like.logs import read_log_with_metadata
+
+    made = iter(range(100))
+    original = cockpit_module.run_metadata
+    monkeypatch.setattr(cockpit_module, "run_metadata", lambda *a: {**original(*a), "created": f"t{next(made)}"})
+    quantities = lambda: [Loss(linear(1)), UpdateSize(linear(1))]  # noqa: E731
+    model, optimizer, cockpit = fresh(quantities, stream_to=tmp_path / "run")
+    train(model, cockpit, optimizer, range(2))
+    checkpoint = save(model, optimizer, cockpit)
+    for start in (2, 4):
+        model, optimizer, cockpit = resume_from(checkpoint, quantities, stream_to=tmp_path / "run")
+        train(model, cockpit, optimizer, range(start, start + 2))
+        checkpoint = save(model, optimizer, cockpit)
+    lines = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    marks = [n for n, line in enumerate(lines) if "resumed_at_step" in line.get("metadata", {})]
+    assert len(marks) == 2 and any("metadata" in line for line in lines[marks[-1] + 1:])  # a plain line follows
+    metadata, steps = read_log_with_metadata(tmp_path / "run.jsonl")
+    assert sorted(steps) == list(range(6))
+    assert metadata["created"] == lines[0]["metadata"]["created"]
+    assert metadata["resumed_at_step"] == 4
+    assert [(r["step"], r["created"]) for r in metadata["resumptions"]] == [
+        (2, lines[marks[0]]["metadata"]["created"]), (4, lines[marks[1]]["metadata"]["created"])]
+    last = [line["metadata"] for line in lines if "metadata" in line][-1]
+    assert metadata["param_names"] == last["param_names"] and "resumed_at_step" not in last  # what later lines say

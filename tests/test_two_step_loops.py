@@ -365,3 +365,26 @@ def test_a_step_whose_block_raised_is_named_in_the_note_of_the_values_it_ended()
     assert len(said) == 1 and "step 2, whose block raised" in said[0]
     assert not [w for w in caught if "consecutive" in str(w.message)]
     assert "UpdateSize" in output[0]
+
+
+def test_a_step_whose_begin_raised_is_named_in_the_note_of_the_values_it_ended():
+    """As above, with step 2 refused as the cockpit's block begins (a wrong info, or an interrupt there)."""
+    model = TwoHeads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+    cockpit = Cockpit(model.parameters(), quantities=quantities(), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x, y = batch(step)
+            optimizer.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            try:
+                with cockpit(step, info={"batch_size": 0 if step == 2 else B, "individual_losses": losses,
+                                         "loss": losses.mean(), "optimizer": optimizer}):  # fmt: skip
+                    losses.mean().backward()
+            except ValueError:
+                continue
+            optimizer.step()
+    said = [n for n in notes(cockpit, 3) if "of step 1" in n]
+    assert len(said) == 1 and "step 2, whose block raised" in said[0]
+    assert not [w for w in caught if "consecutive" in str(w.message)]

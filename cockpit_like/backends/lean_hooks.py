@@ -92,13 +92,14 @@ def make_lean(module: nn.Module) -> bool:
     BackPACK extension are unchanged; the forward and backward passes no longer
     go through PyTorch's ``BackwardHook`` wrappers.
     """
-    if is_lean(module):
-        return True
-    if not can_make_lean(module):
-        return False
+    if not is_lean(module):
+        if not can_make_lean(module):
+            return False
+        # the new hook before the old one goes: a swap cut short (an interrupt) leaves both, which this function
+        # called again completes (ModuleCollector.settle), never a module with neither
+        CTX.add_hook_handle(module.register_forward_hook(_on_forward))  # BackPACK's CTX.remove_hooks() drops it too
     for key in [k for k, hook in module._backward_hooks.items() if hook is hook_run_extensions]:
         del module._backward_hooks[key]
-    CTX.add_hook_handle(module.register_forward_hook(_on_forward))  # BackPACK's CTX.remove_hooks() drops it too
     return True
 
 
@@ -129,9 +130,21 @@ class ModuleCollector:
             self._pending.append(weakref.ref(module))
 
     def make_lean(self) -> int:
-        pending, self._pending = self._pending, []
-        modules = [module for module in (ref() for ref in pending) if module is not None]
-        return sum(make_lean(module) for module in modules)
+        swapped = 0
+        while self._pending:  # (a module leaves the list once swapped: one cut short is still in it)
+            module = self._pending[0]()
+            if module is not None:
+                swapped += make_lean(module)
+            del self._pending[0]
+        return swapped
+
+    def settle(self) -> None:
+        """Complete the swaps an interrupt cut short (a module with both hooks), then :meth:`forget`."""
+        for ref in self._pending:
+            module = ref()
+            if module is not None and is_lean(module):
+                make_lean(module)
+        self.forget()
 
     def forget(self) -> None:
         """Drop the modules noted since the last :meth:`make_lean` (a failed step)."""

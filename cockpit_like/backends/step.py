@@ -401,8 +401,8 @@ class StepExecution:
                 hook = None if hook is None else hook_without_autograd(hook)
             # BackPACK's Monte-Carlo extensions draw in their hooks: from a per-step seed, the user's RNG restored
             exts = [seeded_sampling(ext, self.step) for ext in exts]
-            self._backpack = backpack(*exts, extension_hook=hook)
-            self._backpack.__enter__()
+            self._backpack = context = backpack(*exts, extension_hook=hook)
+            context.__enter__()  # (held before it is entered: :meth:`close` leaves it whatever happens)
 
     def _blocked(self, extensions: list) -> list:
         """The extensions to run, the curvature diagonals as recording twins replayed in blocks of columns
@@ -423,8 +423,10 @@ class StepExecution:
 
     def exit(self, exc_type, exc, traceback) -> None:
         """Leave the backends; on an error in ``backward`` raise a clear one (BackPACK's explained)."""
-        if self._backpack is not None:
-            self._backpack.__exit__(exc_type, exc, traceback)
+        context = self._backpack
+        if context is not None:
+            context.__exit__(exc_type, exc, traceback)
+            self._backpack = None
             if self._collector is not None:
                 if exc_type is None:
                     self._collector.make_lean()
@@ -501,8 +503,30 @@ class StepExecution:
 
     def _leave_warnings(self) -> None:
         if self._warnings is not None:
-            self._warnings.__exit__(None, None, None)
+            try:
+                self._warnings.__exit__(None, None, None)
+            except RuntimeError:  # never entered: an interrupt between making it and entering it
+                pass
             self._warnings = None
+
+    def close(self) -> None:
+        """Leave everything :meth:`enter` set up and free the buffers, from whatever state a failure left the
+        pass in (an exception, or a ``KeyboardInterrupt`` in the middle of :meth:`enter` or :meth:`exit`):
+        BackPACK's context, the warning filter, the hook backend's hooks. Safe to call again."""
+        context = self._backpack
+        if context is not None:
+            try:
+                context.__exit__(None, None, None)
+            except AttributeError:  # its __enter__ was interrupted before it changed BackPACK's context
+                pass
+            self._backpack = None
+        if self._collector is not None:
+            self._collector.settle()
+        self._replays = []
+        self._leave_warnings()
+        if self.hook_backend is not None:
+            self.hook_backend.remove_hooks()
+        self.free()
 
     # ---- after backward ---------------------------------------------------------------------
     def partition(self, split: bool, rows: int | None = None):

@@ -284,6 +284,8 @@ class ModelTracer:
         self.math_attention = False
         weakref.finalize(self, _put_back, self._kernel_stack)  # collected mid-pass: put them back
         self._batches: list[int] = []
+        #: per forward pass running: ``id`` of its root model (``None``: not known)
+        self._forward_roots: list[int | None] = []
         #: rows of the model's current forward pass (0 outside one)
         self.batch = 0
         #: forward passes of the models since the calls were last taken
@@ -370,10 +372,16 @@ class ModelTracer:
     # ---- the model's forward pass ------------------------------------------------------
     def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
         """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
+        if root is not None and id(root) in self._forward_roots:
+            # a forward pass of this model is noted as running: it ended by an exception its forward hooks did not
+            # see (a KeyboardInterrupt: PyTorch calls an always_call forward hook after an Exception only)
+            while id(root) in self._forward_roots:
+                self.exit_forward()
         if not self._batches:
             self.passes += 1
             if self._on_forward is not None and root is not None and torch.is_grad_enabled():
                 self._on_forward(root, args, kwargs)
+        self._forward_roots.append(None if root is None else id(root))
         self._batches.append(self.batch)
         self.batch = _leading_dim(args, kwargs)
         wants = self._wants_graph()
@@ -393,6 +401,8 @@ class ModelTracer:
         _put_back(self._kernel_stack, 1)
         if self._batches:
             self.batch = self._batches.pop()
+        if self._forward_roots:  # last: a pass whose end is cut short is still noted, and ended again
+            self._forward_roots.pop()
 
     # ---- per step -----------------------------------------------------------------------
     def take_calls(self, loss: torch.Tensor | None = None) -> list[Call]:

@@ -52,26 +52,34 @@ class LossFactor:
         self.seen_at: str | None = None
         self.calls = 0
         self._on_factor = on_factor
-        self._handle = None
         self._handles: list = []
         self.watched = isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1
-        if self.watched:
-            self._handle = loss.register_hook(self._seen)
+        self._loss = loss if self.watched else None
         # where info["loss"] is not what is backpropagated: the gradient at the model's output against the
         # gradient of mean(individual_losses) there (one small backward pass through the loss function, only then)
         self._losses = losses if isinstance(losses, torch.Tensor) and losses.grad_fn is not None and losses.dim() == 1 else None
+        self._output_node = None
         if self._losses is not None:
-            # the backpropagated loss computed from info["individual_losses"] (scaler.scale(losses.mean())): each row's
-            # loss gets f / B
-            self._handles.append(self._losses.register_hook(self._at_rows))
             for output in outputs:
                 node = getattr(output, "grad_fn", None)
                 # not at a module's full backward hook (BackPACK's extend): capturing there would run it again
                 if node is not None and not type(node).__name__.startswith("BackwardHookFunction"):
-                    self._handles.append(node.register_prehook(partial(self._at_output, node, output.output_nr)))
+                    self._output_node = (node, output.output_nr)
                     break
         #: the factor can be seen at all (a tensor loss, or per-row losses with their graph)
-        self.seeable = self.watched or bool(self._handles)
+        self.seeable = self.watched or self._losses is not None
+
+    def start(self) -> None:
+        """Put the hooks on (before the backward pass; :meth:`remove` takes off those an interrupt let on)."""
+        if self._loss is not None:
+            self._handles.append(self._loss.register_hook(self._seen))
+        if self._losses is not None:
+            # the backpropagated loss computed from info["individual_losses"] (scaler.scale(losses.mean())): each
+            # row's loss gets f / B
+            self._handles.append(self._losses.register_hook(self._at_rows))
+        if self._output_node is not None:
+            node, output_nr = self._output_node
+            self._handles.append(node.register_prehook(partial(self._at_output, node, output_nr)))
 
     def _seen(self, grad: torch.Tensor) -> None:
         self.calls += 1
@@ -132,10 +140,7 @@ class LossFactor:
                     self._on_factor(factor)
 
     def remove(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._losses = None
+        self._loss = self._losses = self._output_node = None

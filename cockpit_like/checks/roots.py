@@ -52,7 +52,8 @@ def roots_tolerance(dtype: torch.dtype) -> float:
 
 
 class BackwardRoots:
-    """Watches the ``torch.autograd.backward`` calls of the thread that created it until :meth:`remove`.
+    """Watches the ``torch.autograd.backward`` calls of the thread that created it from :meth:`start` until
+    :meth:`remove`.
 
     Attributes:
         values: one 0-d float64 tensor per call, ``sum_i <root_i, grad_i>`` (``grad_i`` ones where not given).
@@ -67,9 +68,12 @@ class BackwardRoots:
         #: a root with more than one element was given its gradient (``features.backward(grad)``: not a loss)
         self.vector_roots = False
         self._thread = threading.get_ident()
+
+    def start(self) -> None:
+        """Watch from now on (:meth:`remove` undoes it, also where an interrupt cut this short)."""
         with _LOCK:
-            _install()
             _WATCHERS.append(self)
+            _install()
 
     @property
     def calls(self) -> int:

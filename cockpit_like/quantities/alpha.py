@@ -208,11 +208,17 @@ class Alpha(TwoStepQuantity):
         register = getattr(optimizer, "register_step_post_hook", None)
         if callable(register):
             self._step_hook = register(lambda *_: self._settle(start))
+            self._step_hook_start = start
 
     def _unwatch(self) -> None:
         handle, self._step_hook = getattr(self, "_step_hook", None), None
         if handle is not None:
             handle.remove()
+
+    def forget(self, global_step: int) -> None:
+        super().forget(global_step)
+        if getattr(self, "_step_hook_start", None) == global_step:  # no hook stays on the optimizer for it
+            self._unwatch()
 
     def _settle(self, start: int) -> None:
         """After the optimizer's step from ``start``: the actual update ``theta_{t+1} - theta_t`` is known.

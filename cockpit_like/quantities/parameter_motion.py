@@ -40,6 +40,11 @@ class Distance(TwoStepQuantity):
             self._reference_step = None
         return removed
 
+    def forget(self, global_step: int) -> None:
+        super().forget(global_step)
+        if self._reference_step == global_step:  # the next tracked step gives the reference
+            self._reference_step = None
+
     def is_start(self, global_step: int) -> bool:
         return self._reference_step is None
 

@@ -254,6 +254,12 @@ class Quantity:
         quantity needs was left out; its parameters are right). Default: :meth:`skip`."""
         self.skip(global_step)
 
+    def forget(self, global_step: int) -> None:
+        """``global_step`` failed before it was stored (an exception or an interrupt in the cockpit's work, after
+        this quantity was tracked there, docs/notebooks.md): drop what tracking it started, as if it had never
+        been tracked, so that it can be tracked again. The values it stored are taken back by the cockpit. The
+        default has nothing to drop."""
+
     def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
         """The values computed at ``global_step`` no longer hold: remove them; the steps they were stored under.
         (``ends``: also the values whose end was ``global_step``, for quantities of two steps.)"""
@@ -401,6 +407,13 @@ class TwoStepQuantity(Quantity):
         self._skipped_starts.discard(global_step - self.SAVE_SHIFT)
         self._awaiting.discard(global_step - self.SAVE_SHIFT)
         self.clean_cache(global_step)
+
+    def forget(self, global_step: int) -> None:
+        """What ``global_step`` started (its cache entries) is dropped and the step is not marked as skipped: tracked
+        again, it starts afresh; not tracked again, its value of two steps is not computed (nothing cached)."""
+        self._cache.pop(global_step, None)
+        self._awaiting.discard(global_step)
+        self._skipped_starts.discard(global_step)
 
     def withdraw(self, global_step: int, ends: bool = True) -> list[int]:
         """Drop what ``global_step`` started (its value will not be computed) and remove the values computed

@@ -152,10 +152,10 @@ def _shadow_step(
                     _LOOKING_AHEAD -= 1
             # the shadows are ours: each becomes its update in place (no third copy of the parameters)
             return {key: shadow.detach().sub_(param.detach()) for key, (param, shadow) in shadows.items()}
-        finally:
+        finally:  # the optimizer's own groups first: what an interrupt inside this block must leave right
+            optimizer.param_groups = saved_groups
             for _, shadow in shadows.values():
                 optimizer.state.pop(shadow, None)
-            optimizer.param_groups = saved_groups
             for key, value in attributes.items():
                 setattr(optimizer, key, value)
             torch.set_rng_state(rng)

@@ -381,6 +381,12 @@ class Recorder:
             self._factor = []
             self._factor_hook = loss.register_hook(self._factor.append)
 
+    def let_go(self) -> None:
+        """The step failed between :meth:`step_begins` and the end of :meth:`after_step` (an exception, an
+        interrupt): no hook stays on its loss. Safe to call at any time."""
+        self._bad_loss = False
+        self._unwatch_factor()
+
     def _unwatch_factor(self) -> None:
         if self._factor_hook is not None:
             self._factor_hook.remove()
