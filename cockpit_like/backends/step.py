@@ -34,7 +34,7 @@ from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 from cockpit_like.backends.randomness import seeded_sampling
-from cockpit_like.backends.tracer import graph_kernels
+from cockpit_like.backends.tracer import _graph_kernels, graph_kernels
 
 __all__ = [
     "StepExecution",
@@ -274,6 +274,8 @@ class StepExecution:
         if self.extensions or hooks:  # BackPACK's hooks on the outputs would run again at the check's capture
             self.root_outputs = []
         self._create_graph = needs.create_graph
+        #: the graph kernels are held for the user's backward pass (:meth:`enter` to :meth:`exit`)
+        self._kernels_held = False
         self._warnings = None
         self._hooks = hooks
         self._collector = collector
@@ -375,6 +377,11 @@ class StepExecution:
 
     # ---- around backward ---------------------------------------------------------------------
     def enter(self) -> None:
+        if self._create_graph and not self._kernels_held:
+            # the forward pass ran with the graph kernels (math attention): a recomputation inside the backward
+            # pass (non-reentrant checkpointing) must run with them too (:func:`~cockpit_like.backends.tracer.graph_kernels`)
+            _graph_kernels.acquire()
+            self._kernels_held = True
         if self._loss_scale != 1.0 and self.extensions:
             # the loss is divided by the micro-batches or multiplied by a GradScaler after the loss module;
             # BackPACK warns that its second-order information may then be wrong: the cockpit corrects it
@@ -423,6 +430,7 @@ class StepExecution:
 
     def exit(self, exc_type, exc, traceback) -> None:
         """Leave the backends; on an error in ``backward`` raise a clear one (BackPACK's explained)."""
+        self._release_kernels()
         context = self._backpack
         if context is not None:
             context.__exit__(exc_type, exc, traceback)
@@ -513,6 +521,7 @@ class StepExecution:
         """Leave everything :meth:`enter` set up and free the buffers, from whatever state a failure left the
         pass in (an exception, or a ``KeyboardInterrupt`` in the middle of :meth:`enter` or :meth:`exit`):
         BackPACK's context, the warning filter, the hook backend's hooks. Safe to call again."""
+        self._release_kernels()
         context = self._backpack
         if context is not None:
             try:
@@ -527,6 +536,11 @@ class StepExecution:
         if self.hook_backend is not None:
             self.hook_backend.remove_hooks()
         self.free()
+
+    def _release_kernels(self) -> None:
+        if self._kernels_held:
+            self._kernels_held = False
+            _graph_kernels.release()
 
     # ---- after backward ---------------------------------------------------------------------
     def partition(self, split: bool, rows: int | None = None):
