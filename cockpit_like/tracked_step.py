@@ -426,8 +426,8 @@ class TrackedStep:
                 "backward() on as info['loss'] (or individual_losses with their graph)."
             )
         if roots is not None:
-            seen = partition.factor if partition.factor is not None else partitions.checks.assumed
-            why = undeclared_terms(roots, self.info.get("loss"), seen)
+            used = partition.factor if partition.factor is not None else partitions.checks.assumed
+            why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
             known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
             if why is not None and not known:  # (once per step: the first micro-batch that shows it)
                 where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""

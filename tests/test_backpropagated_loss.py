@@ -216,3 +216,15 @@ def test_micro_batches_with_an_undeclared_term_fail_the_step_once():
     optimizer.step()
     failures = [f for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss"]
     assert len(failures) == 1 and "backward pass 1 of 3" in failures[0]["reason"]
+
+
+def test_a_declared_factor_is_called_declared():
+    """With detached declarations the factor is the declared one, not one seen at info['loss']: the reason says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3)).to(DT)
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(1))], model=model)
+    losses = (model(torch.randn(B, 5, dtype=DT)) ** 2).sum(1)
+    with cockpit(0, info={"batch_size": B, "individual_losses": losses.detach(), "loss": float(losses.mean())}):
+        losses.sum().backward()
+    reason = next(f["reason"] for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss")
+    assert "the factor between them declared at info['loss'] is 1" in reason

@@ -157,13 +157,14 @@ def _uninstall() -> None:
     _ORIGINAL = _WRAPPER = None
 
 
-def undeclared_terms(roots: BackwardRoots, loss, factor: float | None) -> str | None:
+def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: bool = True) -> str | None:
     """Why the propagated roots are not ``factor * info["loss"]`` (``None``: they are, or cannot be compared).
 
     Args:
         roots: the block's :class:`BackwardRoots` (removed).
         loss: ``info["loss"]`` (a one-element tensor or a number; anything else is not compared).
         factor: the factor seen by the loss hook, or the declared one where none was seen.
+        seen: whether ``factor`` was seen (else declared), for the message.
     """
     total = roots.total()
     if total is None or factor is None:
@@ -188,14 +189,14 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None) -> str | 
     if roots.vector_roots:
         return (
             f"{passes} {total:.8g} (the sum of <tensor, gradient> over its roots), but info['loss'] is {value:.8g} "
-            f"and the factor seen at it is {factor:.6g}: a tensor with more than one element was backpropagated with a "
+            f"and the factor {'seen' if seen else 'declared'} at it is {factor:.6g}: a tensor with more than one element was backpropagated with a "
             "gradient of your own (features.backward(grad), a two-stage backward through detached features), which "
             "is not a loss, so the rows cannot be declared by info['loss'] and info['individual_losses']. Enter the "
             "cockpit around a backward pass of the loss itself (docs/your_training_loop.md#self-checks)"
         )
     return (
         f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "
-        f"{'seen' if factor is not None else 'declared'} at info['loss'] is {factor:.6g} ({factor:.6g} x {value:.8g} = "
+        f"{'seen' if seen else 'declared'} at info['loss'] is {factor:.6g} ({factor:.6g} x {value:.8g} = "
         f"{expected:.8g}): the tensor backpropagated has terms that info['loss'] and info['individual_losses'] do "
         "not hold (an auxiliary loss, a second loss backpropagated in the same block, a penalty on activations or "
         "parameters). The per-sample rows hold those terms and the declared losses do not, so the quantities that "
