@@ -35,7 +35,7 @@ from cockpit_like.backends.user_state import restored_on_failure
 from cockpit_like.checks.invariants import StepChecks
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
-from cockpit_like.logs import EPOCH_KEYS, StreamWriter, run_metadata, write_log
+from cockpit_like.logs import EPOCH_KEYS, StreamWriter, now_iso, run_metadata, write_log
 from cockpit_like.quantities.quantity import Quantity
 from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput, StepAlreadyTrackedError
@@ -188,6 +188,8 @@ class Cockpit:
         #: what the tracked steps share across steps (:class:`~cockpit_like.tracked_step.StepRun`)
         self._run = StepRun()
         self._param_names: dict[int, str] = {}
+        # the run's history across resumptions (docs/resume.md): when it began and where it was resumed
+        self._history: dict[str, Any] = {"created": now_iso(), "resumptions": []}
         self.quantities: list[Quantity] = []
         self._names: dict[int, str] = {}
         self._initial_settings: dict[int, dict[str, Any]] = {}  # as added, to check a resumed state
@@ -351,6 +353,7 @@ class Cockpit:
                 }
             )
         meta = run_metadata(described)
+        meta["created"] = self._history.get("created") or meta["created"]  # when the run began
         meta["num_params"] = len(self.params)
         meta["param_shapes"] = [list(p.shape) for p in self.params]
         meta["param_names"] = self._param_name_list()
@@ -901,7 +904,7 @@ class Cockpit:
         if not self.keeps_output:
             return None
         self._output.drain()  # lines a failed stream write left (a full disk, an interrupt) are tried again
-        path = write_log(logpath, self.get_output(), self.metadata())
+        path = write_log(logpath, self.get_output(), {**self.metadata(), **self._history_metadata()})
         print(f"[cockpit_like] writing output to {path}")
         return str(path)
 
@@ -937,6 +940,17 @@ class Cockpit:
         self._output.remove_listener(listener)
 
     # ---- resuming a run (docs/resume.md) -------------------------------------------
+    def _history_metadata(self) -> dict[str, Any]:
+        """The run's history as the stream's reader merges it: ``created`` when the run began (this
+        cockpit's creation, or the first run's after a resumption), and a resumed run's ``resumptions``
+        and ``resumed_at_step``."""
+        history = {} if self._history.get("created") is None else {"created": self._history["created"]}
+        resumptions = self._history.get("resumptions", [])
+        if resumptions:
+            history["resumptions"] = [dict(entry) for entry in resumptions]
+            history["resumed_at_step"] = resumptions[-1]["step"]
+        return history
+
     def state_dict(self, with_output: bool | None = None) -> dict[str, Any]:
         """Everything that carries across steps, for the user's checkpoint (plain tensors and values).
 

@@ -123,9 +123,14 @@ def run_metadata(quantities: list[dict[str, Any]] | None = None) -> dict[str, An
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": now_iso(),
         "quantities": quantities or [],
     }
+
+
+def now_iso() -> str:
+    """The time now, as the logs' ``created`` says it (UTC, to the second)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _json_path(logpath: str | os.PathLike, suffix: str) -> Path:

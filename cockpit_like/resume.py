@@ -164,7 +164,14 @@ def cockpit_state(cockpit, with_output: bool | None = None) -> dict[str, Any]:
         "checks": pack(cockpit._output.checks, where="self-checks") if with_output else None,
         "diagnosis": _diagnosis_state(cockpit),
         "stream": pointer,
+        "history": _history_state(cockpit),
     }
+
+
+def _history_state(cockpit) -> dict[str, Any]:
+    """When the run began and where it was resumed, for :meth:`Cockpit.write` after a resumption."""
+    return {"created": cockpit._history.get("created"),
+            "resumptions": [dict(entry) for entry in cockpit._history.get("resumptions", [])]}
 
 
 def _diagnosis_state(cockpit) -> Any:
@@ -374,12 +381,18 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
         }
     _restore_diagnosis(cockpit, state.get("diagnosis"))
     cockpit._next_step = int(state["next_step"])
+    now = cockpit.metadata()["created"]
+    history = state.get("history") or {}  # checkpoints of earlier versions have none: the start is unknown
+    cockpit._history = {
+        "created": history.get("created"),
+        "resumptions": list(history.get("resumptions", [])) + [{"step": cockpit._next_step, "created": now}],
+    }
 
     if stream is None:
         return
     if continues:
         stream.continue_at(pointer["offset"], pointer["tail"])
-        stream.write_metadata({**cockpit.metadata(), "resumed_at_step": cockpit._next_step})
+        stream.write_metadata({**cockpit.metadata(), "created": now, "resumed_at_step": cockpit._next_step})
     else:  # another file (or none yet): it gets everything restored, then the new steps
         for step, values in cockpit.get_output().items():
             stream.write_step(step, values)

@@ -203,7 +203,11 @@ def test_in_process_round_trip_continues_exactly():
     checkpoint = save(model, optimizer, cockpit)
     assert "output" in checkpoint["cockpit"]["quantities"][0] and checkpoint["cockpit"]["stream"] is None
     model2, optimizer2, resumed = resume_from(checkpoint, full_with_adaptation, lean_hooks=False)
-    assert same_state(through_a_file(resumed.state_dict()), checkpoint["cockpit"])  # load(save) is the identity
+    again = through_a_file(resumed.state_dict())
+    history, saved_history = again.pop("history"), checkpoint["cockpit"].pop("history")
+    assert same_state(again, checkpoint["cockpit"])  # load(save) is the identity, but for the run's history:
+    assert history["created"] == saved_history["created"] and not saved_history["resumptions"]
+    assert [entry["step"] for entry in history["resumptions"]] == [checkpoint["cockpit"]["next_step"]]
     assert repr(resumed.get_output()) == repr(cockpit.get_output())  # numpy arrays come back as arrays
     train(model, cockpit, optimizer, range(3, 6))
     train(model2, resumed, optimizer2, range(3, 6))
@@ -514,3 +518,51 @@ def test_the_metadata_read_back_keeps_the_start_and_every_resumption(tmp_path, m
         (2, lines[marks[0]]["metadata"]["created"]), (4, lines[marks[1]]["metadata"]["created"])]
     last = [line["metadata"] for line in lines if "metadata" in line][-1]
     assert metadata["param_names"] == last["param_names"] and "resumed_at_step" not in last  # what later lines say
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_write_after_resumptions_keeps_the_runs_history(tmp_path, monkeypatch, streamed):
+    """``cockpit.write()`` of a resumed run says when the run began and where it was resumed, as the stream's
+    reader does (it wrote the time of the write, and no resumption)."""
+    import cockpit_like.cockpit as cockpit_module
+    import cockpit_like.logs as logs_module
+    from cockpit_like.logs import read_log_with_metadata
+
+    made = iter(range(100))
+    monkeypatch.setattr(logs_module, "now_iso", lambda: f"t{next(made)}")
+    monkeypatch.setattr(cockpit_module, "now_iso", logs_module.now_iso)
+    quantities = lambda: [Loss(linear(1)), UpdateSize(linear(1))]  # noqa: E731
+    stream = (lambda: tmp_path / "run") if streamed else (lambda: None)
+    model, optimizer, cockpit = fresh(quantities, stream_to=stream())
+    began = cockpit._history["created"]
+    train(model, cockpit, optimizer, range(2))
+    checkpoint = save(model, optimizer, cockpit)
+    at = []
+    for start in (2, 4):
+        model, optimizer, cockpit = resume_from(checkpoint, quantities, stream_to=stream())
+        at.append(cockpit._history["resumptions"][-1]["created"])
+        train(model, cockpit, optimizer, range(start, start + 2))
+        checkpoint = save(model, optimizer, cockpit)
+    written, steps = read_log_with_metadata(cockpit.write(tmp_path / "final"))
+    assert sorted(steps) == list(range(6))
+    assert written["created"] == began and began.startswith("t")
+    assert [(r["step"], r["created"]) for r in written["resumptions"]] == [(2, at[0]), (4, at[1])]
+    assert written["resumed_at_step"] == 4 and len(set([began, *at])) == 3
+    if streamed:  # the stream's reader and the written log tell the same history
+        cockpit.close()
+        read, _ = read_log_with_metadata(tmp_path / "run.jsonl")
+        assert read["created"] == written["created"] and read["resumptions"] == written["resumptions"]
+
+
+def test_write_of_a_run_never_resumed_says_when_it_began(tmp_path, monkeypatch):
+    import cockpit_like.cockpit as cockpit_module
+    import cockpit_like.logs as logs_module
+    from cockpit_like.logs import read_log_with_metadata
+
+    made = iter(range(100))
+    monkeypatch.setattr(logs_module, "now_iso", lambda: f"t{next(made)}")
+    monkeypatch.setattr(cockpit_module, "now_iso", logs_module.now_iso)
+    model, optimizer, cockpit = fresh(lambda: [Loss(linear(1))])
+    train(model, cockpit, optimizer, range(2))
+    written, _ = read_log_with_metadata(cockpit.write(tmp_path / "run"))
+    assert written["created"] == "t0" and "resumptions" not in written and "resumed_at_step" not in written
