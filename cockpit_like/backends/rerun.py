@@ -33,6 +33,7 @@ import contextlib
 import re
 import sys
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -157,6 +158,11 @@ def per_sample_grad_rows(
     return [LazyRows(batch, p.shape, maker(k), max(4, p.element_size())) for k, p in enumerate(params)]
 
 
+#: the modules on which ``vmap`` failed once (an RNN, custom autograd, routing): later steps loop over the rows
+#: at once, instead of trying ``vmap`` and failing again at every tracked step
+_NO_VMAP: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class _Rerun:
     """A module call prepared for re-running rows (:func:`per_sample_grads`)."""
 
@@ -187,7 +193,8 @@ class _Rerun:
             )
         self.values, self.dims, self.out_dims, self.grads = values, dims, out_dims, list(grads)
         self.batched = [k for k, d in enumerate(dims) if d is not None]
-        self._vmap = True  # until vmap fails on this module once (then every block takes the loop)
+        # until vmap fails on this module once: then every block, at this step and later ones, takes the loop
+        self._vmap = module not in _NO_VMAP
         self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
 
         def run(p: dict, rows: list) -> tuple:
@@ -240,6 +247,7 @@ class _Rerun:
                     raise
                 except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
                     self._vmap = False
+                    _NO_VMAP[self.module] = True
             live = dict(zip(self.param_names, self.params))
             params = [self.params[k] for k in chosen]
             try:
