@@ -246,10 +246,34 @@ def test_exploding_gradient_at_the_start_names_recurrent_weights_only_where_the_
 
 def test_vanishing_gradient_names_the_layer():
     meta = {"param_names": ["in.weight", "mid.weight", "out.weight"]}
-    h = history({"GradNorm": [[1.0, 1e-5, 0.5]] * 3}, meta)
-    assert ids(R.VanishingGradient().check(h)) == [("vanishing-gradient", "mid.weight")]
-    assert R.VanishingGradient(ratio=1e-6).check(h) == []
-    assert R.VanishingGradient().check(history({"GradNorm": [[1.0, 1e-5, 0.5]] * 2})) == []  # window 3
+    h = history({"GradNorm": [[1e-6, 1e-5, 0.5]] * 3}, meta)  # small from mid.weight down to the input
+    assert ids(R.VanishingGradient().check(h)) == [("vanishing-gradient", "in.weight"), ("vanishing-gradient", "mid.weight")]
+    assert R.VanishingGradient(ratio=1e-7).check(h) == []
+    assert R.VanishingGradient().check(history({"GradNorm": [[1e-6, 1e-5, 0.5]] * 2}, meta)) == []  # window 3
+
+
+def test_a_small_gradient_with_a_normal_one_below_it_is_not_vanishing():
+    """Round 6 (the outside tester's H09, a healthy BERT): the attention query and key weights get a gradient
+    4e-5 x the classifier's at initialization (it is second order in near-zero attention logits), while the
+    embeddings below them get 0.96 x. A gradient that vanishes through depth leaves the layers below it small
+    too; a weight registered before the small one with a normal gradient says the signal passed."""
+    meta = {"param_names": ["emb.weight", "query.weight", "key.weight", "value.weight", "head.weight"],
+            "param_shapes": [[40, 32], [32, 32], [32, 32], [32, 32], [2, 32]]}
+    local = history({"GradNorm": [[0.96, 4e-5, 4e-5, 4e-3, 1.0]] * 3}, meta)
+    assert R.VanishingGradient().check(local) == []
+    assert R.PoorInitialization().check(local) == []
+    # the same small query and key with the embeddings small too (the signal vanished below them): both fire
+    chain = history({"GradNorm": [[1e-5, 4e-5, 4e-5, 4e-3, 1.0]] * 3}, meta)
+    assert ids(R.VanishingGradient().check(chain)) == [("vanishing-gradient", n) for n in ("emb.weight", "query.weight", "key.weight")]
+    assert ids(R.PoorInitialization().check(chain)) == [("poor-initialization", "emb.weight")]
+    # a bias below does not count (vectors get small gradients for reasons of their own), only weights
+    shapes = {"param_names": ["emb.bias", "query.weight", "head.weight"], "param_shapes": [[32], [32, 32], [2, 32]]}
+    assert ids(R.VanishingGradient().check(history({"GradNorm": [[0.5, 4e-5, 1.0]] * 3}, shapes))) == [
+        ("vanishing-gradient", "query.weight")]
+    # a gradient cut off (exactly 0) is still reported whatever gets a gradient below it
+    cut = history({"GradNorm": [[0.96, 0.0, 4e-5, 4e-3, 1.0]] * 3}, meta)
+    assert ("vanishing-gradient", "query.weight") in ids(R.VanishingGradient().check(cut))
+    assert ids(R.PoorInitialization().check(cut)) == [("poor-initialization", "query.weight")]
 
 
 def test_update_ratios():

@@ -776,6 +776,15 @@ def _structurally_zero(history: RunHistory, ratio: float = 1e-4) -> set[int]:
     return memo["value"]
 
 
+def _passed_through(history: RunHistory, norms: np.ndarray, index: int, floor: float) -> bool:
+    """Whether a weight registered before parameter ``index`` (closer to the input, in the order of
+    ``model.parameters()``) has a gradient norm of at least ``floor``: the backward signal reached the layers
+    below ``index`` undiminished, so a small gradient of ``index`` itself is local to the layer (an attention
+    query or key at initialization, whose gradient is second order in near-zero logits), not a gradient that
+    vanishes through depth, which leaves every layer below it small too (round 6 of issue 36)."""
+    return any((history.param_ndim(j) or 2) >= 2 and norms[j] >= floor for j in range(index))
+
+
 #: the fix of a weight whose gradient is exactly 0 (``vanishing-gradient``, ``poor-initialization``)
 CUT_OFF_FIX = ("find what cuts the gradient off above this layer: units that are off for every sample (ReLU with "
                "negative biases: initialize biases at 0, use Kaiming initialization or LeakyReLU/GELU), a detached "
@@ -826,6 +835,9 @@ class VanishingGradient(Rule):
                 if layer in _frozen_since(history, "GradNorm", all_steps):
                     continue  # requires_grad=False: no gradient by construction (unchanged-parameters says so)
                 zero = bool((norms[:, index] == 0).all())
+                if not zero and median[index] >= self.floor and _passed_through(
+                        history, np.where(median >= self.floor, relative, 0.0), index, self.ratio):
+                    continue  # a weight below it gets a normal gradient: small here, not vanishing through depth
                 if zero:  # cut off, not small: a ratio of 0 says nothing
                     message = (f"the gradient of {layer} is exactly 0 at steps {steps[0]}..{steps[-1]} (the "
                                f"largest layer's: {_g(_column_median(largest)[0])}): nothing reaches it")
@@ -1631,8 +1643,16 @@ class PoorInitialization(Rule):
         if len(weights) < 2:
             return []
         largest = max(norms[i] for i in weights)
+        if not largest > 0:
+            return []
+        # a weight whose gradient is small while one registered before it gets a gradient within the spread
+        # is small for a reason of its own (attention queries and keys at initialization), not through depth
+        weights = [i for i in weights if norms[i] == 0 or not _passed_through(
+            history, np.where(np.isin(np.arange(len(norms)), weights), norms, 0.0), i, largest / self.spread)]
+        if not weights:
+            return []
         smallest = min(weights, key=lambda i: norms[i])
-        if not largest > 0 or norms[smallest] * self.spread >= largest:
+        if norms[smallest] * self.spread >= largest:
             return []
         layer = history.param_name(smallest)
         steps = [step for step, _ in early]
