@@ -383,7 +383,7 @@ def test_an_exactly_zero_gradient_is_said_to_be_zero_not_a_ratio():
 
 
 def test_dead_and_saturated_units():
-    value = _acts(**{"1": ("relu", {"zero_fraction": 0.9, "dead_fraction": 0.75, "rms": 0.1}),
+    value = _acts(**{"1": ("relu", {"zero_fraction": 0.97, "dead_fraction": 0.95, "rms": 0.1}),  # (0.9+: at once)
                      "3": ("relu", {"zero_fraction": 0.5, "dead_fraction": 0.25, "rms": 1.0}),
                      "5": ("tanh", {"saturated_fraction": 0.6, "saturated_unit_fraction": 0.5, "rms": 0.9})})
     h = history({"ActivationStats": [value] * 3})
@@ -391,6 +391,28 @@ def test_dead_and_saturated_units():
     assert ids(R.SaturatedUnits().check(h)) == [("saturated-units", "5")]
     assert R.SaturatedUnits(threshold=0.7).check(h) == []
     assert R.DeadUnits().check(history({"ActivationStats": [value] * 2})) == []  # window 3
+
+
+def test_units_dead_from_the_start_in_part_of_a_layer_wait_for_the_loss():
+    """Round 6 (the outside tester's H06, a healthy autoencoder 64-32-8-32-64): 56-59% of the ReLUs after its
+    8-unit code are off for every sample at initialization, and the run learns well (loss 0.18 -> 0.04). Units
+    dead from the first step are reported at once only where (nearly) the whole layer is dead; a part of a
+    layer is reported after ``settle`` steps, from the first step, where the loss has not fallen."""
+    part = _acts(**{"5": ("relu", {"dead_fraction": 0.56, "rms": 0.3})})
+    whole = _acts(**{"5": ("relu", {"dead_fraction": 1.0, "rms": 0.0})})
+    learning = [0.18 * 0.97**k for k in range(40)]
+    flat = [0.18 + 0.001 * (k % 2) for k in range(40)]
+    rule = R.DeadUnits()
+    assert rule.check(history({"ActivationStats": [part] * 3, "Loss": learning[:3]})) == []  # not at once
+    assert rule.check(history({"ActivationStats": [part] * 40, "Loss": learning})) == []  # the run learns
+    (held,) = rule.check(history({"ActivationStats": [part] * 40, "Loss": flat}))
+    assert held.evidence["since"] == 0 and held.evidence["at_start"] and held.evidence["held"]
+    (at_once,) = rule.check(history({"ActivationStats": [whole] * 3, "Loss": learning[:3]}))
+    assert at_once.evidence["at_start"] and at_once.step == 2 and "held" not in at_once.evidence
+    assert ids(R.DeadUnits(blocked=0.5).check(history({"ActivationStats": [part] * 3, "Loss": learning[:3]}))) == [
+        ("dead-units", "5")]  # blocked at the threshold: every share dead from the start is reported at once
+    with pytest.raises(ValueError, match="blocked"):
+        R.DeadUnits(blocked=0.4)
 
 
 def test_poor_initialization():

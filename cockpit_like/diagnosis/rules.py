@@ -1383,7 +1383,12 @@ class DeadUnits(_ActivationShare):
     well (seen on the generated corpus's tuning families). Round 4 (issue
     36) raised ``settle`` from 10 to 30: healthy Adagrad CNNs and MLPs whose
     units died in the first 10 steps were still above 0.7 x their first
-    loss at step 10-20, and trained well.
+    loss at step 10-20, and trained well. Round 6: units dead from the first
+    step are reported at once only where at least ``blocked`` of the layer
+    is dead (the layer passes next to no gradient); a smaller share (a
+    healthy autoencoder's ReLU after its 8-unit code: 56-59% at
+    initialization) is held to the same test as units that died later, and
+    then reported from the first step (``since``, ``at_start``, ``held``).
     """
 
     id = "dead-units"
@@ -1392,10 +1397,13 @@ class DeadUnits(_ActivationShare):
     field = "dead_fraction"
 
     def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 8, learning: float = 0.7,
-                 settle: int = 30):
+                 settle: int = 30, blocked: float = 0.9):
         super().__init__(threshold, window, min_samples)
         self.learning = _check_positive("learning", learning)
         self.settle = _check_window(settle, "settle")
+        if not threshold <= blocked <= 1.0:
+            raise ValueError(f"blocked must lie in [threshold ({threshold}), 1], got {blocked!r}")
+        self.blocked = float(blocked)
 
     def check(self, history: RunHistory) -> list[Finding]:
         found = super().check(history)
@@ -1404,10 +1412,14 @@ class DeadUnits(_ActivationShare):
         first = history.first("ActivationStats", 1)[0][0]
         kept = []
         for finding in found:
-            if finding.evidence.get("developed") and (
+            # dead from the first step, but not (nearly) all of the layer: the rest still passes a gradient
+            partial = not finding.evidence.get("developed") and finding.evidence[self.field] < self.blocked
+            if (finding.evidence.get("developed") or partial) and (
                     finding.step - first < self.settle
                     or recipe.loss_share(history, before_updates=True) < self.learning):
-                continue  # units alive at the start: wait, and let a run that learns well keep its loss of units
+                continue  # wait, and let a run that learns well keep its share of dead units
+            if partial:  # dead since the first step (above the threshold there), found once the loss has not fallen
+                finding.evidence.update(since=int(first), at_start=True, held=True)
             kept.append(finding)
         return kept
     fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
