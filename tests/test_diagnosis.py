@@ -784,3 +784,27 @@ def test_stream_metadata_names_layers_of_a_model_found_later(tmp_path):
     cockpit.close()
     metadata, _ = read_log_with_metadata(tmp_path / "run.jsonl")
     assert metadata["param_names"] == [name for name, _ in model.named_parameters()]
+
+
+def test_a_recurrent_gradient_that_explodes_before_any_sign_of_a_large_rate_is_the_recurrence():
+    """Round 6 (the outside tester's B08, an nn.RNN with recurrent weights 2 x orthogonal and no clipping): the
+    gradient norm grew from 17 to 5e7 by step 11 while the update ratios stayed below 0.5, then the loss was
+    NaN; the growth was read as a learning rate too large. In a model whose log names recurrent weights, a
+    gradient that explodes before any finding shows a large rate (the updates that blow up at the same step
+    are its consequence) names the recurrence; a rate signal before it, or no recurrence, keeps the rate."""
+    from cockpit_like.diagnosis import group_findings
+
+    names = {"param_names": ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "head.weight"]}
+    norms = [[10.0, 6.0, 0.3]] * 10 + [[1.5e6, 3.6e7, 0.9]]
+    (grown,) = R.ExplodingGradient().check(history({"GradNorm": norms}, names))
+    assert not grown.evidence.get("at_start") and grown.evidence["recurrent"] == ["rnn.weight_hh_l0"]
+    same_step = Finding("update-ratio-too-large", "warning", 10, "rnn.weight_hh_l0", evidence={"since": 10})
+    nan = Finding("nonfinite-loss", "error", 11, None, evidence={})
+    first = group_findings([grown, same_step, nan])[0]
+    assert first.cause == "exploding-gradient" and "rnn.weight_hh_l0" in first.fix
+    assert first.title.startswith("the gradient explodes through the recurrence") and "before any update" not in first.title
+    assert {f.rule for f in first.symptoms} >= {"update-ratio-too-large", "nonfinite-loss"}
+    earlier = Finding("update-ratio-too-large", "warning", 4, "rnn.weight_ih_l0", evidence={"since": 4})
+    assert group_findings([earlier, grown, nan])[0].cause == "learning-rate-too-large"
+    (plain,) = R.ExplodingGradient().check(history({"GradNorm": norms}, {"param_names": ["0.weight", "1.weight", "2.weight"]}))
+    assert plain.evidence["recurrent"] == [] and group_findings([plain, same_step])[0].cause == "learning-rate-too-large"

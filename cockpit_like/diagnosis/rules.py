@@ -725,7 +725,8 @@ class ExplodingGradient(Rule):
                 f"reference {_g(reference)} (the first tracked norm or the run's median, the smaller)",
                 fix="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or normalize "
                 "activations (LayerNorm/BatchNorm)",
-                evidence={"step": step, "norm": latest, "reference": reference, "since": step},
+                evidence={"step": step, "norm": latest, "reference": reference, "since": step,
+                          "recurrent": _recurrent_parameters(history)},
             )
         ]
 
