@@ -246,10 +246,34 @@ def test_exploding_gradient_at_the_start_names_recurrent_weights_only_where_the_
 
 def test_vanishing_gradient_names_the_layer():
     meta = {"param_names": ["in.weight", "mid.weight", "out.weight"]}
-    h = history({"GradNorm": [[1.0, 1e-5, 0.5]] * 3}, meta)
-    assert ids(R.VanishingGradient().check(h)) == [("vanishing-gradient", "mid.weight")]
-    assert R.VanishingGradient(ratio=1e-6).check(h) == []
-    assert R.VanishingGradient().check(history({"GradNorm": [[1.0, 1e-5, 0.5]] * 2})) == []  # window 3
+    h = history({"GradNorm": [[1e-6, 1e-5, 0.5]] * 3}, meta)  # small from mid.weight down to the input
+    assert ids(R.VanishingGradient().check(h)) == [("vanishing-gradient", "in.weight"), ("vanishing-gradient", "mid.weight")]
+    assert R.VanishingGradient(ratio=1e-7).check(h) == []
+    assert R.VanishingGradient().check(history({"GradNorm": [[1e-6, 1e-5, 0.5]] * 2}, meta)) == []  # window 3
+
+
+def test_a_small_gradient_with_a_normal_one_below_it_is_not_vanishing():
+    """Round 6 (the outside tester's H09, a healthy BERT): the attention query and key weights get a gradient
+    4e-5 x the classifier's at initialization (it is second order in near-zero attention logits), while the
+    embeddings below them get 0.96 x. A gradient that vanishes through depth leaves the layers below it small
+    too; a weight registered before the small one with a normal gradient says the signal passed."""
+    meta = {"param_names": ["emb.weight", "query.weight", "key.weight", "value.weight", "head.weight"],
+            "param_shapes": [[40, 32], [32, 32], [32, 32], [32, 32], [2, 32]]}
+    local = history({"GradNorm": [[0.96, 4e-5, 4e-5, 4e-3, 1.0]] * 3}, meta)
+    assert R.VanishingGradient().check(local) == []
+    assert R.PoorInitialization().check(local) == []
+    # the same small query and key with the embeddings small too (the signal vanished below them): both fire
+    chain = history({"GradNorm": [[1e-5, 4e-5, 4e-5, 4e-3, 1.0]] * 3}, meta)
+    assert ids(R.VanishingGradient().check(chain)) == [("vanishing-gradient", n) for n in ("emb.weight", "query.weight", "key.weight")]
+    assert ids(R.PoorInitialization().check(chain)) == [("poor-initialization", "emb.weight")]
+    # a bias below does not count (vectors get small gradients for reasons of their own), only weights
+    shapes = {"param_names": ["emb.bias", "query.weight", "head.weight"], "param_shapes": [[32], [32, 32], [2, 32]]}
+    assert ids(R.VanishingGradient().check(history({"GradNorm": [[0.5, 4e-5, 1.0]] * 3}, shapes))) == [
+        ("vanishing-gradient", "query.weight")]
+    # a gradient cut off (exactly 0) is still reported whatever gets a gradient below it
+    cut = history({"GradNorm": [[0.96, 0.0, 4e-5, 4e-3, 1.0]] * 3}, meta)
+    assert ("vanishing-gradient", "query.weight") in ids(R.VanishingGradient().check(cut))
+    assert ids(R.PoorInitialization().check(cut)) == [("poor-initialization", "query.weight")]
 
 
 def test_update_ratios():
@@ -359,7 +383,7 @@ def test_an_exactly_zero_gradient_is_said_to_be_zero_not_a_ratio():
 
 
 def test_dead_and_saturated_units():
-    value = _acts(**{"1": ("relu", {"zero_fraction": 0.9, "dead_fraction": 0.75, "rms": 0.1}),
+    value = _acts(**{"1": ("relu", {"zero_fraction": 0.97, "dead_fraction": 0.95, "rms": 0.1}),  # (0.9+: at once)
                      "3": ("relu", {"zero_fraction": 0.5, "dead_fraction": 0.25, "rms": 1.0}),
                      "5": ("tanh", {"saturated_fraction": 0.6, "saturated_unit_fraction": 0.5, "rms": 0.9})})
     h = history({"ActivationStats": [value] * 3})
@@ -367,6 +391,28 @@ def test_dead_and_saturated_units():
     assert ids(R.SaturatedUnits().check(h)) == [("saturated-units", "5")]
     assert R.SaturatedUnits(threshold=0.7).check(h) == []
     assert R.DeadUnits().check(history({"ActivationStats": [value] * 2})) == []  # window 3
+
+
+def test_units_dead_from_the_start_in_part_of_a_layer_wait_for_the_loss():
+    """Round 6 (the outside tester's H06, a healthy autoencoder 64-32-8-32-64): 56-59% of the ReLUs after its
+    8-unit code are off for every sample at initialization, and the run learns well (loss 0.18 -> 0.04). Units
+    dead from the first step are reported at once only where (nearly) the whole layer is dead; a part of a
+    layer is reported after ``settle`` steps, from the first step, where the loss has not fallen."""
+    part = _acts(**{"5": ("relu", {"dead_fraction": 0.56, "rms": 0.3})})
+    whole = _acts(**{"5": ("relu", {"dead_fraction": 1.0, "rms": 0.0})})
+    learning = [0.18 * 0.97**k for k in range(40)]
+    flat = [0.18 + 0.001 * (k % 2) for k in range(40)]
+    rule = R.DeadUnits()
+    assert rule.check(history({"ActivationStats": [part] * 3, "Loss": learning[:3]})) == []  # not at once
+    assert rule.check(history({"ActivationStats": [part] * 40, "Loss": learning})) == []  # the run learns
+    (held,) = rule.check(history({"ActivationStats": [part] * 40, "Loss": flat}))
+    assert held.evidence["since"] == 0 and held.evidence["at_start"] and held.evidence["held"]
+    (at_once,) = rule.check(history({"ActivationStats": [whole] * 3, "Loss": learning[:3]}))
+    assert at_once.evidence["at_start"] and at_once.step == 2 and "held" not in at_once.evidence
+    assert ids(R.DeadUnits(blocked=0.5).check(history({"ActivationStats": [part] * 3, "Loss": learning[:3]}))) == [
+        ("dead-units", "5")]  # blocked at the threshold: every share dead from the start is reported at once
+    with pytest.raises(ValueError, match="blocked"):
+        R.DeadUnits(blocked=0.4)
 
 
 def test_poor_initialization():
@@ -738,3 +784,27 @@ def test_stream_metadata_names_layers_of_a_model_found_later(tmp_path):
     cockpit.close()
     metadata, _ = read_log_with_metadata(tmp_path / "run.jsonl")
     assert metadata["param_names"] == [name for name, _ in model.named_parameters()]
+
+
+def test_a_recurrent_gradient_that_explodes_before_any_sign_of_a_large_rate_is_the_recurrence():
+    """Round 6 (the outside tester's B08, an nn.RNN with recurrent weights 2 x orthogonal and no clipping): the
+    gradient norm grew from 17 to 5e7 by step 11 while the update ratios stayed below 0.5, then the loss was
+    NaN; the growth was read as a learning rate too large. In a model whose log names recurrent weights, a
+    gradient that explodes before any finding shows a large rate (the updates that blow up at the same step
+    are its consequence) names the recurrence; a rate signal before it, or no recurrence, keeps the rate."""
+    from cockpit_like.diagnosis import group_findings
+
+    names = {"param_names": ["rnn.weight_ih_l0", "rnn.weight_hh_l0", "head.weight"]}
+    norms = [[10.0, 6.0, 0.3]] * 10 + [[1.5e6, 3.6e7, 0.9]]
+    (grown,) = R.ExplodingGradient().check(history({"GradNorm": norms}, names))
+    assert not grown.evidence.get("at_start") and grown.evidence["recurrent"] == ["rnn.weight_hh_l0"]
+    same_step = Finding("update-ratio-too-large", "warning", 10, "rnn.weight_hh_l0", evidence={"since": 10})
+    nan = Finding("nonfinite-loss", "error", 11, None, evidence={})
+    first = group_findings([grown, same_step, nan])[0]
+    assert first.cause == "exploding-gradient" and "rnn.weight_hh_l0" in first.fix
+    assert first.title.startswith("the gradient explodes through the recurrence") and "before any update" not in first.title
+    assert {f.rule for f in first.symptoms} >= {"update-ratio-too-large", "nonfinite-loss"}
+    earlier = Finding("update-ratio-too-large", "warning", 4, "rnn.weight_ih_l0", evidence={"since": 4})
+    assert group_findings([earlier, grown, nan])[0].cause == "learning-rate-too-large"
+    (plain,) = R.ExplodingGradient().check(history({"GradNorm": norms}, {"param_names": ["0.weight", "1.weight", "2.weight"]}))
+    assert plain.evidence["recurrent"] == [] and group_findings([plain, same_step])[0].cause == "learning-rate-too-large"

@@ -94,6 +94,12 @@ def _recurrence_shown(evidence: Iterable[Finding]) -> bool:
     return any(f.rule == "exploding-recurrence" or f.evidence.get("recurrent") for f in evidence)
 
 
+#: the title of a gradient that exploded after updates through a recurrence, with no sign of a large learning
+#: rate before it (round 6)
+_RECURRENT_GROWTH_TITLE = ("the gradient explodes through the recurrence: it grew before the updates or the loss "
+                           "showed a learning rate too large")
+
+
 #: the title of unnormalized inputs seen on the raw input (``DataStats``' ``input_rms``), not on the first layer
 _RAW_INPUT_TITLE = "the inputs are not normalized: the model's raw inputs are far larger than unit scale"
 
@@ -102,6 +108,10 @@ def _wording(cause_id: str, evidence: list[Finding]) -> tuple[str, str]:
     """The cause's title and fix, for what its evidence shows: recurrent weights only for a model with a
     recurrence; the raw input or the first layer's outputs, whichever ``large-input-scale`` measured."""
     cause = CAUSES[cause_id]
+    if cause_id == "exploding-gradient" and evidence and _recurrence_shown(evidence) and not any(
+            f.evidence.get("at_start") for f in evidence):  # it grew after updates (round 6: a recurrence's)
+        names = next((f.evidence["recurrent"] for f in evidence if f.evidence.get("recurrent")), None)
+        return _RECURRENT_GROWTH_TITLE, exploding_gradient_fix(names)
     if cause_id == "exploding-gradient" and not _recurrence_shown(evidence):
         return cause.title, _GENERAL_EXPLODING_FIX
     if cause_id == "unnormalized-inputs" and any("input_rms" in f.evidence for f in evidence):
@@ -280,6 +290,8 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
             return "exploding-gradient"
         if finding.severity == "error":  # a non-finite gradient: as the loss
             return _nonfinite_cause(finding, findings)
+        if _recurrence_shown([finding]) and not _rate_signal_before(since(finding), finding, findings):
+            return "exploding-gradient"  # through a recurrence, before the updates or the loss showed a large rate
         return "learning-rate-too-large"
     if rule == "nonfinite-loss":
         return _nonfinite_cause(finding, findings)
@@ -316,12 +328,30 @@ def since(finding: Finding) -> int:
 
 def _nonfinite_cause(finding: Finding, findings: Iterable[Finding]) -> str:
     blow_up = {"loss-diverging", "update-ratio-too-large", "loss-spikes"}
+    findings = list(findings)
     for other in findings:
         if other.step <= finding.step and other is not finding and (other.rule in blow_up or (
                 other.rule == "exploding-gradient" and other.severity != "error") or (
                 other.rule == "loss-spike" and _spike_cause(other) == "learning-rate-too-large")):
+            if other.rule == "exploding-gradient" and cause_of(other, findings) == "exploding-gradient":
+                return "exploding-gradient"  # the blow-up was the recurrence's (round 6)
             return "learning-rate-too-large"
     return "nonfinite-operation"
+
+
+#: findings that show a learning rate too large in the updates or the loss (a ``loss-spike`` counts where its
+#: post-mortem names the rate)
+_RATE_SIGNALS = ("update-ratio-too-large", "loss-diverging", "learning-rate-jump", "step-overshoots",
+                 "sharpness-above-stability", "loss-spikes", "loss-jump")
+
+
+def _rate_signal_before(step: int, finding: Finding, findings: Iterable[Finding]) -> bool:
+    """Whether a finding other than ``finding`` shows a learning rate too large with evidence starting before
+    ``step`` (an update that blew up at the step of an exploding gradient is its consequence: update = rate x
+    gradient)."""
+    return any(other is not finding and since(other) < step and (
+        other.rule in _RATE_SIGNALS or (other.rule == "loss-spike" and _spike_cause(other) == "learning-rate-too-large"))
+        for other in findings)
 
 
 #: rules whose findings say the learning rate or the updates grew: a loss that rises after them is theirs

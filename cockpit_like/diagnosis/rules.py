@@ -725,7 +725,8 @@ class ExplodingGradient(Rule):
                 f"reference {_g(reference)} (the first tracked norm or the run's median, the smaller)",
                 fix="lower the learning rate, clip gradients (torch.nn.utils.clip_grad_norm_), or normalize "
                 "activations (LayerNorm/BatchNorm)",
-                evidence={"step": step, "norm": latest, "reference": reference, "since": step},
+                evidence={"step": step, "norm": latest, "reference": reference, "since": step,
+                          "recurrent": _recurrent_parameters(history)},
             )
         ]
 
@@ -774,6 +775,15 @@ def _structurally_zero(history: RunHistory, ratio: float = 1e-4) -> set[int]:
             found = {i for i in range(len(row)) if (history.param_ndim(i) or 2) < 2 and row[i] < ratio * row.max()}
         memo.update(key=key, value=found)
     return memo["value"]
+
+
+def _passed_through(history: RunHistory, norms: np.ndarray, index: int, floor: float) -> bool:
+    """Whether a weight registered before parameter ``index`` (closer to the input, in the order of
+    ``model.parameters()``) has a gradient norm of at least ``floor``: the backward signal reached the layers
+    below ``index`` undiminished, so a small gradient of ``index`` itself is local to the layer (an attention
+    query or key at initialization, whose gradient is second order in near-zero logits), not a gradient that
+    vanishes through depth, which leaves every layer below it small too (round 6 of issue 36)."""
+    return any((history.param_ndim(j) or 2) >= 2 and norms[j] >= floor for j in range(index))
 
 
 #: the fix of a weight whose gradient is exactly 0 (``vanishing-gradient``, ``poor-initialization``)
@@ -826,6 +836,9 @@ class VanishingGradient(Rule):
                 if layer in _frozen_since(history, "GradNorm", all_steps):
                     continue  # requires_grad=False: no gradient by construction (unchanged-parameters says so)
                 zero = bool((norms[:, index] == 0).all())
+                if not zero and median[index] >= self.floor and _passed_through(
+                        history, np.where(median >= self.floor, relative, 0.0), index, self.ratio):
+                    continue  # a weight below it gets a normal gradient: small here, not vanishing through depth
                 if zero:  # cut off, not small: a ratio of 0 says nothing
                     message = (f"the gradient of {layer} is exactly 0 at steps {steps[0]}..{steps[-1]} (the "
                                f"largest layer's: {_g(_column_median(largest)[0])}): nothing reaches it")
@@ -1371,7 +1384,12 @@ class DeadUnits(_ActivationShare):
     well (seen on the generated corpus's tuning families). Round 4 (issue
     36) raised ``settle`` from 10 to 30: healthy Adagrad CNNs and MLPs whose
     units died in the first 10 steps were still above 0.7 x their first
-    loss at step 10-20, and trained well.
+    loss at step 10-20, and trained well. Round 6: units dead from the first
+    step are reported at once only where at least ``blocked`` of the layer
+    is dead (the layer passes next to no gradient); a smaller share (a
+    healthy autoencoder's ReLU after its 8-unit code: 56-59% at
+    initialization) is held to the same test as units that died later, and
+    then reported from the first step (``since``, ``at_start``, ``held``).
     """
 
     id = "dead-units"
@@ -1380,10 +1398,13 @@ class DeadUnits(_ActivationShare):
     field = "dead_fraction"
 
     def __init__(self, threshold: float = 0.5, window: int = 3, min_samples: int = 8, learning: float = 0.7,
-                 settle: int = 30):
+                 settle: int = 30, blocked: float = 0.9):
         super().__init__(threshold, window, min_samples)
         self.learning = _check_positive("learning", learning)
         self.settle = _check_window(settle, "settle")
+        if not threshold <= blocked <= 1.0:
+            raise ValueError(f"blocked must lie in [threshold ({threshold}), 1], got {blocked!r}")
+        self.blocked = float(blocked)
 
     def check(self, history: RunHistory) -> list[Finding]:
         found = super().check(history)
@@ -1392,10 +1413,14 @@ class DeadUnits(_ActivationShare):
         first = history.first("ActivationStats", 1)[0][0]
         kept = []
         for finding in found:
-            if finding.evidence.get("developed") and (
+            # dead from the first step, but not (nearly) all of the layer: the rest still passes a gradient
+            partial = not finding.evidence.get("developed") and finding.evidence[self.field] < self.blocked
+            if (finding.evidence.get("developed") or partial) and (
                     finding.step - first < self.settle
                     or recipe.loss_share(history, before_updates=True) < self.learning):
-                continue  # units alive at the start: wait, and let a run that learns well keep its loss of units
+                continue  # wait, and let a run that learns well keep its share of dead units
+            if partial:  # dead since the first step (above the threshold there), found once the loss has not fallen
+                finding.evidence.update(since=int(first), at_start=True, held=True)
             kept.append(finding)
         return kept
     fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
@@ -1631,8 +1656,16 @@ class PoorInitialization(Rule):
         if len(weights) < 2:
             return []
         largest = max(norms[i] for i in weights)
+        if not largest > 0:
+            return []
+        # a weight whose gradient is small while one registered before it gets a gradient within the spread
+        # is small for a reason of its own (attention queries and keys at initialization), not through depth
+        weights = [i for i in weights if norms[i] == 0 or not _passed_through(
+            history, np.where(np.isin(np.arange(len(norms)), weights), norms, 0.0), i, largest / self.spread)]
+        if not weights:
+            return []
         smallest = min(weights, key=lambda i: norms[i])
-        if not largest > 0 or norms[smallest] * self.spread >= largest:
+        if norms[smallest] * self.spread >= largest:
             return []
         layer = history.param_name(smallest)
         steps = [step for step, _ in early]
