@@ -12,7 +12,6 @@ GradScaler (1 recorded against 1024). Float64, against per-sample gradients from
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from cockpit_like import Cockpit
 from cockpit_like.quantities import GradNorm, InnerTest, Loss, NormTest, OrthoTest
 from cockpit_like.utils.schedules import linear
+from tests.helpers import brute_force_step
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook")
 DT = torch.float64
@@ -38,23 +38,7 @@ def _tokens(model, x, y):
 
 
 def _reference(model, x, y):
-    """Loss, GradNorm, NormTest, InnerTest, OrthoTest of one batch of all the step's rows (QUANTITIES.md §3, §5)."""
-    params = list(model.parameters())
-    rows = [torch.autograd.grad(_tokens(model, x[i : i + 1], y[i : i + 1]).mean(), params) for i in range(len(x))]
-    n = len(rows)
-    flat = torch.stack([torch.cat([g.reshape(-1) for g in row]) for row in rows])  # [N, D]
-    mean = flat.mean(0)
-    g2 = float(mean @ mean)
-    with torch.no_grad():
-        loss = float(_tokens(model, x, y).mean(1).mean())
-    pi = flat @ mean  # <g_i, g>
-    norm_test = math.sqrt(float(((flat - mean) ** 2).sum()) / ((n - 1) * n * g2))
-    inner_test = math.sqrt(float(((pi - g2) ** 2).sum()) / ((n - 1) * n * g2**2))
-    ortho = flat - (pi / g2)[:, None] * mean
-    ortho_test = math.sqrt(float((ortho**2).sum()) / ((n - 1) * n * g2))
-    offsets = torch.tensor([0] + [p.numel() for p in params]).cumsum(0)
-    grad_norm = [float(mean[offsets[k] : offsets[k + 1]].norm()) for k in range(len(params))]
-    return {"Loss": loss, "GradNorm": grad_norm, "NormTest": norm_test, "InnerTest": inner_test, "OrthoTest": ortho_test}
+    return brute_force_step(model, lambda m, i: _tokens(m, x[i : i + 1], y[i : i + 1]).mean(), len(x))
 
 
 def _run(K: int, scale: float | None):
