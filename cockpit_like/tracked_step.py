@@ -792,7 +792,8 @@ class TrackedStep:
 
         Each backward pass ``k`` propagated ``f_k x`` its mean loss (``f_k`` seen by the hook on
         ``info["loss"]``, else what was declared); with ``K`` equal passes the step's mean-loss gradient
-        is ``p.grad / (f K)``."""
+        is ``p.grad / (f K)``; with passes of ``B_k`` rows whose seen factors are ``f_k = c B_k / B`` (their shares
+        of the step's rows) it is ``p.grad / c`` (:meth:`StepPartitions.gradient_scale`)."""
         passes = len(partitions.partitions)
         factors = [p.factor for p in partitions.partitions]
         if all(f is not None for f in factors):
