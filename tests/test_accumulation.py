@@ -308,3 +308,40 @@ def test_unequal_micro_batches_divided_by_their_count_are_refused_with_what_to_d
     with pytest.raises(RuntimeError, match=r"(?s)micro-batch 1 has 4 rows, micro-batch 0 had 5.*0\.333333 and "
                        r"0\.333333.*unequal micro-batches.*loss \* B_k / B_step"):  # fmt: skip
         _unequal_steps(cockpit, problem, optimizer, (5, 4, 3), steps=1, weighting="count")
+
+
+@pytest.mark.parametrize("preset", ["business", "full"])
+def test_unequal_micro_batches_on_an_extended_model_equal_one_pass(preset):
+    """The same on a ``backpack.extend``ed model and loss module (BackPACK's buffers, linear in the mean loss, are
+    the micro-batches' row-weighted means): the numbers of the 12 rows as one batch."""
+    from backpack import extend
+
+    def train(sizes):
+        torch.manual_seed(0)
+        model = extend(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double())
+        lossfunc = extend(torch.nn.CrossEntropyLoss())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(50 + step)
+            x, y = torch.randn(12, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (12,), generator=g)
+            optimizer.zero_grad()
+            start = 0
+            for micro, size in enumerate(sizes):
+                part = slice(start, start + size)
+                start += size
+                outputs = model(x[part])
+                loss = lossfunc(outputs, y[part])
+                info = {"batch_size": size, "loss": loss, "optimizer": optimizer, "micro_batches": len(sizes),
+                        "individual_losses": torch.nn.functional.cross_entropy(outputs, y[part], reduction="none")}
+                if micro == len(sizes) - 1:
+                    torch.manual_seed(step)
+                with cockpit(step, info=info):
+                    (loss * size / 12).backward(create_graph=cockpit.create_graph(step))
+            optimizer.step()
+        assert all(cockpit.checks[step]["valid"] for step in range(STEPS)), cockpit.checks
+        return {s: {k: v for k, v in values.items() if k != "checks"} for s, values in _without_time(cockpit.get_output()).items()}
+
+    one, unequal = train((12,)), train((5, 4, 3))
+    assert {"HessTrace", "TICDiag", "NormTest", "Alpha"} <= set(one[1])
+    _assert_close(unequal, one, f"extended/{preset}/unequal")
