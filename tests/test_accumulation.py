@@ -345,3 +345,21 @@ def test_unequal_micro_batches_on_an_extended_model_equal_one_pass(preset):
     one, unequal = train((12,)), train((5, 4, 3))
     assert {"HessTrace", "TICDiag", "NormTest", "Alpha"} <= set(one[1])
     _assert_close(unequal, one, f"extended/{preset}/unequal")
+
+
+def test_unequal_micro_batches_whose_factor_cannot_be_seen_are_refused():
+    """Detached declarations: the weighting ``B_k / B_step`` cannot be seen, so unequal micro-batches are refused
+    (the cockpit cannot tell ``loss * B_k / B_step`` from ``loss / K``), naming what to do."""
+    model, lossfunc, individual, batch = _problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    inputs, targets = batch(9, 100)
+    with pytest.raises(RuntimeError, match=r"(?s)micro-batch 1 has 4 rows, micro-batch 0 had 5.*could not be "
+                       r"seen.*loss \* B_k / B_step\) computed from info\['loss'\]"):  # fmt: skip
+        for part in (slice(0, 5), slice(5, 9)):
+            outputs = model(inputs[part])
+            loss = lossfunc(outputs, targets[part])
+            info = {"batch_size": len(targets[part]), "loss": float(loss.detach()), "optimizer": optimizer, "micro_batches": 2,
+                    "individual_losses": individual(outputs, targets[part]).detach()}  # fmt: skip
+            with cockpit(0, info=info):
+                (loss * len(targets[part]) / 9).backward()
