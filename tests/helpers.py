@@ -271,7 +271,7 @@ def brute_force_step(model: nn.Module, row_loss, rows: int) -> dict:
     losses, grads = [], []
     for i in range(rows):
         loss = row_loss(model, i)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
     flat = torch.stack(grads).to(torch.float64)  # [N, D]
     mean = flat.mean(0)
