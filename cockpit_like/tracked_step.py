@@ -792,14 +792,19 @@ class TrackedStep:
 
         Each backward pass ``k`` propagated ``f_k x`` its mean loss (``f_k`` seen by the hook on
         ``info["loss"]``, else what was declared); with ``K`` equal passes the step's mean-loss gradient
-        is ``p.grad / (f K)``."""
+        is ``p.grad / (f K)``; with passes of ``B_k`` rows whose seen factors are ``f_k = c B_k / B`` (their shares
+        of the step's rows) it is ``p.grad / c`` (:meth:`StepPartitions.gradient_scale`)."""
         passes = len(partitions.partitions)
         factors = [p.factor for p in partitions.partitions]
         if all(f is not None for f in factors):
-            if any(abs(f - factors[0]) > 1e-6 * abs(factors[0]) for f in factors):
+            scale = partitions.gradient_scale()
+            if scale is None:
+                rows = [p.rows for p in partitions.partitions]
                 checks.fail("loss_factor", f"the backward passes of step {self.step} propagated their losses with "
-                            f"different factors {factors}; the accumulated gradient cannot be unscaled")
-            scale = factors[0] * passes
+                            f"different factors {factors}" + (f" over micro-batches of {rows} rows" if len(set(rows)) > 1
+                            else "") + ": the accumulated gradient is not a multiple of the step's mean-loss gradient "
+                            "and cannot be unscaled (each micro-batch's factor must be the same share of its rows)")
+                scale = factors[0] * passes
         else:
             declared = checks.declared
             scale = partitions.scale * passes / declared if declared > 1 else partitions.scale

@@ -260,3 +260,32 @@ def row_stats_probe(track_schedule):
             return [s.clone() for s in record.stat(SumOfSquares())], record.stat(SquaredNorms()).clone()
 
     return RowStatsProbe(track_schedule)
+
+
+def brute_force_step(model: nn.Module, row_loss, rows: int) -> dict:
+    """Loss, GradNorm, NormTest, InnerTest and OrthoTest of one batch of ``rows`` rows (QUANTITIES.md §3, §5), from
+    per-sample gradients of a loop of ``torch.autograd.grad``; ``row_loss(model, i)``: the loss of row ``i``."""
+    import math
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    losses, grads = [], []
+    for i in range(rows):
+        loss = row_loss(model, i)
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+    flat = torch.stack(grads).to(torch.float64)  # [N, D]
+    mean = flat.mean(0)
+    g2 = float(mean @ mean)
+    pi = flat @ mean  # <g_i, g>
+    n = rows
+    ortho = flat - (pi / g2)[:, None] * mean
+    offsets = [0]
+    for p in params:
+        offsets.append(offsets[-1] + p.numel())
+    return {
+        "Loss": sum(losses) / n,
+        "GradNorm": [float(mean[offsets[k] : offsets[k + 1]].norm()) for k in range(len(params))],
+        "NormTest": math.sqrt(float(((flat - mean) ** 2).sum()) / ((n - 1) * n * g2)),
+        "InnerTest": math.sqrt(float(((pi - g2) ** 2).sum()) / ((n - 1) * n * g2**2)),
+        "OrthoTest": math.sqrt(float((ortho**2).sum()) / ((n - 1) * n * g2)),
+    }

@@ -303,14 +303,41 @@ class StepPartitions:
         return sum(p.rows for p in self.partitions)
 
     def add(self, partition: Partition) -> None:
+        """Keep one backward pass of the step. Its rows may differ from the first pass's only where both factors were
+        seen and are the passes' shares of the step's rows (``f_k / B_k`` the same for every pass: each micro-batch's
+        mean loss times ``B_k / B``), so that the accumulated gradient is a multiple of the step's mean-loss gradient."""
         if self.partitions and partition.rows != self.partitions[0].rows:
-            raise PartitionError(
-                f"cockpit step {self.step}: micro-batch {len(self.partitions)} has {partition.rows} rows, micro-batch "
-                f"0 had {self.partitions[0].rows}. The accumulated gradient (losses divided by the number of "
-                "micro-batches) is the gradient of the step's mean loss only when every micro-batch has the same "
-                "number of rows; use equal micro-batches (drop_last=True), or leave this step untracked."
-            )
+            first, k = self.partitions[0], len(self.partitions)
+            f0, fk = first.factor, partition.factor
+            if f0 is None or fk is None or not _proportional(f0, first.rows, fk, partition.rows):
+                seen = (
+                    f"the factors seen between each backpropagated loss and its info['loss'] were {f0:.6g} and {fk:.6g}"
+                    if f0 is not None and fk is not None else
+                    "the factor between a backpropagated loss and its info['loss'] could not be seen (the tensor "
+                    "backpropagated is not computed from info['loss'])"
+                )  # fmt: skip
+                raise PartitionError(
+                    f"cockpit step {self.step}: micro-batch {k} has {partition.rows} rows, micro-batch 0 had "
+                    f"{first.rows}, and {seen}. With unequal micro-batches the accumulated gradient is the gradient of "
+                    "the step's mean loss only when each micro-batch's mean loss is weighted by its share of the "
+                    "step's rows: backpropagate (loss * B_k / B_step) computed from info['loss'] (B_k the micro-batch's "
+                    "rows, B_step the step's; info['loss'] and info['individual_losses'] the micro-batch's own), not "
+                    "loss / K. Or use equal micro-batches (drop_last=True), or leave this step untracked "
+                    "(docs/your_training_loop.md#gradient-accumulation)."
+                )
         self.partitions.append(partition)
+
+    def gradient_scale(self) -> float | None:
+        """The factor between the accumulated gradient and the step's mean-loss gradient where every pass's factor
+        was seen and they are the passes' shares of the rows (``f_0 B / B_0``: ``K f`` for ``K`` equal passes);
+        ``None`` where a factor was not seen or they are not (the caller says why)."""
+        factors = [p.factor for p in self.partitions]
+        if not factors or any(f is None for f in factors):
+            return None
+        first = self.partitions[0]
+        if any(not _proportional(factors[0], first.rows, p.factor, p.rows) for p in self.partitions):
+            return None
+        return factors[0] * (self.rows / first.rows)
 
     def merge(self, params: list[torch.Tensor], whole: dict, reduction: Reduction | None) -> tuple[dict, dict]:
         """The step's statistics and ``info`` from its partitions' (and, with ``reduction``, the ranks').
@@ -357,6 +384,11 @@ class StepPartitions:
         finishers = {key: across(key, value, reduction) for key, value in whole.items()}
         reduction.run()
         return {key: finish() for key, finish in finishers.items()}
+
+
+def _proportional(f0: float, rows0: int, f: float, rows: int) -> bool:
+    """Whether ``f0 / rows0 == f / rows`` (to the factors' rounding)."""
+    return abs(f * rows0 - f0 * rows) <= 1e-6 * abs(f0 * rows)
 
 
 def across(key, value, reduction: Reduction) -> Callable[[], Any]:

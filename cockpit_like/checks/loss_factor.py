@@ -27,7 +27,7 @@ from functools import partial
 
 import torch
 
-from cockpit_like.backends.internal import cockpit_work
+from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
 
 __all__ = ["LossFactor"]
 
@@ -51,6 +51,8 @@ class LossFactor:
         #: where the factor was seen: ``"loss"`` (a hook on ``info["loss"]``) or ``"output"`` (the model's output)
         self.seen_at: str | None = None
         self.calls = 0
+        #: the probe at the model's output is running (its backward pass from the rows is not the user's)
+        self._probing = False
         self._on_factor = on_factor
         self._handles: list = []
         self.watched = isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1
@@ -82,6 +84,8 @@ class LossFactor:
             self._handles.append(node.register_prehook(partial(self._at_output, node, output_nr)))
 
     def _seen(self, grad: torch.Tensor) -> None:
+        if self._probing or in_cockpit_work():  # the cockpit's own backward pass, not the user's
+            return
         self.calls += 1
         with cockpit_work():  # the cockpit's own work: not part of a recorded step
             value = float(grad.detach().reshape(-1)[0])
@@ -94,7 +98,8 @@ class LossFactor:
 
     def _at_rows(self, grad: torch.Tensor) -> None:
         """``info["individual_losses"]`` got its gradient: ``f / B`` on every row if the root is ``f`` times their mean."""
-        if self.factor is not None or self.calls:
+        if self.factor is not None or self.calls or self._probing or in_cockpit_work():
+            # (the probe at the model's output runs a backward pass from these rows: that one is the cockpit's)
             return
         with cockpit_work():
             rows = grad.detach().to(torch.float64).reshape(-1)
@@ -108,7 +113,7 @@ class LossFactor:
     def _at_output(self, node, output_nr: int, grad_outputs) -> None:
         """The model's output got its gradient ``delta``: if ``info["loss"]`` did not show the factor, it is
         ``f`` in ``delta = f * d mean(individual_losses) / d output`` where that holds (checked)."""
-        if self.factor is not None or self.calls or self._losses is None:
+        if self.factor is not None or self.calls or self._losses is None or self._probing or in_cockpit_work():
             return
         delta = grad_outputs[output_nr]
         if delta is None:
@@ -117,6 +122,7 @@ class LossFactor:
 
         with cockpit_work(), torch.enable_grad():
             losses = self._losses
+            self._probing = True  # (hooks may run on another thread of the autograd engine: marked here too)
             try:
                 (expected,) = torch.autograd.grad(
                     losses, [GradientEdge(node, output_nr)], grad_outputs=torch.full_like(losses, 1.0 / losses.numel()),
@@ -124,6 +130,8 @@ class LossFactor:
                 )  # fmt: skip
             except RuntimeError:  # the losses' graph is gone or does not reach the output
                 return
+            finally:
+                self._probing = False
             if expected is None:
                 return
             delta, expected = delta.detach().to(torch.float64), expected.detach().to(torch.float64)
