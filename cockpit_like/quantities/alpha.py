@@ -52,7 +52,7 @@ from cockpit_like.checks.invariants import tolerance_for
 from cockpit_like.functional import tensor_lists
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
-from cockpit_like.utils.optim import lookahead_update
+from cockpit_like.utils.optim import LookaheadNotValid, lookahead_update
 
 __all__ = ["Alpha", "lookahead_update"]  # lookahead_update: re-exported from cockpit_like.utils.optim
 
@@ -101,6 +101,10 @@ def _norm(tensors) -> torch.Tensor:
 
 def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     return sum((x * y).sum() for x, y in zip(a, b))
+
+
+#: :meth:`Alpha._predict_update`'s answer where the look-ahead ran but could not predict the update (noted)
+_NOT_VALID = object()
 
 
 class Alpha(TwoStepQuantity):
@@ -180,6 +184,8 @@ class Alpha(TwoStepQuantity):
                     raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
                 grad_sum = [kept.batch_sum() for kept in retained]
                 predicted = self._predict_update(global_step, record, params, grad_sum)
+                if predicted is _NOT_VALID:  # noted: nothing is kept, the end step stores no value
+                    return
                 if predicted is None:  # no look-ahead: the update is assumed along the negative gradient
                     predicted, prediction = [-g for g in grad_sum], "guessed"
                 slopes = self._slopes(retained, predicted, batch_size)
@@ -258,6 +264,9 @@ class Alpha(TwoStepQuantity):
                 ("lookahead", id(optimizer), tuple(id(p) for p in live)),
                 lambda: [whole(d) for d in lookahead_update(optimizer, live, optimizer_gradients(live))],
             )
+        except LookaheadNotValid as error:  # the run was left alone; the prediction would be wrong
+            record.note(f"Alpha of step {global_step} is not stored: {error}.")
+            return _NOT_VALID
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
             warnings.warn(
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
