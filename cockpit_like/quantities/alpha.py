@@ -174,6 +174,9 @@ class Alpha(TwoStepQuantity):
         batch_size = record.require("batch_size", "Alpha")
         result = record.stat(PredictedSlopes(self._slopes_key(global_step)))
         prediction = "waited" if record.at_optimizer_step else "backward"  # from which gradients
+        if result.get("not_valid"):  # the look-ahead could not predict the update (it wrote the real parameters)
+            record.note(f"Alpha of step {global_step} is not stored: {result['not_valid']}.")
+            return
         if result["mode"] == "predicted":
             grad_sum, predicted, slopes = self._predicted_slopes(global_step, record, params, result, batch_size)
         else:

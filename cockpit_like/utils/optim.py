@@ -296,12 +296,14 @@ class StepGuard(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         schema = func._schema
+        # an in-place op without annotations (torch.distributed's ``c10d::broadcast_``): each tensor it gets
+        unannotated = schema.name.endswith("_") and not any(a.alias_info is not None for a in schema.arguments)
         for index, argument in enumerate(schema.arguments):
             value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
             if isinstance(value, torch.Generator):
                 if id(value) not in self._generators:
                     self._generators[id(value)] = (value, value.get_state())
-            elif argument.alias_info is not None and argument.alias_info.is_write:
+            elif unannotated or (argument.alias_info is not None and argument.alias_info.is_write):
                 for tensor in _tensors(value):
                     self._before_write(tensor)
         out = func(*args, **kwargs)
