@@ -225,8 +225,8 @@ def keeps_state_in_groups(optimizer) -> bool:
     in ``step()``: one of torch's own optimizers (``torch.optim``), or a subclass of one that adds no method of
     its own other than ``__init__`` (its ``step()`` is torch's). Other optimizers' look-aheads run under a
     :class:`StepGuard`."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return False
+    if not isinstance(optimizer, torch.optim.Optimizer) or "step" in vars(optimizer):
+        return False  # not an optimizer of torch's, or its step() replaced on the instance (a wrapper's patch)
     mro = type(optimizer).__mro__
     if not any(c.__module__.startswith("torch.optim.") and c is not torch.optim.Optimizer for c in mro):
         return False  # a hand-written step()
@@ -319,7 +319,10 @@ class StepGuard(TorchDispatchMode):
             return
         if storage in self._real and self._real[storage] not in self.wrote_real:
             self.wrote_real.append(self._real[storage])
-        key = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        try:
+            key = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        except Exception:  # noqa: BLE001 - a sparse tensor has no strides: one copy per tensor object
+            key = (storage, id(tensor))
         if key in self._seen:
             return
         self._seen.add(key)
