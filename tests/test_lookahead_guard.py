@@ -268,3 +268,61 @@ def test_torch_optimizers_take_the_fast_path(monkeypatch):
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def _job_ddp_zero(rank: int) -> dict:
+    """Both ranks of DDP with ``ZeroRedundancyOptimizer(AdamW)``: each rank's inner optimizer steps its shard and
+    ZeRO broadcasts the shards (``c10d::broadcast_``, an in-place op without alias annotations) in its step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    result = {}
+    for with_cockpit in (False, True):
+        model, lossfunc, individual = make_problem("mlp")
+        ddp = DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=0.02)
+        cockpit = Cockpit(ddp.parameters(), [Alpha(lambda t: True), UpdateSize(lambda t: True)], model=ddp) \
+            if with_cockpit else None  # fmt: skip
+        snapshots = []
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook")
+            for step in range(3):
+                inputs, labels = make_batch("mlp", 2 * BATCH, seed=100 + step)
+                inputs, labels = inputs[rank * BATCH : (rank + 1) * BATCH], labels[rank * BATCH : (rank + 1) * BATCH]
+                opt.zero_grad()
+                out = ddp(inputs)
+                loss, losses = lossfunc(out, labels), individual(out, labels)
+                snapshots.append([p.detach().clone() for p in model.parameters()])
+                if cockpit is None:
+                    loss.backward()
+                else:
+                    with cockpit(step, info={"batch_size": BATCH, "individual_losses": losses, "loss": loss,
+                                             "optimizer": opt}):  # fmt: skip
+                        loss.backward()
+                opt.step()
+        snapshots.append([p.detach().clone() for p in model.parameters()])
+        result[with_cockpit] = {"snapshots": snapshots, "rand": torch.rand(3),
+                                "output": None if cockpit is None else cockpit.get_output(),
+                                "notes": None if cockpit is None else {t: c.get("notes", []) for t, c in cockpit.checks.items()}}  # fmt: skip
+    return result
+
+
+@pytest.mark.slow
+def test_zero_redundancy_optimizer_under_ddp_is_left_alone_and_stores_no_alpha(tmp_path):
+    from tests.test_distributed import _spawn
+
+    for rank, result in enumerate(_spawn("tests.test_lookahead_guard:_job_ddp_zero", tmp_path, timeout=180)):
+        plain, tracked = result[False], result[True]
+        for a, b in zip(plain["snapshots"][-1], tracked["snapshots"][-1]):
+            assert torch.equal(a, b), rank
+        assert torch.equal(plain["rand"], tracked["rand"])
+        if rank > 0:
+            continue  # one rank keeps the values (docs/distributed.md)
+        snapshots = tracked["snapshots"]
+        for t in range(2):
+            expected = [(b - a).norm().item() for a, b in zip(snapshots[t], snapshots[t + 1])]
+            assert tracked["output"][t]["UpdateSize"] == pytest.approx(expected, rel=1e-12, abs=1e-15)
+        for t in range(3):
+            assert "Alpha" not in tracked["output"][t]
+            (note,) = tracked["notes"][t]
+            assert f"Alpha of step {t} is not stored" in note and "ZeroRedundancyOptimizer.step()" in note
