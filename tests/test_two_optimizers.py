@@ -25,9 +25,10 @@ def optimizers(model):
     return torch.optim.SGD(matrices, lr=0.1, momentum=0.9), torch.optim.AdamW(rest, lr=0.01)
 
 
-def run(with_cockpit: bool):
+def run(with_cockpit: bool, declare: str = "last"):
     model, lossfunc, individual = make_problem("mlp")
     first, last = optimizers(model)
+    declared = last if declare == "last" else first
     quantities = [Alpha(lambda t: True), UpdateSize(lambda t: True), Distance(lambda t: True)]
     cockpit = Cockpit(model.parameters(), quantities) if with_cockpit else None
     snapshots = []
@@ -44,7 +45,7 @@ def run(with_cockpit: bool):
                 loss.backward()
             else:
                 with cockpit(step, info={"batch_size": BATCH, "individual_losses": losses, "loss": loss,
-                                         "optimizer": last}):  # fmt: skip
+                                         "optimizer": declared}):  # fmt: skip
                     loss.backward()
             first.step()
             last.step()
@@ -69,6 +70,22 @@ def test_declaring_the_last_optimizer_keeps_the_motion_and_withdraws_alpha_namin
         (note,) = cockpit.checks[t]["notes"]
         assert "info['optimizer'] (AdamW) does not hold them: another optimizer stepped them" in note
         assert f"the parameters ({matrices}) changed" in note and "withdrawn at this step: Alpha" in note and "SAM" not in note
+
+
+def test_declaring_the_first_optimizer_stores_no_alpha_and_names_the_cause():
+    """The first optimizer steps before the other moved anything: the end step sees parameters it does not hold
+    moved (not "the gradients changed before the optimizer's step"), and Alpha does not start waiting for it."""
+    plain, (model, cockpit, snapshots) = run(False), run(True, declare="first")
+    assert all(torch.equal(a, b) for a, b in zip(plain[0].parameters(), model.parameters()))
+    output = cockpit.get_output()
+    unheld = [i for i, p in enumerate(model.parameters()) if p.ndim != 2]
+    for t in range(STEPS - 1):
+        assert output[t]["UpdateSize"] == pytest.approx(norms(snapshots[t], snapshots[t + 1]), rel=1e-12, abs=1e-15)
+        assert "Alpha" not in output[t]
+        (note,) = cockpit.checks[t + 1]["notes"]
+        assert f"Alpha of step {t} is not stored: {len(unheld)} of the tracked parameters (indices {unheld})" in note
+        assert "info['optimizer'] (SGD) does not hold them" in note and "declare the one that steps last" in note
+    assert not cockpit.quantities[0]._waits
 
 
 @pytest.mark.parametrize("container", [list, tuple])

@@ -347,9 +347,28 @@ class Alpha(TwoStepQuantity):
             same, exact = self._check(start, direction, tau)
         mean_u0 = mean_u0 if exact is None else exact
         if not same:  # the start slopes' variance was taken along another direction: no value (never a wrong one)
-            record.note(self._off_prediction(start, global_step))
+            unheld = self._unheld_moved(start, global_step, direction, record.info.get("optimizer"))
+            record.note(unheld or self._off_prediction(start, global_step))
             return None
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+
+    def _unheld_moved(self, start: int, end: int, direction, optimizer) -> str | None:
+        """The note where tracked parameters that ``optimizer`` (``info["optimizer"]``) does not hold moved from
+        ``start`` to ``end`` (another optimizer stepped them: its look-ahead cannot predict that), else None."""
+        if not hasattr(optimizer, "param_groups"):
+            return None
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        name = type(optimizer).__name__
+        unheld = [i for i, p in enumerate(self._tracked_params) if id(p) not in held]
+        moved = [i for i in unheld if bool((direction[i] != 0).any())]
+        if not moved:
+            return None
+        return (f"Alpha of step {start} is not stored: {len(moved)} of the tracked parameters (indices {moved[:5]}"
+                f"{' ...' if len(moved) > 5 else ''}) moved from step {start} to {end}, and info['optimizer'] ({name}) "
+                "does not hold them: another optimizer (or the loop) stepped them, and the look-ahead predicts the "
+                f"update of {name} alone. Where several optimizers step in one iteration, declare the one that steps "
+                "last (Alpha is then withdrawn at the optimizer's step, with a note), or step all the parameters "
+                "with one optimizer (param groups) to track Alpha.")
 
     def _off_prediction(self, start: int, end: int) -> str:
         """What the note says where the update from ``start`` was not in the predicted direction; the next start
