@@ -183,7 +183,31 @@ def test_a_wrapper_stepping_its_inner_optimizer_leaves_the_run_alone_and_stores_
         assert "Alpha" not in cockpit.get_output()[t]
         (note,) = cockpit.checks[t]["notes"]
         assert f"Alpha of step {t} is not stored" in note and "Wrapper.step()" in note
-        assert "info['optimizer'] = <your Wrapper>.base" in note
+        assert "info['optimizer'] = <your Wrapper>.base, its SGD" in note
+
+
+class OwnList(torch.optim.Optimizer):
+    """Steps the parameters it listed at construction, not those in its param_groups."""
+
+    def __init__(self, params, lr=0.1):
+        params = list(params)
+        super().__init__(params, dict(lr=lr))
+        self.params = params
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p in self.params:
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
+
+
+def test_an_optimizer_stepping_its_own_list_of_parameters_leaves_the_run_alone_and_stores_no_alpha():
+    plain, tracked = run(OwnList, False), run(OwnList, True)
+    assert_same_run(plain, tracked)
+    assert_update_size_is_brute_force(tracked)
+    for t in range(3):
+        assert "Alpha" not in tracked[2].get_output()[t]
+        (note,) = tracked[2].checks[t]["notes"]
+        assert "OwnList.step()" in note and "keeps a list" in note and "holds the parameters in its param_groups" in note
 
 
 def test_declaring_the_inner_optimizer_of_a_wrapper_gives_alpha():
@@ -215,7 +239,7 @@ def test_zero_redundancy_optimizer_is_left_alone_and_stores_no_alpha(tmp_path):
     cockpit = tracked[2]
     for t in range(3):
         assert "Alpha" not in cockpit.get_output()[t]
-        assert any("ZeroRedundancyOptimizer.step()" in n and ".optim (a AdamW)" in n for n in cockpit.checks[t]["notes"])
+        assert any("ZeroRedundancyOptimizer.step()" in n and ".optim, its AdamW" in n for n in cockpit.checks[t]["notes"])
 
 
 def test_the_guard_puts_back_what_a_failing_step_wrote():

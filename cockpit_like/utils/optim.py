@@ -207,16 +207,16 @@ class LookaheadNotValid(RuntimeError):
     def __init__(self, optimizer: torch.optim.Optimizer, written: list[int]):
         self.optimizer_name = type(optimizer).__name__
         self.written = list(written)
-        inner = [f"{name} (a {type(value).__name__})" for name, value in vars(optimizer).items()
+        inner = [f"{name}, its {type(value).__name__}" for name, value in vars(optimizer).items()
                  if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
         declare = (f"declare the optimizer that holds the parameters instead, e.g. info['optimizer'] = "
                    f"<your {self.optimizer_name}>.{inner[0]}" if inner else
-                   "declare the optimizer that holds the parameters and steps them instead")
+                   "declare the optimizer that holds the parameters in its param_groups and steps them there")
         super().__init__(
             f"the look-ahead of {self.optimizer_name}.step() on copies of the parameters wrote "
             f"{len(self.written)} of the real parameters (put back since): {self.optimizer_name} steps parameters "
-            "held elsewhere than in its param_groups (it wraps or delegates to another optimizer), so its update "
-            f"cannot be predicted on copies; {declare}"
+            "held elsewhere than in its param_groups (it wraps or delegates to another optimizer, or keeps a list "
+            f"of them of its own), so its update cannot be predicted on copies; {declare}"
         )
 
 
