@@ -338,7 +338,7 @@ class StepGuard(TorchDispatchMode):
             for tensor, copied, version in reversed(self._written):  # the first copy of a place is its original
                 tensor.copy_(copied)
                 if version is not None:
-                    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+                    _set_version(tensor, version)
         self._written.clear()
         for generator, state in self._generators.values():
             generator.set_state(state)
@@ -354,6 +354,18 @@ class StepGuard(TorchDispatchMode):
                     self.wrote_real.append(index)
             if param.grad is not grad:
                 param.grad = grad
+
+
+def _set_version(tensor: torch.Tensor, version: int) -> None:
+    """Put ``tensor``'s autograd version counter back (a graph that saved it stays usable); where this torch has no
+    way to, the counter stays advanced (the values are right; a graph saved before would refuse to backward)."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return
+    try:
+        setter((tensor,), (version,))
+    except TypeError:  # torch < 2.5: one tensor and one int
+        setter(tensor, version)
 
 
 def _storage(tensor: torch.Tensor) -> int:
