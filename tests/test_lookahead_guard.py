@@ -131,6 +131,7 @@ def assert_same_run(plain, tracked, extra_state=lambda opt: [], holder=lambda op
     (model0, opt0, _, _, rand0), (model1, opt1, _, _, rand1) = plain, tracked
     for a, b in zip(model0.parameters(), model1.parameters()):
         assert torch.equal(a, b)
+        assert a._version == b._version  # a graph saved before the look-ahead stays usable
     state0, state1 = holder(opt0).state_dict()["state"], holder(opt1).state_dict()["state"]
     assert state0.keys() == state1.keys()
     for key in state0:
