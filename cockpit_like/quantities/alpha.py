@@ -10,7 +10,10 @@ without keeping per-sample gradients from one step to the next:
   ``optimizer.step()`` on shadow copies of the parameters, gradients and
   optimizer state, leaving the real ones untouched
   (:func:`cockpit_like.utils.optim.lookahead_update`, shared with
-  :class:`~cockpit_like.utils.optim.ComputeStep`). With the per-sample gradients of this step
+  :class:`~cockpit_like.utils.optim.ComputeStep`; an optimizer that keeps state
+  elsewhere steps under a :class:`~cockpit_like.utils.optim.StepGuard`, and one
+  whose step wrote the real parameters, a wrapper, gives no value at that step,
+  with a note). With the per-sample gradients of this step
   (kept only until the end of this step) it reduces the slopes
   ``u_{0,i} = g_{t,i}^T d / ||d||`` to their mean and unbiased variance. Kept
   after the backward pass: ``theta_t`` (one copy, shared with UpdateSize), the
