@@ -715,8 +715,9 @@ class Cockpit:
         self._run.watch = None
         step, _, before, grads = watch
         moved = parameters_moved(self.params, step, before)
-        held = {id(p) for group in getattr(optimizer, "param_groups", []) for p in group["params"]} if moved else set()
-        if moved and not any(id(self.params[i]) in held for i in moved):
+        groups = getattr(optimizer, "param_groups", None) if moved else None
+        held = {id(p) for group in groups for p in group["params"]} if groups else set()
+        if moved and held and not any(id(self.params[i]) in held for i in moved):
             # none of them is the declared optimizer's: another optimizer stepped them, after the block (their
             # loss and gradients are of the block's parameters; what they moved is part of the iteration's update)
             names = self._env.param_name_list()
