@@ -715,7 +715,24 @@ class Cockpit:
         self._run.watch = None
         step, _, before, grads = watch
         moved = parameters_moved(self.params, step, before)
-        if moved:
+        groups = getattr(optimizer, "param_groups", None) if moved else None
+        held = {id(p) for group in groups for p in group["params"]} if groups else set()
+        if moved and held and not any(id(self.params[i]) in held for i in moved):
+            # none of them is the declared optimizer's: another optimizer stepped them, after the block (their
+            # loss and gradients are of the block's parameters; what they moved is part of the iteration's update)
+            names = self._env.param_name_list()
+            shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
+            name = type(optimizer).__name__
+            self._withdraw_motion(
+                step, lambda q: getattr(q, "predicts_update", False), ends=False,
+                note=(f"the parameters ({shown}) changed between the backward pass of step {step} and {name}.step(), "
+                      f"and info['optimizer'] ({name}) does not hold them: another optimizer stepped them (several "
+                      "optimizers in one iteration, e.g. Muon for the matrices and AdamW for the rest). The quantities "
+                      "that measure the parameters describe the whole iteration's update, but those that predict the "
+                      f"update from {name} alone are withdrawn at this step: {{withdrawn}}. To track them, step all the "
+                      "parameters with one optimizer (param groups), or leave them out."),
+            )  # fmt: skip
+        elif moved:
             names = self._env.param_name_list()
             shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
             self._withdraw_motion(
@@ -1089,6 +1106,16 @@ def _check_step_arguments(global_step: Any, info: Any) -> None:
         raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
+    optimizers = (info or {}).get("optimizer")
+    if isinstance(optimizers, (list, tuple)):
+        names = ", ".join(type(o).__name__ for o in optimizers)
+        raise ValueError(
+            f"cockpit(info=...): info['optimizer'] takes one optimizer, got a {type(optimizers).__name__} ({names}). "
+            "Where several optimizers step in one iteration (e.g. Muon for the matrices, AdamW for the rest), declare "
+            "the one that steps last: what the others moved counts as part of the iteration's update (UpdateSize, "
+            "Distance), and the quantities that predict the update from the declared optimizer alone (Alpha) are "
+            "withdrawn with a note. For those, step all the parameters with one optimizer (param groups)."
+        )
 
 
 def _inner_optimizer(info: dict) -> dict:

@@ -749,21 +749,26 @@ class PredictedSlopes(PerSampleStat):
     @staticmethod
     def _finish_synced(state):
         """The slopes along the update predicted from the synchronised gradients (DDP)."""
-        from cockpit_like.utils.optim import lookahead_update
+        from cockpit_like.utils.optim import LookaheadNotValid, lookahead_update
 
         params = state["params"]
         grads = [step_grad(p).detach() for p in params]
         optimizer = state["optimizer"]
+        not_valid = None
         if optimizer is None:
             direction = [-g for g in grads]
         else:  # the same update for every partition of the step: one look-ahead, on the gradients it steps with
-            direction = step_memo(
-                ("lookahead", id(optimizer), tuple(id(p) for p in params)),
-                lambda: [whole(d) for d in lookahead_update(optimizer, params, optimizer_gradients(params))],
-            )
+            try:
+                direction = step_memo(
+                    ("lookahead", id(optimizer), tuple(id(p) for p in params)),
+                    lambda: [whole(d) for d in lookahead_update(optimizer, params, optimizer_gradients(params))],
+                )
+            except LookaheadNotValid as error:  # no prediction; zero dots keep the ranks' collectives in step
+                direction, not_valid = [torch.zeros_like(g) for g in grads], str(error)
         dots = sum(kept.dots(direction[index]) for index, _, kept in state["pending"])
         state["pending"].clear()
-        return {"mode": "predicted", "dots": dots, "direction": direction, "grad_sum": grads}
+        result = {"mode": "predicted", "dots": dots, "direction": direction, "grad_sum": grads}
+        return result if not_valid is None else {**result, "not_valid": not_valid}
 
     @staticmethod
     def _flush(state):

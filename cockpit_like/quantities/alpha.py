@@ -10,7 +10,10 @@ without keeping per-sample gradients from one step to the next:
   ``optimizer.step()`` on shadow copies of the parameters, gradients and
   optimizer state, leaving the real ones untouched
   (:func:`cockpit_like.utils.optim.lookahead_update`, shared with
-  :class:`~cockpit_like.utils.optim.ComputeStep`). With the per-sample gradients of this step
+  :class:`~cockpit_like.utils.optim.ComputeStep`; an optimizer that keeps state
+  elsewhere steps under a :class:`~cockpit_like.utils.optim.StepGuard`, and one
+  whose step wrote the real parameters, a wrapper, gives no value at that step,
+  with a note). With the per-sample gradients of this step
   (kept only until the end of this step) it reduces the slopes
   ``u_{0,i} = g_{t,i}^T d / ||d||`` to their mean and unbiased variance. Kept
   after the backward pass: ``theta_t`` (one copy, shared with UpdateSize), the
@@ -52,7 +55,7 @@ from cockpit_like.checks.invariants import tolerance_for
 from cockpit_like.functional import tensor_lists
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
-from cockpit_like.utils.optim import lookahead_update
+from cockpit_like.utils.optim import LookaheadNotValid, lookahead_update
 
 __all__ = ["Alpha", "lookahead_update"]  # lookahead_update: re-exported from cockpit_like.utils.optim
 
@@ -101,6 +104,10 @@ def _norm(tensors) -> torch.Tensor:
 
 def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     return sum((x * y).sum() for x, y in zip(a, b))
+
+
+#: :meth:`Alpha._predict_update`'s answer where the look-ahead ran but could not predict the update (noted)
+_NOT_VALID = object()
 
 
 class Alpha(TwoStepQuantity):
@@ -170,6 +177,9 @@ class Alpha(TwoStepQuantity):
         batch_size = record.require("batch_size", "Alpha")
         result = record.stat(PredictedSlopes(self._slopes_key(global_step)))
         prediction = "waited" if record.at_optimizer_step else "backward"  # from which gradients
+        if result.get("not_valid"):  # the look-ahead could not predict the update (it wrote the real parameters)
+            record.note(f"Alpha of step {global_step} is not stored: {result['not_valid']}.")
+            return
         if result["mode"] == "predicted":
             grad_sum, predicted, slopes = self._predicted_slopes(global_step, record, params, result, batch_size)
         else:
@@ -180,6 +190,8 @@ class Alpha(TwoStepQuantity):
                     raise RuntimeError(f"Alpha: no per-sample gradients were computed for parameters {missing}")
                 grad_sum = [kept.batch_sum() for kept in retained]
                 predicted = self._predict_update(global_step, record, params, grad_sum)
+                if predicted is _NOT_VALID:  # noted: nothing is kept, the end step stores no value
+                    return
                 if predicted is None:  # no look-ahead: the update is assumed along the negative gradient
                     predicted, prediction = [-g for g in grad_sum], "guessed"
                 slopes = self._slopes(retained, predicted, batch_size)
@@ -258,6 +270,9 @@ class Alpha(TwoStepQuantity):
                 ("lookahead", id(optimizer), tuple(id(p) for p in live)),
                 lambda: [whole(d) for d in lookahead_update(optimizer, live, optimizer_gradients(live))],
             )
+        except LookaheadNotValid as error:  # the run was left alone; the prediction would be wrong
+            record.note(f"Alpha of step {global_step} is not stored: {error}.")
+            return _NOT_VALID
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
             warnings.warn(
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
@@ -335,9 +350,28 @@ class Alpha(TwoStepQuantity):
             same, exact = self._check(start, direction, tau)
         mean_u0 = mean_u0 if exact is None else exact
         if not same:  # the start slopes' variance was taken along another direction: no value (never a wrong one)
-            record.note(self._off_prediction(start, global_step))
+            unheld = self._unheld_moved(start, global_step, direction, record.info.get("optimizer"))
+            record.note(unheld or self._off_prediction(start, global_step))
             return None
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+
+    def _unheld_moved(self, start: int, end: int, direction, optimizer) -> str | None:
+        """The note where tracked parameters that ``optimizer`` (``info["optimizer"]``) does not hold moved from
+        ``start`` to ``end`` (another optimizer stepped them: its look-ahead cannot predict that), else None."""
+        if not hasattr(optimizer, "param_groups"):
+            return None
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        name = type(optimizer).__name__
+        unheld = [i for i, p in enumerate(self._tracked_params) if id(p) not in held]
+        moved = [i for i in unheld if bool((direction[i] != 0).any())]
+        if not moved:
+            return None
+        return (f"Alpha of step {start} is not stored: {len(moved)} of the tracked parameters (indices {moved[:5]}"
+                f"{' ...' if len(moved) > 5 else ''}) moved from step {start} to {end}, and info['optimizer'] ({name}) "
+                "does not hold them: another optimizer (or the loop) stepped them, and the look-ahead predicts the "
+                f"update of {name} alone. Where several optimizers step in one iteration, declare the one that steps "
+                "last (Alpha is then withdrawn at the optimizer's step, with a note), or step all the parameters "
+                "with one optimizer (param groups) to track Alpha.")
 
     def _off_prediction(self, start: int, end: int) -> str:
         """What the note says where the update from ``start`` was not in the predicted direction; the next start

@@ -7,19 +7,29 @@
   (``compute_update_step``) or are defined only for plain SGD
   (``is_sgd_default_kwargs``, used by CABS-style quantities). Its updates come
   from :func:`lookahead_update`.
+- :class:`StepGuard`: what a look-ahead of an optimizer that keeps state elsewhere than in ``param_groups``
+  and ``optimizer.state`` runs under, so that the run is left as it was (:func:`keeps_state_in_groups`).
 
-May import torch only.
+May import torch and NumPy only.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
+import random
+import types
+import weakref
 from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["lookahead_update", "lookahead_parameters", "is_elementwise", "looking_ahead", "ComputeStep"]
+__all__ = [
+    "lookahead_update", "lookahead_parameters", "is_elementwise", "keeps_state_in_groups", "looking_ahead",
+    "LookaheadNotValid", "StepGuard", "ComputeStep",
+]
 
 _IMMUTABLE = (bool, int, float, str, type(None), tuple)
 
@@ -41,9 +51,14 @@ def lookahead_update(
     their hyperparameters), the optimizer's plain attributes and torch's CPU
     RNG are restored.
 
-    Works for any optimizer whose ``step()`` reads the parameters from
+    Exact for any optimizer whose ``step()`` reads the parameters from
     ``param_groups`` and their state from ``optimizer.state`` (all of
-    ``torch.optim`` and the usual custom subclasses). For an element-wise
+    ``torch.optim`` and the usual custom subclasses). An optimizer that
+    :func:`keeps_state_in_groups` does not know steps under a :class:`StepGuard`:
+    whatever else its step writes (buffers in a list, a tensor counter, a
+    generator, an inner optimizer's parameters and state) is put back, and
+    where it wrote the real parameters (a wrapper that steps an inner
+    optimizer) :class:`LookaheadNotValid` is raised. For an element-wise
     optimizer (:func:`is_elementwise`) only ``params`` are stepped, in parts
     of at most :data:`LOOKAHEAD_PART_BYTES` of parameters each (one step per
     part), so the copies that exist at once stay bounded on a large model.
@@ -115,12 +130,24 @@ def _shadow_step(
     ``lend``: the tensors in ``gradients`` are the caller's own and are given to
     the shadows as they are, not copied (the optimizer may write into them:
     torch's foreach SGD with Nesterov momentum does; their ``_version`` tells).
+
+    An optimizer not known to keep all its state in ``param_groups`` and ``optimizer.state``
+    (:func:`keeps_state_in_groups`: a wrapper, ZeRO, a hand-written ``step()``) steps under a
+    :class:`StepGuard`, which puts back whatever else the step changed (tensors written in place, generators,
+    Python containers and attributes reachable from the optimizer).
+
+    Raises:
+        LookaheadNotValid: the guarded step wrote (or rebound) the real parameters: it steps parameters other
+            than those in its ``param_groups`` (a wrapper whose inner optimizer holds them), so the shadows'
+            update is not the one the optimizer makes. Everything was put back first.
     """
     global _LOOKING_AHEAD
     saved_groups = optimizer.param_groups
     attributes = {k: v for k, v in vars(optimizer).items() if isinstance(v, _IMMUTABLE)}
     rng = torch.get_rng_state()
+    guard = None if keeps_state_in_groups(optimizer) else StepGuard(optimizer)
     shadows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    updates: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         try:
             groups = []
@@ -147,11 +174,18 @@ def _shadow_step(
                 optimizer.param_groups = groups
                 _LOOKING_AHEAD += 1  # the optimizer's step hooks see a look-ahead, not the training's step
                 try:
-                    optimizer.step()
+                    if guard is None:
+                        optimizer.step()
+                    else:
+                        own = [t for _, shadow in shadows.values() for t in (shadow, shadow.grad) if t is not None]
+                        own += [v for _, shadow in shadows.values() for v in optimizer.state.get(shadow, {}).values()
+                                if isinstance(v, torch.Tensor)]
+                        with guard.watching(own):
+                            optimizer.step()
                 finally:
                     _LOOKING_AHEAD -= 1
             # the shadows are ours: each becomes its update in place (no third copy of the parameters)
-            return {key: shadow.detach().sub_(param.detach()) for key, (param, shadow) in shadows.items()}
+            updates = {key: shadow.detach().sub_(param.detach()) for key, (param, shadow) in shadows.items()}
         finally:  # the optimizer's own groups first: what an interrupt inside this block must leave right
             optimizer.param_groups = saved_groups
             for _, shadow in shadows.values():
@@ -159,6 +193,238 @@ def _shadow_step(
             for key, value in attributes.items():
                 setattr(optimizer, key, value)
             torch.set_rng_state(rng)
+            if guard is not None:
+                guard.restore()
+    if guard is not None and guard.wrote_real:
+        raise LookaheadNotValid(optimizer, guard.wrote_real)
+    return updates
+
+
+class LookaheadNotValid(RuntimeError):
+    """A look-ahead's ``optimizer.step()`` wrote the real parameters (put back since): its update of the shadow
+    copies is not the update the optimizer makes (a wrapper whose inner optimizer holds the parameters)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, written: list[int]):
+        self.optimizer_name = type(optimizer).__name__
+        self.written = list(written)
+        inner = [f"{name}, its {type(value).__name__}" for name, value in vars(optimizer).items()
+                 if isinstance(value, torch.optim.Optimizer) and value is not optimizer]
+        declare = (f"declare the optimizer that holds the parameters instead, e.g. info['optimizer'] = "
+                   f"<your {self.optimizer_name}>.{inner[0]}" if inner else
+                   "declare the optimizer that holds the parameters in its param_groups and steps them there")
+        super().__init__(
+            f"the look-ahead of {self.optimizer_name}.step() on copies of the parameters wrote "
+            f"{len(self.written)} of the real parameters (put back since): {self.optimizer_name} steps parameters "
+            "held elsewhere than in its param_groups (it wraps or delegates to another optimizer, or keeps a list "
+            f"of them of its own), so its update cannot be predicted on copies; {declare}"
+        )
+
+
+def keeps_state_in_groups(optimizer) -> bool:
+    """Whether ``optimizer`` is known to read and write nothing but its ``param_groups`` and ``optimizer.state``
+    in ``step()``: one of torch's own optimizers (``torch.optim``), or a subclass of one that adds no method of
+    its own other than ``__init__`` (its ``step()`` is torch's). Other optimizers' look-aheads run under a
+    :class:`StepGuard`."""
+    if not isinstance(optimizer, torch.optim.Optimizer) or "step" in vars(optimizer):
+        return False  # not an optimizer of torch's, or its step() replaced on the instance (a wrapper's patch)
+    mro = type(optimizer).__mro__
+    if not any(c.__module__.startswith("torch.optim.") and c is not torch.optim.Optimizer for c in mro):
+        return False  # a hand-written step()
+    for cls in mro:
+        if cls is object or cls.__module__.startswith("torch.optim."):
+            continue
+        for name, value in vars(cls).items():
+            # torch's Optimizer.__init__ wraps the class's step() for its hooks (``__wrapped__``: what it wraps)
+            own = getattr(inspect.unwrap(value), "__module__", None) if callable(value) else cls.__module__
+            if name != "__init__" and (callable(value) or isinstance(value, (staticmethod, classmethod, property))) \
+                    and not (own or "").startswith("torch.optim."):
+                return False
+    return True
+
+
+#: what :class:`StepGuard` does not look into: values that hold no state of the optimizer's it could put back
+_LEAVES = (torch.Tensor, torch.nn.Module, torch.Generator, type, types.ModuleType, types.FunctionType,
+           types.MethodType, types.BuiltinFunctionType, weakref.ref, str, bytes, int, float, complex, bool,
+           type(None))
+
+
+class StepGuard(TorchDispatchMode):
+    """Leaves the run as it was around a look-ahead's ``optimizer.step()`` on shadow copies, whatever the step
+    reaches, and says whether the step wrote the real parameters.
+
+    - **Tensors written in place** (any ATen op whose schema marks an argument as written: ``add_``,
+      ``out=``, ``_foreach_*_``), other than the shadows, their gradients and state (``own``) and tensors the
+      step made itself: a copy of each is taken before its first write and copied back afterwards, with its
+      autograd version counter (copy-on-write; the copies exist only during the step).
+    - **Generators**: torch's default CPU (and CUDA) generators, every ``torch.Generator`` an op gets as
+      ``generator=``, Python's ``random`` and NumPy's global state: as they were.
+    - **Python containers and attributes** reachable from the optimizer (lists and dicts of buffers,
+      counters, an inner optimizer's ``state`` and ``param_groups``): a shallow snapshot of each, taken at
+      construction, put back where the step changed it.
+    - **The real parameters** (those in ``param_groups`` at construction): a write into one, or a new
+      ``.data`` or ``.grad``, is put back and listed in :attr:`wrote_real` (indices): the step stepped them.
+
+    Costs only where it is used (optimizers that :func:`keeps_state_in_groups` does not know): one Python call
+    per ATen op of the step, a copy of each foreign tensor it writes, a walk over the optimizer's containers.
+    """
+
+    #: containers and objects walked at most (a bound on the snapshot's cost)
+    WALK_LIMIT = 1_000_000
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self.wrote_real: list[int] = []
+        self._real_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._real: dict[int, int] = {}
+        for index, param in enumerate(self._real_params):
+            self._real.setdefault(_storage(param), index)
+        self._bindings = [(p, p.detach(), p.grad) for p in self._real_params]
+        self._containers = _walk(optimizer, self.WALK_LIMIT)
+        self._generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self._python_random = random.getstate()
+        self._numpy_random = np.random.get_state()
+        self._own: set[int] = set()
+        self._written: list[tuple[torch.Tensor, torch.Tensor, int | None]] = []
+        self._seen: set[tuple] = set()
+
+    def watching(self, own: Iterable[torch.Tensor]) -> StepGuard:
+        """The guard, to enter around the step; ``own``: the shadows, their gradients and state (not copied)."""
+        self._own = {_storage(t) for t in own}
+        return self
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        # an in-place op without annotations (torch.distributed's ``c10d::broadcast_``): each tensor it gets
+        unannotated = schema.name.endswith("_") and not any(a.alias_info is not None for a in schema.arguments)
+        for index, argument in enumerate(schema.arguments):
+            value = args[index] if index < len(args) and not argument.kwarg_only else kwargs.get(argument.name)
+            if isinstance(value, torch.Generator):
+                if id(value) not in self._generators:
+                    self._generators[id(value)] = (value, value.get_state())
+            elif unannotated or (argument.alias_info is not None and argument.alias_info.is_write):
+                for tensor in _tensors(value):
+                    self._before_write(tensor)
+        out = func(*args, **kwargs)
+        if all(r.alias_info is None for r in schema.returns):  # new tensors: the step's own
+            self._own.update(_storage(t) for t in _tensors(out))
+        return out
+
+    def _before_write(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() == 0:
+            return
+        storage = _storage(tensor)
+        if storage in self._own:
+            return
+        if storage in self._real and self._real[storage] not in self.wrote_real:
+            self.wrote_real.append(self._real[storage])
+        try:
+            key = (storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        except Exception:  # noqa: BLE001 - a sparse tensor has no strides: one copy per tensor object
+            key = (storage, id(tensor))
+        if key in self._seen:
+            return
+        self._seen.add(key)
+        try:
+            version = tensor._version
+        except Exception:  # noqa: BLE001 - an inference tensor has none
+            version = None
+        self._written.append((tensor, tensor.clone(), version))
+
+    def restore(self) -> None:
+        """Put back everything the step changed (call once, after the step, also where it raised)."""
+        with torch.no_grad():
+            for tensor, copied, version in reversed(self._written):  # the first copy of a place is its original
+                tensor.copy_(copied)
+                if version is not None:
+                    _set_version(tensor, version)
+        self._written.clear()
+        for generator, state in self._generators.values():
+            generator.set_state(state)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state_all(self._cuda)
+        random.setstate(self._python_random)
+        np.random.set_state(self._numpy_random)
+        _put_back(self._containers)
+        for index, (param, data, grad) in enumerate(self._bindings):
+            if _storage(param) != _storage(data) or param.shape != data.shape:
+                param.data = data
+                if index not in self.wrote_real:
+                    self.wrote_real.append(index)
+            if param.grad is not grad:
+                param.grad = grad
+
+
+def _set_version(tensor: torch.Tensor, version: int) -> None:
+    """Put ``tensor``'s autograd version counter back (a graph that saved it stays usable); where this torch has no
+    way to, the counter stays advanced (the values are right; a graph saved before would refuse to backward)."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return
+    try:
+        setter((tensor,), (version,))
+    except TypeError:  # torch < 2.5: one tensor and one int
+        setter(tensor, version)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    """Which memory ``tensor`` lives in (its views share it): the storage's address, else the tensor's id."""
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor subclass without storage
+        return id(tensor)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _walk(root, limit: int) -> list[tuple[object, object]]:
+    """``(container, shallow copy)`` for every list, dict, set and object ``__dict__`` reachable from ``root``."""
+    saved: list[tuple[object, object]] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack and len(seen) < limit:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            saved.append((obj, dict(obj)))
+            stack.extend(obj.values())
+        elif isinstance(obj, list):
+            saved.append((obj, list(obj)))
+            stack.extend(obj)
+        elif isinstance(obj, set):
+            saved.append((obj, set(obj)))
+        elif isinstance(obj, tuple):
+            stack.extend(obj)
+        elif isinstance(getattr(obj, "__dict__", None), dict):
+            saved.append((obj, dict(vars(obj))))
+            stack.extend(vars(obj).values())
+    return saved
+
+
+def _put_back(saved: list[tuple[object, object]]) -> None:
+    for obj, copied in saved:
+        if isinstance(obj, list):
+            if len(obj) != len(copied) or any(a is not b for a, b in zip(obj, copied)):
+                obj[:] = copied
+            continue
+        if isinstance(obj, set):
+            if obj != copied:
+                obj.clear()
+                obj.update(copied)
+            continue
+        target = obj if isinstance(obj, dict) else vars(obj)
+        if len(target) != len(copied) or any(k not in copied or copied[k] is not v for k, v in target.items()):
+            target.clear()
+            target.update(copied)
 
 
 #: look-aheads running now: an optimizer's step hooks called meanwhile are the look-ahead's (:func:`looking_ahead`)
