@@ -151,7 +151,9 @@ class StepExecution:
         #: the step's forward pass ran attention with PyTorch's math kernel (the graph steps' kernel)
         math_attention = tracer is not None and tracer.math_attention
         if tracer is not None:
-            if stats or needs.needs:
+            # (with BackPACK's extensions too: a module that ran twice, or whose buffers a backward pass outside
+            # the block freed, is then named before the pass rather than failing inside it)
+            if stats or needs.needs or needs.requests:
                 calls = tracer.take_calls(self.info.get("loss"))
             else:  # nothing here reads the forward calls
                 tracer.drop_calls()
@@ -461,6 +463,19 @@ class StepExecution:
                     raise RuntimeError(
                         f"step {self.step} needs loss.backward(create_graph=True) for curvature quantities: {limit}"
                     ) from exc
+            freed = _freed_buffer(exc) if self.extensions else None
+            if freed is not None:
+                raise ValueError(
+                    f"cockpit step {self.step}: BackPACK's extensions {[describe(e) for e in self.extensions]} found "
+                    f"nothing stored on the extended module {freed!r} in this backward pass ({exc}). BackPACK keeps "
+                    "one forward call's input and output per extended module (the loss module too) and frees them "
+                    "in the first backward pass through it: a backward pass outside the cockpit's block on the same "
+                    "graph (torch.autograd.grad(loss, ...) or loss.backward(retain_graph=True) before the block) "
+                    "freed them, or the module ran more than once in the forward pass (a shared layer). Run such "
+                    "passes after the cockpit's block (or on a loss computed without the extended loss module), or "
+                    "use the model and loss without backpack.extend (Cockpit(..., model=model): the hooks handle "
+                    "both, and curvature 'auto' estimates with Hessian-vector products)."
+                ) from exc
             if _from_backpack(exc) and not isinstance(exc, UnsupportedLayerError):
                 raise UnsupportedLayerError(
                     f"BackPACK cannot run the extensions needed at step {self.step} "
@@ -789,6 +804,17 @@ MATH_ATTENTION_NOTE = (
     "memory-efficient) have none. Same values to rounding; this forward pass was slower and held more memory "
     "than the others"
 )
+
+
+def _freed_buffer(exc: BaseException) -> str | None:
+    """The class name of the module whose BackPACK buffers (``output``, ``input0``, ...) were missing in the
+    backward pass, where ``exc`` says so (an ``AttributeError`` raised by ``nn.Module.__getattr__``)."""
+    if not isinstance(exc, AttributeError):
+        return None
+    import re
+
+    match = re.fullmatch(r"'(\w+)' object has no attribute '(output|input\d+)'", str(exc))
+    return None if match is None else match.group(1)
 
 
 def _repeated_extended(calls: list) -> list:
