@@ -200,6 +200,10 @@ class StepExecution:
         #: extended modules that ran more than once in this pass: BackPACK keeps one call's input and output per
         #: module, so its extensions cannot run there (the hooks sum a parameter's calls, exactly)
         self._repeated_extended = _repeated_extended(calls)
+        #: extended convolutions with ``padding="same"`` whose padding is symmetric: BackPACK's derivatives need
+        #: numbers, so they see the same padding as numbers during the pass (:func:`_explicit_same_padding`)
+        self._same_padding = _same_padding_convs(calls)
+        self._padding_set: list = []
         #: extended modules whose buffers BackPACK's forward hook kept are another call's (or were freed): the module
         #: ran again after this pass's forward call (an evaluation batch with gradients on), or a backward pass
         #: outside the cockpit's block freed them; the hooks take these modules' rows too
@@ -410,6 +414,7 @@ class StepExecution:
                 hook = None if hook is None else hook_without_autograd(hook)
             # BackPACK's Monte-Carlo extensions draw in their hooks: from a per-step seed, the user's RNG restored
             exts = [seeded_sampling(ext, self.step) for ext in exts]
+            self._padding_set = _explicit_same_padding(self._same_padding)  # put back by exit / close
             self._backpack = context = backpack(*exts, extension_hook=hook)
             context.__enter__()  # (held before it is entered: :meth:`close` leaves it whatever happens)
 
@@ -451,6 +456,7 @@ class StepExecution:
             except Exception as error:  # noqa: BLE001 - explained as an error inside backward would be
                 exc_type, exc = type(error), error
                 replay_error = error
+        self._restore_padding()
         self._leave_warnings()
         if exc_type is not None:
             if self.hook_backend is not None:
@@ -547,10 +553,16 @@ class StepExecution:
         if self._collector is not None:
             self._collector.settle()
         self._replays = []
+        self._restore_padding()
         self._leave_warnings()
         if self.hook_backend is not None:
             self.hook_backend.remove_hooks()
         self.free()
+
+    def _restore_padding(self) -> None:
+        padding_set, self._padding_set = self._padding_set, []
+        for module in padding_set:
+            module.padding = "same"
 
     def _release_kernels(self) -> None:
         if self._kernels_held:
@@ -891,10 +903,35 @@ def _zero_rows(batch: int, param: torch.Tensor):
     )  # fmt: skip
 
 
+def _same_padding_convs(calls: list) -> list:
+    """The extended convolutions of ``calls`` with ``padding="same"`` and a symmetric padding (an odd
+    ``dilation * (kernel - 1)`` pads one more at the end: those stay, and BackPACK's error is explained)."""
+    from torch.nn.modules.conv import _ConvNd
+
+    found = []
+    for call in calls:
+        module = call.module
+        if isinstance(module, _ConvNd) and is_extended(module) and module.padding == "same" and module not in found:
+            if all(d * (k - 1) % 2 == 0 for d, k in zip(module.dilation, module.kernel_size)):
+                found.append(module)
+    return found
+
+
+def _explicit_same_padding(modules: list) -> list:
+    """Give each convolution its ``"same"`` padding as numbers (``dilation * (kernel - 1) / 2`` per side,
+    symmetric: the same output as ``"same"`` at stride 1, which ``"same"`` requires) for BackPACK's derivatives,
+    which subtract the padding from sizes; returns the modules changed (``module.padding = "same"`` puts it back)."""
+    changed = []
+    for module in modules:
+        module.padding = tuple(d * (k - 1) // 2 for d, k in zip(module.dilation, module.kernel_size))
+        changed.append(module)
+    return changed
+
+
 def _from_backpack(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
-    if not isinstance(exc, AssertionError):
+    if not isinstance(exc, (AssertionError, TypeError)):
         return False
     tb = exc.__traceback__
     while tb is not None:
