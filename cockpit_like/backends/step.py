@@ -140,6 +140,8 @@ class StepExecution:
         self.whole_step_needs = [need for need in needs.needs if getattr(need, "whole_step", False)]
         #: ``(asked, met_by)``: needs met by another need of the step (``StepNeeds.aliases``)
         self.aliases = tuple(needs.aliases)
+        #: need -> the quantities that asked for it (named in errors)
+        self._need_owners = dict(needs.need_owners)
         self.params = params
         self.names = names or {}
         self.reducer: PerSampleReducer | None = None
@@ -517,6 +519,11 @@ class StepExecution:
                     "parameters out of Cockpit(params)."
                 ) from error
 
+    def need_owners_of_rows(self) -> set[str]:
+        """The quantities that asked for needs with per-sample rows of a backward pass of their own."""
+        return {name for need in self.needs if getattr(need, "per_sample_rows", False)
+                for name in self._need_owners.get(need, ())}
+
     def _without_rows(self, why: str) -> None:
         """The per-sample statistics of this pass cannot be had (``why``): the quantities that need them are left
         out of the step with a note, the others run (the training run goes on)."""
@@ -665,6 +672,20 @@ class StepExecution:
         backend.enter()
         try:
             grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
+        except RuntimeError as error:
+            if "backward through the graph a second time" not in str(error):
+                raise
+            from cockpit_like.backends.hvp import MissingGraphError
+
+            raise MissingGraphError(
+                f"step {self.step}: the quantities {sorted(self.need_owners_of_rows())} need a second backward pass "
+                "through this step's graph (TIC's GGN diagonal from info['outputs'] on a model without "
+                "backpack.extend, or a sampled GGN), but the step's backward pass freed the graph. Call "
+                f"`loss.backward(create_graph=cockpit.create_graph({self.step}))` inside the cockpit's block "
+                "(cockpit.create_graph(step) is True exactly at the steps that need the graph, so other steps "
+                "cost nothing more); or give these quantities an explicit curvature that needs no graph on an "
+                "extended model (curvature='diag_h' with backpack.extend), or leave them out."
+            ) from error
         finally:
             backend.remove_hooks()
         backend.finish()
