@@ -545,7 +545,8 @@ def deflated_trace_samples(
             w = w - Q.T @ (Q @ w)
         values.append(float(torch.dot(g, w)))
         energies.append(float(torch.dot(w, w)))
-    return inside, torch.tensor(values, dtype=torch.float64), torch.tensor(energies, dtype=torch.float64)
+    cpu = dict(dtype=torch.float64, device="cpu")  # host numbers (one per sample)
+    return inside, torch.tensor(values, **cpu), torch.tensor(energies, **cpu)
 
 
 #: entries of the basis that :func:`deflated_diagonal` reads per block of columns (16 MiB of float32)
