@@ -608,7 +608,7 @@ class Cockpit:
             return
         withdrawn = self._withdraw_step(step, decomposed)
         passes = run.evaluations if counted else (1 if record is None else record.get("backward_passes", 1) + 1)
-        record = dict(record) if record is not None else StepChecks(step).to_dict()
+        record = _without_error_bars(record, withdrawn) if record is not None else StepChecks(step).to_dict()
         name = type(optimizer).__name__
         seen = "" if learned == step else f" (as it did at step {learned}: this step is not computed)"
         record["valid"] = False
@@ -633,7 +633,7 @@ class Cockpit:
         first pass, not the optimizer step)."""
         self._run.accumulates = True
         withdrawn = self._withdraw_step(step, decomposed)
-        record = dict(self._output.checks.get(step, {"failed": [], "notes": []}))
+        record = _without_error_bars(self._output.checks.get(step, {"failed": [], "notes": []}), withdrawn)
         record["valid"] = False
         record["backward_passes"] = record.get("backward_passes", 1) + 1
         record["failed"] = list(record.get("failed", [])) + [{
@@ -1136,6 +1136,20 @@ def _inner_optimizer(info: dict) -> dict:
     if inner is optimizer:
         return info
     return {**info, "optimizer": inner}
+
+
+def _without_error_bars(record: dict, withdrawn: list[str]) -> dict:
+    """A copy of a step's checks without the standard errors of the values withdrawn from it (the log must not
+    describe a number it does not store)."""
+    record = dict(record)
+    errors = record.get("standard_errors")
+    if errors:
+        kept = {name: entry for name, entry in errors.items() if name not in withdrawn}
+        if kept:
+            record["standard_errors"] = kept
+        else:
+            del record["standard_errors"]
+    return record
 
 
 def _failed_check(record: dict[str, Any] | None, check: str) -> bool:

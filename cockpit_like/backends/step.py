@@ -140,6 +140,8 @@ class StepExecution:
         self.whole_step_needs = [need for need in needs.needs if getattr(need, "whole_step", False)]
         #: ``(asked, met_by)``: needs met by another need of the step (``StepNeeds.aliases``)
         self.aliases = tuple(needs.aliases)
+        #: need -> the quantities that asked for it (named in errors)
+        self._need_owners = dict(needs.need_owners)
         self.params = params
         self.names = names or {}
         self.reducer: PerSampleReducer | None = None
@@ -151,7 +153,9 @@ class StepExecution:
         #: the step's forward pass ran attention with PyTorch's math kernel (the graph steps' kernel)
         math_attention = tracer is not None and tracer.math_attention
         if tracer is not None:
-            if stats or needs.needs:
+            # (with BackPACK's extensions too: a module that ran twice, or whose buffers a backward pass outside
+            # the block freed, is then named before the pass rather than failing inside it)
+            if stats or needs.needs or needs.requests:
                 calls = tracer.take_calls(self.info.get("loss"))
             else:  # nothing here reads the forward calls
                 tracer.drop_calls()
@@ -198,6 +202,10 @@ class StepExecution:
         #: extended modules that ran more than once in this pass: BackPACK keeps one call's input and output per
         #: module, so its extensions cannot run there (the hooks sum a parameter's calls, exactly)
         self._repeated_extended = _repeated_extended(calls)
+        #: extended convolutions with ``padding="same"`` whose padding is symmetric: BackPACK's derivatives need
+        #: numbers, so they see the same padding as numbers during the pass (:func:`_explicit_same_padding`)
+        self._same_padding = _same_padding_convs(calls)
+        self._padding_set: list = []
         #: extended modules whose buffers BackPACK's forward hook kept are another call's (or were freed): the module
         #: ran again after this pass's forward call (an evaluation batch with gradients on), or a backward pass
         #: outside the cockpit's block freed them; the hooks take these modules' rows too
@@ -408,6 +416,7 @@ class StepExecution:
                 hook = None if hook is None else hook_without_autograd(hook)
             # BackPACK's Monte-Carlo extensions draw in their hooks: from a per-step seed, the user's RNG restored
             exts = [seeded_sampling(ext, self.step) for ext in exts]
+            self._padding_set = _explicit_same_padding(self._same_padding)  # put back by exit / close
             self._backpack = context = backpack(*exts, extension_hook=hook)
             context.__enter__()  # (held before it is entered: :meth:`close` leaves it whatever happens)
 
@@ -449,6 +458,7 @@ class StepExecution:
             except Exception as error:  # noqa: BLE001 - explained as an error inside backward would be
                 exc_type, exc = type(error), error
                 replay_error = error
+        self._restore_padding()
         self._leave_warnings()
         if exc_type is not None:
             if self.hook_backend is not None:
@@ -461,6 +471,19 @@ class StepExecution:
                     raise RuntimeError(
                         f"step {self.step} needs loss.backward(create_graph=True) for curvature quantities: {limit}"
                     ) from exc
+            freed = _freed_buffer(exc) if self.extensions else None
+            if freed is not None:
+                raise ValueError(
+                    f"cockpit step {self.step}: BackPACK's extensions {[describe(e) for e in self.extensions]} found "
+                    f"nothing stored on the extended module {freed!r} in this backward pass ({exc}). BackPACK keeps "
+                    "one forward call's input and output per extended module (the loss module too) and frees them "
+                    "in the first backward pass through it: a backward pass outside the cockpit's block on the same "
+                    "graph (torch.autograd.grad(loss, ...) or loss.backward(retain_graph=True) before the block) "
+                    "freed them, or the module ran more than once in the forward pass (a shared layer). Run such "
+                    "passes after the cockpit's block (or on a loss computed without the extended loss module), or "
+                    "use the model and loss without backpack.extend (Cockpit(..., model=model): the hooks handle "
+                    "both, and curvature 'auto' estimates with Hessian-vector products)."
+                ) from exc
             if _from_backpack(exc) and not isinstance(exc, UnsupportedLayerError):
                 raise UnsupportedLayerError(
                     f"BackPACK cannot run the extensions needed at step {self.step} "
@@ -495,6 +518,11 @@ class StepExecution:
                     "of the batch on its own; leave these quantities out, or leave this module's "
                     "parameters out of Cockpit(params)."
                 ) from error
+
+    def need_owners_of_rows(self) -> set[str]:
+        """The quantities that asked for needs with per-sample rows of a backward pass of their own."""
+        return {name for need in self.needs if getattr(need, "per_sample_rows", False)
+                for name in self._need_owners.get(need, ())}
 
     def _without_rows(self, why: str) -> None:
         """The per-sample statistics of this pass cannot be had (``why``): the quantities that need them are left
@@ -532,10 +560,16 @@ class StepExecution:
         if self._collector is not None:
             self._collector.settle()
         self._replays = []
+        self._restore_padding()
         self._leave_warnings()
         if self.hook_backend is not None:
             self.hook_backend.remove_hooks()
         self.free()
+
+    def _restore_padding(self) -> None:
+        padding_set, self._padding_set = self._padding_set, []
+        for module in padding_set:
+            module.padding = "same"
 
     def _release_kernels(self) -> None:
         if self._kernels_held:
@@ -638,6 +672,20 @@ class StepExecution:
         backend.enter()
         try:
             grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
+        except RuntimeError as error:
+            if "backward through the graph a second time" not in str(error):
+                raise
+            from cockpit_like.backends.hvp import MissingGraphError
+
+            raise MissingGraphError(
+                f"step {self.step}: the quantities {sorted(self.need_owners_of_rows())} need a second backward pass "
+                "through this step's graph (TIC's GGN diagonal from info['outputs'] on a model without "
+                "backpack.extend, or a sampled GGN), but the step's backward pass freed the graph. Call "
+                f"`loss.backward(create_graph=cockpit.create_graph({self.step}))` inside the cockpit's block "
+                "(cockpit.create_graph(step) is True exactly at the steps that need the graph, so other steps "
+                "cost nothing more); or give these quantities an explicit curvature that needs no graph on an "
+                "extended model (curvature='diag_h' with backpack.extend), or leave them out."
+            ) from error
         finally:
             backend.remove_hooks()
         backend.finish()
@@ -791,6 +839,17 @@ MATH_ATTENTION_NOTE = (
 )
 
 
+def _freed_buffer(exc: BaseException) -> str | None:
+    """The class name of the module whose BackPACK buffers (``output``, ``input0``, ...) were missing in the
+    backward pass, where ``exc`` says so (an ``AttributeError`` raised by ``nn.Module.__getattr__``)."""
+    if not isinstance(exc, AttributeError):
+        return None
+    import re
+
+    match = re.fullmatch(r"'(\w+)' object has no attribute '(output|input\d+)'", str(exc))
+    return None if match is None else match.group(1)
+
+
 def _repeated_extended(calls: list) -> list:
     """The BackPACK-extended modules that more than one of ``calls`` ran."""
     seen: dict[int, int] = {}
@@ -865,10 +924,35 @@ def _zero_rows(batch: int, param: torch.Tensor):
     )  # fmt: skip
 
 
+def _same_padding_convs(calls: list) -> list:
+    """The extended convolutions of ``calls`` with ``padding="same"`` and a symmetric padding (an odd
+    ``dilation * (kernel - 1)`` pads one more at the end: those stay, and BackPACK's error is explained)."""
+    from torch.nn.modules.conv import _ConvNd
+
+    found = []
+    for call in calls:
+        module = call.module
+        if isinstance(module, _ConvNd) and is_extended(module) and module.padding == "same" and module not in found:
+            if all(d * (k - 1) % 2 == 0 for d, k in zip(module.dilation, module.kernel_size)):
+                found.append(module)
+    return found
+
+
+def _explicit_same_padding(modules: list) -> list:
+    """Give each convolution its ``"same"`` padding as numbers (``dilation * (kernel - 1) / 2`` per side,
+    symmetric: the same output as ``"same"`` at stride 1, which ``"same"`` requires) for BackPACK's derivatives,
+    which subtract the padding from sizes; returns the modules changed (``module.padding = "same"`` puts it back)."""
+    changed = []
+    for module in modules:
+        module.padding = tuple(d * (k - 1) // 2 for d, k in zip(module.dilation, module.kernel_size))
+        changed.append(module)
+    return changed
+
+
 def _from_backpack(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
-    if not isinstance(exc, AssertionError):
+    if not isinstance(exc, (AssertionError, TypeError)):
         return False
     tb = exc.__traceback__
     while tb is not None:

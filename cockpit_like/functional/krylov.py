@@ -56,6 +56,7 @@ __all__ = [
     "gaussian_density",
     "quadrature_moments",
     "deflated_trace",
+    "deflated_trace_samples",
     "deflated_diagonal",
 ]
 
@@ -185,6 +186,13 @@ class KrylovDecomposition:
     def probe_traces(self) -> torch.Tensor:
         """``u^T A u`` of each unit probe ``u`` (exact from ``T``: the probes lie in the multiplied space)."""
         return torch.einsum("pi,ij,pj->p", self.probes, self.projection, self.probes)
+
+    def probe_energies(self) -> torch.Tensor:
+        """``||A u||^2`` of each unit probe ``u`` (from the coefficients, no product: ``A u = Q^T C c`` with
+        ``c = Q_m^T u`` and ``C`` the coefficients' multiplied columns, up to what the solve found negligible)."""
+        m = self.num_products
+        products = self.probes @ self.coefficients[:, :m].T.to(self.probes.dtype)
+        return products.square().sum(1)
 
 
 def lanczos_decomposition(
@@ -503,25 +511,42 @@ def deflated_trace(
     Hutchinson on ``A`` with the dominant (converged) directions removed.
 
     Returns:
-        ``(estimate, standard error of the estimate)`` (the error 0 for one sample).
+        ``(estimate, the samples' standard error)`` (NaN for one sample; the cockpit's error bar also
+        bounds it by the products' norms: :func:`deflated_trace_samples`).
+    """
+    inside, values, _ = deflated_trace_samples(matvec, decomposition, samples)
+    if not values.numel():
+        return inside, math.nan
+    spread = float(values.std() / math.sqrt(values.numel())) if values.numel() > 1 else math.nan
+    return inside + float(values.mean()), spread
+
+
+def deflated_trace_samples(
+    matvec: MatVec, decomposition: KrylovDecomposition, samples: torch.Tensor
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The pieces of :func:`deflated_trace`: ``(tr(T), [k] samples g_k^T B g_k, [k] squared norms ||B g_k||^2)``.
+
+    ``B = (I - P) A (I - P)`` and ``g_k`` the rows of ``samples`` (Rademacher). The squared norms are what
+    :func:`~cockpit_like.backends.hvp.product_standard_errors` bounds the samples' variance with
+    (``Var(g^T B g) <= 2 ||B||_F^2 = 2 E ||B g||^2``); they cost no product (``B g = (I - P) A g'``).
     """
     m = decomposition.num_products
     Q = decomposition.basis[:m]
     inside = float(torch.trace(decomposition.projection)) if m else 0.0
-    values = []
+    values, energies = [], []
     for g in samples:
         g = g.to(Q.dtype)
         if m:
             g = g - Q.T @ (Q @ g)
             g = g - Q.T @ (Q @ g)
-        values.append(float(torch.dot(g, matvec(g))))
-    if not values:
-        return inside, math.nan
-    outside = sum(values) / len(values)
-    spread = 0.0
-    if len(values) > 1:
-        spread = math.sqrt(sum((v - outside) ** 2 for v in values) / (len(values) - 1) / len(values))
-    return inside + outside, spread
+        w = matvec(g)
+        if m:
+            w = w - Q.T @ (Q @ w)
+            w = w - Q.T @ (Q @ w)
+        values.append(float(torch.dot(g, w)))
+        energies.append(float(torch.dot(w, w)))
+    cpu = dict(dtype=torch.float64, device="cpu")  # host numbers (one per sample)
+    return inside, torch.tensor(values, **cpu), torch.tensor(energies, **cpu)
 
 
 #: entries of the basis that :func:`deflated_diagonal` reads per block of columns (16 MiB of float32)

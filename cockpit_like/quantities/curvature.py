@@ -75,7 +75,10 @@ deflated part: :func:`~cockpit_like.backends.hvp.product_standard_errors`;
 from 4 samples the first alone is too noisy to be an honest error bar), of
 the value for TICTrace (first order in the
 trace's error, ``N / t^2 * se(t)``) and, with the ``"ggn"`` draws, for
-TICDiag (first order in the draws' deviations from their mean); none for
+TICDiag (first order in the draws' deviations from their mean); the sketched
+GGN's errors are widened by the Student-t factor of ``draws - 1`` degrees of
+freedom, the trace's bounded by the rows' pooled variance too
+(:func:`~cockpit_like.backends.sampled.sketch_standard_errors`); none for
 Hutchinson's TICDiag and the BackPACK diagonals (exact, or one Monte-Carlo
 sample). With draws, TICDiag applies the second-order correction of
 ``1 / c̄`` (``E[1/c̄] ≈ 1/c + Var(c̄)/c^3``): ``sum_j a_j / c̄_j (1 - Var̂(c̄_j)/c̄_j^2)``,
@@ -105,6 +108,7 @@ from cockpit_like.backends.per_sample_stats import SumOfSquares
 from cockpit_like.backends.sampled import GGNDiagonal, SampledGGNDiagonal
 
 from cockpit_like.context import get_record
+from cockpit_like.functional.student_t import student_t_factor
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["HessTrace", "TICDiag", "TICTrace", "UnknownCurvatureError", "CURVATURES", "ESTIMATORS", "RELIABLE_SE"]
@@ -487,7 +491,10 @@ class TICDiag(_TIC):
                 ],
                 dtype=torch.float64,
             )
-            error = float(deviations.std() / len(self._draws) ** 0.5) if len(self._draws) > 1 else float("nan")
+            # widened by the Student-t factor of len(draws) - 1 degrees of freedom: the spread of 4 draws is
+            # itself noisy (backends/sampled.py: sketch_standard_errors)
+            count = len(self._draws)
+            error = float(deviations.std() / count**0.5) * student_t_factor(count) if count > 1 else float("nan")
             self._keep_error(global_step, total, error)
         elif self._errors is not None and self._draws is not None:  # exact (no draws)
             self._keep_error(global_step, total, 0.0)
