@@ -337,6 +337,8 @@ class StepPartitions:
         first = self.partitions[0]
         if any(not _proportional(factors[0], first.rows, p.factor, p.rows) for p in self.partitions):
             return None
+        if all(p.rows == first.rows for p in self.partitions):  # equal passes (rows unknown, 0, included): K f
+            return factors[0] * len(self.partitions)
         return factors[0] * (self.rows / first.rows)
 
     def merge(self, params: list[torch.Tensor], whole: dict, reduction: Reduction | None) -> tuple[dict, dict]:
