@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -111,7 +112,24 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
         return value[0]
+    if isinstance(value, Mapping):  # a Hugging Face ModelOutput (its "loss" comes first), or a dict of outputs
+        logits = value.get("logits")
+        if isinstance(logits, torch.Tensor):
+            return logits
+        return next((v for k, v in value.items() if k != "loss" and isinstance(v, torch.Tensor)), None)
     return None
+
+
+#: keyword arguments that hold a model's input, as Hugging Face models name them (``model(input_ids=...)``)
+_INPUT_KEYWORDS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "input")
+
+
+def _input_of(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The model's input: its first positional tensor, else the keyword argument that names the input."""
+    first = _first_tensor(args)
+    if first is not None or not kwargs:
+        return first
+    return next((kwargs[k] for k in _INPUT_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor)), None)
 
 
 class DataStats(SingleStepQuantity):
@@ -128,6 +146,10 @@ class DataStats(SingleStepQuantity):
       integer inputs, of the ids): 0 when every row of the batch is the same
       (NaN for batches of one row);
     - ``input_integer``, ``samples`` (rows);
+    (The input is the first positional tensor, or a keyword argument that
+    names it, ``input_ids``, ``pixel_values``, ...; the output a tensor, the
+    first of a tuple, or a mapping's ``logits``: a Hugging Face ``ModelOutput``.)
+
     - ``outputs``: the last dimension of the output (the number of classes
       of a classifier), ``output_min``, ``output_max``, and
       ``output_probabilities``: every row non-negative and summing to 1 (a
@@ -165,12 +187,12 @@ class DataStats(SingleStepQuantity):
             module = unwrap(model)
             # (a forward hook: it sees the call's inputs too, and it is installed in time for the first
             # call of the step, which a pre-hook added from the root's own pre-hook would miss)
-            self._handles.append(module.register_forward_hook(self._after))
+            self._handles.append(module.register_forward_hook(self._after, with_kwargs=True))
 
-    def _after(self, module, args, output):
+    def _after(self, module, args, kwargs, output):
         if not torch.is_grad_enabled() or self._tally is None:
             return
-        x, y = _first_tensor(args), _first_tensor(output)
+        x, y = _input_of(args, kwargs), _first_tensor(output)
         if x is not None:
             self._tally.add_input(x)
         if y is not None:
