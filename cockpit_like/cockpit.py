@@ -45,7 +45,7 @@ from cockpit_like.tracked_step import (
     parameters_moved,
 )
 
-__all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError"]
+__all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError", "ComplexParameterError"]
 
 
 
@@ -63,6 +63,33 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if not checked:
         raise ValueError("Cockpit(params): no parameters given")
     return checked
+
+
+class ComplexParameterError(TypeError):
+    """A watched parameter is complex-valued: the cockpit's statistics are defined for real coordinates only."""
+
+
+def _refuse_complex_params(params: list[torch.Tensor], model: torch.nn.Module | None) -> None:
+    """Refuse complex parameters at construction, before any number could be stored (docs/your_model.md#limits).
+
+    Each quantity's math (inner products without conjugation, histograms, the Alpha fit) is real; rather than
+    store a complex or silently wrong value for some quantities and raise a raw error in others, none is stored.
+    """
+    complex_ones = [index for index, param in enumerate(params) if param.is_complex()]
+    if not complex_ones:
+        return
+    names = {}
+    if model is not None:
+        names = {id(param): name for name, param in model.named_parameters()}
+    described = ", ".join(
+        f"{names.get(id(params[index]), f'parameter #{index}')} ({params[index].dtype}, shape {list(params[index].shape)})"
+        for index in complex_ones
+    )
+    raise ComplexParameterError(
+        f"Cockpit(params): complex-valued parameters are not supported: {described}. Parametrize each as two real "
+        "parameters (e.g. w_re, w_im with torch.complex(w_re, w_im) in forward; each complex entry is then two real "
+        "coordinates), or leave these parameters out of Cockpit(params) (docs/your_model.md#limits)"
+    )
 
 
 _UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
@@ -182,6 +209,7 @@ class Cockpit:
                 f"Cockpit(quantities=...) takes a list of Quantity instances, got "
                 f"{type(quantities).__name__}"
             )
+        _refuse_complex_params(self.params, model)
         self._module_collector = ModuleCollector() if lean_hooks else None
         #: the ranks of a DistributedDataParallel run (None in one process)
         self._ranks = RankGroup.detect(log_rank, distributed_timeout)
