@@ -1588,8 +1588,10 @@ class PoorInitialization(Rule):
     id = "poor-initialization"
     severity = "warning"
 
-    def __init__(self, first: int = 3, shrink: float = 1e-2, grow: float = 1e2, spread: float = 1e4):
+    def __init__(self, first: int = 3, shrink: float = 1e-2, grow: float = 1e2, spread: float = 1e4,
+                 dead: float = 0.5):
         self.first = _check_window(first, "first")
+        self.dead = _check_positive("dead", dead)
         self.shrink = _check_positive("shrink", shrink)
         self.grow = _check_positive("grow", grow)
         self.spread = _check_positive("spread", spread)
@@ -1601,7 +1603,7 @@ class PoorInitialization(Rule):
         # only the first values count: the answer is kept until they change
         key = tuple((history.version(name), min(history.count(name), self.first))
                     for name in ("ActivationStats", "GradNorm")) + (
-            tuple(history.metadata.get("param_names") or ()), self.first, self.shrink, self.grow, self.spread)
+            tuple(history.metadata.get("param_names") or ()), self.first, self.shrink, self.grow, self.spread, self.dead)
         memo = history.memo.setdefault(self.id, {})
         if memo.get("key") != key:
             memo.update(key=key, found=self._activations(history) + self._gradients(history))
@@ -1612,14 +1614,20 @@ class PoorInitialization(Rule):
         if len(early) < self.first:
             return []
         scales: dict[str, list[float]] = {}
+        dead: dict[str, list[float]] = {}
         for _, value in early:
             for layer, stats in (value or {}).items():
                 if isinstance(stats, Mapping):
                     scales.setdefault(layer, []).append(to_float(stats.get("rms")))
+                    dead.setdefault(layer, []).append(to_float(stats.get("dead_fraction", math.nan)))
         medians = {layer: float(np.median(v)) for layer, v in scales.items() if len(v) == self.first}
-        if len(medians) < 2:
-            return []
+        # a layer whose units are mostly dead (off for every sample) cannot be the reference: its scale is
+        # that of the few live units, and every layer after it would look large (round 7)
         layers = list(medians)
+        while layers and _median(dead[layers[0]]) >= self.dead:
+            layers = layers[1:]
+        if len(layers) < 2:
+            return []
         reference = medians[layers[0]]
         if not reference > 0:
             return []
@@ -1627,6 +1635,11 @@ class PoorInitialization(Rule):
         found = []
         for layer in layers[1:]:
             ratio = medians[layer] / reference
+            # the first tracked step's own scales come before any update: a huge first update (a learning
+            # rate far too large) changes the later steps' scales, not the initialization (round 7)
+            first = scales[layer][0] / scales[layers[0]][0] if scales[layers[0]][0] > 0 else math.nan
+            if not (first < self.shrink or first > self.grow):
+                continue
             if ratio < self.shrink or ratio > self.grow:
                 direction = "shrink" if ratio < self.shrink else "grow"
                 found.append(
