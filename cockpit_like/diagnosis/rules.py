@@ -2055,6 +2055,25 @@ class SaturatedOutput(Rule):
         touched = sum(touches[-self.band_window:])
         classes = memo["classes"]
         floor = math.log(math.e + classes - 1) - 1.0
+        # the model's outputs were probabilities (rows >= 0 summing to 1: a softmax inside the model) at every
+        # tracked step, and the losses of a cross-entropy over them stayed in the band (round 7)
+        if memo.get("flag_count") != count:
+            memo["flag_count"] = count
+            memo["flagged"] = all(isinstance(v, Mapping) and v.get("output_probabilities") is True
+                                  for _, v in history.last("DataStats", count))
+        if memo["flagged"] and len(touches) >= self.band_settle + self.band_window:
+            steps = memo["steps"]
+            return [self.finding(
+                steps[-1],
+                f"the model's outputs are probabilities (every row non-negative, summing to 1) at every tracked "
+                f"step since step {steps[0]}, and every per-sample loss lies between {_g(floor)} and "
+                f"{_g(floor + 1)}, the bounds of a cross-entropy over probabilities of {classes} classes: a softmax "
+                "inside the model before a loss that applies its own",
+                fix="pass raw logits to CrossEntropyLoss / BCEWithLogitsLoss: remove a final softmax or sigmoid",
+                evidence={"classes": classes, "floor": floor, "ceiling": floor + 1.0, "lowest": memo["low"],
+                          "highest": memo["high"], "touched": touched, "since": steps[0],
+                          "output_probabilities": True, "strength": "strong"},
+            )]
         # many classes: the floor lies near chance (log C), and a run that learns leaves the band soon
         # ... once some sample got well below chance (half way to the floor): a model that learned, and
         # not one that sits at chance (shuffled labels: every loss near log C, inside the band too)
