@@ -970,6 +970,21 @@ class UpdateRatioTooSmall(_UpdateRatio):
     def _wrong(self, ratio: float) -> bool:
         return 0.0 < ratio < self.threshold
 
+    def _plain(self, history: RunHistory, step: int) -> bool:
+        """Whether the update at ``step`` was a plain (not adaptive) step, ``lr x gradient``: the median
+        over weights of ``UpdateSize / (lr x GradNorm)`` within ``plain`` of 1. An adaptive optimizer
+        (Adam, Adagrad: about ``lr`` per coordinate) makes such steps only while it is not yet adaptive:
+        RAdam's un-rectified first steps (``lr x`` the bias-corrected momentum; round 7)."""
+        update, grad, rate = (history.get(name, step) for name in ("UpdateSize", "GradNorm", "LearningRate"))
+        update, grad, rate = _blocks(update), _blocks(grad), to_float(rate)
+        if update is None or grad is None or len(update) != len(grad) or not (math.isfinite(rate) and rate > 0):
+            return False
+        ratios = [update[i] / (rate * grad[i]) for i in range(len(grad))
+                  if (history.param_ndim(i) or 2) >= 2 and grad[i] > 0 and math.isfinite(update[i])]
+        return bool(ratios) and abs(math.log(_median(ratios))) < math.log(self.plain)
+
+    plain: float = 1.5
+
     def check(self, history: RunHistory) -> list[Finding]:
         found = self._ratios(history)
         if found is None or len(found[0]) < self.window:
@@ -980,6 +995,8 @@ class UpdateRatioTooSmall(_UpdateRatio):
             return []  # the schedule made the rate small
         if recipe.loss_share(history) < self.learning:
             return []  # the run learned: small updates of a converging run are not a finding
+        if recipe.adaptive(history) and any(self._plain(history, step) for step in steps):
+            return []  # the adaptive optimizer's own warm-up (RAdam's first steps), not a small rate
         findings = super().check(history)
         for finding in findings:
             finding.evidence.update(scheduled_share=share, strength=_strength(
