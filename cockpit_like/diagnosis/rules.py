@@ -1156,7 +1156,10 @@ class UnchangedParameters(Rule):
                 fix="check that the optimizer was given this parameter (model.parameters()), that its "
                 "learning rate is not 0 and that it gets a gradient (requires_grad, used in forward)",
                 layer=history.param_name(i),
-                evidence={"quantity": name, "steps": steps, "has_gradient": has_gradient, "since": steps[0]},
+                # a parameter that gets a gradient and has not moved since the first tracked step is a layer
+                # left out of training from the start: evidence of its own (round 7), not a symptom
+                evidence={"quantity": name, "steps": steps, "has_gradient": has_gradient, "since": steps[0],
+                          "at_start": bool(has_gradient and steps[0] == all_steps[0])},
             ))
         return found
 
