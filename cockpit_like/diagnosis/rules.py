@@ -693,7 +693,10 @@ class ExplodingGradient(Rule):
         if len(totals) < 2:
             return []
         first, typical = totals[0], self._median_so_far(history, totals)
-        if self.window <= len(totals) <= self.start_steps and typical > 0 and first > self.start_factor * typical:
+        # ... and the first norm is the largest so far: a later norm as large says that the gradient's scale
+        # was not set at the start, and the small median comes from what followed (a collapse; round 7)
+        if self.window <= len(totals) <= self.start_steps and typical > 0 and first > self.start_factor * typical \
+                and first >= max(v for v in totals if math.isfinite(v)):
             recurrent = _recurrent_parameters(history)
             return [
                 self.finding(
