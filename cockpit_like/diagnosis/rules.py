@@ -846,6 +846,14 @@ class VanishingGradient(Rule):
                     message = (f"the gradient of {layer} is exactly 0 at steps {steps[0]}..{steps[-1]} (the "
                                f"largest layer's: {_g(_column_median(largest)[0])}): nothing reaches it")
                     fix = CUT_OFF_FIX
+                elif median[index] == 0:  # exactly 0 at most steps, not at all: said as such, never as "0x"
+                    at = [steps[k] for k in range(len(steps)) if norms[k, index] == 0]
+                    other = [f"{_g(norms[k, index])} at step {steps[k]}" for k in range(len(steps))
+                             if norms[k, index] != 0]
+                    message = (f"the gradient of {layer} is exactly 0 at step{'s' if len(at) > 1 else ''} "
+                               f"{', '.join(str(s) for s in at)} of steps {steps[0]}..{steps[-1]} "
+                               f"({', '.join(other)}): mostly nothing reaches it")
+                    fix = CUT_OFF_FIX
                 else:
                     message = (f"the gradient of {layer} vanishes: norm {_g(median[index])} (median over steps "
                                f"{steps[0]}..{steps[-1]}), {_g(relative[index])}x the largest layer's")
