@@ -1448,13 +1448,26 @@ class DeadUnits(_ActivationShare):
             partial = not finding.evidence.get("developed") and finding.evidence[self.field] < self.blocked
             if (finding.evidence.get("developed") or partial) and (
                     finding.step - first < self.settle
-                    or recipe.loss_share(history, before_updates=True) < self.learning):
-                continue  # wait, and let a run that learns well keep its share of dead units
+                    or recipe.loss_share(history, before_updates=True) < self.learning
+                    or self._still_falling(history)):
+                continue  # wait, and let a run that learns (well, or still) keep its share of dead units
             if partial:  # dead since the first step (above the threshold there), found once the loss has not fallen
                 finding.evidence.update(since=int(first), at_start=True, held=True)
             kept.append(finding)
         return kept
     fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
+
+    falling: float = 0.01
+
+    def _still_falling(self, history: RunHistory) -> bool:
+        """Whether the loss still falls (round 7): over the last ``settle`` losses, the median of the last 5
+        lies below that of the first 5 by more than ``falling`` x the start (median of the first 5 losses)."""
+        _, recent = history.tail("Loss", self.settle)
+        _, start = history.head("Loss", 5)
+        if len(recent) < self.settle or len(start) < 5:
+            return False
+        begin = _median(start)
+        return bool(begin > 0 and _median(recent[:5]) - _median(recent[-5:]) > self.falling * begin)
 
     def _message(self, layer: str, kind: str, share: float, span: str) -> str:
         return (f"{_g(100 * share)}% of the units of {layer} ({kind}) are dead: zero for every sample (median of "
