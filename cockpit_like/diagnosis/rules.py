@@ -674,6 +674,13 @@ class ExplodingGradient(Rule):
         memo.update(version=version, count=count, value=value)
         return value
 
+    @staticmethod
+    def _loss_rose(history: RunHistory, steps: list[int]) -> bool:
+        """Whether the median loss at ``steps`` lies above the loss at the first of them."""
+        losses = [to_float(history.get("Loss", step)) for step in steps]
+        finite = [v for v in losses if math.isfinite(v)]
+        return bool(finite and math.isfinite(losses[0]) and _median(finite) > losses[0])
+
     def check(self, history: RunHistory) -> list[Finding]:
         steps, totals = history.series("GradNorm", _total_norm)
         if not totals:
@@ -693,10 +700,10 @@ class ExplodingGradient(Rule):
         if len(totals) < 2:
             return []
         first, typical = totals[0], self._median_so_far(history, totals)
-        # ... and the first norm is the largest so far: a later norm as large says that the gradient's scale
-        # was not set at the start, and the small median comes from what followed (a collapse; round 7)
+        # ... and the loss did not rise over those steps: norms that fell while the loss rose come from a
+        # collapse (an embedding that collapsed to a point), not from a start that was exploding (round 7)
         if self.window <= len(totals) <= self.start_steps and typical > 0 and first > self.start_factor * typical \
-                and first >= max(v for v in totals if math.isfinite(v)):
+                and not self._loss_rose(history, steps):
             recurrent = _recurrent_parameters(history)
             return [
                 self.finding(
