@@ -135,3 +135,7 @@ def test_dead_units_wait_while_the_loss_still_falls():
     flat = [1.13 + 0.001 * (k % 2) for k in range(40)]
     (held,) = R.DeadUnits().check(history({"ActivationStats": [part] * 40, "Loss": flat}))
     assert held.evidence["at_start"] and held.evidence["held"]
+    # a loss that falls back after a blow-up (above 2x its start) is not a run that learns: no wait
+    recovering = [1.13] * 5 + [30.0 * (1 - 0.02 * k) for k in range(35)]  # 30 -> 9.6: falling, after a blow-up
+    (found,) = R.DeadUnits().check(history({"ActivationStats": [part] * 40, "Loss": recovering}))
+    assert found.layer == "act"

@@ -1468,13 +1468,20 @@ class DeadUnits(_ActivationShare):
 
     def _still_falling(self, history: RunHistory) -> bool:
         """Whether the loss still falls (round 7): over the last ``settle`` losses, the median of the last 5
-        lies below that of the first 5 by more than ``falling`` x the start (median of the first 5 losses)."""
+        lies below that of the first 5 by more than ``falling`` x the start (the smaller of the first loss and
+        the median of the first 5), and no loss so far was above ``blow_up`` x the start."""
         _, recent = history.tail("Loss", self.settle)
         _, start = history.head("Loss", 5)
         if len(recent) < self.settle or len(start) < 5:
             return False
-        begin = _median(start)
-        return bool(begin > 0 and _median(recent[:5]) - _median(recent[-5:]) > self.falling * begin)
+        begin = min(_median(start), float(start[0]))
+        _, every = history.head("Loss", history.count("Loss"))
+        # ... in a run whose loss never blew up (above ``blow_up`` x its start): a loss falling back after a
+        # blow-up is recovering from large updates, and the units they killed are their symptom
+        return bool(begin > 0 and max(every) <= self.blow_up * begin
+                    and _median(recent[:5]) - _median(recent[-5:]) > self.falling * begin)
+
+    blow_up: float = 2.0
 
     def _message(self, layer: str, kind: str, share: float, span: str) -> str:
         return (f"{_g(100 * share)}% of the units of {layer} ({kind}) are dead: zero for every sample (median of "
