@@ -674,6 +674,13 @@ class ExplodingGradient(Rule):
         memo.update(version=version, count=count, value=value)
         return value
 
+    @staticmethod
+    def _loss_rose(history: RunHistory, steps: list[int]) -> bool:
+        """Whether the median loss at ``steps`` lies above the loss at the first of them."""
+        losses = [to_float(history.get("Loss", step)) for step in steps]
+        finite = [v for v in losses if math.isfinite(v)]
+        return bool(finite and math.isfinite(losses[0]) and _median(finite) > losses[0])
+
     def check(self, history: RunHistory) -> list[Finding]:
         steps, totals = history.series("GradNorm", _total_norm)
         if not totals:
@@ -693,7 +700,10 @@ class ExplodingGradient(Rule):
         if len(totals) < 2:
             return []
         first, typical = totals[0], self._median_so_far(history, totals)
-        if self.window <= len(totals) <= self.start_steps and typical > 0 and first > self.start_factor * typical:
+        # ... and the loss did not rise over those steps: norms that fell while the loss rose come from a
+        # collapse (an embedding that collapsed to a point), not from a start that was exploding (round 7)
+        if self.window <= len(totals) <= self.start_steps and typical > 0 and first > self.start_factor * typical \
+                and not self._loss_rose(history, steps):
             recurrent = _recurrent_parameters(history)
             return [
                 self.finding(
@@ -843,6 +853,14 @@ class VanishingGradient(Rule):
                     message = (f"the gradient of {layer} is exactly 0 at steps {steps[0]}..{steps[-1]} (the "
                                f"largest layer's: {_g(_column_median(largest)[0])}): nothing reaches it")
                     fix = CUT_OFF_FIX
+                elif median[index] == 0:  # exactly 0 at most steps, not at all: said as such, never as "0x"
+                    at = [steps[k] for k in range(len(steps)) if norms[k, index] == 0]
+                    other = [f"{_g(norms[k, index])} at step {steps[k]}" for k in range(len(steps))
+                             if norms[k, index] != 0]
+                    message = (f"the gradient of {layer} is exactly 0 at step{'s' if len(at) > 1 else ''} "
+                               f"{', '.join(str(s) for s in at)} of steps {steps[0]}..{steps[-1]} "
+                               f"({', '.join(other)}): mostly nothing reaches it")
+                    fix = CUT_OFF_FIX
                 else:
                     message = (f"the gradient of {layer} vanishes: norm {_g(median[index])} (median over steps "
                                f"{steps[0]}..{steps[-1]}), {_g(relative[index])}x the largest layer's")
@@ -970,6 +988,21 @@ class UpdateRatioTooSmall(_UpdateRatio):
     def _wrong(self, ratio: float) -> bool:
         return 0.0 < ratio < self.threshold
 
+    def _plain(self, history: RunHistory, step: int) -> bool:
+        """Whether the update at ``step`` was a plain (not adaptive) step, ``lr x gradient``: the median
+        over weights of ``UpdateSize / (lr x GradNorm)`` within ``plain`` of 1. An adaptive optimizer
+        (Adam, Adagrad: about ``lr`` per coordinate) makes such steps only while it is not yet adaptive:
+        RAdam's un-rectified first steps (``lr x`` the bias-corrected momentum; round 7)."""
+        update, grad, rate = (history.get(name, step) for name in ("UpdateSize", "GradNorm", "LearningRate"))
+        update, grad, rate = _blocks(update), _blocks(grad), to_float(rate)
+        if update is None or grad is None or len(update) != len(grad) or not (math.isfinite(rate) and rate > 0):
+            return False
+        ratios = [update[i] / (rate * grad[i]) for i in range(len(grad))
+                  if (history.param_ndim(i) or 2) >= 2 and grad[i] > 0 and math.isfinite(update[i])]
+        return bool(ratios) and abs(math.log(_median(ratios))) < math.log(self.plain)
+
+    plain: float = 1.5
+
     def check(self, history: RunHistory) -> list[Finding]:
         found = self._ratios(history)
         if found is None or len(found[0]) < self.window:
@@ -980,6 +1013,8 @@ class UpdateRatioTooSmall(_UpdateRatio):
             return []  # the schedule made the rate small
         if recipe.loss_share(history) < self.learning:
             return []  # the run learned: small updates of a converging run are not a finding
+        if recipe.adaptive(history) and any(self._plain(history, step) for step in steps):
+            return []  # the adaptive optimizer's own warm-up (RAdam's first steps), not a small rate
         findings = super().check(history)
         for finding in findings:
             finding.evidence.update(scheduled_share=share, strength=_strength(
@@ -1139,7 +1174,10 @@ class UnchangedParameters(Rule):
                 fix="check that the optimizer was given this parameter (model.parameters()), that its "
                 "learning rate is not 0 and that it gets a gradient (requires_grad, used in forward)",
                 layer=history.param_name(i),
-                evidence={"quantity": name, "steps": steps, "has_gradient": has_gradient, "since": steps[0]},
+                # a parameter that gets a gradient and has not moved since the first tracked step is a layer
+                # left out of training from the start: evidence of its own (round 7), not a symptom
+                evidence={"quantity": name, "steps": steps, "has_gradient": has_gradient, "since": steps[0],
+                          "at_start": bool(has_gradient and steps[0] == all_steps[0])},
             ))
         return found
 
@@ -1417,13 +1455,33 @@ class DeadUnits(_ActivationShare):
             partial = not finding.evidence.get("developed") and finding.evidence[self.field] < self.blocked
             if (finding.evidence.get("developed") or partial) and (
                     finding.step - first < self.settle
-                    or recipe.loss_share(history, before_updates=True) < self.learning):
-                continue  # wait, and let a run that learns well keep its share of dead units
+                    or recipe.loss_share(history, before_updates=True) < self.learning
+                    or self._still_falling(history)):
+                continue  # wait, and let a run that learns (well, or still) keep its share of dead units
             if partial:  # dead since the first step (above the threshold there), found once the loss has not fallen
                 finding.evidence.update(since=int(first), at_start=True, held=True)
             kept.append(finding)
         return kept
     fix = "lower the learning rate, initialize biases at 0 (not negative), use Kaiming initialization, or LeakyReLU/GELU"
+
+    falling: float = 0.01
+
+    def _still_falling(self, history: RunHistory) -> bool:
+        """Whether the loss still falls (round 7): over the last ``settle`` losses, the median of the last 5
+        lies below that of the first 5 by more than ``falling`` x the start (the smaller of the first loss and
+        the median of the first 5), and no loss so far was above ``blow_up`` x the start."""
+        _, recent = history.tail("Loss", self.settle)
+        _, start = history.head("Loss", 5)
+        if len(recent) < self.settle or len(start) < 5:
+            return False
+        begin = min(_median(start), float(start[0]))
+        _, every = history.head("Loss", history.count("Loss"))
+        # ... in a run whose loss never blew up (above ``blow_up`` x its start): a loss falling back after a
+        # blow-up is recovering from large updates, and the units they killed are their symptom
+        return bool(begin > 0 and max(every) <= self.blow_up * begin
+                    and _median(recent[:5]) - _median(recent[-5:]) > self.falling * begin)
+
+    blow_up: float = 2.0
 
     def _message(self, layer: str, kind: str, share: float, span: str) -> str:
         return (f"{_g(100 * share)}% of the units of {layer} ({kind}) are dead: zero for every sample (median of "
@@ -1588,8 +1646,10 @@ class PoorInitialization(Rule):
     id = "poor-initialization"
     severity = "warning"
 
-    def __init__(self, first: int = 3, shrink: float = 1e-2, grow: float = 1e2, spread: float = 1e4):
+    def __init__(self, first: int = 3, shrink: float = 1e-2, grow: float = 1e2, spread: float = 1e4,
+                 dead: float = 0.5):
         self.first = _check_window(first, "first")
+        self.dead = _check_positive("dead", dead)
         self.shrink = _check_positive("shrink", shrink)
         self.grow = _check_positive("grow", grow)
         self.spread = _check_positive("spread", spread)
@@ -1601,7 +1661,7 @@ class PoorInitialization(Rule):
         # only the first values count: the answer is kept until they change
         key = tuple((history.version(name), min(history.count(name), self.first))
                     for name in ("ActivationStats", "GradNorm")) + (
-            tuple(history.metadata.get("param_names") or ()), self.first, self.shrink, self.grow, self.spread)
+            tuple(history.metadata.get("param_names") or ()), self.first, self.shrink, self.grow, self.spread, self.dead)
         memo = history.memo.setdefault(self.id, {})
         if memo.get("key") != key:
             memo.update(key=key, found=self._activations(history) + self._gradients(history))
@@ -1612,14 +1672,20 @@ class PoorInitialization(Rule):
         if len(early) < self.first:
             return []
         scales: dict[str, list[float]] = {}
+        dead: dict[str, list[float]] = {}
         for _, value in early:
             for layer, stats in (value or {}).items():
                 if isinstance(stats, Mapping):
                     scales.setdefault(layer, []).append(to_float(stats.get("rms")))
+                    dead.setdefault(layer, []).append(to_float(stats.get("dead_fraction", math.nan)))
         medians = {layer: float(np.median(v)) for layer, v in scales.items() if len(v) == self.first}
-        if len(medians) < 2:
-            return []
+        # a layer whose units are mostly dead (off for every sample) cannot be the reference: its scale is
+        # that of the few live units, and every layer after it would look large (round 7)
         layers = list(medians)
+        while layers and _median(dead[layers[0]]) >= self.dead:
+            layers = layers[1:]
+        if len(layers) < 2:
+            return []
         reference = medians[layers[0]]
         if not reference > 0:
             return []
@@ -1627,6 +1693,11 @@ class PoorInitialization(Rule):
         found = []
         for layer in layers[1:]:
             ratio = medians[layer] / reference
+            # the first tracked step's own scales come before any update: a huge first update (a learning
+            # rate far too large) changes the later steps' scales, not the initialization (round 7)
+            first = scales[layer][0] / scales[layers[0]][0] if scales[layers[0]][0] > 0 else math.nan
+            if not (first < self.shrink or first > self.grow):
+                continue
             if ratio < self.shrink or ratio > self.grow:
                 direction = "shrink" if ratio < self.shrink else "grow"
                 found.append(
@@ -2042,6 +2113,25 @@ class SaturatedOutput(Rule):
         touched = sum(touches[-self.band_window:])
         classes = memo["classes"]
         floor = math.log(math.e + classes - 1) - 1.0
+        # the model's outputs were probabilities (rows >= 0 summing to 1: a softmax inside the model) at every
+        # tracked step, and the losses of a cross-entropy over them stayed in the band (round 7)
+        if memo.get("flag_count") != count:
+            memo["flag_count"] = count
+            memo["flagged"] = all(isinstance(v, Mapping) and v.get("output_probabilities") is True
+                                  for _, v in history.last("DataStats", count))
+        if memo["flagged"] and len(touches) >= self.band_settle + self.band_window:
+            steps = memo["steps"]
+            return [self.finding(
+                steps[-1],
+                f"the model's outputs are probabilities (every row non-negative, summing to 1) at every tracked "
+                f"step since step {steps[0]}, and every per-sample loss lies between {_g(floor)} and "
+                f"{_g(floor + 1)}, the bounds of a cross-entropy over probabilities of {classes} classes: a softmax "
+                "inside the model before a loss that applies its own",
+                fix="pass raw logits to CrossEntropyLoss / BCEWithLogitsLoss: remove a final softmax or sigmoid",
+                evidence={"classes": classes, "floor": floor, "ceiling": floor + 1.0, "lowest": memo["low"],
+                          "highest": memo["high"], "touched": touched, "since": steps[0],
+                          "output_probabilities": True, "strength": "strong"},
+            )]
         # many classes: the floor lies near chance (log C), and a run that learns leaves the band soon
         # ... once some sample got well below chance (half way to the floor): a model that learned, and
         # not one that sits at chance (shuffled labels: every loss near log C, inside the band too)
