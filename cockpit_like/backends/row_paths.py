@@ -128,8 +128,10 @@ class RowPaths:
         edges: ``{id(node): [(consumer, position, output_nr)]}``: the nodes that read each output of a node
             (``position``: the input of ``consumer`` it is; ``output_nr``: which output of ``node``).
         ends: ``{id(node): {output_nr: batch dimension or None}}`` of the graph nodes of the model's outputs:
-            the walk stops there, where the rows must lie along the output's batch dimension (``None``, or an
-            output not named: dimension 0, sample-major, e.g. logits flattened to ``[B*T, V]``).
+            the walk stops there, where the rows must lie along the output's batch dimension (an output not
+            named: dimension 0, sample-major, e.g. logits flattened to ``[B*T, V]``; ``None``, an output whose
+            call did not show its batch dimension, e.g. an RNN's ``h_n`` ``[layers, B, H]`` returned beside the
+            logits: the dimension the rows arrive on).
     """
 
     def __init__(self, edges: dict[int, list[tuple[Any, int, int]]], ends: dict[int, dict[int, int | None]]):
@@ -215,7 +217,10 @@ class RowPaths:
             end = self.ends.get(id(node))
             if end is not None:
                 for nr, state in enumerate(states):
-                    if state == BROKEN or (state != ACCEPT and state[0] != (end.get(nr) or 0)):
+                    # an output whose batch dimension the model's call did not show (None: h_n [layers, B, H] of
+                    # an RNN returned beside the logits) takes the rows along the dimension they arrive on
+                    expected = end.get(nr, 0)
+                    if state == BROKEN or (state != ACCEPT and expected is not None and state[0] != expected):
                         return f"{type(node).__name__} (the rows end along another dimension of the model's output)"
                 continue
             for consumer, position, nr in self.edges.get(id(node), ()):
