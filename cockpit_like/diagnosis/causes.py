@@ -135,7 +135,7 @@ CAUSES: dict[str, Cause] = {
               "lower the learning rate (by 10x for a blow-up, 2-3x for spikes), add warm-up, or clip "
               "gradients; check the learning-rate schedule where the blow-up starts later in the run",
               _BLOW_UP_SYMPTOMS),
-        Cause("nonfinite-operation", "an operation made a NaN or an infinity (the loss did not blow up before)",
+        Cause("nonfinite-operation", "an operation made a NaN or an infinity",
               "find the operation (cockpit.record(step), or the recorder's nonfinite-origin finding): clamp "
               "log inputs, add an epsilon to divisions and norms, check the data of that step",
               ("exploding-gradient", "unchanged-parameters", "vanishing-gradient", "dead-units",
