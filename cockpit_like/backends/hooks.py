@@ -450,6 +450,19 @@ class HookBackend:
                 f"cannot be told apart because {wrong}"
             ))
             return
+        with_grad = [t for t in _flat_outputs(call.output) if t.grad_fn is not None]
+        if with_grad and all(t.dim() > 0 and t.shape[0] == batch for t in with_grad) and _output_used_inside(
+                call, with_grad):
+            self._errors.append(UncoveredParameterError(
+                f"{type(call.module).__name__} {self._module_name(call.module)}: one of its outputs (shapes "
+                f"{shapes}) is computed from another of them (e.g. `return features, self.head(features)`, or a "
+                "Hugging Face model with output_hidden_states / output_attentions), so a re-run of this call row "
+                "by row would count the inner use of that output twice, and no enclosing call can take its "
+                f"parameters {names}. Return only the outputs the loss reads (the logits; output_hidden_states="
+                "False), or compute the other output outside this module, or move these parameters into a "
+                "submodule (their own nn.Module), or leave them out of Cockpit(params)."
+            ))
+            return
         self._errors.append(UncoveredParameterError(
             f"{type(call.module).__name__} layer {self._module_name(call.module)}: its outputs (shapes {shapes}) or "
             f"inputs have no batch dimension of size {self._call_batch(call)}, so the cockpit cannot tell the "
