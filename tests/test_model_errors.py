@@ -4,6 +4,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from backpack import extend
 from torch import nn
 
@@ -550,3 +551,28 @@ def test_a_call_whose_outputs_feed_each_other_is_not_climbed_to():
     torch.manual_seed(0)
     ratios = _sum_of_squares_against_loop(_Head(), *_data((5, 4)))
     assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
+
+
+def test_a_maml_like_loop_is_told_that_its_samples_are_not_the_models_rows():
+    """MAML: 6 tasks (the samples, ``batch_size`` 6), each a call of its own on 5 query rows through
+    ``functional_call``: the error named only a wrong batch size (an outside tester, sixth round); it now also
+    says that per-sample quantities are not defined where each loss comes from calls of its own."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    params, names = list(model.parameters()), [n for n, _ in model.named_parameters()]
+    cockpit = Cockpit(params, quantities=[NormTest(linear(1))], model=model)
+    task_losses = []
+    for _ in range(6):
+        xs, xq = torch.randn(5, 10, dtype=torch.float64), torch.randn(5, 10, dtype=torch.float64)
+        ys, yq = torch.randint(0, 4, (5,)), torch.randint(0, 4, (5,))
+        grads = torch.autograd.grad(F.cross_entropy(model(xs), ys), params, create_graph=True)
+        adapted = {n: p - 0.4 * g for n, p, g in zip(names, params, grads)}
+        task_losses.append(F.cross_entropy(functional_call(model, adapted, (xq,)), yq))
+    losses = torch.stack(task_losses)
+    with pytest.raises(UncoveredParameterError) as error:
+        with cockpit(0, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    message = str(error.value)
+    assert "likely wrong" in message and "calls of its own on 5 rows" in message and "not defined" in message

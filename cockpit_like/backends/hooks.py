@@ -483,7 +483,11 @@ class HookBackend:
             f"info['batch_size'] is {int(self.batch_size)}, but every tensor the modules of this step's forward "
             f"pass took and returned has {rows} rows (leading dimension {rows}; none has {int(self.batch_size)}): "
             f"info['batch_size'] is likely wrong, e.g. the loader's nominal batch size on a short last batch. Pass "
-            "the number of rows of this batch (`'batch_size': len(targets)`)."
+            "the number of rows of this batch (`'batch_size': len(targets)`). If it is right, the samples are not "
+            f"the rows of the model's calls: each of info['individual_losses'] comes from calls of its own on "
+            f"{rows} rows (MAML's tasks, episodes), and per-sample quantities (NormTest, GradHist1d, Alpha's "
+            "variances ...) are not defined for such a loop; track the others (GradNorm, Loss, UpdateSize, "
+            "Distance, the curvature)."
         )
 
     # ---- where the rows go ---------------------------------------------------------------
