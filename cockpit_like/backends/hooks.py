@@ -241,8 +241,12 @@ class HookBackend:
             same forward pass, which the statistics then did not see).
     """
 
-    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, accumulate_passes=False):
+    def __init__(
+        self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, accumulate_passes=False, losses=(),
+    ):
         self.reducer = reducer
+        #: the step's loss tensors (``info["loss"]``, ``info["individual_losses"]``): which model outputs they read
+        self._losses = [t for t in losses if isinstance(t, torch.Tensor)]
         self.accumulate_passes = bool(accumulate_passes)
         self.repeated = False
         #: the backward passes seen through one call's output (more than one: :attr:`repeated`)
@@ -494,7 +498,7 @@ class HookBackend:
             if id(call.module) in roots:
                 for node, nr, state in self._output_rows(call):
                     ends.setdefault(id(node), {})[nr] = state[0] if state != ACCEPT else None
-        self._paths = RowPaths(self._edges, ends)
+        self._paths = RowPaths(self._edges, ends, self._loss_reads(ends))
         for call in calls:
             if self._keeps_rows(call):
                 self._add_box(call)
@@ -507,7 +511,54 @@ class HookBackend:
                 continue
             if type(call.module) is not nn.MultiheadAttention:
                 self._paths.remove_box(id(call))  # its parameters move on: it is not re-run
-            self._climb(calls, index, broken)
+            if self._paths.misplaced:
+                self._misplaced(call, broken)
+            else:
+                self._climb(calls, index, broken)
+
+    def _misplaced(self, call: Call, where: str) -> None:
+        """The error for a call whose rows end along another dimension of a model output the loss reads than
+        that output's batch dimension (an RNN's ``h_n`` ``[layers, B, H]`` with ``layers`` a multiple of ``B``,
+        penalised by the loss). No enclosing call helps: its rows end there the same way."""
+        names = [self._param_name(p) for p in call.params]
+        call.params = []
+        self._errors.append(UncoveredParameterError(
+            f"{type(call.module).__name__} layer {self._module_name(call.module)}: the rows of its outputs end along "
+            f"another dimension of a model output that the loss reads than that output's batch dimension ({where}; "
+            "the batch dimension of a model output is the first whose size is a multiple of the batch size), so "
+            f"the cockpit cannot tell which of that output's rows are which sample's, nor the rows' gradients of "
+            f"{names}. Return that output with the batch first (an RNN's hidden state: h_n.transpose(0, 1), "
+            "[B, layers, H]), or compute what the loss reads of it inside the model, one value per row ([B]), "
+            "or leave these parameters out of Cockpit(params)."
+        ))
+
+    def _loss_reads(self, ends: dict[int, dict]):
+        """``(node, output_nr) -> bool``: whether the step's loss (``losses``) reads that output of the model, from
+        the loss's own graph down to the model's (walked once, at the first question); ``None``: no loss with a
+        graph was given, so every output may be read."""
+        roots = [t.grad_fn for t in self._losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not roots:
+            return None
+        read: set[tuple[int, int]] | None = None
+
+        def reads(node, nr: int) -> bool:
+            nonlocal read
+            if read is None:
+                read, seen, stack = set(), {}, list(roots)
+                while stack:
+                    parent = stack.pop()
+                    if id(parent) in seen:
+                        continue
+                    seen[id(parent)] = parent  # (kept: a freed node's id may be another's)
+                    if id(parent) in ends or id(parent) in self._edges:
+                        continue  # the model's graph, not the loss's
+                    for child, child_nr in parent.next_functions:
+                        if child is not None:
+                            read.add((id(child), child_nr))
+                            stack.append(child)
+            return (id(node), nr) in read
+
+        return reads
 
     def _keeps_rows(self, call: Call) -> bool:
         """Whether ``call`` takes its rows from its inputs to its outputs row for row for certain: it is re-run

@@ -34,6 +34,7 @@ from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 from cockpit_like.backends.randomness import seeded_sampling
+from cockpit_like.backends.row_paths import rows_dim
 from cockpit_like.backends.tracer import _graph_kernels, graph_kernels
 
 __all__ = [
@@ -229,6 +230,7 @@ class StepExecution:
                 self.hook_backend = HookBackend(
                     calls, params, self.reducer, handled, tracer, batch_size=batch_size,
                     accumulate_passes=accumulate_passes and not use_backpack,
+                    losses=(self.info.get("loss"), self.info.get("individual_losses")),
                 )  # fmt: skip
             #: the hook backend alone computes the per-sample rows (so it can sum several backward passes)
             self.merges_passes = self.hook_backend is not None and not use_backpack
@@ -633,7 +635,7 @@ class StepExecution:
             )
         reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False, budget_bytes=self._memory_budget)
         calls = [call.fresh() for call in self._calls]
-        backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size)
+        backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size, losses=(loss,))
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         backend.enter()
         try:
@@ -832,21 +834,25 @@ def _stale_extended(calls: list) -> list:
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:
-    """The floating outputs of the models' own calls this step whose leading dimension is the batch's rows."""
+    """The floating outputs of the models' own calls this step with one row per sample along their batch
+    dimension (:func:`~cockpit_like.backends.row_paths.rows_dim`): those with leading dimension ``B`` first, then
+    the others (an RNN's ``h_n`` ``[layers, B, H]``)."""
     if tracer is None or not calls or not batch_size:
         return []
     from cockpit_like.backends.tracer import _flat_outputs
 
-    roots = {id(ref()) for ref in tracer.roots}
-    found = []
+    roots, batch = {id(ref()) for ref in tracer.roots}, int(batch_size)
+    leading, later = [], []
     for call in reversed(calls):  # the outermost call is noted last
         if id(call.module) in roots:
             for output in _flat_outputs(call.output):
-                if getattr(output, "grad_fn", None) is not None and output.dtype.is_floating_point and output.dim() > 0 \
-                        and output.shape[0] == int(batch_size):  # fmt: skip
-                    found.append(output)
+                if getattr(output, "grad_fn", None) is None or not output.dtype.is_floating_point or output.dim() == 0:
+                    continue
+                dim = rows_dim(output.shape, batch)
+                if dim is not None and output.shape[dim] == batch:
+                    (leading if dim == 0 else later).append(output)
             break
-    return found
+    return leading + later
 
 
 #: BackPACK savefields shaped like the parameter, zero for a parameter outside the pass's graph
