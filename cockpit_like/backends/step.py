@@ -28,7 +28,9 @@ from backpack.utils.module_classification import is_loss
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import BatchSizeMismatchError, HookBackend, UncoveredParameterError, coupling_reason
+from cockpit_like.backends.hooks import (
+    BatchSizeMismatchError, HookBackend, RowsNotSamplesError, UncoveredParameterError, coupling_reason,
+)
 from cockpit_like.backends.rerun import NonFiniteOutputsError
 from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
@@ -484,7 +486,7 @@ class StepExecution:
         if self.hook_backend is not None:
             try:
                 self.hook_backend.finish()
-            except NonFiniteOutputsError as error:
+            except (NonFiniteOutputsError, RowsNotSamplesError) as error:  # the run goes on, with a note
                 self._without_rows(str(error))
             except BatchSizeMismatchError as error:
                 raise BatchSizeMismatchError(
