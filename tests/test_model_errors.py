@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from backpack import extend
 from torch import nn
 
@@ -213,6 +212,66 @@ def test_a_wrong_batch_size_is_named_with_both_numbers(model, shape):
     message = str(error.value)
     assert "info['batch_size'] is 6, but every tensor" in message and "has 3 rows" in message
     assert "likely wrong" in message and "len(targets)" in message and "compute the loss outside" not in message
+    assert "short last batch" in message and "MAML" not in message
+
+
+def _maml_step(cockpit, model, tasks=6, support=5, query=5, step=0):
+    """One MAML meta-step: per task, one inner SGD step with create_graph=True on its support rows, then the loss
+    of the adapted weights on its query rows (torch.func.functional_call); one loss per task."""
+    from torch.func import functional_call
+
+    params, names = list(model.parameters()), [name for name, _ in model.named_parameters()]
+    generator = torch.Generator().manual_seed(step)
+    losses = []
+    for _ in range(tasks):
+        xs, xq = torch.randn(support, 10, generator=generator), torch.randn(query, 10, generator=generator)
+        ys, yq = torch.randint(0, 4, (support,), generator=generator), torch.randint(0, 4, (query,), generator=generator)
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(xs), ys), params, create_graph=True)
+        adapted = {name: p - 0.4 * g for name, p, g in zip(names, params, grads)}
+        losses.append(nn.functional.cross_entropy(functional_call(model, adapted, (xq,)), yq))
+    losses = torch.stack(losses)
+    with cockpit(step, info={"batch_size": tasks, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+
+
+@pytest.mark.parametrize("support", [5, 10])
+def test_maml_with_one_loss_per_task_is_told_that_tasks_are_not_rows(support):
+    """Sixth round: MAML with 6 tasks of 5 query rows and info['batch_size'] = 6 raised BatchSizeMismatchError
+    saying batch_size was likely a short last batch's (with 10 support rows: an error blaming the model's
+    structure). Per-sample gradients are not defined for tasks that are not rows of a model call: the step
+    leaves the per-sample quantities out with a note that says so, and the others are stored."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4))
+        cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1)), GradNorm(linear(1))], model=model)
+        _maml_step(cockpit, model, support=support)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    output = cockpit.get_output()[0]
+    assert "NormTest" not in output
+    expected = [float(p.grad.norm()) for p in model.parameters()]
+    assert output["GradNorm"] == pytest.approx(expected, rel=1e-12)
+    (note,) = [n for n in output["checks"]["notes"] if "left out" in n]
+    rows = "on 5 rows each" if support == 5 else "on 5 / 10 rows"
+    assert f"the model ran 12 times in this step's forward pass, {rows}" in note, note
+    assert "not the rows of a model call" in note and "MAML" in note and "GradNorm" in note
+    assert "likely wrong" not in note
+
+
+def test_rows_a_multiple_of_the_batch_size_are_named_as_groups():
+    """One call on 30 rows with one loss per 5 rows and info['batch_size'] = 6: not a short last batch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    x, y = torch.randn(30, 10, dtype=torch.float64), torch.randint(0, 4, (30,))
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none").reshape(6, 5).mean(1)
+    with pytest.raises(UncoveredParameterError) as error:
+        with cockpit(0, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    message = str(error.value)
+    assert "has 30 rows" in message and "6 x 5" in message and "[6, 5, ...]" in message, message
+    assert "'batch_size': 30" in message and "short last batch" not in message
 
 
 class _Outside(nn.Module):
@@ -552,27 +611,3 @@ def test_a_call_whose_outputs_feed_each_other_is_not_climbed_to():
     ratios = _sum_of_squares_against_loop(_Head(), *_data((5, 4)))
     assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
 
-
-def test_a_maml_like_loop_is_told_that_its_samples_are_not_the_models_rows():
-    """MAML: 6 tasks (the samples, ``batch_size`` 6), each a call of its own on 5 query rows through
-    ``functional_call``: the error named only a wrong batch size (an outside tester, sixth round); it now also
-    says that per-sample quantities are not defined where each loss comes from calls of its own."""
-    from torch.func import functional_call
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 4)).double()
-    params, names = list(model.parameters()), [n for n, _ in model.named_parameters()]
-    cockpit = Cockpit(params, quantities=[NormTest(linear(1))], model=model)
-    task_losses = []
-    for _ in range(6):
-        xs, xq = torch.randn(5, 10, dtype=torch.float64), torch.randn(5, 10, dtype=torch.float64)
-        ys, yq = torch.randint(0, 4, (5,)), torch.randint(0, 4, (5,))
-        grads = torch.autograd.grad(F.cross_entropy(model(xs), ys), params, create_graph=True)
-        adapted = {n: p - 0.4 * g for n, p, g in zip(names, params, grads)}
-        task_losses.append(F.cross_entropy(functional_call(model, adapted, (xq,)), yq))
-    losses = torch.stack(task_losses)
-    with pytest.raises(UncoveredParameterError) as error:
-        with cockpit(0, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward()
-    message = str(error.value)
-    assert "likely wrong" in message and "calls of its own on 5 rows" in message and "not defined" in message

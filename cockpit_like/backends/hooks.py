@@ -118,6 +118,7 @@ __all__ = [
     "HookBackend",
     "BatchNormInTrainingError",
     "BatchSizeMismatchError",
+    "RowsNotSamplesError",
     "UncoveredParameterError",  # re-exported from cockpit_like.backends.rerun
     "coupling_reason",
 ]
@@ -125,6 +126,13 @@ __all__ = [
 
 class BatchSizeMismatchError(UncoveredParameterError):
     """``info["batch_size"]`` is not the number of rows of the step's forward pass (it names both)."""
+
+
+class RowsNotSamplesError(UncoveredParameterError):
+    """The model ran several times in the step's forward pass and none of its calls has ``info["batch_size"]`` rows:
+    the declared rows are not the rows of one model call (MAML: one loss per task, each task its own forward
+    passes), so per-sample gradients are not defined. The step goes on without its per-sample values, with a note
+    (:meth:`~cockpit_like.backends.step.StepExecution.exit`)."""
 
 
 class BatchNormInTrainingError(RuntimeError):
@@ -241,8 +249,12 @@ class HookBackend:
             same forward pass, which the statistics then did not see).
     """
 
-    def __init__(self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, accumulate_passes=False):
+    def __init__(
+        self, calls, params, reducer, handled_elsewhere, tracer, batch_size=None, accumulate_passes=False, losses=(),
+    ):
         self.reducer = reducer
+        #: the step's loss tensors (``info["loss"]``, ``info["individual_losses"]``): which model outputs they read
+        self._losses = [t for t in losses if isinstance(t, torch.Tensor)]
         self.accumulate_passes = bool(accumulate_passes)
         self.repeated = False
         #: the backward passes seen through one call's output (more than one: :attr:`repeated`)
@@ -275,6 +287,9 @@ class HookBackend:
             int(t.shape[0]) for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output))
             if t.dim() > 0 and t.shape[0] != 1
         }  # fmt: skip
+        roots = {id(ref()) for ref in tracer.roots}
+        #: the rows of each call of the model itself in this step's forward pass (several: it ran several times)
+        self._model_rows = [call.batch for call in calls if id(call.module) in roots]
         self.calls = self._assign(calls, handled_elsewhere)
         self._all_calls = []
         self._paths, self._edges = None, {}  # decided: the walks' bookkeeping is not needed any more
@@ -445,9 +460,10 @@ class HookBackend:
         # raised by finish(), after the backward pass, where the step adds the quantities that need it
         wrong = self._wrong_batch_size()
         if wrong is not None:
-            self._errors.append(BatchSizeMismatchError(
+            error, why = wrong
+            self._errors.append(error(
                 f"{type(call.module).__name__} layer {self._module_name(call.module)}: the rows' gradients of {names} "
-                f"cannot be told apart because {wrong}"
+                f"cannot be told apart because {why}"
             ))
             return
         with_grad = [t for t in _flat_outputs(call.output) if t.grad_fn is not None]
@@ -472,22 +488,56 @@ class HookBackend:
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
         ))
 
-    def _wrong_batch_size(self) -> str | None:
-        """Why ``info["batch_size"]`` is likely wrong, where no tensor of the step's calls has that many rows
-        and they all have another number of rows (a short last batch passed with the loader's nominal size),
-        else ``None``."""
-        if self.batch_size is None or len(self._leading) != 1 or int(self.batch_size) in self._leading:
+    def _wrong_batch_size(self) -> tuple[type, str] | None:
+        """``(error type, why)`` where no call has ``info["batch_size"]`` rows and that says why, else ``None``:
+
+        - the model ran several times and none of its calls has that many rows: the declared rows are not a model
+          call's rows (MAML with one loss per task), or ``batch_size`` is wrong: :class:`RowsNotSamplesError`
+          (the step goes on without per-sample values, with a note);
+        - every tensor of the step's calls has the same other number of rows: fewer (a short last batch passed
+          with the loader's nominal size), ``k`` times as many (one loss per group of ``k`` rows) or otherwise
+          more: :class:`BatchSizeMismatchError`.
+        """
+        if self.batch_size is None:
+            return None
+        batch, calls = int(self.batch_size), self._model_rows
+        if len(calls) > 1 and batch not in calls:
+            sizes = sorted(set(calls))
+            each = f"on {sizes[0]} rows each" if len(sizes) == 1 else f"on {' / '.join(map(str, sizes))} rows"
+            return RowsNotSamplesError, (
+                f"info['batch_size'] is {batch}, but the model ran {len(calls)} times in this step's forward pass, "
+                f"{each}, and none of its calls has {batch} rows: the {batch} per-sample losses are not the rows of a "
+                "model call (a meta-learning loop such as MAML with one loss per task, each task's forward passes "
+                "on its own rows; a loss per group of rows), so per-sample gradients (and the quantities built on "
+                "them: NormTest, InnerTest, OrthoTest, GradHist1d/2d, Alpha's noise, TIC) are not defined for this "
+                "loop; the others (Loss, GradNorm, Distance, UpdateSize, HessMaxEV, ...) are. Leave the per-sample "
+                "quantities out at these steps; if instead each call's rows are the samples, run the model once on "
+                "all of them with one loss per row and 'batch_size' = those rows; if this is a short last batch, "
+                "pass its rows ('batch_size': len(targets))."
+            )
+        if len(self._leading) != 1 or batch in self._leading:
             return None
         (rows,) = self._leading
-        return (
-            f"info['batch_size'] is {int(self.batch_size)}, but every tensor the modules of this step's forward "
-            f"pass took and returned has {rows} rows (leading dimension {rows}; none has {int(self.batch_size)}): "
-            f"info['batch_size'] is likely wrong, e.g. the loader's nominal batch size on a short last batch. Pass "
-            "the number of rows of this batch (`'batch_size': len(targets)`). If it is right, the samples are not "
-            f"the rows of the model's calls: each of info['individual_losses'] comes from calls of its own on "
-            f"{rows} rows (MAML's tasks, episodes), and per-sample quantities (NormTest, GradHist1d, Alpha's "
-            "variances ...) are not defined for such a loop; track the others (GradNorm, Loss, UpdateSize, "
-            "Distance, the curvature)."
+        seen = (
+            f"info['batch_size'] is {batch}, but every tensor the modules of this step's forward pass took and "
+            f"returned has {rows} rows (leading dimension {rows}; none has {batch})"
+        )
+        if rows > batch and rows % batch == 0:
+            k = rows // batch
+            return BatchSizeMismatchError, (
+                f"{seen}, {batch} x {k}: if each of the {batch} per-sample losses is the loss of {k} rows of the "
+                f"model's input, call the model on them shaped [{batch}, {k}, ...] (x.reshape({batch}, {k}, -1)), one "
+                f"sample per entry of the first dimension; if each row is a sample, pass 'batch_size': {rows} with "
+                "one loss per row."
+            )
+        if rows > batch:
+            return BatchSizeMismatchError, (
+                f"{seen}: more rows than declared, so info['batch_size'] is likely wrong. Pass the number of rows of "
+                "this batch (`'batch_size': len(targets)`)."
+            )
+        return BatchSizeMismatchError, (
+            f"{seen}: info['batch_size'] is likely wrong, e.g. the loader's nominal batch size on a short last batch. "
+            "Pass the number of rows of this batch (`'batch_size': len(targets)`)."
         )
 
     # ---- where the rows go ---------------------------------------------------------------
@@ -511,7 +561,7 @@ class HookBackend:
             if id(call.module) in roots:
                 for node, nr, state in self._output_rows(call):
                     ends.setdefault(id(node), {})[nr] = state[0] if state != ACCEPT else None
-        self._paths = RowPaths(self._edges, ends)
+        self._paths = RowPaths(self._edges, ends, self._loss_reads(ends))
         for call in calls:
             if self._keeps_rows(call):
                 self._add_box(call)
@@ -524,7 +574,54 @@ class HookBackend:
                 continue
             if type(call.module) is not nn.MultiheadAttention:
                 self._paths.remove_box(id(call))  # its parameters move on: it is not re-run
-            self._climb(calls, index, broken)
+            if self._paths.misplaced:
+                self._misplaced(call, broken)
+            else:
+                self._climb(calls, index, broken)
+
+    def _misplaced(self, call: Call, where: str) -> None:
+        """The error for a call whose rows end along another dimension of a model output the loss reads than
+        that output's batch dimension (an RNN's ``h_n`` ``[layers, B, H]`` with ``layers`` a multiple of ``B``,
+        penalised by the loss). No enclosing call helps: its rows end there the same way."""
+        names = [self._param_name(p) for p in call.params]
+        call.params = []
+        self._errors.append(UncoveredParameterError(
+            f"{type(call.module).__name__} layer {self._module_name(call.module)}: the rows of its outputs end along "
+            f"another dimension of a model output that the loss reads than that output's batch dimension ({where}; "
+            "the batch dimension of a model output is the first whose size is a multiple of the batch size), so "
+            f"the cockpit cannot tell which of that output's rows are which sample's, nor the rows' gradients of "
+            f"{names}. Return that output with the batch first (an RNN's hidden state: h_n.transpose(0, 1), "
+            "[B, layers, H]), or compute what the loss reads of it inside the model, one value per row ([B]), "
+            "or leave these parameters out of Cockpit(params)."
+        ))
+
+    def _loss_reads(self, ends: dict[int, dict]):
+        """``(node, output_nr) -> bool``: whether the step's loss (``losses``) reads that output of the model, from
+        the loss's own graph down to the model's (walked once, at the first question); ``None``: no loss with a
+        graph was given, so every output may be read."""
+        roots = [t.grad_fn for t in self._losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not roots:
+            return None
+        read: set[tuple[int, int]] | None = None
+
+        def reads(node, nr: int) -> bool:
+            nonlocal read
+            if read is None:
+                read, seen, stack = set(), {}, list(roots)
+                while stack:
+                    parent = stack.pop()
+                    if id(parent) in seen:
+                        continue
+                    seen[id(parent)] = parent  # (kept: a freed node's id may be another's)
+                    if id(parent) in ends or id(parent) in self._edges:
+                        continue  # the model's graph, not the loss's
+                    for child, child_nr in parent.next_functions:
+                        if child is not None:
+                            read.add((id(child), child_nr))
+                            stack.append(child)
+            return (id(node), nr) in read
+
+        return reads
 
     def _keeps_rows(self, call: Call) -> bool:
         """Whether ``call`` takes its rows from its inputs to its outputs row for row for certain: it is re-run

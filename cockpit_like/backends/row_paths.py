@@ -26,9 +26,15 @@ or breaks them (indexing, gathering and scattering along them, the sources of
 after the first, flips, rolls, sorting, cumulative sums and softmax along
 them, reductions over them that do not end in a single number, the
 contracted operand of a matrix product, reshapes that split samples). The
-walk ends at the model's outputs, where the rows must lie along the outputs'
-batch dimension (from there the step's row check at the loss takes over:
-:mod:`cockpit_like.checks.rows`), and at a single number (the loss), and it
+walk checks the model's outputs, where the rows must lie along the outputs'
+batch dimension (:func:`rows_dim`: the first dimension whose size is a
+multiple of the batch size, so ``[B, T, V]`` and ``[B*T, V]`` along 0, an
+RNN's ``h_n`` ``[layers, B, H]`` and ``[T, B, V]`` along 1), unless the loss
+does not read that output at all (a recurrent model that returns its hidden
+state for the next step of truncated BPTT): from there the step's row check
+at the loss takes over (:mod:`cockpit_like.checks.rows`); it goes on through
+what the model itself computes from an output it returns. It ends at a
+single number (the loss), and it
 jumps over *boxes*: module calls that the cockpit re-runs row by row (their
 re-run must reproduce the recorded outputs, which checks that they keep the
 rows) and ``nn.MultiheadAttention``. Operations it does not know keep the
@@ -51,7 +57,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RowPaths", "ACCEPT"]
+__all__ = ["RowPaths", "ACCEPT", "rows_dim"]
 
 #: the state of an output whose rows need no further check (a single number; an output that carries no rows)
 ACCEPT = -1
@@ -128,15 +134,20 @@ class RowPaths:
         edges: ``{id(node): [(consumer, position, output_nr)]}``: the nodes that read each output of a node
             (``position``: the input of ``consumer`` it is; ``output_nr``: which output of ``node``).
         ends: ``{id(node): {output_nr: batch dimension or None}}`` of the graph nodes of the model's outputs:
-            the walk stops there, where the rows must lie along the output's batch dimension (an output not
-            named: dimension 0, sample-major, e.g. logits flattened to ``[B*T, V]``; ``None``, an output whose
-            call did not show its batch dimension, e.g. an RNN's ``h_n`` ``[layers, B, H]`` returned beside the
-            logits: the dimension the rows arrive on).
+            the rows must lie along the output's batch dimension there (``None``: :func:`rows_dim` of its shape,
+            e.g. 0 for logits flattened to ``[B*T, V]``, 1 for an RNN's ``h_n`` ``[layers, B, H]``).
+        reads: ``(node, output_nr) -> bool``: whether the loss reads that output of the model (``None``: it
+            may). The rows of an output the loss does not read (a hidden state returned for the next step)
+            may lie anywhere: no gradient comes back through it.
     """
 
-    def __init__(self, edges: dict[int, list[tuple[Any, int, int]]], ends: dict[int, dict[int, int | None]]):
+    def __init__(self, edges: dict[int, list[tuple[Any, int, int]]], ends: dict[int, dict[int, int | None]], reads=None):
         self.edges = edges
         self.ends = ends
+        self.reads = reads
+        #: the last :meth:`broken` found the rows along another dimension of a model output the loss reads (an
+        #: enclosing call's rows end there the same way: climbing cannot help)
+        self.misplaced = False
         self._boxes: dict[int, "_Box"] = {}
         self._inside: dict[int, list["_Box"]] = {}
         #: ``(id(node), states)`` whose walk to the model's outputs kept the rows
@@ -208,6 +219,7 @@ class RowPaths:
         """``None`` if the rows of ``outputs`` (``(node, output_nr, (dimension, rows per sample))``) reach the
         model's outputs row for row; else the operation that breaks them, in words."""
         stack, seen = self.starts(outputs), set()
+        self.misplaced = False
         while stack:
             node, states = stack.pop()
             key = (id(node), states)
@@ -215,14 +227,12 @@ class RowPaths:
                 continue
             seen.add(key)
             end = self.ends.get(id(node))
-            if end is not None:
+            if end is not None:  # the model's outputs; then on through what the model computes from them
                 for nr, state in enumerate(states):
-                    # an output whose batch dimension the model's call did not show (None: h_n [layers, B, H] of
-                    # an RNN returned beside the logits) takes the rows along the dimension they arrive on
-                    expected = end.get(nr, 0)
-                    if state == BROKEN or (state != ACCEPT and expected is not None and state[0] != expected):
-                        return f"{type(node).__name__} (the rows end along another dimension of the model's output)"
-                continue
+                    if nr in end and state != ACCEPT:
+                        wrong = self._ends_wrong(node, nr, state, end[nr])
+                        if wrong is not None:
+                            return wrong
             for consumer, position, nr in self.edges.get(id(node), ()):
                 state = states[nr] if nr < len(states) else ACCEPT
                 if state == ACCEPT:
@@ -242,6 +252,29 @@ class RowPaths:
                 stack.append((consumer, after))
         self._good |= seen
         return None
+
+    def _ends_wrong(self, node, nr: int, state, dim: int | None) -> str | None:
+        """``None`` if rows in ``state`` end well at output ``nr`` of the model's output ``node`` (batch dimension
+        ``dim``; ``None``: :func:`rows_dim` of its shape): along its batch dimension, or at an output the loss
+        does not read; else what is wrong, in words."""
+        shapes = self._outputs(node)
+        shape = list(shapes[nr]) if nr < len(shapes) else None
+        if state != BROKEN:
+            along, k = state
+            if dim is None and shape is not None and along < len(shape):
+                dim = rows_dim(shape, shape[along] // k)
+            if along == (0 if dim is None else dim):
+                return None
+        if self.reads is not None and not self.reads(node, nr):
+            return None  # no gradient comes back through it
+        name, of = type(node).__name__, f"the model's output of shape {shape}" if shape is not None else "a model output"
+        if state == BROKEN:
+            return f"{name} (the rows are reordered or mixed before {of}, which the loss reads)"
+        self.misplaced = True
+        return (
+            f"{name} (the rows end along dimension {state[0]} of {of}, which the loss reads, but its batch "
+            f"dimension is {0 if dim is None else dim})"
+        )
 
     def _outputs(self, node) -> list[tuple[int, ...]]:
         shapes = self._shapes.get(id(node))
@@ -427,6 +460,15 @@ class RowPaths:
             rest = [d for d in range(len(shape)) if d not in used]
             new = width + rest.index(dim)
         return tuple((new, k) for _ in outputs)
+
+
+def rows_dim(shape, batch: int) -> int | None:
+    """The dimension along which a model's output of ``shape`` holds the batch's ``batch`` rows: the first whose
+    size is a multiple of ``batch`` (``[B, T, V]``, ``[B*T, V]``: 0; an RNN's ``h_n`` ``[layers, B, H]`` with
+    ``layers`` not a multiple of ``B``, ``[T, B, V]``: 1); ``None``: none."""
+    if batch <= 0:
+        return None
+    return next((dim for dim, size in enumerate(shape) if size and size % batch == 0), None)
 
 
 class _Box:

@@ -28,12 +28,15 @@ from backpack.utils.module_classification import is_loss
 
 from cockpit_like.backends.column_blocks import BLOCKED_TYPES, column_blocks
 from cockpit_like.backends.extensions import describe, merge_extensions
-from cockpit_like.backends.hooks import BatchSizeMismatchError, HookBackend, UncoveredParameterError, coupling_reason
+from cockpit_like.backends.hooks import (
+    BatchSizeMismatchError, HookBackend, RowsNotSamplesError, UncoveredParameterError, coupling_reason,
+)
 from cockpit_like.backends.rerun import NonFiniteOutputsError
 from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
 from cockpit_like.backends.randomness import seeded_sampling
+from cockpit_like.backends.row_paths import rows_dim
 from cockpit_like.backends.tracer import _graph_kernels, graph_kernels
 
 __all__ = [
@@ -237,6 +240,7 @@ class StepExecution:
                 self.hook_backend = HookBackend(
                     calls, params, self.reducer, handled, tracer, batch_size=batch_size,
                     accumulate_passes=accumulate_passes and not use_backpack,
+                    losses=(self.info.get("loss"), self.info.get("individual_losses")),
                 )  # fmt: skip
             #: the hook backend alone computes the per-sample rows (so it can sum several backward passes)
             self.merges_passes = self.hook_backend is not None and not use_backpack
@@ -505,7 +509,7 @@ class StepExecution:
         if self.hook_backend is not None:
             try:
                 self.hook_backend.finish()
-            except NonFiniteOutputsError as error:
+            except (NonFiniteOutputsError, RowsNotSamplesError) as error:  # the run goes on, with a note
                 self._without_rows(str(error))
             except BatchSizeMismatchError as error:
                 raise BatchSizeMismatchError(
@@ -667,7 +671,7 @@ class StepExecution:
             )
         reducer = PerSampleReducer(stats, self.params, keep_grad_batch=False, budget_bytes=self._memory_budget)
         calls = [call.fresh() for call in self._calls]
-        backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size)
+        backend = HookBackend(calls, self.params, reducer, lambda module: False, self._tracer, self._batch_size, losses=(loss,))
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         backend.enter()
         try:
@@ -891,21 +895,25 @@ def _stale_extended(calls: list) -> list:
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:
-    """The floating outputs of the models' own calls this step whose leading dimension is the batch's rows."""
+    """The floating outputs of the models' own calls this step with one row per sample along their batch
+    dimension (:func:`~cockpit_like.backends.row_paths.rows_dim`): those with leading dimension ``B`` first, then
+    the others (an RNN's ``h_n`` ``[layers, B, H]``)."""
     if tracer is None or not calls or not batch_size:
         return []
     from cockpit_like.backends.tracer import _flat_outputs
 
-    roots = {id(ref()) for ref in tracer.roots}
-    found = []
+    roots, batch = {id(ref()) for ref in tracer.roots}, int(batch_size)
+    leading, later = [], []
     for call in reversed(calls):  # the outermost call is noted last
         if id(call.module) in roots:
             for output in _flat_outputs(call.output):
-                if getattr(output, "grad_fn", None) is not None and output.dtype.is_floating_point and output.dim() > 0 \
-                        and output.shape[0] == int(batch_size):  # fmt: skip
-                    found.append(output)
+                if getattr(output, "grad_fn", None) is None or not output.dtype.is_floating_point or output.dim() == 0:
+                    continue
+                dim = rows_dim(output.shape, batch)
+                if dim is not None and output.shape[dim] == batch:
+                    (leading if dim == 0 else later).append(output)
             break
-    return found
+    return leading + later
 
 
 #: BackPACK savefields shaped like the parameter, zero for a parameter outside the pass's graph
