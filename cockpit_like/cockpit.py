@@ -745,11 +745,12 @@ class Cockpit:
         moved = parameters_moved(self.params, step, before)
         groups = getattr(optimizer, "param_groups", None) if moved else None
         held = {id(p) for group in groups for p in group["params"]} if groups else set()
+        if moved:
+            names = self._env.param_name_list()
+            shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
         if moved and held and not any(id(self.params[i]) in held for i in moved):
             # none of them is the declared optimizer's: another optimizer stepped them, after the block (their
             # loss and gradients are of the block's parameters; what they moved is part of the iteration's update)
-            names = self._env.param_name_list()
-            shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
             name = type(optimizer).__name__
             self._withdraw_motion(
                 step, lambda q: getattr(q, "predicts_update", False), ends=False,
@@ -761,8 +762,6 @@ class Cockpit:
                       "parameters with one optimizer (param groups), or leave them out."),
             )  # fmt: skip
         elif moved:
-            names = self._env.param_name_list()
-            shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
             self._withdraw_motion(
                 step, lambda q: getattr(q, "reads_parameters", False), ends=True,
                 note=(f"the parameters ({shown}) changed between the backward pass of step {step} and "
