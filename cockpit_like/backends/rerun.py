@@ -30,6 +30,7 @@ May import torch, :mod:`cockpit_like.backends.tracer` and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import sys
 import warnings
@@ -126,8 +127,7 @@ def per_sample_grads(
     """
     rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state, autocast)
     with _model_kept(module):
-        results, outputs = rerun.rows(0, batch)
-        rerun.check(outputs, recorded, 0, batch)
+        results, _ = rerun.checked_rows(recorded, 0, batch)
     return results
 
 
@@ -147,9 +147,10 @@ def per_sample_grad_rows(
     def maker(index: int):
         def make(start: int, stop: int) -> torch.Tensor:
             with _model_kept(module):
-                results, outputs = rerun.rows(start, stop, only=index)
-                if (start, stop) not in checked:
-                    rerun.check(outputs, recorded, start, stop)
+                if (start, stop) in checked:
+                    results, _ = rerun.rows(start, stop, only=index)
+                else:
+                    results, _ = rerun.checked_rows(recorded, start, stop, only=index)
                     checked.add((start, stop))
             return results[0]
 
@@ -157,6 +158,13 @@ def per_sample_grad_rows(
 
     return [LazyRows(batch, p.shape, maker(k), max(4, p.element_size())) for k, p in enumerate(params)]
 
+
+#: per module, the positions (in the flattened arguments) of tensors whose leading dimension has the batch size
+#: by coincidence and that a re-run passes whole (a ``[T, T]`` attention bias where ``T`` equals the batch size):
+#: found where slicing them did not reproduce the forward pass (:meth:`_Rerun.checked_rows`), kept for later steps
+_WHOLE_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: how many other readings of the arguments a re-run that does not reproduce the forward pass tries
+_READINGS = 8
 
 #: the modules on which ``vmap`` failed once (an RNN, custom autograd, routing): later steps loop over the rows
 #: at once, instead of trying ``vmap`` and failing again at every tracked step
@@ -193,6 +201,9 @@ class _Rerun:
             )
         self.values, self.dims, self.out_dims, self.grads = values, dims, out_dims, list(grads)
         self.batched = [k for k, d in enumerate(dims) if d is not None]
+        whole = _WHOLE_ARGUMENTS.get(module)
+        if whole and whole[0] == len(values) and len(whole[1]) < len(self.batched):
+            self.batched = [k for k in self.batched if k not in whole[1]]
         # until vmap fails on this module once: then every block, at this step and later ones, takes the loop
         self._vmap = module not in _NO_VMAP
         self._whole = None  # the whole batch's outputs re-run, where the forward pass's were not kept
@@ -256,6 +267,41 @@ class _Rerun:
                 raise
             except Exception as error:  # noqa: BLE001 - the user's forward pass on a part of the batch
                 raise UncoveredParameterError(self._failed_message(error)) from error
+
+    def checked_rows(self, recorded, start: int, stop: int, only: int | None = None):
+        """:meth:`rows` checked against the forward pass (:meth:`check`). Where the re-run fails or does not
+        reproduce it and several arguments have a dimension of the batch size, some of them may have it by
+        coincidence (a ``[T, T]`` mask or bias where ``T`` equals the batch size, passed to every row whole):
+        the re-run is tried with them whole, a few readings, and the first that reproduces the forward pass
+        is used (and kept for the module's later calls); else the first reading's error is raised."""
+        try:
+            results, outputs = self.rows(start, stop, only)
+            self.check(outputs, recorded, start, stop)
+            return results, outputs
+        except NonFiniteOutputsError:
+            raise
+        except UncoveredParameterError as error:
+            first = error
+        if recorded is None or len(self.batched) < 2:
+            raise first
+        batched, vmap = list(self.batched), self._vmap
+        readings = (
+            set(whole) for size in range(1, len(batched)) for whole in itertools.combinations(batched, size)
+        )
+        for whole in itertools.islice(readings, _READINGS):
+            self.batched = [k for k in batched if k not in whole]
+            self._vmap = vmap  # vmap may have failed on the sliced argument, not on the module
+            try:
+                results, outputs = self.rows(start, stop, only)
+                self.check(outputs, recorded, start, stop)
+            except UncoveredParameterError:
+                continue
+            _WHOLE_ARGUMENTS[self.module] = (len(self.values), frozenset(whole))
+            if self._vmap:
+                _NO_VMAP.pop(self.module, None)
+            return results, outputs
+        self.batched = batched
+        raise first
 
     def _failed_message(self, error: Exception) -> str:
         """Why re-running the module on some rows failed, where its forward pass on the whole batch ran."""
