@@ -611,3 +611,32 @@ def test_a_call_whose_outputs_feed_each_other_is_not_climbed_to():
     ratios = _sum_of_squares_against_loop(_Head(), *_data((5, 4)))
     assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
 
+
+
+def test_a_sequence_first_transformer_gets_the_batch_first_hint():
+    """``nn.TransformerEncoderLayer`` without ``batch_first`` on ids ``[T, B]``: the error says where the batch is
+    and names ``batch_first=True`` (it said only that the outputs had no batch dimension)."""
+    torch.manual_seed(0)
+    rows, tokens, width = 5, 7, 8
+
+    class SequenceFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(11, width)
+            layer = nn.TransformerEncoderLayer(width, 2, 16, dropout=0.0)
+            self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.head = nn.Linear(width, 3)
+
+        def forward(self, ids):  # [T, B]
+            return self.head(self.enc(self.emb(ids)).mean(0))
+
+    model = SequenceFirst()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(lambda s: True)], model=model)
+    ids, y = torch.randint(0, 11, (tokens, rows)), torch.randint(0, 3, (rows,))
+    losses = nn.functional.cross_entropy(model(ids), y, reduction="none")
+    loss = losses.mean()
+    with pytest.raises(UncoveredParameterError) as caught:
+        with cockpit(0, info={"batch_size": rows, "individual_losses": losses, "loss": loss}):
+            loss.backward()
+    message = str(caught.value)
+    assert "dimension 1 of these outputs" in message and "batch_first=True" in message

@@ -228,6 +228,20 @@ _WAITING = object()
 
 
 # ---- the backend of one step ------------------------------------------------------------
+def _sequence_first_hint(shapes: list[list[int]], batch: int) -> str:
+    """A sentence where every output shape has the batch size in a later dimension and not in the first
+    (a sequence-first ``[T, B, ...]`` layout), else ``""``."""
+    if batch <= 1 or not shapes or not all(len(s) > 1 and s[0] != batch and batch in s[1:] for s in shapes):
+        return ""
+    return (
+        f" The batch ({batch} rows) seems to lie in dimension {shapes[0][1:].index(batch) + 1} of these outputs: a "
+        "sequence-first layout ([T, B, ...]). The cockpit finds the rows in the first dimension of a module's "
+        "inputs and outputs (only nn.RNN / nn.LSTM / nn.GRU without batch_first and nn.MultiheadAttention are "
+        "read sequence-first): feed the model [B, T, ...] and build its layers with batch_first=True "
+        "(nn.TransformerEncoderLayer(..., batch_first=True), nn.Transformer(..., batch_first=True))."
+    )
+
+
 class HookBackend:
     """Per-sample gradients of the recorded calls for one step (see the module docstring).
 
@@ -486,6 +500,7 @@ class HookBackend:
             "inputs and outputs (the outermost one may return a loss, a scalar). Call the model so that "
             "some module around this layer takes and returns tensors whose leading dimension is the batch "
             "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
+            + _sequence_first_hint(shapes, batch)
         ))
 
     def _wrong_batch_size(self) -> tuple[type, str] | None:
@@ -830,6 +845,12 @@ class HookBackend:
         by_node: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         for slot, i in enumerate(want):
             by_node.setdefault(id(nodes[i]), (nodes[i], []))[1].append((flat[i].output_nr, slot))
+        if call.view_base is not None:  # the view's node, and the base's where an in-place op bypassed the view
+            node, entries = next(iter(by_node.values()))
+            base, nr, shape = call.view_base
+            self._handles.append(node.register_prehook(partial(self._on_view_grads, call, entries)))
+            self._handles.append(base.register_prehook(partial(self._on_base_grads, call, nr, shape)))
+            return
         for node, entries in by_node.values():
             self._handles.append(node.register_prehook(partial(self._on_grads, call, entries)))
 
@@ -911,6 +932,20 @@ class HookBackend:
                 param, form = parked
                 form.known_sum = self._sums.pop(key)
                 self._deliver(param, form)
+
+    def _on_view_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
+        call.view_fired = True
+        self._on_grads(call, entries, grad_outputs)
+
+    def _on_base_grads(self, call: Call, nr: int, shape, grad_outputs) -> None:
+        """The gradient of an output that is a whole view of another tensor, taken at that tensor's node where
+        the view's node did not run: an in-place operation after the call (``x += self.pos`` on ``nn.Linear``'s
+        ``[B, T, D]`` output, ``nn.ReLU(inplace=True)``) replaced it in the graph, and the gradient that reaches
+        the base is the one of the output's value as the call made it. Where the view's node ran, nothing."""
+        grad = grad_outputs[nr]
+        if call.view_fired or grad is None:
+            return
+        self._on_grads(call, [(0, 0)], (grad.reshape(shape),))
 
     def _on_grads(self, call: Call, entries: list[tuple[int, int]], grad_outputs) -> None:
         if self.accumulate_passes:  # summed over the backward passes; processed in finish()

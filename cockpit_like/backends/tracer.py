@@ -68,6 +68,7 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     if tracer.batch == 0 and tracer.in_forward():  # found by the global hook, which sees no keyword inputs
         tracer.batch = _leading_dim(args, kwargs)
     node = output.grad_fn if isinstance(output, torch.Tensor) else None
+    view = _view_base(output) if node is not None else None
     # where the call began: the calls noted since then are the calls it made (its descendants)
     opened = tracer.opened.get(id(module))
     start = opened.pop() if opened else len(calls)
@@ -80,13 +81,30 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
         output = tree_map(_shell, output)
     # the output is returned unchanged: the cockpit never changes what the model computes
-    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)), state, autocast_state())
+    noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)), state, autocast_state(),
+             view)
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
         return
     if not tracer.in_forward():
         tracer.stray = True  # a call outside the model's forward pass (its original module under torch.compile)
     calls.append(noted)  # a Call only at tracked steps
+
+
+def _view_base(output) -> tuple | None:
+    """``(node, output_nr, shape)`` of the tensor that a call's output is a reshaped view of, all of it (``nn.Linear``
+    on ``[B, T, D]`` returns a view of its ``[B*T, D]`` product), else ``None``. An in-place operation on such an
+    output after the call (``x += self.pos``, ``nn.ReLU(inplace=True)``) takes the view's node out of the graph:
+    the gradient then reaches the call only through the base's node (:meth:`HookBackend._register`)."""
+    if not output._is_view():
+        return None
+    base = output._base
+    if (
+        base.grad_fn is None or base.numel() != output.numel() or not base.is_contiguous()
+        or not output.is_contiguous() or output.data_ptr() != base.data_ptr()
+    ):
+        return None
+    return base.grad_fn, base.output_nr, output.shape
 
 
 class Shell:
@@ -189,11 +207,15 @@ class Call:
 
     __slots__ = (
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
-        "start", "position", "climbed", "consumer", "flat", "state", "autocast",
+        "start", "position", "climbed", "consumer", "flat", "state", "autocast", "view_base", "view_fired",
     )
 
-    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0, state=None, autocast=None):
+    def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0, state=None, autocast=None,
+                 view_base=None):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        #: where the output is a reshaped view of a whole tensor: that tensor's ``(node, output_nr, shape)``
+        #: (:func:`_view_base`); ``view_fired``: the view's own node ran in the backward pass
+        self.view_base, self.view_fired = view_base, False
         #: ``(device type, dtype)`` of the autocast the call ran under (``None``: none): a re-run runs under it too
         self.autocast = autocast
         #: the buffers of the module's parametrizations as they were when the call began
@@ -222,7 +244,7 @@ class Call:
     def fresh(self) -> "Call":
         """The same recorded call with no backward state (for another backward pass)."""
         call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start, self.state,
-                    self.autocast)
+                    self.autocast, self.view_base)
         call.position = self.position
         return call
 
