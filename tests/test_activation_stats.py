@@ -200,3 +200,70 @@ def test_model_found_at_its_first_forward_pass():
     with cockpit(0, info={"loss": loss}):
         loss.backward()
     _assert_close(cockpit.get_output()[0]["ActivationStats"], _reference(model, [x]))
+
+
+def _swish_model(seed: int = 0) -> nn.Sequential:
+    """SiLU, Mish and Hardswish, in place or not, and Hugging Face's GELU / SiLU modules (no transformers import:
+    stand-ins named as its classes, from a module named as its own)."""
+    torch.manual_seed(seed)
+    fake = type("GELUActivation", (nn.GELU,), {"__module__": "transformers.activations"})
+    fake_silu = type("SiLUActivation", (nn.Module,), {
+        "__module__": "transformers.activations", "forward": lambda self, x: nn.functional.silu(x)})
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.SiLU(),
+        nn.Linear(8, 8), nn.SiLU(inplace=True),
+        nn.Linear(8, 7), nn.Mish(),
+        nn.Linear(7, 7), nn.Hardswish(inplace=True),
+        nn.Linear(7, 6), fake_silu(),
+        nn.Linear(6, 5), fake(),
+        nn.Linear(5, 3),
+    ).to(DTYPE)
+    with torch.no_grad():  # large weights and negative biases: some units beyond the bounds
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                layer.weight.mul_(6.0)
+                layer.bias.fill_(-4.0)
+    return model
+
+
+def _swish_reference(model: nn.Sequential, batches: list[torch.Tensor]) -> dict:
+    """By the definitions: SiLU / Mish off where the input is at most -6, Hardswish and GELU where it is at most -3."""
+    bounds = {nn.SiLU: -6.0, nn.Mish: -6.0, nn.Hardswish: -3.0}
+    x, found = torch.cat(batches), {}
+    with torch.no_grad():
+        for index, layer in enumerate(model):
+            pre = x.clone()
+            x = layer(x.clone())
+            name = type(layer).__name__
+            if isinstance(layer, nn.Linear):
+                continue
+            bound = -3.0 if name == "GELUActivation" else -6.0 if name == "SiLUActivation" else bounds[type(layer)]
+            kind = "gelu" if name == "GELUActivation" else "hardswish" if bound == -3.0 else "silu"
+            off = pre <= bound
+            found[str(index)] = {
+                "kind": kind, "units": x.shape[1], "samples": x.shape[0], "rms": x.pow(2).mean().sqrt().item(),
+                "zero_fraction": off.double().mean().item(), "dead_fraction": off.all(dim=0).double().mean().item(),
+            }
+    return found
+
+
+def test_silu_mish_hardswish_and_hugging_face_modules_match_their_definitions():
+    model = _swish_model()
+    cockpit = Cockpit(list(model.parameters()), quantities=[ActivationStats(linear(1))], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+    for step in range(2):
+        x = torch.randn(16, 6, generator=torch.Generator().manual_seed(step), dtype=DTYPE)
+        twin = _swish_model()
+        twin.load_state_dict(model.state_dict())
+        expected = _swish_reference(twin, [x])
+        optimizer.zero_grad()
+        loss = model(x).pow(2).mean()
+        with cockpit(step, info={"loss": loss, "batch_size": 16}):
+            loss.backward()
+        optimizer.step()
+        _assert_close(cockpit.get_output()[step]["ActivationStats"], expected)
+    stored = cockpit.get_output()[0]["ActivationStats"]
+    assert {v["kind"] for v in stored.values()} == {"silu", "hardswish", "gelu"}
+    # the set-up reaches both sides of every bound (the in-place ones included)
+    for layer in ("1", "3", "5", "7", "9"):
+        assert 0 < stored[layer]["zero_fraction"] < 1, (layer, stored[layer])

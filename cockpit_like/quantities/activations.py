@@ -1,7 +1,9 @@
 """Statistics of activation functions' outputs: :class:`ActivationStats`.
 
 Forward hooks on the activation *modules* (``nn.ReLU``, ``nn.ReLU6``,
-``nn.GELU``, ``nn.Tanh``, ``nn.Sigmoid``) of the models the cockpit knows.
+``nn.GELU``, ``nn.SiLU``, ``nn.Mish``, ``nn.Hardswish``, ``nn.Tanh``,
+``nn.Sigmoid``, and Hugging Face's GELU, SiLU, Mish and squared-ReLU
+modules) of the models the cockpit knows.
 The hooks exist only during the forward passes of tracked steps: the cockpit
 calls :meth:`ActivationStats.prepare_forward` at the start of a forward pass
 whose step is scheduled, the hooks are removed when the step's value is
@@ -30,24 +32,48 @@ __all__ = ["ActivationStats", "activation_kind", "GELU_OFF_BELOW"]
 
 #: a GELU unit counts as off when its input is at most this (|gelu(x)| < 0.005 and |gelu'(x)| < 0.012)
 GELU_OFF_BELOW = -3.0
+#: a SiLU (swish) or Mish unit counts as off when its input is at most this: the same slope as GELU's bound
+#: (|silu'(-6)| = 0.012, |mish'(-6)| = 0.012; |silu(-6)| = 0.015)
+SILU_OFF_BELOW = -6.0
+#: a Hardswish unit is off (exactly 0, no gradient) where its input is at most this
+HARDSWISH_OFF_BELOW = -3.0
+
+#: activation modules of Hugging Face ``transformers.activations`` (matched by class name, so that the package is
+#: never imported here), by kind: its GELU approximations, SiLU and Mish, and the squared ReLU
+_NAMED_KINDS = {
+    "GELUActivation": "gelu", "NewGELUActivation": "gelu", "FastGELUActivation": "gelu", "GELUTanh": "gelu",
+    "PytorchGELUTanh": "gelu", "AccurateGELUActivation": "gelu", "QuickGELUActivation": "gelu",
+    "ClippedGELUActivation": "gelu", "SiLUActivation": "silu", "MishActivation": "silu",
+    "ReLUSquaredActivation": "relu",
+}
 
 
 def activation_kind(module: nn.Module) -> str | None:
-    """``"relu"``, ``"relu6"``, ``"gelu"``, ``"tanh"``, ``"sigmoid"`` or None for other modules."""
+    """``"relu"``, ``"relu6"``, ``"gelu"``, ``"silu"`` (SiLU / swish and Mish), ``"hardswish"``, ``"tanh"``,
+    ``"sigmoid"`` or None for other modules (Hugging Face's activation modules by their kind)."""
     if isinstance(module, nn.ReLU6):  # a Hardtanh subclass: test before anything broader
         return "relu6"
     if isinstance(module, nn.ReLU):
         return "relu"
     if isinstance(module, nn.GELU):
         return "gelu"
+    if isinstance(module, (nn.SiLU, nn.Mish)):
+        return "silu"
+    if isinstance(module, nn.Hardswish):
+        return "hardswish"
     if isinstance(module, nn.Tanh):
         return "tanh"
     if isinstance(module, nn.Sigmoid):
         return "sigmoid"
+    kind = _NAMED_KINDS.get(type(module).__name__)
+    if kind is not None and type(module).__module__.startswith("transformers."):
+        return kind
     return None
 
 
-_ZERO_KINDS = ("relu", "relu6", "gelu")
+_ZERO_KINDS = ("relu", "relu6", "gelu", "silu", "hardswish")
+#: the kinds whose units are off where their input is at most a bound
+_OFF_BELOW = {"gelu": GELU_OFF_BELOW, "silu": SILU_OFF_BELOW, "hardswish": HARDSWISH_OFF_BELOW}
 
 
 class _Tally:
@@ -68,8 +94,8 @@ class _Tally:
         output = output.detach()
         if self.kind in ("relu", "relu6"):
             off = output == 0  # from the output: inplace ReLUs overwrite their input
-        elif self.kind == "gelu":
-            off = inputs.detach() <= GELU_OFF_BELOW
+        elif self.kind in _OFF_BELOW:
+            off = inputs.detach() <= _OFF_BELOW[self.kind]
         elif self.kind == "tanh":
             off = output.abs() >= 1.0 - saturation
         else:  # sigmoid
@@ -115,9 +141,10 @@ class ActivationStats(SingleStepQuantity):
     the output without the batch dimension: a feature of a linear layer, a
     channel-pixel of a convolution, a token-feature of a sequence):
 
-    - ReLU / ReLU6 / GELU: ``zero_fraction`` = share of entries that are off
-      (``y == 0``; GELU: input ``<= -3``), ``dead_fraction`` = share of units
-      that are off for every sample of the step;
+    - ReLU / ReLU6 / GELU / SiLU / Mish / Hardswish: ``zero_fraction`` = share
+      of entries that are off (``y == 0``; GELU and Hardswish: input ``<= -3``;
+      SiLU and Mish: input ``<= -6``, where the slope is GELU's at -3),
+      ``dead_fraction`` = share of units that are off for every sample of the step;
     - tanh / sigmoid: ``saturated_fraction`` = share of entries with
       ``|y| >= 1 - saturation`` (tanh) or ``min(y, 1 - y) <= saturation``
       (sigmoid), i.e. a local derivative below about ``2 * saturation``;
@@ -178,13 +205,26 @@ class ActivationStats(SingleStepQuantity):
         if self._handles:
             return
         for name, module, kind in self._modules():
-            self._handles.append(module.register_forward_hook(self._hook(name, kind)))
+            kept: list = []
+            if kind in _OFF_BELOW and getattr(module, "inplace", False):
+                # an in-place SiLU / Mish / Hardswish overwrites its input: the input is read before the call
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(kept)))
+            self._handles.append(module.register_forward_hook(self._hook(name, kind, kept)))
 
-    def _hook(self, name: str, kind: str):
+    @staticmethod
+    def _pre_hook(kept: list):
+        def hook(module, args):
+            kept.clear()
+            if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
+                kept.append(args[0].detach().clone())
+
+        return hook
+
+    def _hook(self, name: str, kind: str, kept: list):
         def hook(module, args, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return
-            inputs = args[0] if args and isinstance(args[0], torch.Tensor) else output
+            inputs = kept.pop() if kept else args[0] if args and isinstance(args[0], torch.Tensor) else output
             tally = self._tallies.get(name)
             if tally is None:
                 tally = self._tallies[name] = _Tally(kind)
@@ -212,7 +252,8 @@ class ActivationStats(SingleStepQuantity):
                 known = "no model known yet" if not self._models else "no activation module ran"
                 warnings.warn(
                     f"[cockpit_like] ActivationStats, step {global_step}: nothing recorded ({known}). "
-                    "It counts nn.ReLU / ReLU6 / GELU / Tanh / Sigmoid modules of the cockpit's model "
+                    "It counts nn.ReLU / ReLU6 / GELU / SiLU / Mish / Hardswish / Tanh / Sigmoid modules (and "
+                    "Hugging Face's activation modules) of the cockpit's model "
                     "in forward passes with gradients; functional activations (torch.relu in forward) "
                     "are not seen. Pass Cockpit(..., model=model) or use activation modules.",
                     RuntimeWarning,
