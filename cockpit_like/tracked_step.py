@@ -544,6 +544,19 @@ class TrackedStep:
         _record_coverage(checks, params, env.param_names(), untouched)
         if all(p.grad is None for p in params):
             execution.free()
+            hooked = [name for name, p in zip(env.param_name_list(), params) if getattr(p, "_post_accumulate_grad_hooks", None)]
+            if hooked:
+                raise RuntimeError(
+                    f"cockpit step {self.step}: no tracked parameter has a gradient after the backward pass, and "
+                    f"{len(hooked)} of them have post-accumulate-grad hooks ({', '.join(hooked[:4])}"
+                    f"{', ...' if len(hooked) > 4 else ''}): an optimizer stepped inside the backward pass "
+                    "(`p.register_post_accumulate_grad_hook`, stepping and zeroing each gradient as it arrives) "
+                    "leaves no gradient to read, and moves the parameters while the cockpit computes. The cockpit "
+                    "reads a step's gradients after the backward pass: on tracked steps, keep the gradients to the "
+                    "end of the backward pass and step the optimizer after the cockpit's block (e.g. make the hook "
+                    "do nothing at steps where `any(q.is_active(step) for q in cockpit.quantities)`), or leave this loop "
+                    "untracked."
+                )
             raise RuntimeError(
                 f"cockpit step {self.step}: no tracked parameter got a gradient. Call loss.backward() inside "
                 "the cockpit's block, and pass the parameters the loss depends on to Cockpit(params)."
