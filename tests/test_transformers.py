@@ -268,3 +268,26 @@ def test_individual_losses_rules():
     torch.testing.assert_close(own.mean(), F.cross_entropy(classifier, labels))
     with pytest.raises(ValueError, match="without outputs.logits and inputs\\['labels'\\]"):
         individual_losses({"logits": classifier}, {})
+
+
+def _gpt_data_7(padded: bool):
+    tokens = torch.randint(0, 40, (7, 6), generator=torch.Generator().manual_seed(3))
+    labels = tokens.clone()
+    if padded:  # rows with different numbers of counted tokens
+        labels[1, 4:], labels[4, 2:], labels[6, 5:] = -100, -100, -100
+    return {"input_ids": tokens, "labels": labels}
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["equal_tokens", "padded_rows"])
+def test_causal_lm_accumulation_unequal_micro_batches(tmp_path, padded):
+    """7 rows, micro-batches of 2, gradient_accumulation_steps=2: steps of 2 + 2 and 2 + 1 rows. The loss is
+    normalised over the step's counted labels (num_items_in_batch), so each micro-batch backpropagates the
+    step's mean loss weighted by its share of the rows; the callback declared k times the micro-batch's loss,
+    which the cockpit refused (PartitionError) at the 2 + 1 step. Now B_step / B_k: the log of a plain loop
+    over 4 and 3 rows, also with rows that count different numbers of tokens (float32 loss: rtol 5e-5, Alpha
+    of the 3-row step differs by 2e-5)."""
+    data = _gpt_data_7(padded)
+    reference = _plain_loop(gpt2().model, data, 4, rows_per_step=(4, 3))
+    output = _train(tmp_path, gpt2().model, data, 4, batch=2, accumulate=2).get_output()
+    assert sorted(output) == [0, 1, 2, 3]
+    assert_same_log(output, reference, rtol=5e-5, atol=1e-8)

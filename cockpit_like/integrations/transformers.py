@@ -67,8 +67,16 @@ scaled for accumulation (``Trainer.loss_is_scaled_for_ga``; by default when
 ``num_items_in_batch``, the labels counted over the whole step, reached a
 model that accepts loss kwargs, or a ``compute_loss_func`` is given):
 
-- divided: ``info["loss"]`` and the per-sample losses as they are;
-- not divided, and the loss normalised over the step: both times ``k``;
+- divided: ``info["loss"]`` and the per-sample losses as they are (the
+  micro-batches of a step must then have equal rows: a mean of their means
+  is not the step's mean);
+- not divided, and the loss normalised over the step: both times
+  ``B_step / B_k`` (the step's rows over the micro-batch's, noted from the
+  ``Trainer``'s ``get_batch_samples``; ``k`` for equal micro-batches), so
+  that each micro-batch backpropagates its own mean loss weighted by its
+  share of the step's rows, which the cockpit accepts for unequal
+  micro-batches; the per-row losses are the rows' token sums times
+  ``B_step / N``, so rows with different numbers of tokens are exact too;
 - not divided, but the loss is the micro-batch's own mean (BERT's
   classifier ignores ``num_items_in_batch``): the accumulated gradient is
   ``k`` times the mean gradient, an error that says to set
@@ -206,6 +214,12 @@ class CockpitTrainerMixin:
             callback.resume_from = os.fspath(path) if path else None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        """The ``Trainer``'s micro-batches of one optimizer step; the cockpit notes their rows (see ``compute_loss``)."""
+        batches, count = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._cockpit_step_rows = _rows_of(batches)
+        return batches, count
+
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         callback = self._cockpit_callback()
         if callback is None:
@@ -267,8 +281,14 @@ class CockpitTrainerMixin:
                     f"divides it by {micro_batches} again (loss_is_scaled_for_ga is False): the accumulated gradient "
                     f"is 1/{micro_batches} of the step's mean gradient. Leave loss_is_scaled_for_ga at None or True."
                 )
-            if over_step:  # loss_p = (step's per-row losses of this micro-batch).mean() / micro_batches
-                losses, info_loss = losses * micro_batches, loss * micro_batches
+            if over_step:
+                # loss_k = S_k / N (this micro-batch's token sums over the step's N counted labels) is the step's
+                # mean loss weighted by this micro-batch's share of the step's rows, B_k / B_step: the per-row
+                # losses of the step (row sums times B_step / N) and their mean over this micro-batch are
+                # loss_k's and losses' times B_step / B_k (K for equal micro-batches; unequal rows and tokens too)
+                rows = getattr(self, "_cockpit_step_rows", None)
+                share = rows / len(losses) if rows and rows >= len(losses) else micro_batches
+                losses, info_loss = losses * share, loss * share
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
         info = {"loss": info_loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer,
                 "micro_batches": micro_batches}
@@ -315,6 +335,22 @@ class CockpitTrainerMixin:
             f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
             "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
         )
+
+
+def _rows_of(batches: list) -> int | None:
+    """The rows of an optimizer step's micro-batches (each batch's ``labels``, else its first tensor, along
+    dimension 0); ``None`` where a batch has none."""
+    total = 0
+    for batch in batches:
+        if not isinstance(batch, dict):
+            return None
+        tensor = batch.get("labels")
+        if not isinstance(tensor, torch.Tensor):
+            tensor = next((value for value in batch.values() if isinstance(value, torch.Tensor) and value.dim()), None)
+        if tensor is None or not tensor.dim():
+            return None
+        total += int(tensor.shape[0])
+    return total or None
 
 
 @functools.cache
