@@ -262,6 +262,39 @@ def row_stats_probe(track_schedule):
     return RowStatsProbe(track_schedule)
 
 
+def gram_probe(track_schedule):
+    """A quantity that stores this step's Gram summary of the rows: ``{"diag": ||g_i||^2 / B^2, "row_sums":
+    g_i^T gbar / B}`` per row, for comparison with per-sample gradients of a brute-force loop."""
+    from cockpit_like.backends.per_sample_stats import GramSummary
+    from cockpit_like.context import get_record
+    from cockpit_like.quantities.quantity import SingleStepQuantity
+
+    class GramProbe(SingleStepQuantity):
+        def per_sample_stats(self, step):
+            return [GramSummary()]
+
+        def _compute(self, step, params, loss):
+            diag, row_sums = get_record(step).stat(GramSummary())
+            return {"diag": diag.clone(), "row_sums": row_sums.clone()}
+
+    return GramProbe(track_schedule)
+
+
+def assert_rows_match(cockpit, probe, step: int, G: torch.Tensor) -> None:
+    """Step ``step`` valid, and its :func:`gram_probe` values and ``NormTest`` those of the per-sample gradients
+    ``G`` (``[B, D]``, a brute-force loop), in float64."""
+    import pytest
+
+    rows = G.shape[0]
+    assert cockpit.checks[step].get("valid", True), cockpit.checks[step]
+    got = probe.output[step]
+    torch.testing.assert_close(torch.as_tensor(got["diag"]), (G**2).sum(1) / rows**2, rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(torch.as_tensor(got["row_sums"]), G @ G.mean(0) / rows, rtol=1e-9, atol=1e-15)
+    gbar = G.mean(0)
+    expected = (((G - gbar) ** 2).sum() / (rows * (rows - 1) * (gbar @ gbar))).sqrt()
+    assert cockpit.get_output()[step]["NormTest"] == pytest.approx(float(expected), rel=1e-9)
+
+
 def brute_force_step(model: nn.Module, row_loss, rows: int) -> dict:
     """Loss, GradNorm, NormTest, InnerTest and OrthoTest of one batch of ``rows`` rows (QUANTITIES.md §3, §5), from
     per-sample gradients of a loop of ``torch.autograd.grad``; ``row_loss(model, i)``: the loss of row ``i``."""

@@ -18,25 +18,13 @@ import torch
 from torch import nn
 
 from cockpit_like import Cockpit
-from cockpit_like.backends.per_sample_stats import GramSummary
 from cockpit_like.backends.rerun import UncoveredParameterError
-from cockpit_like.context import get_record
 from cockpit_like.quantities import NormTest
-from cockpit_like.quantities.quantity import SingleStepQuantity
+
+from .helpers import assert_rows_match, gram_probe
 
 DTYPE = torch.float64
 WIDTH = 5
-
-
-class _Probe(SingleStepQuantity):
-    """``||g_i||^2 / B^2`` and ``g_i^T gbar / B`` of every row."""
-
-    def per_sample_stats(self, step):
-        return [GramSummary()]
-
-    def _compute(self, step, params, loss):
-        diag, row_sums = get_record(step).stat(GramSummary())
-        return {"diag": diag.clone(), "row_sums": row_sums.clone()}
 
 
 class Attention(nn.Module):
@@ -92,16 +80,10 @@ def _train(model, rows, tokens, steps=3, quantities=None):
 @pytest.mark.parametrize("rows", [4, 3], ids=["T_equals_B", "T_differs"])
 def test_a_bias_whose_size_equals_the_batch_is_passed_whole(rows, per_row_scale):
     model = Model(tokens=4, per_row_scale=per_row_scale)
-    probe, norm = _Probe(lambda step: True), NormTest(lambda step: True)
+    probe, norm = gram_probe(lambda step: True), NormTest(lambda step: True)
     cockpit, references = _train(model, rows=rows, tokens=4, quantities=[probe, norm])
     for step, G in enumerate(references):
-        assert cockpit.checks[step].get("valid", True), cockpit.checks[step]
-        got = probe.output[step]
-        torch.testing.assert_close(torch.as_tensor(got["diag"]), (G**2).sum(1) / rows**2, rtol=1e-9, atol=1e-15)
-        torch.testing.assert_close(torch.as_tensor(got["row_sums"]), G @ G.mean(0) / rows, rtol=1e-9, atol=1e-15)
-        gbar = G.mean(0)
-        expected = (((G - gbar) ** 2).sum() / (rows * (rows - 1) * (gbar @ gbar))).sqrt()
-        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(float(expected), rel=1e-9)
+        assert_rows_match(cockpit, probe, step, G)
 
 
 class Coupled(nn.Module):

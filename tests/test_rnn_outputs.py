@@ -23,25 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit_like import Cockpit
-from cockpit_like.backends.per_sample_stats import GramSummary
 from cockpit_like.backends.rerun import UncoveredParameterError
-from cockpit_like.context import get_record
 from cockpit_like.quantities import NormTest
-from cockpit_like.quantities.quantity import SingleStepQuantity
+
+from .helpers import gram_probe
 
 DTYPE = torch.float64
 VOCAB, WIDTH, HIDDEN, TOKENS = 7, 4, 5, 4
-
-
-class _Probe(SingleStepQuantity):
-    """``||g_i||^2 / B^2`` and ``g_i^T gbar / B`` of every row."""
-
-    def per_sample_stats(self, step):
-        return [GramSummary()]
-
-    def _compute(self, step, params, loss):
-        diag, row_sums = get_record(step).stat(GramSummary())
-        return {"diag": diag.clone(), "row_sums": row_sums.clone()}
 
 
 class LanguageModel(nn.Module):
@@ -120,7 +108,7 @@ def _assert_rows(probe, references):
 def test_a_model_returning_its_hidden_state_matches_the_loop(cell, batch_first, penalty):
     """``h_n`` ``[2, 3, H]``: the loss reads only the logits, or adds a per-row penalty on ``h_n``."""
     model = LanguageModel(cell, batch_first)
-    probe, norm = _Probe(lambda step: True), NormTest(lambda step: True)
+    probe, norm = gram_probe(lambda step: True), NormTest(lambda step: True)
     cockpit, references = _train(model, rows=3, steps=3, penalty=penalty, quantities=[probe, norm])
     _assert_rows(probe, references)
     for step, G in enumerate(references):
@@ -167,7 +155,7 @@ def test_a_penalty_that_couples_the_rows_of_h_n_stores_no_numbers():
     """The loss reads ``h_n`` minus its batch mean: the row check at the loss now sees ``h_n`` (its rows along
     dimension 1) and leaves the per-sample quantities out with a note naming the output."""
     model = LanguageModel(nn.GRU, batch_first=True)
-    probe = _Probe(lambda step: True)
+    probe = gram_probe(lambda step: True)
     cockpit, _ = _train(model, rows=3, steps=1, penalty="coupled", quantities=[probe])
     assert 0 not in probe.output
     notes = " ".join(cockpit.checks[0]["notes"])
@@ -178,7 +166,7 @@ def test_hidden_state_with_as_many_layers_as_rows_not_read_by_the_loss():
     """``h_n`` ``[2, 2, H]`` with ``B = 2``: its first dimension could hold the rows, but the loss does not read
     it, so where its rows lie does not matter."""
     model = LanguageModel(nn.LSTM, batch_first=True, layers=2)
-    probe = _Probe(lambda step: True)
+    probe = gram_probe(lambda step: True)
     _, references = _train(model, rows=2, steps=3, quantities=[probe])
     _assert_rows(probe, references)
 
@@ -189,7 +177,7 @@ def test_hidden_state_with_as_many_layers_as_rows_read_by_the_loss_is_refused_by
     with a shape error about graphs)."""
     model = LanguageModel(nn.GRU, batch_first=True, layers=2)
     with pytest.raises(UncoveredParameterError) as raised:
-        _train(model, rows=2, steps=1, penalty="per_row", quantities=[_Probe(lambda step: True)])
+        _train(model, rows=2, steps=1, penalty="per_row", quantities=[gram_probe(lambda step: True)])
     message = str(raised.value)
     assert "GRU layer 'rnn'" in message and "shape [2, 2, 5]" in message and "which the loss reads" in message
     assert "h_n.transpose(0, 1)" in message
