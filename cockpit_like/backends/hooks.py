@@ -228,6 +228,15 @@ _WAITING = object()
 
 
 # ---- the backend of one step ------------------------------------------------------------
+def _window(call: Call) -> tuple[int, int]:
+    """``(low, high)``: the autograd nodes made while ``call`` ran have sequence numbers in ``(low, high]``
+    (``low`` that of its latest input's node, ``-1`` without one; ``high`` that of its latest output's node)."""
+    inputs = [t.grad_fn._sequence_nr() for t in _flat_outputs((call.args, call.kwargs))
+              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    outputs = [node._sequence_nr() for node in _call_nodes(call)]
+    return (max(inputs) if inputs else -1), (max(outputs) if outputs else -1)
+
+
 def _sequence_first_hint(shapes: list[list[int]], batch: int) -> str:
     """A sentence where every output shape has the batch size in a later dimension and not in the first
     (a sequence-first ``[T, B, ...]`` layout), else ``""``."""
@@ -286,6 +295,9 @@ class HookBackend:
         self._consumers: dict[int, list] | None = None
         #: ``{id(node): [(consumer, position, output_nr)]}``, made with ``_consumers``
         self._edges: dict[int, list] = {}
+        #: ``{id(param): [nodes that read it]}``: the consumers of the tracked parameters' accumulation nodes in
+        #: the graph below the calls' outputs, made with ``_consumers``
+        self._readers: dict[int, list] = defaultdict(list)
         #: where the rows of the calls' outputs go (:mod:`cockpit_like.backends.row_paths`; ``None``: not checked)
         self._paths: RowPaths | None = None
         self._root_modules: set[int] = set()
@@ -569,6 +581,7 @@ class HookBackend:
         if not any(call.params and self._call_batch(call) > 1 for call in calls):
             return
         self._consumer_map(calls)
+        self._climb_outside_reads(calls)
         roots = {id(ref()) for ref in self.tracer.roots}
         self._root_modules = roots
         ends: dict[int, dict[int, int | None]] = {}
@@ -593,6 +606,43 @@ class HookBackend:
                 self._misplaced(call, broken)
             else:
                 self._climb(calls, index, broken)
+
+    def _climb_outside_reads(self, calls: list[Call]) -> None:
+        """A parameter that the graph reads outside the calls that compute it (a tied output layer written
+        ``h @ self.emb.weight.t()`` after ``self.emb(ids)``, a tied autoencoder's ``F.linear(h, self.enc.weight.t())``):
+        those calls' rows miss that use. It moves to the smallest enclosing call, not a layer with a rule, that
+        carries the batch and made every such read (by autograd's sequence numbers: a node made while a call
+        ran belongs to it), whose re-run computes it through every use. Where none did, nothing moves (the
+        step's gradient check then names the parameter)."""
+        windows: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        holders: dict[int, list[int]] = defaultdict(list)
+        for index, call in enumerate(calls):
+            for param in call.params:
+                windows[id(param)].append(_window(call))
+                holders[id(param)].append(index)
+        for key, indices in holders.items():
+            outside = [
+                node._sequence_nr() for node in self._readers.get(key, ())
+                if not any(low < node._sequence_nr() <= high for low, high in windows[key])
+            ]
+            if not outside:
+                continue
+            param = self._params[key]
+            for outer in range(max(indices) + 1, len(calls)):
+                candidate = calls[outer]
+                low, high = _window(candidate)
+                if (
+                    rule_for(candidate.module) is not None
+                    or not all(candidate.start <= calls[i].position for i in indices)
+                    or not all(low < seq <= high for seq in outside)
+                    or not self._carries_batch(candidate)
+                ):
+                    continue
+                self._claim_nested(calls, outer, {key})
+                if all(p is not param for p in candidate.params):
+                    candidate.params = candidate.params + [param]
+                candidate.climbed = True
+                break
 
     def _misplaced(self, call: Call, where: str) -> None:
         """The error for a call whose rows end along another dimension of a model output the loss reads than
@@ -760,6 +810,9 @@ class HookBackend:
                         continue
                     self._consumers[id(child)].append(node)
                     edges[id(child)].append((node, position, nr))
+                    variable = getattr(child, "variable", None)  # an AccumulateGrad node: a parameter read here
+                    if variable is not None and id(variable) in self._params:
+                        self._readers[id(variable)].append(node)
                     if id(child) not in seen:
                         seen.add(id(child))
                         starts.append(child)
