@@ -263,3 +263,29 @@ def test_without_optimizer_warns_and_is_exact_for_sgd():
                 loss.backward()
             opt.step()
     assert float(alpha.get_output()[0]) == pytest.approx(reference_alpha(observed[0], observed[1], 6), rel=1e-8)
+
+
+@pytest.mark.parametrize("how", ["skipped_step", "learning_rate_zero"])
+def test_a_step_of_length_zero_stores_no_alpha_and_says_why(how):
+    """A step whose update is 0 (the loop skipped ``optimizer.step()``, or a learning rate of 0 as in a warm-up's
+    first step): Alpha = tau / x* - 1 is undefined there. It was stored as -1 (the concave value) with no note
+    (outside trials, seventh round); now nothing, with a note, and the other steps' values are unchanged."""
+    model, lossfunc, row_loss = make_problem("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model.parameters(), quantities=[Alpha(linear(1)), UpdateSize(linear(1))], model=model)
+    for step in range(4):
+        x, y = make_batch("mlp", 6, seed=step)
+        for group in optimizer.param_groups:  # a schedule, set before the step's forward pass
+            group["lr"] = 0.0 if (how == "learning_rate_zero" and step == 1) else 0.05
+        optimizer.zero_grad()
+        out = model(x)
+        loss, losses = lossfunc(out, y), row_loss(out, y)
+        with cockpit(step, info={"batch_size": 6, "individual_losses": losses, "loss": loss, "optimizer": optimizer}):
+            loss.backward()
+        if not (how == "skipped_step" and step == 1):
+            optimizer.step()
+    output = cockpit.get_output()
+    assert all(u == 0.0 for u in output[1]["UpdateSize"])
+    assert "Alpha" not in output[1]
+    assert any("did not move from step 1 to 2" in note for note in cockpit.checks[2]["notes"]), cockpit.checks[2]
+    assert all(isinstance(output[step]["Alpha"], float) and output[step]["Alpha"] != -1 for step in (0, 2))

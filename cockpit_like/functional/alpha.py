@@ -77,12 +77,12 @@ def alpha_from_observations(
 ) -> float | int | None:
     """Alpha from the observations at both ends of a step of length ``tau``.
 
-    Returns ``-1`` (int, as Cockpit) for ``tau == 0`` (no step; Cockpit divides
-    by zero there) or a concave fit, ``None`` if the fit is singular for
-    ``tau > 0``, else ``2 tau / abar - 1`` as a numpy float64.
+    Returns ``-1`` (int, as Cockpit) for a concave fit, ``None`` for ``tau == 0``
+    (no step: undefined; Cockpit divides by zero there) or if the fit is
+    singular, else ``2 tau / abar - 1`` as a numpy float64.
     """
     if tau == 0:
-        return -1
+        return None
     try:
         mu = fit_quadratic(tau, values, slopes, value_vars, slope_vars)
     except np.linalg.LinAlgError:

@@ -117,7 +117,7 @@ class Alpha(TwoStepQuantity):
     is the minimum of the quadratic fitted to the losses, the slopes and their
     single-sample variances at both ends (see :mod:`cockpit_like.functional.alpha`):
     0 = the step lands on the minimum, 1 = on the mirrored point, < 0 undershoot,
-    > 0 overshoot, -1 for a concave fit (or no step). Stored under the start step t
+    > 0 overshoot, -1 for a concave fit; nothing (a note) for a step of length 0. Stored under the start step t
     once the cockpit is entered at t+1 (which need not be scheduled).
 
     Needs ``info["batch_size"]``, ``info["individual_losses"]`` and ``info["loss"]``
@@ -333,8 +333,12 @@ class Alpha(TwoStepQuantity):
         tau = _norm(direction).item()
         f0, var_f0, mean_u0, var_u0 = self.load_from_cache(start, "observations")
         f1, var_f1 = self._loss_moments(record)
-        if tau == 0:
-            return -1  # no step (Cockpit divides by zero here)
+        if tau == 0:  # no step (Cockpit divides by zero here): alpha = tau / x* - 1 is undefined, not a concave fit
+            record.note(f"Alpha of step {start} is not stored: the parameters did not move from step {start} to "
+                        f"{global_step} (the update's norm is 0: a learning rate of 0, as in a warm-up's first step, "
+                        "or a step the loop skipped), and the step length relative to the loss's minimum along "
+                        "the update is undefined for a step of length 0.")
+            return None
         if not math.isfinite(tau):  # NaN or inf: no direction to compare, and nothing for the loop to change
             record.note(f"Alpha of step {start} is not stored: the update from step {start} to {global_step} is "
                         f"not finite (its norm is {tau}: the gradients of step {start} or the parameters at step "
