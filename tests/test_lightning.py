@@ -396,3 +396,31 @@ def test_two_optimizers_need_to_say_which_steps(tmp_path):
     cockpit = _two_optimizer_fit(tmp_path, say_which=True)
     assert cockpit.invalid_steps == {}
     assert len(cockpit.checks) == 6  # 3 batches, two optimizer steps each (numbered by trainer.global_step)
+
+
+def test_the_validation_learning_rate_is_the_last_trained_steps(tmp_path):
+    """A per-step scheduler (StepLR, interval "step"): the learning rate logged with the validation figures under
+    the last trained step is the rate that step used (LearningRate's), not the one the scheduler set for the next
+    step (seventh round of outside trials: 0.0125 logged beside LearningRate's 0.025)."""
+    from cockpit_like.integrations.lightning import CockpitCallback
+    from cockpit_like.quantities import LearningRate
+
+    base = _net_class("lightning")
+
+    class Scheduled(base):
+        def configure_optimizers(self):
+            optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    net = Scheduled()
+    cockpit = Cockpit(net.parameters(), quantities=[LearningRate(lambda step: True)], model=net.model)
+    trainer = _trainer("lightning", tmp_path, CockpitCallback(cockpit), epochs=2)
+    train, valid = _loaders()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(does not have many workers).*")
+        trainer.fit(net, train, valid)
+    logged = {step: values for step, values in cockpit.get_output().items() if "learning_rate" in values}
+    assert len(logged) == 2
+    for step, values in logged.items():
+        assert values["learning_rate"] == values["LearningRate"] == LR * 0.5**step

@@ -291,3 +291,31 @@ def test_causal_lm_accumulation_unequal_micro_batches(tmp_path, padded):
     output = _train(tmp_path, gpt2().model, data, 4, batch=2, accumulate=2).get_output()
     assert sorted(output) == [0, 1, 2, 3]
     assert_same_log(output, reference, rtol=5e-5, atol=1e-8)
+
+
+def test_the_evaluation_learning_rate_is_the_last_trained_steps(tmp_path):
+    """The Trainer's linear schedule, evaluation every 2 steps: the learning rate logged with the evaluation figures
+    under the last trained step is the rate that step used (LearningRate's), not the next step's (seventh round
+    of outside trials: 0.0005 logged beside LearningRate's 0.0006)."""
+    from transformers import TrainingArguments
+
+    from cockpit_like.integrations.transformers import CockpitCallback, CockpitTrainer
+
+    model = gpt2().model
+    data = _gpt_data()
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.LearningRate(linear(1))], model=model)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=BATCH, learning_rate=LR,
+        lr_scheduler_type="linear", report_to="none", logging_strategy="no", disable_tqdm=True, use_cpu=True,
+        save_strategy="no", eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8,
+    )
+    trainer = CockpitTrainer(model=model, args=args, train_dataset=Rows(**data), eval_dataset=Rows(**data),
+                             callbacks=[CockpitCallback(cockpit)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logged = {step: values for step, values in cockpit.get_output().items() if "learning_rate" in values}
+    assert sorted(logged) == [1, 3]
+    for values in logged.values():
+        assert values["learning_rate"] == pytest.approx(values["LearningRate"], rel=1e-12)
+    assert logged[1]["learning_rate"] == pytest.approx(LR * 3 / 4)  # step 1 of 4 under the linear decay

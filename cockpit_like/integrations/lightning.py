@@ -194,6 +194,8 @@ class _CockpitCallbackBase:
             )
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        # the rate this batch's optimizer step uses (a scheduler with interval "step" changes it after the step)
+        self._step_learning_rate = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
         self._batch_size = _batch_size(batch)
         self._step = trainer.global_step
         self._micro_batches = self._micro_batches_of_step(trainer, batch_idx)
@@ -295,7 +297,10 @@ class _CockpitCallbackBase:
                     value = metrics[name]
                     found[key] = float(value.item() if isinstance(value, torch.Tensor) else value)
                     break
-        learning_rate = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else None
+        # the rate of the last trained step (global_step - 1), not the one the scheduler set for the next
+        learning_rate = getattr(self, "_step_learning_rate", None)
+        if learning_rate is None and trainer.optimizers:
+            learning_rate = trainer.optimizers[0].param_groups[0]["lr"]
         self.cockpit.log(trainer.global_step - 1, epoch_count=trainer.current_epoch, learning_rate=learning_rate, **found)
 
     # ---- checkpoints and the end -----------------------------------------------------------

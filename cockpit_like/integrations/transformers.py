@@ -170,12 +170,20 @@ class _CockpitCallbackBase:
             self.cockpit.load_state_dict(torch.load(path, weights_only=True))
             self.resume_from = None
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the rate this optimizer step uses (the Trainer's scheduler changes it after the step)
+        optimizer = kwargs.get("optimizer")
+        self.step_learning_rate = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+
     def on_evaluate(self, args: Any, state: Any, control: Any, metrics: dict | None = None, **kwargs: Any) -> None:
         if not metrics or state.global_step == 0:
             return
         figures = {"valid_loss": metrics.get("eval_loss"), "valid_accuracy": metrics.get("eval_accuracy")}
+        # the rate of the last trained step (global_step - 1), not the one the scheduler set for the next
+        learning_rate = getattr(self, "step_learning_rate", None)
         optimizer = kwargs.get("optimizer")
-        learning_rate = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+        if learning_rate is None and optimizer is not None:
+            learning_rate = optimizer.param_groups[0]["lr"]
         self.cockpit.log(state.global_step - 1, epoch_count=state.epoch, learning_rate=learning_rate,
                          **{k: float(v) for k, v in figures.items() if v is not None})
 
