@@ -206,12 +206,18 @@ class RunOutput:
         if last is None or step > last or (step == last and not declared):
             return
         stream = f" (and its stream {self.stream.path} holds them)" if self.stream is not None else ""
+        if step == last:
+            what = (f"tracking step {step} again would replace what it stored (a step with declared micro-batches "
+                    "is entered once per micro-batch, and the next step has a new number)")
+        else:
+            what = (f"step {step} comes before it: the step numbers of one run only go forward (a log holds each "
+                    "step once, in order)")
         raise StepAlreadyTrackedError(
-            f"cockpit step {step}: this cockpit has already tracked steps up to {last}{stream}; tracking step "
-            f"{step} again would replace what it stored. This happens when a notebook cell with the training loop "
-            "is run a second time. To start a new run, create a new Cockpit (with a new stream_to path) and a new "
-            f"plotter; to go on with this run, continue the step numbers after {last} (e.g. "
-            f"`enumerate(loader, start={last + 1})`)."
+            f"cockpit step {step}: this cockpit has already tracked steps up to {last}{stream}; {what}. This "
+            "happens when a notebook cell with the training loop is run a second time, or when the loop's step "
+            "counter restarts (a new epoch numbered from 0). To start a new run, create a new Cockpit (with a "
+            f"new stream_to path) and a new plotter; to go on with this run, continue the step numbers after {last} "
+            f"(e.g. `enumerate(loader, start={last + 1})`, or a global step counted across epochs)."
         )
 
     def merge_into(self, merged: dict[int, dict[str, Any]]) -> None:

@@ -254,3 +254,20 @@ def test_memory_and_stream_agree_after_an_interrupt_mid_step(tmp_path):
         train(model, lossfunc, individual, cockpit, "mlp", steps=3)
     memory, disk = memory_and_disk(cockpit, tmp_path)
     assert memory == disk and sorted(disk) == [0]
+
+
+def test_the_error_for_an_earlier_step_says_the_numbers_only_go_forward():
+    """Step 3 after step 5, never tracked: the message said "tracking step 3 again would replace what it stored"
+    (seventh round of outside trials); it now says that step numbers only go forward."""
+    model = torch.nn.Linear(3, 2)
+    cockpit = Cockpit(model.parameters(), quantities=[quantities.GradNorm(lambda step: True)])
+    for step in (5, 3):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        if step == 3:
+            with pytest.raises(StepAlreadyTrackedError, match=r"step 3 comes before it: the step numbers of one run only go forward") as error:
+                with cockpit(step, info={"loss": loss}):
+                    loss.backward()
+            assert "again would replace" not in str(error.value)
+        else:
+            with cockpit(step, info={"loss": loss}):
+                loss.backward()

@@ -518,6 +518,15 @@ class TICTrace(_TIC):
         denominator = sum(c.sum() for c in diagonals) + self._epsilon
         value = float(numerator / denominator)
         if self._errors is not None:  # first order in the trace's error: N / t^2 * se(t)
-            error = float(abs(numerator) / float(denominator) ** 2 * self._errors["trace_error"])
+            spread, size = float(self._errors["trace_error"]), abs(float(denominator))
+            error = float(abs(numerator)) / size**2 * spread
+            if self._used in ("hutchinson", "hutch++") and size > RELIABLE_SE * spread > 0:
+                # a Hessian trace estimated from few products: N / t is skewed, and the first order missed the
+                # exact value by up to 31 of its errors (seventh round of outside trials). The interval
+                # t +- 2 se maps to [N / (|t| + 2 se), N / (|t| - 2 se)], wider above N / |t|: half the upper
+                # side (at least the first order) is the error, so that +-2 errors hold the whole interval.
+                # (Where the interval holds 0 the value's sign is unknown: reliable is False, as before.)
+                upper = float(abs(numerator)) * (1 / (size - RELIABLE_SE * spread) - 1 / size)
+                error = max(error, upper / RELIABLE_SE)
             self._keep_error(global_step, value, error)
         return value
