@@ -319,3 +319,18 @@ def test_the_evaluation_learning_rate_is_the_last_trained_steps(tmp_path):
     for values in logged.values():
         assert values["learning_rate"] == pytest.approx(values["LearningRate"], rel=1e-12)
     assert logged[1]["learning_rate"] == pytest.approx(LR * 3 / 4)  # step 1 of 4 under the linear decay
+
+
+def test_unequal_micro_batches_the_trainer_divides_say_what_to_do(tmp_path):
+    """BERT's classifier with loss_is_scaled_for_ga = False (the Trainer divides each micro-batch's loss by 2) over
+    6 rows in batches of 4: micro-batches of 4 and 2 rows, a mean of their means. The PartitionError now names
+    the Trainer's fixes (dataloader_drop_last=True, a loss normalised over the step)."""
+    from cockpit_like.backends.partitions import PartitionError
+    from cockpit_like.integrations.transformers import CockpitTrainer
+
+    class DividingTrainer(CockpitTrainer):
+        loss_is_scaled_for_ga = False
+
+    data = {key: value[:6] for key, value in _bert_data().items()}
+    with pytest.raises(PartitionError, match="With the Trainer: .*dataloader_drop_last=True"):
+        _train(tmp_path, _bert(), data, 1, batch=4, accumulate=2, trainer_class=DividingTrainer)

@@ -69,6 +69,7 @@ each that is installed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Mapping
@@ -96,6 +97,23 @@ DEFAULT_METRICS = {
 _INFO_KEYS = ("individual_losses", "outputs", "batch_size", "sample_ids")
 
 
+@contextlib.contextmanager
+def _unequal_micro_batches_told():
+    """A :class:`~cockpit_like.backends.partitions.PartitionError` (micro-batches of unequal rows in one step)
+    with what to do under Lightning, whose loop the user does not write."""
+    from cockpit_like.backends.partitions import PartitionError
+
+    try:
+        yield
+    except PartitionError as error:
+        raise PartitionError(
+            f"{error} With Lightning (which divides each micro-batch's loss by accumulate_grad_batches, so a "
+            "step of unequal micro-batches trains on a mean of their means, not on the step's mean): give the "
+            "training DataLoader drop_last=True and a dataset whose size is a multiple of the batch size, or "
+            "set accumulate_grad_batches=1."
+        ) from error
+
+
 def _find_callback(trainer: Any) -> Any:
     for callback in getattr(trainer, "callbacks", None) or []:
         if isinstance(callback, _CockpitCallbackBase):
@@ -121,6 +139,10 @@ class CockpitModule:
         def training_step(self, *args: Any, **kwargs: Any) -> Any:
             output = step(self, *args, **kwargs)
             self.cockpit_info(**{k: v for k, v in output.items() if k in _INFO_KEYS} if isinstance(output, Mapping) else {})
+            # the loss as returned, before Lightning divides it by accumulate_grad_batches (and a GradScaler
+            # scales it): the tensor the backpropagated one is computed from, so the cockpit can see the factor
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            self.__dict__["_cockpit_step_loss"] = loss if isinstance(loss, torch.Tensor) else None
             return output
 
         training_step._cockpit_noted = True
@@ -200,6 +222,7 @@ class _CockpitCallbackBase:
         self._step = trainer.global_step
         self._micro_batches = self._micro_batches_of_step(trainer, batch_idx)
         pl_module.__dict__.pop("_cockpit_pending_info", None)
+        pl_module.__dict__.pop("_cockpit_step_loss", None)
 
     @staticmethod
     def _micro_batches_of_step(trainer: Any, batch_idx: int) -> tuple[int, int]:
@@ -231,6 +254,13 @@ class _CockpitCallbackBase:
         if scaler is not None and scaler.is_enabled():  # precision="16-mixed": the loss here is scaled already
             info["grad_scaler"] = scaler
             info["loss"] = info["loss"] / scaler.get_scale()
+        returned = pl_module.__dict__.pop("_cockpit_step_loss", None)
+        if (
+            returned is not None and returned is not loss and returned.grad_fn is not None
+            and returned.shape == info["loss"].shape
+            and torch.allclose(returned.detach(), info["loss"].detach().to(returned.dtype), rtol=1e-4, atol=1e-7)
+        ):
+            info["loss"] = returned  # upstream of the tensor Lightning backpropagates: the factor is seen
         if accumulate != 1:
             info["micro_batches"] = micro_batches
         if micro_batches != accumulate:  # a shorter last step: its gradient is k/K of its rows' mean gradient
@@ -256,7 +286,8 @@ class _CockpitCallbackBase:
         if isinstance(losses, torch.Tensor) and losses.dim() == 1:
             info["batch_size"] = len(losses)
         try:
-            self.cockpit.begin(step, info=info)
+            with _unequal_micro_batches_told():
+                self.cockpit.begin(step, info=info)
         except MissingInfoError as error:
             raise ValueError(
                 f"CockpitCallback: {error}. With Lightning: return {{'loss': ..., '{error.key}': ...}} from "
@@ -279,7 +310,8 @@ class _CockpitCallbackBase:
             )
             self.cockpit.end(error)
             raise error
-        self.cockpit.end()
+        with _unequal_micro_batches_told():
+            self.cockpit.end()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.cockpit.open_step is not None:

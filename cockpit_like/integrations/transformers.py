@@ -86,6 +86,7 @@ model that accepts loss kwargs, or a ``compute_loss_func`` is given):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -255,7 +256,8 @@ class CockpitTrainerMixin:
             if wrapped:
                 del accelerator.backward  # the instance attribute; the class's method is back
         if cockpit.open_step is not None:
-            cockpit.end()
+            with _unequal_micro_batches_told():
+                cockpit.end()
         return loss
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
@@ -302,7 +304,8 @@ class CockpitTrainerMixin:
                 "micro_batches": micro_batches}
         if ids is not None:
             info["sample_ids"] = ids
-        callback.cockpit.begin(self.state.global_step, info=info)
+        with _unequal_micro_batches_told():
+            callback.cockpit.begin(self.state.global_step, info=info)
         return (loss, outputs) if return_outputs else loss
 
     def _cockpit_trainer_divides(self, num_items_in_batch: Any) -> bool:
@@ -343,6 +346,24 @@ class CockpitTrainerMixin:
             f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
             "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
         )
+
+
+@contextlib.contextmanager
+def _unequal_micro_batches_told():
+    """A :class:`~cockpit_like.backends.partitions.PartitionError` (micro-batches of unequal rows in one step)
+    with what to do under the ``Trainer``, whose loop the user does not write."""
+    from cockpit_like.backends.partitions import PartitionError
+
+    try:
+        yield
+    except PartitionError as error:
+        raise PartitionError(
+            f"{error} With the Trainer: where it divides each micro-batch's loss by the micro-batches (a model "
+            "whose loss ignores num_items_in_batch, with loss_is_scaled_for_ga = False), a step of unequal "
+            "micro-batches trains on a mean of their means: pass TrainingArguments(dataloader_drop_last=True) "
+            "and a dataset whose size is a multiple of the batch size, or use a loss normalised over the step "
+            "(num_items_in_batch), which may have unequal micro-batches."
+        ) from error
 
 
 def _rows_of(batches: list) -> int | None:
