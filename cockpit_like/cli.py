@@ -205,9 +205,13 @@ def _cmd_influence(args: argparse.Namespace) -> int:
     if not rows:
         named = "" if args.quantity is None else f" named {args.quantity}"
         stored = sorted({row[1] for row in influence_rows(steps, top=sys.maxsize, name=args.quantity)})
+        quantities = sorted({row[4] for row in influence_rows(steps, top=sys.maxsize)}) if args.quantity else []
         if stored:  # only not at --step
             print(f"{path}: no SelfInfluence values{named} at step {args.step} (stored at {len(stored)} "
                   f"step{'s' if len(stored) != 1 else ''}: {stored[0]} .. {stored[-1]})")
+        elif quantities:  # only not under that name
+            print(f"{path}: no SelfInfluence values{named}: the log's SelfInfluence quantities are "
+                  f"{', '.join(quantities)} (--quantity takes one of these names)")
         else:
             print(f"{path}: no SelfInfluence values{named} (track cockpit_like.quantities.SelfInfluence, with "
                   "info['sample_ids'] to name the samples; it stores the k most influential samples of each "
@@ -229,8 +233,13 @@ def _cmd_spikes(args: argparse.Namespace) -> int:
     if args.last is not None:
         found = found[-args.last:]
     if not found:
-        print(f"{path}: no post-mortems" + ("" if args.step is None else f" at step {args.step}")
-              + " (track cockpit_like.spikes.PostMortem; it stores one at each spike)")
+        stored = [s for s, _ in post_mortems(steps)]
+        if stored:  # only not at --step
+            print(f"{path}: no post-mortem at step {args.step} (the log has {len(stored)}, at step"
+                  f"{'s' if len(stored) != 1 else ''} {', '.join(str(s) for s in stored[:8])}"
+                  f"{', ...' if len(stored) > 8 else ''})")
+        else:
+            print(f"{path}: no post-mortems (track cockpit_like.spikes.PostMortem; it stores one at each spike)")
         return 0
     names = (metadata or {}).get("param_names")
     print(f"{path}: {len(found)} post-mortem(s)")

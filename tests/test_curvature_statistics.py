@@ -447,6 +447,8 @@ def test_log_instruments_and_influence_listing(tmp_path, capsys):
     assert first[:3] == ["1", str(best[1]), best[2]] and len(printed) == 6
     assert main(["influence", str(path), "--step", "1"]) == 0
     assert "no SelfInfluence values at step 1 (stored at 2 steps: 0 .. 2)" in capsys.readouterr().out
+    assert main(["influence", str(path), "--quantity", "Nope"]) == 0  # a name the log does not have: its names
+    assert "no SelfInfluence values named Nope: the log's SelfInfluence quantities are SelfInfluence" in capsys.readouterr().out
 
 
 def test_heuristic_damping_is_pi_damping_of_the_factors():
