@@ -553,8 +553,9 @@ def read_log_with_metadata(path: str | os.PathLike, progress: bool | None = Fals
             header = None
         if isinstance(header, dict) and header.get("schema") == _STREAM:
             return _read_stream(lines[first:], path, progress, first_line=first + 1)
-        if header is None and path.suffix == ".jsonl" and "\n" not in text.strip():
-            return {}, {}  # a stream whose header line was torn by a crash: no step reached the file
+        if header is None and path.suffix == ".jsonl" and "\n" not in text.strip() and not text.endswith("\n") and (
+                text.lstrip().startswith("{")):
+            return {}, {}  # a stream whose header line (a JSON object) was torn by a crash: no step reached the file
         if header is None:
             raise _not_a_log(path, f"it is not JSON ({error.msg}: line {error.lineno} column {error.colno})") from None
         raise _not_a_log(path, f"the file is not one JSON document, and its first line ({lines[first].strip()[:60]}) "

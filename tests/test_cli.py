@@ -236,6 +236,16 @@ def test_an_empty_stream_is_a_log_without_steps(tmp_path, capsys, command, text)
         assert captured.out == f"wrote {tmp_path / ('dash.png' if command == 'plot' else 'watch.png')}\n"
 
 
+@pytest.mark.parametrize("text", ["garbage\n", "garbage"], ids=["complete line", "no newline"])
+def test_a_line_that_is_not_a_header_is_not_an_empty_stream(tmp_path, capsys, text):
+    """One line that is not JSON, complete or not an object's beginning, is not a header torn by a crash: the
+    file is not a cockpit log (exit 2), not an empty stream (seventh round of outside trials)."""
+    path = tmp_path / "run.jsonl"
+    path.write_text(text)
+    assert main(["summary", str(path)]) == 2
+    assert "is not a cockpit log" in capsys.readouterr().err
+
+
 def test_a_stream_with_its_header_only_is_a_run_without_steps(tmp_path, capsys):
     path = tmp_path / "run.jsonl"
     path.write_text('{"schema": "cockpit_like.stream", "schema_version": 1, "metadata": {"library": "cockpit_like", '
