@@ -640,3 +640,29 @@ def test_a_sequence_first_transformer_gets_the_batch_first_hint():
             loss.backward()
     message = str(caught.value)
     assert "dimension 1 of these outputs" in message and "batch_first=True" in message
+
+
+def test_sequence_first_ids_with_another_length_get_the_batch_first_hint():
+    """Ids [T, B] with T = 5, B = 3 into an nn.Embedding: the BatchSizeMismatchError said the correct batch size
+    was likely wrong (seventh round of outside trials); it now names the sequence-first layout and batch_first."""
+    from cockpit_like.backends.hooks import BatchSizeMismatchError
+
+    torch.manual_seed(0)
+
+    class WordModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(7, 4)
+            self.out = nn.Linear(4, 7)
+
+        def forward(self, ids):  # [T, B] -> [T, B, V]
+            return self.out(self.e(ids))
+
+    model = WordModel()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(lambda s: True)], model=model)
+    ids = torch.randint(0, 7, (5, 3))
+    logits = model(ids)
+    losses = nn.functional.cross_entropy(logits.permute(1, 2, 0), ids.t(), reduction="none").mean(1)
+    with pytest.raises(BatchSizeMismatchError, match="run sequence-first .*batch_first=True"):
+        with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()

@@ -313,6 +313,12 @@ class HookBackend:
             int(t.shape[0]) for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output))
             if t.dim() > 0 and t.shape[0] != 1
         }  # fmt: skip
+        #: whether every tensor of more than one dimension the step's calls took and returned has the batch size
+        #: in its dimension 1 (a sequence-first layout, [T, B, ...]: :meth:`_wrong_batch_size` says so)
+        self._batch_second = batch_size is not None and all(
+            t.shape[1] == int(batch_size) for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output))
+            if t.dim() > 1
+        ) and any(t.dim() > 1 for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output)))
         roots = {id(ref()) for ref in tracer.roots}
         #: the rows of each call of the model itself in this step's forward pass (several: it ran several times)
         self._model_rows = [call.batch for call in calls if id(call.module) in roots]
@@ -549,6 +555,20 @@ class HookBackend:
             f"info['batch_size'] is {batch}, but every tensor the modules of this step's forward pass took and "
             f"returned has {rows} rows (leading dimension {rows}; none has {batch})"
         )
+        error, why = self._batch_size_advice(batch, rows, seen)
+        if self._batch_second:  # as likely: the batch is where it should be, in a sequence-first layout
+            why += (
+                f" Or, since every tensor of more than one dimension has {batch} in its dimension 1, the model may "
+                f"run sequence-first ([T, B, ...], T = {rows}): the cockpit finds the rows in the first dimension "
+                "of a module's inputs and outputs (only nn.RNN / nn.LSTM / nn.GRU without batch_first and "
+                "nn.MultiheadAttention are read sequence-first): then feed the model [B, T, ...] (ids.t()) and "
+                "build its layers with batch_first=True, or leave the per-sample quantities out."
+            )
+        return error, why
+
+    @staticmethod
+    def _batch_size_advice(batch: int, rows: int, seen: str) -> tuple[type, str]:
+        """What a declared ``batch`` against ``rows`` in every tensor likely means (see :meth:`_wrong_batch_size`)."""
         if rows > batch and rows % batch == 0:
             k = rows // batch
             return BatchSizeMismatchError, (
