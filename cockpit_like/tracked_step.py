@@ -565,7 +565,7 @@ class TrackedStep:
         # scaler takes off before (where the step finishes at the optimizer's step, it has already)
         view = StepGradients(
             params, scale, unscaled_later=1.0 if at_optimizer_step else partitions.grad_scaler, zeros=untouched,
-            kept=self._kept if self._use_kept else None,
+            kept=self._kept if self._use_kept else None, graph_scale=None if changed is None else scale / changed,
         )
         self._kept = None  # the view holds them while the quantities read them
         try:

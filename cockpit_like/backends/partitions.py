@@ -514,9 +514,13 @@ class StepGradients:
 
     def __init__(
         self, params: list[torch.Tensor], scale: float, unscaled_later: float = 1.0, zeros: Iterable[int] = (),
-        kept: list[torch.Tensor | None] | None = None,
+        kept: list[torch.Tensor | None] | None = None, graph_scale: float | None = None,
     ):
         self.params, self.scale = list(params), float(scale)
+        #: where the loop scaled the gradients in place after the backward pass (``clip_grad_norm_``,
+        #: ``GradScaler.unscale_``, under ``no_grad``): their values changed, not their graph, which is still
+        #: ``graph_scale`` times the step's mean-loss gradient (``None``: the graph scales with the values)
+        self.graph_scale = None if graph_scale is None or graph_scale == scale else float(graph_scale)
         #: the gradients as the backward passes left them, where the loop changed them since, and not by one factor
         #: (clipping by value before a step that waited for the optimizer): the quantities read these, the
         #: optimizer (and a look-ahead, :meth:`optimizer_gradients`) the user's
@@ -551,7 +555,7 @@ class StepGradients:
                     stand_in.grad = torch.zeros_like(stand_in)
                 self._stand_ins[id(param)] = stand_in
                 self.params[index] = stand_in
-        elif self.kept is not None or self.scale != 1.0 or self.zeros or any(
+        elif self.kept is not None or self.scale != 1.0 or self.graph_scale is not None or self.zeros or any(
             p.grad is None or p.grad.is_sparse for p in self._originals
         ):
             self._saved = [p.grad for p in self._originals]
@@ -561,6 +565,11 @@ class StepGradients:
                     param.grad = torch.zeros_like(param)
                 elif grad.is_sparse:  # an embedding's sparse gradient (``sparse=True``): the quantities read it dense
                     param.grad = grad.to_dense() if self.scale == 1.0 else grad.to_dense() * inverse
+                elif self.graph_scale is not None and grad.requires_grad:
+                    # the values divided by the whole scale, the graph (Hessian-vector products through p.grad)
+                    # by the graph's own: the in-place change is not in the graph
+                    through = grad / self.graph_scale
+                    param.grad = (grad * inverse).detach() + (through - through.detach())
                 elif self.scale != 1.0:
                     param.grad = grad * inverse
                 elif self.kept is not None:
