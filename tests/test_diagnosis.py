@@ -808,3 +808,23 @@ def test_a_recurrent_gradient_that_explodes_before_any_sign_of_a_large_rate_is_t
     assert group_findings([earlier, grown, nan])[0].cause == "learning-rate-too-large"
     (plain,) = R.ExplodingGradient().check(history({"GradNorm": norms}, {"param_names": ["0.weight", "1.weight", "2.weight"]}))
     assert plain.evidence["recurrent"] == [] and group_findings([plain, same_step])[0].cause == "learning-rate-too-large"
+
+
+@pytest.mark.parametrize("norm, small_batch, cause", [
+    (0.0, True, "batch-too-small"), (0.0, False, "dead-units"), (0.02, False, "learning-rate-too-large"),
+])  # fmt: skip
+def test_a_gradient_exactly_zero_at_some_steps_is_not_a_large_learning_rate(norm, small_batch, cause):
+    """Outside trial 8's B09 (a batch of one whose input feature is 0 at some steps): vanishing-gradient "exactly
+    0 at steps 1, 3 of steps 1..3" (median 0, not 0 at every step) after training began was read as a learning
+    rate too large ("the loss and the updates blow up", with no blow-up). Exact zeros at some steps are a cut-off
+    (the batch, or units dead for most inputs), which large updates do not make; a small gradient still is."""
+    from cockpit_like.diagnosis import group_findings
+
+    found = [Finding("vanishing-gradient", "warning", 3, "the gradient of film.weight is exactly 0 at steps 1, 3",
+                     layer="film.weight", evidence={"norm": norm, "relative": norm, "zero": False, "since": 1,
+                                                    "at_start": False})]
+    if small_batch:
+        found.append(Finding("small-batch", "warning", 20, "each step's gradient comes from at most 1 sample(s)",
+                             evidence={"batch_size": 1.0, "progress": 0.5}))
+    incidents = [i for i in group_findings(found) if i.severity != "info"]
+    assert incidents[0].cause == cause

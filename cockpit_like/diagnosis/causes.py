@@ -282,6 +282,11 @@ def cause_of(finding: Finding, findings: Iterable[Finding] = ()) -> str:
         rules = {f.rule for f in findings}
         if "gradients-accumulate" in rules and "learning-rate-jump" not in rules:
             return "gradients-accumulate"
+    if rule == "vanishing-gradient" and finding.evidence.get("zero") is False and finding.evidence.get("norm") == 0:
+        # exactly 0 at most steps of its window, not all: the layer's input is 0 for whole batches at some steps
+        # (a batch of one whose feature is 0, units dead for most inputs), which large updates do not do (they
+        # shrink gradients, never to exactly 0 at alternate steps); outside trial 8's B09 (a batch of one)
+        return "batch-too-small" if any(other.rule == "small-batch" for other in findings) else "dead-units"
     if rule in ("vanishing-gradient", "saturated-units") and finding.evidence.get("at_start") is False and not (
             finding.evidence.get("zero")):
         return "learning-rate-too-large"  # it set in after training began: large updates, not the initialization
