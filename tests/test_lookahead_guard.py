@@ -351,3 +351,59 @@ def test_zero_redundancy_optimizer_under_ddp_is_left_alone_and_stores_no_alpha(t
             assert "Alpha" not in tracked["output"][t]
             (note,) = tracked["notes"][t]
             assert f"Alpha of step {t} is not stored" in note and "ZeroRedundancyOptimizer.step()" in note
+
+
+def test_the_users_step_hooks_run_once_per_step():
+    """``register_step_pre_hook`` / ``register_step_post_hook`` (an EMA of the weights in a post-hook) and a global
+    pre-hook: Alpha's look-ahead ran them a second time per tracked step, and the EMA differed from the run without
+    the cockpit (seventh round of outside trials). They now run once per step, and the run is bitwise the same."""
+    from torch import nn
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from cockpit_like.utils.schedules import linear
+
+    def run(tracked: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        ema = [p.detach().clone() for p in model.parameters()]
+        calls = {"pre": 0, "post": 0, "global": 0}
+
+        def pre(opt, args, kwargs):
+            calls["pre"] += 1
+
+        def post(opt, args, kwargs):
+            calls["post"] += 1
+            with torch.no_grad():
+                for average, p in zip(ema, model.parameters()):
+                    average.mul_(0.9).add_(0.1 * p)
+
+        def counted(opt, args, kwargs):
+            if opt is optimizer:
+                calls["global"] += 1
+
+        handles = [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post),
+                   register_optimizer_step_pre_hook(counted)]
+        cockpit = Cockpit(model.parameters(), quantities=[Alpha(linear(1)), UpdateSize(linear(1))], model=model) if tracked else None
+        generator = torch.Generator().manual_seed(1)
+        try:
+            for step in range(3):
+                x, y = torch.randn(6, 5, dtype=torch.float64, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+                optimizer.zero_grad()
+                losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+                if tracked:
+                    with cockpit(step, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean(),
+                                             "optimizer": optimizer}):
+                        losses.mean().backward()
+                else:
+                    losses.mean().backward()
+                optimizer.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return calls, ema, [p.detach().clone() for p in model.parameters()], cockpit
+
+    plain, tracked = run(False), run(True)
+    assert plain[0] == tracked[0] == {"pre": 3, "post": 3, "global": 3}
+    assert all(torch.equal(a, b) for a, b in zip(plain[1] + plain[2], tracked[1] + tracked[2]))
+    assert isinstance(tracked[3].get_output()[1]["Alpha"], float)  # the look-ahead still predicts the update

@@ -15,6 +15,7 @@ May import torch and NumPy only.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import random
@@ -174,14 +175,15 @@ def _shadow_step(
                 optimizer.param_groups = groups
                 _LOOKING_AHEAD += 1  # the optimizer's step hooks see a look-ahead, not the training's step
                 try:
-                    if guard is None:
-                        optimizer.step()
-                    else:
-                        own = [t for _, shadow in shadows.values() for t in (shadow, shadow.grad) if t is not None]
-                        own += [v for _, shadow in shadows.values() for v in optimizer.state.get(shadow, {}).values()
-                                if isinstance(v, torch.Tensor)]
-                        with guard.watching(own):
+                    with _step_hooks_held(optimizer):
+                        if guard is None:
                             optimizer.step()
+                        else:
+                            own = [t for _, shadow in shadows.values() for t in (shadow, shadow.grad) if t is not None]
+                            own += [v for _, shadow in shadows.values()
+                                    for v in optimizer.state.get(shadow, {}).values() if isinstance(v, torch.Tensor)]
+                            with guard.watching(own):
+                                optimizer.step()
                 finally:
                     _LOOKING_AHEAD -= 1
             # the shadows are ours: each becomes its update in place (no third copy of the parameters)
@@ -425,6 +427,30 @@ def _put_back(saved: list[tuple[object, object]]) -> None:
         if len(target) != len(copied) or any(k not in copied or copied[k] is not v for k, v in target.items()):
             target.clear()
             target.update(copied)
+
+
+@contextlib.contextmanager
+def _step_hooks_held(optimizer):
+    """The step pre- and post-hooks of ``optimizer`` (``register_step_pre_hook`` / ``register_step_post_hook``) and the
+    global ones (``register_optimizer_step_pre_hook``) do not run during a look-ahead's ``optimizer.step()``: they
+    are the user's (an EMA of the weights, clipping, a counter) and act on the training's step, so a look-ahead ran
+    each twice per tracked step and changed the run (seventh round of outside trials). The cockpit's own hooks
+    skip look-aheads anyway (:func:`looking_ahead`)."""
+    from torch.optim import optimizer as module
+
+    held = []
+    for owner, name in ((optimizer, "_optimizer_step_pre_hooks"), (optimizer, "_optimizer_step_post_hooks"),
+                        (module, "_global_optimizer_pre_hooks"), (module, "_global_optimizer_post_hooks")):
+        hooks = getattr(owner, name, None)
+        if isinstance(hooks, dict) and hooks:
+            held.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, kept in held:
+            hooks.clear()
+            hooks.update(kept)
 
 
 #: look-aheads running now: an optimizer's step hooks called meanwhile are the look-ahead's (:func:`looking_ahead`)
