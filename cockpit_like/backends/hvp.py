@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cockpit_like.backends.user_state import held_tensor_hooks
+
 __all__ = [
     "MissingGraphError", "NoSecondDerivativeError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit",
     "curvature_params", "scatter_blocks", "fused_weight_norms",
@@ -164,13 +166,14 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
             # torch warns that no module input requires a gradient: harmless here.
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             try:
-                products = torch.autograd.grad(
-                    [grads[trainable[k]] for k in live],
-                    inputs,
-                    grad_outputs=[pieces[k].reshape(inputs[k].shape) for k in live],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
+                with held_tensor_hooks(inputs):
+                    products = torch.autograd.grad(
+                        [grads[trainable[k]] for k in live],
+                        inputs,
+                        grad_outputs=[pieces[k].reshape(inputs[k].shape) for k in live],
+                        retain_graph=True,
+                        allow_unused=True,
+                    )
             except RuntimeError as error:
                 limit = graph_limit(error)
                 if limit is not None:

@@ -22,8 +22,9 @@ place by each read of the weight in training mode) are set, before each re-run,
 to what they were when the recorded call began (``Call.state``, noted by the
 tracer), so the re-run computes the weight the forward pass computed.
 
-May import torch, :mod:`cockpit_like.backends.tracer` and
-:mod:`cockpit_like.backends.per_sample` only; never
+May import torch, :mod:`cockpit_like.backends.tracer`,
+:mod:`cockpit_like.backends.per_sample`, :mod:`~cockpit_like.backends.module_rules` and
+:mod:`~cockpit_like.backends.user_state` only; never
 :mod:`~cockpit_like.backends.hooks` (which imports this module).
 """
 
@@ -45,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
+from cockpit_like.backends.user_state import held_tensor_hooks
 
 __all__ = ["NonFiniteOutputsError", "UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
 
@@ -532,7 +534,7 @@ def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
     for row in range(batch):
         rows = [values[k].narrow(dims[k], row, 1) for k in batched]
         cotangents = [g.narrow(d, row, 1) for g, d in zip(grads, out_dims)]
-        with torch.enable_grad():
+        with torch.enable_grad(), held_tensor_hooks(params):
             out = run(live, rows)
             results = torch.autograd.grad(out, params, cotangents, allow_unused=True)
         for k, (p, g) in enumerate(zip(params, results)):

@@ -38,6 +38,7 @@ from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleRedu
 from cockpit_like.backends.randomness import seeded_sampling
 from cockpit_like.backends.row_paths import rows_dim
 from cockpit_like.backends.tracer import _graph_kernels, graph_kernels
+from cockpit_like.backends.user_state import held_tensor_hooks
 
 __all__ = [
     "StepExecution",
@@ -675,7 +676,8 @@ class StepExecution:
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         backend.enter()
         try:
-            grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
+            with held_tensor_hooks(self.params):
+                grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
         except RuntimeError as error:
             if "backward through the graph a second time" not in str(error):
                 raise

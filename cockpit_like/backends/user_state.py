@@ -25,7 +25,7 @@ import torch
 
 from cockpit_like.backends import internal
 
-__all__ = ["UserState", "restored_on_failure"]
+__all__ = ["UserState", "held_tensor_hooks", "restored_on_failure"]
 
 
 class UserState:
@@ -67,3 +67,23 @@ def restored_on_failure() -> Iterator[UserState]:
     except BaseException:
         state.restore()
         raise
+
+
+@contextlib.contextmanager
+def held_tensor_hooks(tensors) -> Iterator[None]:
+    """The user's gradient hooks on ``tensors`` (``p.register_hook``: gradient noise, clipping, a counter) do not run
+    inside: the cockpit's own backward passes (Hessian-vector products, per-row re-runs) compute gradients of the
+    parameters too, and a hook ran there dozens of times per tracked step, drawing from the user's random numbers
+    (seventh round of outside trials). They are put back as they were, also when the work raises."""
+    held = []
+    for tensor in tensors:
+        hooks = getattr(tensor, "_backward_hooks", None)
+        if hooks:
+            held.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for hooks, kept in held:
+            hooks.clear()
+            hooks.update(kept)
