@@ -34,7 +34,7 @@ import torch
 
 from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
-from cockpit_like.backends.hvp import NoSecondDerivativeError
+from cockpit_like.backends.hvp import MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
@@ -606,8 +606,22 @@ class TrackedStep:
                     "needs the GGN diagonal, which the cockpit now computes beside it from the next step on)",
                 )
                 env.run.scaled_losses = True
+            graph_gone = False
             if ranks is None and checks.valid:
-                stats.update(partitions.merge_whole(execution.whole_step_results()))
+                try:
+                    stats.update(partitions.merge_whole(execution.whole_step_results()))
+                except MissingGraphError as error:
+                    if not at_optimizer_step:
+                        raise
+                    # the step waited for the optimizer, and the loop dropped the gradients' graph meanwhile (p.grad
+                    # detached or replaced before optimizer.step()): no products, the run goes on
+                    checks.note(
+                        f"no Hessian-vector products at step {self.step}: the step waited for the optimizer's step "
+                        "(see the notes above), and by then the gradients carried no graph (p.grad detached or "
+                        "replaced between the backward pass and optimizer.step()), so the quantities that need them "
+                        f"store nothing at this step ({error})"
+                    )
+                    graph_gone = True
             stats.update({asked: stats[met_by] for asked, met_by in execution.aliases if met_by in stats})
             record = context.StepRecord(
                 global_step=self.step, info=info, params=view.params, stats=stats,
@@ -618,6 +632,8 @@ class TrackedStep:
             # a step that failed a check stores no numbers (never a wrong one): its checks say why
             skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
             skipped |= execution.left_out_owners().union(*(partition.left_out for partition in partitions.partitions))
+            if graph_gone:
+                skipped |= {env.name_of(q) for q in self.active if q.hessian_products(self.step)}
             rows = info.get("batch_size")
             if isinstance(rows, int) and rows < 2:
                 single = sorted(env.name_of(q) for q in self.active if q.needs_two_samples and env.name_of(q) not in skipped)

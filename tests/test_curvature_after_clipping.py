@@ -71,3 +71,35 @@ def test_hessmaxev_after_in_place_clipping_is_the_dense_one(loop):
         assert cockpit.checks[step]["valid"], cockpit.checks[step]
         assert hess.output[step] == pytest.approx(expected, rel=1e-2), (step, hess.output[step], expected)  # the stop rule
     assert clipped >= 3  # the clipping changed the gradients at the steps compared
+
+
+def test_a_graph_dropped_before_the_optimizer_step_stores_no_curvature_and_training_goes_on():
+    """The full preset, a weight-decay schedule set after the backward pass (Alpha then waits for the optimizer's
+    step) and ``p.grad = p.grad.detach()`` before ``optimizer.step()``: a ``MissingGraphError`` asking for
+    ``create_graph`` (which the loop passed) was raised out of ``optimizer.step()`` (seventh round of outside
+    trials). Now the quantities that need Hessian-vector products store nothing there, with a note, and the rest
+    are stored."""
+    from cockpit_like.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).to(DTYPE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        x, y = torch.randn(8, 5, dtype=DTYPE, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        optimizer.zero_grad()
+        out = model(x)
+        losses = nn.functional.cross_entropy(out, y, reduction="none")
+        info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer, "outputs": out}
+        with cockpit(step, info=info):
+            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        optimizer.param_groups[0]["weight_decay"] = 0.05 * step
+        for p in model.parameters():
+            p.grad = p.grad.detach()
+        optimizer.step()
+    output = cockpit.get_output()
+    dropped = [s for s in output if any("no Hessian-vector products" in n for n in output[s].get("checks", {}).get("notes", []))]
+    assert dropped, output
+    for step in dropped:
+        assert "HessMaxEV" not in output[step] and "GradNorm" in output[step]
