@@ -266,6 +266,7 @@ class TrackedStep:
             env.run.partitions.checks = StepChecks(step)
             if env.self_checks:  # what p.grad held before this step's first backward pass (zero after zero_grad)
                 env.run.partitions.checks.stale = _stale_gradients(env.params, _probe_seed(step))
+                self._stale_at_entry = bool(env.run.partitions.checks.stale)
             env.run.partitions.checks.assumed = factor / max(self.micro_batches, 1)
             env.run.partitions.checks.declared = self.micro_batches
         self._warn_loss(loss_warning)
@@ -313,6 +314,11 @@ class TrackedStep:
             self._execution.enter()
             if self._factor is not None:  # what the user's backward passes propagate (last: nothing after it raises)
                 self._roots = BackwardRoots()
+                if getattr(self, "_stale_at_entry", False):
+                    # p.grad was not zero at the block's entry: read it again when the backward pass begins (a loop
+                    # that calls optimizer.zero_grad() inside the block, before backward(), is not stale)
+                    checks, seed = env.run.partitions.checks, _probe_seed(step)
+                    self._roots.on_first = lambda: setattr(checks, "stale", _stale_gradients(env.params, seed))
                 self._roots.start()
         except BaseException:  # (a KeyboardInterrupt too): nothing of the step stays set up
             self._abandon(None)

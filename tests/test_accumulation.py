@@ -363,3 +363,32 @@ def test_unequal_micro_batches_whose_factor_cannot_be_seen_are_refused():
                     "individual_losses": individual(outputs, targets[part]).detach()}  # fmt: skip
             with cockpit(0, info=info):
                 (loss * len(targets[part]) / 9).backward()
+
+
+def test_zero_grad_inside_the_block_before_backward_is_not_stale():
+    """``optimizer.zero_grad()`` called inside the block, before ``backward()``: p.grad was not zero when the block
+    was entered but is when the backward pass begins (what the check is about). Every later step failed
+    ``stale_gradient`` ("a forgotten optimizer.zero_grad()", seventh round of outside trials); it is read again when
+    the backward pass begins, and the numbers are brute force's. A gradient still left at that point stays stale."""
+    model, lossfunc, individual, batch = _problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=[GradNorm(linear(1)), NormTest(linear(1))], model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        inputs, targets = batch(ROWS, step)
+        twin = copy.deepcopy(model)
+        expected = brute_force_step(twin, lambda m, i: individual(m(inputs[i : i + 1]), targets[i : i + 1]).sum(), ROWS)
+        outputs = model(inputs)
+        loss = lossfunc(outputs, targets)
+        info = {"batch_size": ROWS, "individual_losses": individual(outputs, targets), "loss": loss}
+        with cockpit(step, info=info):
+            optimizer.zero_grad()
+            loss.backward()
+        optimizer.step()
+        assert cockpit.checks[step]["valid"], cockpit.checks[step]
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected["NormTest"], rel=1e-6)
+    # not zeroed at all: stale as before
+    outputs = model(inputs)
+    loss = lossfunc(outputs, targets)
+    with cockpit(3, info={"batch_size": ROWS, "individual_losses": individual(outputs, targets), "loss": loss}):
+        loss.backward()
+    assert cockpit.checks[3]["failed"][0]["check"] == "stale_gradient"

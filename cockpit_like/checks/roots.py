@@ -67,6 +67,8 @@ class BackwardRoots:
         self.unreadable = False
         #: a root with more than one element was given its gradient (``features.backward(grad)``: not a loss)
         self.vector_roots = False
+        #: called once, at the first call watched, before the backward pass runs (what p.grad holds then)
+        self.on_first = None
         self._thread = threading.get_ident()
 
     def start(self) -> None:
@@ -89,6 +91,9 @@ class BackwardRoots:
     def _record(self, tensors, grad_tensors) -> None:
         if threading.get_ident() != self._thread:
             return
+        if self.on_first is not None:
+            first, self.on_first = self.on_first, None
+            first()
         with cockpit_work(), torch.no_grad():
             try:
                 roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
