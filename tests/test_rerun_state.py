@@ -143,3 +143,51 @@ def test_a_parametrization_the_rerun_cannot_reproduce_is_named():
     with pytest.raises(UncoveredParameterError, match=r"parametrizations .*parametrizations\.weight \(_Jitter\)"):
         with cockpit(0, info={"loss": loss, "batch_size": 8}):
             loss.backward()
+
+
+@pytest.mark.parametrize("as_buffer", [False, True], ids=["attribute", "buffer"])
+def test_a_state_kept_by_the_forward_pass_is_the_users_after_a_re_run(as_buffer):
+    """A module that keeps its last state (``self.state = h``) and reads it when set (RecurrentGemma's pattern):
+    its re-run row by row is refused (the state holds the batch's rows), but the refused re-run left an escaped
+    vmap tensor in the attribute, and the user's next read failed (seventh round of outside trials). The
+    attribute (or buffer) is now the forward pass's tensor, usable."""
+    from torch import nn
+
+    from cockpit_like.backends.rerun import UncoveredParameterError
+    from cockpit_like.quantities import NormTest
+
+    class Scan(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.rand(5))
+            if as_buffer:
+                self.register_buffer("state", None)
+            else:
+                self.state = None
+
+        def forward(self, x):
+            h = self.state if self.state is not None else torch.zeros(x.shape[0], 5)
+            for t in range(x.shape[1]):
+                h = torch.sigmoid(self.a) * h + x[:, t]
+            self.state = h
+            return h
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scan, self.head = Scan(), nn.Linear(5, 2)
+
+        def forward(self, x):
+            self.scan.state = None
+            return self.head(self.scan(x))
+
+    torch.manual_seed(0)
+    model = Model()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(lambda s: True)], model=model)
+    x, y = torch.randn(3, 4, 5), torch.randint(0, 2, (3,))
+    losses = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+    state = model.scan.state
+    with pytest.raises(UncoveredParameterError):
+        with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    assert model.scan.state is state and float((model.scan.state + 1).sum()) == float((state + 1).sum())

@@ -485,6 +485,8 @@ def _model_kept(module: nn.Module):
         for name, value in owner._buffers.items()
         if isinstance(value, torch.Tensor)
     ]
+    # buffers registered as None (a state a forward pass fills): None again afterwards
+    empty = [(owner, name) for owner in module.modules() for name, value in owner._buffers.items() if value is None]
     # ``prune``'s forward pre-hook sets the computed ``weight`` as a plain attribute: the re-run's goes, the user's stays
     computed = [
         (owner, hook._tensor_name, owner.__dict__[hook._tensor_name])
@@ -492,11 +494,21 @@ def _model_kept(module: nn.Module):
         for hook in owner._forward_pre_hooks.values()
         if isinstance(hook, BasePruningMethod) and hook._tensor_name in owner.__dict__
     ]  # fmt: skip
+    # tensors a forward pass keeps as plain attributes (a recurrent state, ``self.state = h``): a re-run's would be
+    # its rows' (under vmap, a tensor escaped from it, which fails at the user's next read): the user's stay
+    attributes = [
+        (owner, name, value) for owner in module.modules() for name, value in list(owner.__dict__.items())
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    ]  # fmt: skip
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices):
             yield
     finally:
+        for owner, name in empty:
+            owner._buffers[name] = None
+        for owner, name, value in attributes:
+            owner.__dict__[name] = value
         for owner, name, value in computed:
             owner.__dict__[name] = value
         with torch.no_grad():
