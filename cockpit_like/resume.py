@@ -26,7 +26,7 @@ import torch
 
 from cockpit_like.diagnosis.findings import DIAGNOSIS_KEYS, Finding
 from cockpit_like.logs import EPOCH_KEYS, _read_stream, stream_holds
-from cockpit_like.checks.invariants import CHECKS_KEY
+from cockpit_like.checks.invariants import CHECKS_KEY, notable
 from cockpit_like.run_output import SKIPPED_KEY
 
 __all__ = ["FORMAT", "VERSION", "StateMismatchError", "pack", "unpack", "is_plain", "cockpit_state", "load_cockpit_state"]
@@ -379,6 +379,8 @@ def load_cockpit_state(cockpit, state: dict[str, Any]) -> None:
         cockpit._output.checks = {
             step: dict(values[CHECKS_KEY]) for step, values in sorted(streamed.items()) if CHECKS_KEY in values
         }
+    # the checks the output showed (a note, a failed check): shown again (a plain valid step stays as it was)
+    cockpit._output.shown_checks = {step for step, checks in cockpit._output.checks.items() if notable(checks)}
     _restore_diagnosis(cockpit, state.get("diagnosis"))
     cockpit._next_step = int(state["next_step"])
     now = cockpit.metadata()["created"]
