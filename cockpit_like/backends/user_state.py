@@ -13,7 +13,8 @@ off, leaves them off for the rest of the session). :func:`restored_on_failure`
 captures this state before the work and puts it back when the work raises,
 whatever raised and wherever.
 
-May import torch and :mod:`cockpit_like.backends.internal`.
+May import torch and :mod:`cockpit_like.backends.internal` (and, at call time,
+:func:`cockpit_like.utils.optim.emptied`).
 """
 
 from __future__ import annotations
@@ -75,15 +76,7 @@ def held_tensor_hooks(tensors) -> Iterator[None]:
     inside: the cockpit's own backward passes (Hessian-vector products, per-row re-runs) compute gradients of the
     parameters too, and a hook ran there dozens of times per tracked step, drawing from the user's random numbers
     (seventh round of outside trials). They are put back as they were, also when the work raises."""
-    held = []
-    for tensor in tensors:
-        hooks = getattr(tensor, "_backward_hooks", None)
-        if hooks:
-            held.append((hooks, dict(hooks)))
-            hooks.clear()
-    try:
+    from cockpit_like.utils.optim import emptied  # (at call time: cockpit_like.utils imports the quantities)
+
+    with emptied(getattr(tensor, "_backward_hooks", None) for tensor in tensors):
         yield
-    finally:
-        for hooks, kept in held:
-            hooks.clear()
-            hooks.update(kept)

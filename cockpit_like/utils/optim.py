@@ -438,10 +438,19 @@ def _step_hooks_held(optimizer):
     skip look-aheads anyway (:func:`looking_ahead`)."""
     from torch.optim import optimizer as module
 
+    with emptied(getattr(owner, name, None) for owner, name in (
+        (optimizer, "_optimizer_step_pre_hooks"), (optimizer, "_optimizer_step_post_hooks"),
+        (module, "_global_optimizer_pre_hooks"), (module, "_global_optimizer_post_hooks"),
+    )):
+        yield
+
+
+@contextlib.contextmanager
+def emptied(mappings: Iterable):
+    """Each non-empty dict of ``mappings`` (hooks: ``OrderedDict``s torch reads at call time) empty inside, its
+    entries put back in order afterwards, also when the body raises; other values are ignored."""
     held = []
-    for owner, name in ((optimizer, "_optimizer_step_pre_hooks"), (optimizer, "_optimizer_step_post_hooks"),
-                        (module, "_global_optimizer_pre_hooks"), (module, "_global_optimizer_post_hooks")):
-        hooks = getattr(owner, name, None)
+    for hooks in mappings:
         if isinstance(hooks, dict) and hooks:
             held.append((hooks, dict(hooks)))
             hooks.clear()
