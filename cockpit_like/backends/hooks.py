@@ -244,11 +244,17 @@ def _sequence_first_hint(shapes: list[list[int]], batch: int) -> str:
         return ""
     return (
         f" The batch ({batch} rows) seems to lie in dimension {shapes[0][1:].index(batch) + 1} of these outputs: a "
-        "sequence-first layout ([T, B, ...]). The cockpit finds the rows in the first dimension of a module's "
-        "inputs and outputs (only nn.RNN / nn.LSTM / nn.GRU without batch_first and nn.MultiheadAttention are "
-        "read sequence-first): feed the model [B, T, ...] and build its layers with batch_first=True "
-        "(nn.TransformerEncoderLayer(..., batch_first=True), nn.Transformer(..., batch_first=True))."
+        f"sequence-first layout ([T, B, ...]). {_SEQUENCE_FIRST_FIX}"
     )
+
+
+#: what to do with a model run sequence-first (:func:`_sequence_first_hint`, :meth:`HookBackend._wrong_batch_size`)
+_SEQUENCE_FIRST_FIX = (
+    "The cockpit finds the rows in the first dimension of a module's inputs and outputs (only nn.RNN / nn.LSTM / "
+    "nn.GRU without batch_first and nn.MultiheadAttention are read sequence-first): feed the model [B, T, ...] "
+    "(ids.t()) and build its layers with batch_first=True (nn.TransformerEncoderLayer(..., batch_first=True), "
+    "nn.Transformer(..., batch_first=True)), or leave the per-sample quantities out."
+)
 
 
 class HookBackend:
@@ -313,12 +319,6 @@ class HookBackend:
             int(t.shape[0]) for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output))
             if t.dim() > 0 and t.shape[0] != 1
         }  # fmt: skip
-        #: whether every tensor of more than one dimension the step's calls took and returned has the batch size
-        #: in its dimension 1 (a sequence-first layout, [T, B, ...]: :meth:`_wrong_batch_size` says so)
-        self._batch_second = batch_size is not None and all(
-            t.shape[1] == int(batch_size) for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output))
-            if t.dim() > 1
-        ) and any(t.dim() > 1 for call in calls for t in _flat_outputs((call.args, call.kwargs, call.output)))
         roots = {id(ref()) for ref in tracer.roots}
         #: the rows of each call of the model itself in this step's forward pass (several: it ran several times)
         self._model_rows = [call.batch for call in calls if id(call.module) in roots]
@@ -556,13 +556,13 @@ class HookBackend:
             f"returned has {rows} rows (leading dimension {rows}; none has {batch})"
         )
         error, why = self._batch_size_advice(batch, rows, seen)
-        if self._batch_second:  # as likely: the batch is where it should be, in a sequence-first layout
+        tensors = [t for call in self._all_calls for t in _flat_outputs((call.args, call.kwargs, call.output))
+                   if t.dim() > 1]
+        if tensors and all(t.shape[1] == batch for t in tensors):
+            # as likely: the batch is where it should be, in a sequence-first layout
             why += (
                 f" Or, since every tensor of more than one dimension has {batch} in its dimension 1, the model may "
-                f"run sequence-first ([T, B, ...], T = {rows}): the cockpit finds the rows in the first dimension "
-                "of a module's inputs and outputs (only nn.RNN / nn.LSTM / nn.GRU without batch_first and "
-                "nn.MultiheadAttention are read sequence-first): then feed the model [B, T, ...] (ids.t()) and "
-                "build its layers with batch_first=True, or leave the per-sample quantities out."
+                f"run sequence-first ([T, B, ...], T = {rows}). {_SEQUENCE_FIRST_FIX}"
             )
         return error, why
 
@@ -634,16 +634,18 @@ class HookBackend:
         carries the batch and made every such read (by autograd's sequence numbers: a node made while a call
         ran belongs to it), whose re-run computes it through every use. Where none did, nothing moves (the
         step's gradient check then names the parameter)."""
-        windows: dict[int, list[tuple[int, int]]] = defaultdict(list)
         holders: dict[int, list[int]] = defaultdict(list)
         for index, call in enumerate(calls):
             for param in call.params:
-                windows[id(param)].append(_window(call))
                 holders[id(param)].append(index)
         for key, indices in holders.items():
+            readers = self._readers.get(key, ())
+            if len(readers) <= len(indices):
+                continue  # a read per call that computes it (or fewer: autocast's cached cast): nothing outside
+            windows = [_window(calls[index]) for index in indices]
             outside = [
-                node._sequence_nr() for node in self._readers.get(key, ())
-                if not any(low < node._sequence_nr() <= high for low, high in windows[key])
+                node._sequence_nr() for node in readers
+                if not any(low < node._sequence_nr() <= high for low, high in windows)
             ]
             if not outside:
                 continue
