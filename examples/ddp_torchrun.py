@@ -86,6 +86,7 @@ def main(steps: int = 30, local_batch: int = 32, logdir: str | None = None) -> N
         f"last NormTest: {output[max(output)].get('NormTest') if output else None}"
     )
     if distributed:
+        dist.barrier()  # rank 0 has written its log and dashboard before any rank tears the group down
         dist.destroy_process_group()
 
 
