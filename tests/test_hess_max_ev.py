@@ -113,6 +113,71 @@ def test_plain_power_option_is_cockpits_power_iteration():
     assert quantity.get_output()[0] == pytest.approx(expected.value, rel=1e-9)
 
 
+def test_power_iteration_residual_is_that_of_its_value():
+    """The residual power_iteration returns is ||A u - value u|| of the unit vector whose Rayleigh quotient it is."""
+    matrix = random_symmetric([2.0, 1.9, -1.95, 0.3, 0.1], seed=4)
+    start = torch.rand(5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for max_iter in (1, 2, 5, 40):
+        result = power_iteration(lambda v: matrix @ v, start, max_iter=max_iter, warn=False)
+        # replay the iteration by hand: the vector before the last product
+        u = start / start.norm()
+        for _ in range(result.num_matvecs - 1):
+            u = matrix @ u / (matrix @ u).norm()
+        assert float(u @ matrix @ u) == pytest.approx(result.value, rel=1e-12)
+        assert result.residual == pytest.approx(float((matrix @ u - result.value * u).norm()), rel=1e-9, abs=1e-15)
+
+
+def test_plain_power_iteration_is_never_stored_as_converged():
+    """accelerate=False: Cockpit's stop rule (two consecutive estimates agree) is met by chance far from an
+    eigenvector on a GroupNorm CNN whose two ends have nearly equal magnitude (seed 3: 0.325 after 4 products
+    where the eigenvalue of largest magnitude is -1.208, dense float64 Hessian). The value stays Cockpit's
+    (bit for bit), and no step of the plain power iteration is stored as converged."""
+    from torch import nn
+
+    class GroupNormCNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.norm, self.head = nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+    generator = torch.Generator().manual_seed(123)
+    inputs = torch.randn(4, 1, 5, 5, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 3, (4,), generator=generator)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch.manual_seed(0)
+        model = GroupNormCNN()
+    finally:
+        torch.set_default_dtype(default)
+    lossfunc = torch.nn.CrossEntropyLoss()
+    hessian = dense_hessian(model, inputs, labels)
+    eigenvalues = torch.linalg.eigvalsh(hessian)
+    target = float(eigenvalues[eigenvalues.abs().argmax()])
+    far_off_stops, before = 0, randomness.get_seed()
+    try:
+        for seed in range(10):
+            randomness.set_seed(seed)
+            quantity = HessMaxEV(schedules.linear(1), accelerate=False)
+            cockpit = Cockpit(model.parameters(), quantities=[quantity], model=model)
+            model.zero_grad()
+            loss = lossfunc(model(inputs), labels)
+            with cockpit(0, info={"loss": loss}):
+                loss.backward(create_graph=cockpit.create_graph(0))
+            draws = randomness.generator(0, "power iteration start")
+            start = torch.cat([torch.rand(p.shape, dtype=p.dtype, generator=draws).reshape(-1) for p in model.parameters()])
+            cockpits = power_iteration(lambda v: hessian @ v, start)
+            assert quantity.get_output()[0] == pytest.approx(cockpits.value, rel=1e-9)  # Cockpit's value, kept
+            assert quantity.hvp_counts[0] == cockpits.num_matvecs
+            assert quantity.converged[0] is False
+            far_off_stops += cockpits.converged and abs(cockpits.value - target) > 0.5 * abs(target)
+    finally:
+        randomness.set_seed(before)
+    assert far_off_stops >= 1  # what the flag would have claimed
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_lanczos_largest_algebraic(seed):
     generator = torch.Generator().manual_seed(seed)

@@ -48,12 +48,16 @@ class EigenResult:
         vector: unit-norm eigenvector estimate (flat tensor, dtype of the start).
         num_matvecs: how many products ``matvec(v)`` were evaluated.
         converged: whether the stopping rule was met within ``max_iter``.
+        residual: ``||A u - value u||`` of the unit vector ``u`` whose Rayleigh quotient is ``value``, where the
+            solver knows it at no extra product (:func:`power_iteration`), else NaN. An eigenvalue of ``A`` lies
+            within ``residual`` of ``value``; a stopping rule on consecutive estimates alone certifies nothing.
     """
 
     value: float
     vector: torch.Tensor
     num_matvecs: int
     converged: bool
+    residual: float = math.nan
 
 
 def _unit(v0: torch.Tensor) -> torch.Tensor:
@@ -85,7 +89,13 @@ def power_iteration(
     Iterates ``w = A v; lambda = v^T w; v <- w / ||w||`` and stops when
     ``|lambda_prev - lambda| <= atol + rtol * |lambda|`` (``lambda_prev``
     starts at ``+inf``, so at least two products are used). The result is the
-    last Rayleigh quotient ``lambda`` and the last normalised iterate.
+    last Rayleigh quotient ``lambda``, the last normalised iterate, and the
+    residual ``||w - lambda v||`` of the vector ``v`` that gave ``lambda``
+    (no extra product). Two consecutive estimates can agree by chance while
+    the iterate is far from an eigenvector (two ends of nearly equal
+    magnitude make the iteration oscillate): ``converged`` says the stopping
+    rule was met, the residual says how far ``lambda`` can be from an
+    eigenvalue.
 
     Converges to the eigenvalue of largest magnitude (negative if
     ``|lambda_min| > lambda_max``). Unlike Cockpit 1.0.2 it works in any dtype
@@ -105,17 +115,21 @@ def power_iteration(
     v = _unit(v0)
     previous = math.inf
     value = math.nan
+    residual = math.nan
     for count in range(1, max_iter + 1):
         w = matvec(v)
         value = float(torch.dot(v, w))
+        residual = float((w - value * v).norm())
         norm = w.norm()
         if norm == 0:
-            return EigenResult(value, v, count, True)
+            return EigenResult(value, v, count, True, 0.0)
         v = w / norm
         if abs(previous - value) <= atol + rtol * abs(value):
-            return EigenResult(value, v, count, True)
+            return EigenResult(value, v, count, True, residual)
         previous = value
-    return _finish(value, v, max_iter, False, warn, f"power iteration did not converge in {max_iter} iterations")
+    result = _finish(value, v, max_iter, False, warn, f"power iteration did not converge in {max_iter} iterations")
+    result.residual = residual
+    return result
 
 
 def _krylov(
