@@ -20,6 +20,7 @@ import dataclasses
 
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -299,6 +300,20 @@ class Cockpit:
             )
         if any(q is quantity for q in self.quantities):
             raise ValueError(f"Cockpit: {type(quantity).__name__} instance added twice")
+        owner = getattr(quantity, "_cockpit_owner", None)
+        other = owner() if owner is not None else None
+        if quantity.output or (other is not None and other is not self):
+            held = sorted(quantity.output)
+            what = (f"already holds step{'s' if len(held) > 1 else ''} "
+                    f"{held[0]}{f'-{held[-1]}' if len(held) > 1 else ''} of another cockpit" if held
+                    else "already belongs to another cockpit")  # fmt: skip
+            raise ValueError(
+                f"Cockpit: this {type(quantity).__name__} instance {what}: a quantity keeps its outputs (and a "
+                "two-step quantity its start between steps), so it belongs to one cockpit. For a new run, make new "
+                'quantities too: quantities=configuration("economy") again, or new instances of your own list '
+                "(in a notebook, build them in the same cell as the Cockpit)."
+            )
+        quantity._cockpit_owner = weakref.ref(self)
         base = type(quantity).__name__
         name, count = base, 1
         while name in self._names.values():
