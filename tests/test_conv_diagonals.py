@@ -383,3 +383,58 @@ def test_factories_use_the_reduced_factor_and_match_backpack(loss):
     _assert_all_close(mine, _backpack_diagonals(model, inputs, targets, loss, DiagHessian()))
     mine = _backpack_diagonals(model, inputs, targets, loss, diag_ggn_exact())
     _assert_all_close(mine, _backpack_diagonals(model, inputs, targets, loss, DiagGGNExact()))
+
+
+# ---- average pooling: the cockpit's functional Jacobian products (no module built per call) ---------------
+def _pool_net(name: str, dtype=DTYPE) -> tuple[nn.Module, tuple[int, ...]]:
+    """Average pooling after a convolution; sizes the stride does not divide (ConvTranspose's output padding)."""
+    torch.manual_seed(11)
+    nets = {
+        "avgpool1d": (lambda: nn.Sequential(
+            nn.Conv1d(2, 3, 3), nn.Sigmoid(), nn.AvgPool1d(3, stride=2, padding=1), nn.Flatten(), nn.LazyLinear(CLASSES),
+        ), (2, 10)),
+        "avgpool2d": (lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 2), nn.Tanh(), nn.AvgPool2d((3, 2), stride=(2, 1), padding=(1, 0)), nn.Flatten(),
+            nn.LazyLinear(CLASSES),
+        ), (2, 8, 6)),
+        "avgpool3d": (lambda: nn.Sequential(
+            nn.Conv3d(1, 2, 2), nn.Sigmoid(), nn.AvgPool3d(2), nn.Flatten(), nn.LazyLinear(CLASSES),
+        ), (1, 6, 5, 5)),
+    }
+    factory, shape = nets[name]
+    model = factory().to(dtype)
+    model(torch.zeros(1, *shape, dtype=dtype))
+    return model, shape
+
+
+@pytest.mark.parametrize("loss", ["ce", "mse"])
+@pytest.mark.parametrize("net", ["avgpool1d", "avgpool2d", "avgpool3d"])
+@pytest.mark.parametrize("curvature,ours", [("diag_h", diag_hessian), ("diag_ggn_exact", diag_ggn_exact)])
+def test_average_pooling_in_float64_against_brute_force_without_touching_the_rng(curvature, ours, net, loss):
+    """BackPACK's own average-pooling products fail on a float64 model (its convolution module has the default
+    dtype) and draw a random initial weight per call; the cockpit's are the dense Hessian's / GGN's diagonal, and
+    torch's generator is where it was."""
+    model, shape = _pool_net(net)
+    inputs, targets = _data(shape, 4, loss)
+    state = torch.get_rng_state()
+    extension = ours()
+    model = extend(model)
+    lossfunc = extend(_lossfunc(loss))
+    model.zero_grad()
+    value = lossfunc(model(inputs), targets)
+    with backpack(extension):
+        value.backward()
+    assert torch.equal(state, torch.get_rng_state())
+    mine = [getattr(p, extension.savefield).detach().clone() for p in model.parameters()]
+    _assert_all_close(mine, _brute_force(model, inputs, targets, loss, curvature))
+
+
+@pytest.mark.parametrize("net", ["avgpool1d", "avgpool2d", "avgpool3d"])
+def test_average_pooling_equals_backpacks_own_in_float32(net):
+    model, shape = _pool_net(net, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    inputs, targets = torch.randn(4, *shape, generator=generator), torch.randint(0, CLASSES, (4,), generator=generator)
+    mine = _backpack_diagonals(model, inputs, targets, "ce", diag_hessian())
+    theirs = _backpack_diagonals(model, inputs, targets, "ce", DiagHessian())
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -37,6 +37,10 @@ class Residual(nn.Module):
 def _model(kind: str):
     if kind == "extended":
         return extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Dropout(0.3), nn.Linear(8, 3)))
+    if kind == "extended, average pooling":
+        # BackPACK's average-pooling derivatives built a convolution module (a random initial weight) per call
+        return extend(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.AvgPool2d(3, stride=2, padding=1),
+                                    nn.Flatten(), nn.Dropout(0.3), nn.Linear(18, 3)))  # fmt: skip
     return Residual()
 
 
@@ -48,13 +52,13 @@ def _run(kind: str, quantities_factory=None, steps: int = 3, calls: list | None 
     if calls is not None:
         for p in model.parameters():
             p.register_hook(lambda g: calls.append(1) or g + 1e-9 * torch.randn_like(g))
-    lossfunc = extend(nn.CrossEntropyLoss()) if kind == "extended" else nn.CrossEntropyLoss()
+    lossfunc = extend(nn.CrossEntropyLoss()) if kind.startswith("extended") else nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = None
     if quantities_factory is not None:
         cockpit = Cockpit(model.parameters(), quantities=quantities_factory(), model=model)
     for step in range(steps):
-        inputs, labels = torch.rand(5, 6), torch.randint(0, 3, (5,))
+        inputs, labels = torch.rand(5, *((1, 5, 5) if "pooling" in kind else (6,))), torch.randint(0, 3, (5,))
         optimizer.zero_grad()
         outputs = model(inputs)
         loss = lossfunc(outputs, labels)
@@ -80,7 +84,7 @@ def _assert_same_run(reference, run):
     assert torch.equal(reference[1], run[1])
 
 
-@pytest.mark.parametrize("kind", ["extended", "not extended"])
+@pytest.mark.parametrize("kind", ["extended", "not extended", "extended, average pooling"])
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_leaves_a_run_with_dropout_bitwise_alone(kind, preset):
     reference = _run(kind)

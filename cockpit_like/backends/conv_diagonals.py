@@ -287,8 +287,75 @@ def use_reduced_cross_entropy(extension: Extension) -> Extension:
     return extension
 
 
+class _FunctionalAvgPool:
+    """Mixin: the average pooling's Jacobian products as one functional convolution, kernel of ``mat``'s dtype.
+
+    BackPACK applies them through a ``ConvNd`` / ``ConvTransposeNd`` module it builds at each call and whose
+    weight it then overwrites with the averaging kernel: building it draws the module's random initial weight
+    from torch's global generator (a tracked step then changed the user's dropout masks and shuffles, outside
+    trial 8), and the weight has the default dtype (a float64 model failed with "expected scalar type Double but
+    found Float"). The same convolution with the same averaging kernel, called directly: equal results, no draw,
+    any dtype. (The methods carry BackPACK's name-mangled names, so its own ``_jac_mat_prod`` and
+    ``_jac_t_mat_prod`` call them.)
+    """
+
+    def _avg_kernel(self, module, mat):
+        _, kernel_size, _ = self.get_avg_pool_parameters(module)
+        kernel = _ntuple(kernel_size, self.N)
+        size = 1
+        for k in kernel:
+            size *= k
+        return torch.full((1, 1, *kernel), 1.0 / size, dtype=mat.dtype, device=mat.device)
+
+    def _AvgPoolNDDerivatives__apply_jacobian_of(self, module, mat):
+        stride, _, padding = self.get_avg_pool_parameters(module)
+        conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[self.N - 1]
+        return conv(mat, self._avg_kernel(module, mat), stride=stride, padding=padding)
+
+    def _AvgPoolNDDerivatives__apply_jacobian_t_of(self, module, mat):
+        stride, kernel_size, padding = self.get_avg_pool_parameters(module)
+        stride, kernel, padding = (_ntuple(v, self.N) for v in (stride, kernel_size, padding))
+        wanted = module.input0.shape[2:]
+        # the output padding ConvTransposeNd(..., output_size=input size) picks: the rows the stride leaves over
+        extra = tuple(w - ((n - 1) * s - 2 * p + k) for w, n, s, p, k in zip(wanted, mat.shape[2:], stride, padding, kernel))
+        conv_t = (torch.nn.functional.conv_transpose1d, torch.nn.functional.conv_transpose2d,
+                  torch.nn.functional.conv_transpose3d)[self.N - 1]  # fmt: skip
+        return conv_t(mat, self._avg_kernel(module, mat), stride=stride, padding=padding, output_padding=extra)
+
+
+def _ntuple(value, n: int) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
+
+
+_AVGPOOL_CLASSES: dict[type, type] = {}
+
+
+def use_functional_avgpool(extension):
+    """Give every average-pooling entry of a BackPACK extension :class:`_FunctionalAvgPool`'s products.
+
+    Each module extension whose ``derivatives`` are BackPACK's ``AvgPoolNDDerivatives`` is replaced by a
+    shallow copy holding a copy of them with the mixin first in the MRO; changed in place and returned,
+    BackPACK's classes are untouched (so is a user's own extension object: only the cockpit's are passed here).
+    """
+    from backpack.core.derivatives.avgpoolnd import AvgPoolNDDerivatives
+
+    module_extensions = getattr(extension, "_BackpropExtension__module_extensions", {})
+    for module_cls, module_extension in list(module_extensions.items()):
+        derivatives = getattr(module_extension, "derivatives", None)
+        if isinstance(derivatives, AvgPoolNDDerivatives) and not isinstance(derivatives, _FunctionalAvgPool):
+            cls = type(derivatives)
+            if cls not in _AVGPOOL_CLASSES:
+                _AVGPOOL_CLASSES[cls] = type(f"Functional{cls.__name__}", (_FunctionalAvgPool, cls), {})
+            functional = object.__new__(_AVGPOOL_CLASSES[cls])
+            functional.__dict__.update(vars(derivatives))
+            fast = copy.copy(module_extension)
+            fast.derivatives = functional
+            extension.set_module_extension(module_cls, fast, overwrite=True)
+    return extension
+
+
 def _fast(extension: Extension) -> Extension:
-    return use_reduced_cross_entropy(use_broadcast_elementwise(use_chunked_conv2d(extension)))
+    return use_functional_avgpool(use_reduced_cross_entropy(use_broadcast_elementwise(use_chunked_conv2d(extension))))
 
 
 def diag_hessian() -> DiagHessian:

@@ -253,7 +253,9 @@ class StepExecution:
         self.curvature_unscaled = False
         if (self._loss_scale != 1.0 or scaled_losses) and any(isinstance(ext, DiagHessian) for _, ext in requests):
             if not any(isinstance(ext, DiagGGNExact) for _, ext in requests):
-                requests.append(("the Hessian diagonal of a scaled loss", DiagGGNExact()))
+                from cockpit_like.backends.conv_diagonals import use_functional_avgpool
+
+                requests.append(("the Hessian diagonal of a scaled loss", use_functional_avgpool(DiagGGNExact())))
                 self._added_ggn = True
         self.extensions = merge_extensions(requests)
         from cockpit_like.quantities.needs import USER_EXTENSIONS

@@ -142,7 +142,9 @@ class KFACTrace(SingleStepQuantity):
     def extensions(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self._curvature == "empirical":
             return []
-        return [KFAC(mc_samples=self._mc_samples) if self._curvature == "kfac" else KFLR()]
+        from cockpit_like.backends.conv_diagonals import use_functional_avgpool
+
+        return [use_functional_avgpool(KFAC(mc_samples=self._mc_samples) if self._curvature == "kfac" else KFLR())]
 
     def per_sample_stats(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self._curvature != "empirical":
