@@ -185,7 +185,7 @@ def test_unsupported_layer():
     lossfunc = extend(torch.nn.MSELoss())
     cockpit = Cockpit(model.parameters(), quantities=[NeedsExtension(linear(1), DiagHessian(), "diag_h")])
     loss = lossfunc(model(torch.randn(5, 3)), torch.zeros(5, 2))
-    with pytest.raises(UnsupportedLayerError, match=r"BackPACK cannot run the extensions needed at step 0 \(\['DiagHessian\(\)'\]\)"):
+    with pytest.raises(UnsupportedLayerError, match=r"BackPACK cannot run the extensions needed at step 0 \(DiagHessian\(\) for NeedsExtension\)"):
         with cockpit(0, info={"loss": loss}):
             loss.backward()
 
@@ -430,3 +430,19 @@ def test_a_cockpit_gone_during_a_forward_pass_puts_the_kernels_back(how):
     model.holder.append(Cockpit(model.parameters(), [quantities.HessMaxEV(linear(1))], model=model))
     model(torch.ones(4, 3, dtype=torch.float64))
     assert _graph_kernels.depth == 0 and settings() == before
+
+
+def test_unsupported_layer_names_the_quantity_behind_each_extension_and_kfac_traces_way_out():
+    """KFACTrace(curvature='kflr') beside HessTrace on a LeakyReLU net: the error says which quantity needs KFLR."""
+    from cockpit_like.quantities import HessTrace, KFACTrace
+
+    torch.manual_seed(0)
+    model = extend(torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.LeakyReLU(0.1), torch.nn.Linear(10, 3)))
+    lossfunc = extend(torch.nn.CrossEntropyLoss())
+    cockpit = Cockpit(model.parameters(), quantities=[HessTrace(linear(1)), KFACTrace(linear(1), curvature="kflr")])
+    loss = lossfunc(model(torch.randn(6, 6)), torch.randint(0, 3, (6,)))
+    with pytest.raises(UnsupportedLayerError) as caught:
+        with cockpit(0, info={"loss": loss}):
+            loss.backward()
+    assert "DiagHessian() for HessTrace; KFLR(" in str(caught.value) and ") for KFACTrace)" in str(caught.value)
+    assert "KFACTrace(curvature='empirical')" in str(caught.value)

@@ -258,6 +258,12 @@ class StepExecution:
                 requests.append(("the Hessian diagonal of a scaled loss", use_functional_avgpool(DiagGGNExact())))
                 self._added_ggn = True
         self.extensions = merge_extensions(requests)
+        #: who asked for each extension type (named in BackPACK's errors)
+        self._extension_owners: dict[type, list[str]] = {}
+        for owner, ext in requests:
+            owners = self._extension_owners.setdefault(type(ext), [])
+            if owner not in owners:
+                owners.append(owner)
         from cockpit_like.quantities.needs import USER_EXTENSIONS
 
         #: the quantities whose BackPACK extensions start at the loss module (second order), and the values of the
@@ -427,6 +433,11 @@ class StepExecution:
             self._backpack = context = backpack(*exts, extension_hook=hook)
             context.__enter__()  # (held before it is entered: :meth:`close` leaves it whatever happens)
 
+    def _asked_for(self, extension) -> str:
+        """``"KFLR(...) for KFACTrace"``: the extension and the quantities that asked for it."""
+        owners = getattr(self, "_extension_owners", {}).get(type(extension))
+        return f"{describe(extension)} for {', '.join(owners)}" if owners else describe(extension)
+
     def _blocked(self, extensions: list) -> list:
         """The extensions to run, the curvature diagonals as recording twins replayed in blocks of columns
         under the memory budget after the pass (:mod:`cockpit_like.backends.column_blocks`). A user's own
@@ -494,7 +505,7 @@ class StepExecution:
             if _from_backpack(exc) and not isinstance(exc, UnsupportedLayerError):
                 raise UnsupportedLayerError(
                     f"BackPACK cannot run the extensions needed at step {self.step} "
-                    f"({[describe(e) for e in self.extensions]}) on this model "
+                    f"({'; '.join(self._asked_for(e) for e in self.extensions)}) on this model "
                     f"({type(exc).__name__}: {exc or 'an internal assertion failed'}). BackPACK's curvature "
                     "extensions need a model built from supported layers in nn.Sequential containers (no "
                     "skip connections, no custom modules) and a supported loss function (a mean "
@@ -503,8 +514,9 @@ class StepExecution:
                     "curvature='auto' to HessTrace / TICDiag / TICTrace (Hessian-vector products where the model "
                     "is not an extended chain of supported layers; the presets' default); for an unsupported "
                     "loss, which 'auto' cannot check, pass curvature='hutchinson' (Hessian-vector products on any "
-                    "model and loss); leave out the quantities that need these extensions; or replace the layer "
-                    "or loss with a supported one."
+                    "model and loss); KFACTrace(curvature='empirical') or 'auto' (per-sample gradients, any model); "
+                    "leave out the quantities that need these extensions; or replace the layer or loss with a "
+                    "supported one."
                 ) from exc
             if replay_error is not None:  # raised after backward returned: nothing else propagates it
                 raise replay_error
