@@ -270,6 +270,8 @@ class StepExecution:
         #: extended loss modules this pass ran (:meth:`_loss_seen`, :meth:`_check_loss_module`)
         self._second_owners = sorted({o for o, ext in requests if o != USER_EXTENSIONS and _second_order(ext)})
         self._loss_values: list[torch.Tensor] = []
+        #: ``(loss module, ignore_index, rows ignored, rows)`` of extended losses whose targets hold their ignore_index
+        self._ignored_rows: list[tuple[str, int, int, int]] = []
         if self.extensions and self._stale_extended:
             named = sorted({type(module).__name__ for module in self._stale_extended})
             wanted = sorted({describe(extension) for extension in self.extensions})
@@ -728,6 +730,13 @@ class StepExecution:
             output = getattr(module, "output", None)
             if isinstance(output, torch.Tensor) and output.numel() == 1:
                 self._loss_values.append(output.detach().reshape(()))
+            # rows a cross-entropy ignores (ignore_index): its mean skips them, BackPACK's curvature counts them
+            # (each row's Hessian in the logits does not depend on the label) and divides by every row
+            ignore, targets = getattr(module, "ignore_index", None), getattr(module, "input1", None)
+            if ignore is not None and isinstance(targets, torch.Tensor) and not targets.is_floating_point():
+                ignored = int((targets == ignore).sum())
+                if ignored:
+                    self._ignored_rows.append((type(module).__name__, ignore, ignored, targets.numel()))
 
     def _check_loss_module(self) -> None:
         """BackPACK's second-order extensions give the curvature of the extended loss module's output ``M``; the
@@ -736,6 +745,19 @@ class StepExecution:
         ``reduction="sum"``), those curvatures differ too, so the quantities that asked for them are left out
         of the step with a note. A factor applied after ``info["loss"]`` (a GradScaler, ``loss / K``) is
         corrected elsewhere (:meth:`_unscale_curvature`)."""
+        if self._ignored_rows and self._loss_ran and self._second_owners:
+            owners = [owner for owner in self._second_owners if owner not in self._left_out]
+            if owners:
+                self._left_out |= set(owners)
+                name, ignore, ignored, total = self._ignored_rows[0]
+                self.notes.append(
+                    f"{', '.join(owners)} left out: {ignored} of the {total} targets of the extended {name} are its "
+                    f"ignore_index ({ignore}); its loss skips them, but BackPACK's second-order extensions count "
+                    "their curvature and divide by every row, so what they give is not the loss's curvature. Pass "
+                    "curvature='hutchinson' to these quantities (Hessian-vector products of info['loss'], exact in "
+                    "expectation), or use the model and loss without backpack.extend (Cockpit(..., model=model))"
+                )
+            return
         loss = self.info.get("loss")
         if not (self._loss_ran and self._second_owners and self._loss_values) or loss is None:
             return
