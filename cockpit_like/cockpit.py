@@ -32,7 +32,7 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import is_dtensor, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.backends.tracer import ModelTracer
-from cockpit_like.backends.user_state import restored_on_failure
+from cockpit_like.backends.user_state import guard_backward_hooks, restored_on_failure
 from cockpit_like.checks.invariants import StepChecks
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
@@ -366,6 +366,7 @@ class Cockpit:
     def _adapt_quantities(self) -> None:
         self._param_names = {}  # a new model: names again from all of them
         models = self.models()
+        guard_backward_hooks(models)
         before = [q.settings() for q in self.quantities]
         for quantity in self.quantities:
             quantity.adapt_to_models(models)

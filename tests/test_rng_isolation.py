@@ -195,3 +195,57 @@ def test_sampling_hooks_draw_independently_per_backward_pass_and_reproducibly():
     assert torch.equal(hook_draw(first), hook_draw(first.clone()))
     assert not torch.equal(hook_draw(first), hook_draw(second))
     assert torch.equal(torch.rand(2), expected_next)  # the caller's stream untouched
+
+
+class _Counting(nn.Module):
+    """A module the cockpit re-runs row by row (its own parameter, no fast rule), whose forward pass keeps Python
+    state: a call counter and a log on the module."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+        self.calls, self.log, self.seen = 0, [], {}
+
+    def forward(self, x):
+        self.calls += 1
+        self.log.append(x.shape[0])
+        self.seen[self.calls] = True
+        return x * self.scale
+
+
+@pytest.mark.parametrize("preset", ["economy", "full"])
+def test_the_users_module_hooks_and_forward_state_see_only_the_users_passes(preset):
+    """Outside trial 8: a forward hook and a forward pass's counter saw 33 (economy) / 145 (full) calls in 4 steps
+    (the cockpit's per-row re-runs), a full backward hook on a Linear 117 (the Hessian-vector products of the
+    full preset). Now every count and log is the run's without the cockpit, and so are the parameters."""
+
+    def run(with_cockpit):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), _Counting(6), nn.Tanh(), nn.Linear(6, 4)).double()
+        log = {"forward": [], "backward": []}
+        model[1].register_forward_hook(lambda m, i, o: log["forward"].append(float(o.detach().abs().sum())))
+        model[0].register_full_backward_hook(lambda m, gi, go: log["backward"].append(float(go[0].abs().sum())))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        cockpit = Cockpit(model.parameters(), quantities=configuration(preset), model=model) if with_cockpit else None
+        generator = torch.Generator().manual_seed(1)
+        for step in range(4):
+            x = torch.randn(6, 8, generator=generator, dtype=torch.float64)
+            y = torch.randint(0, 4, (6,), generator=generator)
+            optimizer.zero_grad()
+            out = model(x)
+            losses = nn.functional.cross_entropy(out, y, reduction="none")
+            if cockpit is None:
+                losses.mean().backward()
+            else:
+                info = {"batch_size": 6, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer,
+                        "outputs": out}  # fmt: skip
+                with cockpit(step, info=info):
+                    losses.mean().backward(create_graph=cockpit.create_graph(step))
+            optimizer.step()
+        state = (model[1].calls, list(model[1].log), dict(model[1].seen))
+        return [p.detach().clone() for p in model.parameters()], log, state, cockpit
+
+    plain, tracked = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], tracked[0]))
+    assert tracked[1] == plain[1] and tracked[2] == plain[2] == (4, [6, 6, 6, 6], {1: True, 2: True, 3: True, 4: True})
+    assert all("NormTest" in values for values in tracked[3].get_output().values())  # the re-runs did run

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
-from cockpit_like.backends.user_state import held_tensor_hooks
+from cockpit_like.backends.user_state import held_module_hooks, held_tensor_hooks, kept_module_attributes
 
 __all__ = ["NonFiniteOutputsError", "UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
 
@@ -502,7 +502,7 @@ def _model_kept(module: nn.Module):
     ]  # fmt: skip
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), held_module_hooks(module), kept_module_attributes(module):
             yield
     finally:
         for owner, name in empty:

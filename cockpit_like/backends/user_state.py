@@ -20,13 +20,14 @@ May import torch and :mod:`cockpit_like.backends.internal` (and, at call time,
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 
 from cockpit_like.backends import internal
 
-__all__ = ["UserState", "held_tensor_hooks", "restored_on_failure"]
+__all__ = ["UserState", "guard_backward_hooks", "held_module_hooks", "held_tensor_hooks", "kept_module_attributes", "restored_on_failure"]
 
 
 class UserState:
@@ -78,5 +79,131 @@ def held_tensor_hooks(tensors) -> Iterator[None]:
     (seventh round of outside trials). They are put back as they were, also when the work raises."""
     from cockpit_like.utils.optim import emptied  # (at call time: cockpit_like.utils imports the quantities)
 
-    with emptied(getattr(tensor, "_backward_hooks", None) for tensor in tensors):
+    global _OWN_PASSES
+    _OWN_PASSES += 1
+    try:
+        with emptied(getattr(tensor, "_backward_hooks", None) for tensor in tensors):
+            yield
+    finally:
+        _OWN_PASSES -= 1
+
+
+#: the cockpit's own backward passes running now (:func:`held_tensor_hooks`; process-wide: on a GPU the autograd
+#: engine runs hooks on its device threads, and the user's backward pass never overlaps the cockpit's own)
+_OWN_PASSES = 0
+
+
+def guard_backward_hooks(models) -> None:
+    """Make the user's full backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
+    and the global ones) on the modules of ``models`` skip the cockpit's own backward passes.
+
+    torch hands a module's backward hooks to the graph when the module runs forward, so holding them at the
+    cockpit's passes is too late; the Hessian-vector products of a curvature step run through the forward graph
+    again, and a gradient logger hooked on a Linear layer saw 117 calls instead of 4 over 4 steps of the full
+    preset (outside trial 8). Each such hook is replaced in its table by a twin that does nothing while the
+    cockpit's own passes run (:func:`held_tensor_hooks`) and calls the hook otherwise: called before the next
+    forward pass (the cockpit calls it when it learns the models and after each tracked step), so a hook
+    registered meanwhile is guarded from the step after.
+    """
+    from torch.nn.modules import module as torch_module
+
+    tables = [getattr(owner, name, None) for model in models for owner in model.modules()
+              for name in ("_backward_hooks", "_backward_pre_hooks")]  # fmt: skip
+    tables += [getattr(torch_module, name, None) for name in ("_global_backward_hooks", "_global_backward_pre_hooks")]
+    for hooks in tables:
+        if not isinstance(hooks, dict):
+            continue
+        for key, hook in list(hooks.items()):
+            if not getattr(hook, "_cockpit_guarded", False) and _users_hook(hook):
+                hooks[key] = _guarded(hook)
+
+
+def _guarded(hook):
+    @functools.wraps(hook)
+    def guarded(*args, **kwargs):
+        if _OWN_PASSES:
+            return None
+        return hook(*args, **kwargs)
+
+    guarded._cockpit_guarded = True
+    return guarded
+
+
+#: where a hook of torch's own, BackPACK's or the cockpit's comes from (kept in the cockpit's re-runs: weight norm's and
+#: pruning's pre-hooks compute the weight, the cockpit's record the calls)
+_OWN_PACKAGES = frozenset({"torch", "backpack", "cockpit_like"})
+#: the module's own hook tables torch reads at call time
+_HOOK_TABLES = ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _users_hook(hook) -> bool:
+    target = getattr(hook, "func", hook)  # functools.partial
+    origin = getattr(target, "__module__", None) or type(target).__module__ or ""
+    return origin.split(".")[0] not in _OWN_PACKAGES
+
+
+@contextlib.contextmanager
+def held_module_hooks(module: torch.nn.Module) -> Iterator[None]:
+    """The user's forward hooks and backward hooks on ``module`` and its submodules (and the global module hooks) do
+    not run inside: the cockpit's per-row re-runs of a module call it again, row by row, and an activation logger or a
+    call counter in a hook saw 8-36 calls per tracked step instead of one (outside trial 8). Forward *pre*-hooks
+    run (they may compute what the module reads: a weight, a mask); hooks of torch, BackPACK and the cockpit run.
+    A held hook that changed the module's output makes the re-run differ from the recorded call, which the re-run's
+    own check refuses. Put back in order afterwards, also when the work raises."""
+    from torch.nn.modules import module as torch_module
+
+    tables = [getattr(owner, name, None) for owner in module.modules() for name in _HOOK_TABLES]
+    tables += [getattr(torch_module, name, None) for name in ("_global_forward_hooks", "_global_backward_hooks",
+                                                              "_global_backward_pre_hooks")]  # fmt: skip
+    held = []
+    for hooks in tables:
+        if isinstance(hooks, dict) and hooks:
+            users = [key for key, hook in hooks.items() if _users_hook(hook)]
+            if users:
+                held.append((hooks, dict(hooks)))
+                for key in users:
+                    del hooks[key]
+    try:
         yield
+    finally:
+        for hooks, kept in held:
+            hooks.clear()
+            hooks.update(kept)
+
+
+_MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
+
+
+@contextlib.contextmanager
+def kept_module_attributes(module: torch.nn.Module) -> Iterator[None]:
+    """The plain Python attributes of ``module`` and its submodules as they were, afterwards: a forward pass that
+    counts its calls (``self.calls += 1``, a warm-up switched by it) or appends to a list kept on the module ran
+    again in the cockpit's re-runs, and the run with the cockpit then differed from the one without (outside trial
+    8: parameters 0.051 apart). Numbers, strings and other values are bound again; lists, dicts and sets get
+    their entries back in place; attributes the re-runs added are removed. Tensors and modules are left to the
+    callers (buffers and tensor attributes: :func:`cockpit_like.backends.rerun._model_kept`)."""
+    kept = []
+    for owner in module.modules():
+        names = set(owner.__dict__)
+        values = []
+        for name, value in owner.__dict__.items():
+            if name in _MODULE_INTERNALS or isinstance(value, (torch.Tensor, torch.nn.Module)):
+                continue
+            copy = list(value) if type(value) is list else dict(value) if type(value) is dict else (
+                set(value) if type(value) is set else None)  # fmt: skip
+            values.append((name, value, copy))
+        kept.append((owner, names, values))
+    try:
+        yield
+    finally:
+        for owner, names, values in kept:
+            for name in [name for name in owner.__dict__ if name not in names and name not in _MODULE_INTERNALS]:
+                if not isinstance(owner.__dict__[name], (torch.Tensor, torch.nn.Module)):
+                    del owner.__dict__[name]
+            for name, value, copy in values:
+                owner.__dict__[name] = value
+                if isinstance(copy, list):
+                    value[:] = copy
+                elif copy is not None:
+                    value.clear()
+                    value.update(copy)
