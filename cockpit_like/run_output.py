@@ -11,6 +11,7 @@ May import :mod:`cockpit_like.logs` and :mod:`cockpit_like.diagnosis` (the findi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -49,6 +50,8 @@ class RunOutput:
         self.checks: dict[int, dict[str, Any]] = {}
         #: the steps whose checks are in the output and the stream (see :meth:`store_checks`)
         self.shown_checks: set[int] = set()
+        #: the self-checks whose failure was told by a warning (once each per run)
+        self.told_checks: set[str] = set()
         self.stream: StreamWriter | None = None
         self.listeners: list[Listener] = []
         #: the last step whose quantities were tracked (noted on every rank, also where no output is kept)
@@ -153,11 +156,30 @@ class RunOutput:
         backward passes other than declared): a plain valid step stays as it was."""
         self._undoable(self.checks, step)
         self.checks[step] = dict(checks)
+        self._tell_failed(step, checks)
         if notable(checks):
             if self._held is not None and step not in self.shown_checks:
                 self._journal.append(lambda: self.shown_checks.discard(step))
             self.shown_checks.add(step)
             self.publish(step, {CHECKS_KEY: dict(checks)})
+
+    def _tell_failed(self, step: int, checks: dict[str, Any]) -> None:
+        """Warn, once per check and run, that a step failed it: its values are not stored, which a run that
+        forgot ``optimizer.zero_grad()`` would otherwise learn only from the dashboard or the log."""
+        from cockpit_like.tracked_step import _user_stacklevel  # (imports this module)
+
+        for failed in checks.get("failed", ()):
+            check = failed.get("check")
+            if check is None or check in self.told_checks:
+                continue
+            self.told_checks.add(check)
+            warnings.warn(
+                f"[cockpit_like] step {step} failed the self-check {check!r}, so it stores none of the values that "
+                f"check guards: {failed.get('reason', '')} (Told once per check; every tracked step's record is in "
+                "cockpit.checks[step] and the log, the failed ones in cockpit.invalid_steps.)",
+                RuntimeWarning,
+                stacklevel=_user_stacklevel(),
+            )
 
     def store_findings(self, found: list[Finding], cleared: list[dict[str, Any]]) -> None:
         """Store findings and clearances under their steps; stream each touched list whole (the reader keeps

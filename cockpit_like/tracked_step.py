@@ -34,8 +34,9 @@ import torch
 
 from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
-from cockpit_like.backends.hvp import MissingGraphError, NoSecondDerivativeError
+from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
+from cockpit_like.backends.user_state import guard_backward_hooks
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
@@ -411,6 +412,14 @@ class TrackedStep:
             roots.remove()
             self._roots = None
         execution.exit(exc_type, exc, traceback)
+        if roots is not None and roots.calls == 0 and exc_type is None and self.active:
+            raise NoBackwardPassError(
+                f"cockpit step {self.step}: no backward pass ran inside the cockpit's block, so there is nothing to "
+                "compute the quantities from (nothing is stored for this step). The block must hold the backward "
+                "pass: `with cockpit(step, info=info): loss.backward()`; a loss.backward() after the block, a block "
+                "that returns before it, or gradients set by hand (torch.func.grad into p.grad) leave the cockpit "
+                "nothing to read."
+            )
         if exc_type is not None or not self.active:
             return
         partition = execution.partition(self._split)
@@ -485,6 +494,7 @@ class TrackedStep:
         exception, a ``KeyboardInterrupt`` anywhere) takes back what the step stored in memory, so that it stores
         nothing, in memory as in the stream, and its next steps run as if it had raised in its block."""
         env, run, output = self.env, self.env.run, self.env.output
+        guard_backward_hooks(env.models())  # before the next forward pass hands them to its graph
         before = (run.finished, run.updates)
         self._outputs_before = {}
         output.hold()
@@ -616,15 +626,19 @@ class TrackedStep:
             if ranks is None and checks.valid:
                 try:
                     stats.update(partitions.merge_whole(execution.whole_step_results()))
-                except MissingGraphError as error:
+                except (MissingGraphError, GraphModifiedError) as error:
                     if not at_optimizer_step:
                         raise
                     # the step waited for the optimizer, and the loop dropped the gradients' graph meanwhile (p.grad
-                    # detached or replaced before optimizer.step()): no products, the run goes on
+                    # detached or replaced before optimizer.step()) or changed what it reads in place (SAM moving the
+                    # weights and back): no products, the run goes on
+                    what = ("carried no graph (p.grad detached or replaced between the backward pass and "
+                            "optimizer.step())" if isinstance(error, MissingGraphError) else
+                            "could not be differentiated again (parameters or gradients changed in place between the "
+                            "backward pass and optimizer.step(), as a SAM step that moves the weights and back does)")  # fmt: skip
                     checks.note(
                         f"no Hessian-vector products at step {self.step}: the step waited for the optimizer's step "
-                        "(see the notes above), and by then the gradients carried no graph (p.grad detached or "
-                        "replaced between the backward pass and optimizer.step()), so the quantities that need them "
+                        f"(see the notes above), and by then the gradients {what}, so the quantities that need them "
                         f"store nothing at this step ({error})"
                     )
                     graph_gone = True
@@ -952,6 +966,10 @@ def _kept_copy(grad: torch.Tensor) -> torch.Tensor:
     is differentiable) where it has one."""
     with torch.enable_grad():
         return grad.clone() if grad.requires_grad else grad.detach().clone()
+
+
+class NoBackwardPassError(RuntimeError):
+    """A tracked step's ``with`` block ended without a backward pass in it."""
 
 
 def _user_stacklevel() -> int:

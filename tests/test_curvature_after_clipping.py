@@ -103,3 +103,57 @@ def test_a_graph_dropped_before_the_optimizer_step_stores_no_curvature_and_train
     assert dropped, output
     for step in dropped:
         assert "HessMaxEV" not in output[step] and "GradNorm" in output[step]
+
+
+def test_a_sam_step_that_moves_the_weights_and_back_stores_no_late_curvature_and_training_goes_on():
+    """Hand-written SAM: the block around the first backward pass, then ``p.add_(e)``, a second backward pass outside
+    the block, ``p.sub_(e)`` and ``optimizer.step()``. From step 1 Alpha waits for the optimizer's step, and by then
+    the parameters were changed in place: a RuntimeError out of ``optimizer.step()`` ended training (outside trial 8).
+    Now the products' quantities store nothing there, with a note; the run is the one without the cockpit; the
+    curvature of step 0 (taken at the block's end, before SAM moved the weights) is the dense Hessian's."""
+    from cockpit_like.utils.configuration import configuration
+
+    def run(with_cockpit):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 4)).to(DTYPE)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model) if with_cockpit else None
+        generator = torch.Generator().manual_seed(3)
+        first = None
+        for step in range(3):
+            x, y = torch.randn(6, 8, dtype=DTYPE, generator=generator), torch.randint(0, 4, (6,), generator=generator)
+            if step == 0:
+                first = (x, y, [p.detach().clone() for p in model.parameters()])
+            optimizer.zero_grad()
+            losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+            if cockpit is None:
+                losses.mean().backward()
+            else:
+                info = {"batch_size": 6, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
+                with cockpit(step, info=info):
+                    losses.mean().backward(create_graph=cockpit.create_graph(step))
+            with torch.no_grad():
+                norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters()))
+                shifts = [0.05 * p.grad / norm for p in model.parameters()]
+                for p, e in zip(model.parameters(), shifts):
+                    p.add_(e)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                for p, e in zip(model.parameters(), shifts):
+                    p.sub_(e)
+            optimizer.step()
+        return [p.detach().clone() for p in model.parameters()], cockpit, model, first
+
+    plain, _, _, _ = run(False)
+    tracked, cockpit, model, (x, y, theta0) = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, tracked))
+    output = cockpit.get_output()
+    late = [s for s in output if any("could not be differentiated again" in n for n in output[s].get("checks", {}).get("notes", []))]
+    assert late == [1, 2]
+    for step in late:
+        assert "HessMaxEV" not in output[step] and "GradNorm" in output[step]
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), theta0):
+            p.copy_(value)
+    assert output[0]["HessMaxEV"] == pytest.approx(_dense_top(model, x, y), rel=2e-2)

@@ -40,6 +40,11 @@ class MissingGraphError(RuntimeError):
     """The gradients carry no graph, so no Hessian-vector product can be formed."""
 
 
+class GraphModifiedError(RuntimeError):
+    """The graph of ``p.grad`` cannot be differentiated again: parameters or gradients were changed in place after
+    the backward pass (a SAM step that moves the weights and back, clipping in place) before the products ran."""
+
+
 #: what a twice differentiable replacement of an operation without second derivative is, by its name's part
 _REPLACEMENTS = {
     "embedding_bag": "nn.EmbeddingBag: nn.Embedding followed by .sum(1) or .mean(1) over the bag (2-D ids, "
@@ -182,7 +187,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                     raise NoSecondDerivativeError(owner, error) from error
                 if "modified by an inplace operation" not in str(error):
                     raise
-                raise RuntimeError(
+                raise GraphModifiedError(
                     f"{owner}: the graph of p.grad is invalid because parameters or gradients "
                     "were modified in place after backward (by code or a quantity that runs "
                     f"before {owner} at this step). Hessian-vector products need them unchanged "

@@ -1,0 +1,72 @@
+"""What a run gets told while it trains: a failed self-check warns once per check (a forgotten zero_grad() was
+visible only on the dashboard and in the log), and a block without a backward pass is a clear error."""
+
+import warnings
+
+import pytest
+import torch
+
+from cockpit_like import Cockpit
+from cockpit_like.tracked_step import NoBackwardPassError
+from cockpit_like.utils.configuration import configuration
+from tests.helpers import make_batch, make_problem
+
+
+def _step(cockpit, model, lossfunc, individual, optimizer, step, zero_grad=True, backward_inside=True):
+    inputs, labels = make_batch("mlp", 6, seed=step)
+    if zero_grad:
+        optimizer.zero_grad()
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    info = {"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+    with cockpit(step, info=info):
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    optimizer.step()
+
+
+def test_a_forgotten_zero_grad_warns_once_naming_the_check_and_the_fix():
+    model, lossfunc, individual = make_problem("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            _step(cockpit, model, lossfunc, individual, optimizer, step, zero_grad=False)
+    told = [w for w in caught if "failed the self-check" in str(w.message)]
+    assert len(told) == 1 and told[0].category is RuntimeWarning
+    assert "step 1 failed the self-check 'stale_gradient'" in str(told[0].message)
+    assert "optimizer.zero_grad()" in str(told[0].message)
+    assert told[0].filename == __file__  # points at the user's `with cockpit(...)`
+    assert sorted(cockpit.invalid_steps) == [1, 2, 3, 4]
+
+
+def test_a_valid_run_is_told_nothing():
+    model, lossfunc, individual = make_problem("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            _step(cockpit, model, lossfunc, individual, optimizer, step)
+    assert not [w for w in caught if "cockpit_like" in str(w.message)]
+
+
+@pytest.mark.parametrize("extended", [False, True])
+def test_a_backward_pass_after_the_block_is_a_clear_error(extended):
+    model, lossfunc, individual = make_problem("mlp")
+    if extended:
+        from backpack import extend
+
+        model, lossfunc = extend(model), extend(lossfunc)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    with pytest.raises(NoBackwardPassError, match=r"no backward pass ran inside the cockpit's block.*loss.backward\(\)"):
+        _step(cockpit, model, lossfunc, individual, optimizer, 0, backward_inside=False)
+    assert cockpit.get_output().get(0, {}).keys() <= {"checks"}
+    # the run goes on: the next step, written right, is tracked
+    optimizer.zero_grad()
+    _step(cockpit, model, lossfunc, individual, optimizer, 1)
+    assert "GradNorm" in cockpit.get_output()[1]
