@@ -17,6 +17,7 @@ Frameworks that own the backward pass use the same step as two calls,
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import os
 import warnings
@@ -62,7 +63,9 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
             )
         checked.append(param)  # frozen parameters (requires_grad=False) are tracked as such (checks["frozen"])
     if not checked:
-        raise ValueError("Cockpit(params): no parameters given")
+        consumed = " (a generator such as model.parameters() that the optimizer already used up: pass " \
+            "list(model.parameters()) to both, or model.parameters() again)" if inspect.isgenerator(params) else ""
+        raise ValueError(f"Cockpit(params): no parameters given{consumed}")
     return checked
 
 

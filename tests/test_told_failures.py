@@ -70,3 +70,21 @@ def test_a_backward_pass_after_the_block_is_a_clear_error(extended):
     optimizer.zero_grad()
     _step(cockpit, model, lossfunc, individual, optimizer, 1)
     assert "GradNorm" in cockpit.get_output()[1]
+
+
+def test_alpha_without_an_optimizer_warns_once_not_at_every_step():
+    model, lossfunc, individual = make_problem("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own filter: once per location, the step in the text defeated it
+        for step in range(6):
+            inputs, labels = make_batch("mlp", 6, seed=step)
+            optimizer.zero_grad()
+            outputs = model(inputs)
+            loss = lossfunc(outputs, labels)
+            with cockpit(step, info={"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss}):
+                loss.backward()
+            optimizer.step()
+    told = [w for w in caught if "no info['optimizer']" in str(w.message)]
+    assert len(told) == 1 and told[0].filename == __file__

@@ -575,7 +575,9 @@ class HookBackend:
                 f"{seen}, {batch} x {k}: if each of the {batch} per-sample losses is the loss of {k} rows of the "
                 f"model's input, call the model on them shaped [{batch}, {k}, ...] (x.reshape({batch}, {k}, -1)), one "
                 f"sample per entry of the first dimension; if each row is a sample, pass 'batch_size': {rows} with "
-                "one loss per row."
+                "one loss per row (where only some rows have a loss, such as the labelled rows of a semi-supervised "
+                f"batch: give the others a loss of 0 and scale the rows so that their mean is the loss, rows * {rows} "
+                "/ n for a mean over n labelled rows)."
             )
         if rows > batch:
             return BatchSizeMismatchError, (

@@ -191,7 +191,9 @@ class StepExecution:
                     f"losses is {coupled['error']:.3g} off the signed rows of the plain sum's, tolerance "
                     f"{coupled['tolerance']:.1g}; a loss over the batch such as InfoNCE / a contrastive loss, "
                     "in-batch negatives or a batch mean inside the loss), or they are not what each row "
-                    "contributed, so per-sample gradients are undefined (docs/your_training_loop.md#self-checks)"
+                    "contributed (losses of some of the rows only, such as the labelled rows of a semi-supervised "
+                    "batch: give every row of the model's output a loss, 0 for the others, scaled so that their mean "
+                    "is the loss), so per-sample gradients are undefined (docs/your_training_loop.md#self-checks)"
                 )
         if why is not None:
             left = sorted(set(needs.owners) - set(needs.partial))  # (the quantities left out of the step)

@@ -123,8 +123,10 @@ def check_losses_mean(info: dict, step: int) -> None:
         "term to that row's loss), a penalty on the parameters such as weight decay (use the optimizer's "
         "weight_decay instead: a term on the parameters has no rows, and added to every row's loss it fails the "
         "gradient check), a loss over the whole batch (it has no per-row form: leave the per-sample quantities "
-        "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); losses of another batch "
-        "than the loss."
+        "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); a weighted mean, such as "
+        "cross_entropy(weight=W), ignore_index or a loss over the labelled rows only, which divides by the weights' "
+        "or counted rows' sum where the rows' mean divides by B (rows = F.cross_entropy(out, y, weight=W, "
+        "reduction='none') * B / W[y].sum(), an unlabelled row's loss 0); losses of another batch than the loss."
     )
 
 

@@ -256,12 +256,12 @@ class Alpha(TwoStepQuantity):
     def _predict_update(self, global_step, record, params, grad_sum):
         optimizer = record.info.get("optimizer")
         if optimizer is None:
-            warnings.warn(
+            self._tell_once(
+                "no optimizer",
                 f"Alpha: no info['optimizer'] at step {global_step}; assuming the update points "
                 "along the negative gradient (exact for plain SGD; checked at the next step). Pass "
-                "info['optimizer'] = optimizer to cockpit(step, info=...) to use your optimizer's update",
-                UserWarning,
-                stacklevel=4,
+                "info['optimizer'] = optimizer to cockpit(step, info=...) to use your optimizer's update "
+                "(told once; each step's notes say what it stored)",
             )
             return None
         try:  # the optimizer owns the cockpit's own tensors (params may be whole stand-ins of sharded ones)
@@ -274,16 +274,26 @@ class Alpha(TwoStepQuantity):
             record.note(f"Alpha of step {global_step} is not stored: {error}.")
             return _NOT_VALID
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
-            warnings.warn(
+            self._tell_once(
+                ("look-ahead", type(optimizer), type(error)),
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
                 f"{global_step} ({type(error).__name__}: {error}); assuming the update points along "
                 "the negative gradient (checked at the next step). Alpha needs an optimizer whose step() "
                 "can run on a copy of the state (the torch.optim optimizers do); otherwise track Alpha with "
-                "plain SGD only",
-                UserWarning,
-                stacklevel=4,
+                "plain SGD only (told once)",
             )
             return None
+
+    def _tell_once(self, key, message: str) -> None:
+        """Warn ``message`` the first time ``key`` comes up for this quantity (a notebook cell of 20 steps showed 20
+        copies: the step in the text defeats Python's own once-per-location filter)."""
+        from cockpit_like.tracked_step import _user_stacklevel
+
+        told = self.__dict__.setdefault("_told", set())
+        if key in told:
+            return
+        told.add(key)
+        warnings.warn(message, UserWarning, stacklevel=_user_stacklevel())
 
     def _predicted_slopes(self, global_step, record, params, result, batch_size):
         """Slopes from the dots reduced during backward along the per-layer predicted update (element-wise

@@ -34,7 +34,10 @@ class Loss(ByproductQuantity):
         return {"loss"} if self.should_compute(global_step) else set()
 
     def _compute(self, global_step, params, batch_loss):
-        return context.get_loss(global_step)
+        loss = context.get_loss(global_step)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.reshape(())  # a loss of shape [1] (mean(0, keepdim=True)) is a float too, as Cockpit's .item()
+        return loss
 
 
 class Time(ByproductQuantity):
