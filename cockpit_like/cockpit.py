@@ -33,7 +33,7 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import is_dtensor, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.backends.tracer import ModelTracer
-from cockpit_like.backends.user_state import guard_backward_hooks, restored_on_failure
+from cockpit_like.backends.user_state import guard_module_hooks, restored_on_failure
 from cockpit_like.checks.invariants import StepChecks
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
@@ -351,6 +351,9 @@ class Cockpit:
             covered parameter (``"<layer>.weight"``, ``"<layer>.bias"``) in the
             order of the cockpit's parameters.
         """
+        if kind is not None and kind not in ("kfac", "ekfac"):
+            raise ValueError(f"cockpit.curvature(kind={kind!r}): kind is 'kfac' or 'ekfac' (or None: EK-FAC where "
+                             "its statistics are logged, else KFAC)")  # fmt: skip
         holders = [q for q in self.quantities if callable(getattr(q, "curvature_operator", None))]
         if quantity is not None:
             holders = [q for q in holders if q is quantity or self.name_of(q) == quantity]
@@ -369,7 +372,7 @@ class Cockpit:
     def _adapt_quantities(self) -> None:
         self._param_names = {}  # a new model: names again from all of them
         models = self.models()
-        guard_backward_hooks(models)
+        guard_module_hooks(models)
         before = [q.settings() for q in self.quantities]
         for quantity in self.quantities:
             quantity.adapt_to_models(models)

@@ -36,7 +36,7 @@ from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
 from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
-from cockpit_like.backends.user_state import guard_backward_hooks
+from cockpit_like.backends.user_state import guard_module_hooks
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
@@ -494,7 +494,7 @@ class TrackedStep:
         exception, a ``KeyboardInterrupt`` anywhere) takes back what the step stored in memory, so that it stores
         nothing, in memory as in the stream, and its next steps run as if it had raised in its block."""
         env, run, output = self.env, self.env.run, self.env.output
-        guard_backward_hooks(env.models())  # before the next forward pass hands them to its graph
+        guard_module_hooks(env.models())  # before the next forward pass hands them to its graph
         before = (run.finished, run.updates)
         self._outputs_before = {}
         output.hold()

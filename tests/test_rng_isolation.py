@@ -249,3 +249,31 @@ def test_the_users_module_hooks_and_forward_state_see_only_the_users_passes(pres
     assert all(torch.equal(a, b) for a, b in zip(plain[0], tracked[0]))
     assert tracked[1] == plain[1] and tracked[2] == plain[2] == (4, [6, 6, 6, 6], {1: True, 2: True, 3: True, 4: True})
     assert all("NormTest" in values for values in tracked[3].get_output().values())  # the re-runs did run
+
+
+def test_a_hook_that_changes_the_output_still_runs_in_the_reruns_and_observers_do_not():
+    """A forward hook that returns a new output (and a pre-hook that returns new inputs) is part of the call: the
+    re-runs call it (per-sample gradients exact against an autograd loop); an observing pre-hook does not see them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), _Counting(6), nn.Tanh(), nn.Linear(6, 4)).double()
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[0]))
+    model[1].register_forward_pre_hook(lambda m, args: (args[0] + 0.5,))
+    model[1].register_forward_hook(lambda m, args, out: out * 2)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 8, generator=generator, dtype=torch.float64), torch.randint(0, 4, (6,), generator=generator)
+    for step in range(2):  # the hooks are guarded from the step after the cockpit learnt the model
+        model.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    assert seen == [6, 6]  # the user's two calls; none of the re-runs'
+    rows = []
+    for i in range(6):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    rows = torch.stack(rows)
+    mean = rows.mean(0)
+    norm_test = float((((rows - mean) ** 2).sum() / (5 * 6 * (mean @ mean))).sqrt())
+    assert cockpit.get_output()[1]["NormTest"] == pytest.approx(norm_test, rel=1e-10)

@@ -483,10 +483,12 @@ class HookBackend:
             self._errors.append(UncoveredParameterError(
                 f"{type(call.module).__name__} layer {self._module_name(call.module)} was called {len(sizes)} times "
                 f"in this step's forward pass, on {' + '.join(str(n) for n in sizes)} = {batch} rows: one module on "
-                "different rows of the batch (a GAN discriminator on real and on fake rows) gives no call whose "
-                f"outputs carry all {batch} rows, so the rows' gradients of {names} cannot be told apart. Call it "
-                "once on the concatenated rows (torch.cat([real, fake])) and split its output, or track the "
-                "per-sample quantities at the steps that call it once."
+                "different rows of the batch (a GAN discriminator on real and on fake rows, a forward pass in "
+                "chunks such as torch.cat([model(x[:k]), model(x[k:])])) gives no call whose outputs carry all "
+                f"{batch} rows, and the cockpit does not pair the calls' rows with the rows of "
+                f"info['individual_losses'], so the rows' gradients of {names} cannot be told apart. Call it once "
+                "on the concatenated rows (torch.cat([real, fake])) and split its output, or track the per-sample "
+                "quantities at the steps that call it once (docs/your_model.md#limits)."
             ))
             return
         # raised by finish(), after the backward pass, where the step adds the quantities that need it

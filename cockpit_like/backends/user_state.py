@@ -27,7 +27,7 @@ import torch
 
 from cockpit_like.backends import internal
 
-__all__ = ["UserState", "guard_backward_hooks", "held_module_hooks", "held_tensor_hooks", "kept_module_attributes", "restored_on_failure"]
+__all__ = ["UserState", "guard_module_hooks", "held_module_hooks", "held_tensor_hooks", "kept_module_attributes", "restored_on_failure"]
 
 
 class UserState:
@@ -93,38 +93,69 @@ def held_tensor_hooks(tensors) -> Iterator[None]:
 _OWN_PASSES = 0
 
 
-def guard_backward_hooks(models) -> None:
-    """Make the user's full backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
-    and the global ones) on the modules of ``models`` skip the cockpit's own backward passes.
+def guard_module_hooks(models) -> None:
+    """Make the user's module hooks on the modules of ``models`` (and the global ones) leave the cockpit's own
+    work alone: backward hooks and backward pre-hooks do nothing in the cockpit's own backward passes
+    (:func:`held_tensor_hooks`), forward hooks and forward pre-hooks nothing in its re-runs
+    (:func:`held_module_hooks`) unless they were seen changing what they hook.
 
     torch hands a module's backward hooks to the graph when the module runs forward, so holding them at the
     cockpit's passes is too late; the Hessian-vector products of a curvature step run through the forward graph
     again, and a gradient logger hooked on a Linear layer saw 117 calls instead of 4 over 4 steps of the full
-    preset (outside trial 8). Each such hook is replaced in its table by a twin that does nothing while the
-    cockpit's own passes run (:func:`held_tensor_hooks`) and calls the hook otherwise: called before the next
-    forward pass (the cockpit calls it when it learns the models and after each tracked step), so a hook
-    registered meanwhile is guarded from the step after.
+    preset (outside trial 8). Each such hook is replaced in its table by a twin that calls it, or does nothing
+    while the cockpit's own work runs: called before the next forward pass (when the cockpit learns the models and
+    after each tracked step), so a hook registered meanwhile is guarded from the step after. Hooks of torch,
+    BackPACK and the cockpit are left as they are.
     """
     from torch.nn.modules import module as torch_module
 
-    tables = [getattr(owner, name, None) for model in models for owner in model.modules()
-              for name in ("_backward_hooks", "_backward_pre_hooks")]  # fmt: skip
-    tables += [getattr(torch_module, name, None) for name in ("_global_backward_hooks", "_global_backward_pre_hooks")]
-    for hooks in tables:
+    tables = [(getattr(owner, name, None), kind) for model in models for owner in model.modules()
+              for name, kind in _GUARDED_TABLES]  # fmt: skip
+    tables += [(getattr(torch_module, f"_global{name}", None), kind) for name, kind in _GUARDED_TABLES]
+    for hooks, kind in tables:
         if not isinstance(hooks, dict):
             continue
         for key, hook in list(hooks.items()):
             if not getattr(hook, "_cockpit_guarded", False) and _users_hook(hook):
-                hooks[key] = _guarded(hook)
+                hooks[key] = _guarded(hook, kind)
 
 
-def _guarded(hook):
-    @functools.wraps(hook)
-    def guarded(*args, **kwargs):
-        if _OWN_PASSES:
-            return None
-        return hook(*args, **kwargs)
+#: ``(table, kind)``: the module's hook tables (``_global`` + the name: torch's global ones) and when their hooks
+#: sit out: "backward" in the cockpit's own backward passes, "forward" in its re-runs unless seen changing the
+#: output, "forward_pre" in its re-runs always (the arguments they replay are those the pre-hooks made)
+_GUARDED_TABLES = (("_backward_hooks", "backward"), ("_backward_pre_hooks", "backward"),
+                   ("_forward_hooks", "forward"), ("_forward_pre_hooks", "forward_pre"))  # fmt: skip
 
+
+def _guarded(hook, kind: str):
+    if kind == "backward":
+
+        @functools.wraps(hook)
+        def guarded(*args, **kwargs):
+            if _OWN_PASSES:
+                return None
+            return hook(*args, **kwargs)
+
+    elif kind == "forward_pre":
+
+        @functools.wraps(hook)
+        def guarded(*args, **kwargs):
+            if _RERUNS:  # the re-runs replay the call's arguments as its forward received them: after these hooks
+                return None
+            return hook(*args, **kwargs)
+
+    else:
+
+        @functools.wraps(hook)
+        def guarded(*args, **kwargs):
+            if _RERUNS and not guarded._cockpit_changes:
+                return None
+            result = hook(*args, **kwargs)
+            if result is not None:  # it changes what it hooks: the re-runs need it to reproduce the call
+                guarded._cockpit_changes = True
+            return result
+
+        guarded._cockpit_changes = False
     guarded._cockpit_guarded = True
     return guarded
 
@@ -132,8 +163,6 @@ def _guarded(hook):
 #: where a hook of torch's own, BackPACK's or the cockpit's comes from (kept in the cockpit's re-runs: weight norm's and
 #: pruning's pre-hooks compute the weight, the cockpit's record the calls)
 _OWN_PACKAGES = frozenset({"torch", "backpack", "cockpit_like"})
-#: the module's own hook tables torch reads at call time
-_HOOK_TABLES = ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _users_hook(hook) -> bool:
@@ -144,31 +173,21 @@ def _users_hook(hook) -> bool:
 
 @contextlib.contextmanager
 def held_module_hooks(module: torch.nn.Module) -> Iterator[None]:
-    """The user's forward hooks and backward hooks on ``module`` and its submodules (and the global module hooks) do
-    not run inside: the cockpit's per-row re-runs of a module call it again, row by row, and an activation logger or a
-    call counter in a hook saw 8-36 calls per tracked step instead of one (outside trial 8). Forward *pre*-hooks
-    run (they may compute what the module reads: a weight, a mask); hooks of torch, BackPACK and the cockpit run.
-    A held hook that changed the module's output makes the re-run differ from the recorded call, which the re-run's
-    own check refuses. Put back in order afterwards, also when the work raises."""
-    from torch.nn.modules import module as torch_module
-
-    tables = [getattr(owner, name, None) for owner in module.modules() for name in _HOOK_TABLES]
-    tables += [getattr(torch_module, name, None) for name in ("_global_forward_hooks", "_global_backward_hooks",
-                                                              "_global_backward_pre_hooks")]  # fmt: skip
-    held = []
-    for hooks in tables:
-        if isinstance(hooks, dict) and hooks:
-            users = [key for key, hook in hooks.items() if _users_hook(hook)]
-            if users:
-                held.append((hooks, dict(hooks)))
-                for key in users:
-                    del hooks[key]
+    """The user's forward pre-hooks, forward hooks and backward hooks (guarded by :func:`guard_module_hooks`) do
+    nothing inside, except forward hooks seen returning a new output (the re-run needs them to reproduce the
+    call; the arguments it replays already went through the pre-hooks): the cockpit's per-row re-runs call a
+    module again, row by row, and an activation logger or a call counter in a hook saw 8-36 calls per tracked step
+    instead of one (outside trial 8). ``module``: the module re-run (the hooks are guarded model-wide)."""
+    global _RERUNS
+    _RERUNS += 1
     try:
         yield
     finally:
-        for hooks, kept in held:
-            hooks.clear()
-            hooks.update(kept)
+        _RERUNS -= 1
+
+
+#: the cockpit's per-row re-runs running now (:func:`held_module_hooks`)
+_RERUNS = 0
 
 
 _MODULE_INTERNALS = frozenset(torch.nn.Module().__dict__)
