@@ -86,3 +86,24 @@ def test_functional_scaling_invariance():
     gbp = gb[perm]
     for fn in (F.norm_test, F.inner_test, F.ortho_test):
         assert fn(*F.gram_summary(gbp @ gbp.T), sq).item() == pytest.approx(fn(*F.gram_summary(gram), sq).item(), rel=1e-12)
+
+
+def test_inner_test_of_nearly_equal_gradients_in_float64_keeps_its_digits():
+    """Per-sample gradients that nearly agree (a spread of 1e-3 around a common gradient): InnerTest's variance
+    as Cockpit evaluates it (sum pi_i^2 - B ||gbar||^4) lost 4 digits (9e-5 relative off an autograd loop, outside
+    trial 8); in float64 it is the centred sum, within 1e-9 of the definition. Float32 keeps Cockpit's order."""
+    torch.manual_seed(0)
+    common = torch.randn(40, dtype=torch.float64)
+    g = common + 1e-3 * torch.randn(6, 40, dtype=torch.float64)
+    gb = g / 6
+    gram, sq = gb @ gb.T, g.mean(0) @ g.mean(0)
+    expected = reference_tests([g])["InnerTest"]
+    assert F.inner_test(*F.gram_summary(gram), sq).item() == pytest.approx(expected, rel=1e-9)
+    # Cockpit's order in float64 is what lost the digits (so the test above can fail)
+    projections = 6 * gram.sum(1)
+    cockpits = (((projections**2).sum() - 6 * sq**2) / 5 / 6 / sq**2).sqrt().item()
+    assert abs(cockpits - expected) > 1e-9 * expected
+    # float32 keeps Cockpit's evaluation order (its numbers)
+    g32, sq32 = gram.float(), sq.float()
+    p32 = 6 * g32.sum(1)
+    assert F.inner_test(*F.gram_summary(g32), sq32).item() == (((p32**2).sum() - 6 * sq32**2) / 5 / 6 / sq32**2).sqrt().item()
