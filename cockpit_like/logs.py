@@ -556,6 +556,16 @@ def read_log_with_metadata(path: str | os.PathLike, progress: bool | None = Fals
         if header is None and path.suffix == ".jsonl" and "\n" not in text.strip() and not text.endswith("\n") and (
                 text.lstrip().startswith("{")):
             return {}, {}  # a stream whose header line (a JSON object) was torn by a crash: no step reached the file
+        if header is None and text.lstrip().startswith("{") and error.pos >= len(text.rstrip()) - 1:
+            stream = path.with_suffix(".jsonl")
+            where = (f"the run's stream {stream} holds each step as it was tracked (read or plot that file)"
+                     if stream.exists() and stream != path else
+                     "a run streamed with Cockpit(..., stream_to=...) keeps each step in its .jsonl file as it is "
+                     "tracked")  # fmt: skip
+            raise ValueError(
+                f"{path} is cut off: its JSON ends at line {error.lineno} before it is complete ({error.msg}), as "
+                f"when writing it was interrupted or a copy stopped short; {where}"
+            ) from None
         if header is None:
             raise _not_a_log(path, f"it is not JSON ({error.msg}: line {error.lineno} column {error.colno})") from None
         raise _not_a_log(path, f"the file is not one JSON document, and its first line ({lines[first].strip()[:60]}) "

@@ -394,6 +394,8 @@ def test_curvature_errors():
     cockpit = Cockpit(list(model.parameters()), quantities=[CurvatureStatistics(linear(1))], model=model)
     with pytest.raises(RuntimeError, match="no quantity holds logged curvature"):
         cockpit.curvature()
+    with pytest.raises(ValueError, match=r"kind='kafc'\): kind is 'kfac' or 'ekfac'"):  # a typo, named
+        cockpit.curvature("kafc")
     _step(None, model, inputs, labels, cockpit=cockpit)
     with pytest.raises(NotLoggedError, match="were not logged"):
         cockpit.curvature(layers=["nope"])

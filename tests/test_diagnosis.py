@@ -828,3 +828,24 @@ def test_a_gradient_exactly_zero_at_some_steps_is_not_a_large_learning_rate(norm
                              evidence={"batch_size": 1.0, "progress": 0.5}))
     incidents = [i for i in group_findings(found) if i.severity != "info"]
     assert incidents[0].cause == cause
+
+
+def test_a_report_shows_its_table_in_a_notebook_and_print():
+    """diagnose_log() as a notebook cell's last expression showed <DiagnosisReport object at 0x...> (outside trial 8)."""
+    from cockpit_like.diagnosis import diagnose
+    from cockpit_like.diagnosis.report import format_table
+
+    report = diagnose({0: {"Loss": 1.0}, 1: {"Loss": float("nan")}})
+    assert str(report) == format_table(report) and "nonfinite" in str(report)
+    assert repr(report) == "<DiagnosisReport: 1 finding (1 error), 1 active; print() it for the table>"
+
+    class Printer:
+        def __init__(self):
+            self.texts = []
+
+        def text(self, value):
+            self.texts.append(value)
+
+    printer = Printer()
+    report._repr_pretty_(printer, cycle=False)
+    assert printer.texts == [str(report)]

@@ -112,6 +112,25 @@ def test_torn_last_line_is_skipped(tmp_path):
     assert 9 not in back and same(back, cockpit.get_output())
 
 
+def test_a_cut_off_json_log_says_so_and_points_at_its_stream(tmp_path):
+    """A .json log cut short (an interrupted write, a partial copy) was "not a cockpit log: check the path"
+    (outside trial 8); now it is "cut off", and the run's stream is named where there is one."""
+    cockpit = small_run(tmp_path, stream=True)
+    full = Path(cockpit.write(tmp_path / "stream"))
+    text = full.read_text()
+    full.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=rf"is cut off: .*the run's stream {tmp_path / 'stream.jsonl'} holds each step"):
+        read_log(full)
+    alone = tmp_path / "alone.json"
+    alone.write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"is cut off: .*stream_to"):
+        read_log(alone)
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text('{"steps": [1, 2,, 3]}')
+    with pytest.raises(ValueError, match="is not a cockpit log: it is not JSON"):
+        read_log(garbage)
+
+
 def test_a_killed_run_keeps_every_completed_step(tmp_path):
     script = textwrap.dedent(
         f"""

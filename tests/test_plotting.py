@@ -266,6 +266,24 @@ def test_headless_show_falls_back(tmp_path):
         plotter.plot({0: {"Loss": 1.0}}, show_plot=True)
 
 
+def test_headless_warning_names_the_cockpits_own_stream(tmp_path):
+    """It suggested `cockpit-like watch runs/NAME.jsonl`, a placeholder, where the cockpit streams to a known
+    path (outside trial 8); without a stream it says how to make one."""
+    import cockpit_like.plotting.plotter as module
+
+    cockpit = run_cockpit([quantities.Loss(linear(1))], steps=2, log=False)
+    module._warned_headless = False
+    with pytest.warns(UserWarning, match=r"cockpit-like watch RUN.jsonl -o live.png`, from a Cockpit made with stream_to"):
+        CockpitPlotter().plot(cockpit, show_plot=True)
+    import torch
+
+    cockpit = Cockpit([torch.zeros(1, requires_grad=True)], quantities=[quantities.Loss(linear(1))],
+                      stream_to=tmp_path / "mine")  # fmt: skip
+    module._warned_headless = False
+    with pytest.warns(UserWarning, match=f"cockpit-like watch {tmp_path / 'mine'}.jsonl -o live.png"):
+        CockpitPlotter().plot(cockpit, show_plot=True)
+
+
 def test_saving(tmp_path):
     data = {0: {"Loss": 1.0}, 1: {"Loss": 0.5}}
     plotter = CockpitPlotter()

@@ -157,6 +157,22 @@ class DiagnosisReport:
         order they started."""
         return group_findings(self.findings)
 
+    def __str__(self) -> str:
+        """The table ``cockpit-like diagnose`` prints: the incidents cause first, the findings, the notes."""
+        from cockpit_like.diagnosis.report import format_table
+
+        return format_table(self)
+
+    def __repr__(self) -> str:
+        errors = sum(finding.severity == "error" for finding in self.findings)
+        return (f"<DiagnosisReport: {len(self.findings)} finding{'s' if len(self.findings) != 1 else ''} "
+                f"({errors} error{'s' if errors != 1 else ''}), {len(self.active)} active; print() it for the "
+                "table>")  # fmt: skip
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        """IPython and Jupyter show the table (a report as a cell's last expression)."""
+        printer.text(repr(self) if cycle else str(self))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "incidents": [incident.to_dict() for incident in self.incidents],

@@ -27,6 +27,15 @@ from cockpit_like.diagnosis.history import RunHistory
 __all__ = ["Rule"]
 
 
+#: how a run stores what a rule reads, where it takes more than tracking the quantity
+_HOW_TO_STORE = {
+    "ActivationStats": "Cockpit(..., diagnose=True) tracks it for the rules where it sees the activations: pass "
+                       "Cockpit(..., model=model) (or use activation modules such as nn.ReLU)",
+    "HessMaxEV": "HessMaxEV is in the full preset, or track it at a few steps, with "
+                 "loss.backward(create_graph=cockpit.create_graph(step))",
+}
+
+
 class Rule:
     """Base class of every diagnosis rule.
 
@@ -68,7 +77,10 @@ class Rule:
     def skip_note(self, missing: list[str]) -> str:
         """Why the rule was skipped, in the user's terms."""
         what = ", ".join(missing)
-        return f"{self.id}: skipped, it reads {what}, which the run did not store (track or log it to enable the rule)"
+        hints = [_HOW_TO_STORE[name] for name in missing if name in _HOW_TO_STORE]
+        how = f"; {'; '.join(hints)}" if hints else ""
+        return (f"{self.id}: skipped, it reads {what}, which the run did not store (track or log it to enable the "
+                f"rule{how})")
 
     def check(self, history: RunHistory) -> list[Finding]:
         """The findings that hold at the latest stored data."""

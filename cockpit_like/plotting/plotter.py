@@ -293,6 +293,8 @@ class CockpitPlotter:
         """
         if getattr(source, "keeps_output", True) is False:
             return None
+        self._stream = getattr(source, "stream_path", None) if not isinstance(source, (str, os.PathLike, dict)) else (
+            str(source) if str(source).endswith(".jsonl") else None)  # fmt: skip
         start = time.perf_counter()
         data, logpath = load_source(source, discard)
         self.data, self.show_log_iter, self.debug = data, bool(show_log_iter), bool(debug)
@@ -391,12 +393,15 @@ class CockpitPlotter:
                 return
             if not _warned_headless:
                 _warned_headless = True
+                stream = getattr(self, "_stream", None)
+                follow = (f"follow the stream with `cockpit-like watch {stream} -o live.png`" if stream else
+                          "follow a stream with `cockpit-like watch RUN.jsonl -o live.png`, from a Cockpit made "
+                          "with stream_to='RUN'")  # fmt: skip
                 warnings.warn(
                     "[cockpit_like] the cockpit is drawn but not shown: matplotlib's backend "
                     f"({matplotlib.get_backend()}) opens no window and this is not a Jupyter kernel (a script "
-                    "under Agg, CI, ssh). To see it, pass plot(..., save_plot=True) to write an image (or follow "
-                    "the stream with `cockpit-like watch runs/NAME.jsonl -o live.png`); pass show_plot=False "
-                    "to draw without showing and without this warning.",
+                    f"under Agg, CI, ssh). To see it, pass plot(..., save_plot=True) to write an image (or {follow}); "
+                    "pass show_plot=False to draw without showing and without this warning.",
                     UserWarning,
                     stacklevel=3,
                 )
