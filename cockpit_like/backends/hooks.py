@@ -110,7 +110,7 @@ from cockpit_like.backends.rerun import (
     per_sample_grads,
     rows_in_arguments,
 )
-from cockpit_like.backends.row_paths import ACCEPT, RowPaths
+from cockpit_like.backends.row_paths import ACCEPT, MIXING_NORM as _MIXING_NORM, RowPaths
 from cockpit_like.backends.tracer import Call, ModelTracer, Shell, _call_nodes, _flat_outputs, _graph_nodes
 
 __all__ = [
@@ -624,6 +624,17 @@ class HookBackend:
             broken = self._broken_rows(call)
             if broken is None:
                 continue
+            if _MIXING_NORM in broken:  # no call's rows are the samples' (re-runs of one row cannot normalise)
+                raise RowsNotSamplesError(
+                    f"the outputs of {type(call.module).__name__} layer {self._module_name(call.module)} reach the "
+                    f"model's outputs through {broken}: a normalisation over the batch in training mode, such as "
+                    "F.batch_norm(x, ..., training=True) written by hand (as nn.BatchNorm in training mode does), "
+                    "a layer or group norm over the batch dimension, or a matrix function of the rows (QR, an "
+                    "inverse) makes every sample's gradient depend on the other samples, so per-sample quantities "
+                    "are undefined (docs/your_model.md#limits). Normalise with running statistics (eval mode) or "
+                    "per sample, or track only quantities without per-sample statistics (Loss, GradNorm, Distance, "
+                    "UpdateSize, HessMaxEV)"
+                )
             if type(call.module) is not nn.MultiheadAttention:
                 self._paths.remove_box(id(call))  # its parameters move on: it is not re-run
             if self._paths.misplaced:

@@ -24,7 +24,11 @@ samples together, ``x[:n]``, ``cat`` at offset 0, ``x[torch.arange(B), ...]``)
 or breaks them (indexing, gathering and scattering along them, the sources of
 ``index_add`` / ``index_put``, ``cat`` at another offset, ``split`` parts
 after the first, flips, rolls, sorting, cumulative sums and softmax along
-them, reductions over them that do not end in a single number, the
+them, normalisations whose statistics run over them (BatchNorm with the
+batch's statistics, a layer or group norm over the batch dimension) and
+matrix functions of them (QR, inverses, solves: :data:`MIXING_NORM`, which
+leaves the per-sample quantities out rather than moving the parameters on),
+reductions over them that do not end in a single number, the
 contracted operand of a matrix product, reshapes that split samples). The
 walk checks the model's outputs, where the rows must lie along the outputs'
 batch dimension (:func:`rows_dim`: the first dimension whose size is a
@@ -57,7 +61,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RowPaths", "ACCEPT", "rows_dim"]
+__all__ = ["RowPaths", "ACCEPT", "MIXING_NORM", "rows_dim"]
 
 #: the state of an output whose rows need no further check (a single number; an output that carries no rows)
 ACCEPT = -1
@@ -89,6 +93,29 @@ _ELEMENTWISE = {"AddBackward", "SubBackward", "RsubBackward", "MulBackward", "Di
                 "PowBackward", "MaximumBackward", "MinimumBackward", "LerpBackward", "AddcmulBackward",
                 "AddcdivBackward", "Atan2Backward", "HypotBackward", "FmaxBackward", "FminBackward",
                 "MaskedFillBackward", "XlogyBackward", "CopysignBackward", "FmodBackward", "RemainderBackward"}  # fmt: skip
+#: what a walk's reason says for a normalisation whose statistics run over the rows
+MIXING_NORM = "an operation whose result at each row takes in every row"
+#: normalisations: ``(node, ndim) -> the dimensions of the input their statistics run over`` (BatchNorm with the
+#: batch's statistics: all but the channels, ``F.batch_norm(..., training=True)`` written by hand as well as
+#: ``nn.BatchNorm``'s; GroupNorm: all but the first; LayerNorm: the normalised trailing ones)
+_NORMS = {
+    "NativeBatchNormBackward": lambda node, ndim: [d for d in range(ndim) if d != 1]
+    if getattr(node, "_saved_training", True) else [],
+    "CudnnBatchNormBackward": lambda node, ndim: [d for d in range(ndim) if d != 1]
+    if getattr(node, "_saved_training", True) else [],
+    "MiopenBatchNormBackward": lambda node, ndim: [d for d in range(ndim) if d != 1]
+    if getattr(node, "_saved_training", True) else [],
+    "NativeGroupNormBackward": lambda node, ndim: list(range(1, ndim)),
+    "NativeLayerNormBackward": lambda node, ndim: list(range(ndim - len(getattr(node, "_saved_normalized_shape", ())),
+                                                            ndim)),
+}  # fmt: skip
+#: functions of whole matrices (the last two dimensions of their first input): decompositions, inverses, solves
+_MATRIX_FUNCTIONS = {"LinalgQrBackward", "LinalgInvExBackward", "LinalgSvdBackward", "LinalgEighBackward",
+                     "LinalgCholeskyExBackward", "LinalgSolveExBackward", "LinalgDetBackward", "LinalgSlogdetBackward",
+                     "LinalgPinvBackward", "LinalgMatrixExpBackward", "LinalgLstsqBackward",
+                     "LinalgSolveTriangularBackward", "LinalgLuBackward", "LinalgLuFactorExBackward",
+                     "LinalgEigBackward", "LogdetBackward", "CholeskyInverseBackward", "CholeskySolveBackward",
+                     "TriangularSolveBackward", "LuSolveBackward"}  # fmt: skip
 _MISSING = object()
 _KINDS: dict[type, str] = {}
 
@@ -381,6 +408,15 @@ class RowPaths:
             return along if slot < len(pad) and pad[slot] != 0 else keep
         if kind == "UnfoldBackward":
             return along if _dims(getattr(consumer, "_saved_dimension", 0), ndim) == [dim] else keep
+        if kind in _NORMS and position == 0:  # normalisations: statistics over some dimensions of their input
+            over = _NORMS[kind](consumer, ndim)
+            if dim in over:
+                return f"{name} ({MIXING_NORM}: a normalisation's statistics)"
+            return keep
+        if kind in _MATRIX_FUNCTIONS and position == 0:  # functions of the matrices in the last two dimensions
+            if dim >= ndim - 2:
+                return f"{name} ({MIXING_NORM}: a matrix function of the rows)"
+            return keep
         for attribute in ("_saved_dim", "_saved_dims"):  # softmax, cumsum, sort, topk, flip, roll, reductions, ...
             value = getattr(consumer, attribute, _MISSING)
             if value is _MISSING:

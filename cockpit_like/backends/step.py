@@ -240,11 +240,15 @@ class StepExecution:
                 hooks.insert(0, self.reducer)
             handled = backpack_computes_per_sample if use_backpack else (lambda module: False)
             if calls:
-                self.hook_backend = HookBackend(
-                    calls, params, self.reducer, handled, tracer, batch_size=batch_size,
-                    accumulate_passes=accumulate_passes and not use_backpack,
-                    losses=(self.info.get("loss"), self.info.get("individual_losses")),
-                )  # fmt: skip
+                try:
+                    self.hook_backend = HookBackend(
+                        calls, params, self.reducer, handled, tracer, batch_size=batch_size,
+                        accumulate_passes=accumulate_passes and not use_backpack,
+                        losses=(self.info.get("loss"), self.info.get("individual_losses")),
+                    )  # fmt: skip
+                except RowsNotSamplesError as error:  # rows coupled on the way to the outputs (F.batch_norm)
+                    self._without_rows(str(error))
+                    self._leave_out_row_needs(needs, ["a normalisation over the batch couples the rows"])
             #: the hook backend alone computes the per-sample rows (so it can sum several backward passes)
             self.merges_passes = self.hook_backend is not None and not use_backpack
         #: ``1 / row_scale``: the factor between the backpropagated loss and this pass's mean loss
