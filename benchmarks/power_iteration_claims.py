@@ -21,7 +21,9 @@ from torch.func import functional_call
 from cockpit_like.functional.eigen import power_iteration
 
 
-class _GroupNormCNN(nn.Module):
+class GroupNormCNN(nn.Module):
+    """A small CNN whose Hessian's two ends nearly tie in magnitude (Cockpit's rule stops far off there)."""
+
     def __init__(self):
         super().__init__()
         self.conv, self.norm, self.head = nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Linear(4, 3)
@@ -34,7 +36,7 @@ def _models():
     """(name, model, input shape, loss) — float64 (the default dtype is set by the caller)."""
     yield "mlp_tanh", nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)), (8, 6), "ce"
     yield "mlp_relu", nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 3)), (8, 6), "ce"
-    yield "groupnorm_cnn", _GroupNormCNN(), (4, 1, 5, 5), "ce"
+    yield "groupnorm_cnn", GroupNormCNN(), (4, 1, 5, 5), "ce"
     yield "mse_softplus", nn.Sequential(nn.Linear(5, 7), nn.Softplus(), nn.Linear(7, 2)), (10, 5), "mse"
     yield "layernorm_gelu", nn.Sequential(nn.Linear(5, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4)), (6, 5), "ce"
     yield "deep_sigmoid", nn.Sequential(nn.Linear(4, 6), nn.Sigmoid(), nn.Linear(6, 6), nn.Sigmoid(),

@@ -163,3 +163,12 @@ def test_product_modes_one_repeat_on_mlp(tmp_path):
     assert set(row["per_vector_plain_steps"]) == set(product_modes.MODES)
     assert all(math.isfinite(v) and v > 0 for v in row["per_vector_plain_steps"].values())
     assert max(row["max_relative_difference"].values()) < 1e-4
+
+
+def test_power_iteration_claims_one_seed(capsys):
+    """benchmarks/power_iteration_claims.py (the figures of docs/curvature.md on accelerate=False), one seed."""
+    from benchmarks import power_iteration_claims
+
+    assert power_iteration_claims.main(["--seeds", "1", "--starts", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "stops of Cockpit's rule:" in printed and "| 0.01 |" in printed

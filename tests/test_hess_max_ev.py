@@ -132,15 +132,7 @@ def test_plain_power_iteration_is_never_stored_as_converged():
     eigenvector on a GroupNorm CNN whose two ends have nearly equal magnitude (seed 3: 0.325 after 4 products
     where the eigenvalue of largest magnitude is -1.208, dense float64 Hessian). The value stays Cockpit's
     (bit for bit), and no step of the plain power iteration is stored as converged."""
-    from torch import nn
-
-    class GroupNormCNN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.conv, self.norm, self.head = nn.Conv2d(1, 4, 3), nn.GroupNorm(2, 4), nn.Linear(4, 3)
-
-        def forward(self, x):
-            return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+    from benchmarks.power_iteration_claims import GroupNormCNN
 
     generator = torch.Generator().manual_seed(123)
     inputs = torch.randn(4, 1, 5, 5, generator=generator, dtype=torch.float64)
