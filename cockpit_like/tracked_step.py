@@ -152,8 +152,23 @@ class StepContext:
         self.debug = debug
 
     def __enter__(self) -> StepContext:
+        self._entered = True
         self._begin(self.step, *self.exts, info=self.info, debug=self.debug)
         return self
+
+    def __del__(self) -> None:
+        # ``cockpit(step, info=info)`` on a line of its own (without ``with``) opens nothing, silently: say so
+        if not self.__dict__.get("_entered", False) and not sys.is_finalizing():
+            try:
+                warnings.warn(
+                    f"[cockpit_like] cockpit({self.step}, info=...) was called but never entered, so step {self.step} "
+                    "is not tracked: write `with cockpit(step, info=info): loss.backward()` (or cockpit.begin(step, "
+                    "info=info) before backward and cockpit.end() after)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            except Exception:  # noqa: BLE001 - never raise from a finaliser
+                pass
 
     def __exit__(self, exc_type, exc, traceback) -> bool:
         self._end(exc)

@@ -138,7 +138,7 @@ def test_only_some_quantities(tmp_path):
     for key in blank_keys(plotter):
         texts = [t.get_text() for t in plotter.axes[key].texts]
         assert "not tracked" in texts
-    assert "add Alpha to track it" in [t.get_text() for t in plotter.axes["alpha"].texts]
+    assert "add Alpha to track it, or no step stored one yet (cockpit.checks)" in [t.get_text() for t in plotter.axes["alpha"].texts]
 
 
 def test_grad_norm_is_norm_over_all_parameters():

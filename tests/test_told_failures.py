@@ -88,3 +88,23 @@ def test_alpha_without_an_optimizer_warns_once_not_at_every_step():
             optimizer.step()
     told = [w for w in caught if "no info['optimizer']" in str(w.message)]
     assert len(told) == 1 and told[0].filename == __file__
+
+
+def test_a_step_context_never_entered_says_so():
+    """`cockpit(step, info=info)` on a line of its own (no `with`) tracked nothing, silently (outside trial 8)."""
+    model, lossfunc, individual = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    inputs, labels = make_batch("mlp", 6, seed=0)
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    with pytest.warns(RuntimeWarning, match=r"cockpit\(0, info=...\) was called but never entered"):
+        cockpit(0, info={"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss})
+    loss.backward()
+    assert cockpit.get_output() == {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*never entered")  # entered: nothing said
+        model.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        with cockpit(1, info={"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss}):
+            loss.backward()

@@ -105,7 +105,9 @@ def not_tracked(ax, title: str, needs: Sequence[str], message: str | None = None
     ax.set_facecolor("#f4f4f4")
     for spine in ax.spines.values():
         spine.set_color("#cccccc")
-    hint = message or ("add " + " / ".join(needs) + " to track it")
+    # (no values: the quantity is not tracked, or none of its steps stored one yet: steps that failed a self-check
+    # store nothing, and a two-step quantity's first value comes at its second step)
+    hint = message or ("add " + " / ".join(needs) + " to track it, or no step stored one yet (cockpit.checks)")
     ax.text(
         0.5, 0.55, "not tracked", transform=ax.transAxes, ha="center", va="center",
         fontsize=11, color="#888888", gid="not-tracked",
