@@ -326,7 +326,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``cockpit-like``; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse's top-level error shows the top-level usage: show the command's own
+        sub = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.handler(args)
     except (FileNotFoundError, ValueError) as error:

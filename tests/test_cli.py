@@ -102,6 +102,15 @@ def test_errors(tmp_path, capsys):
         main([])
 
 
+def test_an_unknown_option_shows_the_commands_own_usage(tmp_path, capsys):
+    """`cockpit-like diagnose LOG --jsn` printed the top-level usage (outside trial 8)."""
+    with pytest.raises(SystemExit) as stopped:
+        main(["diagnose", str(tmp_path / "run"), "--jsn"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: cockpit-like diagnose") and "cockpit-like diagnose: error: unrecognized arguments: --jsn" in err
+
+
 def test_a_missing_log_named_with_its_suffix_is_not_tried_with_another(tmp_path, capsys):
     """The outside tester's repro: ``runs/missing.json`` "also tried runs/missing.json.json"."""
     for name in ("missing.json", "missing.jsonl"):
