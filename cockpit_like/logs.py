@@ -138,6 +138,23 @@ def _json_path(logpath: str | os.PathLike, suffix: str) -> Path:
     return path if path.suffix == suffix else path.with_name(path.name + suffix)
 
 
+def make_folder(folder: Path, what: str) -> None:
+    """``folder`` and its parents, or an error that says what could not be made for what and why."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as error:
+        blocking = next((p for p in [folder, *folder.parents] if p.exists() and not p.is_dir()), None)
+        raise ValueError(
+            f"cannot create the folder {folder} for {what}: {blocking or error.filename} is a file, not a folder; "
+            "choose another path"
+        ) from error
+    except OSError as error:  # no permission, a read-only or special file system (/proc), ...
+        raise ValueError(
+            f"cannot create the folder {folder} for {what}: {error.strerror or error} ({error.filename}); choose a "
+            "path you can write to"
+        ) from error
+
+
 def write_log(logpath: str | os.PathLike, steps: Mapping[int, Mapping[str, Any]], metadata: dict) -> Path:
     """Write the full form to ``logpath + ".json"`` atomically; return the path.
 
@@ -146,7 +163,7 @@ def write_log(logpath: str | os.PathLike, steps: Mapping[int, Mapping[str, Any]]
     place of the previous one.
     """
     path = _json_path(logpath, ".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent, "the log")
     document = {
         "schema": _FULL,
         "schema_version": SCHEMA_VERSION,
@@ -186,7 +203,7 @@ class StreamWriter:
 
     def __init__(self, logpath: str | os.PathLike, metadata: dict, fsync: bool = False):
         self.path = _json_path(logpath, ".jsonl")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.path.parent, "the stream (stream_to)")
         self._fsync = fsync
         self._handle: IO[bytes] | None = None
         self._closed = False

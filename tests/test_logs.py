@@ -357,3 +357,14 @@ def test_lines_that_cannot_be_written_are_said_at_close_and_kept_in_the_checkpoi
     with pytest.warns(RuntimeWarning, match=r"closing the stream .*run.jsonl: \d+ line\(s\) could not be written"):
         cockpit.close()
     assert sorted(read_log(tmp_path / "run.jsonl")) == [0, 1]
+
+
+def test_a_log_or_stream_under_a_file_is_a_clear_error(tmp_path):
+    """`cockpit.write("data.py/run")` raised a raw FileExistsError naming 'data.py' (outside trial 8)."""
+    blocking = tmp_path / "data.py"
+    blocking.write_text("x = 1\n")
+    cockpit = small_run(tmp_path, stream=False)
+    with pytest.raises(ValueError, match=r"cannot create the folder .*data.py for the log: .*data.py is a file, not a folder"):
+        cockpit.write(blocking / "run")
+    with pytest.raises(ValueError, match=r"for the stream \(stream_to\): .*data.py is a file"):
+        Cockpit([torch.zeros(1, requires_grad=True)], quantities=[quantities.Loss(linear(1))], stream_to=blocking / "run")

@@ -360,7 +360,9 @@ class CockpitPlotter:
         if savedir is None:
             savedir = Path(logpath).parent if logpath else Path.cwd()
         folder = Path(savedir)
-        folder.mkdir(parents=True, exist_ok=True)
+        from cockpit_like.logs import make_folder
+
+        make_folder(folder, "the dashboard image")
         path = folder / f"{savename}{savename_append or ''}.{fmt}"
         kwargs.setdefault("facecolor", "white")
         fig.savefig(path, format=fmt, **kwargs)
