@@ -75,3 +75,21 @@ def test_the_same_operations_along_other_dimensions_stay_exact(name):
     expected = float((((rows - mean) ** 2).sum() / ((B - 1) * B * (mean @ mean))).sqrt())
     assert cockpit.get_output()[0]["NormTest"] == pytest.approx(expected, rel=1e-10)
     assert not cockpit.checks[0].get("notes")
+
+
+def test_a_statistic_over_the_rows_inside_a_rerun_module_is_named_as_such():
+    """`h / h.std(0)` inside a module the cockpit re-runs: finite on the batch, NaN on one row. The note said the
+    outputs "were not finite (an overflow)" (outside trial 8); it now says the rows depend on each other."""
+
+    class Standardise(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, h):
+            return self.scale * h / h.std(0)
+
+    _, _, _, cockpit = _run(Standardise())
+    notes = " ".join(cockpit.checks[0]["notes"])
+    assert "NormTest" not in cockpit.get_output()[0]
+    assert "where the training step's forward pass on the batch was finite: its rows depend on each other" in notes

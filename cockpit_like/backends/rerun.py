@@ -342,13 +342,20 @@ class _Rerun:
             recorded = [o.narrow(d, start, stop - start) for o, d in zip(recorded, self.out_dims)]
         if not _same_outputs(outputs, recorded, half=self.autocast is not None):
             nonfinite = _nonfinite_count(recorded)
-            if nonfinite or _nonfinite_count(outputs):
-                where = "the training step's forward pass" if nonfinite else "the re-run"
+            if nonfinite:
                 raise NonFiniteOutputsError(
-                    f"the outputs of {type(self.module).__name__} were not finite ({nonfinite or _nonfinite_count(outputs)} "
-                    f"entries inf or NaN in {where}): its per-sample gradients come from re-running it row by row, "
-                    "and a re-run of non-finite values (an overflow rounds otherwise row by row than in the batch) "
-                    "cannot be checked against the forward pass"
+                    f"the outputs of {type(self.module).__name__} were not finite ({nonfinite} entries inf or NaN in "
+                    "the training step's forward pass): its per-sample gradients come from re-running it row by "
+                    "row, and a re-run of non-finite values (an overflow rounds otherwise row by row than in the "
+                    "batch) cannot be checked against the forward pass"
+                )
+            if _nonfinite_count(outputs):
+                # finite in the batch, not on single rows: a statistic over the rows (h.var(0) of one row is NaN)
+                raise NonFiniteOutputsError(
+                    f"re-running {type(self.module).__name__} row by row gave {_nonfinite_count(outputs)} entries inf "
+                    "or NaN where the training step's forward pass on the batch was finite: its rows depend on each "
+                    "other (a statistic over the batch, such as x.var(0) or x.std(0), is NaN or inf for one row), "
+                    "so its per-sample gradients are undefined"
                 )
             raise UncoveredParameterError(
                 f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
