@@ -427,13 +427,13 @@ class TrackedStep:
             roots.remove()
             self._roots = None
         execution.exit(exc_type, exc, traceback)
-        if roots is not None and roots.calls == 0 and exc_type is None and self.active:
+        if roots is not None and roots.calls == 0 and exc_type is None and self.active and _no_gradients(self.env.params):
+            # (a loop that sets p.grad itself, from torch.autograd.grad or torch.func, has gradients: it goes on)
             raise NoBackwardPassError(
                 f"cockpit step {self.step}: no backward pass ran inside the cockpit's block, so there is nothing to "
                 "compute the quantities from (nothing is stored for this step). The block must hold the backward "
-                "pass: `with cockpit(step, info=info): loss.backward()`; a loss.backward() after the block, a block "
-                "that returns before it, or gradients set by hand (torch.func.grad into p.grad) leave the cockpit "
-                "nothing to read."
+                "pass: `with cockpit(step, info=info): loss.backward()`; a loss.backward() after the block, or a "
+                "block that returns before it, leaves the cockpit nothing to read."
             )
         if exc_type is not None or not self.active:
             return
@@ -981,6 +981,12 @@ def _kept_copy(grad: torch.Tensor) -> torch.Tensor:
     is differentiable) where it has one."""
     with torch.enable_grad():
         return grad.clone() if grad.requires_grad else grad.detach().clone()
+
+
+def _no_gradients(params) -> bool:
+    """Whether no tracked parameter holds a gradient (each ``p.grad`` None or zero)."""
+    with torch.no_grad():
+        return all(p.grad is None or not bool(p.grad.any()) for p in params)
 
 
 class NoBackwardPassError(RuntimeError):

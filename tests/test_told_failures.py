@@ -108,3 +108,25 @@ def test_a_step_context_never_entered_says_so():
         loss = lossfunc(outputs, labels)
         with cockpit(1, info={"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss}):
             loss.backward()
+
+
+def test_a_loop_that_sets_the_gradients_with_autograd_grad_is_not_told_it_ran_no_backward_pass():
+    """`grads = torch.autograd.grad(loss, params); p.grad = g` inside the block: no loss.backward() call, but the
+    gradients are there (and the per-sample rows, from the same graph): valid steps, as before the error existed."""
+    model, lossfunc, individual = make_problem("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    for step in range(2):
+        inputs, labels = make_batch("mlp", 6, seed=step)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, labels)
+        info = {"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
+        with cockpit(step, info=info):
+            grads = torch.autograd.grad(loss, list(model.parameters()))
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g
+        expected = float(torch.cat([g.reshape(-1) for g in grads]).norm())
+        optimizer.step()
+        assert cockpit.checks[step]["valid"]
+        assert sum(v**2 for v in cockpit.get_output()[step]["GradNorm"]) ** 0.5 == pytest.approx(expected, rel=1e-5)
