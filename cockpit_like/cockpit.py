@@ -43,11 +43,12 @@ from cockpit_like.quiet import QuietStep
 from cockpit_like.run_output import RunOutput, StepAlreadyTrackedError
 from cockpit_like.checks.prints import any_nonfinite
 from cockpit_like.tracked_step import (
-    NONFINITE_CHANGE, StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed, needs_closure, not_stored,
-    parameters_moved,
+    NONFINITE_CHANGE, NoBackwardPassError, StepContext, StepEnvironment, StepRun, TrackedStep, gradients_changed,
+    needs_closure, not_stored, parameters_moved,
 )
 
-__all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError", "ComplexParameterError"]
+__all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInTrainingError", "ComplexParameterError",
+           "NoBackwardPassError"]  # fmt: skip
 
 
 

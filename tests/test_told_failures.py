@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cockpit_like import Cockpit
-from cockpit_like.tracked_step import NoBackwardPassError
+from cockpit_like.cockpit import NoBackwardPassError
 from cockpit_like.utils.configuration import configuration
 from tests.helpers import make_batch, make_problem
 
