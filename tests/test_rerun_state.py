@@ -191,3 +191,52 @@ def test_a_state_kept_by_the_forward_pass_is_the_users_after_a_re_run(as_buffer)
         with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
     assert model.scan.state is state and float((model.scan.state + 1).sum()) == float((state + 1).sum())
+
+
+class RunningScale(nn.Module):
+    """A module of the user's own with a parameter and a floating buffer that ``forward`` reads, then updates
+    (a running normaliser): its rows are independent, and its re-runs must start from the value the call began
+    with (outside trial 8: refused at step 0, UncoveredParameterError, training stopped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 3) * 0.3)
+        self.register_buffer("running", torch.zeros(6))
+
+    def forward(self, h):
+        out = (h - self.running) @ self.weight  # a running mean taken off the inputs
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * h.mean(0))
+        return out
+
+
+def test_a_buffer_updated_after_use_in_forward_gives_the_loops_per_sample_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), RunningScale()).double()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        before = model[2].running.clone()
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        after = model[2].running.clone()
+        info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
+        with cockpit(step, info=info):
+            losses.mean().backward()
+        assert torch.equal(model[2].running, after)  # the re-runs left the user's buffer as forward made it
+        # the loop: each row's gradient with the buffer as the call began
+        model.eval()
+        model[2].running.copy_(before)
+        rows = []
+        for i in range(8):
+            grads = torch.autograd.grad(F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
+            rows.append(torch.cat([g.reshape(-1) for g in grads]))
+        model.train()
+        model[2].running.copy_(after)
+        rows = torch.stack(rows)
+        mean = rows.mean(0)
+        expected = float((((rows - mean) ** 2).sum() / (7 * 8 * (mean @ mean))).sqrt())
+        assert cockpit.get_output()[step]["NormTest"] == pytest.approx(expected, rel=1e-10)
+        optimizer.step()

@@ -148,15 +148,21 @@ def _open(tracer_id: int, module, args) -> None:
 
 
 def stateful_parts(module: nn.Module) -> list[nn.Module]:
-    """The modules inside ``module`` whose buffers a forward pass updates in place as a rule: those of
-    parametrizations (``torch.nn.utils.parametrize``; ``spectral_norm``'s power iteration vectors ``_u``,
-    ``_v`` in training mode), which run whenever the parametrized tensor is read."""
+    """The modules inside ``module`` whose buffers a forward pass may update in place: those of parametrizations
+    (``torch.nn.utils.parametrize``; ``spectral_norm``'s power iteration vectors ``_u``, ``_v`` in training mode),
+    which run whenever the parametrized tensor is read, and a module of the user's own with parameters and
+    floating-point buffers of its own (a running normaliser, an annealing counter that ``forward`` updates after
+    using them: the re-runs start from the values the call began with; outside trial 8)."""
     from torch.nn.utils.parametrize import ParametrizationList
 
     parts: list[nn.Module] = []
     for child in module.modules():
         if isinstance(child, ParametrizationList):
             parts.extend(part for part in child.modules() if part._buffers)
+        elif (type(child).__module__.split(".")[0] not in ("torch", "transformers")
+              and child._parameters and any(isinstance(b, torch.Tensor) and b.is_floating_point()
+                                            for b in child._buffers.values())):  # fmt: skip
+            parts.append(child)
     return parts
 
 
