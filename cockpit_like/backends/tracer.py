@@ -147,6 +147,10 @@ def _open(tracer_id: int, module, args) -> None:
         tracer.states.setdefault(id(module), []).append(snapshot_state(stateful))
 
 
+#: the most buffer entries of a module of the user's own that its calls copy (:func:`stateful_parts`)
+_STATE_COPY_LIMIT = 1 << 20
+
+
 def stateful_parts(module: nn.Module) -> list[nn.Module]:
     """The modules inside ``module`` whose buffers a forward pass may update in place: those of parametrizations
     (``torch.nn.utils.parametrize``; ``spectral_norm``'s power iteration vectors ``_u``, ``_v`` in training mode),
@@ -159,10 +163,11 @@ def stateful_parts(module: nn.Module) -> list[nn.Module]:
     for child in module.modules():
         if isinstance(child, ParametrizationList):
             parts.extend(part for part in child.modules() if part._buffers)
-        elif (type(child).__module__.split(".")[0] not in ("torch", "transformers")
-              and child._parameters and any(isinstance(b, torch.Tensor) and b.is_floating_point()
-                                            for b in child._buffers.values())):  # fmt: skip
-            parts.append(child)
+        elif type(child).__module__.split(".")[0] not in ("torch", "transformers") and child._parameters:
+            floating = [b for b in child._buffers.values() if isinstance(b, torch.Tensor) and b.is_floating_point()]
+            # (copied at each of its calls at tracked steps: not a large table, such as a causal mask, kept fixed)
+            if floating and sum(b.numel() for b in floating) <= _STATE_COPY_LIMIT:
+                parts.append(child)
     return parts
 
 
