@@ -9,19 +9,7 @@ import torch
 
 from cockpit_like import Cockpit
 from cockpit_like.utils.configuration import configuration
-from tests.helpers import make_batch, make_problem
-
-
-def _train(cockpit, model, lossfunc, individual, optimizer, steps):
-    for step in steps:
-        inputs, labels = make_batch("mlp", 6, seed=step)
-        optimizer.zero_grad()
-        outputs = model(inputs)
-        loss = lossfunc(outputs, labels)
-        info = {"batch_size": 6, "individual_losses": individual(outputs, labels), "loss": loss, "optimizer": optimizer}
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
-        optimizer.step()
+from tests.helpers import make_problem, train
 
 
 def test_reused_quantities_of_a_trained_cockpit_are_refused_with_the_fix():
@@ -29,14 +17,14 @@ def test_reused_quantities_of_a_trained_cockpit_are_refused_with_the_fix():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     quantities = configuration("economy")
     first = Cockpit(model.parameters(), quantities=quantities)
-    _train(first, model, lossfunc, individual, optimizer, range(4))
+    train(model, lossfunc, individual, first, "mlp", 4, 6, optimizer)
     stored = {step: dict(values) for step, values in first.get_output().items()}
     with pytest.raises(ValueError, match=r"already holds steps 0-[23] of another cockpit.*configuration\(\"economy\"\) again"):
         Cockpit(model.parameters(), quantities=quantities)
     assert first.get_output().keys() == stored.keys()  # the first run is left as it was
     # what the message says to do works: fresh quantities, a new run from step 0
     second = Cockpit(model.parameters(), quantities=configuration("economy"))
-    _train(second, model, lossfunc, individual, optimizer, range(2))
+    train(model, lossfunc, individual, second, "mlp", 2, 6, optimizer)
     assert sorted(second.get_output()) == [0, 1]
 
 
