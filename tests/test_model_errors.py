@@ -666,3 +666,28 @@ def test_sequence_first_ids_with_another_length_get_the_batch_first_hint():
     with pytest.raises(BatchSizeMismatchError, match="run sequence-first .*batch_first=True"):
         with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
+
+
+def test_graphs_flattened_into_their_nodes_are_refused_with_the_dense_layout_as_the_fix():
+    """A PyTorch-Geometric-style GNN (the graphs' nodes in one [nodes, d] tensor, pooled per graph by index): no
+    call has the batch's rows, and the error said to compute the loss outside the model, which it already was
+    (outside trial 8). It names the packed layout and the dense one that works."""
+
+    class ScatterGNN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.head = nn.Linear(3, 8), nn.Linear(8, 2)
+
+        def forward(self, x, batch, graphs):
+            h = torch.relu(self.l1(x))
+            return self.head(torch.zeros(graphs, h.shape[1]).index_add(0, batch, h))
+
+    torch.manual_seed(0)
+    model = ScatterGNN()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    batch = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    out = model(torch.randn(10, 3), batch, 4)
+    losses = nn.functional.cross_entropy(out, torch.tensor([0, 1, 0, 1]), reduction="none")
+    with pytest.raises(UncoveredParameterError, match=r"graphs flattened into their nodes .* \[B, N, d\] padded, with a mask"):
+        with cockpit(0, info={"batch_size": 4, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()

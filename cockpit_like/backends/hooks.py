@@ -519,7 +519,10 @@ class HookBackend:
             f"rows' gradients of {names} apart, and no enclosing module's call has the batch dimension in its "
             "inputs and outputs (the outermost one may return a loss, a scalar). Call the model so that "
             "some module around this layer takes and returns tensors whose leading dimension is the batch "
-            "(e.g. compute the loss outside the model), or leave these parameters out of Cockpit(params)."
+            "(e.g. compute the loss outside the model; where the samples are packed along one dimension in pieces "
+            "of different sizes, as graphs flattened into their nodes in PyTorch Geometric's layout, give the model "
+            "a dense layout with a batch dimension, [B, N, d] padded, with a mask), or leave these parameters out "
+            "of Cockpit(params)."
             + _sequence_first_hint(shapes, batch)
         ))
 
