@@ -27,14 +27,20 @@ def _step(cockpit, model, lossfunc, individual, optimizer, step, zero_grad=True,
     optimizer.step()
 
 
-def test_a_forgotten_zero_grad_warns_once_naming_the_check_and_the_fix():
+def _run_and_catch(steps: int, zero_grad: bool = True):
+    """``(cockpit, every warning)`` of ``steps`` economy steps on the MLP."""
     model, lossfunc, individual = make_problem("mlp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(5):
-            _step(cockpit, model, lossfunc, individual, optimizer, step, zero_grad=False)
+        for step in range(steps):
+            _step(cockpit, model, lossfunc, individual, optimizer, step, zero_grad=zero_grad)
+    return cockpit, caught
+
+
+def test_a_forgotten_zero_grad_warns_once_naming_the_check_and_the_fix():
+    cockpit, caught = _run_and_catch(5, zero_grad=False)
     told = [w for w in caught if "failed the self-check" in str(w.message)]
     assert len(told) == 1 and told[0].category is RuntimeWarning
     assert "step 1 failed the self-check 'stale_gradient'" in str(told[0].message)
@@ -44,13 +50,7 @@ def test_a_forgotten_zero_grad_warns_once_naming_the_check_and_the_fix():
 
 
 def test_a_valid_run_is_told_nothing():
-    model, lossfunc, individual = make_problem("mlp")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(3):
-            _step(cockpit, model, lossfunc, individual, optimizer, step)
+    _, caught = _run_and_catch(3)
     assert not [w for w in caught if "cockpit_like" in str(w.message)]
 
 

@@ -110,7 +110,7 @@ from cockpit_like.backends.rerun import (
     per_sample_grads,
     rows_in_arguments,
 )
-from cockpit_like.backends.row_paths import ACCEPT, MIXING_NORM as _MIXING_NORM, RowPaths
+from cockpit_like.backends.row_paths import ACCEPT, MIXES_ROWS, RowPaths
 from cockpit_like.backends.tracer import Call, ModelTracer, Shell, _call_nodes, _flat_outputs, _graph_nodes
 
 __all__ = [
@@ -627,7 +627,7 @@ class HookBackend:
             broken = self._broken_rows(call)
             if broken is None:
                 continue
-            if _MIXING_NORM in broken:  # no call's rows are the samples' (re-runs of one row cannot normalise)
+            if MIXES_ROWS in broken:  # no call's rows are the samples' (re-runs of one row cannot normalise)
                 raise RowsNotSamplesError(
                     f"the outputs of {type(call.module).__name__} layer {self._module_name(call.module)} reach the "
                     f"model's outputs through {broken}: a normalisation over the batch in training mode, such as "

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
-from cockpit_like.backends.user_state import held_module_hooks, held_tensor_hooks, kept_module_attributes
+from cockpit_like.backends.user_state import held_tensor_hooks, kept_module_attributes, rerunning
 
 __all__ = ["NonFiniteOutputsError", "UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
 
@@ -349,10 +349,11 @@ class _Rerun:
                     "row, and a re-run of non-finite values (an overflow rounds otherwise row by row than in the "
                     "batch) cannot be checked against the forward pass"
                 )
-            if _nonfinite_count(outputs):
+            rerun_nonfinite = _nonfinite_count(outputs)
+            if rerun_nonfinite:
                 # finite in the batch, not on single rows: a statistic over the rows (h.var(0) of one row is NaN)
                 raise NonFiniteOutputsError(
-                    f"re-running {type(self.module).__name__} row by row gave {_nonfinite_count(outputs)} entries inf "
+                    f"re-running {type(self.module).__name__} row by row gave {rerun_nonfinite} entries inf "
                     "or NaN where the training step's forward pass on the batch was finite: its rows depend on each "
                     "other (a statistic over the batch, such as x.var(0) or x.std(0), is NaN or inf for one row), "
                     "so its per-sample gradients are undefined"
@@ -509,7 +510,7 @@ def _model_kept(module: nn.Module):
     ]  # fmt: skip
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices), held_module_hooks(module), kept_module_attributes(module):
+        with torch.random.fork_rng(devices=devices), rerunning(), kept_module_attributes(module):
             yield
     finally:
         for owner, name in empty:

@@ -26,7 +26,7 @@ or breaks them (indexing, gathering and scattering along them, the sources of
 after the first, flips, rolls, sorting, cumulative sums and softmax along
 them, normalisations whose statistics run over them (BatchNorm with the
 batch's statistics, a layer or group norm over the batch dimension) and
-matrix functions of them (QR, inverses, solves: :data:`MIXING_NORM`, which
+matrix functions of them (QR, inverses, solves: :data:`MIXES_ROWS`, which
 leaves the per-sample quantities out rather than moving the parameters on),
 reductions over them that do not end in a single number, the
 contracted operand of a matrix product, reshapes that split samples). The
@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RowPaths", "ACCEPT", "MIXING_NORM", "rows_dim"]
+__all__ = ["RowPaths", "ACCEPT", "MIXES_ROWS", "rows_dim"]
 
 #: the state of an output whose rows need no further check (a single number; an output that carries no rows)
 ACCEPT = -1
@@ -93,18 +93,20 @@ _ELEMENTWISE = {"AddBackward", "SubBackward", "RsubBackward", "MulBackward", "Di
                 "PowBackward", "MaximumBackward", "MinimumBackward", "LerpBackward", "AddcmulBackward",
                 "AddcdivBackward", "Atan2Backward", "HypotBackward", "FmaxBackward", "FminBackward",
                 "MaskedFillBackward", "XlogyBackward", "CopysignBackward", "FmodBackward", "RemainderBackward"}  # fmt: skip
-#: what a walk's reason says for a normalisation whose statistics run over the rows
-MIXING_NORM = "an operation whose result at each row takes in every row"
+#: what a walk's reason says for an operation whose result at each row reads every row (a normalisation over
+#: the rows, a matrix function of them): the per-sample quantities are undefined, not moved to another call
+MIXES_ROWS = "an operation whose result at each row takes in every row"
 #: normalisations: ``(node, ndim) -> the dimensions of the input their statistics run over`` (BatchNorm with the
 #: batch's statistics: all but the channels, ``F.batch_norm(..., training=True)`` written by hand as well as
 #: ``nn.BatchNorm``'s; GroupNorm: all but the first; LayerNorm: the normalised trailing ones)
+def _batch_statistics(node, ndim: int) -> list[int]:
+    """BatchNorm: with the batch's statistics (training), every dimension but the channels'; else none."""
+    return [d for d in range(ndim) if d != 1] if getattr(node, "_saved_training", True) else []
+
+
 _NORMS = {
-    "NativeBatchNormBackward": lambda node, ndim: [d for d in range(ndim) if d != 1]
-    if getattr(node, "_saved_training", True) else [],
-    "CudnnBatchNormBackward": lambda node, ndim: [d for d in range(ndim) if d != 1]
-    if getattr(node, "_saved_training", True) else [],
-    "MiopenBatchNormBackward": lambda node, ndim: [d for d in range(ndim) if d != 1]
-    if getattr(node, "_saved_training", True) else [],
+    "NativeBatchNormBackward": _batch_statistics, "CudnnBatchNormBackward": _batch_statistics,
+    "MiopenBatchNormBackward": _batch_statistics,
     "NativeGroupNormBackward": lambda node, ndim: list(range(1, ndim)),
     "NativeLayerNormBackward": lambda node, ndim: list(range(ndim - len(getattr(node, "_saved_normalized_shape", ())),
                                                             ndim)),
@@ -411,11 +413,11 @@ class RowPaths:
         if kind in _NORMS and position == 0:  # normalisations: statistics over some dimensions of their input
             over = _NORMS[kind](consumer, ndim)
             if dim in over:
-                return f"{name} ({MIXING_NORM}: a normalisation's statistics)"
+                return f"{name} ({MIXES_ROWS}: a normalisation's statistics)"
             return keep
         if kind in _MATRIX_FUNCTIONS and position == 0:  # functions of the matrices in the last two dimensions
             if dim >= ndim - 2:
-                return f"{name} ({MIXING_NORM}: a matrix function of the rows)"
+                return f"{name} ({MIXES_ROWS}: a matrix function of the rows)"
             return keep
         for attribute in ("_saved_dim", "_saved_dims"):  # softmax, cumsum, sort, topk, flip, roll, reductions, ...
             value = getattr(consumer, attribute, _MISSING)

@@ -443,7 +443,7 @@ class StepExecution:
 
     def _asked_for(self, extension) -> str:
         """``"KFLR(...) for KFACTrace"``: the extension and the quantities that asked for it."""
-        owners = getattr(self, "_extension_owners", {}).get(type(extension))
+        owners = self._extension_owners.get(type(extension))
         return f"{describe(extension)} for {', '.join(owners)}" if owners else describe(extension)
 
     def _blocked(self, extensions: list) -> list:

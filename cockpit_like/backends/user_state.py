@@ -27,7 +27,8 @@ import torch
 
 from cockpit_like.backends import internal
 
-__all__ = ["UserState", "guard_module_hooks", "held_module_hooks", "held_tensor_hooks", "kept_module_attributes", "restored_on_failure"]
+__all__ = ["UserState", "guard_module_hooks", "held_tensor_hooks", "kept_module_attributes", "rerunning",
+           "restored_on_failure"]  # fmt: skip
 
 
 class UserState:
@@ -97,7 +98,7 @@ def guard_module_hooks(models) -> None:
     """Make the user's module hooks on the modules of ``models`` (and the global ones) leave the cockpit's own
     work alone: backward hooks and backward pre-hooks do nothing in the cockpit's own backward passes
     (:func:`held_tensor_hooks`), forward hooks and forward pre-hooks nothing in its re-runs
-    (:func:`held_module_hooks`) unless they were seen changing what they hook.
+    (:func:`rerunning`) unless they were seen changing what they hook.
 
     torch hands a module's backward hooks to the graph when the module runs forward, so holding them at the
     cockpit's passes is too late; the Hessian-vector products of a curvature step run through the forward graph
@@ -109,15 +110,21 @@ def guard_module_hooks(models) -> None:
     """
     from torch.nn.modules import module as torch_module
 
-    tables = [(getattr(owner, name, None), kind) for model in models for owner in model.modules()
-              for name, kind in _GUARDED_TABLES]  # fmt: skip
-    tables += [(getattr(torch_module, f"_global{name}", None), kind) for name, kind in _GUARDED_TABLES]
-    for hooks, kind in tables:
-        if not isinstance(hooks, dict):
-            continue
-        for key, hook in list(hooks.items()):
-            if not getattr(hook, "_cockpit_guarded", False) and _users_hook(hook):
-                hooks[key] = _guarded(hook, kind)
+    owners = [owner for model in models for owner in model.modules()] + [_GlobalTables(torch_module)]
+    for owner in owners:  # (at every tracked step: most tables are empty, and an empty one costs one lookup)
+        for name, kind in _GUARDED_TABLES:
+            hooks = owner.__dict__.get(name)
+            if hooks:
+                for key, hook in list(hooks.items()):
+                    if not getattr(hook, "_cockpit_guarded", False) and _users_hook(hook):
+                        hooks[key] = _guarded(hook, kind)
+
+
+class _GlobalTables:
+    """torch's global module hook tables (``_global_forward_hooks``, ...) under the modules' own table names."""
+
+    def __init__(self, torch_module):
+        self.__dict__.update({name: getattr(torch_module, f"_global{name}", None) for name, _ in _GUARDED_TABLES})
 
 
 #: ``(table, kind)``: the module's hook tables (``_global`` + the name: torch's global ones) and when their hooks
@@ -172,12 +179,11 @@ def _users_hook(hook) -> bool:
 
 
 @contextlib.contextmanager
-def held_module_hooks(module: torch.nn.Module) -> Iterator[None]:
-    """The user's forward pre-hooks, forward hooks and backward hooks (guarded by :func:`guard_module_hooks`) do
-    nothing inside, except forward hooks seen returning a new output (the re-run needs them to reproduce the
-    call; the arguments it replays already went through the pre-hooks): the cockpit's per-row re-runs call a
-    module again, row by row, and an activation logger or a call counter in a hook saw 8-36 calls per tracked step
-    instead of one (outside trial 8). ``module``: the module re-run (the hooks are guarded model-wide)."""
+def rerunning() -> Iterator[None]:
+    """The cockpit's per-row re-runs of a module run inside: the user's forward pre-hooks, forward hooks and backward
+    hooks (guarded by :func:`guard_module_hooks`) do nothing there, except forward hooks seen returning a new output
+    (the re-run needs them to reproduce the call; the arguments it replays already went through the pre-hooks). An
+    activation logger or a call counter in a hook saw 8-36 calls per tracked step instead of one (outside trial 8)."""
     global _RERUNS
     _RERUNS += 1
     try:
@@ -186,7 +192,7 @@ def held_module_hooks(module: torch.nn.Module) -> Iterator[None]:
         _RERUNS -= 1
 
 
-#: the cockpit's per-row re-runs running now (:func:`held_module_hooks`)
+#: the cockpit's per-row re-runs running now (:func:`rerunning`)
 _RERUNS = 0
 
 
