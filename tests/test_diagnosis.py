@@ -294,6 +294,21 @@ def test_update_ratios():
     (found,) = R.UpdateRatioTooLarge().check(spike)
     assert found.layer == "a.weight" and found.evidence["spike"] == 1.0 and found.evidence["since"] == 0
     assert R.UpdateRatioTooLarge(spike=None).check(spike) == []
+    # with the loss tracked, a spike is judged by the two losses after it (round 9): while they are not
+    # there it waits; if both fell below the loss at the spike it was no blow-up (a convex model's large
+    # first step); if either did not, or is not finite, it is reported
+    def spiked(losses):
+        return history({"UpdateSize": [[5.0, 0.01]] + [[1e-3, 1e-3]] * (len(losses) - 1),
+                        "ParamNorm": [[1.0, 1.0]] * len(losses), "Loss": losses}, shapes)
+    assert R.UpdateRatioTooLarge().check(spiked([0.8, 0.5])) == []  # one loss after it: waiting
+    assert R.UpdateRatioTooLarge().check(spiked([0.8, 0.5, 0.4])) == []  # it fell twice: no blow-up
+    assert ids(R.UpdateRatioTooLarge().check(spiked([0.8, 0.5, 0.9]))) == [("update-ratio-too-large", "a.weight")]
+    assert ids(R.UpdateRatioTooLarge().check(spiked([0.8, math.nan]))) == [("update-ratio-too-large", "a.weight")]
+    assert ids(R.UpdateRatioTooLarge().check(spiked([0.8, 0.9]))) == [("update-ratio-too-large", "a.weight")]  # at once
+    # a network killed by a spike falls back to chance, below the loss the spike raised but not below the start
+    died = history({"UpdateSize": [[1e-3, 1e-3], [5.0, 0.01], [1e-3, 1e-3], [1e-3, 1e-3]],
+                    "ParamNorm": [[1.0, 1.0]] * 4, "Loss": [2.31, 2.47, 2.34, 2.35]}, shapes)
+    assert ids(R.UpdateRatioTooLarge().check(died)) == [("update-ratio-too-large", "a.weight")]
     # a zero-initialized parameter (position embeddings) is skipped: relative to nothing, any update is large
     zero_init = history({"UpdateSize": [[0.5, 0.01]] * 5, "ParamNorm": [[0.0, 1.0]] + [[0.6, 1.0]] * 4})
     assert R.UpdateRatioTooLarge().check(zero_init) == []

@@ -154,7 +154,9 @@ def test_exploding_gradient_before_any_update_points_at_the_model():
 
 def test_update_ratio_spike_on_a_cnn():
     problem, healthy = twin("lr-huge-cnn-sgd", lr=0.1)
-    assert alarms(problem)["update-ratio-too-large"][0].step <= 1
+    # the spike of step 1 is confirmed by the loss after it (round 9), reported at step 2 (at 1 before)
+    (first, *_) = alarms(problem)["update-ratio-too-large"]
+    assert first.step <= 2 and first.evidence["since"] <= 1
     assert alarms(healthy) == {}
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from cockpit_like.diagnosis.history import RunHistory, to_float
 
-__all__ = ["rate_name", "rates", "rate_at", "peak_rate_before", "scheduled_share", "warming_up", "adaptive",
+__all__ = ["rate_name", "rates", "rate_at", "peak_rate_before", "scheduled_share", "warming_up", "rate_settled", "adaptive",
            "loss_share"]
 
 
@@ -92,9 +92,32 @@ def scheduled_share(history: RunHistory, step: int) -> float:
 
 def warming_up(history: RunHistory, since: int, step: int, factor: float = 1.2) -> bool:
     """Whether the learning rate rose by more than ``factor`` between ``since`` and ``step`` (warm-up,
-    the rising half of a one-cycle schedule)."""
+    the rising half of a one-cycle schedule), or rose at all between them while above ``factor`` x the
+    first stored rate (a slow warm-up seen over a short window: a one-cycle schedule's 60-step rise
+    gains 2-10% over 5 steps; round 9)."""
     start, end = rate_at(history, since), rate_at(history, step)
-    return bool(start > 0 and end > factor * start)
+    if not start > 0:
+        return False
+    if end > factor * start:
+        return True
+    steps, values = rates(history)
+    first = next((value for value in values if math.isfinite(value)), math.nan)
+    return bool(end > start and first > 0 and end > factor * first)
+
+
+def rate_settled(history: RunHistory, step: int, factor: float = 1.2) -> int | None:
+    """The first stored step at which the running peak of the learning rate came within ``factor`` of
+    its value at ``step``: where the run began to train at its rate (the end of a warm-up, the step of a
+    raised rate; the first step for a constant or decaying schedule). ``None`` when the rate is not stored."""
+    steps, peaks = _running_peaks(history)
+    if not steps:
+        return None
+    index = int(np.searchsorted(np.asarray(steps), step, side="right")) - 1
+    if index < 0 or not math.isfinite(peaks[index]):
+        return None
+    target = peaks[index] / factor
+    first = int(np.searchsorted(np.asarray(peaks[: index + 1]), target, side="left"))  # peaks never fall
+    return int(steps[min(first, index)])
 
 
 def adaptive(history: RunHistory) -> bool:

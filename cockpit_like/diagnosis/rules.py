@@ -92,6 +92,22 @@ def _total_norm(value: Any) -> float:
     return math.nan if blocks is None else float(np.sqrt(np.sum(blocks**2)))
 
 
+def _global_update_ratio(history: RunHistory, steps) -> float:
+    """The median over ``steps`` of ``||update|| / ||parameters||`` over every tracked parameter (``UpdateSize``
+    and ``ParamNorm``), or NaN where either is not tracked: whether the parameters move at all."""
+    if not (history.has("UpdateSize") and history.has("ParamNorm")):
+        return math.nan
+    wanted = {int(step) for step in steps}
+    updates = dict(history.last("UpdateSize", len(wanted) + 2))
+    norms = dict(history.last("ParamNorm", len(wanted) + 2))
+    ratios = []
+    for step in wanted & set(updates) & set(norms):
+        update, norm = _total_norm(updates[step]), _total_norm(norms[step])
+        if math.isfinite(update) and norm > 0:
+            ratios.append(update / norm)
+    return _median(ratios) if ratios else math.nan
+
+
 def _blocks(value: Any) -> np.ndarray | None:
     return block_values(value)
 
@@ -357,6 +373,14 @@ class LossNotDecreasing(Rule):
     slow healthy runs with batches of 8 reach ``z`` up to 3.4 (their loss
     falls 2-5% in 60 steps at a noise of 2-3% per step), runs with shuffled
     labels 5.1 and 7.6.
+
+    After a warm-up (or a raised rate) no verdict before ``min_values`` finite losses counted from where
+    the run began to train at its rate (``recipe.rate_settled``: the running peak of the rate within 1.2x
+    of today's; round 9): a loss that did not fall while the rate still rose has not yet stalled at the
+    run's rate (outside trial 8's healthy one-cycle CNN sat at chance for its 60-step warm-up and fell 20
+    steps after the peak). The comparison itself still starts at the run's first loss: counted from the
+    end of the warm-up, a healthy language model of the generated corpus whose loss fell during its
+    8-step warm-up and then sat at the unigram level for 40 steps was called stalled.
     """
 
     id = "loss-not-decreasing"
@@ -379,6 +403,17 @@ class LossNotDecreasing(Rule):
         finite = history.count("Loss") - history.nonfinite("Loss")[1]
         if finite < max(self.min_values, 2 * self.window):
             return []
+        loss_steps, losses = history.scalars("Loss")
+        settled = recipe.rate_settled(history, int(loss_steps[-1]))
+        if settled is not None and settled > loss_steps[0]:
+            # no verdict before ``min_values`` finite losses at the run's rate (after a warm-up; round 9); the
+            # finite losses before it are counted once per settled step, so the cost per step stays flat
+            at = int(np.searchsorted(loss_steps, settled))
+            memo = history.memo.setdefault(f"{self.id}/{id(self)}", {})
+            if memo.get("key") != (settled, history.version("Loss")):
+                memo.update(key=(settled, history.version("Loss")), before=int(np.isfinite(losses[:at]).sum()))
+            if finite - memo["before"] < max(self.min_values, 2 * self.window):
+                return []
         count = max(self.window, min(finite // 4, self.max_quarter))
         first_steps, first_values = history.head("Loss", count)
         last_steps, last_values = history.tail("Loss", count)
@@ -989,17 +1024,21 @@ class UpdateRatioTooSmall(_UpdateRatio):
         return 0.0 < ratio < self.threshold
 
     def _plain(self, history: RunHistory, step: int) -> bool:
-        """Whether the update at ``step`` was a plain (not adaptive) step, ``lr x gradient``: the median
-        over weights of ``UpdateSize / (lr x GradNorm)`` within ``plain`` of 1. An adaptive optimizer
-        (Adam, Adagrad: about ``lr`` per coordinate) makes such steps only while it is not yet adaptive:
-        RAdam's un-rectified first steps (``lr x`` the bias-corrected momentum; round 7)."""
+        """Whether the update at ``step`` was a plain (not adaptive) step, at most ``lr x gradient``: the
+        median over weights of ``UpdateSize / (lr x GradNorm)`` at most ``plain``. An adaptive optimizer
+        (Adam, Adagrad: about ``lr`` per coordinate, far more than ``lr x`` a gradient whose coordinates are
+        well below 1) makes such steps only while it is not yet adaptive: RAdam's un-rectified first steps
+        (``lr x`` the bias-corrected momentum; round 7). Until round 9 the ratio had to lie within ``plain``
+        of 1; RAdam's momentum averages gradients of different sizes (outside trial 8: a FiLM MLP with
+        RAdam, whose second to fifth steps were 0.3-0.6x ``lr x`` the gradient, was named a learning rate
+        too small, healthy and at batch 1)."""
         update, grad, rate = (history.get(name, step) for name in ("UpdateSize", "GradNorm", "LearningRate"))
         update, grad, rate = _blocks(update), _blocks(grad), to_float(rate)
         if update is None or grad is None or len(update) != len(grad) or not (math.isfinite(rate) and rate > 0):
             return False
         ratios = [update[i] / (rate * grad[i]) for i in range(len(grad))
                   if (history.param_ndim(i) or 2) >= 2 and grad[i] > 0 and math.isfinite(update[i])]
-        return bool(ratios) and abs(math.log(_median(ratios))) < math.log(self.plain)
+        return bool(ratios) and _median(ratios) <= self.plain
 
     plain: float = 1.5
 
@@ -1069,6 +1108,33 @@ class UpdateRatioTooLarge(_UpdateRatio):
 
     falling: float = 0.02
 
+    confirm: int = 2
+
+    def _spike_verdict(self, history: RunHistory, step: int) -> str:
+        """``"blow-up"``, ``"progress"`` or ``"wait"`` for a single large update at ``step``. The losses after
+        it (which it made) are read against the lower of the loss at ``step`` and the run's first loss: one at
+        or above it, or not finite, is a blow-up (reported at once); ``confirm`` below it are progress (no
+        finding); fewer, all below it, are waited for. Without a tracked loss every spike is a blow-up.
+
+        Round 9: outside trial 8's healthy logistic regression took a first SGD step of 1.03x its small
+        initial weights and its loss fell 0.76 -> 0.48 -> 0.45 (0.26 after 10 steps); it was named a
+        learning rate too large at step 0. The run's first loss is in the reference because a network that
+        dies from a spike falls back to chance, below a loss the spike had raised (the fixed corpus's CNN at
+        lr 5: 2.31, then 2.47 at the spike, then 2.34 and 2.35)."""
+        if not history.has("Loss"):
+            return "blow-up"  # nothing to judge it by: reported at once
+        loss_steps, losses = history.scalars("Loss")
+        at = int(np.searchsorted(loss_steps, step))
+        here = float(losses[at]) if at < len(loss_steps) and loss_steps[at] == step else math.nan
+        first = history.head("Loss", 1)[1]
+        reference = min(here, float(first[0])) if len(first) else here
+        if not math.isfinite(reference):
+            return "blow-up"
+        after = losses[np.searchsorted(loss_steps, step, side="right") :][: self.confirm]
+        if not (np.isfinite(after).all() and (after < reference).all()):
+            return "blow-up"
+        return "progress" if len(after) >= self.confirm else "wait"
+
     def check(self, history: RunHistory) -> list[Finding]:
         found = self._ratios(history)
         if found is None:
@@ -1087,8 +1153,13 @@ class UpdateRatioTooLarge(_UpdateRatio):
             for index in self._layers(history, ratios.shape[1]):
                 ratio = float(median[index])
                 if math.isfinite(ratio) and self._wrong(ratio):
+                    # the evidence starts at the window's first update above the threshold (round 9: a spike
+                    # that waits for the losses after it left the window's median to report a rate raised
+                    # at step 28 as large since step 26, the window's start)
+                    column = ratios[:, index]
+                    since = next((steps[i] for i in range(len(steps)) if column[i] > self.threshold), steps[0])
                     finding = self._finding(history, index, steps, ratio,
-                                            f"median over steps {steps[0]}..{steps[-1]}", steps[0])
+                                            f"median over steps {steps[0]}..{steps[-1]}", since)
                     finding.evidence["strength"] = _strength(math.log10(ratio / self.threshold), 0.3, 1.0)
                     findings.append(finding)
         if self.spike is None:
@@ -1098,7 +1169,16 @@ class UpdateRatioTooLarge(_UpdateRatio):
             column = ratios[:, index]
             if history.param_name(index) in seen or not (column > self.spike).any():  # NaN compares False
                 continue
-            at = int(np.nanargmax(column))
+            # the earliest spike the losses after it confirm (a later, larger one does not hide it)
+            at = None
+            for candidate in np.flatnonzero(column > self.spike):
+                verdict = self._spike_verdict(history, steps[int(candidate)])
+                if verdict == "blow-up":
+                    at = int(candidate)
+                if verdict != "progress":
+                    break
+            if at is None:
+                continue
             finding = self._finding(history, index, steps, float(column[at]), f"at step {steps[at]}", steps[at])
             finding.message += f"; a single update above {_g(self.spike)} x the norm is a blow-up"
             finding.evidence.update(spike=self.spike, strength=_strength(math.log10(column[at] / self.spike), 0.3, 1.0))
@@ -1764,8 +1844,15 @@ class PoorInitialization(Rule):
 
 # ---- generalization ---------------------------------------------------------------------------------
 class Overfitting(Rule):
-    """The validation loss (``cockpit.log(valid_loss=...)``) rose ``rise`` (relative) above its best for
-    the last ``patience`` logs while the training loss kept falling."""
+    """The validation loss (``cockpit.log(valid_loss=...)``) rose above its best by more than ``rise`` x its
+    scale for the last ``patience`` logs while the training loss kept falling.
+
+    The scale is the larger of the best validation loss (in absolute value) and how far the validation loss
+    had fallen to it (its highest value up to the best minus the best). Until round 9 it was the best value
+    alone: outside trial 8's healthy 1-D CNN (validation loss 0.60 -> 0.062 -> 0.106 -> 0.083 -> 0.018) and
+    Gaussian-NLL regression (0.60 -> -0.0094 -> 0.0116, a negative best, for which a relative rise means
+    nothing) were called overfitting by rises of 4% and 2% of the fall they had made; the fixed corpus's
+    overfitting runs rose by 29% and 127% of theirs when the rule first fired."""
 
     id = "overfitting"
     severity = "warning"
@@ -1782,7 +1869,10 @@ class Overfitting(Rule):
         best_at = int(np.argmin(valid))
         best, best_step = float(valid[best_at]), int(steps[best_at])
         latest_step, latest = int(steps[-1]), float(valid[-1])
-        if best_at > len(valid) - 1 - self.patience or not (valid[-self.patience :] > (1 + self.rise) * best).all():
+        # the rise is measured against the loss's scale: the larger of the best value and how far the validation
+        # loss had fallen to it (a loss near 0, or a negative one as a Gaussian likelihood's, has no relative scale)
+        scale = max(abs(best), float(np.max(valid[: best_at + 1])) - best)
+        if best_at > len(valid) - 1 - self.patience or not (valid[-self.patience :] > best + self.rise * scale).all():
             return []
         train_then = history.at_or_before("train_loss", best_step)
         train_now = history.at_or_before("train_loss", latest_step)
@@ -2056,6 +2146,12 @@ class SaturatedOutput(Rule):
     the floor, those with 10 or 16 classes by step 38 at the latest (a run
     that stays at chance, with shuffled labels or a tiny learning rate,
     stays 10% or more above the floor and leaves through the ceiling).
+
+    The first test also needs the parameters to move (the global update ratio over the last ``window``
+    steps, with ``UpdateSize`` and ``ParamNorm`` tracked, at least ``moving``, as ``loss-at-chance``'s):
+    a loss that neither varies nor falls while the weights barely move is a learning rate too small
+    (round 9: outside trial 8's denoising autoencoder at a rate 10,000x too small, whose reconstruction
+    loss over 64 pixels per sample is quiet by nature, was named a squashed output).
     """
 
     id = "saturated-output"
@@ -2064,7 +2160,8 @@ class SaturatedOutput(Rule):
 
     def __init__(self, window: int = 15, quiet: float = 0.0015, flat: float = 0.95, patience: int = 30,
                  band_window: int = 20, band_settle: int = 10, tolerance: float = 1e-3, touch: float = 0.05,
-                 band_long: int = 50, narrow: float = 0.6):
+                 band_long: int = 50, narrow: float = 0.6, moving: float = 3e-4):
+        self.moving = _check_nonnegative("moving", moving)
         self.window = _check_window(window)
         self.patience = _check_window(patience, "patience")
         self.quiet = _check_positive("quiet", quiet)
@@ -2168,13 +2265,16 @@ class SaturatedOutput(Rule):
         if not memo["quiet"] or history.count("Loss") < self.patience:
             return []
         steps, center, noise = memo["steps"], memo["center"], memo["noise"]
-        _, recent = history.tail("Loss", self.window)
+        recent_steps, recent = history.tail("Loss", self.window)
         late_center = _median(recent)
         if not (late_center > 0 and _robust_scale(np.diff(recent)) / math.sqrt(2.0) < self.quiet * late_center):
             return []  # a plateau that broke: its loss varies now
         share = recipe.loss_share(history)
         if not share > self.flat:
             return []
+        ratio = _global_update_ratio(history, recent_steps)
+        if math.isfinite(ratio) and ratio < self.moving:
+            return []  # the parameters barely move: a flat loss of a learning rate too small (round 9)
         return [
             self.finding(
                 int(history.tail("Loss", 1)[0][-1]),
@@ -2213,6 +2313,11 @@ class LossAtChance(Rule):
     (4%) of chance for ``wide_window`` (45) tracked steps (round 5, tuning families of seeds 0-3:
     healthy runs stayed within 4% for at most 29 steps; two-class runs with shuffled labels, whose
     loss wanders 2-4% around ``log 2``, for 50 or more).
+
+    Not while the learning rate rises over the window (a warm-up, the first half of a one-cycle schedule:
+    ``recipe.warming_up``, as ``update-ratio-too-small`` reads it): the window counts steps taken at the
+    run's rate (round 9: outside trial 8's healthy squeeze-and-excitation CNN with a one-cycle schedule sat
+    at chance while its rate rose for 60 steps, and left it 20 steps after the peak).
     """
 
     id = "loss-at-chance"
@@ -2257,19 +2362,6 @@ class LossAtChance(Rule):
                 return steps, values, margin
         return None
 
-    def _update_ratio(self, history: RunHistory, steps: np.ndarray) -> float:
-        if not (history.has("UpdateSize") and history.has("ParamNorm")):
-            return math.nan
-        wanted = {int(step) for step in steps}
-        updates = dict(history.last("UpdateSize", len(steps) + 2))
-        norms = dict(history.last("ParamNorm", len(steps) + 2))
-        ratios = []
-        for step in wanted & set(updates) & set(norms):
-            update, norm = _total_norm(updates[step]), _total_norm(norms[step])
-            if math.isfinite(update) and norm > 0:
-                ratios.append(update / norm)
-        return _median(ratios) if ratios else math.nan
-
     def check(self, history: RunHistory) -> list[Finding]:
         classes, tokens = self._classes(history)
         if classes is None:
@@ -2287,7 +2379,9 @@ class LossAtChance(Rule):
         third = max(len(values) // 3, 1)
         if (_median(values[:third]) - _median(values[-third:])) > self.max_fall * chance:
             return []  # at chance, but falling: a slow start
-        ratio = self._update_ratio(history, steps[self.median_of - 1:])
+        if recipe.warming_up(history, int(steps[self.median_of - 1]), int(steps[-1])):
+            return []  # the learning rate still rises: the run has not yet trained at its rate (round 9)
+        ratio = _global_update_ratio(history, steps[self.median_of - 1:])
         if math.isfinite(ratio) and ratio < self.moving:
             return []  # the parameters barely move: a learning rate too small, not the data
         # where the stretch at chance began (kept while it lasts)
