@@ -222,3 +222,27 @@ def test_the_log_keeps_each_estimates_standard_error_beside_it(tmp_path):
         loss.backward(create_graph=cockpit.create_graph(0))
     assert exact.method == "diag_h" and 0 in exact.get_output()
     assert "standard_errors" not in cockpit.get_output()[0].get("checks", {})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_standard_error_is_never_below_the_rounding_of_the_sums(dtype):
+    """Outside trial 9: on a space the products leave invariant (a rank-2 Hessian), Hutch++ is exact up to
+    rounding, and its stored standard error was the samples' 2e-33 (float64) / 2e-15 (float32) while the value
+    was 5.6e-17 / 5e-8 off: the exact trace 1e7-1e16 'standard errors' away. Now the error is at least the
+    rounding of the sums (eps x sqrt(D) x sum |c|), and the exact trace lies within it."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).to(dtype)  # squared error: a Hessian of rank <= 4 (inputs and bias)
+    inputs, targets = torch.randn(8, 3, dtype=dtype), torch.randn(8, 1, dtype=dtype)
+    every = linear(1)
+    trace = HessTrace(every, curvature="hutch++")
+    cockpit = Cockpit(model.parameters(), quantities=[HessMaxEV(every), trace], model=model)
+    loss = ((model(inputs) - targets) ** 2).mean()
+    with cockpit(0, info={"loss": loss, "batch_size": 8}):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    value, error = sum(cockpit.get_output()[0]["HessTrace"]), trace.total_errors[0]
+    design = torch.cat([inputs, torch.ones(8, 1, dtype=dtype)], 1).double()
+    exact = float(torch.trace(2 * design.T @ design / 8))
+    eps = torch.finfo(dtype).eps
+    assert trace.estimators[0] == "hutch++"
+    assert error >= eps * exact  # the floor: not the samples' spread of ~0
+    assert abs(value - exact) <= 3 * error

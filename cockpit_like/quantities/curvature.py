@@ -99,6 +99,8 @@ constructed (a :class:`UnknownCurvatureError`, both a ``ValueError`` and a
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
@@ -384,8 +386,11 @@ class HessTrace(_DiagCurvatureQuantity):
             return None
         traces = [float(c.sum()) for c in diagonals]
         if self._errors is not None:
-            self.standard_errors[global_step] = list(self._errors["block_errors"])
-            total_error = float(self._errors["trace_error"])
+            # never below the rounding of the sums themselves (eps x sqrt(D) x sum |c|): on a space the products
+            # leave invariant the estimate is exact up to rounding, and the spread of the samples was 1e-33
+            floors = [float(torch.finfo(c.dtype).eps * math.sqrt(max(c.numel(), 1)) * c.abs().sum()) for c in diagonals]
+            self.standard_errors[global_step] = [max(float(e), f) for e, f in zip(self._errors["block_errors"], floors)]
+            total_error = max(float(self._errors["trace_error"]), math.sqrt(sum(f * f for f in floors)))
             self.total_errors[global_step] = total_error
             self.reliable[global_step] = bool(abs(sum(traces)) > RELIABLE_SE * total_error)
             # the log keeps the total's (the value a reader sums; the blocks' stay in standard_errors[step])
