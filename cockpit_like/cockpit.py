@@ -463,6 +463,7 @@ class Cockpit:
         """The context manager around ``loss.backward()`` for ``global_step``
         (:meth:`begin` on entry, :meth:`end` on exit)."""
         _check_step_arguments(global_step, info)
+        self._refuse_closed(global_step)
         return StepContext(self.begin, self.end, global_step, exts, _inner_optimizer(info or {}), debug)
 
     def begin(self, global_step: int, *exts: Any, info: dict | None = None, debug: bool = False) -> None:
@@ -473,6 +474,7 @@ class Cockpit:
         the Hugging Face ``Trainer``). Only one step is open at a time.
         """
         _check_step_arguments(global_step, info)
+        self._refuse_closed(global_step)
         info = _inner_optimizer(info) if info is not None else None
         if self._open_step is not None:
             raise RuntimeError(
@@ -1103,9 +1105,24 @@ class Cockpit:
         return graph
 
     def close(self) -> None:
-        """Close the streaming log (nothing is lost if you never call this)."""
+        """End the run: close the streaming log and take the cockpit's hooks off the model (nothing is lost if
+        you never call this). A closed cockpit tracks no more steps (a step opened after it raises at once,
+        before the backward pass); its output stays readable. Call it before ``torch.save(model)`` of the whole
+        module (a model holding the hooks pickles references to cockpit_like; ``model.state_dict()`` never
+        does). Calling it again does nothing."""
         self._flush()
         self._output.close()
+        self._tracer.remove()
+        self._closed = True
+
+    def _refuse_closed(self, global_step: Any) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError(
+                f"cockpit step {global_step}: this Cockpit was closed (cockpit.close() ends its run: its stream is "
+                "closed and its hooks are off the model). Call close() once, after training; to track more steps, "
+                "make a new Cockpit (with a new stream_to), or continue this run from a checkpoint: "
+                "new_cockpit.load_state_dict(cockpit.state_dict()) (docs/resume.md)."
+            )
 
     @staticmethod
     def _merge_batch_grad_transform_hooks(batch_grad_transform_hooks: list) -> Any:

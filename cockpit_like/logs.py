@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -201,8 +202,14 @@ class StreamWriter:
             not only a killed process; slower).
     """
 
+    #: ``{resolved path: writer}`` of the files open in this process: a second writer that opens one
+    #: takes it over (see :meth:`_take_over`)
+    _owners: "weakref.WeakValueDictionary[str, StreamWriter]" = weakref.WeakValueDictionary()
+
     def __init__(self, logpath: str | os.PathLike, metadata: dict, fsync: bool = False):
         self.path = _json_path(logpath, ".jsonl")
+        #: another writer in this process opened the same file after this one: this one writes no more
+        self.superseded = False
         make_folder(self.path.parent, "the stream (stream_to)")
         self._fsync = fsync
         self._handle: IO[bytes] | None = None
@@ -246,6 +253,7 @@ class StreamWriter:
             raise RuntimeError(f"the stream to {self.path} was already written; continue it before the first step")
         if not stream_holds(self.path, offset, tail):
             raise ValueError(f"{self.path} does not hold the line {tail[:80]!r} ending at byte {offset}")
+        self._take_over()
         handle = open(self.path, "r+b", buffering=0)
         handle.truncate(offset)
         handle.seek(offset)
@@ -256,7 +264,29 @@ class StreamWriter:
     def _encode(document: dict) -> bytes:
         return (json.dumps(document, allow_nan=False) + "\n").encode()
 
+    def _take_over(self) -> None:
+        """Become the one writer of this file in the process. A writer that still has it open (two cockpits
+        given one ``stream_to``, or a notebook cell that made a new cockpit while the old one lives) stops
+        writing to it, with a warning: their lines interleaved, and no reader could read the file (outside
+        trial 9). The other cockpit keeps every step in memory."""
+        key = str(self.path.resolve())
+        other = StreamWriter._owners.get(key)
+        if other is not None and other is not self and other._handle is not None and not other._closed:
+            other._handle.close()
+            other._handle, other._queue, other.superseded = None, [], True
+            import warnings
+
+            warnings.warn(
+                f"[cockpit_like] two cockpits stream to {self.path}: the newer one now writes it (it starts the file "
+                "afresh) and the older one writes no more (its steps stay in its memory: cockpit.get_output(), "
+                "cockpit.write(path)). Give each Cockpit its own stream_to, or close() the old one first.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        StreamWriter._owners[key] = self
+
     def _open(self) -> None:
+        self._take_over()
         # unbuffered: what a write call returns is in the file, so a failed line can be cut back exactly
         handle = open(self.path, "wb", buffering=0)
         self._queue[:0] = [self._encode(document) for document in self._waiting]  # (then dropped: never lost)
@@ -282,6 +312,8 @@ class StreamWriter:
         """Queue encoded lines (:meth:`step_line`, :meth:`retract_line`) to be written by :meth:`drain`."""
         if self._closed:
             raise RuntimeError(f"the stream to {self.path} was closed")
+        if self.superseded:
+            return  # another cockpit writes this file now (warned when it took it over); memory has the steps
         self._queue.extend(lines)  # one operation: all of them or none
 
     def drain(self) -> bool:
@@ -349,6 +381,9 @@ class StreamWriter:
 
     def close(self) -> None:
         if self._closed:
+            return
+        if self.superseded:  # another cockpit writes the file now: nothing of this one goes there
+            self._closed = True
             return
         if self._handle is None and not self._queue:
             self._queue = [self._encode(document) for document in self._waiting]  # a run without steps: its header

@@ -60,6 +60,8 @@ class RunOutput:
         self._held: list[tuple[bytes | None, int, dict[str, Any] | None]] | None = None
         #: what undoes each change the step being stored made here (:meth:`rollback`)
         self._journal: list[Callable[[], None]] = []
+        #: listeners whose last call raised (warned once per streak of failures)
+        self._failing_listeners: set[int] = set()
 
     # ---- one step, all or nothing -------------------------------------------------------
     def hold(self) -> None:
@@ -87,7 +89,29 @@ class RunOutput:
         for _, step, values in held or ():
             if values is not None:
                 for listener in list(self.listeners):
-                    listener(step, values)
+                    self._call(listener, step, values)
+
+    def _call(self, listener: Listener, step: int, values: dict[str, Any]) -> None:
+        """Call one listener; one that raises (an exporter whose folder vanished, a viewer that closed) does not
+        stop the run, as a failed stream write does not: a warning names it and the error, once per streak of
+        failures, and it is called again at the next step. The step is stored whatever it does."""
+        try:
+            listener(step, values)
+        except Exception as error:  # (KeyboardInterrupt and SystemExit still stop the run)
+            if id(listener) not in self._failing_listeners:
+                self._failing_listeners.add(id(listener))
+                import warnings
+
+                warnings.warn(
+                    f"[cockpit_like] the listener {getattr(listener, '__qualname__', None) or listener!r} raised at "
+                    f"step {step} ({type(error).__name__}: {error}); the step is stored (memory and stream) and "
+                    "training goes on. It is called again at the next step; this warning comes once until it "
+                    "succeeds. Remove it with cockpit.remove_listener(...) (an exporter: exporter.close()).",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        else:
+            self._failing_listeners.discard(id(listener))
 
     def rollback(self) -> bool:
         """Take back what the step being stored changed here and drop what it published; whether it was still
