@@ -1115,6 +1115,16 @@ class Cockpit:
         self._tracer.remove()
         self._closed = True
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a Cockpit cannot be pickled or copied: it holds hooks on the model, open files and weak references. "
+            "Save cockpit.state_dict() (plain tensors and values) in your checkpoint and load it into a new Cockpit "
+            "with load_state_dict() (docs/resume.md); for another process, make the Cockpit there."
+        )
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
+
     def _refuse_closed(self, global_step: Any) -> None:
         if getattr(self, "_closed", False):
             raise RuntimeError(

@@ -94,3 +94,15 @@ def test_two_cockpits_with_one_stream_to_leave_a_readable_file(tmp_path):
     assert sorted(logged) == [0, 1, 2]
     assert [logged[s]["Loss"] for s in (0, 1, 2)] == [second.get_output()[s]["Loss"] for s in (0, 1, 2)]
     assert sorted(first.get_output()) == [0, 1, 2]  # the older one keeps its steps in memory
+
+
+def test_a_cockpit_cannot_be_pickled_or_copied_and_says_what_to_save():
+    import copy
+    import pickle
+
+    model = _model()
+    cockpit = Cockpit(model.parameters(), quantities=[Loss(linear(1))], model=model)
+    for attempt in (lambda: pickle.dumps(cockpit), lambda: copy.deepcopy(cockpit), lambda: copy.copy(cockpit)):
+        with pytest.raises(TypeError, match="state_dict") as error:
+            attempt()
+        assert "cannot be pickled or copied" in str(error.value)
