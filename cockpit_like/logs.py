@@ -207,6 +207,18 @@ class StreamWriter:
     _owners: "weakref.WeakValueDictionary[str, StreamWriter]" = weakref.WeakValueDictionary()
 
     def __init__(self, logpath: str | os.PathLike, metadata: dict, fsync: bool = False):
+        if not isinstance(logpath, (str, os.PathLike)):
+            raise TypeError(
+                f"Cockpit(stream_to=...) takes a path (str or pathlib.Path) without an extension, e.g. 'runs/exp1' "
+                f"(the cockpit writes runs/exp1.jsonl), got {type(logpath).__name__}"
+            )
+        text = os.fspath(logpath)
+        if text.endswith(("/", os.sep)):  # (a folder of that name may exist: runs/exp1 beside TensorBoard's runs/exp1/)
+            raise ValueError(
+                f"Cockpit(stream_to={text!r}) names a folder; stream_to is the log's path (runs/exp1 writes runs/exp1.jsonl): "
+                f"e.g. stream_to={os.path.join(text.rstrip('/' + os.sep) or '.', 'run')!r} writes "
+                f"{os.path.join(text.rstrip('/' + os.sep) or '.', 'run.jsonl')} (and cockpit.write() its .json)"
+            )
         self.path = _json_path(logpath, ".jsonl")
         #: another writer in this process opened the same file after this one: this one writes no more
         self.superseded = False

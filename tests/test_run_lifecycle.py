@@ -106,3 +106,15 @@ def test_a_cockpit_cannot_be_pickled_or_copied_and_says_what_to_save():
         with pytest.raises(TypeError, match="state_dict") as error:
             attempt()
         assert "cannot be pickled or copied" in str(error.value)
+
+
+def test_stream_to_must_be_a_path_and_not_a_folder(tmp_path):
+    params = [torch.zeros(2, requires_grad=True)]
+    with pytest.raises(TypeError, match=r"stream_to=\.\.\.\) takes a path"):
+        Cockpit(params, stream_to=123)
+    with pytest.raises(ValueError, match="names a folder") as error:
+        Cockpit(params, stream_to=f"{tmp_path}/logs/")  # before: wrote logs.jsonl beside the folder
+    assert f"{tmp_path}/logs/run.jsonl" in str(error.value)
+    (tmp_path / "exp1").mkdir()  # TensorBoard's folder of the same name: the cockpit's log goes beside it
+    cockpit = Cockpit(params, stream_to=tmp_path / "exp1")
+    assert cockpit.stream_path == str(tmp_path / "exp1.jsonl")
