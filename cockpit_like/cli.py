@@ -49,12 +49,17 @@ def _number(value: float) -> str:
     return f"{value:.3e}"
 
 
-def summarize(value: Any) -> str:
-    """A one-line description of a stored value.
+#: quantities stored as one L2 norm per parameter block: summarised by the norm over all parameters,
+#: ``sqrt(sum_p v_p^2)`` (what the dashboard plots as ||grad L||, ||update||, ...), not by the blocks' sum
+BLOCK_NORMS = ("GradNorm", "ParamNorm", "UpdateSize", "Distance")
 
-    Numbers as they are; per-parameter lists as ``sum`` and ``mean`` over the
-    blocks; histograms as their total count and shape; other dicts by their
-    scalar fields (e.g. KFACTrace's ``trace_total``).
+
+def summarize(value: Any, name: str | None = None) -> str:
+    """A one-line description of a stored value (``name``: the quantity's, to know its kind).
+
+    Numbers as they are; per-parameter norms (:data:`BLOCK_NORMS`) as the norm over all parameters and the
+    blocks' mean; other per-parameter lists as ``sum`` and ``mean`` over the blocks; histograms as their total
+    count and shape; other dicts by their scalar fields (e.g. KFACTrace's ``trace_total``).
     """
     if value is None:
         return "None"
@@ -89,6 +94,9 @@ def summarize(value: Any) -> str:
             sizes = [int(np.asarray(v, dtype=float).size) for v in value]
             return f"{len(value)} blocks, {sum(sizes)} entries"
         return type(value).__name__
+    if array.ndim == 1 and name in BLOCK_NORMS:
+        return (f"norm {_number(float(np.sqrt(np.sum(array**2))))} over all parameters (per-block mean "
+                f"{_number(float(array.mean()))} over {array.size} params)")
     if array.ndim == 1:
         return f"sum {_number(float(array.sum()))}, mean {_number(float(array.mean()))} over {array.size} params"
     return f"array {array.shape}, mean {_number(float(array.mean()))}"
@@ -104,7 +112,7 @@ def summary_rows(steps: Mapping[int, Mapping[str, Any]]) -> list[tuple[str, int,
                 continue
             counts[name] = counts.get(name, 0) + 1
             last[name] = (step, value)
-    return [(name, counts[name], last[name][0], summarize(last[name][1])) for name in last]
+    return [(name, counts[name], last[name][0], summarize(last[name][1], name)) for name in last]
 
 
 def _print_table(rows: Sequence[Sequence[str]], header: Sequence[str]) -> None:

@@ -56,8 +56,10 @@ def test_summary(run, suffix, capsys):
     assert rows["Loss"] == [str(STEPS), str(STEPS - 1), f"{last_loss:.4g}"]
     assert rows["UpdateSize"][:2] == [str(STEPS - 1), str(STEPS - 2)]  # stored under the start step
     norms = output[STEPS - 1]["GradNorm"]
+    # the norm over all parameters (what the dashboard plots as ||grad L||), not the sum of the blocks' norms
     assert rows["GradNorm"][2] == (
-        f"sum {float(np.sum(norms)):.4g}, mean {float(np.mean(norms)):.4g} over {len(norms)} params"
+        f"norm {float(np.sqrt(np.sum(np.square(norms)))):.4g} over all parameters (per-block mean "
+        f"{float(np.mean(norms)):.4g} over {len(norms)} params)"
     )
     hist = output[STEPS - 1]["GradHist1d"]["hist"]
     assert rows["GradHist1d"][2] == f"histogram {len(hist)} bins, {BATCH * entries} counts"
