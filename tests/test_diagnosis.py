@@ -864,3 +864,19 @@ def test_a_report_shows_its_table_in_a_notebook_and_print():
     printer = Printer()
     report._repr_pretty_(printer, cycle=False)
     assert printer.texts == [str(report)]
+
+
+def test_a_nan_the_step_received_is_worded_as_the_data_not_an_operation():
+    """Outside trial 9: a NaN planted in a batch: the recorder said 'the value input was already non-finite',
+    and the grouped diagnosis still said 'an operation made a NaN' (the nonfinite-loss fix: lower the rate)."""
+    from cockpit_like.diagnosis import Finding, group_findings
+
+    loss = Finding("nonfinite-loss", "error", 3, "the loss is nan at step 3", evidence={"first_step": 3})
+    received = Finding("nonfinite-origin", "error", 3, "the value input was already non-finite",
+                       evidence={"origin": "input", "since": 3})
+    (incident,) = group_findings([loss, received])
+    assert incident.cause == "nonfinite-operation" and "received a NaN" in incident.title
+    assert "check the batch" in incident.fix
+    made = Finding("nonfinite-origin", "error", 3, "log made -inf", evidence={"origin": "operation", "since": 3})
+    (incident,) = group_findings([loss, made])
+    assert incident.title == "an operation made a NaN or an infinity"

@@ -116,7 +116,18 @@ def _wording(cause_id: str, evidence: list[Finding]) -> tuple[str, str]:
         return cause.title, _GENERAL_EXPLODING_FIX
     if cause_id == "unnormalized-inputs" and any("input_rms" in f.evidence for f in evidence):
         return _RAW_INPUT_TITLE, cause.fix
+    if cause_id == "nonfinite-operation" and any(
+            f.rule == "nonfinite-origin" and f.evidence.get("origin") == "input" for f in evidence):
+        return _NONFINITE_INPUT_TITLE, _NONFINITE_INPUT_FIX  # the recorder saw it arrive (outside trial 9)
     return cause.title, cause.fix
+
+
+#: the wording of a non-finite value the recorder found already in the step's input (data or parameters)
+_NONFINITE_INPUT_TITLE = ("the step received a NaN or an infinity: its data (or parameters made non-finite at "
+                          "an earlier step) carried it; no operation of the step made it")
+_NONFINITE_INPUT_FIX = ("check the batch of that step (torch.isfinite(x).all() where the data is loaded or "
+                        "transformed); if the batch is finite, the parameters were: record the step before with "
+                        "cockpit.record(step) to find the operation that made them")
 
 
 #: every cause the layer can name

@@ -232,9 +232,10 @@ class NonFiniteLoss(Rule):
             self.finding(
                 step,
                 f"the loss is {value} at step {step} ({count} of {total} tracked steps non-finite so far)",
-                fix="lower the learning rate or clip gradients (torch.nn.utils.clip_grad_norm_); look for "
-                "log(0), division by zero or exp overflow in the model and loss (cockpit.record(step) "
-                "names the operation that made the first non-finite value)",
+                fix="after a blow-up (losses growing before it): lower the learning rate or clip gradients "
+                "(torch.nn.utils.clip_grad_norm_); without one, check that step's batch for NaN or inf and look "
+                "for log(0), division by zero or exp overflow in the model and loss (cockpit.record(step) names "
+                "the operation that made the first non-finite value, or says the step received it)",
                 evidence={"first_step": step, "value": value, "nonfinite_steps": count},
             )
         ]

@@ -317,6 +317,7 @@ class Record:
                        f"run this operation in float32 (inside torch.autocast(device_type, enabled=False), on "
                        f"inputs cast with .float()), use bfloat16, or bound its input. {fix}")
         evidence = {k: origin[k] for k in ("op_index", "op", "phase", "module", "module_type", "inputs", "outputs")}
+        evidence["origin"] = origin["kind"]  # "input": the step received it (the data, or earlier parameters)
         for key in ("micro_batch", "micro_batches", "autocast"):
             if self.data.get(key) not in (None, []):
                 evidence[key] = self.data[key]
