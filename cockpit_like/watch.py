@@ -118,6 +118,8 @@ def watch(
     """
     if interval <= 0:
         raise ValueError(f"watch: interval must be positive seconds, got {interval}")
+    if stop_after is not None and not stop_after > 0:
+        raise ValueError(f"watch: stop_after must be positive seconds (or None: until interrupted), got {stop_after}")
     deadline = time.monotonic() + wait
     while True:
         try:

@@ -155,8 +155,10 @@ def test_detector_warmup_and_ramp():
     found = ramp.update(12, 1.0, 3.0, 0.13)  # gradient norm x3 while ramping: needs ramp_z
     assert found is None
     assert SpikeDetector(window=10, warmup=3).update  # (constructor check)
-    with pytest.raises(ValueError, match="window must be at least 3"):
+    with pytest.raises(ValueError, match="window must be an int of at least 3"):
         SpikeDetector(window=2)
+    with pytest.raises(ValueError, match="window must be an int of at least 3"):  # not "non-negative" (trial 9)
+        SpikeDetector(window=-5)
 
 
 def test_robust_score():
@@ -619,6 +621,8 @@ def test_sharpness_evidence_from_hess_max_ev():
     for step, pm in stored.items():
         assert pm["sharpness"]["step"] == step and pm["sharpness"]["value"] == hess.output[step]
         assert math.isclose(pm["sharpness"]["ratio"], hess.output[step] * 0.2 / 2) and "curvature" in pm["checks"]
+    with pytest.raises(ValueError, match="layer_updates must be True or False"):  # "no" was taken as True (trial 9)
+        PostMortem(linear(1), layer_updates="no")
     with pytest.raises(ValueError, match="takes the HessMaxEV quantity"):
         PostMortem(linear(1), sharpness=3.0)
 

@@ -142,3 +142,5 @@ def test_watch_errors(tmp_path, capsys):
         from cockpit_like.watch import watch
 
         watch(tmp_path / "x.jsonl", interval=0)
+    with pytest.raises(ValueError, match="stop_after must be positive"):  # -1 was accepted (trial 9)
+        watch(tmp_path / "x.jsonl", stop_after=-1)

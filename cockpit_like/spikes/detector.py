@@ -73,11 +73,11 @@ class SpikeDetector:
     def __init__(self, window: int = 20, warmup: int = 10, z: float = 7.0, loss_ratio: float = 1.3,
                  grad_ratio: float = 3.0, ramp_z: float = 10.0, cooldown: int = 5, loss_gap: float = 0.05,
                  skip_steps: int = 2):
-        for name, value in (("window", window), ("warmup", warmup), ("cooldown", cooldown)):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+            raise ValueError(f"SpikeDetector: window must be an int of at least 3 tracked steps, got {window!r}")
+        for name, value in (("warmup", warmup), ("cooldown", cooldown)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"SpikeDetector: {name} must be a non-negative int, got {value!r}")
-        if window < 3:
-            raise ValueError(f"SpikeDetector: window must be at least 3 tracked steps, got {window}")
         if isinstance(skip_steps, bool) or not isinstance(skip_steps, int) or skip_steps < 1:
             raise ValueError(f"SpikeDetector: skip_steps must be a positive int (steps a GradScaler skipped in a "
                              f"row), got {skip_steps!r}")

@@ -103,6 +103,8 @@ class PostMortem(SingleStepQuantity):
         for name, value in (("look_back", look_back), ("moved_steps", moved_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"PostMortem: {name} must be a positive int, got {value!r}")
+        if not isinstance(layer_updates, bool):
+            raise ValueError(f"PostMortem: layer_updates must be True or False, got {layer_updates!r}")
         if sharpness is not None and not hasattr(sharpness, "output"):
             raise ValueError("PostMortem(sharpness=...) takes the HessMaxEV quantity tracked by the same cockpit "
                              f"(its output is read), got {type(sharpness).__name__}")
