@@ -354,6 +354,14 @@ class Alpha(TwoStepQuantity):
                         f"not finite (its norm is {tau}: the gradients of step {start} or the parameters at step "
                         f"{global_step} hold NaN or infinite entries, or are too large for their dtype).")
             return None
+        without = self._moved_without_gradient(record, direction)
+        if without:  # its slope at the end is unknown: counted as 0, Alpha would be wrong (outside trial 9)
+            record.note(f"Alpha of step {start} is not stored: {len(without)} tracked parameter(s) (indices "
+                        f"{without[:5]}{' ...' if len(without) > 5 else ''}) moved from step {start} to {global_step} "
+                        f"but have no gradient at step {global_step} (requires_grad=False since then: a layer frozen "
+                        "mid-run, or left out of this backward pass), so the slope of the loss along the update at "
+                        f"step {global_step}, which Alpha fits, is not known. Later steps are tracked as usual.")
+            return None
         dots = record.stat(DirectionalDots(self._dots_key(global_step)))
         mean_u1, var_u1 = sample_mean_and_variance(batch_size * dots / tau)
         if self.is_cached(start, "settled"):  # checked right after optimizer.step() (_settle)
@@ -368,6 +376,16 @@ class Alpha(TwoStepQuantity):
             record.note(unheld or self._off_prediction(start, global_step))
             return None
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+
+    @staticmethod
+    def _moved_without_gradient(record, direction) -> list[int]:
+        """Indices of the parameters the update moved that have no gradient at the end step (``requires_grad``
+        off, or no ``.grad`` from this step's backward pass): the step's gradient holds zeros there."""
+        live = getattr(record, "live_params", None)
+        if live is None or len(live) != len(direction):
+            return []
+        return [i for i, (p, d) in enumerate(zip(live, direction))
+                if (not p.requires_grad or p.grad is None) and bool((d != 0).any())]
 
     def _unheld_moved(self, start: int, end: int, direction, optimizer) -> str | None:
         """The note where tracked parameters that ``optimizer`` (``info["optimizer"]``) does not hold moved from

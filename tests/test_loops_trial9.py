@@ -1,0 +1,43 @@
+"""Training loops of outside trial 9 that the cockpit got wrong: each test fails without its fix."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.utils.configuration import configuration
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def test_alpha_of_the_step_before_a_layer_is_frozen_is_not_stored():
+    """F1: l1 frozen with requires_grad_(False) at step 2. The update from step 1 to 2 moved l1, and its slope at
+    step 2 is unknown (the step's gradient holds zeros there): Alpha of step 1 was stored as if l1's slope were 0
+    (-0.00224 for -0.0878 with SGD and momentum; the sign flipped with AdamW). Now no value, with a note."""
+    torch.manual_seed(0)
+    model = _Net().double()
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.5)
+    for step in range(5):
+        for p in model.l1.parameters():
+            p.requires_grad_(step != 2)
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+        optimizer.zero_grad()
+        losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+        loss = losses.mean()
+        with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": loss, "optimizer": optimizer}):
+            loss.backward()
+        optimizer.step()
+    output = cockpit.get_output()
+    assert "Alpha" in output[0]
+    assert "Alpha" not in output[1]
+    assert any("have no gradient at step 2" in note for note in cockpit.checks[2]["notes"])
+    assert "Alpha" in output[3]  # l1 trains again from step 3: the update 3 -> 4 and both slopes are known
