@@ -730,6 +730,15 @@ class Cockpit:
             cockpit = me()
             if cockpit is None or looking_ahead():
                 return
+            if cockpit._open_step is not None:
+                # inside the block: the step's parameters and gradients would be read after the update (Distance
+                # and UpdateSize one update off, false notes; outside trial 9): refused before anything moves
+                raise RuntimeError(
+                    f"{type(opt).__name__}.step() was called inside `with cockpit({cockpit._open_step.step}, ...)`: "
+                    "the block must hold only the backward pass (the cockpit reads the step's gradients and "
+                    "parameters when it ends, before the optimizer moves them). Call optimizer.step() after the "
+                    "block. Nothing of this step is stored and the parameters did not move."
+                )
             if cockpit._run.pending is not None:
                 cockpit._flush(at_optimizer_step=cockpit._run.pending.info.get("optimizer") is opt)
             cockpit._check_optimizer_step(opt)
