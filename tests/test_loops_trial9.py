@@ -63,3 +63,17 @@ def test_an_optimizer_step_inside_the_block_is_refused_before_anything_moves():
     assert "after the block" in str(error.value)
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))  # the parameters did not move
     assert 0 not in cockpit.get_output()
+
+
+def test_a_torchscript_module_with_tracked_parameters_is_refused_with_the_fix():
+    """F2: a torch.jit.script submodule (or model) raised PyTorch's 'register_forward_pre_hook is not supported on
+    ScriptModules' from Cockpit(model=...), or at the first forward pass without model=."""
+    import pytest
+
+    scripted = nn.Sequential(nn.Linear(6, 5), torch.jit.script(nn.Tanh()), torch.jit.script(nn.Linear(5, 3)))
+    with pytest.raises(TypeError, match="'2' is a TorchScript module") as error:
+        Cockpit(list(scripted.parameters()), quantities=configuration("economy"), model=scripted)
+    assert "Train the module unscripted" in str(error.value)
+    # a scripted activation without parameters is left alone
+    activation = nn.Sequential(nn.Linear(6, 5), torch.jit.script(nn.Tanh()), nn.Linear(5, 3))
+    Cockpit(list(activation.parameters()), quantities=configuration("economy"), model=activation)

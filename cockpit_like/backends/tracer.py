@@ -265,6 +265,22 @@ class Call:
         self.entries, self.grads = [], []
 
 
+def _refuse_scripted(root: nn.Module, tracked: set[int]) -> None:
+    """A TorchScript module (``torch.jit.script``) that holds tracked parameters takes no hooks: the cockpit cannot
+    see its calls, so it is refused with the fix (outside trial 9: PyTorch's own "register_forward_pre_hook is not
+    supported on ScriptModules"). One without tracked parameters (a scripted activation) is left alone."""
+    scripted = getattr(torch.jit, "ScriptModule", ())
+    for name, module in root.named_modules():
+        if isinstance(module, scripted) and any(id(p) in tracked for p in module.parameters()):
+            where = f"'{name}'" if name else "the model"
+            raise TypeError(
+                f"Cockpit: {where} is a TorchScript module (torch.jit.script / torch.jit.trace) holding tracked "
+                "parameters; the cockpit records a model's calls with forward hooks, which TorchScript modules do "
+                "not take. Train the module unscripted (script it for deployment, after training), or leave its "
+                "parameters out of Cockpit(params)."
+            )
+
+
 class ModelTracer:
     """Notes the forward calls the hook backend needs (see the module docstring).
 
@@ -333,6 +349,7 @@ class ModelTracer:
             return
         if not isinstance(root, nn.Module):
             raise TypeError(f"Cockpit(model=...) takes an nn.Module, got {type(root).__name__}")
+        _refuse_scripted(root, self._tracked)
         for module in root.modules():
             # every module with tracked parameters in its subtree: the ones that own them, and the
             # enclosing modules that per-sample gradients may climb to (see the module docstring)
