@@ -527,10 +527,11 @@ class Cockpit:
                 raise StepAlreadyTrackedError(
                     f"cockpit step {global_step}: this step was tracked and {self._run.stepped[1]}.step() has run "
                     "since, so "
-                    "this backward pass belongs to a new optimizer step under the same global_step. Give each "
-                    "optimizer step its own number (e.g. count optimizer steps, not epochs or batches of an "
-                    "accumulating loop); the micro-batches of one step share a number and come before its "
-                    "optimizer.step()."
+                    "this block (and the backward pass it holds) belongs to a new optimizer step under the same "
+                    "global_step. Give each optimizer step its own number (e.g. count optimizer steps, not epochs "
+                    "or batches of an accumulating loop); the micro-batches of one step share a number and come "
+                    "before its optimizer.step(). A validation batch needs no block: log its loss with "
+                    "cockpit.log(step, valid_loss=...)."
                 )
             if micro == 0 and self._active_at(global_step):  # a step is stored once (a notebook cell run again)
                 self._output.check_new_step(global_step, (q.output for q in self.quantities), not undeclared)

@@ -329,6 +329,10 @@ class TrackedStep:
                 )
             self._execution.enter()
             if self._factor is not None:  # what the user's backward passes propagate (last: nothing after it raises)
+                # which gradients the block found: a block that runs no backward pass and writes no p.grad (a
+                # validation batch) is told so, whatever stale gradients it finds (outside trial 9)
+                self._grads_at_entry = [(id(p.grad), p.grad._version) if p.grad is not None else None
+                                        for p in env.params]
                 self._roots = BackwardRoots()
                 if getattr(self, "_stale_at_entry", False):
                     # p.grad was not zero at the block's entry: read it again when the backward pass begins (a loop
@@ -416,6 +420,9 @@ class TrackedStep:
         self._watch_parameters()
         return False
 
+    def _grads_untouched(self) -> bool:
+        return _same_gradients(self.env.params, getattr(self, "_grads_at_entry", None))
+
     def _leave_backward(self, exc_type, exc, traceback) -> None:
         """Take down what watched the backward pass and keep what it computed as one partition of the step."""
         env, execution = self.env, self._execution
@@ -427,13 +434,15 @@ class TrackedStep:
             roots.remove()
             self._roots = None
         execution.exit(exc_type, exc, traceback)
-        if roots is not None and roots.calls == 0 and exc_type is None and self.active and _no_gradients(self.env.params):
+        if roots is not None and roots.calls == 0 and exc_type is None and self.active and (
+                _no_gradients(self.env.params) or self._grads_untouched()):
             # (a loop that sets p.grad itself, from torch.autograd.grad or torch.func, has gradients: it goes on)
             raise NoBackwardPassError(
                 f"cockpit step {self.step}: no backward pass ran inside the cockpit's block, so there is nothing to "
                 "compute the quantities from (nothing is stored for this step). The block must hold the backward "
                 "pass: `with cockpit(step, info=info): loss.backward()`; a loss.backward() after the block, or a "
-                "block that returns before it, leaves the cockpit nothing to read."
+                "block that returns before it, leaves the cockpit nothing to read. A validation batch needs no "
+                "block: log its loss with cockpit.log(step, valid_loss=...)."
             )
         if exc_type is not None or not self.active:
             return
@@ -981,6 +990,12 @@ def _kept_copy(grad: torch.Tensor) -> torch.Tensor:
     is differentiable) where it has one."""
     with torch.enable_grad():
         return grad.clone() if grad.requires_grad else grad.detach().clone()
+
+
+def _same_gradients(params, entry) -> bool:
+    """Whether every ``p.grad`` is the tensor (and version) it was at the block's entry: nothing wrote one."""
+    return entry is not None and len(entry) == len(params) and all(
+        (None if p.grad is None else (id(p.grad), p.grad._version)) == seen for p, seen in zip(params, entry))
 
 
 def _no_gradients(params) -> bool:

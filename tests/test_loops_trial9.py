@@ -77,3 +77,28 @@ def test_a_torchscript_module_with_tracked_parameters_is_refused_with_the_fix():
     # a scripted activation without parameters is left alone
     activation = nn.Sequential(nn.Linear(6, 5), torch.jit.script(nn.Tanh()), nn.Linear(5, 3))
     Cockpit(list(activation.parameters()), quantities=configuration("economy"), model=activation)
+
+
+def test_a_validation_batch_in_a_block_is_told_it_needs_none():
+    """F4: a validation forward pass inside `with cockpit(...)`, no backward pass, gradients of the last training
+    step still in p.grad: the step failed 'stale_gradient' (a forgotten zero_grad(), backward_passes=1 though none
+    ran, and a false gradients-accumulate diagnosis). Now NoBackwardPassError, pointing at cockpit.log."""
+    import pytest
+
+    from cockpit_like.cockpit import NoBackwardPassError
+
+    torch.manual_seed(0)
+    model = _Net().double()
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    losses = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+        losses.mean().backward()
+    optimizer.step()  # p.grad still holds step 0's gradients
+    with torch.no_grad():
+        valid = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(NoBackwardPassError, match="valid_loss"):
+        with cockpit(1, info={"batch_size": 8, "individual_losses": valid, "loss": valid.mean()}):
+            pass
+    assert 1 not in cockpit.get_output()
