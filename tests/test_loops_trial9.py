@@ -102,3 +102,30 @@ def test_a_validation_batch_in_a_block_is_told_it_needs_none():
         with cockpit(1, info={"batch_size": 8, "individual_losses": valid, "loss": valid.mean()}):
             pass
     assert 1 not in cockpit.get_output()
+
+
+def test_a_reentrant_checkpoint_under_tic_from_outputs_names_the_fix():
+    """F5: torch.utils.checkpoint(use_reentrant=True), the full preset and info['outputs']: PyTorch's own words
+    ('incompatible with .grad() or passing an `inputs` parameter', which the loop never did) came out of the
+    cockpit's pass for TIC's GGN diagonal."""
+    import pytest
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.head = nn.Linear(6, 5), nn.Sequential(nn.Linear(5, 4), nn.Tanh()), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.b, torch.tanh(self.a(x)), use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("full"), model=model)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    outputs = model(x)
+    losses = nn.functional.cross_entropy(outputs, y, reduction="none")
+    with pytest.raises(RuntimeError, match="use_reentrant=False") as error:
+        with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "outputs": outputs}):
+            losses.mean().backward(create_graph=cockpit.create_graph(0))
+    assert "TICDiag" in str(error.value) and "reentrant activation checkpoint" in str(error.value)

@@ -701,9 +701,17 @@ class StepExecution:
             with held_tensor_hooks(self.params):
                 grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
         except RuntimeError as error:
+            from cockpit_like.backends.hvp import MissingGraphError, graph_limit
+
+            limit = graph_limit(error)
+            if limit is not None:  # (a reentrant checkpoint: outside trial 9 got PyTorch's own words about .grad())
+                raise RuntimeError(
+                    f"step {self.step}: the quantities {sorted(self.need_owners_of_rows())} need a second backward "
+                    "pass through this step's graph (TIC's GGN diagonal from info['outputs'], or a sampled GGN): "
+                    + limit.replace("Hessian-vector products differentiate p.grad", "it differentiates the loss")
+                ) from error
             if "backward through the graph a second time" not in str(error):
                 raise
-            from cockpit_like.backends.hvp import MissingGraphError
 
             raise MissingGraphError(
                 f"step {self.step}: the quantities {sorted(self.need_owners_of_rows())} need a second backward pass "
