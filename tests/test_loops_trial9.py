@@ -129,3 +129,24 @@ def test_a_reentrant_checkpoint_under_tic_from_outputs_names_the_fix():
         with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "outputs": outputs}):
             losses.mean().backward(create_graph=cockpit.create_graph(0))
     assert "TICDiag" in str(error.value) and "reentrant activation checkpoint" in str(error.value)
+
+
+def test_a_parameter_read_only_in_the_loss_is_named_as_such():
+    """F6: a learnable loss weight (exp(-s) * ce + s, s a model parameter used only in the loss): every step
+    fails the gradient check; the reason listed generic causes, not this one."""
+
+    class Weighted(_Net):
+        def __init__(self):
+            super().__init__()
+            self.log_var = nn.Parameter(torch.tensor(0.3))
+
+    torch.manual_seed(0)
+    model = Weighted().double()
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+    losses = torch.exp(-model.log_var) * nn.functional.cross_entropy(model(x), y, reduction="none") + model.log_var
+    with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    (failed,) = cockpit.checks[0]["failed"]
+    assert "log_var got no per-sample rows at all while autograd gave it a gradient" in failed["reason"]
+    assert "leave it out of Cockpit(params)" in failed["reason"]

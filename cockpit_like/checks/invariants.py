@@ -272,11 +272,19 @@ class StepChecks:
                 "terms, rounding alone can put the two further apart than the tolerance (5e-2) while nothing is "
                 "wrong with the loop; such a step stores no per-sample numbers. Otherwise: "
             ) if half_step else ""
+            rowless = [name_of(i) for i, got, want, _ in offenders if got == 0.0 and want != 0.0]
+            unseen = (
+                f"{', '.join(rowless[:3])}{' ...' if len(rowless) > 3 else ''} got no per-sample rows at all while "
+                f"autograd gave {'it' if len(rowless) == 1 else 'them'} a gradient: most likely read outside any module call of the model (a learnable "
+                "loss weight or temperature used only in the loss, a parameter used in the training loop), which "
+                "the cockpit does not see: compute it inside a module of the model, or leave it out of "
+                "Cockpit(params) (docs/your_model.md#limits). Otherwise: "
+            ) if rowless else ""
             self.fail(
                 "gradient",
                 f"the per-sample gradients do not average to the gradient autograd accumulated for step {self.step} "
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
-                + half + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
+                + half + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
