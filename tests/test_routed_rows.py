@@ -318,3 +318,44 @@ def test_the_walk_knows_which_operations_keep_the_rows(name):
         assert broken is None, broken
     else:
         assert broken is not None
+
+
+def test_an_output_the_loss_does_not_read_may_come_from_reordered_rows():
+    """Outside trial 9: a model that also returns its own loss computed from the logits through a transpose and a
+    view (ProphetNet called with labels=), which the user's per-row loss does not read: every step raised
+    UncoveredParameterError ('ViewBackward0 (a reshape that splits the samples)'), though nothing of it reaches the
+    loss. The walk now follows only what the loss depends on."""
+    import torch.nn.functional as F
+
+    from cockpit_like import Cockpit
+    from cockpit_like.quantities import NormTest
+    from cockpit_like.utils.schedules import linear
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(5, 4)
+
+        def forward(self, x, y):
+            logits = self.layer(x)  # [B, S, C]
+            own = F.cross_entropy(logits.transpose(0, 1).contiguous().view(-1, 4), y.transpose(0, 1).reshape(-1))
+            return logits, own
+
+    torch.manual_seed(0)
+    model = Own().double()
+    x, y = torch.randn(3, 2, 5, dtype=torch.float64), torch.randint(0, 4, (3, 2))
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1))], model=model)
+    logits, _ = model(x, y)
+    losses = F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+    with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    rows = []
+    for b in range(3):
+        grads = torch.autograd.grad(
+            F.cross_entropy(model.layer(x[b : b + 1]).transpose(1, 2), y[b : b + 1], reduction="none").mean(),
+            list(model.parameters()))
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    rows = torch.stack(rows)
+    mean = rows.mean(0)
+    expected = (((rows - mean) ** 2).sum() / (3 * 2) / (mean @ mean)).sqrt()  # sqrt(sum ||g_n - g||^2 / (B(B-1)) / ||g||^2)
+    assert cockpit.get_output()[0]["NormTest"] == pytest.approx(float(expected), rel=1e-9)

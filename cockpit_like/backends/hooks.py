@@ -616,7 +616,7 @@ class HookBackend:
             if id(call.module) in roots:
                 for node, nr, state in self._output_rows(call):
                     ends.setdefault(id(node), {})[nr] = state[0] if state != ACCEPT else None
-        self._paths = RowPaths(self._edges, ends, self._loss_reads(ends))
+        self._paths = RowPaths(self._edges, ends, self._loss_reads(ends), self._loss_feeds())
         for call in calls:
             if self._keeps_rows(call):
                 self._add_box(call)
@@ -727,6 +727,31 @@ class HookBackend:
             return (id(node), nr) in read
 
         return reads
+
+    def _loss_feeds(self):
+        """``node -> bool``: whether the step's loss depends on that node's outputs (its graph, walked once, at the
+        first question); ``None``: no loss with a graph was given. What the loss does not depend on sends no
+        gradient back, so rows may go anywhere there (outside trial 9: ProphetNet called with labels= returns
+        its own loss, computed from the logits through a transpose and a view, which the user's loss does not
+        read; the walk took that view for a reshape that splits the samples)."""
+        roots = [t.grad_fn for t in self._losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not roots:
+            return None
+        nodes: dict[int, Any] | None = None
+
+        def feeds(node) -> bool:
+            nonlocal nodes
+            if nodes is None:
+                nodes, stack = {}, list(roots)
+                while stack:
+                    parent = stack.pop()
+                    if id(parent) in nodes:
+                        continue
+                    nodes[id(parent)] = parent  # (kept: a freed node's id may be another's)
+                    stack.extend(child for child, _ in parent.next_functions if child is not None)
+            return id(node) in nodes
+
+        return feeds
 
     def _keeps_rows(self, call: Call) -> bool:
         """Whether ``call`` takes its rows from its inputs to its outputs row for row for certain: it is re-run

@@ -168,12 +168,19 @@ class RowPaths:
         reads: ``(node, output_nr) -> bool``: whether the loss reads that output of the model (``None``: it
             may). The rows of an output the loss does not read (a hidden state returned for the next step)
             may lie anywhere: no gradient comes back through it.
+        feeds: ``node -> bool``: whether the loss depends on the node at all (``None``: every node may); the
+            walk skips consumers it does not depend on (what the model computes only for an output the loss
+            does not read, e.g. its own loss from reordered logits).
     """
 
-    def __init__(self, edges: dict[int, list[tuple[Any, int, int]]], ends: dict[int, dict[int, int | None]], reads=None):
+    def __init__(self, edges: dict[int, list[tuple[Any, int, int]]], ends: dict[int, dict[int, int | None]], reads=None,
+                 feeds=None):
         self.edges = edges
         self.ends = ends
         self.reads = reads
+        #: ``node -> bool``: whether the loss depends on the node (``None``: every node may feed it); the walk does
+        #: not follow consumers the loss does not depend on (no gradient comes back through them)
+        self.feeds = feeds
         #: the last :meth:`broken` found the rows along another dimension of a model output the loss reads (an
         #: enclosing call's rows end there the same way: climbing cannot help)
         self.misplaced = False
@@ -264,7 +271,7 @@ class RowPaths:
                             return wrong
             for consumer, position, nr in self.edges.get(id(node), ()):
                 state = states[nr] if nr < len(states) else ACCEPT
-                if state == ACCEPT:
+                if state == ACCEPT or (self.feeds is not None and not self.feeds(consumer)):
                     continue
                 if state == BROKEN:
                     return f"{type(node).__name__} (a part of the rows other than the first, or rows reordered)"
