@@ -238,8 +238,9 @@ class StreamWriter:
 
     @property
     def opened(self) -> bool:
-        """Whether the file was opened (it holds this writer's lines)."""
-        return self._handle is not None or self._closed
+        """Whether the file was opened (it holds this writer's lines, up to :meth:`position`; also once another
+        writer took the file over: what this one wrote stays there, and a resumed run can continue after it)."""
+        return self._handle is not None or self._closed or self.superseded
 
     @property
     def pending(self) -> int:
@@ -265,7 +266,7 @@ class StreamWriter:
             raise RuntimeError(f"the stream to {self.path} was already written; continue it before the first step")
         if not stream_holds(self.path, offset, tail):
             raise ValueError(f"{self.path} does not hold the line {tail[:80]!r} ending at byte {offset}")
-        self._take_over()
+        self._take_over(warn=False)  # a resumed run continues the file by design (the older writer stops)
         handle = open(self.path, "r+b", buffering=0)
         handle.truncate(offset)
         handle.seek(offset)
@@ -276,7 +277,7 @@ class StreamWriter:
     def _encode(document: dict) -> bytes:
         return (json.dumps(document, allow_nan=False) + "\n").encode()
 
-    def _take_over(self) -> None:
+    def _take_over(self, warn: bool = True) -> None:
         """Become the one writer of this file in the process. A writer that still has it open (two cockpits
         given one ``stream_to``, or a notebook cell that made a new cockpit while the old one lives) stops
         writing to it, with a warning: their lines interleaved, and no reader could read the file (outside
@@ -286,6 +287,9 @@ class StreamWriter:
         if other is not None and other is not self and other._handle is not None and not other._closed:
             other._handle.close()
             other._handle, other._queue, other.superseded = None, [], True
+            if not warn:
+                StreamWriter._owners[key] = self
+                return
             import warnings
 
             warnings.warn(
