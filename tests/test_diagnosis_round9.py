@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import math
 
-from cockpit_like.diagnosis import RunHistory, group_findings
+from cockpit_like.diagnosis import group_findings
 from cockpit_like.diagnosis import recipe
 from cockpit_like.diagnosis import rules as R
-
-
-def history(series: dict[str, list], metadata: dict | None = None, steps: list[int] | None = None) -> RunHistory:
-    h = RunHistory(metadata)
-    for name, values in series.items():
-        for index, value in enumerate(values):
-            h.add(steps[index] if steps else index, {name: value})
-    return h
+from tests.test_diagnosis import history
 
 
 def test_overfitting_is_a_rise_against_the_fall_the_validation_loss_made():
