@@ -112,7 +112,19 @@ def not_tracked(ax, title: str, needs: Sequence[str], message: str | None = None
         0.5, 0.55, "not tracked", transform=ax.transAxes, ha="center", va="center",
         fontsize=11, color="#888888", gid="not-tracked",
     )
-    ax.text(0.5, 0.38, hint, transform=ax.transAxes, ha="center", va="center", fontsize=_SMALL, color="#999999", wrap=True)
+    ax.text(0.5, 0.38, _wrapped(ax, hint, _SMALL), transform=ax.transAxes, ha="center", va="center", fontsize=_SMALL,
+            color="#999999", clip_on=True)
+
+
+def _wrapped(ax, text: str, fontsize: float) -> str:
+    """``text`` broken into lines that fit the panel's width (matplotlib's ``wrap=True`` wraps at the figure's
+    edge, so a hint ran into the neighbouring panels: outside trial 9): about 0.55 em per character."""
+    import textwrap
+
+    figure = ax.get_figure()
+    width = ax.get_position().width * figure.get_figwidth() * 72.0 * 0.9  # points, with a margin
+    columns = max(12, int(width / (0.55 * fontsize)))
+    return textwrap.fill(text, columns)
 
 
 def _step_axis(ax, options: DrawOptions, label: bool = True) -> None:
