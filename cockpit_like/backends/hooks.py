@@ -616,7 +616,7 @@ class HookBackend:
             if id(call.module) in roots:
                 for node, nr, state in self._output_rows(call):
                     ends.setdefault(id(node), {})[nr] = state[0] if state != ACCEPT else None
-        self._paths = RowPaths(self._edges, ends, self._loss_reads(ends), self._loss_feeds())
+        self._paths = RowPaths(self._edges, ends, *self._loss_graph(ends))
         for call in calls:
             if self._keeps_rows(call):
                 self._add_box(call)
@@ -700,58 +700,39 @@ class HookBackend:
             "or leave these parameters out of Cockpit(params)."
         ))
 
-    def _loss_reads(self, ends: dict[int, dict]):
-        """``(node, output_nr) -> bool``: whether the step's loss (``losses``) reads that output of the model, from
-        the loss's own graph down to the model's (walked once, at the first question); ``None``: no loss with a
-        graph was given, so every output may be read."""
+    def _loss_graph(self, ends: dict[int, dict]):
+        """``(reads, feeds)`` from one walk of the step's loss graph (``losses``), made at the first question;
+        ``(None, None)`` where no loss with a graph was given (every output may be read, every node may feed it).
+
+        ``reads(node, output_nr)``: whether the loss reads that output of the model (an edge into it from a node
+        of the loss's own graph, outside the model's). ``feeds(node)``: whether the loss depends on the node at
+        all; what it does not depend on sends no gradient back, so rows may go anywhere there (outside trial 9:
+        ProphetNet called with labels= returns its own loss, computed from the logits through a transpose and a
+        view, which the user's loss does not read; the walk took that view for a reshape that splits the
+        samples)."""
         roots = [t.grad_fn for t in self._losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if not roots:
-            return None
-        read: set[tuple[int, int]] | None = None
+            return None, None
+        graph: dict[str, Any] = {}
 
-        def reads(node, nr: int) -> bool:
-            nonlocal read
-            if read is None:
-                read, seen, stack = set(), {}, list(roots)
-                while stack:
-                    parent = stack.pop()
-                    if id(parent) in seen:
-                        continue
-                    seen[id(parent)] = parent  # (kept: a freed node's id may be another's)
-                    if id(parent) in ends or id(parent) in self._edges:
-                        continue  # the model's graph, not the loss's
-                    for child, child_nr in parent.next_functions:
-                        if child is not None:
-                            read.add((id(child), child_nr))
-                            stack.append(child)
-            return (id(node), nr) in read
-
-        return reads
-
-    def _loss_feeds(self):
-        """``node -> bool``: whether the step's loss depends on that node's outputs (its graph, walked once, at the
-        first question); ``None``: no loss with a graph was given. What the loss does not depend on sends no
-        gradient back, so rows may go anywhere there (outside trial 9: ProphetNet called with labels= returns
-        its own loss, computed from the logits through a transpose and a view, which the user's loss does not
-        read; the walk took that view for a reshape that splits the samples)."""
-        roots = [t.grad_fn for t in self._losses if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if not roots:
-            return None
-        nodes: dict[int, Any] | None = None
-
-        def feeds(node) -> bool:
-            nonlocal nodes
-            if nodes is None:
-                nodes, stack = {}, list(roots)
+        def walk() -> dict[str, Any]:
+            if not graph:
+                read, nodes, stack = set(), {}, list(roots)
                 while stack:
                     parent = stack.pop()
                     if id(parent) in nodes:
                         continue
                     nodes[id(parent)] = parent  # (kept: a freed node's id may be another's)
-                    stack.extend(child for child, _ in parent.next_functions if child is not None)
-            return id(node) in nodes
+                    outside = id(parent) not in ends and id(parent) not in self._edges  # the loss's own graph
+                    for child, child_nr in parent.next_functions:
+                        if child is not None:
+                            if outside:
+                                read.add((id(child), child_nr))
+                            stack.append(child)
+                graph.update(read=read, nodes=nodes)
+            return graph
 
-        return feeds
+        return (lambda node, nr: (id(node), nr) in walk()["read"]), (lambda node: id(node) in walk()["nodes"])
 
     def _keeps_rows(self, call: Call) -> bool:
         """Whether ``call`` takes its rows from its inputs to its outputs row for row for certain: it is re-run

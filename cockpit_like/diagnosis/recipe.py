@@ -15,6 +15,7 @@ Every helper reads stored values only and keeps its incremental state in
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -100,7 +101,7 @@ def warming_up(history: RunHistory, since: int, step: int, factor: float = 1.2) 
         return False
     if end > factor * start:
         return True
-    steps, values = rates(history)
+    _, values = rates(history)
     first = next((value for value in values if math.isfinite(value)), math.nan)
     return bool(end > start and first > 0 and end > factor * first)
 
@@ -110,14 +111,11 @@ def rate_settled(history: RunHistory, step: int, factor: float = 1.2) -> int | N
     its value at ``step``: where the run began to train at its rate (the end of a warm-up, the step of a
     raised rate; the first step for a constant or decaying schedule). ``None`` when the rate is not stored."""
     steps, peaks = _running_peaks(history)
-    if not steps:
-        return None
-    index = int(np.searchsorted(np.asarray(steps), step, side="right")) - 1
+    index = bisect.bisect_right(steps, step) - 1  # (lists, searched in place: no copy per tracked step)
     if index < 0 or not math.isfinite(peaks[index]):
         return None
-    target = peaks[index] / factor
-    first = int(np.searchsorted(np.asarray(peaks[: index + 1]), target, side="left"))  # peaks never fall
-    return int(steps[min(first, index)])
+    first = bisect.bisect_left(peaks, peaks[index] / factor, 0, index + 1)  # running peaks never fall
+    return int(steps[first])
 
 
 def adaptive(history: RunHistory) -> bool:
