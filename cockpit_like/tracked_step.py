@@ -175,6 +175,12 @@ class StepContext:
         return False
 
 
+#: the self-checks that concern only the per-sample rows and what was computed beside them: a step that fails only
+#: these keeps the quantities that read none (:meth:`TrackedStep._left_out_by_failed_checks`). Not
+#: ``backpropagated_loss``: a sum backpropagated where a mean is declared scales ``p.grad`` itself
+ROW_CHECKS = frozenset({"gradient"})
+
+
 class TrackedStep:
     """One backward pass of a step, from :meth:`Cockpit.begin` to :meth:`Cockpit.end`.
 
@@ -232,6 +238,8 @@ class TrackedStep:
         self._factor: LossFactor | None = None
         self._roots: BackwardRoots | None = None
         self._probe: GradientProbe | None = None
+        #: the active quantities that asked for anything computed in or after the backward pass (``StepNeeds.askers``)
+        self._askers: frozenset[str] = frozenset()
         self._fingerprint: dict[int, float | None] | None = None
         #: the other ranks were told that this step failed (:meth:`_abandon`)
         self._told = False
@@ -270,6 +278,7 @@ class TrackedStep:
             owners = tuple(env.name_of(q) for q in self.active if q.create_graph(step))
             env.ranks.check_step(step, env.models(), self.info, create_graph, self.last, owners)
         needs = StepNeeds.collect(self.active, step, env.name_of, self.user_exts, create_graph)
+        self._askers = needs.askers
         if needs.stats and env.self_checks:  # the self-check of the per-sample decomposition (checks.probe)
             self._probe = GradientProbe(seed=_probe_seed(step))
             needs = replace(needs, stats=tuple(needs.stats) + (self._probe,))
@@ -673,8 +682,9 @@ class TrackedStep:
                 rows_tolerance=float((checks.gradient or {}).get("tolerance", 0.0)),
             )
             context._activate(record)
-            # a step that failed a check stores no numbers (never a wrong one): its checks say why
-            skipped = set() if checks.valid else {env.name_of(q) for q in self.active}
+            # a step that failed a check stores no numbers (never a wrong one): its checks say why; where every
+            # failed check concerns only the per-sample rows, the quantities that read none are kept
+            skipped = set() if checks.valid else self._left_out_by_failed_checks(checks)
             skipped |= execution.left_out_owners().union(*(partition.left_out for partition in partitions.partitions))
             if graph_gone:
                 skipped |= {env.name_of(q) for q in self.active if q.hessian_products(self.step)}
@@ -732,6 +742,32 @@ class TrackedStep:
         if env.keeps_output() and notable(record):  # the rules read the checks a log holds (frozen parameters)
             new_values[self.step] = {**new_values.get(self.step, {}), CHECKS_KEY: record}
         return new_values
+
+    def _left_out_by_failed_checks(self, checks: StepChecks) -> set[str]:
+        """The quantities a step that failed ``checks`` stores nothing for: every active one, unless each failed
+        check is one of :data:`ROW_CHECKS`, which concern only what the per-sample rows (and the curvature the
+        backward pass computed beside them) describe. ``p.grad`` is then the gradient autograd accumulated in the
+        block from zero (the stale-gradient check passed) and the loss factor seen is the declared one, so the quantities that asked for nothing beyond the
+        backward pass (``StepNeeds.askers``: Loss, GradNorm, UpdateSize, Distance, ParamNorm, DataStats,
+        ActivationStats, the optimizer's settings) are right and are kept, with a note (outside trial 9: a
+        Bayes-by-backprop loss with its KL term on the parameters failed the gradient check at every step, and
+        the run stored no gradient norm, no loss, no input scale, so its diagnosis saw nothing)."""
+        names = {self.env.name_of(q) for q in self.active}
+        if not {failed.get("check") for failed in checks.failed} <= ROW_CHECKS:
+            return names
+        assumed = checks.assumed
+        if not checks.factors or any(f is None or abs(f - assumed) > 1e-9 * max(abs(assumed), 1e-300) for f in checks.factors):
+            return names  # a loss factor not seen, or other than declared, may be what is wrong: p.grad's scale too
+        skipped = names & set(self._askers)
+        kept = sorted(names - skipped)
+        if kept and skipped:
+            checks.note(
+                f"{', '.join(kept)} stored although the step failed the "
+                f"{' and '.join(sorted({f.get('check') for f in checks.failed}))} check: they read only p.grad, the "
+                f"parameters, the loss and the forward pass, which that check does not concern; "
+                f"{', '.join(sorted(skipped))} not stored"
+            )
+        return skipped
 
     def _end_at_skipped_step(self, params: list[torch.Tensor]) -> None:
         """A GradScaler skips the step: it stores nothing, but the update of the step before was made and the

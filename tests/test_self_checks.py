@@ -317,7 +317,7 @@ def test_the_dashboard_title_says_which_steps_failed_and_what_is_frozen():
     }
     data = RunData(steps)
     title = CockpitPlotter._title(None, data, "run.json")
-    assert "1 step failed a self-check, no numbers (last: 0, gradient)" in title
+    assert "1 step failed a self-check, numbers left out (last: 0, gradient)" in title
     assert "2 frozen parameters" in title and "1 without a gradient" in title
 
 

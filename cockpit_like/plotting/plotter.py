@@ -430,7 +430,7 @@ def _checks_note(data: RunData) -> str:
     if invalid:
         step, record = invalid[-1]
         kinds = ", ".join(sorted({f.get("check", "?") for f in record.get("failed", [])}))
-        note += f" | {len(invalid)} step{'s' if len(invalid) > 1 else ''} failed a self-check, no numbers (last: {step}, {kinds})"
+        note += f" | {len(invalid)} step{'s' if len(invalid) > 1 else ''} failed a self-check, numbers left out (last: {step}, {kinds})"
     if records:
         last = records[-1]
         frozen, missing = len(last.get("frozen") or []), len(last.get("no_gradient") or [])

@@ -47,6 +47,9 @@ class StepNeeds:
             a need it meets), so that a need the step cannot meet leaves out exactly them.
         raw_batch_grad: someone asked for BackPACK's ``BatchGrad`` (keep ``grad_batch``).
         create_graph: the backward pass keeps the graph.
+        askers: names of the quantities that asked for anything computed in or after the backward pass
+            (extensions, extension hooks, per-sample statistics, step needs): the others read only ``p.grad``,
+            the parameters, ``info`` and the forward pass.
     """
 
     requests: tuple = ()
@@ -60,6 +63,7 @@ class StepNeeds:
     raw_batch_grad: bool = False
     create_graph: bool = False
     user_types: frozenset = field(default_factory=frozenset)
+    askers: frozenset = field(default_factory=frozenset)
 
     @classmethod
     def collect(
@@ -74,10 +78,12 @@ class StepNeeds:
         requests = [(USER_EXTENSIONS, ext) for ext in user_exts]
         stats, hooks, needs, owners, transforms, partial = [], [], [], [], [], []
         asked_by: list[tuple[Any, str]] = []
+        askers: set[str] = set()
         raw_batch_grad = any(isinstance(ext, BatchGrad) for ext in user_exts)
         for quantity in quantities:
             name = name_of(quantity)
-            for ext in quantity.extensions(step):
+            its_extensions = list(quantity.extensions(step))
+            for ext in its_extensions:
                 requests.append((name, ext))
                 raw_batch_grad |= isinstance(ext, BatchGrad)
             # BatchGradTransformsHooks become one per-sample statistic (utils_transforms)
@@ -93,6 +99,8 @@ class StepNeeds:
             its_needs = list(quantity.curvature_needs(step))
             asked_by.extend((n, name) for n in its_needs)
             needs.extend(n for n in its_needs if n not in needs)
+            if its_extensions or other_hooks or its_transforms or asked or its_needs:
+                askers.add(name)
         if transforms:
             stats.append(merge_transform_hooks(transforms))
         asked, needs, aliases = tuple(needs), [], []
@@ -118,6 +126,7 @@ class StepNeeds:
             raw_batch_grad=raw_batch_grad,
             create_graph=bool(create_graph),
             user_types=frozenset(type(ext) for ext in user_exts),
+            askers=frozenset(askers),
         )
 
     def partitioned(self) -> StepNeeds:

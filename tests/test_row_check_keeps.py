@@ -1,0 +1,134 @@
+"""A step that fails only the gradient check keeps the quantities that read no per-sample rows.
+
+The gradient check compares the per-sample rows with ``p.grad``: where it fails (a penalty on the parameters
+inside each row's loss, as a Bayes-by-backprop KL term or a hand-written L2 term), the rows are wrong, but
+``p.grad`` is the gradient autograd accumulated in the block from zero. Loss, GradNorm, UpdateSize, Distance
+and DataStats read only ``p.grad``, the parameters, the loss and the forward pass: they are stored, checked
+here against float64 brute force; the per-sample quantities are not, and a note says which are which.
+Outside trial 9 (a Bayes-by-backprop net on raw wine features) stored nothing at every step, so its
+diagnosis could not see the unnormalized inputs.
+"""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.diagnosis import group_findings
+from cockpit_like.quantities import DataStats
+from cockpit_like.utils.configuration import configuration
+
+STEPS, ROWS, PENALTY = 3, 12, 0.03
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def data(step, scale=1.0):
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(ROWS, 5, generator=generator, dtype=torch.float64) * scale
+    return x, torch.randint(0, 3, (ROWS,), generator=generator)
+
+
+def row_losses(net, x, y):
+    """Each row's loss with the parameters' L2 term in it: its mean is the loss backpropagated."""
+    penalty = PENALTY * sum(p.square().sum() for p in net.parameters())
+    return nn.functional.cross_entropy(net(x), y, reduction="none") + penalty
+
+
+def run(factor=1.0, quantities=None, scale=1.0, **kwargs):
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    cockpit = Cockpit(net.parameters(), quantities=quantities or configuration("economy"), **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x, y = data(step, scale)
+            losses = row_losses(net, x, y)
+            loss = losses.mean()
+            info = {"batch_size": ROWS, "individual_losses": losses, "loss": loss, "optimizer": optimizer}
+            with cockpit(step, info=info):
+                (loss * factor).backward()
+            optimizer.step()
+    return cockpit
+
+
+def brute_force():
+    """Per step: the loss, the gradient norms per parameter and the parameters, without the cockpit."""
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    losses, norms, params = [], [], [[p.detach().clone() for p in net.parameters()]]
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = data(step)
+        loss = row_losses(net, x, y).mean()
+        grads = torch.autograd.grad(loss, list(net.parameters()))
+        for p, g in zip(net.parameters(), grads):
+            p.grad = g
+        losses.append(loss.item())
+        norms.append([float(g.norm()) for g in grads])
+        optimizer.step()
+        params.append([p.detach().clone() for p in net.parameters()])
+    return losses, norms, params
+
+
+def test_the_gradient_check_fails_and_the_quantities_without_rows_are_stored_exactly():
+    cockpit = run()
+    output = cockpit.get_output()
+    losses, norms, params = brute_force()
+    assert sorted(cockpit.invalid_steps) == list(range(STEPS))
+    for step in range(STEPS):
+        values = output[step]
+        assert [f["check"] for f in values["checks"]["failed"]] == ["gradient"]
+        for name in ("NormTest", "InnerTest", "OrthoTest", "GradHist1d", "Alpha"):
+            assert name not in values  # the rows are wrong: no number
+        assert values["Loss"] == pytest.approx(losses[step], rel=1e-12)
+        assert values["GradNorm"] == pytest.approx(norms[step], rel=1e-10)
+        distance = [float((now - start).norm()) for now, start in zip(params[step], params[0])]
+        assert values["Distance"] == pytest.approx(distance, rel=1e-10, abs=1e-14)
+        if step + 1 < STEPS:  # UpdateSize of step t ends at step t + 1
+            update = [float((after - before).norm()) for after, before in zip(params[step + 1], params[step])]
+            assert values["UpdateSize"] == pytest.approx(update, rel=1e-10)
+        note = " ".join(values["checks"]["notes"])
+        assert "Distance, GradNorm, Loss, UpdateSize stored although the step failed the gradient check" in note
+        assert "Alpha, GradHist1d, InnerTest, NormTest, OrthoTest not stored" in note
+
+
+def test_a_loss_factor_other_than_declared_keeps_nothing():
+    """With an undeclared factor the failure may come from the factor, which scales p.grad too: nothing."""
+    output = run(factor=4.0).get_output()
+    for step in range(STEPS):
+        assert [f["check"] for f in output[step]["checks"]["failed"]] == ["gradient"]
+        assert set(output[step]) == {"checks"}
+
+
+def test_a_forgotten_zero_grad_still_keeps_nothing():
+    net = model()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    cockpit = Cockpit(net.parameters(), quantities=configuration("economy"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for step in range(STEPS):
+            x, y = data(step)
+            losses = nn.functional.cross_entropy(net(x), y, reduction="none")
+            info = {"batch_size": ROWS, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
+            with cockpit(step, info=info):
+                losses.mean().backward()
+            optimizer.step()
+    for step in range(1, STEPS):
+        assert "stale_gradient" in [f["check"] for f in cockpit.get_output()[step]["checks"]["failed"]]
+        assert "GradNorm" not in cockpit.get_output()[step]
+
+
+def test_the_diagnosis_sees_unnormalized_inputs_through_a_failing_gradient_check():
+    quantities = configuration("economy") + [DataStats(lambda step: True)]
+    cockpit = run(quantities=quantities, scale=300.0, diagnose=True)
+    stored = cockpit.get_output()[0]["DataStats"]
+    assert stored["input_rms"] == pytest.approx(float(data(0, 300.0)[0].square().mean().sqrt()), rel=1e-12)
+    causes = [incident.cause for incident in group_findings(cockpit.findings) if incident.severity == "warning"]
+    assert causes and causes[0] == "unnormalized-inputs"
