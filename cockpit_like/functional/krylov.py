@@ -202,6 +202,7 @@ def lanczos_decomposition(
     rtol: float = 1e-3,
     probes: int | None = None,
     passes: int = 2,
+    restart: Callable[[int], torch.Tensor] | None = None,
 ) -> KrylovDecomposition:
     """Block Lanczos with full re-orthogonalisation from the rows of ``starts``.
 
@@ -220,8 +221,21 @@ def lanczos_decomposition(
     and the smallest Ritz value have ``r + delta <= rtol * max |theta|``
     (residual plus asymmetry, the numbers of
     :meth:`KrylovDecomposition.error_bounds`, from the small float64 ``T`` and
-    ``E`` kept as the solve goes), when no basis vector is left to multiply (the
-    space is invariant: exact), or after ``max_products``. Unconverged where
+    ``E`` kept as the solve goes), when the space is the whole space (exact), or
+    after ``max_products``. A space that becomes invariant before it is the
+    whole space holds exact eigenpairs, but not necessarily the extreme ones
+    (start vectors orthogonal to the extreme eigenvectors: Rademacher starts on
+    a Hessian whose top eigenvectors have entries of equal size are so with
+    probability ``2^-k``): before 4 products per start vector the solve then
+    goes on from a fresh vector of ``restart(m)`` (default: Gaussian, from a
+    generator of its own seeded by ``m``) orthogonalised against the space,
+    and stops as above (a multiple of the identity: after those products,
+    converged). The residual rule waits for 4 products per start vector too: an extreme eigenvalue whose
+    eigenvector the starts barely touch is invisible to the first products
+    while the residuals of what they found are already small (outside trial
+    10: a 6-parameter model with eigenvalues -3.002 and +3.004 stored a
+    largest eigenvalue of 0.0022 as converged after 3 products; the starts'
+    components on the top eigenvector were 3e-3 and 7e-6). Unconverged where
     ``delta`` (:meth:`KrylovDecomposition.asymmetry`) alone exceeds the
     tolerance (at least ``eps^(1/3) * max|theta|``) when the residuals are within
     it, or the space is invariant: the products are not a symmetric operator's,
@@ -240,6 +254,8 @@ def lanczos_decomposition(
         rtol: tolerance of the error estimates, relative to the spectral scale.
         probes: how many leading rows are probes (quadrature, traces); default all.
         passes: most re-orthogonalisation passes over the whole basis per vector (two: twice is enough).
+        restart: ``m -> [n]`` a fresh vector where the space became invariant after ``m`` products before it
+            was the whole space (default: Gaussian entries from a generator seeded by ``m``, on ``starts``' device).
     """
     if starts.dim() != 2:
         raise ValueError(f"starts must be [b, n], got shape {list(starts.shape)}")
@@ -273,6 +289,11 @@ def lanczos_decomposition(
     if basis.size == 0:
         raise ValueError("the start vectors are all zero")
     band = basis.size  # T is banded: A q_j has coordinates on q_{j-band} .. q_{j+band} only
+    # at least 4 products per start vector before the residual rule may stop: an extreme eigenvalue whose
+    # eigenvector the starts barely touch (a component of 3e-3) is invisible to the first products, while the
+    # residuals of what they found can be within the tolerance already; a few more products make it grow by
+    # its gap each (outside trial 10: 0.0022 stored as the converged largest eigenvalue, 3.004, after 3)
+    least = _LEAST_PER_START * band
     # column j: the coordinates of A q_j on the basis (float64, on the CPU: T on top, E below)
     coefficients = torch.zeros(capacity, limit, dtype=torch.float64, device="cpu")
     converged, finite = False, True
@@ -307,6 +328,21 @@ def lanczos_decomposition(
         m += 1
         if m < count_probes:
             continue
+        if m < min(least, limit) and m < basis.size:
+            continue  # (see ``least`` above)
+        if m >= basis.size and basis.size < n and m < min(least, limit) and basis.size < capacity:
+            # invariant, but not the whole space: its eigenpairs need not be the extreme ones; go on from a
+            # fresh vector orthogonal to it (the matrix of the space stays block diagonal)
+            w = (restart or _gaussian_restart(starts))(m).to(device=starts.device, dtype=starts.dtype).reshape(n)
+            norm = _norm(w)
+            if torch.isfinite(norm) and norm > 0:
+                w = w / norm
+                for _ in range(passes):
+                    basis.subtract_(w, basis.project(w))
+                kept = _norm(w)
+                if kept > math.sqrt(eps):
+                    basis.append(w, kept)
+                    continue
         if m >= basis.size:  # nothing left to multiply: the space is invariant, the Ritz pairs exact
             # (where the products are a symmetric operator's)
             scale = float(_ritz_pairs(coefficients, m)[0].abs().max())
@@ -330,6 +366,21 @@ def lanczos_decomposition(
     else:
         probe_coordinates = torch.zeros(0, m, dtype=torch.float64, device="cpu")
     return KrylovDecomposition(Q, coefficients[: basis.size, :m].clone(), probe_coordinates, m, converged, finite)
+
+
+#: products per start vector before the residual rule may stop (:func:`lanczos_decomposition`)
+_LEAST_PER_START = 4
+
+
+def _gaussian_restart(starts: torch.Tensor) -> Callable[[int], torch.Tensor]:
+    """``m -> [n]`` Gaussian entries from a generator of its own seeded by ``m`` (torch's global one untouched)."""
+
+    def draw(m: int) -> torch.Tensor:
+        generator = torch.Generator(device=starts.device)
+        generator.manual_seed(0x5EED + m)
+        return torch.randn(starts.shape[1], generator=generator, device=starts.device, dtype=starts.dtype)
+
+    return draw
 
 
 #: a second re-orthogonalisation pass where the first left less than this share of the norm (1/sqrt(2))
