@@ -2424,13 +2424,20 @@ class LossJump(Rule):
 
     Read in context by the cause layer: with the learning rate raised or the
     updates grown before it, the learning rate; otherwise the data changed.
+
+    A new level, not a spike: every loss of the ``after`` window is at least ``hold`` x the jump above the
+    old level (round 10: outside trial 9's healthy WaveNet rose for 6 steps to 5x its level and was back
+    within 2 more; its ``after`` window held a loss 0.3x the jump above the level, and its finding named the
+    data. Labels replaced mid-run lift every batch's loss).
     """
 
     id = "loss-jump"
     severity = "warning"
     reads = ("Loss",)
 
-    def __init__(self, before: int = 10, after: int = 5, gap: float = 0.2, z: float = 6.0, learned: float = 0.9):
+    def __init__(self, before: int = 10, after: int = 5, gap: float = 0.2, z: float = 6.0, learned: float = 0.9,
+                 hold: float = 0.5):
+        self.hold = _check_nonnegative("hold", hold)
         self.before = _check_window(before, "before")
         self.after = _check_window(after, "after")
         self.gap = _check_positive("gap", gap)
@@ -2448,8 +2455,8 @@ class LossJump(Rule):
         jump = now - level
         if not (first > 0 and level < self.learned * first and jump > self.gap * first and jump > self.z * noise):
             return []
-        if late.min() <= level:
-            return []  # not a new level: a spike among values back at the old one
+        if late.min() <= level + self.hold * jump:
+            return []  # not a new level: a spike among values back near the old one
         since = int(steps[self.before])
         rate_then, rate_now = recipe.rate_at(history, int(steps[0])), recipe.rate_at(history, int(steps[-1]))
         return [
