@@ -1,0 +1,45 @@
+"""Outside trial 10 (training loops and models the team had not tried): each test fails without its fix."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from cockpit_like import Cockpit
+from cockpit_like.quantities import TICDiag, TICTrace
+
+DT = torch.float64
+
+
+def _tic_step(weights):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    with torch.no_grad():
+        model[2].weight.mul_(30)
+        model[2].bias.mul_(30)
+    cockpit = Cockpit(model.parameters(), quantities=[TICDiag(lambda s: True), TICTrace(lambda s: True)], model=model)
+    x = torch.randn(6, 6, dtype=DT)
+    outputs = model(x)
+    y = outputs.detach().argmin(1)  # confidently wrong: the rows' entropies are ~1e-6 of their losses
+    losses = weights * F.cross_entropy(outputs, y, reduction="none")
+    loss = losses.mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 6, "individual_losses": losses, "loss": loss, "outputs": outputs}):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    return cockpit
+
+
+def test_a_weighted_cross_entropy_on_confident_rows_is_refused_in_float64():
+    """Weights in [0.5, 1] on rows with logits of 30: the loss is (1 - w) H(p) below its labels' cross-entropy,
+    1e-6 of it; the float64 tolerance was 1e-3, and TIC was the plain cross-entropy's (7.73e6 for 1.05e7)."""
+    weights = torch.linspace(0.5, 1.0, 6, dtype=DT)
+    output = _tic_step(weights).get_output()[0]
+    assert "TICDiag" not in output and "TICTrace" not in output
+    assert any("is not a mean cross-entropy" in note for note in output["checks"]["notes"])
+    plain = _tic_step(torch.ones(6, dtype=DT)).get_output()[0]  # the same rows unweighted: computed
+    assert plain["TICDiag"] > 0 and plain["TICTrace"] > 0
