@@ -43,3 +43,26 @@ def test_a_weighted_cross_entropy_on_confident_rows_is_refused_in_float64():
     assert any("is not a mean cross-entropy" in note for note in output["checks"]["notes"])
     plain = _tic_step(torch.ones(6, dtype=DT)).get_output()[0]  # the same rows unweighted: computed
     assert plain["TICDiag"] > 0 and plain["TICTrace"] > 0
+
+
+@pytest.mark.parametrize("wrong", ["half_the_rows", "probabilities"])
+def test_outputs_the_loss_was_not_computed_from_are_refused(wrong):
+    """info['outputs'] that info['loss'] does not depend on and that cannot be its logits (8 of 16 rows, softmax
+    probabilities beside the loss): TICDiag was stored 100x off with no note (a view of the
+    logits the loss read, as an LM's logits[:, :-1], stays fine: tests/test_tic_ggn.py)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    cockpit = Cockpit(model.parameters(), quantities=[TICDiag(lambda s: True), TICTrace(lambda s: True)], model=model)
+    x, y = torch.randn(16, 4, dtype=DT), torch.randint(0, 3, (16,))
+    logits = model(x)
+    losses = F.cross_entropy(logits, y, reduction="none")
+    loss = losses.mean()
+    outputs = {"half_the_rows": logits[:8], "probabilities": logits.softmax(-1)}[wrong]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 16, "individual_losses": losses, "loss": loss, "outputs": outputs}):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    output = cockpit.get_output()[0]
+    assert "TICDiag" not in output and "TICTrace" not in output
+    why = {"half_the_rows": "no dimension but the last holds the batch's 16 rows", "probabilities": "are probabilities"}[wrong]
+    assert any(why in note for note in output["checks"]["notes"]), output["checks"]["notes"]

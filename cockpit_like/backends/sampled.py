@@ -101,6 +101,30 @@ def mean_cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[
     return _cross_entropy_check(loss, outputs, losses)[:2]
 
 
+def _unused_outputs(outputs: torch.Tensor, losses) -> tuple[bool | None, str | None, None]:
+    """The verdict where ``info["loss"]`` does not depend on ``info["outputs"]`` (see :func:`_cross_entropy_check`):
+    ``False`` with why where ``outputs`` cannot be the logits of the batch's loss, else ``None`` (cannot tell)."""
+    shape = list(outputs.shape)
+    if not outputs.requires_grad:
+        return False, (
+            f"info['outputs'] (shape {shape}) carries no graph (detached or computed without gradients): pass the "
+            "logits tensor the loss function received"
+        ), None
+    if isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.numel() not in shape[:-1]:
+        return False, (
+            f"info['outputs'] has shape {shape}, and no dimension but the last holds the batch's "
+            f"{losses.numel()} rows (info['individual_losses']): pass the logits of the whole batch, the tensor the "
+            "loss function received"
+        ), None
+    values = outputs.detach().reshape(-1, shape[-1]).to(torch.float64)
+    if values.numel() and bool((values >= 0).all()) and bool(((values.sum(1) - 1).abs() <= 1e-6).all()):
+        return False, (
+            "info['outputs'] are probabilities (every row non-negative and summing to 1), not logits: pass the "
+            "logits (before softmax)"
+        ), None
+    return None, None, None
+
+
 def _cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[bool | None, str | None, torch.Tensor | None]:
     """``(verdict, why not)``: whether ``loss`` is a plain mean cross-entropy of ``outputs`` (logits, classes last).
 
@@ -133,9 +157,12 @@ def _cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[bool
     try:
         (gradient,) = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
     except RuntimeError:
-        return None, None, None
+        gradient = None
     if gradient is None:
-        return None, None, None
+        # info['outputs'] is not upstream of info['loss']: a view of the logits the loss read (an LM's
+        # logits[:, :-1], shifted again inside the loss) is fine; what is not (outside trial 10: 8 of 16 rows, or
+        # softmax probabilities, gave a TIC 100x off and no note) is told apart where it can be
+        return _unused_outputs(outputs, losses)
     classes = outputs.shape[-1]
     half = gradient.dtype in (torch.float16, torch.bfloat16)
     finfo = torch.finfo(gradient.dtype)
