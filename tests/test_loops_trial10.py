@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -66,3 +67,44 @@ def test_outputs_the_loss_was_not_computed_from_are_refused(wrong):
     assert "TICDiag" not in output and "TICTrace" not in output
     why = {"half_the_rows": "no dimension but the last holds the batch's 16 rows", "probabilities": "are probabilities"}[wrong]
     assert any(why in note for note in output["checks"]["notes"]), output["checks"]["notes"]
+
+
+def _alpha_run(cockpits: int, user_hook_at: int | None = None):
+    from cockpit_like.utils.configuration import configuration
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    made = [Cockpit(model.parameters(), quantities=configuration("economy"), model=model) for _ in range(cockpits)]
+    calls = []
+    for step in range(4):
+        if step == user_hook_at:  # a hook of the user's, added after the cockpit's first ones
+            optimizer.register_step_post_hook(lambda *_: calls.append(step))
+        optimizer.zero_grad()
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 4, dtype=DT, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
+        with contextlib.ExitStack() as stack:
+            for cockpit in made:
+                stack.enter_context(cockpit(step, info=info))
+            losses.mean().backward()
+        optimizer.step()
+    return made, calls
+
+
+def test_two_cockpits_on_one_model_leave_optimizer_step_working():
+    """Alpha settles at the optimizer's post-hook; it removed its own handle there, and where that hook was not the
+    last one (a second cockpit's, or one of the user's added later), optimizer.step() raised 'OrderedDict mutated
+    during iteration'. Both cockpits now store the single cockpit's numbers."""
+    (alone,), _ = _alpha_run(1)
+    pair, _ = _alpha_run(2)
+    expected = alone.get_output()
+    assert expected[0]["Alpha"] is not None
+    for cockpit in pair:
+        output = cockpit.get_output()
+        for step in range(3):
+            for name in ("Alpha", "GradNorm", "UpdateSize", "NormTest"):
+                assert output[step][name] == pytest.approx(expected[step][name], rel=1e-12)
+    (with_hook,), calls = _alpha_run(1, user_hook_at=1)
+    assert calls == [1, 2, 3] and with_hook.get_output()[1]["Alpha"] == pytest.approx(expected[1]["Alpha"], rel=1e-12)

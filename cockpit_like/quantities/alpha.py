@@ -219,8 +219,20 @@ class Alpha(TwoStepQuantity):
         self._unwatch()
         register = getattr(optimizer, "register_step_post_hook", None)
         if callable(register):
-            self._step_hook = register(lambda *_: self._settle(start))
+            token = object()
+            self._step_token = token
+            self._step_hook = register(lambda *_: self._settle_once(start, token))
             self._step_hook_start = start
+
+    def _settle_once(self, start: int, token: object) -> None:
+        """The optimizer's post-hook: settle once. Its handle is removed later (the next start, :meth:`forget`),
+        never while the optimizer runs its post-hooks: removing one that is not the last of that ordered dict
+        broke ``optimizer.step()`` ("OrderedDict mutated during iteration"; outside trial 10, two cockpits on one
+        model)."""
+        if getattr(self, "_step_token", None) is not token:
+            return
+        self._step_token = None
+        self._settle(start)
 
     def _unwatch(self) -> None:
         handle, self._step_hook = getattr(self, "_step_hook", None), None
@@ -236,7 +248,6 @@ class Alpha(TwoStepQuantity):
         """After the optimizer's step from ``start``: the actual update ``theta_{t+1} - theta_t`` is known.
         Keep what the end step reads of the predicted update and the gradient sum (the update's norm,
         whether its direction is the predicted one, else the exact start slope mean) and free both."""
-        self._unwatch()
         if not (self.is_cached(start, "predicted_update") and self.is_cached(start, "params")):
             return
         reference = self.load_from_cache(start, "params")
