@@ -108,3 +108,36 @@ def test_two_cockpits_on_one_model_leave_optimizer_step_working():
                 assert output[step][name] == pytest.approx(expected[step][name], rel=1e-12)
     (with_hook,), calls = _alpha_run(1, user_hook_at=1)
     assert calls == [1, 2, 3] and with_hook.get_output()[1]["Alpha"] == pytest.approx(expected[1]["Alpha"], rel=1e-12)
+
+
+class _WithEmpty(nn.Module):
+    def __init__(self, empty: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.out = nn.Linear(6, 8).to(DT), nn.Linear(8, 3).to(DT)
+        self.e = nn.Parameter(torch.empty(0, 4, dtype=DT)) if empty else None
+
+    def forward(self, x):
+        hidden = self.a(x) + (self.e.sum() if self.e is not None else 0.0)
+        return self.out(torch.tanh(hidden))
+
+
+def test_a_parameter_without_entries_is_tracked():
+    """A zero-element Parameter (an adapter of rank 0) crashed the gradient check's projection with a raw
+    reshape error; the numbers are now those of the model without it (its GradNorm entry 0)."""
+    from cockpit_like.utils.configuration import configuration
+
+    outputs = []
+    for empty in (True, False):
+        model = _WithEmpty(empty)
+        cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+        x, y = torch.randn(5, 6, dtype=DT, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0, 1])
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(0, info={"batch_size": 5, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        outputs.append(cockpit.get_output()[0])
+    with_empty, without = outputs
+    assert with_empty.get("checks", {"valid": True})["valid"]
+    for name in ("NormTest", "InnerTest", "OrthoTest"):
+        assert with_empty[name] == pytest.approx(without[name], rel=1e-12)
+    assert sorted(with_empty["GradNorm"]) == pytest.approx(sorted(without["GradNorm"] + [0.0]), rel=1e-12)

@@ -87,6 +87,8 @@ def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch
         flat = flat.float()
     if directions[0].dtype != flat.dtype:
         directions = tuple(d.to(flat.dtype) for d in directions)
+    if flat.numel() == 0:  # a parameter with no entries (an adapter of rank 0): nothing to project
+        return torch.zeros((), dtype=torch.float64, device=flat.device)
     if len(directions) == 2:
         u, v = directions
         return (u @ (flat.reshape(u.shape[0], -1) @ v)).to(torch.float64)
