@@ -141,3 +141,52 @@ def test_a_parameter_without_entries_is_tracked():
     for name in ("NormTest", "InnerTest", "OrthoTest"):
         assert with_empty[name] == pytest.approx(without[name], rel=1e-12)
     assert sorted(with_empty["GradNorm"]) == pytest.approx(sorted(without["GradNorm"] + [0.0]), rel=1e-12)
+
+
+class _EmbeddingMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.e = nn.Embedding(5, 4).to(DT)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).to(DT)
+
+    def forward(self, x):
+        return self.mlp(torch.cat([self.e(x[:, 0].long()), x[:, 1:]], 1))
+
+
+def test_activation_statistics_count_the_training_forward_pass_only():
+    """After an embedding, the cockpit re-runs modules row by row; ActivationStats' hooks counted those calls too (64
+    samples for 32, another zero fraction), and exploding-recurrence read the MLP's ReLU as a recurrence."""
+    from cockpit_like.quantities import ActivationStats, DataStats
+
+    model = _EmbeddingMLP()
+    seen = []
+    model.mlp[1].register_forward_hook(lambda module, args, output: seen.append(output.detach().clone()))
+    quantities = [ActivationStats(lambda s: True), DataStats(lambda s: True)]
+    from cockpit_like.utils.configuration import configuration
+
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy") + quantities, model=model)
+    generator = torch.Generator().manual_seed(2)
+    x = torch.cat([torch.randint(0, 5, (32, 1), generator=generator).to(DT), torch.randn(32, 4, dtype=DT, generator=generator)], 1)
+    y = torch.randint(0, 3, (32,), generator=generator)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with cockpit(0, info={"batch_size": 32, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    (relu,) = seen  # the training's own call (the user's hook sits out the cockpit's re-runs)
+    stats = cockpit.get_output()[0]["ActivationStats"]["mlp.1"]
+    assert stats["samples"] == 32
+    assert stats["zero_fraction"] == pytest.approx(float((relu == 0).double().mean()), rel=1e-12)
+
+
+def test_one_output_per_row_is_not_a_class_count():
+    """A [B] output (one logit per row) was read as B classes: loss-at-chance then compared the loss with log B."""
+    from cockpit_like.quantities import DataStats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1), nn.Flatten(0)).to(DT)
+    cockpit = Cockpit(model.parameters(), quantities=[DataStats(lambda s: True)], model=model)
+    x, y = torch.randn(32, 3, dtype=DT), torch.randint(0, 2, (32,)).to(DT)
+    loss = F.binary_cross_entropy_with_logits(model(x), y)
+    with cockpit(0, info={"batch_size": 32, "loss": loss}):
+        loss.backward()
+    assert cockpit.get_output()[0]["DataStats"]["outputs"] == 1

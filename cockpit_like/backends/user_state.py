@@ -27,7 +27,7 @@ import torch
 
 from cockpit_like.backends import internal
 
-__all__ = ["UserState", "guard_module_hooks", "held_tensor_hooks", "kept_module_attributes", "rerunning",
+__all__ = ["UserState", "guard_module_hooks", "held_tensor_hooks", "in_rerun", "kept_module_attributes", "rerunning",
            "restored_on_failure"]  # fmt: skip
 
 
@@ -190,6 +190,12 @@ def rerunning() -> Iterator[None]:
         yield
     finally:
         _RERUNS -= 1
+
+
+def in_rerun() -> bool:
+    """Whether a per-row re-run of the cockpit runs now (:func:`rerunning`): the cockpit's own forward hooks that
+    count the training's calls (ActivationStats, DataStats) skip it."""
+    return _RERUNS > 0
 
 
 #: the cockpit's per-row re-runs running now (:func:`rerunning`)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cockpit_like.backends.distributed import unwrap
+from cockpit_like.backends.user_state import in_rerun
 from cockpit_like.quantities.quantity import SingleStepQuantity
 
 __all__ = ["ActivationStats", "activation_kind", "GELU_OFF_BELOW"]
@@ -214,6 +215,8 @@ class ActivationStats(SingleStepQuantity):
     @staticmethod
     def _pre_hook(kept: list):
         def hook(module, args):
+            if in_rerun():
+                return
             kept.clear()
             if torch.is_grad_enabled() and args and isinstance(args[0], torch.Tensor):
                 kept.append(args[0].detach().clone())
@@ -222,7 +225,9 @@ class ActivationStats(SingleStepQuantity):
 
     def _hook(self, name: str, kind: str, kept: list):
         def hook(module, args, output):
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            # (not in the cockpit's per-row re-runs of a module: an MLP after an embedding counted each sample
+            # twice, and exploding-recurrence read its ReLUs as a recurrence; outside trial 10)
+            if in_rerun() or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return
             inputs = kept.pop() if kept else args[0] if args and isinstance(args[0], torch.Tensor) else output
             tally = self._tallies.get(name)

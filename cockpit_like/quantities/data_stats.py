@@ -27,6 +27,7 @@ import torch
 from cockpit_like import context
 from cockpit_like.backends.distributed import unwrap
 from cockpit_like.quantities.quantity import SingleStepQuantity
+from cockpit_like.backends.user_state import in_rerun
 
 __all__ = ["DataStats"]
 
@@ -83,7 +84,9 @@ class _Tally:
         if y.dim() == 0 or not y.is_floating_point():
             return
         y = y.detach()
-        self.outputs = int(y.shape[-1])
+        # one output per row ([B]: a single logit or a regression target) is 1 output, not B classes (outside trial
+        # 10: a batch of 32 single logits was read as 32 classes, and loss-at-chance compared the loss with log 32)
+        self.outputs = int(y.shape[-1]) if y.dim() > 1 else 1
         finite = y[torch.isfinite(y)]
         if finite.numel():
             self.out_min = min(self.out_min, float(finite.min()))
@@ -190,7 +193,7 @@ class DataStats(SingleStepQuantity):
             self._handles.append(module.register_forward_hook(self._after, with_kwargs=True))
 
     def _after(self, module, args, kwargs, output):
-        if not torch.is_grad_enabled() or self._tally is None:
+        if in_rerun() or not torch.is_grad_enabled() or self._tally is None:  # (not the cockpit's own re-runs)
             return
         x, y = _input_of(args, kwargs), _first_tensor(output)
         if x is not None:
