@@ -190,3 +190,27 @@ def test_one_output_per_row_is_not_a_class_count():
     with cockpit(0, info={"batch_size": 32, "loss": loss}):
         loss.backward()
     assert cockpit.get_output()[0]["DataStats"]["outputs"] == 1
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+def test_the_gradient_check_names_gradient_hooks_on_the_parameters(kind):
+    """A hook that halves each gradient fails the gradient check at every step (rows twice the gradient); the
+    reason listed ten causes, none of them a hook, and fixes that do not help. It now names the hooked parameters
+    and the fix: scale or clip after the block."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DT)
+    for p in model.parameters():
+        if kind == "register_hook":
+            p.register_hook(lambda g: 0.5 * g)
+        else:
+            p.register_post_accumulate_grad_hook(lambda q: q.grad.mul_(0.5))
+    cockpit = Cockpit(model.parameters(), quantities=[__import__("cockpit_like").quantities.NormTest(lambda s: True)], model=model)
+    x, y = torch.randn(5, 3, dtype=DT), torch.tensor([0, 1, 0, 1, 1])
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 5, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    (failed,) = cockpit.invalid_steps[0]
+    assert failed["check"] == "gradient"
+    assert "carry gradient hooks" in failed["reason"] and "after the cockpit's block" in failed["reason"]

@@ -160,6 +160,11 @@ def _scaled_loss_hint(loss_value: float, mean: float) -> str:
     return ""
 
 
+def _has_gradient_hooks(param: torch.Tensor) -> bool:
+    """Whether ``param`` carries hooks of its own on its gradient (``register_hook``, ``register_post_accumulate_grad_hook``)."""
+    return bool(getattr(param, "_backward_hooks", None)) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
+
+
 def notable(record: dict[str, Any]) -> bool:
     """Whether a step's checks say anything beyond "valid as declared" (then they are streamed and shown)."""
     if not record.get("valid", True) or record.get("notes") or record.get("frozen") or record.get("no_gradient"):
@@ -280,11 +285,20 @@ class StepChecks:
                 "the cockpit does not see: compute it inside a module of the model, or leave it out of "
                 "Cockpit(params) (docs/your_model.md#limits). Otherwise: "
             ) if rowless else ""
+            hooked = [name_of(i) for i, *_ in offenders if _has_gradient_hooks(params[i])]
+            hooks = (
+                f"{', '.join(hooked[:3])}{' ...' if len(hooked) > 3 else ''} "
+                f"{'carries' if len(hooked) == 1 else 'carry'} gradient hooks (p.register_hook, "
+                "p.register_post_accumulate_grad_hook): one that scales or clips the gradient changes p.grad after "
+                "the per-sample rows were taken (outside trial 10: rows -0.2796, gradient -0.1398 under a hook "
+                "halving it). Scale or clip the gradients after the cockpit's block instead (p.grad.mul_(...), "
+                "torch.nn.utils.clip_grad_value_ after `with cockpit(...)`). Otherwise: "
+            ) if hooked else ""
             self.fail(
                 "gradient",
                 f"the per-sample gradients do not average to the gradient autograd accumulated for step {self.step} "
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
-                + half + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
+                + half + hooks + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
