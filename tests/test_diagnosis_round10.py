@@ -3,7 +3,10 @@ small hand-made values shaped like the trial's run it names, and fails without t
 
 from __future__ import annotations
 
+from cockpit_like.diagnosis import Finding
 from cockpit_like.diagnosis import rules as R
+from cockpit_like.diagnosis.engine import DiagnosisReport
+from cockpit_like.diagnosis.report import format_table
 from tests.test_diagnosis import history
 
 
@@ -19,3 +22,19 @@ def test_a_loss_spike_that_comes_back_is_not_a_new_level():
     replaced = history({"Loss": [0.65] * 3 + level + [0.31, 0.36, 0.29, 0.33, 0.35]})
     (found,) = R.LossJump().check(replaced)
     assert found.evidence["since"] == 13
+
+
+def test_the_active_diagnosis_reads_causes_in_the_context_of_every_finding():
+    """`cockpit-like diagnose --active` grouped the active findings alone: at a 100x learning rate the updates that
+    blew up were cleared by the end, the dead units they left were not, and the text named dead-units first with an
+    initialization fix, where the whole diagnosis and --json name the learning rate (outside trial 10)."""
+    blow_up = Finding("update-ratio-too-large", "warning", 0, "updates blow up", layer="0.weight",
+                      evidence={"since": 0})
+    vanished = Finding("vanishing-gradient", "warning", 19, "gradient exactly 0", layer="0.weight",
+                       evidence={"since": 17, "at_start": False, "zero": True, "norm": 0.0})
+    dead = Finding("dead-units", "warning", 30, "units dead", layer="1",
+                   evidence={"since": 28, "at_start": False, "developed": True})
+    report = DiagnosisReport([blow_up, vanished, dead], [vanished, dead], {})
+    text = format_table(report, active_only=True)
+    assert "1. WARNING learning-rate-too-large" in text and "dead-units" in text
+    assert "WARNING dead-units" not in text

@@ -62,7 +62,13 @@ def format_table(report: DiagnosisReport, path: str = "", width: int = 72, activ
     counts = {severity: sum(f.severity == severity for f in findings) for severity in ("error", "warning", "info")}
     summary = ", ".join(f"{n} {severity}{'s' if n != 1 else ''}" for severity, n in counts.items())
     lines = [f"{path + ': ' if path else ''}{len(findings)} finding{'s' if len(findings) != 1 else ''} ({summary})"]
-    incidents = group_findings(findings)
+    incidents = group_findings(report.findings)  # the causes read in the context of every finding
+    if active_only:
+        # the incidents that still hold: with an active finding among theirs (grouping the active findings alone
+        # lost that context: a run at a 100x learning rate listed its dead units first, as if from the start, with
+        # an initialization fix, where the whole diagnosis and --json name the learning rate; outside trial 10)
+        live = {id(f) for f in report.active}
+        incidents = [i for i in incidents if any(id(f) in live for f in i.evidence + i.symptoms)]
     if incidents:
         lines.append("")
         lines.append(f"diagnosis ({len(incidents)} incident{'s' if len(incidents) != 1 else ''}, cause first):")
