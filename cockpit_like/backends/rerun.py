@@ -229,9 +229,20 @@ class _Rerun:
         self.run = run
 
     def rewind(self) -> None:
-        """The module's parametrizations' buffers as they were when the recorded call began."""
+        """The module's parametrizations' buffers as they were when the recorded call began, and its own tensor and
+        ``None`` attributes and buffers (:func:`~cockpit_like.backends.tracer.start_references`): the re-run starts
+        where the call started (what it changes is put back afterwards: :func:`_model_kept`)."""
         with torch.no_grad():
-            for owner, name, value in self.state:
+            for entry in self.state:
+                if len(entry) == 4:  # a reference: bound again where the call (or a re-run) rebound it
+                    owner, name, value, kind = entry
+                    table = owner._buffers if kind == "buffer" else owner.__dict__
+                    if kind == "attribute" and name in owner._buffers:
+                        continue  # (now a buffer: the buffer's reference decides)
+                    if table.get(name, value) is not value or name not in table:
+                        table[name] = value
+                    continue
+                owner, name, value = entry
                 current = owner._buffers.get(name)
                 if isinstance(current, torch.Tensor) and current.shape == value.shape:
                     if not torch.equal(current, value):

@@ -142,9 +142,35 @@ def _open(tracer_id: int, module, args) -> None:
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
     tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
+    tracer.states.setdefault(id(module), []).append(_state_at_start(tracer, module))
+
+
+def _state_at_start(tracer, module: nn.Module) -> list:
+    """What a re-run of this call starts from (``Call.state``): copies of the buffers of the module's stateful parts
+    (:func:`snapshot_state`), and references to the module's own tensor and ``None`` attributes and buffers as the
+    call begins (:func:`start_references`)."""
     stateful = tracer.stateful.get(id(module))
-    if stateful:
-        tracer.states.setdefault(id(module), []).append(snapshot_state(stateful))
+    return (snapshot_state(stateful) if stateful else []) + start_references(module)
+
+
+#: ``nn.Module``'s own attributes (hooks, flags): never a state of the user's
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+
+def start_references(module: nn.Module) -> list[tuple[nn.Module, str, Any, str]]:
+    """``(module, name, value, kind)`` of the module's own attributes that hold a tensor (not a parameter) or
+    ``None`` (``kind`` "attribute") and of its buffers (``kind`` "buffer"), as they are now: references, no copies.
+    A forward pass that keeps a state there (``self.state = h``, a buffer registered as ``None`` and filled: Hugging
+    Face RecurrentGemma's RG-LRU keeps its recurrent state so, also without a cache) changed them by the time the
+    cockpit re-runs the call; each re-run starts from these (outside trial 10: the re-run read the batch's final
+    state, and every step raised)."""
+    references = [
+        (module, name, value, "attribute") for name, value in module.__dict__.items()
+        if name not in _MODULE_INTERNALS
+        and (value is None or (isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)))
+    ]
+    references += [(module, name, value, "buffer") for name, value in module._buffers.items()]
+    return references
 
 
 #: the most buffer entries of a module of the user's own that its calls copy (:func:`stateful_parts`)
@@ -402,8 +428,7 @@ class ModelTracer:
         self.attach(module)
         self.enter_forward(args, {}, module)  # this call's pre-hooks were registered too late for this call
         self.opened.setdefault(id(module), []).append(len(self.calls))
-        if id(module) in self.stateful:
-            self.states.setdefault(id(module), []).append(snapshot_state(self.stateful[id(module)]))
+        self.states.setdefault(id(module), []).append(_state_at_start(self, module))
         if self.covers_all() and self._global_handle is not None:
             self._global_handle.remove()
             self._global_handle = None
