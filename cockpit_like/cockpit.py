@@ -966,11 +966,17 @@ class Cockpit:
         test_accuracy: Any = None,
         learning_rate: Any = None,
     ) -> None:
-        """Store epoch-level figures under ``global_step`` (values as given; only on the log rank under DDP)."""
+        """Store epoch-level figures under ``global_step`` (only on the log rank under DDP).
+
+        ``global_step`` is the optimizer step number (an int >= 0). Each figure is a number (a one-element
+        tensor or a numpy scalar is stored as a Python float, or int, so no autograd graph is kept), a
+        list/tuple/dict of numbers, or None; anything else raises before anything is stored, naming the key.
+        """
+        given = locals()
+        global_step = _log_step(global_step)
+        values = {key: _log_value(key, given[key]) for key in EPOCH_KEYS}
         if not self.keeps_output:
             return
-        given = locals()
-        values = {key: given[key] for key in EPOCH_KEYS}
         self._output.store_log(global_step, values)
         self._diagnose({global_step: values})
 
@@ -1185,6 +1191,59 @@ def _make_diagnosis(diagnose: Any) -> Diagnosis | None:
     raise ValueError(
         "Cockpit(diagnose=...) takes True (every built-in rule), a list of cockpit_like.diagnosis.Rule "
         f"instances, or a Diagnosis; got {diagnose!r}"
+    )
+
+
+def _log_step(global_step: Any) -> int:
+    """``cockpit.log``'s step as a Python int, or a ValueError that says why not (before anything is stored)."""
+    if not isinstance(global_step, bool) and (
+        (isinstance(global_step, torch.Tensor) and global_step.numel() == 1 and not global_step.is_floating_point()
+         and not global_step.is_complex())
+        or type(global_step).__module__ == "numpy" and hasattr(global_step, "dtype") and global_step.dtype.kind in "iu"
+        and getattr(global_step, "size", 0) == 1
+    ):
+        global_step = int(global_step.item())
+    if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+        raise ValueError(
+            f"cockpit.log(global_step, ...): global_step must be an int >= 0, the optimizer step number the "
+            f"figures belong to (the same number as in `with cockpit(step, ...)`), got {global_step!r} "
+            f"({type(global_step).__name__}). Pass a label such as the epoch as epoch_count=..., e.g. "
+            "cockpit.log(step, epoch_count=epoch, train_loss=...)."
+        )
+    return global_step
+
+
+def _log_value(key: str, value: Any) -> Any:
+    """A ``cockpit.log`` figure as a plain, JSON-safe value: one-element tensors and numpy scalars as Python
+    numbers (a tensor would keep its autograd graph alive), lists, tuples and dicts element by element."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        kind = "tensor" if isinstance(value, torch.Tensor) else f"numpy {type(value).__name__}"
+        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
+        if size == 1 and not (value.is_complex() if isinstance(value, torch.Tensor) else value.dtype.kind == "c"):
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            number = value.item()
+            if isinstance(number, (bool, int, float)):
+                return number
+        raise TypeError(
+            f"cockpit.log(..., {key}=...): got a {kind} of shape {tuple(value.shape)} and dtype {value.dtype}; "
+            f"{key} takes one real number (a Python number or a one-element tensor, e.g. {key}=loss.item())"
+            + (", or reduce it first (e.g. .mean())" if size > 1 else "")
+        )
+    if isinstance(value, (list, tuple)):
+        return [_log_value(key, item) for item in value]
+    if isinstance(value, dict):
+        return {name: _log_value(key, item) for name, item in value.items()}
+    if isinstance(value, str):
+        raise TypeError(
+            f"cockpit.log(..., {key}=...): got the string {value!r}; {key} takes a number. Convert it first "
+            f"(e.g. {key}=float(text)); nothing was stored."
+        )
+    raise TypeError(
+        f"cockpit.log(..., {key}=...): got a {type(value).__name__} ({value!r:.80}); {key} takes a number (a Python "
+        f"number or a one-element tensor, e.g. {key}=loss.item()); nothing was stored."
     )
 
 

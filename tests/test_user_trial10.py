@@ -1,0 +1,90 @@
+"""Outside trial 10 (a new user's first week): mistakes that were taken silently or got a raw Python error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from cockpit_like import Cockpit, read_log
+from cockpit_like.utils.configuration import configuration
+from tests.helpers import make_batch, make_problem
+
+
+def _cockpit(**kwargs):
+    model, lossfunc, _ = make_problem("mlp")
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model, **kwargs)
+    return cockpit, model, lossfunc
+
+
+def _step(cockpit, model, lossfunc, optimizer, step):
+    inputs, labels = make_batch("mlp", 8, seed=step)
+    optimizer.zero_grad()
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    info = {"batch_size": 8, "individual_losses": nn.functional.cross_entropy(outputs, labels, reduction="none"),
+            "loss": loss, "optimizer": optimizer}
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+    optimizer.step()
+
+
+# ---- finding 3: cockpit.log with a step that is not an int -------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_log_refuses_a_non_int_step_before_storing(tmp_path, stream):
+    cockpit, model, lossfunc = _cockpit(stream_to=str(tmp_path / "run") if stream else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _step(cockpit, model, lossfunc, optimizer, 0)
+    for bad in ("epoch1", 1.5, -1, True):
+        with pytest.raises(ValueError, match=r"global_step must be an int >= 0, the optimizer step number"):
+            cockpit.log(bad, train_loss=1.0)
+    assert all("train_loss" not in values for values in cockpit.get_output().values())
+    path = cockpit.write(str(tmp_path / "full"))
+    cockpit.close()
+    assert all("train_loss" not in values for values in read_log(path).values())
+    if stream:
+        assert all("train_loss" not in values for values in read_log(str(tmp_path / "run.jsonl")).values())
+
+
+def test_log_takes_integer_tensors_and_numpy_ints_as_the_step():
+    cockpit, _, _ = _cockpit()
+    cockpit.log(torch.tensor(3), train_loss=1.0)
+    cockpit.log(np.int64(4), train_loss=2.0)
+    output = cockpit.get_output()
+    assert output[3]["train_loss"] == 1.0 and output[4]["train_loss"] == 2.0
+    assert all(type(step) is int for step in output)
+
+
+# ---- finding 11: cockpit.log stores plain numbers ---------------------------------------------------------
+def test_log_converts_tensors_and_numpy_scalars_to_python_numbers(tmp_path):
+    cockpit, _, _ = _cockpit(stream_to=str(tmp_path / "run"))
+    loss = torch.tensor(1.0, dtype=torch.float64, requires_grad=True) * 2
+    cockpit.log(0, epoch_count=torch.tensor(1), train_loss=loss, valid_loss=np.float32(0.25),
+                valid_accuracy=np.array([0.5]), learning_rate=[torch.tensor(0.1), 0.2])
+    logged = cockpit.get_output()[0]
+    assert type(logged["train_loss"]) is float and logged["train_loss"] == 2.0
+    assert type(logged["epoch_count"]) is int and logged["epoch_count"] == 1
+    assert type(logged["valid_loss"]) is float and logged["valid_loss"] == 0.25
+    assert type(logged["valid_accuracy"]) is float and logged["valid_accuracy"] == 0.5
+    assert logged["learning_rate"] == pytest.approx([0.1, 0.2]) and type(logged["learning_rate"][0]) is float
+    cockpit.close()
+    assert read_log(str(tmp_path / "run.jsonl"))[0]["train_loss"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("0.5", r"train_loss=\.\.\.\): got the string '0.5'; train_loss takes a number.*float\(text\)"),
+        (torch.ones(3), r"train_loss=\.\.\.\): got a tensor of shape \(3,\).*one real number.*\.mean\(\)"),
+        (nn.CrossEntropyLoss(), r"train_loss=\.\.\.\): got a CrossEntropyLoss.*takes a number"),
+        (["0.5"], r"train_loss=\.\.\.\): got the string '0.5'"),
+    ],
+)
+def test_log_refuses_non_numeric_figures_naming_the_key(value, match):
+    cockpit, _, _ = _cockpit()
+    with pytest.raises(TypeError, match=match):
+        cockpit.log(1, valid_loss=0.5, train_loss=value)
+    assert cockpit.get_output() == {}  # nothing stored, not even the good figure
