@@ -55,6 +55,12 @@ __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInT
 def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         raise ValueError("Cockpit(params): pass an iterable of tensors, e.g. model.parameters()")
+    if callable(params) and not isinstance(params, Iterable):
+        name = getattr(params, "__qualname__", type(params).__name__)
+        raise ValueError(
+            f"Cockpit(params): got the method/function {name} itself, not the parameters it returns; call it: "
+            "Cockpit(model.parameters(), ...), with the parentheses"
+        )
     checked = []
     for index, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
@@ -447,6 +453,11 @@ class Cockpit:
 
     def create_graph(self, global_step: int) -> bool:
         """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
+        if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+            raise ValueError(
+                f"cockpit.create_graph(global_step): need the step number, an int >= 0 (the same as in "
+                f"`with cockpit(step, ...)`), got {global_step!r} ({type(global_step).__name__})"
+            )
         return any(q.create_graph(global_step) for q in self._active_at(global_step))
 
     def _active_at(self, global_step: int) -> list[Quantity]:
@@ -985,6 +996,11 @@ class Cockpit:
 
         Under DDP only the log rank writes; other ranks return ``None``.
         """
+        if not isinstance(logpath, (str, os.PathLike)):
+            raise TypeError(
+                f"cockpit.write(logpath): logpath takes a path (a str or pathlib.Path, e.g. 'runs/exp1'; "
+                f"'.json' is added), got {logpath!r} ({type(logpath).__name__})"
+            )
         self._flush()
         if not self.keeps_output:
             return None
@@ -1252,6 +1268,16 @@ def _check_step_arguments(global_step: Any, info: Any) -> None:
         raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
+    loss = (info or {}).get("loss")
+    if loss is not None and not isinstance(loss, (torch.Tensor, int, float)):
+        hint = (
+            " (the loss function itself: pass the value it returns, loss = lossfunc(outputs, labels))"
+            if isinstance(loss, torch.nn.Module) or callable(loss) else ""
+        )
+        raise ValueError(
+            f"cockpit(info=...): info['loss'] takes the mini-batch loss tensor (the one loss.backward() is called "
+            f"on), got a {type(loss).__name__}{hint}"
+        )
     optimizers = (info or {}).get("optimizer")
     if isinstance(optimizers, (list, tuple)):
         names = ", ".join(type(o).__name__ for o in optimizers)

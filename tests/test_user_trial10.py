@@ -88,3 +88,42 @@ def test_log_refuses_non_numeric_figures_naming_the_key(value, match):
     with pytest.raises(TypeError, match=match):
         cockpit.log(1, valid_loss=0.5, train_loss=value)
     assert cockpit.get_output() == {}  # nothing stored, not even the good figure
+
+
+# ---- finding 7: raw Python errors that named neither the argument nor the fix -----------------------------
+def test_info_loss_given_the_loss_module_is_refused_before_backward():
+    cockpit, model, lossfunc = _cockpit()
+    inputs, labels = make_batch("mlp", 8, seed=0)
+    loss = lossfunc(model(inputs), labels)
+    with pytest.raises(ValueError, match=r"info\['loss'\] takes the mini-batch loss tensor.*got a CrossEntropyLoss "
+                                         r"\(the loss function itself: pass the value it returns"):
+        with cockpit(0, info={"batch_size": 8, "loss": lossfunc}):
+            loss.backward()
+    assert cockpit.get_output() == {}
+
+
+@pytest.mark.parametrize("step", ["0", 1.0, -2])
+def test_create_graph_names_a_bad_step(step):
+    cockpit, _, _ = _cockpit()
+    with pytest.raises(ValueError, match=r"cockpit.create_graph\(global_step\): need the step number, an int >= 0"):
+        cockpit.create_graph(step)
+
+
+def test_write_names_a_path_that_is_not_a_path(tmp_path):
+    cockpit, _, _ = _cockpit()
+    with pytest.raises(TypeError, match=r"cockpit.write\(logpath\): logpath takes a path.*got 123 \(int\)"):
+        cockpit.write(123)
+    assert cockpit.write(tmp_path / "run").endswith("run.json")  # a pathlib.Path is a path
+
+
+def test_cockpit_given_the_parameters_method_says_to_call_it():
+    model, _, _ = make_problem("mlp")
+    with pytest.raises(ValueError, match=r"Cockpit\(params\): got the method/function Module.parameters itself.*"
+                                         r"Cockpit\(model.parameters\(\), \.\.\.\)"):
+        Cockpit(model.parameters, quantities=configuration("economy"))
+
+
+def test_configuration_given_a_list_names_the_label():
+    with pytest.raises(TypeError, match=r"configuration\(label\): label takes one preset name, a str.*"
+                                        r"got \['economy'\] \(list\)"):
+        configuration(["economy"])
