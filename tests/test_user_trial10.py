@@ -127,3 +127,61 @@ def test_configuration_given_a_list_names_the_label():
     with pytest.raises(TypeError, match=r"configuration\(label\): label takes one preset name, a str.*"
                                         r"got \['economy'\] \(list\)"):
         configuration(["economy"])
+
+
+# ---- finding 8: a file that is not a log, an export folder that is a file ---------------------------------
+PNG_START = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR"
+
+
+def test_read_log_of_a_binary_file_names_the_file(tmp_path):
+    picture = tmp_path / "demo.png"
+    picture.write_bytes(PNG_START)
+    with pytest.raises(ValueError, match=r"demo.png is not a cockpit log: it is not text \(byte 0x89 at offset 0"):
+        read_log(picture)
+
+
+def test_cli_summary_and_export_say_what_is_wrong_without_a_traceback(tmp_path, capsys):
+    from cockpit_like.cli import main
+
+    picture = tmp_path / "demo.png"
+    picture.write_bytes(PNG_START)
+    assert main(["summary", str(picture), "--no-progress"]) == 2
+    assert "demo.png is not a cockpit log: it is not text" in capsys.readouterr().err
+    log = tmp_path / "run.json"
+    log.write_text(json.dumps({"schema": "cockpit_like.log", "schema_version": 1, "metadata": {},
+                               "steps": {"0": {"Loss": 1.0}}}))
+    pytest.importorskip("tensorboard")
+    assert main(["export", str(log), "--to", "tensorboard", str(picture), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "demo.png is a file, not a folder; give a folder" in err and "Traceback" not in err
+    assert picture.read_bytes() == PNG_START
+
+
+# ---- finding 10: the plotter's and the exporter's arguments -----------------------------------------------
+def test_plotter_given_the_cockpit_in_its_constructor_says_where_it_goes(tmp_path):
+    from cockpit_like.plotting.plotter import CockpitPlotter
+
+    cockpit, _, _ = _cockpit()
+    for source in (cockpit, "runs/demo", tmp_path):
+        with pytest.raises(TypeError, match=r"CockpitPlotter\(secondary_screen=\.\.\.\): takes True or False.*"
+                                            r"goes to plot\(\), not to the constructor"):
+            CockpitPlotter(source)
+    assert CockpitPlotter(True).secondary_screen and not CockpitPlotter(0).secondary_screen
+    assert CockpitPlotter(np.bool_(True)).secondary_screen
+
+
+def test_exporter_attach_given_a_path_says_how_to_export_a_log(tmp_path):
+    pytest.importorskip("tensorboard")
+    from cockpit_like.integrations.exporters import TensorBoardExporter
+
+    exporter = TensorBoardExporter(tmp_path / "tb")
+    with pytest.raises(TypeError, match=r"TensorBoardExporter.attach\(cockpit\): takes a running Cockpit, got "
+                                        r"'runs/demo' \(str\).*export_log\(path, to, directory\)"):
+        exporter.attach("runs/demo")
+    cockpit, _, _ = _cockpit()
+    exporter.attach(cockpit)  # the failed call left the exporter free to attach
+    exporter.close()
+    picture = tmp_path / "demo.png"
+    picture.write_bytes(PNG_START)
+    with pytest.raises(ValueError, match=r"TensorBoardExporter\(log_dir\): .*demo.png is a file, not a folder"):
+        TensorBoardExporter(picture)
