@@ -185,3 +185,22 @@ def test_exporter_attach_given_a_path_says_how_to_export_a_log(tmp_path):
     picture.write_bytes(PNG_START)
     with pytest.raises(ValueError, match=r"TensorBoardExporter\(log_dir\): .*demo.png is a file, not a folder"):
         TensorBoardExporter(picture)
+
+
+# ---- finding 9: gradients cleared inside the block after the backward pass --------------------------------
+def test_zero_grad_after_backward_inside_the_block_is_named():
+    cockpit, model, lossfunc = _cockpit()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    inputs, labels = make_batch("mlp", 8, seed=0)
+    outputs = model(inputs)
+    loss = lossfunc(outputs, labels)
+    info = {"batch_size": 8, "individual_losses": nn.functional.cross_entropy(outputs, labels, reduction="none"),
+            "loss": loss, "optimizer": optimizer}
+    with pytest.raises(RuntimeError) as raised:
+        with cockpit(0, info=info):
+            loss.backward()
+            optimizer.zero_grad()
+    message = str(raised.value)
+    assert "a backward pass ran inside the cockpit's block" in message
+    assert "the gradients were cleared (set to None) inside the block after the backward pass" in message
+    assert "optimizer.zero_grad()" in message and "Call loss.backward() inside" not in message
