@@ -55,6 +55,12 @@ __all__ = ["Cockpit", "NotExtendedError", "UnsupportedLayerError", "BatchNormInT
 def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     if isinstance(params, torch.Tensor):
         raise ValueError("Cockpit(params): pass an iterable of tensors, e.g. model.parameters()")
+    if callable(params) and not isinstance(params, Iterable):
+        name = getattr(params, "__qualname__", type(params).__name__)
+        raise ValueError(
+            f"Cockpit(params): got the method/function {name} itself, not the parameters it returns; call it: "
+            "Cockpit(model.parameters(), ...), with the parentheses"
+        )
     checked = []
     for index, param in enumerate(params):
         if not isinstance(param, torch.Tensor):
@@ -447,6 +453,11 @@ class Cockpit:
 
     def create_graph(self, global_step: int) -> bool:
         """Whether ``loss.backward`` must be called with ``create_graph=True`` at this step."""
+        if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+            raise ValueError(
+                f"cockpit.create_graph(global_step): need the step number, an int >= 0 (the same as in "
+                f"`with cockpit(step, ...)`), got {global_step!r} ({type(global_step).__name__})"
+            )
         return any(q.create_graph(global_step) for q in self._active_at(global_step))
 
     def _active_at(self, global_step: int) -> list[Quantity]:
@@ -966,11 +977,17 @@ class Cockpit:
         test_accuracy: Any = None,
         learning_rate: Any = None,
     ) -> None:
-        """Store epoch-level figures under ``global_step`` (values as given; only on the log rank under DDP)."""
+        """Store epoch-level figures under ``global_step`` (only on the log rank under DDP).
+
+        ``global_step`` is the optimizer step number (an int >= 0). Each figure is a number (a one-element
+        tensor or a numpy scalar is stored as a Python float, or int, so no autograd graph is kept), a
+        list/tuple/dict of numbers, or None; anything else raises before anything is stored, naming the key.
+        """
+        given = locals()
+        global_step = _log_step(global_step)
+        values = {key: _log_value(key, given[key]) for key in EPOCH_KEYS}
         if not self.keeps_output:
             return
-        given = locals()
-        values = {key: given[key] for key in EPOCH_KEYS}
         self._output.store_log(global_step, values)
         self._diagnose({global_step: values})
 
@@ -979,6 +996,11 @@ class Cockpit:
 
         Under DDP only the log rank writes; other ranks return ``None``.
         """
+        if not isinstance(logpath, (str, os.PathLike)):
+            raise TypeError(
+                f"cockpit.write(logpath): logpath takes a path (a str or pathlib.Path, e.g. 'runs/exp1'; "
+                f"'.json' is added), got {logpath!r} ({type(logpath).__name__})"
+            )
         self._flush()
         if not self.keeps_output:
             return None
@@ -1188,11 +1210,74 @@ def _make_diagnosis(diagnose: Any) -> Diagnosis | None:
     )
 
 
+def _log_step(global_step: Any) -> int:
+    """``cockpit.log``'s step as a Python int, or a ValueError that says why not (before anything is stored)."""
+    if not isinstance(global_step, bool) and (
+        (isinstance(global_step, torch.Tensor) and global_step.numel() == 1 and not global_step.is_floating_point()
+         and not global_step.is_complex())
+        or type(global_step).__module__ == "numpy" and hasattr(global_step, "dtype") and global_step.dtype.kind in "iu"
+        and getattr(global_step, "size", 0) == 1
+    ):
+        global_step = int(global_step.item())
+    if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
+        raise ValueError(
+            f"cockpit.log(global_step, ...): global_step must be an int >= 0, the optimizer step number the "
+            f"figures belong to (the same number as in `with cockpit(step, ...)`), got {global_step!r} "
+            f"({type(global_step).__name__}). Pass a label such as the epoch as epoch_count=..., e.g. "
+            "cockpit.log(step, epoch_count=epoch, train_loss=...)."
+        )
+    return global_step
+
+
+def _log_value(key: str, value: Any) -> Any:
+    """A ``cockpit.log`` figure as a plain, JSON-safe value: one-element tensors and numpy scalars as Python
+    numbers (a tensor would keep its autograd graph alive), lists, tuples and dicts element by element."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "dtype"):
+        kind = "tensor" if isinstance(value, torch.Tensor) else f"numpy {type(value).__name__}"
+        size = value.numel() if isinstance(value, torch.Tensor) else getattr(value, "size", 1)
+        if size == 1 and not (value.is_complex() if isinstance(value, torch.Tensor) else value.dtype.kind == "c"):
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            number = value.item()
+            if isinstance(number, (bool, int, float)):
+                return number
+        raise TypeError(
+            f"cockpit.log(..., {key}=...): got a {kind} of shape {tuple(value.shape)} and dtype {value.dtype}; "
+            f"{key} takes one real number (a Python number or a one-element tensor, e.g. {key}=loss.item())"
+            + (", or reduce it first (e.g. .mean())" if size > 1 else "")
+        )
+    if isinstance(value, (list, tuple)):
+        return [_log_value(key, item) for item in value]
+    if isinstance(value, dict):
+        return {name: _log_value(key, item) for name, item in value.items()}
+    if isinstance(value, str):
+        raise TypeError(
+            f"cockpit.log(..., {key}=...): got the string {value!r}; {key} takes a number. Convert it first "
+            f"(e.g. {key}=float(text)); nothing was stored."
+        )
+    raise TypeError(
+        f"cockpit.log(..., {key}=...): got a {type(value).__name__} ({value!r:.80}); {key} takes a number (a Python "
+        f"number or a one-element tensor, e.g. {key}=loss.item()); nothing was stored."
+    )
+
+
 def _check_step_arguments(global_step: Any, info: Any) -> None:
     if isinstance(global_step, bool) or not isinstance(global_step, int) or global_step < 0:
         raise ValueError(f"cockpit(global_step): need a non-negative int, got {global_step!r}")
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
+    loss = (info or {}).get("loss")
+    if loss is not None and not isinstance(loss, (torch.Tensor, int, float)):
+        hint = (
+            " (the loss function itself: pass the value it returns, loss = lossfunc(outputs, labels))"
+            if isinstance(loss, torch.nn.Module) or callable(loss) else ""
+        )
+        raise ValueError(
+            f"cockpit(info=...): info['loss'] takes the mini-batch loss tensor (the one loss.backward() is called "
+            f"on), got a {type(loss).__name__}{hint}"
+        )
     optimizers = (info or {}).get("optimizer")
     if isinstance(optimizers, (list, tuple)):
         names = ", ".join(type(o).__name__ for o in optimizers)

@@ -605,7 +605,11 @@ def read_log_with_metadata(path: str | os.PathLike, progress: bool | None = Fals
             not a stream), or one of a newer schema version.
     """
     path = _resolve(path)
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise _not_a_log(path, f"it is not text (byte {error.object[error.start]:#04x} at offset {error.start} is not "
+                               "UTF-8: a binary file, such as the dashboard's .png)") from None
     if not text.strip():
         if path.suffix == ".jsonl":
             return {}, {}  # an empty stream: the run stopped before its first step reached the file

@@ -237,6 +237,9 @@ class TrackedStep:
         self.ignored = ignored
         self._factor: LossFactor | None = None
         self._roots: BackwardRoots | None = None
+        #: whether a backward pass ran inside the block (None: not watched), for the error of a block that ends
+        #: without gradients
+        self._backward_seen: bool | None = None
         self._probe: GradientProbe | None = None
         #: the active quantities that asked for anything computed in or after the backward pass (``StepNeeds.askers``)
         self._askers: frozenset[str] = frozenset()
@@ -443,6 +446,8 @@ class TrackedStep:
             roots.remove()
             self._roots = None
         execution.exit(exc_type, exc, traceback)
+        if roots is not None:
+            self._backward_seen = roots.calls > 0
         if roots is not None and roots.calls == 0 and exc_type is None and self.active and (
                 _no_gradients(self.env.params) or self._grads_untouched()):
             # (a loop that sets p.grad itself, from torch.autograd.grad or torch.func, has gradients: it goes on)
@@ -606,9 +611,19 @@ class TrackedStep:
                     "do nothing at steps where `any(q.is_active(step) for q in cockpit.quantities)`), or leave this loop "
                     "untracked."
                 )
+            clear = ("optimizer.zero_grad() or model.zero_grad() between loss.backward() and the block's end: call "
+                     "it before the forward pass or after optimizer.step(), outside the block")
+            if self._backward_seen:
+                raise RuntimeError(
+                    f"cockpit step {self.step}: a backward pass ran inside the cockpit's block, yet no tracked "
+                    f"parameter has a gradient at the end of it. Either the gradients were cleared (set to None) inside "
+                    f"the block after the backward pass ({clear}), or the loss does not depend on the parameters "
+                    "given to Cockpit(params) (pass those of the model you train, e.g. Cockpit(model.parameters(), ...))."
+                )
             raise RuntimeError(
-                f"cockpit step {self.step}: no tracked parameter got a gradient. Call loss.backward() inside "
-                "the cockpit's block, and pass the parameters the loss depends on to Cockpit(params)."
+                f"cockpit step {self.step}: no tracked parameter has a gradient at the end of the cockpit's block. "
+                "Call loss.backward() inside the block; do not clear the gradients inside it after the backward "
+                f"pass ({clear}); and pass the parameters the loss depends on to Cockpit(params)."
             )
         # the optimizer steps on p.grad as it is at its step: without a declared GradScaler's scale, which the
         # scaler takes off before (where the step finishes at the optimizer's step, it has already)

@@ -101,6 +101,13 @@ class Exporter:
     # ---- sources ------------------------------------------------------------------
     def attach(self, cockpit) -> Exporter:
         """Export every step ``cockpit`` tracks from now on (returns ``self``)."""
+        if not callable(getattr(cockpit, "add_listener", None)):
+            raise TypeError(
+                f"{type(self).__name__}.attach(cockpit): takes a running Cockpit, got {cockpit!r:.80} "
+                f"({type(cockpit).__name__}). To export a saved log use "
+                "cockpit_like.integrations.exporters.export_log(path, to, directory) or `cockpit-like export LOG "
+                "--to ... DIR`; exporter.write_log(read_log(path)) also works"
+            )
         if self._cockpit is not None:
             raise RuntimeError(f"{type(self).__name__} is already attached to a cockpit")
         self._cockpit = cockpit
@@ -207,6 +214,7 @@ class TensorBoardExporter(Exporter):
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
                 raise MissingPackage("TensorBoardExporter", "tensorboard", "tensorboard", "tensorboard", error) from error
+            _check_folder(log_dir, "TensorBoardExporter(log_dir)")
             writer, self._owns_writer = SummaryWriter(log_dir=os.fspath(log_dir)), True
         else:
             self._owns_writer = False
@@ -268,6 +276,7 @@ class WandbExporter(Exporter):
         self._wandb = wandb
         if run is None:
             if directory is not None:
+                _check_folder(directory, "WandbExporter(directory)")
                 Path(directory).mkdir(parents=True, exist_ok=True)
                 init_kwargs["dir"] = os.fspath(directory)
             init_kwargs.setdefault("project", "cockpit_like")
@@ -374,6 +383,15 @@ class MLflowExporter(Exporter):
 EXPORTERS = {"tensorboard": TensorBoardExporter, "wandb": WandbExporter, "mlflow": MLflowExporter}
 
 
+def _check_folder(directory: str | os.PathLike, what: str) -> None:
+    """A ValueError where ``directory`` is an existing file (the exporter writes a folder there)."""
+    if Path(directory).exists() and not Path(directory).is_dir():
+        raise ValueError(
+            f"{what}: {os.fspath(directory)} is a file, not a folder; give a folder for the exported run (it is "
+            "created if missing), e.g. runs/tb"
+        )
+
+
 def make_exporter(to: str, directory: str | os.PathLike, **options: Any) -> Exporter:
     """An exporter of kind ``to`` writing under ``directory``.
 
@@ -383,6 +401,7 @@ def make_exporter(to: str, directory: str | os.PathLike, **options: Any) -> Expo
     """
     if to not in EXPORTERS:
         raise ValueError(f"unknown export target {to!r}; choose one of {', '.join(EXPORTERS)}")
+    _check_folder(directory, f"the {to} export folder (DIR)")
     if to == "mlflow":
         options.setdefault("tracking_uri", Path(directory).resolve().as_uri())
         return MLflowExporter(**options)

@@ -163,6 +163,16 @@ class CockpitPlotter:
                                             or not 2 <= notebook_colors <= 256):
             raise ValueError(f"CockpitPlotter(notebook_colors={notebook_colors!r}): need None (full colour) or a "
                              "palette size from 2 to 256, e.g. 64")
+        if not (isinstance(secondary_screen, int) and secondary_screen in (0, 1)
+                or type(secondary_screen).__module__ == "numpy" and getattr(secondary_screen, "dtype", None) is not None
+                and secondary_screen.dtype.kind == "b"):  # a bool (numpy's too), or 0 / 1
+            source = isinstance(secondary_screen, (str, os.PathLike)) or hasattr(secondary_screen, "get_output")
+            raise TypeError(
+                f"CockpitPlotter(secondary_screen=...): takes True or False, got {secondary_screen!r:.80} "
+                f"({type(secondary_screen).__name__})"
+                + (". The cockpit or log to draw goes to plot(), not to the constructor: "
+                   "CockpitPlotter().plot(cockpit)" if source else "")
+            )
         self.notebook_dpi = float(notebook_dpi)
         self.notebook_colors = notebook_colors
         self.secondary_screen = bool(secondary_screen)

@@ -37,6 +37,13 @@ def quantities_cls_for_configuration(label: str) -> list[type]:
     """
     from cockpit_like import quantities
 
+    if not isinstance(label, str):
+        raise TypeError(
+            f"configuration(label): label takes one preset name, a str, one of {sorted(PRESETS)}; got "
+            f"{label!r} ({type(label).__name__}). For several presets' quantities pass one label (they nest: "
+            "'full' holds 'business', which holds 'economy'); to choose quantities yourself pass "
+            "Cockpit(..., quantities=[...])"
+        )
     if label not in PRESETS:
         raise KeyError(
             f"unknown configuration {label!r}; choose one of {sorted(PRESETS)}"
