@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numbers
 import os
 import warnings
 import weakref
@@ -1269,7 +1270,7 @@ def _check_step_arguments(global_step: Any, info: Any) -> None:
     if info is not None and not isinstance(info, dict):
         raise ValueError(f"cockpit(info=...) takes a dict, got {type(info).__name__}")
     loss = (info or {}).get("loss")
-    if loss is not None and not isinstance(loss, (torch.Tensor, int, float)):
+    if loss is not None and not isinstance(loss, (torch.Tensor, numbers.Real)):  # (numpy's numbers are Real)
         hint = (
             " (the loss function itself: pass the value it returns, loss = lossfunc(outputs, labels))"
             if isinstance(loss, torch.nn.Module) or callable(loss) else ""
