@@ -217,3 +217,27 @@ def test_the_gradient_check_names_gradient_hooks_on_the_parameters(kind):
     (failed,) = cockpit.invalid_steps[0]
     assert failed["check"] == "gradient"
     assert "carry gradient hooks" in failed["reason"] and "after the cockpit's block" in failed["reason"]
+
+
+def test_a_module_that_changes_its_input_in_place_is_named():
+    """A module returning x.add_(b) cannot be re-run row by row (its recorded input is no longer the one it got):
+    the error blamed only the layout of the arguments; it now names an input changed in place and the fix."""
+    from cockpit_like.backends.rerun import UncoveredParameterError
+    from cockpit_like.quantities import NormTest
+
+    class BiasInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.b = nn.Parameter(torch.zeros(4, dtype=DT))
+
+        def forward(self, x):
+            return x.add_(self.b)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4).to(DT), BiasInPlace(), nn.Tanh(), nn.Linear(4, 2).to(DT))
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(lambda s: True)], model=model)
+    x, y = torch.randn(3, 3, dtype=DT), torch.tensor([0, 1, 1])
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(UncoveredParameterError, match="changes one of its inputs in place"):
+        with cockpit(0, info={"batch_size": 3, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
