@@ -221,18 +221,22 @@ class Alpha(TwoStepQuantity):
         if callable(register):
             token = object()
             self._step_token = token
-            self._step_hook = register(lambda *_: self._settle_once(start, token))
+            hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
+            self._step_hook = register(lambda *_: self._settle_once(start, token, hooks))
             self._step_hook_start = start
 
-    def _settle_once(self, start: int, token: object) -> None:
-        """The optimizer's post-hook: settle once. Its handle is removed later (the next start, :meth:`forget`),
-        never while the optimizer runs its post-hooks: removing one that is not the last of that ordered dict
-        broke ``optimizer.step()`` ("OrderedDict mutated during iteration"; outside trial 10, two cockpits on one
-        model)."""
+    def _settle_once(self, start: int, token: object, hooks) -> None:
+        """The optimizer's post-hook: settle once, then remove the hook where that cannot disturb the optimizer,
+        which is iterating over its post-hooks: where it is the last of them (removing an earlier one broke
+        ``optimizer.step()``, "OrderedDict mutated during iteration": outside trial 10, two cockpits on one
+        model); else at the next start (:meth:`_watch_step`) or :meth:`forget`, a no-op until then."""
         if getattr(self, "_step_token", None) is not token:
             return
         self._step_token = None
         self._settle(start)
+        handle = getattr(self, "_step_hook", None)
+        if handle is not None and isinstance(hooks, dict) and hooks and next(reversed(hooks)) == handle.id:
+            self._unwatch()
 
     def _unwatch(self) -> None:
         handle, self._step_hook = getattr(self, "_step_hook", None), None
