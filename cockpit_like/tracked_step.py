@@ -762,7 +762,8 @@ class TrackedStep:
         """The quantities a step that failed ``checks`` stores nothing for: every active one, unless each failed
         check is one of :data:`ROW_CHECKS`, which concern only what the per-sample rows (and the curvature the
         backward pass computed beside them) describe. ``p.grad`` is then the gradient autograd accumulated in the
-        block from zero (the stale-gradient check passed) and the loss factor seen is the declared one, so the quantities that asked for nothing beyond the
+        block from zero (the stale-gradient check passed), unscaled by the loss factors seen (:meth:`_step_scale`:
+        a GradScaler or micro-batches need not be declared; where a factor was not seen, nothing is kept), so the quantities that asked for nothing beyond the
         backward pass (``StepNeeds.askers``: Loss, GradNorm, UpdateSize, Distance, ParamNorm, DataStats,
         ActivationStats, the optimizer's settings) are right and are kept, with a note (outside trial 9: a
         Bayes-by-backprop loss with its KL term on the parameters failed the gradient check at every step, and
@@ -770,9 +771,8 @@ class TrackedStep:
         names = {self.env.name_of(q) for q in self.active}
         if not {failed.get("check") for failed in checks.failed} <= ROW_CHECKS:
             return names
-        assumed = checks.assumed
-        if not checks.factors or any(f is None or abs(f - assumed) > 1e-9 * max(abs(assumed), 1e-300) for f in checks.factors):
-            return names  # a loss factor not seen, or other than declared, may be what is wrong: p.grad's scale too
+        if not checks.factors or any(f is None for f in checks.factors):
+            return names  # a loss factor not seen: p.grad is unscaled by the declared one, which nothing verified
         skipped = names & set(self._askers)
         kept = sorted(names - skipped)
         if kept and skipped:
