@@ -187,18 +187,18 @@ def test_spectral_density_and_traces_against_the_dense_twin():
     for step, hessian in hessians.items():
         D = hessian.shape[0]
         P = curvature_engine.DEFAULT_PROBES
-        probe = curvature_engine.gaussian(P, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
+        probe = curvature_engine.rademacher(P, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
         samples = curvature_engine.rademacher(3, D, DT, "cpu", curvature_engine.step_generator(step, "hutch++"))
         twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
         value = density.get_output()[step]
         assert value["dimension"] == D and len(value["nodes"]) == twin.num_products
         nodes, weights = torch.tensor(value["nodes"], dtype=DT), torch.tensor(value["weights"], dtype=DT)
-        units = probe / probe.norm(dim=1, keepdim=True)  # (Gaussian starts, normalised: uniform on the sphere)
+        units = probe / math.sqrt(D)
         moments = torch.stack([
             torch.stack([u @ torch.linalg.matrix_power(hessian, j) @ u for u in units]).mean() for j in range(6)
         ])
         torch.testing.assert_close(quadrature_moments(nodes, weights, 5), moments, rtol=1e-7, atol=1e-10)
-        expected_hutchinson = torch.stack([D * (u @ hessian @ u) for u in units]).mean().item()
+        expected_hutchinson = torch.stack([r @ hessian @ r for r in probe]).mean().item()
         assert hutchinson.get_output()[step]["trace"] == pytest.approx(expected_hutchinson, rel=1e-8)
         expected, _ = deflated_trace(lambda v: hessian @ v, twin, samples)
         out = hutchpp.get_output()[step]
@@ -422,19 +422,19 @@ def test_frozen_parameters_are_left_out_of_the_curvature_operator(extended):
     assert value["largest"] == pytest.approx(exact[-1].item(), rel=1e-8)
     assert value["smallest"] == pytest.approx(exact[0].item(), rel=1e-8, abs=1e-10)
     assert plain.get_output()[0] == pytest.approx(exact[exact.abs().argmax()].item(), rel=1e-6)
-    probe = curvature_engine.gaussian(
+    probe = curvature_engine.rademacher(
         curvature_engine.DEFAULT_PROBES, D, DT, "cpu", curvature_engine.step_generator(0, "lanczos probes"))
     twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
     out = density.get_output()[0]
     assert out["dimension"] == D and len(out["nodes"]) == twin.num_products
-    units = probe / probe.norm(dim=1, keepdim=True)
+    units = probe / math.sqrt(D)
     moments = torch.stack([
         torch.stack([u @ torch.linalg.matrix_power(hessian, j) @ u for u in units]).mean() for j in range(6)
     ])
     nodes, weights = torch.tensor(out["nodes"], dtype=DT), torch.tensor(out["weights"], dtype=DT)
     torch.testing.assert_close(quadrature_moments(nodes, weights, 5), moments, rtol=1e-7, atol=1e-10)
     assert hutchinson.get_output()[0]["trace"] == pytest.approx(
-        torch.stack([D * (u @ hessian @ u) for u in units]).mean().item(), rel=1e-8)
+        torch.stack([r @ hessian @ r for r in probe]).mean().item(), rel=1e-8)
     samples = curvature_engine.rademacher(3, D, DT, "cpu", curvature_engine.step_generator(0, "hutch++"))
     assert hutchpp.get_output()[0]["trace"] == pytest.approx(deflated_trace(lambda v: hessian @ v, twin, samples)[0], rel=1e-7)
     # Hutchinson's diagonal: the same draws on the trainable entries; a frozen parameter's block is zero

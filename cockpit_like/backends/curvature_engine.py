@@ -45,12 +45,12 @@ from cockpit_like.backends.hvp import (
 from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace_samples, lanczos_decomposition
 
-__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "SharedSpaceDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "gaussian", "rademacher", "step_generator"]
+__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "SharedSpaceDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "step_generator"]
 
 #: tolerance of the shared decomposition: the extreme Ritz values' residuals are then ``<= rtol * max|theta|``
 DEFAULT_RTOL = 1e-2
 
-#: start vectors of the block (Gaussian; Rademacher until outside trial 10's second look): with one, a draw nearly orthogonal to the top eigenvector lets
+#: Rademacher start vectors of the block: with one, a draw nearly orthogonal to the top eigenvector lets
 #: Lanczos converge to the second of a near-tied end first (measured in benchmarks/stop_rule.py)
 DEFAULT_PROBES = 2
 
@@ -93,12 +93,6 @@ def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
     return generator(step, purpose, device)
 
 
-def gaussian(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
-    """``[count, size]`` i.i.d. standard normal entries from ``generator``, rank 0's draw on every rank."""
-    rows = torch.randn(count, size, device=device, generator=generator, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    return same_on_all_ranks(rows.to(dtype))
-
-
 def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
     """``[count, size]`` i.i.d. entries ``+-1`` from ``generator``, rank 0's draw on every rank."""
     rows = torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
@@ -112,7 +106,7 @@ class LanczosNeed:
     Args:
         max_products: most Hessian-vector products.
         rtol: stop once the largest and the smallest Ritz values have residuals ``<= rtol * max|theta|``.
-        probes: Gaussian start vectors (spectral density and trace probes: normalised, uniform on the sphere).
+        probes: Rademacher start vectors (spectral density and trace probes).
         warm: the previous step's Ritz vectors, multiplied after the probes (``None``: a cold start).
     """
 
@@ -130,12 +124,7 @@ class LanczosNeed:
         size = _dimension(params)  # the trainable parameters (frozen ones are left out of the operator)
         dtype, device = params[0].dtype, params[0].device
         generator = step_generator(execution.step, "lanczos probes", device)
-        # Gaussian, not Rademacher: an eigenvector such as (e_i - e_j) / sqrt(2) (two units that a model's symmetry
-        # makes interchangeable) is exactly orthogonal to a +-1 vector half the time, and the space then never holds
-        # it while the residuals of what it holds are small (an outside check: 1.0 stored as the converged largest
-        # eigenvalue where it is 10). Normalised, they are uniform on the sphere: still unbiased probes for the
-        # trace (n u^T A u) and the spectral density
-        rows = list(gaussian(self.probes, size, dtype, device, generator))
+        rows = list(rademacher(self.probes, size, dtype, device, generator))
         if self.warm is not None:
             rows += [
                 v.to(device) for v in self.warm.vectors
