@@ -11,6 +11,7 @@ invariant before that, and floors the trace's error bar at the rounding of its s
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -96,3 +97,42 @@ def test_a_near_tie_of_opposite_sign_is_found_at_both_ends_for_every_seed():
             trace = values["HessTraceEstimate"]
             assert abs(trace["trace"] - float(hessian.trace())) <= 3 * trace["standard_error"], (seed, trace)
     randomness.set_seed(0)
+
+
+@pytest.mark.xfail(strict=True, reason="known limit (docs/curvature.md): an eigenvector orthogonal to a +-1 start is "
+                   "never found; Gaussian starts fix it but cost 40% more time on the benchmark, reverted")
+def test_an_eigenvector_orthogonal_to_sign_vectors_is_a_known_limit():
+    """Eigenvectors (e_2k +- e_2k+1)/sqrt(2) are exactly orthogonal to a +-1 start vector half the time: HessMaxEV
+    stored 1.0 as converged where the top eigenvalue is 10 (an outside check, 38 of 120 seed-steps)."""
+    pairs = 6
+    values = torch.cat([torch.tensor([10.0, -9.99], dtype=DT), torch.linspace(0.1, 1.0, 2 * pairs - 2, dtype=DT)])
+    basis = torch.zeros(2 * pairs, 2 * pairs, dtype=DT)
+    for k in range(pairs):
+        basis[2 * k, 2 * k] = basis[2 * k + 1, 2 * k] = basis[2 * k, 2 * k + 1] = 2 ** -0.5
+        basis[2 * k + 1, 2 * k + 1] = -(2 ** -0.5)
+    matrix = basis @ torch.diag(values) @ basis.T
+
+    class Quadratic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.theta = nn.Parameter(torch.zeros(2 * pairs, dtype=DT))
+
+        def forward(self, x):
+            return 0.5 * self.theta @ matrix @ self.theta + x @ self.theta
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for seed in range(20):
+                randomness.set_seed(seed)
+                model = Quadratic()
+                top = HessMaxEV(lambda s: True, use_power=False)
+                cockpit = Cockpit(list(model.parameters()), quantities=[top], model=model)
+                x = torch.randn(4, 2 * pairs, dtype=DT, generator=torch.Generator().manual_seed(seed))
+                losses = torch.stack([model(row) for row in x])
+                with cockpit(0, info={"batch_size": 4, "loss": losses.mean(), "individual_losses": losses}):
+                    losses.mean().backward(create_graph=cockpit.create_graph(0))
+                if top.converged[0]:
+                    assert abs(cockpit.get_output()[0]["HessMaxEV"] - 10.0) <= 0.1, seed
+    finally:
+        randomness.set_seed(0)
