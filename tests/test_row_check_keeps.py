@@ -103,41 +103,45 @@ def test_the_gradient_check_fails_and_the_quantities_without_rows_are_stored_exa
         assert "Alpha, GradHist1d, InnerTest, NormTest, OrthoTest not stored" in note
 
 
-def test_a_loss_factor_not_seen_keeps_nothing():
-    """Where the hook did not see the loss factor (info['loss'] a detached number), p.grad is unscaled by the
-    declared factor, which nothing verified: nothing is kept."""
+def _economy_loop(losses_of, zero_grad: bool) -> Cockpit:
+    """SGD steps under the economy preset; ``losses_of(net, x, y)``: (individual losses, info['loss'], the tensor
+    backpropagated)."""
     net = model()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     cockpit = Cockpit(net.parameters(), quantities=configuration("economy"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         for step in range(STEPS):
-            optimizer.zero_grad()
+            if zero_grad:
+                optimizer.zero_grad()
             x, y = data(step)
-            losses = row_losses(net, x, y)
-            info = {"batch_size": ROWS, "individual_losses": losses.detach(), "loss": float(losses.mean()),
-                    "optimizer": optimizer}
+            rows, loss, backpropagated = losses_of(net, x, y)
+            info = {"batch_size": ROWS, "individual_losses": rows, "loss": loss, "optimizer": optimizer}
             with cockpit(step, info=info):
-                (4.0 * losses.mean()).backward()
+                backpropagated.backward()
             optimizer.step()
+    return cockpit
+
+
+def test_a_loss_factor_not_seen_keeps_nothing():
+    """Where the hook did not see the loss factor (info['loss'] a detached number), p.grad is unscaled by the
+    declared factor, which nothing verified: nothing is kept."""
+    def detached_loss(net, x, y):
+        losses = row_losses(net, x, y)
+        return losses.detach(), float(losses.mean()), 4.0 * losses.mean()
+
+    cockpit = _economy_loop(detached_loss, zero_grad=True)
     for step in range(STEPS):
         failed = [f["check"] for f in cockpit.get_output()[step]["checks"]["failed"]]
         assert "GradNorm" not in cockpit.get_output()[step], failed
 
 
 def test_a_forgotten_zero_grad_still_keeps_nothing():
-    net = model()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    cockpit = Cockpit(net.parameters(), quantities=configuration("economy"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        for step in range(STEPS):
-            x, y = data(step)
-            losses = nn.functional.cross_entropy(net(x), y, reduction="none")
-            info = {"batch_size": ROWS, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
-            with cockpit(step, info=info):
-                losses.mean().backward()
-            optimizer.step()
+    def plain_loss(net, x, y):
+        losses = nn.functional.cross_entropy(net(x), y, reduction="none")
+        return losses, losses.mean(), losses.mean()
+
+    cockpit = _economy_loop(plain_loss, zero_grad=False)
     for step in range(1, STEPS):
         assert "stale_gradient" in [f["check"] for f in cockpit.get_output()[step]["checks"]["failed"]]
         assert "GradNorm" not in cockpit.get_output()[step]
