@@ -104,12 +104,7 @@ def mean_cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[
 def _unused_outputs(outputs: torch.Tensor, losses) -> tuple[bool | None, str | None, None]:
     """The verdict where ``info["loss"]`` does not depend on ``info["outputs"]`` (see :func:`_cross_entropy_check`):
     ``False`` with why where ``outputs`` cannot be the logits of the batch's loss, else ``None`` (cannot tell)."""
-    shape = list(outputs.shape)
-    if not outputs.requires_grad:
-        return False, (
-            f"info['outputs'] (shape {shape}) carries no graph (detached or computed without gradients): pass the "
-            "logits tensor the loss function received"
-        ), None
+    shape = list(outputs.shape)  # (outputs without a graph never get here: logits_from_info refuses them)
     if isinstance(losses, torch.Tensor) and losses.dim() == 1 and losses.numel() not in shape[:-1]:
         return False, (
             f"info['outputs'] has shape {shape}, and no dimension but the last holds the batch's "
