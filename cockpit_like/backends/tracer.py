@@ -19,7 +19,8 @@ for an output kept without its values) and the walks of the autograd graph
 from a call's outputs (``_flat_outputs``, ``_call_nodes``, ``_graph_nodes``)
 that the hook backend and the re-run share.
 
-May import torch and :mod:`cockpit_like.backends.module_rules` only; never
+May import torch, :mod:`cockpit_like.backends.module_rules`, :mod:`~cockpit_like.backends.partitions` and
+:mod:`~cockpit_like.backends.user_state` only; never
 :mod:`~cockpit_like.backends.hooks` or :mod:`~cockpit_like.backends.rerun`
 (they import this module).
 """
@@ -38,6 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES
 from cockpit_like.backends.partitions import is_dtensor
+from cockpit_like.backends.user_state import _MODULE_INTERNALS  # nn.Module's own attributes: never a user's state
 
 __all__ = ["ModelTracer", "Call", "Shell", "stateful_parts", "snapshot_state"]
 
@@ -151,10 +153,6 @@ def _state_at_start(tracer, module: nn.Module) -> list:
     call begins (:func:`start_references`)."""
     stateful = tracer.stateful.get(id(module))
     return (snapshot_state(stateful) if stateful else []) + start_references(module)
-
-
-#: ``nn.Module``'s own attributes (hooks, flags): never a state of the user's
-_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
 
 
 def start_references(module: nn.Module) -> list[tuple[nn.Module, str, Any, str]]:
