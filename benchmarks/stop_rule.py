@@ -382,14 +382,14 @@ def run_model(case: Case, steps: int, batch_size: int, dense_limit: int, rtol: f
 def run_synthetic(name: str, leading: list[float], steps: int, n: int, rtol: float, max_products: int,
                   probes: int) -> list[dict]:
     """``steps`` solves of one spectrum (different bases and probes: seeds ``step``), the engine's function and probes."""
-    from cockpit_like.backends.curvature_engine import rademacher, step_generator
+    from cockpit_like.backends.curvature_engine import start_vectors, step_generator
     from cockpit_like.functional.krylov import lanczos_decomposition
 
     rows = []
     for step in range(steps):
         matrix = synthetic_matrix(leading, n, seed=1000 * step + len(name))
         exact = torch.linalg.eigvalsh(matrix)
-        probe = rademacher(probes, n, DTYPE, "cpu", step_generator(step, "lanczos probes"))
+        probe = start_vectors(probes, n, DTYPE, "cpu", step_generator(step, "lanczos probes"))
         decomposition = lanczos_decomposition(lambda v: matrix @ v, probe, max_products=max_products, rtol=rtol, probes=probes)
         values = decomposition.ritz_values()
         top, bottom = float(values[-1]), float(values[0])

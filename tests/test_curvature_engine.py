@@ -187,7 +187,7 @@ def test_spectral_density_and_traces_against_the_dense_twin():
     for step, hessian in hessians.items():
         D = hessian.shape[0]
         P = curvature_engine.DEFAULT_PROBES
-        probe = curvature_engine.rademacher(P, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
+        probe = curvature_engine.start_vectors(P, D, DT, "cpu", curvature_engine.step_generator(step, "lanczos probes"))
         samples = curvature_engine.rademacher(3, D, DT, "cpu", curvature_engine.step_generator(step, "hutch++"))
         twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
         value = density.get_output()[step]
@@ -422,7 +422,7 @@ def test_frozen_parameters_are_left_out_of_the_curvature_operator(extended):
     assert value["largest"] == pytest.approx(exact[-1].item(), rel=1e-8)
     assert value["smallest"] == pytest.approx(exact[0].item(), rel=1e-8, abs=1e-10)
     assert plain.get_output()[0] == pytest.approx(exact[exact.abs().argmax()].item(), rel=1e-6)
-    probe = curvature_engine.rademacher(
+    probe = curvature_engine.start_vectors(
         curvature_engine.DEFAULT_PROBES, D, DT, "cpu", curvature_engine.step_generator(0, "lanczos probes"))
     twin = lanczos_decomposition(lambda v: hessian @ v, probe, rtol=1e-10)
     out = density.get_output()[0]

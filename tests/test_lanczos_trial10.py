@@ -99,11 +99,10 @@ def test_a_near_tie_of_opposite_sign_is_found_at_both_ends_for_every_seed():
     randomness.set_seed(0)
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (docs/curvature.md): an eigenvector orthogonal to a +-1 start is "
-                   "never found; Gaussian starts fix it but cost 40% more time on the benchmark, reverted")
-def test_an_eigenvector_orthogonal_to_sign_vectors_is_a_known_limit():
-    """Eigenvectors (e_2k +- e_2k+1)/sqrt(2) are exactly orthogonal to a +-1 start vector half the time: HessMaxEV
-    stored 1.0 as converged where the top eigenvalue is 10 (an outside check, 38 of 120 seed-steps)."""
+def test_an_eigenvector_orthogonal_to_sign_vectors_is_found_from_the_gaussian_start():
+    """Eigenvectors (e_2k +- e_2k+1)/sqrt(2) are exactly orthogonal to a +-1 start vector half the time: with two
+    Rademacher starts HessMaxEV stored 1.0 as converged where the top eigenvalue is 10 (an outside check, 38 of
+    120 seed-steps; 4 of these 20 seeds). The block's second start is Gaussian now (``start_vectors``)."""
     pairs = 6
     values = torch.cat([torch.tensor([10.0, -9.99], dtype=DT), torch.linspace(0.1, 1.0, 2 * pairs - 2, dtype=DT)])
     basis = torch.zeros(2 * pairs, 2 * pairs, dtype=DT)
@@ -120,6 +119,7 @@ def test_an_eigenvector_orthogonal_to_sign_vectors_is_a_known_limit():
         def forward(self, x):
             return 0.5 * self.theta @ matrix @ self.theta + x @ self.theta
 
+    converged, wrong = 0, []
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -133,6 +133,9 @@ def test_an_eigenvector_orthogonal_to_sign_vectors_is_a_known_limit():
                 with cockpit(0, info={"batch_size": 4, "loss": losses.mean(), "individual_losses": losses}):
                     losses.mean().backward(create_graph=cockpit.create_graph(0))
                 if top.converged[0]:
-                    assert abs(cockpit.get_output()[0]["HessMaxEV"] - 10.0) <= 0.1, seed
+                    converged += 1
+                    if abs(cockpit.get_output()[0]["HessMaxEV"] - 10.0) > 0.1:
+                        wrong.append((seed, cockpit.get_output()[0]["HessMaxEV"]))
     finally:
         randomness.set_seed(0)
+    assert converged == 20 and not wrong, (converged, wrong)

@@ -18,7 +18,7 @@ from torch import nn
 
 from cockpit_like import Cockpit
 from cockpit_like.backends import randomness
-from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, rademacher, step_generator
+from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, rademacher, start_vectors, step_generator
 from cockpit_like.functional.krylov import deflated_diagonal, lanczos_decomposition
 from cockpit_like.quantities import HessMaxEV, HessTrace
 from cockpit_like.utils.configuration import configuration
@@ -76,7 +76,7 @@ def _run(quantities, steps: int = 2):
 
 def _hutch_plus_plus_blocks(hessian, step, sizes):
     D = hessian.shape[0]
-    probes = rademacher(DEFAULT_PROBES, D, DT, "cpu", step_generator(step, "lanczos probes"))
+    probes = start_vectors(DEFAULT_PROBES, D, DT, "cpu", step_generator(step, "lanczos probes"))
     K = lanczos_decomposition(lambda v: hessian @ v, probes, rtol=DEFAULT_RTOL, probes=DEFAULT_PROBES)
     draws = rademacher(4, D, DT, "cpu", step_generator(step, "deflated diagonal"))
     diagonal, estimates = deflated_diagonal(lambda v: hessian @ v, K, draws)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import stop_rule
-from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, rademacher, step_generator
+from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, start_vectors, step_generator
 from cockpit_like.functional.krylov import lanczos_decomposition
 
 DT = torch.float64
@@ -21,7 +21,7 @@ SPECTRA = stop_rule.synthetic_spectra()
 
 
 def _starts(seed, probes=DEFAULT_PROBES, n=300):
-    return rademacher(probes, n, DT, "cpu", step_generator(seed, "lanczos probes"))
+    return start_vectors(probes, n, DT, "cpu", step_generator(seed, "lanczos probes"))
 
 
 def _solve(leading, seed, n=300, probes=DEFAULT_PROBES, **options):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cockpit_like import Cockpit
-from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, rademacher, step_generator
+from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, DEFAULT_RTOL, rademacher, start_vectors, step_generator
 from cockpit_like.functional.krylov import deflated_diagonal, lanczos_decomposition
 from cockpit_like.quantities import HessMaxEV, HessTrace, TICTrace
 from cockpit_like.utils import schedules
@@ -84,7 +84,7 @@ def test_hess_trace_equals_its_dense_twin_with_the_same_draws_and_stores_its_err
     tic = TICTrace(schedules.linear(1), curvature="hutch++")
     model, hessian = _train_step([trace, tic])
     D = hessian.shape[0]
-    probes = rademacher(DEFAULT_PROBES, D, DT, "cpu", step_generator(0, "lanczos probes"))
+    probes = start_vectors(DEFAULT_PROBES, D, DT, "cpu", step_generator(0, "lanczos probes"))
     K = lanczos_decomposition(lambda v: hessian @ v, probes, rtol=DEFAULT_RTOL, probes=DEFAULT_PROBES)
     draws = rademacher(4, D, DT, "cpu", step_generator(0, "deflated diagonal"))
     diagonal, estimates = deflated_diagonal(lambda v: hessian @ v, K, draws)

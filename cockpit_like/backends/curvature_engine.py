@@ -8,8 +8,8 @@ Hessian-vector products of the mean loss through the graph of ``p.grad``
 (:func:`~cockpit_like.backends.hvp.hessian_vector_product`), with respect to
 the trainable parameters (frozen ones are left out of the operator:
 :func:`~cockpit_like.backends.hvp.curvature_params`). Its start block is
-``probes`` Rademacher vectors (unbiased probes for spectral density and trace,
-the same draw on every rank; see :func:`step_generator`: the cockpit's own
+``probes`` random vectors (:func:`start_vectors`: one Rademacher, the others
+Gaussian; unbiased probes for spectral density and trace, the same draw on every rank; see :func:`step_generator`: the cockpit's own
 generator, seeded per step; torch's RNG is never read or advanced) followed by the warm
 start: the previous tracked step's top and bottom Ritz vectors, which the
 quantities keep and hand back in :class:`WarmStart`. The result, a
@@ -45,13 +45,13 @@ from cockpit_like.backends.hvp import (
 from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace_samples, lanczos_decomposition
 
-__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "SharedSpaceDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "step_generator"]
+__all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "SharedSpaceDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "start_vectors", "step_generator"]
 
 #: tolerance of the shared decomposition: the extreme Ritz values' residuals are then ``<= rtol * max|theta|``
 DEFAULT_RTOL = 1e-2
 
-#: Rademacher start vectors of the block: with one, a draw nearly orthogonal to the top eigenvector lets
-#: Lanczos converge to the second of a near-tied end first (measured in benchmarks/stop_rule.py)
+#: start vectors of the block (:func:`start_vectors`): with one, a draw nearly orthogonal to the top
+#: eigenvector lets Lanczos converge to the second of a near-tied end first (measured in benchmarks/stop_rule.py)
 DEFAULT_PROBES = 2
 
 _OWNER = "the curvature engine (HessMaxEV, HessEigenvalues, HessSpectralDensity, HessTraceEstimate)"
@@ -99,6 +99,26 @@ def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: tor
     return same_on_all_ranks(rows)
 
 
+def start_vectors(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+    """``[count, size]`` start vectors of the engine's block: the first Rademacher, the others Gaussian.
+
+    Every row has squared norm ``size`` (the Gaussian rows are rescaled), so ``u = row / sqrt(size)`` is a unit
+    probe with ``E[u u^T] = I / size`` either way (unbiased traces and spectral densities). Why both kinds:
+    a Rademacher vector is exactly orthogonal, with probability 1/2, to an eigenvector such as
+    ``(e_i - e_j) / sqrt(2)`` (entries of equal size on a few coordinates), and with two such starts a whole
+    end of the spectrum was missed and stored as converged (outside trial 10: 73 of 200 draws on a 12-parameter
+    quadratic, none with a Gaussian second start); a Gaussian vector is orthogonal to no fixed vector, but
+    nearly so to a coordinate-like eigenvector more often than a Rademacher one, which is never (Gaussian starts
+    alone took about a fifth more products on the benchmark's networks). Rank 0's draw on every rank.
+    """
+    rows = torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
+    if count > 1:
+        gaussian = torch.randn(count - 1, size, device=device, generator=generator, dtype=torch.float32 if dtype.itemsize < 4 else dtype)
+        gaussian = gaussian * (math.sqrt(size) / gaussian.norm(dim=1, keepdim=True).clamp_min(torch.finfo(gaussian.dtype).tiny))
+        rows[1:] = gaussian.to(dtype)
+    return same_on_all_ranks(rows)
+
+
 @dataclass(frozen=True)
 class LanczosNeed:
     """Need: the step's block Lanczos decomposition of the Hessian of the mean loss (all tracked params).
@@ -106,7 +126,7 @@ class LanczosNeed:
     Args:
         max_products: most Hessian-vector products.
         rtol: stop once the largest and the smallest Ritz values have residuals ``<= rtol * max|theta|``.
-        probes: Rademacher start vectors (spectral density and trace probes).
+        probes: start vectors (spectral density and trace probes; :func:`start_vectors`).
         warm: the previous step's Ritz vectors, multiplied after the probes (``None``: a cold start).
     """
 
@@ -124,7 +144,7 @@ class LanczosNeed:
         size = _dimension(params)  # the trainable parameters (frozen ones are left out of the operator)
         dtype, device = params[0].dtype, params[0].device
         generator = step_generator(execution.step, "lanczos probes", device)
-        rows = list(rademacher(self.probes, size, dtype, device, generator))
+        rows = list(start_vectors(self.probes, size, dtype, device, generator))
         if self.warm is not None:
             rows += [
                 v.to(device) for v in self.warm.vectors
