@@ -25,7 +25,7 @@ class HessMaxEV(KrylovQuantity):
 
     The value is read from the step's shared Lanczos decomposition
     (:class:`~cockpit_like.backends.curvature_engine.LanczosNeed`, block
-    Lanczos with full re-orthogonalisation from two Rademacher probes and the
+    Lanczos with full re-orthogonalisation from two random probes (random signs times random magnitudes) and the
     previous step's top and bottom Ritz vectors with ``warm_start=True``), whose products every
     curvature quantity tracked at the step shares (:class:`HessEigenvalues`,
     :class:`HessSpectralDensity`, :class:`HessTraceEstimate`). It stops on
@@ -57,7 +57,7 @@ class HessMaxEV(KrylovQuantity):
     Differences to Cockpit 1.0.2: works on float64 models, Lanczos with a
     residual stop instead of the power iteration (the value is the
     eigenvalue's to ``rtol``, where Cockpit's may be far off), optional warm
-    starts (``warm_start=True``), a Rademacher probe
+    starts (``warm_start=True``), random-sign probes
     (drawn from the cockpit's own generator, seeded by a fixed seed and the step:
     :mod:`cockpit_like.backends.randomness`; torch's RNG is not touched) instead of ``U[0, 1)`` entries, and a zero ``H v`` gives 0.
 

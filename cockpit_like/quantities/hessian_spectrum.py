@@ -51,7 +51,8 @@ class KrylovQuantity(SingleStepQuantity):
         rtol: stop once the largest and smallest Ritz values have residuals
             ``r <= rtol * max|theta|`` (``r = ||H x - theta x||``; an eigenvalue
             always lies within ``r``).
-        probes: Rademacher start vectors of the block (density, trace). Two by default: with one, a start
+        probes: random start vectors of the block (density, trace; random signs times random magnitudes:
+            :func:`~cockpit_like.backends.curvature_engine.start_vectors`). Two by default: with one, a start
             vector nearly orthogonal to the top eigenvector (a few percent of draws) lets Lanczos converge to
             the second eigenvalue of a near-tied or clustered end first, with a small residual; two random
             starts make that rare (``benchmarks/stop_rule.py``, docs/curvature.md).
@@ -201,7 +202,7 @@ class HessSpectralDensity(KrylovQuantity):
 
     The density ``phi(lambda) = (1/D) sum_j delta(lambda - lambda_j)`` of the
     ``D`` eigenvalues is approximated by Gauss quadrature: for unit probes
-    ``u = r / sqrt(D)`` (Rademacher ``r``), nodes ``theta_i`` (Ritz values) and
+    ``u = r / sqrt(D)`` (``r`` the engine's start vectors, of squared norm ``D``), nodes ``theta_i`` (Ritz values) and
     weights ``w_i = (y_i^T Q^T u)^2`` averaged over the probes, so that
     ``sum_i w_i theta_i^k = u^T H^k u`` (exact for ``k < 2 x`` the probe's Krylov
     steps), whose expectation is the ``k``-th moment ``tr(H^k) / D``. The
