@@ -99,10 +99,10 @@ def test_a_near_tie_of_opposite_sign_is_found_at_both_ends_for_every_seed():
     randomness.set_seed(0)
 
 
-def test_an_eigenvector_orthogonal_to_sign_vectors_is_found_from_the_gaussian_start():
+def test_an_eigenvector_orthogonal_to_sign_vectors_is_found_with_random_magnitudes():
     """Eigenvectors (e_2k +- e_2k+1)/sqrt(2) are exactly orthogonal to a +-1 start vector half the time: with two
     Rademacher starts HessMaxEV stored 1.0 as converged where the top eigenvalue is 10 (an outside check, 38 of
-    120 seed-steps; 4 of these 20 seeds). The block's second start is Gaussian now (``start_vectors``)."""
+    120 seed-steps; 4 of these 20 seeds). The start vectors' entries have random magnitudes now (``start_vectors``)."""
     pairs = 6
     values = torch.cat([torch.tensor([10.0, -9.99], dtype=DT), torch.linspace(0.1, 1.0, 2 * pairs - 2, dtype=DT)])
     basis = torch.zeros(2 * pairs, 2 * pairs, dtype=DT)
