@@ -9,8 +9,9 @@ Hessian-vector products of the mean loss through the graph of ``p.grad``
 the trainable parameters (frozen ones are left out of the operator:
 :func:`~cockpit_like.backends.hvp.curvature_params`). Its start block is
 ``probes`` random vectors (:func:`start_vectors`: random signs times random
-magnitudes; unbiased probes for spectral density and trace, the same draw on every rank; see :func:`step_generator`: the cockpit's own
-generator, seeded per step; torch's RNG is never read or advanced) followed by the warm
+magnitudes; unbiased probes for spectral density and trace, the same draw on
+every rank; see :func:`step_generator`: the cockpit's own generator, seeded
+per step; torch's RNG is never read or advanced) followed by the warm
 start: the previous tracked step's top and bottom Ritz vectors, which the
 quantities keep and hand back in :class:`WarmStart`. The result, a
 :class:`~cockpit_like.functional.krylov.KrylovDecomposition`, gives the
@@ -95,8 +96,16 @@ def step_generator(step: int, purpose: str, device="cpu") -> torch.Generator:
 
 def rademacher(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
     """``[count, size]`` i.i.d. entries ``+-1`` from ``generator``, rank 0's draw on every rank."""
-    rows = torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
-    return same_on_all_ranks(rows)
+    return same_on_all_ranks(_signs(count, size, dtype, device, generator))
+
+
+def _signs(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
+    """``[count, size]`` i.i.d. entries ``+-1`` from ``generator`` (this rank's draw)."""
+    return torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
+
+
+#: the magnitudes of the start vectors' entries are uniform on ``[1 - spread, 1 + spread]`` (:func:`start_vectors`)
+MAGNITUDE_SPREAD = 0.5
 
 
 def start_vectors(count: int, size: int, dtype: torch.dtype, device, generator: torch.Generator) -> torch.Tensor:
@@ -114,16 +123,12 @@ def start_vectors(count: int, size: int, dtype: torch.dtype, device, generator: 
     of 1 - MAGNITUDE_SPREAD (a Gaussian second start took 6% more products on gpt over 7 tracked steps, these 2%
     more; 3c3d 2% fewer). Rank 0's draw on every rank.
     """
-    signs = torch.randint(0, 2, (count, size), device=device, generator=generator).to(dtype).mul_(2).sub_(1)
     wide = torch.float32 if dtype.itemsize < 4 else dtype  # (half precision: drawn and scaled in float32)
+    signs = _signs(count, size, wide, device, generator)
     rows = torch.rand(count, size, device=device, generator=generator, dtype=wide)
-    rows = rows.mul_(2 * MAGNITUDE_SPREAD).add_(1 - MAGNITUDE_SPREAD).mul_(signs.to(wide))
+    rows = rows.mul_(2 * MAGNITUDE_SPREAD).add_(1 - MAGNITUDE_SPREAD).mul_(signs)
     rows = rows.mul_(math.sqrt(size) / rows.norm(dim=1, keepdim=True))
     return same_on_all_ranks(rows.to(dtype))
-
-
-#: the magnitudes of the start vectors' entries are uniform on ``[1 - spread, 1 + spread]`` (:func:`start_vectors`)
-MAGNITUDE_SPREAD = 0.5
 
 
 @dataclass(frozen=True)

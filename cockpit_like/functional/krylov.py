@@ -541,8 +541,10 @@ def quadrature_moments(nodes: torch.Tensor, weights: torch.Tensor, orders: int) 
     """``[sum_i w_i theta_i^k for k = 0..orders]``, averaged over probes (``weights`` ``[m]`` or ``[p, m]``).
 
     For a unit probe ``u`` whose Krylov space has ``k`` vectors these equal
-    ``u^T A^j u`` for ``j <= 2k - 1``; with ``u = r / sqrt(n)`` (``r`` of i.i.d. symmetric
-    entries rescaled to norm ``sqrt(n)``, Rademacher or the engine's start vectors) their expectation is ``tr(A^j) / n``, the moments of the spectral density.
+    ``u^T A^j u`` for ``j <= 2k - 1``; with ``u = r / sqrt(n)`` (``r`` of i.i.d.
+    symmetric entries rescaled to norm ``sqrt(n)``: Rademacher, or the engine's
+    start vectors) their expectation is ``tr(A^j) / n``, the moments of the
+    spectral density.
     """
     w = weights.reshape(-1, nodes.numel()).mean(0).to(torch.float64)
     powers = nodes.to(torch.float64).reshape(1, -1) ** torch.arange(orders + 1, dtype=torch.float64, device=nodes.device).reshape(-1, 1)
