@@ -139,3 +139,63 @@ def test_an_eigenvector_orthogonal_to_sign_vectors_is_found_with_random_magnitud
     finally:
         randomness.set_seed(0)
     assert converged == 20 and not wrong, (converged, wrong)
+
+
+def test_fresh_vectors_after_an_invariant_space_come_from_the_steps_own_generator(monkeypatch):
+    """On ``H = 2 I`` every start vector is an eigenvector: the space is invariant after each product, and the
+    solve goes on from fresh vectors until 4 products per start vector. They are start vectors of the engine's
+    kind (random signs, magnitudes within a factor 3) from the step's generator: different at every step, the
+    same when a step is repeated, and torch's global stream untouched (before, a Gaussian vector seeded by the
+    product count alone: the same vector at every step)."""
+    from cockpit_like.backends import curvature_engine
+
+    real, drawn = curvature_engine.lanczos_decomposition, []
+
+    def spy(matvec, starts, **options):
+        inner = options["restart"]
+
+        def record(m):
+            vector = inner(m)
+            drawn[-1].append(vector.clone())
+            return vector
+
+        drawn.append([])
+        return real(matvec, starts, **{**options, "restart": record})
+
+    monkeypatch.setattr(curvature_engine, "lanczos_decomposition", spy)
+
+    class Quadratic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.theta = nn.Parameter(torch.ones(10, dtype=DT))
+
+        def forward(self, x):
+            return self.theta.square().sum() + x @ self.theta
+
+    def tracked_step(step):
+        model = Quadratic()
+        top = HessMaxEV(lambda s: True, use_power=False)
+        cockpit = Cockpit(list(model.parameters()), quantities=[top], model=model)
+        x = torch.linspace(-1, 1, 30, dtype=DT).reshape(3, 10)
+        losses = torch.stack([model(row) for row in x])
+        with cockpit(step, info={"batch_size": 3, "loss": losses.mean(), "individual_losses": losses}):
+            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        return cockpit.get_output()[step]["HessMaxEV"], top.converged[step]
+
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = [tracked_step(0), tracked_step(1), tracked_step(0)]
+    assert torch.equal(torch.rand(3), expected)
+    for value, converged in results:
+        assert converged and abs(value - 2.0) < 1e-12
+    assert [len(d) for d in drawn] == [6, 6, 6]  # after products 2, 3, ..., 7 (8 = 4 per start vector)
+    for vector in drawn[0] + drawn[1]:
+        magnitudes = vector.abs()
+        assert vector.shape == (10,) and float(magnitudes.min()) > 0
+        assert float(magnitudes.max() / magnitudes.min()) <= 3 + 1e-12
+        assert len(set(magnitudes.tolist())) == 10  # random magnitudes, not +-1
+    assert not any(torch.equal(a, b) for a in drawn[0] for b in drawn[1])
+    assert all(torch.equal(a, b) for a, b in zip(drawn[0], drawn[2]))

@@ -162,8 +162,12 @@ class LanczosNeed:
                 v.to(device) for v in self.warm.vectors
                 if v.numel() == size and v.dtype == dtype and bool(torch.isfinite(v).all()) and v.norm() > 0
             ]
+        # where the space becomes invariant early, a fresh vector of the same kind, from the step's own generator
+        # (a purpose of its own: the probes are the same whether or not a restart happens)
+        restarts = step_generator(execution.step, "lanczos restarts", device)
         return lanczos_decomposition(
-            matvec, torch.stack(rows), max_products=self.max_products, rtol=self.rtol, probes=self.probes
+            matvec, torch.stack(rows), max_products=self.max_products, rtol=self.rtol, probes=self.probes,
+            restart=lambda m: start_vectors(1, size, dtype, device, restarts)[0],
         )
 
     def across_ranks(self, result, reduction):
