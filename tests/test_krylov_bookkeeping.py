@@ -20,8 +20,12 @@ from cockpit_like.functional.krylov import KrylovDecomposition, lanczos_decompos
 DT = torch.float64
 
 
-def reference_lanczos(matvec, starts, max_products, rtol, probes):
-    """Block Lanczos, two full passes per vector, the stop decided on a decomposition rebuilt per product."""
+def reference_lanczos(matvec, starts, max_products, rtol, probes, confirm=None):
+    """Block Lanczos, two full passes per vector, the stop decided on a decomposition rebuilt per product:
+    the rule on its error bounds holds, held ``confirm`` products before (default: one per start vector), and
+    the two ends moved by at most the tolerance in between."""
+    confirm = starts.shape[0] if confirm is None else confirm
+    held = {}
     n = starts.shape[1]
     eps = torch.finfo(starts.dtype).eps
     limit = min(max_products, n)
@@ -67,10 +71,14 @@ def reference_lanczos(matvec, starts, max_products, rtol, probes):
             converged = True
             break
         K = build(False)
-        errors, scale = K.error_bounds(), K.ritz_values().abs().max()
-        if errors[0] <= rtol * scale and errors[-1] <= rtol * scale:
-            converged = True
-            break
+        errors, values = K.error_bounds(), K.ritz_values()
+        tolerance = rtol * values.abs().max()
+        if errors[0] <= tolerance and errors[-1] <= tolerance:
+            held[m] = (values[-1], values[0])
+            before = held.get(m - confirm) if confirm else held[m]
+            if before is not None and max(abs(before[0] - values[-1]), abs(before[1] - values[0])) <= tolerance:
+                converged = True
+                break
     return build(converged)
 
 
@@ -88,13 +96,14 @@ def rademacher(count, n, seed, dtype=DT):
     return (torch.randint(0, 2, (count, n), generator=generator) * 2 - 1).to(dtype)
 
 
+@pytest.mark.parametrize("confirm", [None, 0, 1])
 @pytest.mark.parametrize("seed, rtol, probes", [(0, 1e-2, 2), (1, 1e-3, 2), (2, 1e-2, 1), (3, 1e-4, 3)])
-def test_same_decomposition_as_the_reference(seed, rtol, probes):
+def test_same_decomposition_as_the_reference(seed, rtol, probes, confirm):
     n = 240
     matrix = clustered_matrix(n, seed)
     starts = rademacher(probes, n, seed + 10)
-    K = lanczos_decomposition(lambda v: matrix @ v, starts, max_products=150, rtol=rtol, probes=probes)
-    R = reference_lanczos(lambda v: matrix @ v, starts, max_products=150, rtol=rtol, probes=probes)
+    K = lanczos_decomposition(lambda v: matrix @ v, starts, max_products=150, rtol=rtol, probes=probes, confirm=confirm)
+    R = reference_lanczos(lambda v: matrix @ v, starts, max_products=150, rtol=rtol, probes=probes, confirm=confirm)
     assert K.num_products == R.num_products and K.converged == R.converged
     assert K.basis.shape == R.basis.shape
     torch.testing.assert_close(K.ritz_values(), R.ritz_values(), rtol=0, atol=1e-10)
@@ -115,10 +124,29 @@ def test_stop_is_the_rule_on_error_bounds_of_the_result(seed):
     tolerance = rtol * float(K.ritz_values().abs().max())
     bounds = K.error_bounds()
     assert float(bounds[0]) <= tolerance and float(bounds[-1]) <= tolerance
-    early = lanczos_decomposition(lambda v: matrix @ v, starts, max_products=K.num_products - 1, rtol=rtol, probes=2)
-    assert not early.converged and early.num_products == K.num_products - 1
-    tolerance = rtol * float(early.ritz_values().abs().max())
-    assert max(float(early.error_bounds()[0]), float(early.error_bounds()[-1])) > tolerance
+    m = K.num_products
+
+    def cut(products):
+        return lanczos_decomposition(lambda v: matrix @ v, starts, max_products=products, rtol=rtol, probes=2,
+                                     confirm=0)
+
+    # the rule held one product per start vector before too, with both ends within the tolerance of these
+    held = lanczos_decomposition(lambda v: matrix @ v, starts, max_products=m - 2, rtol=0.0, probes=2, confirm=0)
+    bounds_before, values_before = held.error_bounds(), held.ritz_values()
+    scale_before = rtol * float(values_before.abs().max())
+    assert float(bounds_before[0]) <= scale_before and float(bounds_before[-1]) <= scale_before
+    assert abs(float(values_before[-1]) - float(K.ritz_values()[-1])) <= tolerance
+    assert abs(float(values_before[0]) - float(K.ritz_values()[0])) <= tolerance
+    # one product fewer: not converged
+    early = lanczos_decomposition(lambda v: matrix @ v, starts, max_products=m - 1, rtol=rtol, probes=2)
+    assert not early.converged and early.num_products == m - 1
+    # without the confirmation the stop is the first product where the error bounds hold
+    plain = cut(n)
+    assert plain.converged and plain.num_products <= m - 2
+    tolerance = rtol * float(cut(plain.num_products - 1).ritz_values().abs().max())
+    late = cut(plain.num_products - 1)
+    assert not late.converged
+    assert max(float(late.error_bounds()[0]), float(late.error_bounds()[-1])) > tolerance
     # the stored value is within its bound of an eigenvalue (the bound is rigorous)
     exact = torch.linalg.eigvalsh(matrix)
     assert abs(float(K.ritz_values()[-1]) - float(exact[-1])) <= float(bounds[-1]) + 1e-12
