@@ -8,9 +8,12 @@ SegFormer: +7.95 and -7.89) in a random orthogonal basis with a bulk.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from benchmarks import stop_rule
 from cockpit_like.backends.curvature_engine import DEFAULT_PROBES, start_vectors, step_generator
@@ -292,3 +295,38 @@ def test_a_product_that_is_not_finite_stops_the_solve_before_it():
     assert torch.isfinite(result.ritz_values()).all()
     clean = lanczos_decomposition(lambda v: A @ v, starts, max_products=20, rtol=1e-12, probes=2)
     assert clean.finite
+
+
+def test_a_clustered_end_is_not_stored_from_its_second_eigenvalue():
+    """Outside trial 11's medium MLP (20-40-30-5, tanh and sigmoid, cross-entropy, 2,225 parameters): its
+    smallest eigenvalues are a cluster (-0.0963, -0.0944, -0.0929, ...). With the residual rule alone the
+    smallest Ritz value often sat near the second or third of them with a residual within the tolerance and
+    was stored as converged, 1.0-1.4% of the scale off for the 1% claimed; the rule now waits until the
+    residuals are within the tolerance again one product per start vector later, the ends having moved by
+    less than it (step 0's Hessian, 20 draws: 13 outside before, none now)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 40), nn.Tanh(), nn.Linear(40, 30), nn.Sigmoid(), nn.Linear(30, 5)).double()
+    generator = torch.Generator().manual_seed(123)
+    x, y = torch.randn(32, 20, generator=generator).double(), torch.randint(0, 5, (32,), generator=generator)
+    names, shapes = [n for n, _ in net.named_parameters()], [p.shape for p in net.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    def loss(v):
+        pieces = v.split([math.prod(s) for s in shapes])
+        values = {n: t.reshape(s) for n, t, s in zip(names, pieces, shapes)}
+        return F.cross_entropy(torch.func.functional_call(net, values, (x,)), y)
+
+    hessian = torch.func.hessian(loss)(flat)
+    exact = torch.linalg.eigvalsh(hessian)
+    tolerance = 1e-2 * float(exact.abs().max())
+    outside = {0: 0, None: 0}
+    for confirm in outside:
+        for seed in range(20):
+            starts = start_vectors(2, flat.numel(), DT, "cpu", torch.Generator().manual_seed(seed))
+            K = lanczos_decomposition(lambda v: hessian @ v, starts, max_products=100, rtol=1e-2, confirm=confirm)
+            values = K.ritz_values()
+            assert K.converged
+            if max(abs(float(values[0]) - float(exact[0])), abs(float(values[-1]) - float(exact[-1]))) > tolerance:
+                outside[confirm] += 1
+    assert outside[None] == 0, outside
+    assert outside[0] >= 3, outside  # the case is hard for the rule before (it is what the test is about)
