@@ -31,8 +31,10 @@ class HessMaxEV(KrylovQuantity):
     :class:`HessSpectralDensity`, :class:`HessTraceEstimate`). It stops on
     residuals: once the largest and the smallest Ritz values have the residual
     ``r <= rtol * max|theta|`` (``r = ||H x - theta x||``,
-    default ``rtol=1e-2``); an eigenvalue always lies within ``r`` of the value. Never
-    on two consecutive estimates agreeing, which can stop
+    default ``rtol=1e-2``), and had so one product per start vector before, both ends moving by less than
+    the tolerance in between (a cluster's second eigenvalue can have a small residual while the first is
+    still hidden); an eigenvalue always lies within ``r`` of the value. Never
+    on two consecutive estimates agreeing alone, which can stop
     before the iteration found the eigenvalue.
 
     Which eigenvalue (Cockpit's numbers kept):

@@ -50,7 +50,8 @@ class KrylovQuantity(SingleStepQuantity):
         max_products: most Hessian-vector products per step.
         rtol: stop once the largest and smallest Ritz values have residuals
             ``r <= rtol * max|theta|`` (``r = ||H x - theta x||``; an eigenvalue
-            always lies within ``r``).
+            always lies within ``r``), as they had one product per start vector before, the ends moving by
+            less than that in between.
         probes: random start vectors of the block (density, trace; random signs times random magnitudes:
             :func:`~cockpit_like.backends.curvature_engine.start_vectors`). Two by default: with one, a start
             vector nearly orthogonal to the top eigenvector (a few percent of draws) lets Lanczos converge to
