@@ -237,6 +237,8 @@ class Cockpit:
         self._output = RunOutput()
         self._open_step: TrackedStep | None = None
         self._hooked_optimizers: list[Any] = []
+        # id(info["optimizer"]) -> the step where the update was seen made by something else (_check_unseen_update)
+        self._unseen_updaters: dict[int, int] = {}
         self._quiet = QuietStep()  # PyTorch's full-backward-hook warning, while a step is open (quiet.py)
         self._active_cache: tuple[int, list[Quantity]] | None = None
         self._streamed_names: list[str] | None = None  # the layer names in the stream's metadata
@@ -637,6 +639,8 @@ class Cockpit:
             self._quiet.close()
         if self._run.pending is tracked:
             self._watch_optimizer(tracked.info.get("optimizer"))
+        elif error is None and self._run.micro is None:
+            self._withdraw_if_unseen(tracked.step, tracked.info.get("optimizer"))
         self._recorder.after_step(
             tracked.step, tracked.info,
             tracked=error is None and (tracked.completed or tracked.skipped or self._run.pending is tracked),
@@ -723,6 +727,7 @@ class Cockpit:
         if pending is not None:
             with restored_on_failure():
                 pending.finish(at_optimizer_step=at_optimizer_step)
+            self._withdraw_if_unseen(pending.step, pending.info.get("optimizer"))
 
     def _watch_optimizer(self, optimizer: Any) -> None:
         """Step hooks on ``optimizer`` (once): right before it updates the parameters, finish a pending step and
@@ -844,6 +849,8 @@ class Cockpit:
         that start there and end here (UpdateSize, Alpha: ``theta_{t+1} - theta_t``) would span several updates:
         they are not computed, and a note at their step says why."""
         updates, self._run.updates = self._run.updates, None
+        if updates is not None and updates[2] == 0:
+            self._check_unseen_update(updates[0], updates[1])
         if updates is None or updates[2] <= 1:
             return
         start, _, count = updates
@@ -855,6 +862,58 @@ class Cockpit:
                 f"spans {count} updates, not the update of step {start}. Enter the cockpit at every optimizer step, "
                 "numbered 0, 1, 2, ... (a schedule picks the steps whose quantities are computed)."
             ))  # fmt: skip
+
+    def _check_unseen_update(self, start: int, optimizer_id: int) -> None:
+        """A new step begins and ``info["optimizer"]`` of step ``start`` did not step since its block: where the
+        parameters moved all the same, something else made the update (a wrapper that steps an optimizer inside
+        it, as SAM's ``first_step`` / ``second_step``, or an update by hand), and nothing saw the parameters it
+        started from (the check at the optimizer's step did not run), so the quantities that measure the
+        parameters or the update at ``start`` are withdrawn, with a note (outside trial 12: a SAM wrapper with
+        the block at the perturbed point stored UpdateSize and Distance 13-80% off as valid)."""
+        watch = self._run.watch
+        if watch is None or watch[0] != start or id(watch[1]) != optimizer_id:
+            return
+        self._run.watch = None
+        if optimizer_id in self._unseen_updaters:
+            return  # (withdrawn as the step finished)
+        if not getattr(type(watch[1]).step, "hooked", False):
+            # its step() does not run the step hooks (a wrapper that never called Optimizer.__init__): that it
+            # did not step is not known (its step, if any, is checked by the look-ahead of the quantities)
+            return
+        moved = parameters_moved(self.params, start, watch[2])
+        if not moved:
+            return  # no update at all (a GradScaler skipped the step): the values are right
+        self._unseen_updaters[optimizer_id] = start
+        names = self._env.param_name_list()
+        shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
+        name = type(watch[1]).__name__
+        self._withdraw_motion(
+            start, lambda q: getattr(q, "reads_parameters", False), ends=True,
+            note=(f"the parameters ({shown}) changed after the block of step {start}, but info['optimizer'] "
+                  f"({name}) did not step before the next tracked step: something else made the update (a wrapper "
+                  "that steps an optimizer inside it, as SAM's first_step / second_step; an update by hand), so "
+                  "nothing checked that it started from the parameters the block saw; the quantities that measure "
+                  "the parameters or the update are withdrawn at this step: {withdrawn}. Pass as info['optimizer'] "
+                  f"the optimizer whose step() makes the update (for SAM: {name}.base_optimizer)."),
+        )  # fmt: skip
+
+    def _withdraw_if_unseen(self, step: int, optimizer: Any) -> None:
+        """``step`` finished, and its ``info["optimizer"]`` was seen not to make the updates of this loop (at an
+        earlier step, :meth:`_check_unseen_update`): its parameters are not those an update starts from either
+        (the last step of a run is never followed by a check), so the same quantities are withdrawn now."""
+        first = self._unseen_updaters.get(id(optimizer)) if optimizer is not None else None
+        if first is None:
+            return
+        if self._run.watch is not None and self._run.watch[0] == step:
+            self._run.watch = None
+        name = type(optimizer).__name__
+        self._withdraw_motion(
+            step, lambda q: getattr(q, "reads_parameters", False), ends=True,
+            note=(f"info['optimizer'] ({name}) did not make the update after step {first} (see that step's note), "
+                  "so the parameters of this step's block are not taken for those an update starts from; the "
+                  "quantities that measure the parameters or the update are withdrawn: {withdrawn}. Pass as "
+                  f"info['optimizer'] the optimizer whose step() makes the update (for SAM: {name}.base_optimizer)."),
+        )  # fmt: skip
 
     def _note(self, step: int, text: str) -> None:
         """Add ``text`` to the notes of ``step``'s checks (stored already, or stored with it)."""

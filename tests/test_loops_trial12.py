@@ -1,0 +1,165 @@
+"""Outside trial 12's loop findings: SAM written as an optimizer wrapper, and SAM's two passes in blocks of one step.
+
+F1: the widely used SAM wrapper (``first_step`` / ``second_step`` around an inner optimizer) never calls its own
+``step()``; with the block around the second backward pass (at the perturbed point) and ``info["optimizer"] =
+sam``, the check at the optimizer's step never ran, and UpdateSize and Distance were stored 13-80% off on valid
+steps. F2: both passes in blocks of one step, ``p.grad`` zeroed between them: the steps failed the gradient check,
+but GradNorm (half of ``p.grad``'s norm) and Loss (the mean of the losses at two points) were kept.
+"""
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.utils.configuration import configuration
+
+DT = torch.float64
+
+
+class SAM(torch.optim.Optimizer):
+    """SAM as the common wrapper: ``first_step`` moves to the perturbed point, ``second_step`` moves back and steps
+    the inner optimizer; ``step()`` itself needs a closure and is not used."""
+
+    def __init__(self, params, base_optimizer, rho=0.05, **kwargs):
+        super().__init__(params, dict(rho=rho, **kwargs))
+        self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        norm = torch.norm(torch.stack([p.grad.norm() for g in self.param_groups for p in g["params"]]))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["old_p"] = p.data.clone()
+                p.add_(p.grad * group["rho"] / (norm + 1e-12))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.data = self.state[p]["old_p"]
+        self.base_optimizer.step()
+        self.zero_grad()
+
+    def step(self, closure=None):
+        raise NotImplementedError("SAM requires a closure")
+
+
+def sam_run(declare_base: bool, preset: str = "economy", steps: int = 4):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
+    sam = SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration(preset), model=model)
+    grad_norms = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
+            F.cross_entropy(model(x), y).backward()
+            sam.first_step()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            info = {"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
+                    "optimizer": sam.base_optimizer if declare_base else sam}
+            with cockpit(step, info=info):
+                losses.mean().backward(create_graph=cockpit.create_graph(step))
+            grad_norms[step] = [float(p.grad.norm()) for p in model.parameters()]
+            sam.second_step()
+    return cockpit, grad_norms
+
+
+def test_a_sam_wrapper_declared_as_the_optimizer_stores_no_update_or_distance():
+    cockpit, grad_norms = sam_run(declare_base=False)
+    output = cockpit.get_output()
+    for step in range(4):
+        values = output[step]
+        assert "UpdateSize" not in values and "Distance" not in values, (step, sorted(values))
+        # what the block's backward pass computed is right: the gradient SGD steps with
+        assert all(abs(a - b) <= 1e-12 * b for a, b in zip(values["GradNorm"], grad_norms[step]))
+        assert values["checks"]["valid"]
+    notes = " ".join(output[0]["checks"]["notes"])
+    assert "did not step before the next tracked step" in notes and "SAM.base_optimizer" in notes
+    assert "Distance" in notes and "UpdateSize" in notes
+    # every later step, the last one included (no step follows it to show the update), says why
+    for step in (1, 2, 3):
+        assert any("did not make the update after step 0" in n for n in output[step]["checks"]["notes"]), step
+
+
+def test_a_sam_wrapper_under_the_full_preset_stores_no_update_either():
+    cockpit, _ = sam_run(declare_base=False, preset="full", steps=3)
+    output = cockpit.get_output()
+    assert not any("UpdateSize" in output[s] or "Distance" in output[s] or "Alpha" in output[s] for s in range(3))
+
+
+def test_the_inner_optimizer_declared_gets_the_check_at_its_step():
+    """The control: the optimizer that steps is declared; its step sees the parameters moved back (the note
+    that existed before), at every step."""
+    cockpit, _ = sam_run(declare_base=True)
+    output = cockpit.get_output()
+    for step in range(4):
+        assert "UpdateSize" not in output[step] and "Distance" not in output[step]
+        assert any("changed between the backward pass" in n for n in output[step]["checks"]["notes"]), step
+
+
+def test_an_optimizer_that_steps_keeps_update_and_distance():
+    """No false alarm: a plain loop with the declared optimizer stepping stores both."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    before = {}
+    for step in range(3):
+        x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
+                                 "optimizer": optimizer}):
+            losses.mean().backward()
+        before[step] = [p.detach().clone() for p in model.parameters()]
+        optimizer.step()
+    output = cockpit.get_output()
+    for step in range(2):
+        expected = [float((a - b).norm()) for a, b in zip(before[step + 1], before[step])]
+        assert all(abs(a - b) <= 1e-12 * b for a, b in zip(output[step]["UpdateSize"], expected))
+    assert all("Distance" in output[s] for s in range(3))
+
+
+def test_sam_passes_in_two_blocks_of_one_step_keep_no_gradient_norm_or_loss():
+    """Both of SAM's backward passes inside blocks of the same step, ``p.grad`` zeroed between them: the step
+    fails its checks, and nothing is kept (before: GradNorm was half of ``||p.grad||``, Loss the mean of the
+    losses at the two points, on steps 1-3)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(4):
+            x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
+            optimizer.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
+                                     "optimizer": optimizer}):
+                losses.mean().backward()
+            norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+            shifts = []
+            with torch.no_grad():
+                for p in model.parameters():
+                    shifts.append(0.05 * p.grad / norm)
+                    p.add_(shifts[-1])
+            optimizer.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
+                                     "optimizer": optimizer}):
+                losses.mean().backward()
+            with torch.no_grad():
+                for p, shift in zip(model.parameters(), shifts):
+                    p.sub_(shift)
+            optimizer.step()
+    output = cockpit.get_output()
+    for step in range(4):
+        assert not output[step]["checks"]["valid"]
+        assert "GradNorm" not in output[step] and "Loss" not in output[step], (step, sorted(output[step]))
