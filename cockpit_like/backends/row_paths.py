@@ -24,8 +24,10 @@ samples together, ``x[:n]``, ``cat`` at offset 0, ``x[torch.arange(B), ...]``)
 or breaks them (indexing, gathering and scattering along them, the sources of
 ``index_add`` / ``index_put``, ``cat`` at another offset, ``split`` parts
 after the first, flips, rolls, sorting, cumulative sums and softmax along
-them, normalisations whose statistics run over them (BatchNorm with the
-batch's statistics, a layer or group norm over the batch dimension) and
+them, pooling and resampling windows over them (``F.avg_pool1d`` of a
+tensor whose last dimension is the batch), normalisations whose statistics
+run over them (BatchNorm with the batch's statistics, a layer or group norm
+over the batch dimension, ``torch.renorm`` of slices along another one) and
 matrix functions of them (QR, inverses, solves: :data:`MIXES_ROWS`, which
 leaves the per-sample quantities out rather than moving the parameters on),
 reductions over them that do not end in a single number, the
@@ -118,6 +120,18 @@ _MATRIX_FUNCTIONS = {"LinalgQrBackward", "LinalgInvExBackward", "LinalgSvdBackwa
                      "LinalgSolveTriangularBackward", "LinalgLuBackward", "LinalgLuFactorExBackward",
                      "LinalgEigBackward", "LogdetBackward", "CholeskyInverseBackward", "CholeskySolveBackward",
                      "TriangularSolveBackward", "LuSolveBackward"}  # fmt: skip
+#: pooling and resampling over the trailing (spatial) dimensions of their input, 1, 2 or 3 of them by the name
+#: (1-D pooling runs as 2-D pooling on an unsqueezed input); a window there that holds the rows mixes them (outside
+#: trial 12: ``F.avg_pool1d(h.T[None], 3)`` over the batch kept the shape and stored NormTest 7% off as valid)
+_POOLS = {"AvgPool2DBackward", "AvgPool3DBackward", "MaxPool2DWithIndicesBackward", "MaxPool3DWithIndicesBackward",
+          "AdaptiveAvgPool2DBackward", "AdaptiveAvgPool3DBackward", "AdaptiveMaxPool2DBackward",
+          "AdaptiveMaxPool3DBackward", "FractionalMaxPool2DBackward", "FractionalMaxPool3DBackward",
+          "MaxUnpool2DBackward", "MaxUnpool3DBackward", "ReflectionPad1DBackward", "ReflectionPad2DBackward",
+          "ReflectionPad3DBackward", "ReplicationPad1DBackward", "ReplicationPad2DBackward",
+          "ReplicationPad3DBackward", "UpsampleNearest1DBackward", "UpsampleNearest2DBackward",
+          "UpsampleNearest3DBackward", "UpsampleLinear1DBackward", "UpsampleBilinear2DBackward",
+          "UpsampleBicubic2DBackward", "UpsampleTrilinear3DBackward", "UpsampleNearestExact1DBackward",
+          "UpsampleNearestExact2DBackward", "UpsampleNearestExact3DBackward", "Im2ColBackward", "Col2ImBackward"}  # fmt: skip
 _MISSING = object()
 _KINDS: dict[type, str] = {}
 
@@ -421,6 +435,13 @@ class RowPaths:
             over = _NORMS[kind](consumer, ndim)
             if dim in over:
                 return f"{name} ({MIXES_ROWS}: a normalisation's statistics)"
+            return keep
+        if kind in _POOLS and position == 0:  # pooling and resampling: windows over the trailing dimensions
+            spatial = 3 if "3D" in kind else 1 if "1D" in kind else 2
+            return along if dim >= ndim - spatial else keep
+        if kind == "RenormBackward" and position == 0:  # each slice along ``dim`` renormed over all the others
+            if _dims(getattr(consumer, "_saved_dim", 0), ndim) != [dim]:
+                return f"{name} ({MIXES_ROWS}: a norm over the rows)"
             return keep
         if kind in _MATRIX_FUNCTIONS and position == 0:  # functions of the matrices in the last two dimensions
             if dim >= ndim - 2:

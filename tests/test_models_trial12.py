@@ -1,0 +1,79 @@
+"""Outside trial 12's model finding: operations that mix the samples while keeping the shape, which the walk
+of the graph took for operations that keep the rows.
+
+A "set" model pooled its hidden rows *along the batch* (``F.avg_pool1d(h.T[None], 3)``, ``max_pool1d``,
+``avg_pool2d`` with the batch in the last dimension) or renormed each feature over the batch
+(``torch.renorm(h, 2, 1, 1.0)``): the step passed every check and NormTest, InnerTest and OrthoTest were stored
+2-19% off a loop of ``torch.autograd.grad`` over the rows. Pooling is now a window over its input's trailing
+dimensions and renorm a norm over every dimension but its own, for the walk (``backends/row_paths.py``).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.backends.rerun import UncoveredParameterError
+from cockpit_like.utils.configuration import configuration
+
+DT = torch.float64
+B, K = 6, 3
+
+MIXERS = {
+    "avg_pool1d": lambda h: F.avg_pool1d(h.T[None], 3, stride=1, padding=1)[0].T,
+    "max_pool1d": lambda h: F.max_pool1d(h.T[None], 3, stride=1, padding=1)[0].T,
+    "avg_pool2d": lambda h: F.avg_pool2d(h.T[None, None], (1, 3), stride=1, padding=(0, 1))[0, 0].T,
+    "renorm": lambda h: torch.renorm(h, 2, 1, 1.0),
+}
+KEEPERS = {  # the same operations where they keep the rows apart
+    "pool_within_rows": lambda h: F.max_pool1d(h[:, None], 3, stride=1, padding=1)[:, 0],
+    "renorm_each_row": lambda h: torch.renorm(h, 2, 0, 1.0),
+    "none": lambda h: 0 * h,
+}
+
+
+class SetModel(nn.Module):
+    def __init__(self, mix):
+        super().__init__()
+        self.enc, self.head, self.mix = nn.Linear(4, 8), nn.Linear(8, K), mix
+
+    def forward(self, x):
+        h = torch.tanh(self.enc(x))
+        return self.head(h + self.mix(h))
+
+
+def step(mix):
+    torch.manual_seed(1)
+    model = SetModel(mix).to(DT)
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(100)
+    x, y = torch.randn(B, 4, generator=generator, dtype=DT), torch.randint(0, K, (B,), generator=generator)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    rows = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(losses[i], params, retain_graph=True)])
+                        for i in range(B)])
+    mean = rows.mean(0)
+    expected = math.sqrt(((rows - mean) ** 2).sum() / ((B - 1) * B * (mean @ mean)))
+    with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    return cockpit.get_output()[0], expected
+
+
+@pytest.mark.parametrize("name", sorted(MIXERS))
+def test_an_operation_that_mixes_the_samples_stores_no_per_sample_statistics(name):
+    try:
+        values, _ = step(MIXERS[name])
+    except UncoveredParameterError as error:  # pooling: the enclosing call's re-run cannot reproduce the rows
+        assert "did not reproduce the outputs" in str(error)
+        return
+    assert "NormTest" not in values and "InnerTest" not in values and "OrthoTest" not in values
+    assert any("a norm over the rows" in note for note in values["checks"]["notes"]), values["checks"]["notes"]
+
+
+@pytest.mark.parametrize("name", sorted(KEEPERS))
+def test_the_same_operations_within_each_row_keep_the_numbers_exact(name):
+    values, expected = step(KEEPERS[name])
+    assert values["NormTest"] == pytest.approx(expected, rel=1e-10)
