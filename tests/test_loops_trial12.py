@@ -163,3 +163,32 @@ def test_sam_passes_in_two_blocks_of_one_step_keep_no_gradient_norm_or_loss():
     for step in range(4):
         assert not output[step]["checks"]["valid"]
         assert "GradNorm" not in output[step] and "Loss" not in output[step], (step, sorted(output[step]))
+
+
+class ManifoldMixup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x, perm, lam):
+        h = torch.tanh(self.a(x))
+        return self.b(lam * h + (1 - lam) * h[perm])
+
+
+def test_manifold_mixup_inside_the_model_names_the_rows_picked_by_index():
+    """F6: rows mixed through a permutation inside the model: the re-run on one row fails with an IndexError,
+    and the error now says what that usually means (before: graphs, flattened positions, in-place inputs)."""
+    from cockpit_like.backends.rerun import UncoveredParameterError
+
+    torch.manual_seed(0)
+    model = ManifoldMixup().to(DT)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
+    losses = F.cross_entropy(model(x, torch.randperm(12), 0.7), y, reduction="none")
+    try:
+        with cockpit(0, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    except UncoveredParameterError as error:
+        assert "picks rows of the batch by index" in str(error)
+    else:
+        assert "NormTest" not in cockpit.get_output().get(0, {})

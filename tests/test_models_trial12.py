@@ -77,3 +77,49 @@ def test_an_operation_that_mixes_the_samples_stores_no_per_sample_statistics(nam
 def test_the_same_operations_within_each_row_keep_the_numbers_exact(name):
     values, expected = step(KEEPERS[name])
     assert values["NormTest"] == pytest.approx(expected, rel=1e-10)
+
+
+class TimeMajorByMistake(nn.Module):
+    """``nn.TransformerEncoderLayer`` without ``batch_first`` fed ``[B, T, d]``: it attends across the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0)
+        self.head = nn.Linear(8, K)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+def test_an_attention_layer_fed_batch_first_without_batch_first_is_named():
+    """The step is refused (right), and the error now names the likely cause (before: with a layer in front, a
+    re-run error that blamed a key/value cache, random numbers or a statistic over the batch; without one, a
+    raw RuntimeError from adding rows of 5 and 6 samples)."""
+    torch.manual_seed(0)
+    model = TimeMajorByMistake().to(DT)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(B, 5, 8, dtype=DT), torch.randint(0, K, (B,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(UncoveredParameterError, match="batch_first=False"):
+        with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+
+
+class EmbeddedTimeMajorByMistake(TimeMajorByMistake):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 8)
+
+    def forward(self, x):
+        return super().forward(self.inp(x))
+
+
+def test_the_same_mistake_behind_a_layer_is_named_by_the_rerun():
+    torch.manual_seed(0)
+    model = EmbeddedTimeMajorByMistake().to(DT)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(B, 5, 3, dtype=DT), torch.randint(0, K, (B,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(UncoveredParameterError, match="batch_first=False"):
+        with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()

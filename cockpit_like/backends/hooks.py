@@ -295,6 +295,8 @@ class HookBackend:
         self._deferred: list[Call] = []
         self._uses: dict[int, int] = defaultdict(int)
         self._partial: dict[int, list] = {}
+        #: ``(rows, parameter name)`` of the first parameter delivered: every other must have as many rows
+        self._rows_seen: tuple[int, str] | None = None
         self._params = {id(p): p for p in params if p.requires_grad}  # a frozen parameter has no rows
         self._handled = handled_elsewhere
         self._errors: list[UncoveredParameterError] = []
@@ -1166,6 +1168,19 @@ class HookBackend:
             )
 
     def _deliver(self, param: torch.Tensor, form) -> None:
+        rows = int(form.batch)
+        if self._rows_seen is None:
+            self._rows_seen = (rows, self._param_name(param))
+        elif rows != self._rows_seen[0]:
+            # two layers read different dimensions as the batch (outside trial 12: nn.TransformerEncoderLayer
+            # without batch_first fed [B, T, d] gave its layers T rows, others B; the sums crashed on the shapes)
+            raise UncoveredParameterError(
+                f"the per-sample gradients of {self._rows_seen[1]} have {self._rows_seen[0]} rows, those of "
+                f"{self._param_name(param)} {rows}: the layers of the model do not agree on which dimension is the "
+                "batch (an attention layer with batch_first=False fed [batch, time, features] reads dimension 1 as "
+                "the batch: pass batch_first=True, or give it [time, batch, features]); leave these parameters out "
+                "of Cockpit(params), or leave out the per-sample quantities."
+            )
         key = id(param)
         if self._uses[key] == 1 and key not in self._partial:
             self._uses[key] = 0

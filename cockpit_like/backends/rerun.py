@@ -332,7 +332,7 @@ class _Rerun:
             "layers in a module whose arguments carry the batch in their first dimension (the graph-level head "
             "after pooling), leave the other parameters out of Cockpit(params), or leave out the per-sample "
             "quantities."
-        ) + _parametrization_hint(self.module)
+        ) + (_INDEX_HINT if isinstance(error, IndexError) else "") + _parametrization_hint(self.module)
 
     def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
         """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""
@@ -378,7 +378,7 @@ class _Rerun:
                 "use_cache=False while training; random numbers: set dropout and drop-path (stochastic depth) rates to 0 "
                 "or call .eval(), and where the forward pass draws in eval mode too (random masking: ViTMAE's), pass "
                 "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
-                "inside it)." + _parametrization_hint(self.module)
+                "inside it)." + _layout_hint(self.module) + _parametrization_hint(self.module)
             )
 
 
@@ -576,6 +576,32 @@ def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
             per_output[k].append(o.detach())
     outputs = [torch.cat(rows, d) for rows, d in zip(per_output, out_dims)]
     return [torch.stack(rows) for rows in per_param], outputs
+
+
+#: why a re-run on single rows can index out of range: the forward pass picks rows of the batch by index
+_INDEX_HINT = (
+    " An index out of range on one row often means the forward pass picks rows of the batch by index (mixup or "
+    "manifold mixup inside the model, h = lam * h + (1 - lam) * h[perm]): a row's output then depends on other "
+    "rows, and its per-sample gradient is undefined; mix the inputs before the model (mixup of x and y), or leave "
+    "out the per-sample quantities."
+)
+
+
+def _layout_hint(module: nn.Module) -> str:
+    """A sentence naming attention layers of ``module`` that read dimension 1 as the batch, or ``""``."""
+    found = [
+        f"{name or 'itself'} ({type(child).__name__})"
+        for name, child in module.named_modules()
+        if isinstance(child, (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+        and not getattr(child, "batch_first", True)
+    ]
+    if not found:
+        return ""
+    return (
+        f" Its attention layers {'; '.join(found)} have batch_first=False: they read dimension 1 of their inputs as "
+        "the batch; fed [batch, time, features] they attend across the samples of the batch. Pass "
+        "batch_first=True, or give them [time, batch, features]."
+    )
 
 
 def _parametrization_hint(module: nn.Module) -> str:
