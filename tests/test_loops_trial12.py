@@ -192,3 +192,27 @@ def test_manifold_mixup_inside_the_model_names_the_rows_picked_by_index():
         assert "picks rows of the batch by index" in str(error)
     else:
         assert "NormTest" not in cockpit.get_output().get(0, {})
+
+
+def test_an_extended_loss_on_part_of_an_output_is_refused_with_the_cause():
+    """F5: one output layer split into two heads, both losses extended, the full preset: BackPACK's DiagHessian
+    replay raised a raw shape error from inside BackPACK; now an UnsupportedLayerError that says why and what
+    to do instead."""
+    import pytest
+    from backpack import extend
+
+    from cockpit_like.backends.step import UnsupportedLayerError
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 6)).to(DT))
+    ce, mse = extend(nn.CrossEntropyLoss()), extend(nn.MSELoss())
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("full"), model=model)
+    x, y, t = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,)), torch.randn(12, 2, dtype=DT)
+    out = model(x)
+    loss = ce(out[:, :4], y) + 0.5 * mse(out[:, 4:], t)
+    rows = F.cross_entropy(out[:, :4], y, reduction="none") + 0.5 * F.mse_loss(out[:, 4:], t, reduction="none").mean(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(UnsupportedLayerError, match="reads a part of its output"):
+            with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss}):
+                loss.backward(create_graph=cockpit.create_graph(0))

@@ -250,9 +250,23 @@ class ColumnReplay:
         for index, _, block, start, stop in pieces:
             joining.setdefault(index, []).append(block(start, stop))
         waiting: dict[int, object] = {}
+        shapes: dict[int, tuple] = {}  # the shape of the tensor each waiting quantity was handed down for
         for index in range(min(joining), len(calls)):
             call = calls[index]
-            quantity = waiting.pop(call.io["output"].data_ptr(), None)
+            output = call.io["output"]
+            quantity = waiting.pop(output.data_ptr(), None)
+            if quantity is not None and shapes.pop(output.data_ptr(), None) != tuple(output.shape):
+                # a later call read a part of this output that starts where it does (a loss on out[:, :4] of a
+                # layer whose output has 6 columns: outside trial 12, a raw shape error from BackPACK)
+                from cockpit_like.backends.step import UnsupportedLayerError
+
+                raise UnsupportedLayerError(
+                    f"{type(call.module).__name__} layer: a later module (an extended loss) reads a part of its "
+                    f"output (shape {list(output.shape)}), such as a loss on out[:, :k] of a model with two heads: "
+                    f"BackPACK's {type(self.extension).__name__} propagates curvature through whole outputs only. "
+                    "Give each head its own output layer, or track the curvature with curvature='hutchinson' "
+                    "(Hessian-vector products), or leave out the quantities that need it (HessTrace, TICDiag)."
+                )
             if quantity is not None:
                 module, module_extension = call.module, call.extension
                 with call.restored():
@@ -270,7 +284,7 @@ class ColumnReplay:
             for joined in joining.get(index, ()):
                 quantity = self._join(quantity, joined)
             if quantity is not None and call.inputs:
-                self._hand_down(call, quantity, waiting)
+                self._hand_down(call, quantity, waiting, shapes)
 
     def _join(self, quantity, joined):
         """``joined`` (a source's block) added to the factors passing the same point (BackPACK appends
@@ -289,9 +303,10 @@ class ColumnReplay:
             return {"matrices": matrices, "signs": list(quantity["signs"])}
         return call.extension.backpropagate(ext, module, call.g_inp, call.g_out, quantity)
 
-    def _hand_down(self, call: _Call, quantity, waiting: dict) -> None:
+    def _hand_down(self, call: _Call, quantity, waiting: dict, shapes: dict) -> None:
         for tensor in call.inputs:
             key = tensor.data_ptr()
+            shapes[key] = tuple(tensor.shape) if shapes.get(key, tuple(tensor.shape)) == tuple(tensor.shape) else None
             if key in waiting:  # a tensor read by several modules: BackPACK's rule (DiagHessian has none)
                 waiting[key] = self.extension.accumulate_backpropagated_quantities(waiting[key], quantity)
             else:
