@@ -123,3 +123,42 @@ def test_the_same_mistake_behind_a_layer_is_named_by_the_rerun():
     with pytest.raises(UncoveredParameterError, match="batch_first=False"):
         with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
+
+
+class Hyper(nn.Module):
+    """A generator net makes the weights a target layer is called with through ``torch.func.functional_call``:
+    the target's own registered parameters are never used (tracked all the same, as ``model.parameters()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gen = nn.Linear(2, 5 * 4 + 5)
+        self.target = nn.Linear(4, 5)
+        self.head = nn.Linear(5, K)
+
+    def forward(self, x):
+        made = self.gen(torch.ones(2, dtype=x.dtype))
+        h = torch.func.functional_call(self.target, {"weight": made[:20].view(5, 4), "bias": made[20:]}, (x,))
+        return self.head(torch.tanh(h))
+
+
+def test_a_layer_called_with_other_tensors_gets_no_rows_for_its_own_parameters():
+    """Before: the hooks computed rows for target.weight and target.bias from the call, every step failed the
+    gradient check ("rows -0.035, gradient 0"), nothing per-sample was stored; now their rows are zero, as for
+    any unused parameter, and the numbers are the brute force's."""
+    torch.manual_seed(0)
+    model = Hyper().to(DT)
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(B, 4, generator=generator, dtype=DT), torch.randint(0, K, (B,), generator=generator)
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    used = [p for p in params if p is not model.target.weight and p is not model.target.bias]
+    rows = torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(losses[i], used, retain_graph=True)])
+                        for i in range(B)])
+    mean = rows.mean(0)
+    expected = math.sqrt(((rows - mean) ** 2).sum() / ((B - 1) * B * (mean @ mean)))
+    with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    values = cockpit.get_output()[0]
+    assert values["checks"]["valid"], values["checks"]
+    assert values["NormTest"] == pytest.approx(expected, rel=1e-10)

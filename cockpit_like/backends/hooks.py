@@ -358,7 +358,8 @@ class HookBackend:
             if handled_elsewhere(module):
                 call.params = []
                 continue
-            params = [p for p in self.tracer.named_params(module, recurse=False).values() if id(p) in tracked]
+            params = [p for name, p in self.tracer.named_params(module, recurse=False).items()
+                      if id(p) in tracked and name not in call.swapped]
             if rule_for(module) is None:
                 # parameters of submodules whose own forward did not run (MultiheadAttention's out_proj,
                 # DeBERTa's relative position table read as a weight), down to (not into) the submodules

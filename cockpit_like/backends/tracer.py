@@ -83,8 +83,13 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
         # and holding the rest (a norm's output before its activation, a block's sum) would raise the peak
         output = tree_map(_shell, output)
     # the output is returned unchanged: the cockpit never changes what the model computes
+    # a parameter slot holding a plain tensor during the call: torch.func.functional_call's (or stateless) swap
+    swapped = frozenset(
+        name for name, value in module._parameters.items()
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    ) if module._parameters else frozenset()
     noted = (module, args, kwargs, output, node, tracer.batch, min(start, len(calls)), state, autocast_state(),
-             view)
+             view, swapped)
     if tracer.live is not None:  # during a backward pass: a recomputation (activation checkpointing)
         tracer.live.adopt(Call(*noted))
         return
@@ -243,11 +248,15 @@ class Call:
     __slots__ = (
         "module", "args", "kwargs", "output", "node", "params", "grads", "waiting", "entries", "want", "done", "batch",
         "start", "position", "climbed", "consumer", "flat", "state", "autocast", "view_base", "view_fired",
+        "swapped",
     )
 
     def __init__(self, module, args, kwargs, output, node, batch: int = 0, start: int = 0, state=None, autocast=None,
-                 view_base=None):
+                 view_base=None, swapped=frozenset()):
         self.module, self.args, self.kwargs, self.output, self.node = module, args, kwargs, output, node
+        #: names of the module's own parameters that held other tensors during the call (``torch.func.functional_call``
+        #: with tensors of its own): the call did not use those parameters, and computes no rows for them
+        self.swapped = swapped
         #: where the output is a reshaped view of a whole tensor: that tensor's ``(node, output_nr, shape)``
         #: (:func:`_view_base`); ``view_fired``: the view's own node ran in the backward pass
         self.view_base, self.view_fired = view_base, False
@@ -279,7 +288,7 @@ class Call:
     def fresh(self) -> "Call":
         """The same recorded call with no backward state (for another backward pass)."""
         call = Call(self.module, self.args, self.kwargs, self.output, self.node, self.batch, self.start, self.state,
-                    self.autocast, self.view_base)
+                    self.autocast, self.view_base, self.swapped)
         call.position = self.position
         return call
 
