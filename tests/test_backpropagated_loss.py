@@ -227,4 +227,5 @@ def test_a_declared_factor_is_called_declared():
     with cockpit(0, info={"batch_size": B, "individual_losses": losses.detach(), "loss": float(losses.mean())}):
         losses.sum().backward()
     reason = next(f["reason"] for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss")
-    assert "the factor between them declared at info['loss'] is 1" in reason
+    # (a whole multiple of info['loss'], the sum of its rows: the reason names the multiple too)
+    assert "the factor declared at it 1" in reason and f"{B} x info['loss']" in reason

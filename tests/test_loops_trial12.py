@@ -216,3 +216,27 @@ def test_an_extended_loss_on_part_of_an_output_is_refused_with_the_cause():
         with pytest.raises(UnsupportedLayerError, match="reads a part of its output"):
             with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss}):
                 loss.backward(create_graph=cockpit.create_graph(0))
+
+
+def test_a_sum_reduced_extended_loss_is_told_to_backpropagate_the_mean():
+    """F4: ``extend(CrossEntropyLoss(reduction="sum"))`` backpropagated, ``info["loss"]`` its mean: the step is
+    refused (the factor cannot be seen inside an extended loss module), and the reason now says the loss is a
+    whole multiple of info['loss'] and to backpropagate the mean (before: it blamed an auxiliary loss and said to
+    declare the loss backpropagated, which a ValueError then refused)."""
+    from backpack import extend
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT))
+    summed = extend(nn.CrossEntropyLoss(reduction="sum"))
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
+    out = model(x)
+    total = summed(out, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 12, "individual_losses": F.cross_entropy(out, y, reduction="none"),
+                              "loss": total / 12}):
+            total.backward()
+    reason = next(f["reason"] for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss")
+    assert "12 x info['loss']" in reason and "reduction='mean'" in reason
+    assert "auxiliary loss" not in reason

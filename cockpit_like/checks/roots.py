@@ -199,6 +199,19 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: boo
             "is not a loss, so the rows cannot be declared by info['loss'] and info['individual_losses']. Enter the "
             "cockpit around a backward pass of the loss itself (docs/your_training_loop.md#self-checks)"
         )
+    ratio = total / expected if expected != 0 else 0.0
+    if ratio > 1.5 and abs(ratio - round(ratio)) <= 1e3 * tolerance * ratio:
+        # a whole multiple: a sum over rows of what info['loss'] averages (outside trial 12: an extended
+        # CrossEntropyLoss(reduction="sum") with info['loss'] its mean; the general advice below contradicted the
+        # ValueError for passing the sum)
+        return (
+            f"{passes} a loss of value {total:.8g}, {round(ratio)} x info['loss'] ({value:.8g}, the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}): a whole multiple of it, as a sum over the rows "
+            "of what info['loss'] averages gives (a loss module with reduction='sum') or the loss scaled by hand, "
+            "whose factor the cockpit could not see at this backward pass (it cannot look inside a BackPACK-extended "
+            "loss module). Backpropagate info['loss'] itself (the mean: reduction='mean', as BackPACK's extensions "
+            "expect), with info['individual_losses'] the per-row losses (docs/your_training_loop.md#self-checks)"
+        )
     return (
         f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "
         f"{'seen' if seen else 'declared'} at info['loss'] is {factor:.6g} ({factor:.6g} x {value:.8g} = "
