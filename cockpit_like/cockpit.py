@@ -798,8 +798,7 @@ class Cockpit:
         groups = getattr(optimizer, "param_groups", None) if moved else None
         held = {id(p) for group in groups for p in group["params"]} if groups else set()
         if moved:
-            names = self._env.param_name_list()
-            shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
+            shown = self._shown(moved)
         if moved and held and not any(id(self.params[i]) in held for i in moved):
             # none of them is the declared optimizer's: another optimizer stepped them, after the block (their
             # loss and gradients are of the block's parameters; what they moved is part of the iteration's update)
@@ -884,9 +883,7 @@ class Cockpit:
         if not moved:
             return  # no update at all (a GradScaler skipped the step): the values are right
         self._unseen_updaters[optimizer_id] = start
-        names = self._env.param_name_list()
-        shown = ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
-        name = type(watch[1]).__name__
+        shown, name = self._shown(moved), type(watch[1]).__name__
         self._withdraw_motion(
             start, lambda q: getattr(q, "reads_parameters", False), ends=True,
             note=(f"the parameters ({shown}) changed after the block of step {start}, but info['optimizer'] "
@@ -896,6 +893,11 @@ class Cockpit:
                   "the parameters or the update are withdrawn at this step: {withdrawn}. Pass as info['optimizer'] "
                   f"the optimizer whose step() makes the update (for SAM: {name}.base_optimizer)."),
         )  # fmt: skip
+
+    def _shown(self, moved: list[int]) -> str:
+        """The names of the first three parameters at the indices ``moved`` (``...`` where there are more)."""
+        names = self._env.param_name_list()
+        return ", ".join(names[i] for i in moved[:3]) + (" ..." if len(moved) > 3 else "")
 
     def _withdraw_if_unseen(self, step: int, optimizer: Any) -> None:
         """``step`` finished, and its ``info["optimizer"]`` was seen not to make the updates of this loop (at an
