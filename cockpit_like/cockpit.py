@@ -813,8 +813,8 @@ class Cockpit:
                       "parameters with one optimizer (param groups), or leave them out."),
             )  # fmt: skip
         elif moved:
-            self._withdraw_motion(
-                step, lambda q: getattr(q, "reads_parameters", False), ends=True,
+            self._withdraw_readers(
+                step,
                 note=(f"the parameters ({shown}) changed between the backward pass of step {step} and "
                       f"{type(optimizer).__name__}.step() (e.g. SAM's perturbation, removed after the cockpit's "
                       "block): the step's loss and gradients were taken at other parameters than those the "
@@ -884,8 +884,8 @@ class Cockpit:
             return  # no update at all (a GradScaler skipped the step): the values are right
         self._unseen_updaters[optimizer_id] = start
         shown, name = self._shown(moved), type(watch[1]).__name__
-        self._withdraw_motion(
-            start, lambda q: getattr(q, "reads_parameters", False), ends=True,
+        self._withdraw_readers(
+            start,
             note=(f"the parameters ({shown}) changed after the block of step {start}, but info['optimizer'] "
                   f"({name}) did not step before the next tracked step: something else made the update (a wrapper "
                   "that steps an optimizer inside it, as SAM's first_step / second_step; an update by hand), so "
@@ -909,13 +909,17 @@ class Cockpit:
         if self._run.watch is not None and self._run.watch[0] == step:
             self._run.watch = None
         name = type(optimizer).__name__
-        self._withdraw_motion(
-            step, lambda q: getattr(q, "reads_parameters", False), ends=True,
+        self._withdraw_readers(
+            step,
             note=(f"info['optimizer'] ({name}) did not make the update after step {first} (see that step's note), "
                   "so the parameters of this step's block are not taken for those an update starts from; the "
                   "quantities that measure the parameters or the update are withdrawn: {withdrawn}. Pass as "
                   f"info['optimizer'] the optimizer whose step() makes the update (for SAM: {name}.base_optimizer)."),
         )  # fmt: skip
+
+    def _withdraw_readers(self, step: int, note: str) -> None:
+        """:meth:`_withdraw_motion` of the quantities that measure the parameters or the update, ends included."""
+        self._withdraw_motion(step, lambda q: getattr(q, "reads_parameters", False), ends=True, note=note)
 
     def _note(self, step: int, text: str) -> None:
         """Add ``text`` to the notes of ``step``'s checks (stored already, or stored with it)."""

@@ -306,7 +306,9 @@ class ColumnReplay:
     def _hand_down(self, call: _Call, quantity, waiting: dict, shapes: dict) -> None:
         for tensor in call.inputs:
             key = tensor.data_ptr()
-            shapes[key] = tuple(tensor.shape) if shapes.get(key, tuple(tensor.shape)) == tuple(tensor.shape) else None
+            shape = tuple(tensor.shape)
+            # (read by several calls in different shapes: no output has the shape None, so its pop above refuses)
+            shapes[key] = shape if shapes.get(key, shape) == shape else None
             if key in waiting:  # a tensor read by several modules: BackPACK's rule (DiagHessian has none)
                 waiting[key] = self.extension.accumulate_backpropagated_quantities(waiting[key], quantity)
             else:

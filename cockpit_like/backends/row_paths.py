@@ -120,8 +120,9 @@ _MATRIX_FUNCTIONS = {"LinalgQrBackward", "LinalgInvExBackward", "LinalgSvdBackwa
                      "LinalgSolveTriangularBackward", "LinalgLuBackward", "LinalgLuFactorExBackward",
                      "LinalgEigBackward", "LogdetBackward", "CholeskyInverseBackward", "CholeskySolveBackward",
                      "TriangularSolveBackward", "LuSolveBackward"}  # fmt: skip
-#: pooling and resampling over the trailing (spatial) dimensions of their input, 1, 2 or 3 of them by the name
-#: (1-D pooling runs as 2-D pooling on an unsqueezed input); a window there that holds the rows mixes them (outside
+#: pooling, resampling and padding by reflection or replication over the trailing (spatial) dimensions of their
+#: input, 1, 2 or 3 of them by the name (1-D pooling runs as 2-D pooling on an unsqueezed input); a window (or a
+#: copied border) there that holds the rows mixes them (outside
 #: trial 12: ``F.avg_pool1d(h.T[None], 3)`` over the batch kept the shape and stored NormTest 7% off as valid)
 _POOLS = {"AvgPool2DBackward", "AvgPool3DBackward", "MaxPool2DWithIndicesBackward", "MaxPool3DWithIndicesBackward",
           "AdaptiveAvgPool2DBackward", "AdaptiveAvgPool3DBackward", "AdaptiveMaxPool2DBackward",

@@ -200,6 +200,7 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: boo
             "cockpit around a backward pass of the loss itself (docs/your_training_loop.md#self-checks)"
         )
     ratio = total / expected if expected != 0 else 0.0
+    # (within the rounding of a sum of ``ratio`` terms, with room: 1e3 times the roots' relative tolerance)
     if ratio > 1.5 and abs(ratio - round(ratio)) <= 1e3 * tolerance * ratio:
         # a whole multiple: a sum over rows of what info['loss'] averages (outside trial 12: an extended
         # CrossEntropyLoss(reduction="sum") with info['loss'] its mean; the general advice below contradicted the
