@@ -478,6 +478,16 @@ class TrackedStep:
                 "could not be seen and the declared factor was used. Pass the loss tensor you call "
                 "backward() on as info['loss'] (or individual_losses with their graph)."
             )
+        elif factor is not None and _undeclared_factor(factor.factor, partitions.checks.assumed):
+            seen, assumed = factor.factor, partitions.checks.assumed
+            partitions.checks.note(
+                f"the tensor backpropagated is {seen:.6g} x info['loss'], where the declarations say {assumed:.6g} "
+                "(an undeclared GradScaler, a loss divided by a number of micro-batches not declared, a "
+                "sum-reduced loss with info['loss'] its mean): p.grad is that factor times the gradient of "
+                "info['loss'], and the quantities describe info['loss'] (GradNorm is ||p.grad|| / "
+                f"{seen:.6g}; the per-sample rows and the curvature are divided alike). Declare the factor "
+                "(info['grad_scaler'], info['micro_batches'] or info['loss_scale']) where it is intended."
+            )
         if roots is not None:
             used = partition.factor if partition.factor is not None else partitions.checks.assumed
             why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
@@ -1053,6 +1063,12 @@ def _same_gradients(params, entry) -> bool:
     """Whether every ``p.grad`` is the tensor (and version) it was at the block's entry: nothing wrote one."""
     return entry is not None and len(entry) == len(params) and all(
         (None if p.grad is None else (id(p.grad), p.grad._version)) == seen for p, seen in zip(params, entry))
+
+
+def _undeclared_factor(seen: float | None, assumed: float) -> bool:
+    """Whether the loss factor seen at ``info["loss"]`` is not the declared one beyond rounding (it is read from
+    gradients, in the loss's dtype: a relative 1e-3 holds half precision)."""
+    return seen is not None and abs(seen - assumed) > 1e-3 * max(abs(assumed), abs(seen))
 
 
 def _no_gradients(params) -> bool:

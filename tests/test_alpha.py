@@ -167,7 +167,10 @@ def test_a_loss_factor_is_learned_once_then_alpha_is_exact(optimizer):
     assert len(out) >= 3 and set(out) <= {0, 1, 2, 3}
     for step, value in out.items():
         assert float(value) == pytest.approx(reference_alpha(observed[step], observed[step + 1], 6), rel=1e-8)
-    assert len(notes_of(cockpit)) == 4 - len(out)
+    notes = notes_of(cockpit)
+    assert len([step for step, said in notes.items() if any("Alpha of step" in n for n in said)]) == 4 - len(out)
+    # the undeclared factor is said at every step (GradNorm and the rows describe info["loss"], not p.grad)
+    assert sorted(notes) == list(range(5)) and all(any("is 3 x info['loss']" in n for n in notes[s]) for s in notes)
 
 
 def test_the_predicted_update_is_freed_at_the_optimizer_step():

@@ -240,3 +240,47 @@ def test_a_sum_reduced_extended_loss_is_told_to_backpropagate_the_mean():
     reason = next(f["reason"] for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss")
     assert "12 x info['loss']" in reason and "reduction='mean'" in reason
     assert "auxiliary loss" not in reason
+
+
+def test_a_sam_perturbation_removed_by_subtraction_keeps_alpha():
+    """F7: hand-written SAM, the block around the first backward pass, the perturbation removed by ``p.sub_(e)``
+    (a rounding error away from the saved parameters, not bitwise) before ``SGD(momentum).step()``. Alpha of
+    step 1 was withdrawn ("not in the direction the optimizer's look-ahead predicted"): the update's norm read
+    at the end step, after the next perturbation and its removal, was compared for bitwise equality with the one
+    settled at the optimizer's step. Now every Alpha from step 1 on is stored and equals the brute-force value
+    (step 0's look-ahead was made from the first pass's gradients, and says so)."""
+    from tests.helpers import make_batch, make_problem, per_sample_grads
+    from tests.test_alpha import reference_alpha
+
+    model, lossfunc, individual = make_problem("mlp")
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    cockpit = Cockpit(params, quantities=configuration("economy"), model=model)
+    observed = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(5):
+            x, y = make_batch("mlp", 6, seed=100 + step)
+            grads = per_sample_grads(model, x, y)
+            opt.zero_grad()
+            out = model(x)
+            loss, losses = lossfunc(out, y), individual(out, y)
+            observed[step] = {"params": [p.detach().clone() for p in params], "grads": grads,
+                              "loss": loss.item(), "losses": losses.detach()}
+            with cockpit(step, info={"batch_size": 6, "individual_losses": losses, "loss": loss, "optimizer": opt}):
+                loss.backward()
+            with torch.no_grad():
+                norm = torch.norm(torch.stack([p.grad.norm() for p in params]))
+                perturbation = [0.05 * p.grad / norm for p in params]
+                for p, e in zip(params, perturbation):
+                    p.add_(e)
+            opt.zero_grad()
+            lossfunc(model(x), y).backward()
+            with torch.no_grad():
+                for p, e in zip(params, perturbation):
+                    p.sub_(e)
+            opt.step()
+    alpha = next(q for q in cockpit.quantities if type(q).__name__ == "Alpha").get_output()
+    assert sorted(alpha) == [1, 2, 3]
+    for step, value in alpha.items():
+        assert abs(value - reference_alpha(observed[step], observed[step + 1], 6)) < 1e-8 * max(1, abs(value))
