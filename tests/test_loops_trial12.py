@@ -9,6 +9,7 @@ but GradNorm (half of ``p.grad``'s norm) and Loss (the mean of the losses at two
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -194,11 +195,12 @@ def test_manifold_mixup_inside_the_model_names_the_rows_picked_by_index():
         assert "NormTest" not in cockpit.get_output().get(0, {})
 
 
-def test_an_extended_loss_on_part_of_an_output_is_refused_with_the_cause():
+@pytest.mark.parametrize("heads", ["both", "tail"])
+def test_an_extended_loss_on_part_of_an_output_is_refused_with_the_cause(heads):
     """F5: one output layer split into two heads, both losses extended, the full preset: BackPACK's DiagHessian
     replay raised a raw shape error from inside BackPACK; now an UnsupportedLayerError that says why and what
-    to do instead."""
-    import pytest
+    to do instead. One extended loss on the columns after the first (``mse(out[:, 2:], t)``) was refused as
+    "not extended" (the part starts elsewhere in memory, and nothing reached the layer)."""
     from backpack import extend
 
     from cockpit_like.backends.step import UnsupportedLayerError
@@ -209,8 +211,12 @@ def test_an_extended_loss_on_part_of_an_output_is_refused_with_the_cause():
     cockpit = Cockpit(list(model.parameters()), quantities=configuration("full"), model=model)
     x, y, t = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,)), torch.randn(12, 2, dtype=DT)
     out = model(x)
-    loss = ce(out[:, :4], y) + 0.5 * mse(out[:, 4:], t)
-    rows = F.cross_entropy(out[:, :4], y, reduction="none") + 0.5 * F.mse_loss(out[:, 4:], t, reduction="none").mean(1)
+    if heads == "both":
+        loss = ce(out[:, :4], y) + 0.5 * mse(out[:, 4:], t)
+        rows = F.cross_entropy(out[:, :4], y, reduction="none") + 0.5 * F.mse_loss(out[:, 4:], t, reduction="none").mean(1)
+    else:
+        t = torch.randn(12, 4, dtype=DT)
+        loss, rows = mse(out[:, 2:], t), F.mse_loss(out[:, 2:], t, reduction="none").mean(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(UnsupportedLayerError, match="reads a part of its output"):

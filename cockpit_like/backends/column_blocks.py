@@ -53,6 +53,14 @@ __all__ = ["ColumnReplay", "column_blocks", "BLOCKED_TYPES"]
 BLOCKED_TYPES = (DiagHessian, DiagGGNExact)
 
 
+def _reads_inside(waiting: dict, output: torch.Tensor) -> bool:
+    """Whether a quantity waits for a tensor that starts inside ``output``'s memory after its first element (a
+    view of a part of it: ``out[:, k:]``)."""
+    start = output.data_ptr()
+    end = start + output.numel() * output.element_size()
+    return any(start < key < end for key in waiting)
+
+
 @dataclass
 class _Call:
     """One module's hook call of the backward pass, as the replay needs it."""
@@ -258,15 +266,11 @@ class ColumnReplay:
             if quantity is not None and shapes.pop(output.data_ptr(), None) != tuple(output.shape):
                 # a later call read a part of this output that starts where it does (a loss on out[:, :4] of a
                 # layer whose output has 6 columns: outside trial 12, a raw shape error from BackPACK)
-                from cockpit_like.backends.step import UnsupportedLayerError
-
-                raise UnsupportedLayerError(
-                    f"{type(call.module).__name__} layer: a later module (an extended loss) reads a part of its "
-                    f"output (shape {list(output.shape)}), such as a loss on out[:, :k] of a model with two heads: "
-                    f"BackPACK's {type(self.extension).__name__} propagates curvature through whole outputs only. "
-                    "Give each head its own output layer, or track the curvature with curvature='hutchinson' "
-                    "(Hessian-vector products), or leave out the quantities that need it (HessTrace, TICDiag)."
-                )
+                raise self._partial_output(call)
+            if quantity is None and _reads_inside(waiting, output):
+                # ... or a part that starts after it (out[:, 2:]): nothing would reach the layer (it was refused as
+                # "not extended")
+                raise self._partial_output(call)
             if quantity is not None:
                 module, module_extension = call.module, call.extension
                 with call.restored():
@@ -285,6 +289,19 @@ class ColumnReplay:
                 quantity = self._join(quantity, joined)
             if quantity is not None and call.inputs:
                 self._hand_down(call, quantity, waiting, shapes)
+
+    def _partial_output(self, call: _Call):
+        """The error for a layer whose output a later module (an extended loss) reads only a part of."""
+        from cockpit_like.backends.step import UnsupportedLayerError
+
+        output = call.io["output"]
+        return UnsupportedLayerError(
+            f"{type(call.module).__name__} layer: a later module (an extended loss) reads a part of its "
+            f"output (shape {list(output.shape)}), such as a loss on out[:, :k] or out[:, k:] of a model with two "
+            f"heads: BackPACK's {type(self.extension).__name__} propagates curvature through whole outputs only. "
+            "Give each head its own output layer, or track the curvature with curvature='hutchinson' "
+            "(Hessian-vector products), or leave out the quantities that need it (HessTrace, TICDiag)."
+        )
 
     def _join(self, quantity, joined):
         """``joined`` (a source's block) added to the factors passing the same point (BackPACK appends
