@@ -107,3 +107,42 @@ def test_inner_test_of_nearly_equal_gradients_in_float64_keeps_its_digits():
     g32, sq32 = gram.float(), sq.float()
     p32 = 6 * g32.sum(1)
     assert F.inner_test(*F.gram_summary(g32), sq32).item() == (((p32**2).sum() - 6 * sq32**2) / 5 / 6 / sq32**2).sqrt().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_that_cancel_store_no_test_and_say_why(dtype):
+    """A symmetric batch (rows ``x`` and ``-x`` with the same labels, the weights at 0): the per-sample gradients
+    cancel, ``||gbar||`` is rounding noise, and the tests' quotient was stored as 3.5e7 (float32). Now no value,
+    one note for the three; a batch whose rows almost cancel, far above rounding, keeps its values (checked
+    against the brute-force definitions)."""
+    from torch import nn
+    from torch.nn import functional as Fn
+
+    model = nn.Sequential(nn.Linear(3, 2, bias=False)).to(dtype)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1)), InnerTest(linear(1)), OrthoTest(linear(1))])
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    labels = torch.tensor([0, 1, 0, 1] * 2)
+    for step, inputs in enumerate([torch.cat([x, -x]), torch.cat([x, -x + 1e-2 * x.flip(0)])]):
+        model.zero_grad()
+        losses = Fn.cross_entropy(model(inputs), labels, reduction="none")
+        with cockpit(step, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+        if step == 1:
+            grads = [torch.stack([torch.autograd.grad(Fn.cross_entropy(model(inputs[i:i + 1]), labels[i:i + 1]),
+                                                      model[0].weight)[0] for i in range(8)]).double()]
+    out = cockpit.get_output()
+    assert not {"NormTest", "InnerTest", "OrthoTest"} & set(out[0])
+    notes = cockpit.checks[0]["notes"]
+    assert len(notes) == 1 and "within rounding of 0" in notes[0] and "NormTest, InnerTest and OrthoTest" in notes[0]
+    reference = reference_tests(grads)
+    for name, value in reference.items():
+        assert out[1][name] == pytest.approx(value, rel=1e-3 if dtype == torch.float32 else 1e-9)
+
+
+def test_cancels_to_rounding_against_the_rows_scale():
+    diag = torch.full((4,), 1.0, dtype=torch.float64) / 16  # ||g_i|| = 1, B = 4
+    eps = torch.finfo(torch.float64).eps
+    assert F.cancels_to_rounding(diag, torch.tensor((500 * eps) ** 2, dtype=torch.float64))
+    assert not F.cancels_to_rounding(diag, torch.tensor((2000 * eps) ** 2, dtype=torch.float64))

@@ -24,12 +24,27 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gram_summary", "norm_test", "inner_test", "ortho_test", "mean_gsnr", "cabs", "early_stopping"]
+__all__ = ["gram_summary", "cancels_to_rounding", "norm_test", "inner_test", "ortho_test", "mean_gsnr", "cabs", "early_stopping"]
 
 
 def gram_summary(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(diag, row_sums)`` of a ``B x B`` Gram matrix, the inputs of the gradient tests."""
     return torch.diagonal(gram), gram.sum(1)
+
+
+def cancels_to_rounding(diag: torch.Tensor, grad_sq_norm: torch.Tensor, slack: float = 1000.0) -> bool:
+    """Whether ``||gbar||`` is within rounding of 0 next to the per-sample gradients: at most ``slack`` machine
+    epsilons of the dtype times their root mean square norm ``sqrt(B tr(gram))``. The tests divide by
+    ``||gbar||^2``; where the rows cancel (a symmetric batch) the quotient is rounding noise, not a test value.
+
+    >>> cancels_to_rounding(torch.tensor([0.25, 0.25]), torch.tensor(0.0))
+    True
+    >>> cancels_to_rounding(torch.tensor([0.25, 0.25]), torch.tensor(1e-3))
+    False
+    """
+    eps = torch.finfo(diag.dtype).eps
+    mean_sq_norm = diag.shape[0] * diag.sum()
+    return bool(grad_sq_norm <= (slack * eps) ** 2 * mean_sq_norm)
 
 
 def norm_test(diag: torch.Tensor, row_sums: torch.Tensor, grad_sq_norm: torch.Tensor) -> torch.Tensor:

@@ -31,9 +31,19 @@ class _GramTest(SingleStepQuantity):
         return [GramSummary()] if self.should_compute(global_step) else []
 
     def _compute(self, global_step, params, batch_loss):
-        diag, row_sums = context.get_record(global_step).stat(GramSummary())
+        record = context.get_record(global_step)
+        diag, row_sums = record.stat(GramSummary())
         grads = gradients_of(params, type(self).__name__)
         grad_sq_norm = squared_norm(grads)
+        if F.cancels_to_rounding(diag, grad_sq_norm):  # one note for the three tests
+            record.note(
+                f"NormTest, InnerTest and OrthoTest at step {global_step}: no value stored: the mean gradient's norm "
+                f"({grad_sq_norm.sqrt().item():.3g}) is within rounding of 0 next to the per-sample gradients' (root "
+                f"mean square {(diag.shape[0] * diag.sum()).sqrt().item():.3g}): the rows cancel (a symmetric batch, "
+                "a model at a symmetric point), and the tests divide by the mean gradient's squared norm, so their "
+                "quotient would be rounding noise."
+            )
+            return None
         return type(self)._test(diag, row_sums, grad_sq_norm)
 
 
