@@ -159,7 +159,8 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
         raise MissingGraphError(
             f"{owner} needs Hessian-vector products, but the gradients carry no graph. Call "
             "`loss.backward(create_graph=cockpit.create_graph(global_step))` inside the "
-            "cockpit context."
+            "cockpit context. (If it was called so, the gradients do not depend on the parameters: the loss is "
+            "linear in them, its Hessian 0; leave the curvature quantities out for such a model.)"
         )
     inputs = [params[i] for i in trainable]
     sizes = [p.numel() for p in inputs]
