@@ -38,6 +38,7 @@ from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoS
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.backends.user_state import guard_module_hooks
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
+from cockpit_like.checks.loss_factor import OutputReference
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
 from cockpit_like.checks.probe import probe_directions, project_all
@@ -308,6 +309,7 @@ class TrackedStep:
                     "of a step (each its own rows', in order) or with none"
                 )
         scale = env.run.partitions.scale if self.active else 1.0
+        self._output_reference = None  # (made by the row check, where it runs)
         try:
             self._execution = StepExecution(
                 step,
@@ -331,6 +333,7 @@ class TrackedStep:
                 self._factor = LossFactor(
                     self.info.get("loss"), on_factor=self._execution.observe_loss_factor,
                     losses=self.info.get("individual_losses"), outputs=self._execution.root_outputs,
+                    reference=self._output_reference,
                 )  # fmt: skip
                 self._factor.start()  # (before the execution's hooks: the factor is seen before the rows use it)
             if self.debug:
@@ -365,7 +368,10 @@ class TrackedStep:
             return None
         batch = int(batch)
         seed = _probe_seed(self.step) + 1 + self.micro
-        return lambda outputs: coupled_rows(losses, outputs, batch, seed, tolerance_for)
+        # the plain sum's gradients at the outputs, kept as projections: the user's backward pass must bring
+        # the loss factor times the declared loss's gradient there (a term of value 0 with a gradient does not)
+        self._output_reference = reference = OutputReference(seed + 0x51, losses.numel())
+        return lambda outputs: coupled_rows(losses, outputs, batch, seed, tolerance_for, on_gradients=reference.keep)
 
     def loss_finite(self) -> bool | None:
         """Whether ``info["loss"]`` is finite (``None``: no loss given), computed once per step."""
@@ -492,6 +498,8 @@ class TrackedStep:
             used = partition.factor if partition.factor is not None else partitions.checks.assumed
             why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
             known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
+            if why is None and not known and factor is not None and factor.calls <= 1:
+                why = _output_mismatch(factor.reference, used)
             if why is not None and not known:  # (once per step: the first micro-batch that shows it)
                 where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""
                 partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
@@ -1063,6 +1071,26 @@ def _same_gradients(params, entry) -> bool:
     """Whether every ``p.grad`` is the tensor (and version) it was at the block's entry: nothing wrote one."""
     return entry is not None and len(entry) == len(params) and all(
         (None if p.grad is None else (id(p.grad), p.grad._version)) == seen for p, seen in zip(params, entry))
+
+
+def _output_mismatch(reference, factor: float | None) -> str | None:
+    """The reason where the gradient the user's backward pass brought to the model's output is not ``factor``
+    times the declared loss's there (:class:`~cockpit_like.checks.loss_factor.OutputReference`), else None."""
+    if reference is None or factor is None:
+        return None
+    error = reference.mismatch(factor, tolerance_for)
+    if error is None:
+        return None
+    return (
+        f"the gradient the backward pass brought to the model's output is {error:.3g} (relative) off {factor:.6g} "
+        "times the gradient of info['loss'] there, although the value backpropagated is that multiple of "
+        "info['loss']: the tensor backpropagated has a term whose value is 0 but whose gradient is not (a - "
+        "a.detach(), a stop-gradient surrogate, a straight-through or DiCE-style estimator) or a backward "
+        "function that is not its forward's derivative, between the model's output and the loss. The per-sample "
+        "rows follow that gradient and info['individual_losses'] do not, so the quantities that read both "
+        "(Alpha, the per-sample tests against the loss) would mix two losses. Declare the loss whose gradient "
+        "you backpropagate, or backpropagate info['loss'] alone (docs/your_training_loop.md#self-checks)"
+    )
 
 
 def _undeclared_factor(seen: float | None, assumed: float) -> bool:

@@ -17,11 +17,22 @@ through the loss function gives (only in that case, before any layer's
 gradient); where ``delta`` is not a multiple of it (the backpropagated loss
 has other terms), no factor is taken.
 
+The same hook at the model's output checks what the value check on the roots
+(:mod:`cockpit_like.checks.roots`) cannot see: a term whose value is 0 but
+whose gradient is not (``a - a.detach()``, a stop-gradient surrogate) leaves
+the value backpropagated equal to ``f`` times ``info["loss"]``, yet the
+gradient at the output is not ``f`` times the declared loss's there, and the
+rows would mix one loss's values with another's slopes. The declared
+gradient comes from the row check's backward pass before the user's
+(:func:`~cockpit_like.checks.rows.coupled_rows`), kept as projections on
+random directions (:class:`OutputReference`), never as a copy of the output.
+
 May import torch and :mod:`cockpit_like.backends.internal`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -29,7 +40,87 @@ import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
 
-__all__ = ["LossFactor"]
+__all__ = ["LossFactor", "OutputReference"]
+
+
+def _key(output) -> tuple | None:
+    node = getattr(output, "grad_fn", None)
+    return None if node is None else (node, int(getattr(output, "output_nr", 0)))
+
+
+class OutputReference:
+    """The declared losses' gradient at the model's outputs, as projections: for each output ``Y`` (the sum of
+    the rows' losses' gradient ``G``), ``P[k] = <G[k], R[k]>`` for every slice ``k`` along the first dimension,
+    ``R`` Gaussian from the cockpit's own generator (made again for the gradient to compare, never kept), and
+    ``||G||``.
+
+    Args:
+        seed: the seed of the directions (one per step and pass).
+        batch: the number of declared rows (``info["individual_losses"]``'s): the declared loss is their mean.
+    """
+
+    def __init__(self, seed: int, batch: int):
+        self.seed, self.batch = int(seed), int(batch)
+        self._kept: dict[tuple, tuple[torch.Tensor, float]] = {}
+        #: the user's gradient at one output, projected alike: ``[projections, norm, dtype]``, summed over the
+        #: block's backward passes (the norm only where there was one)
+        self.seen: list | None = None
+        self._seen_key: tuple | None = None
+
+    def keep(self, pairs) -> None:
+        """``pairs``: ``[(output, G)]`` from the row check's backward pass."""
+        with cockpit_work():
+            for output, gradient in pairs:
+                key = _key(output)
+                if key is not None and gradient.dim() > 0 and gradient.dtype.is_floating_point:
+                    self._kept[key] = (self._project(gradient), float(gradient.double().norm()))
+
+    def _project(self, gradient: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator(device=gradient.device).manual_seed(self.seed)
+        directions = torch.randn(gradient.shape, generator=generator, device=gradient.device, dtype=gradient.dtype)
+        return (gradient * directions).reshape(gradient.shape[0], -1).sum(1, dtype=torch.float64)
+
+    def wants(self, node, output_nr: int) -> bool:
+        key = (node, int(output_nr))
+        return key in self._kept and (self.seen is None or self._seen_key == key)
+
+    def see(self, node, output_nr: int, gradient: torch.Tensor) -> None:
+        """A backward pass of the user's brought ``gradient`` to the output ``(node, output_nr)``."""
+        with cockpit_work():
+            gradient = gradient.detach()
+            projections = self._project(gradient)
+            if self.seen is None:
+                self.seen = [projections, float(gradient.double().norm()), gradient.dtype]
+                self._seen_key = (node, int(output_nr))
+            else:  # another pass in the block (retain_graph): the gradients add up
+                self.seen[0] = self.seen[0] + projections
+                self.seen[1] = None
+
+    def mismatch(self, factor: float, tolerance_for) -> float | None:
+        """The relative distance between the gradient seen at the output and ``factor`` times the declared
+        loss's (the mean of the rows: ``factor / batch`` times ``G``) where it is beyond the dtype's tolerance;
+        else (or where nothing was seen, or it is not finite) ``None``."""
+        if self.seen is None or self._seen_key not in self._kept:
+            return None
+        projections, norm, dtype = self.seen
+        reference, reference_norm = self._kept[self._seen_key]
+        scale = factor / self.batch
+        if norm is None:  # several passes: the projections' norm stands for the gradient's
+            norm = float(projections.norm())
+        if not (math.isfinite(norm) and math.isfinite(reference_norm) and math.isfinite(scale)):
+            return None
+        size = max(norm, abs(scale) * reference_norm)
+        if not size > 0.0:
+            return None
+        # (E <x, R>^2 = ||x||^2: the projections' distance is about the gradients' distance; the norms' difference
+        # where one projection happens to be small)
+        error = float((projections - scale * reference).norm())
+        if self.seen[1] is not None:
+            error = max(error, abs(norm - abs(scale) * reference_norm))
+        error /= size
+        if not math.isfinite(error):
+            return None
+        return error if error > tolerance_for(dtype) else None
 
 
 class LossFactor:
@@ -46,7 +137,8 @@ class LossFactor:
         calls: how many times the loss got a gradient (more than once: several backward passes through it).
     """
 
-    def __init__(self, loss, on_factor: Callable[[float], None] | None = None, losses=None, outputs=()):
+    def __init__(self, loss, on_factor: Callable[[float], None] | None = None, losses=None, outputs=(),
+                 reference: OutputReference | None = None):
         self.factor: float | None = None
         #: where the factor was seen: ``"loss"`` (a hook on ``info["loss"]``) or ``"output"`` (the model's output)
         self.seen_at: str | None = None
@@ -61,6 +153,8 @@ class LossFactor:
         # gradient of mean(individual_losses) there (one small backward pass through the loss function, only then)
         self._losses = losses if isinstance(losses, torch.Tensor) and losses.grad_fn is not None and losses.dim() == 1 else None
         self._output_node = None
+        #: the declared loss's gradient at the outputs (projected), compared with the user's at the hooked one
+        self.reference = reference
         if self._losses is not None:
             for output in outputs:
                 node = getattr(output, "grad_fn", None)
@@ -112,11 +206,16 @@ class LossFactor:
 
     def _at_output(self, node, output_nr: int, grad_outputs) -> None:
         """The model's output got its gradient ``delta``: if ``info["loss"]`` did not show the factor, it is
-        ``f`` in ``delta = f * d mean(individual_losses) / d output`` where that holds (checked)."""
-        if self.factor is not None or self.calls or self._losses is None or self._probing or in_cockpit_work():
+        ``f`` in ``delta = f * d mean(individual_losses) / d output`` where that holds (checked). The first
+        ``delta`` of the user's backward pass is also handed to :attr:`reference`, to compare at the pass's end."""
+        if self._probing or in_cockpit_work():
             return
         delta = grad_outputs[output_nr]
         if delta is None:
+            return
+        if self.reference is not None and self.reference.wants(node, output_nr):
+            self.reference.see(node, output_nr, delta)
+        if self.factor is not None or self.calls or self._losses is None:
             return
         from torch.autograd.graph import GradientEdge
 

@@ -46,7 +46,7 @@ def _backpack_keeps_its_inputs():
         CTX.retain_graph = kept
 
 
-def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for) -> dict | None:
+def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for, on_gradients=None) -> dict | None:
     """``None`` where every row's loss reads only its own row of ``outputs`` (or where that cannot be seen:
     losses without a graph, outputs the losses do not reach); else ``{"error", "tolerance", "output"}``.
 
@@ -57,6 +57,8 @@ def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for) -> dict 
         batch: the rows.
         seed: the seed of the signs (the cockpit's own generator: no user stream moves).
         tolerance_for: ``dtype -> relative tolerance`` (the gradient check's).
+        on_gradients: called with ``[(output, d sum_n l_n / d output)]`` (detached), the plain sum's gradients,
+            where they were computed (:class:`~cockpit_like.checks.loss_factor.OutputReference` keeps projections).
 
     A tensor whose rows lie along another dimension of size ``batch`` (sequence-first ``[T, B, ...]``
     outputs with ``T == B``) passes where the signs along that dimension fit.
@@ -83,6 +85,8 @@ def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for) -> dict 
             signed = torch.autograd.grad(losses, edges, signs, retain_graph=True, allow_unused=True)
         except RuntimeError:  # the losses' graph does not reach (or no longer holds) the outputs
             return None
+    if on_gradients is not None:
+        on_gradients([(output, g.detach()) for output, g in zip(outputs, plain) if g is not None])
     worst = None
     for index, (output, g, g_signed) in enumerate(zip(outputs, plain, signed)):
         if g is None or g_signed is None:
