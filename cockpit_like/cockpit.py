@@ -70,6 +70,16 @@ def _check_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
                 "pass model.parameters()"
             )
         checked.append(param)  # frozen parameters (requires_grad=False) are tracked as such (checks["frozen"])
+    first: dict[int, int] = {}
+    repeats = [(first.setdefault(id(p), i), i) for i, p in enumerate(checked) if first.setdefault(id(p), i) != i]
+    if repeats:  # counted twice in GradNorm, the tests, the histograms (outside trial 13: +20% GradNorm, valid)
+        shown = ", ".join(f"#{later} is #{earlier}" for earlier, later in repeats[:4])
+        raise ValueError(
+            f"Cockpit(params): {len(repeats)} parameter(s) given more than once ({shown}"
+            f"{' ...' if len(repeats) > 4 else ''}), as chaining a part's parameters with the whole model's does: "
+            "each would count twice in the gradient's norm, the tests and the histograms. Pass each parameter "
+            "once: model.parameters() alone, or list(dict.fromkeys(params)) to drop the repeats."
+        )
     if not checked:
         consumed = " (a generator such as model.parameters() that the optimizer already used up: pass " \
             "list(model.parameters()) to both, or model.parameters() again)" if inspect.isgenerator(params) else ""

@@ -149,7 +149,31 @@ def coupling_reason(module: nn.Module) -> str | None:
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.scale_grad_by_freq:
         return (f"{type(module).__name__}(scale_grad_by_freq=True) divides each id's gradient by its count in the "
                 "whole batch (scale_grad_by_freq=False gives the rows back)")
+    observing = _observing_fake_quant(module)
+    if observing:
+        return (f"{type(module).__name__} quantizes its activations with a scale its FakeQuantize observer "
+                f"({observing}: quantization-aware training) takes from the whole batch's range, so a row's output "
+                "depends on the other rows (torch.ao.quantization.disable_observer on the model, once the observers "
+                "have settled, fixes the scales and gives the rows back)")
     return None
+
+
+def _observing_fake_quant(module: nn.Module) -> str | None:
+    """The names of the fake-quantize modules (``torch.ao.quantization.FakeQuantize``: ``observer_enabled`` and
+    ``fake_quant_enabled`` buffers) in ``module`` or below it that observe in training mode
+    (a weight's observer, ``weight_fake_quant``, sees the weight only; others are named whatever they see);
+    ``None`` if there is none."""
+    found = []
+    for name, child in module.named_modules():
+        enabled = getattr(child, "observer_enabled", None)
+        if not (isinstance(enabled, torch.Tensor) and hasattr(child, "fake_quant_enabled")):
+            continue
+        if name.rsplit(".", 1)[-1] == "weight_fake_quant":
+            continue
+        quantizing = getattr(child, "fake_quant_enabled")
+        if child.training and bool(enabled.reshape(-1)[0]) and bool(quantizing.reshape(-1)[0]):
+            found.append(name or type(child).__name__)
+    return ", ".join(found) or None
 
 
 @contextlib.contextmanager

@@ -187,8 +187,8 @@ class LossFactor:
             self.factor, self.seen_at = value, "loss"
         else:  # a second pass through the same loss (retain_graph): the gradients add up
             self.factor += value
-        if self._on_factor is not None and self.calls == 1:
-            self._on_factor(value)
+        if self._on_factor is not None:  # the sum so far: passes merged in one block are reduced at its end
+            self._on_factor(self.factor)
 
     def _at_rows(self, grad: torch.Tensor) -> None:
         """``info["individual_losses"]`` got its gradient: ``f / B`` on every row if the root is ``f`` times their mean."""
