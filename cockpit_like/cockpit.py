@@ -651,11 +651,39 @@ class Cockpit:
             self._watch_optimizer(tracked.info.get("optimizer"))
         elif error is None and self._run.micro is None:
             self._withdraw_if_unseen(tracked.step, tracked.info.get("optimizer"))
+        self._split_step(tracked.step)
         self._recorder.after_step(
             tracked.step, tracked.info,
             tracked=error is None and (tracked.completed or tracked.skipped or self._run.pending is tracked),
             complete=self._run.micro is None and self._run.pending is not tracked,
         )
+
+    def _split_step(self, step: int) -> None:
+        """``step`` found the gradients of the step before it in p.grad, and the declared optimizer did not step in
+        between (:meth:`TrackedStep._judge_stale`): that step was a micro-batch of this optimizer step entered under
+        its own number, and its values, stored as valid, describe a part of the step: withdrawn, the step invalid
+        (outside trial 13: GradNorm 48-79% above the optimizer step's, valid, at every other step)."""
+        previous, self._run.split_step = self._run.split_step, None
+        if previous is None:
+            return
+        names = {self.name_of(q) for q in self.quantities}
+        record = self._output.checks.get(previous)
+        withdrawn = self._withdraw_step(previous, names)
+        for quantity in self.quantities:  # what started there (UpdateSize, Alpha) would span the merged step
+            quantity.drop_start(previous, step)
+        record = _without_error_bars(record, withdrawn) if record is not None else StepChecks(previous).to_dict()
+        record["valid"] = False
+        record["failed"] = list(record.get("failed", [])) + [{
+            "check": "micro_batch_numbering",
+            "reason": (
+                f"step {step} began with this step's gradients still in p.grad, and info['optimizer'] did not step "
+                f"in between: steps {previous} and {step} are micro-batches of one optimizer step under two numbers, "
+                "so the values of this step described a part of it and are withdrawn"
+                + (f" ({', '.join(sorted(withdrawn))})" if withdrawn else "")
+                + ". Give every micro-batch of an optimizer step the same global_step, with info['micro_batches']."
+            ),
+        }]
+        self._store_checks(previous, record)
 
     def _withdraw_step(self, step: int, decomposed: set[str]) -> list[str]:
         """Withdraw the values ``step`` stored for the quantities named in ``decomposed``; their names."""
@@ -858,11 +886,12 @@ class Cockpit:
         that start there and end here (UpdateSize, Alpha: ``theta_{t+1} - theta_t``) would span several updates:
         they are not computed, and a note at their step says why."""
         updates, self._run.updates = self._run.updates, None
+        self._run.unstepped = updates[0] if updates is not None and updates[2] == 0 and updates[3] else None
         if updates is not None and updates[2] == 0:
             self._check_unseen_update(updates[0], updates[1])
         if updates is None or updates[2] <= 1:
             return
-        start, _, count = updates
+        start, _, count, _ = updates
         lost = sorted(self.name_of(q) for q in self.quantities if q.drop_start(start, step))
         if lost:
             self._note(start, (

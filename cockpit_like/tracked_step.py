@@ -95,6 +95,11 @@ class StepRun:
     #: (its step post-hook counts them); more than one before the next tracked step, and the values of two-step
     #: quantities that start at that step and end at the next (UpdateSize, Alpha) would span several updates
     updates: list | None = None
+    #: the step finished last, where its ``info["optimizer"]`` (one that runs its step hooks) did not step before the
+    #: step that begins now: p.grad found not zero then means both are micro-batches of one optimizer step
+    unstepped: int | None = None
+    #: that step, once the step after it found its gradients in p.grad: withdrawn by the cockpit (:meth:`Cockpit._split_step`)
+    split_step: int | None = None
     #: a warning said once that the step numbers skip the end steps of two-step quantities
     gap_warned: bool = False
     #: steps whose block raised (nothing of them stored): the notes of the values that ended there say so
@@ -870,7 +875,8 @@ class TrackedStep:
     def _count_updates(self) -> None:
         """From now on count the steps of the step's ``info["optimizer"]`` (:attr:`StepRun.updates`)."""
         optimizer = self.info.get("optimizer")
-        self.env.run.updates = [self.step, id(optimizer), 0] if _is_optimizer(optimizer) else None
+        hooked = bool(getattr(getattr(type(optimizer), "step", None), "hooked", False))
+        self.env.run.updates = [self.step, id(optimizer), 0, hooked] if _is_optimizer(optimizer) else None
 
     def _optimized(self) -> set[int] | None:
         """``id`` of the parameters ``info["optimizer"]`` updates (``None``: no optimizer given)."""
@@ -916,14 +922,26 @@ class TrackedStep:
         if not stale:
             return
         shown = ", ".join(names[i] for i in stale[:3]) + (" ..." if len(stale) > 3 else "")
-        checks.fail(
-            "stale_gradient",
-            f"p.grad of {len(stale)} parameters ({shown}) was not zero when the backward pass of step {self.step} "
-            "began, so the gradient of the step adds up gradients of earlier backward passes: a forgotten "
-            "optimizer.zero_grad() (or a backward pass outside the cockpit's block). Call optimizer.zero_grad() before "
-            "each optimizer step's first backward pass.",
-            parameters=[names[i] for i in stale],
-        )
+        previous = self.env.run.unstepped
+        if previous is not None and previous < self.step:
+            # numbered per micro-batch: the previous step's values describe a part of this optimizer step
+            self.env.run.split_step = previous
+            reason = (
+                f"p.grad of {len(stale)} parameters ({shown}) was not zero when the backward pass of step {self.step} "
+                f"began, and info['optimizer'] of step {previous} did not step between the two: they are micro-batches "
+                "of one optimizer step entered under two step numbers (the values of both describe a part of it, "
+                f"and step {previous}'s are withdrawn). Give every micro-batch of an optimizer step the same "
+                "global_step (count optimizer steps, not micro-batches), with info['micro_batches'] = their number."
+            )
+        else:
+            reason = (
+                f"p.grad of {len(stale)} parameters ({shown}) was not zero when the backward pass of step {self.step} "
+                "began, so the gradient of the step adds up gradients of earlier backward passes: a forgotten "
+                "optimizer.zero_grad(), or a backward pass outside the cockpit's block (a micro-batch of this optimizer "
+                "step: enter the cockpit around every micro-batch, with the same global_step and info['micro_batches'] "
+                "= their number). Call optimizer.zero_grad() before each optimizer step's first backward pass."
+            )
+        checks.fail("stale_gradient", reason, parameters=[names[i] for i in stale])
         if not self.env.run.stale_reported:
             self.env.run.stale_reported = True
             self.env.report(Finding(

@@ -137,3 +137,58 @@ def test_quantization_aware_training_leaves_the_rows_out_until_the_observers_are
     mean = rows.mean(0)
     norm_test = (((rows - mean) ** 2).sum() / (11 * 12 * (mean @ mean))).sqrt().item()
     assert out[2]["NormTest"] == pytest.approx(norm_test, rel=1e-4)
+
+
+def test_micro_batches_numbered_as_steps_withdraw_the_first_and_say_why():
+    """F4: two micro-batches per optimizer step, the cockpit entered with a counter per micro-batch (0, 1, 2, ...),
+    no ``micro_batches``: the second micro-batch failed ``stale_gradient`` telling to call zero_grad (which the loop
+    did), and the first was stored as valid with its six rows' numbers (GradNorm 48-79% above the optimizer step's).
+    Now the first is withdrawn (``micro_batch_numbering``) once the second shows it, and both reasons name the
+    numbering."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(2)
+    counter = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            opt.zero_grad()
+            for _ in range(2):
+                x, y = torch.randn(6, 6, generator=generator, dtype=DT), torch.randint(0, 4, (6,), generator=generator)
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                with cockpit(counter, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean(),
+                                            "optimizer": opt}):
+                    (losses.mean() / 2).backward()
+                counter += 1
+            opt.step()
+    out = cockpit.get_output()
+    for first in (0, 2, 4):
+        failed = {f["check"]: f["reason"] for f in cockpit.checks[first]["failed"]}
+        assert not cockpit.checks[first]["valid"] and "micro_batch_numbering" in failed
+        assert not {"GradNorm", "NormTest", "Loss", "GradHist1d"} & set(out.get(first, {}))
+        second = {f["check"]: f["reason"] for f in cockpit.checks[first + 1]["failed"]}
+        assert "micro-batches of one optimizer step" in second["stale_gradient"]
+    assert {0, 1, 2, 3, 4, 5} <= set(cockpit.invalid_steps)
+
+
+def test_a_forgotten_zero_grad_is_not_taken_for_micro_batches():
+    """The optimizer steps between the tracked steps and p.grad is not zeroed: the plain stale-gradient reason,
+    and the step before keeps its values."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    generator = torch.Generator().manual_seed(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            x, y = torch.randn(6, 6, generator=generator, dtype=DT), torch.randint(0, 4, (6,), generator=generator)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, info={"batch_size": 6, "individual_losses": losses, "loss": losses.mean(), "optimizer": opt}):
+                losses.mean().backward()
+            opt.step()
+    assert cockpit.checks[0]["valid"] and "GradNorm" in cockpit.get_output()[0]
+    reason = {f["check"]: f["reason"] for f in cockpit.checks[1]["failed"]}["stale_gradient"]
+    assert "a forgotten optimizer.zero_grad()" in reason and "entered under two step numbers" not in reason
