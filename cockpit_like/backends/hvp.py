@@ -164,6 +164,11 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
         )
     inputs = [params[i] for i in trainable]
     sizes = [p.numel() for p in inputs]
+    # differentiated with respect to the parameters whose gradient has a graph only: one whose p.grad has none
+    # (a backward pass with inputs= that left it out, a gradient set by hand) gets zeros, as a frozen one, so the
+    # operator stays symmetric; where its gradient is constant (linear in it) its rows are zero anyway (outside
+    # trial 13: loss.backward(inputs=head) made the products asymmetric and HessTrace's head block half its value)
+    differentiated = [inputs[k] for k in live]
 
     def matvec(vector: torch.Tensor) -> torch.Tensor:
         pieces = vector.split(sizes)
@@ -173,13 +178,16 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             try:
                 with held_tensor_hooks(inputs):
-                    products = torch.autograd.grad(
+                    found = torch.autograd.grad(
                         [grads[trainable[k]] for k in live],
-                        inputs,
+                        differentiated,
                         grad_outputs=[pieces[k].reshape(inputs[k].shape) for k in live],
                         retain_graph=True,
                         allow_unused=True,
                     )
+                products = [None] * len(inputs)
+                for k, hv in zip(live, found):
+                    products[k] = hv
             except RuntimeError as error:
                 limit = graph_limit(error)
                 if limit is not None:
