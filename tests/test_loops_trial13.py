@@ -223,3 +223,48 @@ def test_backward_with_inputs_takes_the_curvature_of_the_parameters_it_different
     out = cockpit.get_output()[0]
     assert not any("not symmetric" in n for n in cockpit.checks[0]["notes"])
     assert out["HessMaxEV"] == pytest.approx(top, rel=1e-2)
+
+
+def test_parameters_of_two_dtypes_get_their_curvature():
+    """F7: a float32 body with a float64 head (as a bfloat16 body with a float32 head): the full preset raised a raw
+    ``addmv`` dtype error from the Lanczos engine at step 0. The operator's vectors now take the widest dtype and
+    each product its parameter's: HessMaxEV equals the dense Hessian's (float64 reference), and the KFAC operator,
+    which needs one dtype, says so."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(6, 10), nn.Linear(10, 4).double()
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.body(x.float())).double())
+
+    torch.manual_seed(0)
+    model = Mixed()
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=configuration("full"), model=model)
+    x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
+    sizes, shapes = [p.numel() for p in params], [p.shape for p in params]
+
+    def loss_of(flat):
+        w1, b1, w2, b2 = [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes)]
+        return F.cross_entropy(torch.tanh(x @ w1.T + b1) @ w2.T + b2, y)
+
+    dense = torch.autograd.functional.hessian(loss_of, torch.cat([p.detach().double().reshape(-1) for p in params]))
+    eigenvalues = torch.linalg.eigvalsh(dense)
+    top = eigenvalues[eigenvalues.abs().argmax()].item()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(create_graph=cockpit.create_graph(0))
+    assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(top, rel=1e-2)
+
+    from cockpit_like.quantities import PreconditionedGradNorm
+
+    cockpit = Cockpit(params, quantities=[PreconditionedGradNorm(track_schedule=lambda step: True)], model=model)
+    model.zero_grad()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(ValueError, match="several dtypes"):
+        with cockpit(0, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()

@@ -41,7 +41,7 @@ import torch
 
 from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import (
-    HutchinsonDiagonal, curvature_params, hessian_vector_product, product_standard_errors, scatter_blocks,
+    HutchinsonDiagonal, curvature_params, hessian_vector_product, operator_dtype, product_standard_errors, scatter_blocks,
 )
 from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace_samples, lanczos_decomposition
@@ -154,7 +154,7 @@ class LanczosNeed:
         params = execution.params
         matvec = hessian_vector_product(params, _OWNER)
         size = _dimension(params)  # the trainable parameters (frozen ones are left out of the operator)
-        dtype, device = params[0].dtype, params[0].device
+        dtype, device = operator_dtype(params), params[0].device
         generator = step_generator(execution.step, "lanczos probes", device)
         rows = list(start_vectors(self.probes, size, dtype, device, generator))
         if self.warm is not None:
@@ -197,14 +197,14 @@ class KrylovTrace:
         matvec = hessian_vector_product(params, _OWNER)
         size = _dimension(params)
         device = params[0].device
-        samples = rademacher(self.samples, size, params[0].dtype, device, step_generator(execution.step, "hutch++", device))
+        samples = rademacher(self.samples, size, operator_dtype(params), device, step_generator(execution.step, "hutch++", device))
         inside, values, energies = deflated_trace_samples(matvec, decomposition, samples)
         errors = product_standard_errors(values.reshape(-1, 1), energies.reshape(-1, 1))
         # never below the rounding of the sums (eps x sqrt(D) x the sum of |terms|, as HessTrace's): on a space
         # that holds the whole operator the samples' part is rounding, and its spread (1e-62 in float64 next to
         # a trace 1e-16 off, outside trials 9 and 10) no error bar
         terms = float(decomposition.ritz_values().abs().sum()) + (float(values.abs().mean()) if values.numel() else 0.0)
-        floor = float(torch.finfo(params[0].dtype).eps) * math.sqrt(max(size, 1)) * terms
+        floor = float(torch.finfo(operator_dtype(params)).eps) * math.sqrt(max(size, 1)) * terms
         return {
             "estimate": inside + float(values.mean()) if values.numel() else inside,
             "standard_error": max(float(errors["trace_error"]), floor) if values.numel() else math.nan,
@@ -259,7 +259,7 @@ class DeflatedDiagonal:
         matvec = hessian_vector_product(params, _OWNER)
         indices = curvature_params(params)  # the trainable parameters; frozen ones get zeros
         sizes = [params[i].numel() for i in indices]
-        dtype, device = params[0].dtype, params[0].device
+        dtype, device = operator_dtype(params), params[0].device
         draws = rademacher(self.samples, sum(sizes), dtype, device, step_generator(execution.step, "deflated diagonal", device))
         diagonal, estimates = deflated_diagonal(matvec, decomposition, draws)
         pieces = estimates.split(sizes, dim=1)

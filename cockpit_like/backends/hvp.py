@@ -121,6 +121,16 @@ def curvature_params(params: list[torch.Tensor]) -> list[int]:
     return [i for i, p in enumerate(params) if p.requires_grad]
 
 
+def operator_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    """The dtype of the operator's vectors: the widest of the trainable parameters' (a bfloat16 body with a float32
+    head: float32; each product runs in its parameter's dtype and comes back in this one)."""
+    dtypes = [params[i].dtype for i in curvature_params(params)] or [params[0].dtype]
+    wide = dtypes[0]
+    for dtype in dtypes[1:]:
+        wide = torch.promote_types(wide, dtype)
+    return wide
+
+
 def scatter_blocks(pieces: list[torch.Tensor], indices: list[int], params: list[torch.Tensor]) -> list[torch.Tensor]:
     """One tensor per parameter, shaped like it: ``pieces`` (flat, of ``params[indices]``) in place, zeros elsewhere."""
     out = [torch.zeros_like(p) for p in params]
@@ -181,7 +191,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                     found = torch.autograd.grad(
                         [grads[trainable[k]] for k in live],
                         differentiated,
-                        grad_outputs=[pieces[k].reshape(inputs[k].shape) for k in live],
+                        grad_outputs=[pieces[k].reshape(inputs[k].shape).to(inputs[k].dtype) for k in live],
                         retain_graph=True,
                         allow_unused=True,
                     )
@@ -204,7 +214,8 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                 ) from error
         product = torch.cat(
             [
-                (torch.zeros_like(p) if hv is None else hv.detach().to_dense() if hv.is_sparse else hv.detach()).reshape(-1)
+                (torch.zeros_like(p) if hv is None else hv.detach().to_dense() if hv.is_sparse else hv.detach())
+                .reshape(-1).to(vector.dtype)
                 for p, hv in zip(inputs, products)
             ]
         )
@@ -345,7 +356,7 @@ class HutchinsonDiagonal:
         indices = curvature_params(params)  # the operator's parameters: frozen ones get zeros
         sizes = [params[i].numel() for i in indices]
         size = sum(sizes)
-        total = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
+        total = torch.zeros(size, dtype=operator_dtype(params), device=params[0].device)
         from cockpit_like.backends.randomness import generator
 
         draws = generator(execution.step, "hutchinson diagonal", total.device)

@@ -311,6 +311,17 @@ def _assemble(layers, params, kind: str, missing: str) -> BlockDiagonal:
         blocks.append(layer.weight_block(kind) if role == "weight" else layer.bias_block(kind))
         names.append(f"{layer.name}.{role}")
         position += 1
+    dtypes = {}
+    for name, block in zip(names, blocks):
+        dtypes.setdefault(block.dtype, name)
+    if len(dtypes) > 1:  # (outside trial 13: a raw error from BlockDiagonal, an internal operator)
+        shown = ", ".join(f"{dtype} ({name} ...)" for dtype, name in dtypes.items())
+        raise ValueError(
+            f"the KFAC operator's layers have several dtypes: {shown}. Its blocks are inverted and multiplied "
+            "together, in one dtype: cast the model's layers to one dtype (a bfloat16 body with a float32 head: "
+            "float32 throughout, or autocast), or leave the quantities that need the operator out "
+            "(PreconditionedGradNorm)."
+        )
     return BlockDiagonal(blocks, names)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from cockpit_like.backends.curvature_engine import DEFAULT_RTOL
 from cockpit_like.backends.randomness import generator
-from cockpit_like.backends.hvp import MissingGraphError, curvature_params, hessian_vector_product
+from cockpit_like.backends.hvp import MissingGraphError, curvature_params, hessian_vector_product, operator_dtype
 from cockpit_like.functional.eigen import power_iteration
 from cockpit_like.quantities.hessian_spectrum import KrylovQuantity
 
@@ -172,7 +172,7 @@ class HessMaxEV(KrylovQuantity):
             self._warm_start
             and previous is not None
             and previous.numel() == size
-            and previous.dtype == params[0].dtype
+            and previous.dtype == operator_dtype(params)
             and bool(torch.isfinite(previous).all())
             and previous.norm() > 0
         ):
