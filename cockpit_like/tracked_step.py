@@ -184,7 +184,17 @@ class StepContext:
 #: the self-checks that concern only the per-sample rows and what was computed beside them: a step that fails only
 #: these keeps the quantities that read none (:meth:`TrackedStep._left_out_by_failed_checks`). Not
 #: ``backpropagated_loss``: a sum backpropagated where a mean is declared scales ``p.grad`` itself
-ROW_CHECKS = frozenset({"gradient"})
+ROW_CHECKS = frozenset({"gradient", "forward_in_block"})
+
+
+def _ran_again_reason(step: int, modules: list[str]) -> str:
+    return (
+        f"the BackPACK-extended module(s) {modules} ran again inside the cockpit's block of step {step}, after the "
+        "forward pass of the loss it backpropagates (a forward pass with gradients enabled, such as metrics on an "
+        "evaluation batch): BackPACK keeps one call's input and output per module, so the per-sample rows (and "
+        "BackPACK's curvature) would describe that call's inputs. Run other forward passes under torch.no_grad(), "
+        "or before the block, or use the model without backpack.extend (Cockpit(..., model=model))"
+    )
 
 
 class TrackedStep:
@@ -354,11 +364,19 @@ class TrackedStep:
                 self._grads_at_entry = [(id(p.grad), p.grad._version) if p.grad is not None else None
                                         for p in env.params]
                 self._roots = BackwardRoots()
-                if getattr(self, "_stale_at_entry", False):
-                    # p.grad was not zero at the block's entry: read it again when the backward pass begins (a loop
-                    # that calls optimizer.zero_grad() inside the block, before backward(), is not stale)
-                    checks, seed = env.run.partitions.checks, _probe_seed(step)
-                    self._roots.on_first = lambda: setattr(checks, "stale", _stale_gradients(env.params, seed))
+                checks, seed, execution = env.run.partitions.checks, _probe_seed(step), self._execution
+                stale = getattr(self, "_stale_at_entry", False)
+
+                def first_backward() -> None:
+                    if stale:
+                        # p.grad was not zero at the block's entry: read it again when the backward pass begins (a
+                        # loop that calls optimizer.zero_grad() inside the block, before backward(), is not stale)
+                        checks.stale = _stale_gradients(env.params, seed)
+                    again = execution.ran_again()
+                    if again:
+                        checks.fail("forward_in_block", _ran_again_reason(step, again))
+
+                self._roots.on_first = first_backward
                 self._roots.start()
         except BaseException:  # (a KeyboardInterrupt too): nothing of the step stays set up
             self._abandon(None)
@@ -475,6 +493,8 @@ class TrackedStep:
         partition.factor = None if factor is None else factor.factor
         partitions.add(partition)
         partitions.checks.factors.append(partition.factor)
+        if factor is not None and factor.factor is None and factor.watched and factor.calls == 0:
+            partitions.checks.loss_unreached = True
         if factor is not None and factor.factor is None and factor.seeable:
             partitions.checks.note(
                 "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "

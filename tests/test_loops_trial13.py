@@ -268,3 +268,55 @@ def test_parameters_of_two_dtypes_get_their_curvature():
     with pytest.raises(ValueError, match="several dtypes"):
         with cockpit(0, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean()}):
             losses.mean().backward()
+
+
+@pytest.mark.parametrize("where", ["inside", "no_grad"])
+def test_an_evaluation_forward_inside_the_block_of_an_extended_model_is_named(where):
+    """F6: the README's extended model, a metrics forward pass on an evaluation batch of the same size with
+    gradients on, inside the block before ``backward()``: BackPACK's kept inputs were the evaluation batch's, every
+    step failed the gradient check with ten causes none of which applied. Now it fails ``forward_in_block``, which
+    names the cause (GradNorm and Loss kept, as for the gradient check); under ``torch.no_grad()`` it is exact."""
+    from backpack import extend
+
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4)).to(DT))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"))
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 6, generator=generator, dtype=DT), torch.randint(0, 4, (8,), generator=generator)
+    xv, yv = torch.randn(8, 6, generator=generator, dtype=DT), torch.randint(0, 4, (8,), generator=generator)
+    out = model(x)
+    losses, loss = F.cross_entropy(out, y, reduction="none"), lossfunc(out, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": loss}):
+            if where == "inside":
+                F.cross_entropy(model(xv), yv).item()
+            else:
+                with torch.no_grad():
+                    F.cross_entropy(model(xv), yv).item()
+            loss.backward()
+    checks, out = cockpit.checks[0], cockpit.get_output()[0]
+    if where == "no_grad":
+        assert checks["valid"] and "NormTest" in out
+        return
+    failed = {f["check"]: f["reason"] for f in checks["failed"]}
+    assert "ran again inside the cockpit's block" in failed["forward_in_block"]
+    assert "NormTest" not in out and "GradNorm" in out and "Loss" in out
+
+
+def test_a_second_forward_pass_backpropagated_is_named_as_the_cause():
+    """F8: the declared losses from one forward call, the backpropagated loss from a second call on the same batch:
+    no parameter got rows, and the reason blamed parameters read outside any module call. It now names the
+    second forward pass first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4)).to(DT)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(8, 6, dtype=DT), torch.randint(0, 4, (8,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+            F.cross_entropy(model(x), y).backward()
+    reason = {f["check"]: f["reason"] for f in cockpit.checks[0]["failed"]}["gradient"]
+    assert "did not go through the forward call that info['loss']" in reason

@@ -217,6 +217,8 @@ class StepExecution:
         #: outside the cockpit's block freed them; the hooks take these modules' rows too
         self._stale_extended = [m for m in _stale_extended(calls) if m not in self._repeated_extended]
         self._repeated_extended += self._stale_extended
+        #: the extended modules' calls, to see at the first backward pass whether one ran again in the block
+        self._extended_calls = [call for call in calls if is_extended(call.module)]
         # a fresh copy of the calls for needs that run a backward pass of their own
         self._calls = [call.fresh() for call in calls] if needs.needs else []
         requests, hooks = list(needs.requests), list(needs.hooks)
@@ -873,8 +875,19 @@ class StepExecution:
             "seen. Alternatively extend the model with backpack.extend."
         )
 
+    def ran_again(self) -> list[str]:
+        """The BackPACK-extended modules (class names) whose kept input and output are no longer this pass's
+        call's, asked as the block's first backward pass begins: the model ran again inside the block (an
+        evaluation batch with gradients on), and BackPACK's extensions would read that call's inputs."""
+        calls, self._extended_calls = self._extended_calls, []
+        if not self.extensions or not calls:
+            return []
+        return sorted({type(module).__name__ for module in _stale_extended(calls)} - {
+            type(module).__name__ for module in self._repeated_extended})
+
     def free(self) -> None:
         """Delete the BackPACK buffers nobody asked to keep (the user's ``*exts`` keep theirs)."""
+        self._extended_calls = []
         user_types = self._user_types
         fields = {ext.savefield for ext in self.extensions if type(ext) not in user_types and hasattr(ext, "savefield")}
         if self.reducer is not None:

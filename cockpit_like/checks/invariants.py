@@ -201,6 +201,8 @@ class StepChecks:
         self.nonfinite_gradients: list[int] = []
         #: ``{quantity: {"standard_error", "estimator", "samples", "reliable"}}`` of the step's estimated values
         self.standard_errors: dict[str, dict[str, Any]] = {}
+        #: ``info["loss"]``, a tensor with its graph, got no gradient from the step's backward pass
+        self.loss_unreached = False
 
     @property
     def valid(self) -> bool:
@@ -278,6 +280,12 @@ class StepChecks:
                 "wrong with the loop; such a step stores no per-sample numbers. Otherwise: "
             ) if half_step else ""
             rowless = [name_of(i) for i, got, want, _ in offenders if got == 0.0 and want != 0.0]
+            elsewhere = (
+                "No parameter got per-sample rows, and info['loss'] got no gradient: the backward pass did not go "
+                "through the forward call that info['loss'] and info['individual_losses'] came from (a second "
+                "forward pass of the batch, such as a model's own .loss from another call, backpropagated). "
+                "Compute the losses you declare and the one you backpropagate from one forward pass. Otherwise: "
+            ) if self.loss_unreached and rowless and len(rowless) == len(probe) else ""
             unseen = (
                 f"{', '.join(rowless[:3])}{' ...' if len(rowless) > 3 else ''} got no per-sample rows at all while "
                 f"autograd gave {'it' if len(rowless) == 1 else 'them'} a gradient: most likely read outside any module call of the model (a learnable "
@@ -298,7 +306,7 @@ class StepChecks:
                 "gradient",
                 f"the per-sample gradients do not average to the gradient autograd accumulated for step {self.step} "
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
-                + half + hooks + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
+                + elsewhere + half + hooks + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
