@@ -320,3 +320,22 @@ def test_a_second_forward_pass_backpropagated_is_named_as_the_cause():
             F.cross_entropy(model(x), y).backward()
     reason = {f["check"]: f["reason"] for f in cockpit.checks[0]["failed"]}["gradient"]
     assert "did not go through the forward call that info['loss']" in reason
+
+
+def test_the_legacy_weight_norm_is_named_with_its_replacement():
+    """M2: the legacy ``torch.nn.utils.weight_norm`` computes the weight in a forward pre-hook the re-runs do not
+    run; the gradient check's reason blamed a parameter read outside any module call, and now names the legacy
+    hook and ``torch.nn.utils.parametrizations.weight_norm``."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 4)).to(DT)
+    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    x, y = torch.randn(8, 6, dtype=DT), torch.randint(0, 4, (8,))
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward()
+    reason = {f["check"]: f["reason"] for f in cockpit.checks[0]["failed"]}["gradient"]
+    assert "legacy torch.nn.utils.weight_norm" in reason and "parametrizations.weight_norm" in reason

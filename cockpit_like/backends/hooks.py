@@ -605,8 +605,9 @@ class HookBackend:
             k = rows // batch
             return BatchSizeMismatchError, (
                 f"{seen}, {batch} x {k}: if each of the {batch} per-sample losses is the loss of {k} rows of the "
-                f"model's input, call the model on them shaped [{batch}, {k}, ...] (x.reshape({batch}, {k}, -1)), one "
-                f"sample per entry of the first dimension; if each row is a sample, pass 'batch_size': {rows} with "
+                f"model's input, call the model on them shaped [{batch}, {k}, ...], one sample per entry of the first "
+                f"dimension (torch.stack([x1, x2], 1) for two views x1, x2 of the {batch} samples; x.reshape({batch}, "
+                f"{k}, -1) only where a sample's {k} rows are next to each other, not for torch.cat([x1, x2])); if each row is a sample, pass 'batch_size': {rows} with "
                 "one loss per row (where only some rows have a loss, such as the labelled rows of a semi-supervised "
                 f"batch: give the others a loss of 0 and scale the rows so that their mean is the loss, rows * {rows} "
                 "/ n for a mean over n labelled rows)."

@@ -286,7 +286,13 @@ class StepChecks:
                 "forward pass of the batch, such as a model's own .loss from another call, backpropagated). "
                 "Compute the losses you declare and the one you backpropagate from one forward pass. Otherwise: "
             ) if self.loss_unreached and rowless and len(rowless) == len(probe) else ""
-            unseen = (
+            legacy = [name for name in rowless if name.rsplit(".", 1)[-1] in ("weight_g", "weight_v", "weight_orig")]
+            unseen = ((
+                f"{', '.join(legacy[:3])} {'is' if len(legacy) == 1 else 'are'} the parameters of the legacy "
+                "torch.nn.utils.weight_norm or spectral_norm, which compute the weight in a forward pre-hook that the "
+                "cockpit's re-runs of the layer do not run: use torch.nn.utils.parametrizations.weight_norm or "
+                "spectral_norm (the cockpit re-runs parametrized layers). Otherwise: "
+            ) if legacy else "") + (
                 f"{', '.join(rowless[:3])}{' ...' if len(rowless) > 3 else ''} got no per-sample rows at all while "
                 f"autograd gave {'it' if len(rowless) == 1 else 'them'} a gradient: most likely read outside any module call of the model (a learnable "
                 "loss weight or temperature used only in the loss, a parameter used in the training loop), which "
