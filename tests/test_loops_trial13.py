@@ -339,3 +339,28 @@ def test_the_legacy_weight_norm_is_named_with_its_replacement():
             losses.mean().backward()
     reason = {f["check"]: f["reason"] for f in cockpit.checks[0]["failed"]}["gradient"]
     assert "legacy torch.nn.utils.weight_norm" in reason and "parametrizations.weight_norm" in reason
+
+
+@pytest.mark.parametrize("piece", [7, 1 << 20])
+def test_the_output_reference_measures_the_gradients_distance(piece, monkeypatch):
+    """The projections (made piece by piece, rows straddling the pieces) stand for the gradients: the same gradient
+    times the factor passes, one off by a known relative distance is measured at about that distance."""
+    from cockpit_like.checks.invariants import tolerance_for
+    from cockpit_like.checks.loss_factor import OutputReference
+
+    monkeypatch.setattr(OutputReference, "PIECE", piece)
+    generator = torch.Generator().manual_seed(3)
+    output = torch.randn(6, 5, 3, dtype=DT, requires_grad=True) * 1.0  # a non-leaf: it has a node
+    node = output.grad_fn
+    gradient = torch.randn(6, 5, 3, generator=generator, dtype=DT)
+    other = torch.randn(6, 5, 3, generator=generator, dtype=DT)
+    for delta, expected in ((3.0 * gradient / 6, None), (3.0 * gradient / 6 + 0.3 * other.norm() ** -1 * (3.0 * gradient / 6).norm() * other, 0.3)):
+        reference = OutputReference(seed=11, batch=6)
+        reference.keep([(output, gradient)])
+        assert reference.wants(node, 0)
+        reference.see(node, 0, delta)
+        found = reference.mismatch(3.0, tolerance_for)
+        if expected is None:
+            assert found is None
+        else:
+            assert 0.1 < found < 0.6
