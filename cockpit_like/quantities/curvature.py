@@ -292,7 +292,9 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             if self.method in ("hutchinson", "hutch++"):
                 settings["hutchinson_samples"] = self._samples
             if self.method == "ggn":
-                settings["ggn_samples"] = self._samples
+                # exact for outputs [B, C] with C <= 10 (outside trial 13: "ggn_samples: 4" read as a sketch there)
+                settings["ggn_sketch_samples"] = self._samples
+                settings["ggn_exact_up_to_classes"] = GGNDiagonal.max_classes
         return settings
 
     def _curvature_diagonals(self, global_step: int, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
