@@ -667,23 +667,31 @@ class Cockpit:
         if previous is None:
             return
         names = {self.name_of(q) for q in self.quantities}
-        record = self._output.checks.get(previous)
-        withdrawn = self._withdraw_step(previous, names)
         for quantity in self.quantities:  # what started there (UpdateSize, Alpha) would span the merged step
             quantity.drop_start(previous, step)
-        record = _without_error_bars(record, withdrawn) if record is not None else StepChecks(previous).to_dict()
-        record["valid"] = False
-        record["failed"] = list(record.get("failed", [])) + [{
-            "check": "micro_batch_numbering",
-            "reason": (
-                f"step {step} began with this step's gradients still in p.grad, and info['optimizer'] did not step "
-                f"in between: steps {previous} and {step} are micro-batches of one optimizer step under two numbers, "
-                "so the values of this step described a part of it and are withdrawn"
-                + (f" ({', '.join(sorted(withdrawn))})" if withdrawn else "")
-                + ". Give every micro-batch of an optimizer step the same global_step, with info['micro_batches']."
-            ),
-        }]
+        record = self._failed_after_storing(previous, names, "micro_batch_numbering", lambda withdrawn: (
+            f"step {step} began with this step's gradients still in p.grad, and info['optimizer'] did not step "
+            f"in between: steps {previous} and {step} are micro-batches of one optimizer step under two numbers, "
+            "so the values of this step described a part of it and are withdrawn"
+            + (f" ({', '.join(sorted(withdrawn))})" if withdrawn else "")
+            + ". Give every micro-batch of an optimizer step the same global_step, with info['micro_batches']."
+        ), with_list=False)
         self._store_checks(previous, record)
+
+    def _failed_after_storing(self, step: int, names: set[str], check: str, reason: Callable[[list[str]], str],
+                              with_list: bool = True) -> dict:
+        """``step``, stored already, fails ``check``: its values of the quantities ``names`` are withdrawn (also
+        from the stream), their error bars too; the record to store, with the failure (``reason(withdrawn)``;
+        ``with_list``: the names withdrawn under ``"withdrawn"`` too)."""
+        record = self._output.checks.get(step)
+        withdrawn = self._withdraw_step(step, names)
+        record = _without_error_bars(record, withdrawn) if record is not None else StepChecks(step).to_dict()
+        record["valid"] = False
+        failure = {"check": check, "reason": reason(withdrawn)}
+        if with_list:
+            failure["withdrawn"] = withdrawn
+        record["failed"] = list(record.get("failed", [])) + [failure]
+        return record
 
     def _withdraw_step(self, step: int, decomposed: set[str]) -> list[str]:
         """Withdraw the values ``step`` stored for the quantities named in ``decomposed``; their names."""
@@ -714,48 +722,35 @@ class Cockpit:
         if _failed_check(record, "closure_evaluations"):
             self._count_pass(step)
             return
-        withdrawn = self._withdraw_step(step, decomposed)
         passes = run.evaluations if counted else (1 if record is None else record.get("backward_passes", 1) + 1)
-        record = _without_error_bars(record, withdrawn) if record is not None else StepChecks(step).to_dict()
         name = type(optimizer).__name__
         seen = "" if learned == step else f" (as it did at step {learned}: this step is not computed)"
-        record["valid"] = False
+        record = self._failed_after_storing(step, decomposed, "closure_evaluations", lambda withdrawn: (
+            f"{name}.step(closure) evaluates its closure (a forward and backward pass) several times per "
+            f"optimizer step{seen}, at parameters it changes in between (LBFGS's iterations and line search): "
+            f"such a step cannot be described by one batch's per-sample gradients at one set of parameters, so "
+            f"step {step} stores no numbers. Use one evaluation per step (LBFGS(max_iter=1) without "
+            "line_search_fn), or enter the cockpit only around the first evaluation of each optimizer step (the "
+            "quantities then describe the gradient where the step starts), or leave the cockpit out for this "
+            "optimizer."
+        ))
         record["backward_passes"] = passes
-        record["failed"] = list(record.get("failed", [])) + [{
-            "check": "closure_evaluations",
-            "reason": (
-                f"{name}.step(closure) evaluates its closure (a forward and backward pass) several times per "
-                f"optimizer step{seen}, at parameters it changes in between (LBFGS's iterations and line search): "
-                f"such a step cannot be described by one batch's per-sample gradients at one set of parameters, so "
-                f"step {step} stores no numbers. Use one evaluation per step (LBFGS(max_iter=1) without "
-                "line_search_fn), or enter the cockpit only around the first evaluation of each optimizer step (the "
-                "quantities then describe the gradient where the step starts), or leave the cockpit out for this "
-                "optimizer."
-            ),
-            "withdrawn": withdrawn,
-        }]
         self._store_checks(step, record)
 
     def _invalidate(self, step: int, decomposed: set[str]) -> None:
         """A finished step turned out to have more backward passes: withdraw its values (they describe the
         first pass, not the optimizer step)."""
         self._run.accumulates = True
-        withdrawn = self._withdraw_step(step, decomposed)
-        record = _without_error_bars(self._output.checks.get(step, {"failed": [], "notes": []}), withdrawn)
-        record["valid"] = False
-        record["backward_passes"] = record.get("backward_passes", 1) + 1
-        record["failed"] = list(record.get("failed", [])) + [{
-            "check": "backward_passes",
-            "reason": (
-                f"step {step} got another backward pass after it was finished as a whole, so its values described "
-                "only the first pass and were withdrawn. The cockpit has learned that this loop "
-                "accumulates: from now on a step ends when info['optimizer'] steps (or the next step begins), and its "
-                "backward passes are merged. Declaring info['micro_batches'] merges them from the first step on. "
-                "If the passes are an optimizer's evaluations of its closure (LBFGS evaluates it up to max_iter "
-                "times per step), pass info['optimizer'] = optimizer: the cockpit then says so."
-            ),
-            "withdrawn": withdrawn,
-        }]
+        passes = self._output.checks.get(step, {}).get("backward_passes", 1) + 1
+        record = self._failed_after_storing(step, decomposed, "backward_passes", lambda withdrawn: (
+            f"step {step} got another backward pass after it was finished as a whole, so its values described "
+            "only the first pass and were withdrawn. The cockpit has learned that this loop "
+            "accumulates: from now on a step ends when info['optimizer'] steps (or the next step begins), and its "
+            "backward passes are merged. Declaring info['micro_batches'] merges them from the first step on. "
+            "If the passes are an optimizer's evaluations of its closure (LBFGS evaluates it up to max_iter "
+            "times per step), pass info['optimizer'] = optimizer: the cockpit then says so."
+        ))
+        record["backward_passes"] = passes
         self._store_checks(step, record)
 
     def _flush(self, at_optimizer_step: bool = False) -> None:

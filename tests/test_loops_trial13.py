@@ -26,6 +26,20 @@ def entropy_rows(out):
     return -(logp.exp() * logp).sum(-1)
 
 
+def dominant(matrix):
+    """The eigenvalue of largest magnitude of a dense symmetric matrix."""
+    eigenvalues = torch.linalg.eigvalsh(matrix)
+    return eigenvalues[eigenvalues.abs().argmax()].item()
+
+
+def track_one_step(cockpit, losses, **backward):
+    """Step 0 of ``cockpit`` around ``losses.mean().backward(**backward)`` (the graph where the step needs it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": len(losses), "individual_losses": losses, "loss": losses.mean()}):
+            losses.mean().backward(create_graph=cockpit.create_graph(0), **backward)
+
+
 def run(form: str, preset: str = "economy", steps: int = 4, dtype=DT):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4)).to(dtype)
@@ -213,13 +227,8 @@ def test_backward_with_inputs_takes_the_curvature_of_the_parameters_it_different
     blocks = torch.autograd.functional.hessian(head_loss, tuple(p.detach() for p in head))
     sizes = [p.numel() for p in head]
     dense = torch.cat([torch.cat([blocks[i][j].reshape(sizes[i], sizes[j]) for j in range(2)], 1) for i in range(2)])
-    eigenvalues = torch.linalg.eigvalsh(dense)
-    top = eigenvalues[eigenvalues.abs().argmax()].item()
-    losses = F.cross_entropy(model(x), y, reduction="none")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with cockpit(0, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(inputs=head, create_graph=cockpit.create_graph(0))
+    top = dominant(dense)
+    track_one_step(cockpit, F.cross_entropy(model(x), y, reduction="none"), inputs=head)
     out = cockpit.get_output()[0]
     assert not any("not symmetric" in n for n in cockpit.checks[0]["notes"])
     assert out["HessMaxEV"] == pytest.approx(top, rel=1e-2)
@@ -251,14 +260,8 @@ def test_parameters_of_two_dtypes_get_their_curvature():
         return F.cross_entropy(torch.tanh(x @ w1.T + b1) @ w2.T + b2, y)
 
     dense = torch.autograd.functional.hessian(loss_of, torch.cat([p.detach().double().reshape(-1) for p in params]))
-    eigenvalues = torch.linalg.eigvalsh(dense)
-    top = eigenvalues[eigenvalues.abs().argmax()].item()
-    losses = F.cross_entropy(model(x), y, reduction="none")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with cockpit(0, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward(create_graph=cockpit.create_graph(0))
-    assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(top, rel=1e-2)
+    track_one_step(cockpit, F.cross_entropy(model(x), y, reduction="none"))
+    assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(dominant(dense), rel=1e-2)
 
     from cockpit_like.quantities import PreconditionedGradNorm
 
@@ -332,11 +335,7 @@ def test_the_legacy_weight_norm_is_named_with_its_replacement():
         model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(6, 10)), nn.Tanh(), nn.Linear(10, 4)).to(DT)
     cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
     x, y = torch.randn(8, 6, dtype=DT), torch.randint(0, 4, (8,))
-    losses = F.cross_entropy(model(x), y, reduction="none")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward()
+    track_one_step(cockpit, F.cross_entropy(model(x), y, reduction="none"))
     reason = {f["check"]: f["reason"] for f in cockpit.checks[0]["failed"]}["gradient"]
     assert "legacy torch.nn.utils.weight_norm" in reason and "parametrizations.weight_norm" in reason
 
