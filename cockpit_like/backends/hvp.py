@@ -121,6 +121,14 @@ def curvature_params(params: list[torch.Tensor]) -> list[int]:
     return [i for i, p in enumerate(params) if p.requires_grad]
 
 
+def _no_gradient(grad: torch.Tensor | None) -> bool:
+    """Whether a parameter got no gradient at the step: ``p.grad`` None, or zero everywhere (a stand-in)."""
+    if grad is None:
+        return True
+    values = grad.coalesce().values() if grad.is_sparse else grad
+    return not bool(values.detach().any())
+
+
 def operator_dtype(params: list[torch.Tensor]) -> torch.dtype:
     """The dtype of the operator's vectors: the widest of the trainable parameters' (a bfloat16 body with a float32
     head: float32; each product runs in its parameter's dtype and comes back in this one)."""
@@ -174,11 +182,15 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
         )
     inputs = [params[i] for i in trainable]
     sizes = [p.numel() for p in inputs]
-    # differentiated with respect to the parameters whose gradient has a graph only: one whose p.grad has none
-    # (a backward pass with inputs= that left it out, a gradient set by hand) gets zeros, as a frozen one, so the
-    # operator stays symmetric; where its gradient is constant (linear in it) its rows are zero anyway (outside
-    # trial 13: loss.backward(inputs=head) made the products asymmetric and HessTrace's head block half its value)
-    differentiated = [inputs[k] for k in live]
+    # a parameter that got no gradient at all from the step (p.grad None or zero: left out of the backward pass by
+    # inputs=, or unused) is held fixed: its rows are zero, and the products are not differentiated with respect
+    # to it, so the operator stays symmetric (outside trial 13: loss.backward(inputs=head) made the products
+    # asymmetric and HessTrace's head block half its value). One with a gradient but no graph (a reentrant
+    # activation checkpoint detaches it) is differentiated as before: PyTorch then refuses with the cause, where
+    # leaving it out would give another operator silently (outside trial 14: HessMaxEV 1.77 for 5.18)
+    gradless = {k for k, i in enumerate(trainable) if k not in set(live) and _no_gradient(grads[i])}
+    differentiated = [p for k, p in enumerate(inputs) if k not in gradless]
+    positions = [k for k in range(len(inputs)) if k not in gradless]
 
     def matvec(vector: torch.Tensor) -> torch.Tensor:
         pieces = vector.split(sizes)
@@ -196,7 +208,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                         allow_unused=True,
                     )
                 products = [None] * len(inputs)
-                for k, hv in zip(live, found):
+                for k, hv in zip(positions, found):
                     products[k] = hv
             except RuntimeError as error:
                 limit = graph_limit(error)
