@@ -33,6 +33,8 @@ INFO_KEYS = {
     "indices, or a list of ints or strings); concatenated over micro-batches and ranks like individual_losses",
     "micro_batches": "int, the number of backward passes (micro-batches) of this optimizer step "
     "(gradient accumulation, docs/your_training_loop.md; default 1)",
+    "backward_passes": "int, the backward calls inside one cockpit block (two losses backpropagated one after "
+    "the other with retain_graph=True: 2); their rows are summed from the first step on (default 1)",
     "grad_scaler": "the torch.amp.GradScaler whose scaled loss is backpropagated (mixed precision)",
     "loss_scale": "a constant factor on the backpropagated loss besides the division by micro_batches (default 1)",
     "outputs": "the tensor the cross-entropy loss is computed from (logits, classes in the last "

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from cockpit_like import context
-from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale
+from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale, passes_in_block_of
 from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.backends.user_state import guard_module_hooks
@@ -325,6 +325,8 @@ class TrackedStep:
                 )
         scale = env.run.partitions.scale if self.active else 1.0
         self._output_reference = None  # (made by the row check, where it runs)
+        if self.active and passes_in_block_of(self.info, step) > 1:  # declared: the rows summed from this step on
+            env.run.multi_pass = True
         try:
             self._execution = StepExecution(
                 step,

@@ -470,6 +470,19 @@ def micro_batches_of(info: dict, step: int) -> int:
     return count
 
 
+def passes_in_block_of(info: dict, step: int) -> int:
+    """``info["backward_passes"]`` (default 1): the backward calls inside one cockpit block (several losses
+    backpropagated one after the other with ``retain_graph=True``), declared so that their rows are summed from
+    the first step on, not learned at the first such step (which then stores nothing)."""
+    count = info.get("backward_passes", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(
+            f"cockpit step {step}: info['backward_passes'] must be a positive int (the backward calls inside this "
+            f"block, such as l1.backward(retain_graph=True); l2.backward() for 2), got {count!r}"
+        )
+    return count
+
+
 def grad_scale(info: dict, step: int) -> float:
     """The scale of ``info["grad_scaler"]`` (a ``torch.amp.GradScaler``), or 1 without one (or disabled)."""
     scaler = info.get("grad_scaler")
