@@ -511,16 +511,6 @@ class TrackedStep:
                 "could not be seen and the declared factor was used. Pass the loss tensor you call "
                 "backward() on as info['loss'] (or individual_losses with their graph)."
             )
-        elif factor is not None and _undeclared_factor(factor.factor, partitions.checks.assumed):
-            seen, assumed = factor.factor, partitions.checks.assumed
-            partitions.checks.note(
-                f"the tensor backpropagated is {seen:.6g} x info['loss'], where the declarations say {assumed:.6g} "
-                "(an undeclared GradScaler, a loss divided by a number of micro-batches not declared, a "
-                "sum-reduced loss with info['loss'] its mean): p.grad is that factor times the gradient of "
-                "info['loss'], and the quantities describe info['loss'] (GradNorm is ||p.grad|| / "
-                f"{seen:.6g}; the per-sample rows and the curvature are divided alike). Declare the factor "
-                "(info['grad_scaler'], info['micro_batches'] or info['loss_scale']) where it is intended."
-            )
         if roots is not None:
             used = partition.factor if partition.factor is not None else partitions.checks.assumed
             why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
@@ -986,6 +976,15 @@ class TrackedStep:
         factors = [p.factor for p in partitions.partitions]
         if all(f is not None for f in factors):
             scale = partitions.gradient_scale()
+            if scale is not None and _undeclared_factor(scale, partitions.scale):
+                checks.note(
+                    f"the gradients are {scale:.6g} x those of the step's mean loss (info['loss'], over the step's "
+                    f"micro-batches), where the declarations say {partitions.scale:.6g} (an undeclared GradScaler, a "
+                    "sum-reduced loss with info['loss'] its mean, a loss multiplied by hand): the quantities describe "
+                    f"the mean loss (GradNorm is ||p.grad|| / {scale:.6g}; the per-sample rows and the curvature are "
+                    "divided alike). Declare the factor (info['grad_scaler'] or info['loss_scale']) where it is "
+                    "intended."
+                )
             if scale is None:
                 rows = [p.rows for p in partitions.partitions]
                 checks.fail("loss_factor", f"the backward passes of step {self.step} propagated their losses with "

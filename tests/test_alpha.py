@@ -170,7 +170,7 @@ def test_a_loss_factor_is_learned_once_then_alpha_is_exact(optimizer):
     notes = notes_of(cockpit)
     assert len([step for step, said in notes.items() if any("Alpha of step" in n for n in said)]) == 4 - len(out)
     # the undeclared factor is said at every step (GradNorm and the rows describe info["loss"], not p.grad)
-    assert sorted(notes) == list(range(5)) and all(any("is 3 x info['loss']" in n for n in notes[s]) for s in notes)
+    assert sorted(notes) == list(range(5)) and all(any("are 3 x those of the step's mean loss" in n for n in notes[s]) for s in notes)
 
 
 def test_the_predicted_update_is_freed_at_the_optimizer_step():
