@@ -459,28 +459,26 @@ def _merged_info(info: dict, reduction: Reduction) -> Callable[[], dict]:
     return finish
 
 
+def _count_of(info: dict, key: str, step: int, meaning: str) -> int:
+    """``info[key]`` (default 1) as a positive int, or a ValueError that says what it counts (``meaning``)."""
+    count = info.get(key, 1)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"cockpit step {step}: info[{key!r}] must be a positive int ({meaning}), got {count!r}")
+    return count
+
+
 def micro_batches_of(info: dict, step: int) -> int:
     """``info["micro_batches"]`` (default 1): the number of backward passes of this optimizer step."""
-    count = info.get("micro_batches", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(
-            f"cockpit step {step}: info['micro_batches'] must be a positive int (the number of micro-batches "
-            f"whose backward passes make this optimizer step), got {count!r}"
-        )
-    return count
+    return _count_of(info, "micro_batches", step,
+                     "the number of micro-batches whose backward passes make this optimizer step")
 
 
 def passes_in_block_of(info: dict, step: int) -> int:
     """``info["backward_passes"]`` (default 1): the backward calls inside one cockpit block (several losses
     backpropagated one after the other with ``retain_graph=True``), declared so that their rows are summed from
     the first step on, not learned at the first such step (which then stores nothing)."""
-    count = info.get("backward_passes", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(
-            f"cockpit step {step}: info['backward_passes'] must be a positive int (the backward calls inside this "
-            f"block, such as l1.backward(retain_graph=True); l2.backward() for 2), got {count!r}"
-        )
-    return count
+    return _count_of(info, "backward_passes", step,
+                     "the backward calls inside this block, such as l1.backward(retain_graph=True); l2.backward() for 2")
 
 
 def grad_scale(info: dict, step: int) -> float:
