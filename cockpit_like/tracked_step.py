@@ -1133,8 +1133,9 @@ def _output_mismatch(reference, factor: float | None) -> str | None:
 
 
 def _undeclared_factor(seen: float | None, assumed: float) -> bool:
-    """Whether the loss factor seen at ``info["loss"]`` is not the declared one beyond rounding (it is read from
-    gradients, in the loss's dtype: a relative 1e-3 holds half precision)."""
+    """Whether the factor seen between the step's gradient and its mean-loss gradient (from the factors seen at
+    ``info["loss"]``, :meth:`StepPartitions.gradient_scale`) is not the declared one beyond rounding (they are read
+    from gradients, in the loss's dtype: a relative 1e-3 holds half precision)."""
     return seen is not None and abs(seen - assumed) > 1e-3 * max(abs(assumed), abs(seen))
 
 
