@@ -48,7 +48,10 @@ Per-sample losses (:func:`individual_losses`), from ``outputs.logits`` and
 - logits ``[B, T, V]`` (causal LM): the next-token losses of each row summed
   over its counted tokens (labels shifted by one, ``-100`` ignored) and scaled
   by ``B / N`` with ``N`` the counted tokens of the batch, as the ``Trainer``
-  counts them (``num_items_in_batch``).
+  counts them (``num_items_in_batch``); or with the labels as they are (a
+  seq2seq decoder), whichever matches the loss;
+- with ``label_smoothing_factor`` (the ``Trainer``'s ``LabelSmoother``): the
+  same with ``F.cross_entropy(..., label_smoothing=e)`` per token.
 
 A model may accept ``num_items_in_batch`` and ignore it: where the rule with
 it does not match the loss, the rule over the micro-batch's own count is
@@ -102,8 +105,14 @@ __all__ = ["CockpitCallback", "CockpitTrainer", "CockpitTrainerMixin", "individu
 STATE_FILE = "cockpit_state.pt"
 
 
-def individual_losses(outputs: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-    """One loss per row of the batch whose mean is the ``Trainer``'s loss (see the module docstring)."""
+def individual_losses(outputs: Any, inputs: dict[str, Any], num_items_in_batch: Any = None, smoothing: float = 0.0,
+                      shift: bool = True) -> torch.Tensor:
+    """One loss per row of the batch whose mean is the ``Trainer``'s loss (see the module docstring).
+
+    ``smoothing``: the ``Trainer``'s ``label_smoothing_factor`` (its ``LabelSmoother``: ``(1 - e)`` times the
+    token's negative log-likelihood plus ``e`` times the mean over the classes of ``-log p``, which is
+    ``F.cross_entropy(..., label_smoothing=e)``). ``shift``: for logits ``[B, T, V]``, whether the labels are the
+    next tokens (a causal LM), else aligned with the logits (a seq2seq decoder, token classification)."""
     logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else getattr(outputs, "logits", None)
     labels = inputs.get("labels")
     if logits is None or labels is None:
@@ -116,13 +125,14 @@ def individual_losses(outputs: Any, inputs: dict[str, Any], num_items_in_batch: 
             return F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(1)
         if logits.shape[1] == 1:
             return (logits.squeeze(1) - labels.to(logits.dtype)) ** 2
-        per_row = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+        per_row = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none", label_smoothing=smoothing)
         count = num_items_in_batch if num_items_in_batch is not None else (labels != -100).sum()
         count = torch.as_tensor(count, dtype=per_row.dtype, device=per_row.device)
         return per_row * (labels.shape[0] / count)
     if logits.dim() == 3 and labels.dim() == 2:
-        shifted = labels[:, 1:]
-        per_token = F.cross_entropy(logits[:, :-1].transpose(1, 2), shifted, ignore_index=-100, reduction="none")
+        shifted, logits = (labels[:, 1:], logits[:, :-1]) if shift else (labels, logits)
+        per_token = F.cross_entropy(logits.transpose(1, 2), shifted, ignore_index=-100, reduction="none",
+                                    label_smoothing=smoothing)
         count = num_items_in_batch if num_items_in_batch is not None else (shifted != -100).sum()
         count = torch.as_tensor(count, dtype=per_token.dtype, device=per_token.device)
         return per_token.sum(1) * (labels.shape[0] / count)
@@ -272,7 +282,10 @@ class CockpitTrainerMixin:
         # the backward passes of this optimizer step: gradient_accumulation_steps, fewer in an epoch's last step
         micro_batches = int(getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps))
         divides = self._cockpit_trainer_divides(num_items_in_batch)
-        losses, over_step = self._cockpit_individual_losses(callback, outputs, seen, loss, num_items_in_batch, divides)
+        smoother = getattr(self, "label_smoother", None)
+        smoothing = float(getattr(smoother, "epsilon", 0.0)) if getattr(self, "compute_loss_func", None) is None else 0.0
+        losses, over_step = self._cockpit_individual_losses(callback, outputs, seen, loss, num_items_in_batch, divides,
+                                                            smoothing)
         info_loss = loss
         if micro_batches > 1:
             if not divides and not over_step:
@@ -321,19 +334,22 @@ class CockpitTrainerMixin:
 
     @staticmethod
     def _cockpit_individual_losses(callback: Any, outputs: Any, inputs: dict, loss: torch.Tensor,
-                                   num_items_in_batch: Any, divides: bool) -> tuple[torch.Tensor, bool]:
+                                   num_items_in_batch: Any, divides: bool,
+                                   smoothing: float = 0.0) -> tuple[torch.Tensor, bool]:
         """Per-sample losses whose mean is ``loss``, and whether ``loss`` is normalised over the whole
         optimizer step (``num_items_in_batch``) rather than over this micro-batch.
 
         The built-in rules try the step's count first, then the micro-batch's own (a model that accepts
-        ``num_items_in_batch`` need not use it); ``individual_losses=fn`` follows the Trainer's convention.
+        ``num_items_in_batch`` need not use it), each with the labels as next tokens (a causal LM) and then as
+        they are (a seq2seq decoder), with the ``Trainer``'s label smoothing (``smoothing``);
+        ``individual_losses=fn`` follows the Trainer's convention.
         """
         if callback.individual_losses is not None:
             rules = [(lambda: callback.individual_losses(outputs, inputs), not divides)]
         else:
-            rules = [(lambda: individual_losses(outputs, inputs, num_items_in_batch), num_items_in_batch is not None)]
-            if num_items_in_batch is not None:
-                rules.append((lambda: individual_losses(outputs, inputs), False))
+            counts = [num_items_in_batch, None] if num_items_in_batch is not None else [None]
+            rules = [(functools.partial(individual_losses, outputs, inputs, count, smoothing, shift), count is not None)
+                     for count in counts for shift in (True, False)]
         first = None
         for rule, over_step in rules:
             losses = rule()
