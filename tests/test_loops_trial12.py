@@ -105,20 +105,31 @@ def test_the_inner_optimizer_declared_gets_the_check_at_its_step():
         assert any("changed between the backward pass" in n for n in output[step]["checks"]["notes"]), step
 
 
-def test_an_optimizer_that_steps_keeps_update_and_distance():
-    """No false alarm: a plain loop with the declared optimizer stepping stores both."""
+def mlp_sgd_cockpit():
+    """The small MLP of these tests (seed 0), plain SGD and an economy cockpit."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    return model, optimizer, Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+
+
+def tracked_pass(cockpit, model, optimizer, step, batch=None):
+    """``batch`` (a fresh one of 12 rows where None) through ``model``, its backward pass in ``cockpit``'s block of
+    ``step``; the batch."""
+    x, y = batch if batch is not None else (torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,)))
+    optimizer.zero_grad()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+        losses.mean().backward()
+    return x, y
+
+
+def test_an_optimizer_that_steps_keeps_update_and_distance():
+    """No false alarm: a plain loop with the declared optimizer stepping stores both."""
+    model, optimizer, cockpit = mlp_sgd_cockpit()
     before = {}
     for step in range(3):
-        x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
-        optimizer.zero_grad()
-        losses = F.cross_entropy(model(x), y, reduction="none")
-        with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
-                                 "optimizer": optimizer}):
-            losses.mean().backward()
+        tracked_pass(cockpit, model, optimizer, step)
         before[step] = [p.detach().clone() for p in model.parameters()]
         optimizer.step()
     output = cockpit.get_output()
@@ -132,30 +143,18 @@ def test_sam_passes_in_two_blocks_of_one_step_keep_no_gradient_norm_or_loss():
     """Both of SAM's backward passes inside blocks of the same step, ``p.grad`` zeroed between them: the step
     fails its checks, and nothing is kept (before: GradNorm was half of ``||p.grad||``, Loss the mean of the
     losses at the two points, on steps 1-3)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DT)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
+    model, optimizer, cockpit = mlp_sgd_cockpit()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in range(4):
-            x, y = torch.randn(12, 6, dtype=DT), torch.randint(0, 4, (12,))
-            optimizer.zero_grad()
-            losses = F.cross_entropy(model(x), y, reduction="none")
-            with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
-                                     "optimizer": optimizer}):
-                losses.mean().backward()
+            x, y = tracked_pass(cockpit, model, optimizer, step)
             norm = torch.norm(torch.stack([p.grad.norm() for p in model.parameters()]))
             shifts = []
             with torch.no_grad():
                 for p in model.parameters():
                     shifts.append(0.05 * p.grad / norm)
                     p.add_(shifts[-1])
-            optimizer.zero_grad()
-            losses = F.cross_entropy(model(x), y, reduction="none")
-            with cockpit(step, info={"batch_size": 12, "individual_losses": losses, "loss": losses.mean(),
-                                     "optimizer": optimizer}):
-                losses.mean().backward()
+            tracked_pass(cockpit, model, optimizer, step, (x, y))
             with torch.no_grad():
                 for p, shift in zip(model.parameters(), shifts):
                     p.sub_(shift)

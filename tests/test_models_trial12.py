@@ -91,20 +91,6 @@ class TimeMajorByMistake(nn.Module):
         return self.head(self.layer(x).mean(1))
 
 
-def test_an_attention_layer_fed_batch_first_without_batch_first_is_named():
-    """The step is refused (right), and the error now names the likely cause (before: with a layer in front, a
-    re-run error that blamed a key/value cache, random numbers or a statistic over the batch; without one, a
-    raw RuntimeError from adding rows of 5 and 6 samples)."""
-    torch.manual_seed(0)
-    model = TimeMajorByMistake().to(DT)
-    cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
-    x, y = torch.randn(B, 5, 8, dtype=DT), torch.randint(0, K, (B,))
-    losses = F.cross_entropy(model(x), y, reduction="none")
-    with pytest.raises(UncoveredParameterError, match="batch_first=False"):
-        with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward()
-
-
 class EmbeddedTimeMajorByMistake(TimeMajorByMistake):
     def __init__(self):
         super().__init__()
@@ -114,11 +100,15 @@ class EmbeddedTimeMajorByMistake(TimeMajorByMistake):
         return super().forward(self.inp(x))
 
 
-def test_the_same_mistake_behind_a_layer_is_named_by_the_rerun():
+@pytest.mark.parametrize("model_class, width", [(TimeMajorByMistake, 8), (EmbeddedTimeMajorByMistake, 3)])
+def test_an_attention_layer_fed_batch_first_without_batch_first_is_named(model_class, width):
+    """The step is refused (right), and the error now names the likely cause (before: with a layer in front, a
+    re-run error that blamed a key/value cache, random numbers or a statistic over the batch; without one, a
+    raw RuntimeError from adding rows of 5 and 6 samples)."""
     torch.manual_seed(0)
-    model = EmbeddedTimeMajorByMistake().to(DT)
+    model = model_class().to(DT)
     cockpit = Cockpit(list(model.parameters()), quantities=configuration("economy"), model=model)
-    x, y = torch.randn(B, 5, 3, dtype=DT), torch.randint(0, K, (B,))
+    x, y = torch.randn(B, 5, width, dtype=DT), torch.randint(0, K, (B,))
     losses = F.cross_entropy(model(x), y, reduction="none")
     with pytest.raises(UncoveredParameterError, match="batch_first=False"):
         with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):

@@ -587,14 +587,15 @@ _INDEX_HINT = (
 )
 
 
+def _submodules_where(module: nn.Module, chosen, describe=lambda child: type(child).__name__) -> list[str]:
+    """``"name (what)"`` of the modules in ``module`` (itself included) that ``chosen`` picks."""
+    return [f"{name or 'itself'} ({describe(child)})" for name, child in module.named_modules() if chosen(child)]
+
+
 def _layout_hint(module: nn.Module) -> str:
     """A sentence naming attention layers of ``module`` that read dimension 1 as the batch, or ``""``."""
-    found = [
-        f"{name or 'itself'} ({type(child).__name__})"
-        for name, child in module.named_modules()
-        if isinstance(child, (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
-        and not getattr(child, "batch_first", True)
-    ]
+    attention = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+    found = _submodules_where(module, lambda child: isinstance(child, attention) and not getattr(child, "batch_first", True))
     if not found:
         return ""
     return (
@@ -608,11 +609,8 @@ def _parametrization_hint(module: nn.Module) -> str:
     """A sentence naming ``module``'s parametrizations, the likely cause of a re-run that differs, or ``""``."""
     from torch.nn.utils.parametrize import ParametrizationList
 
-    found = [
-        f"{name or 'itself'} ({', '.join(type(p).__name__ for p in child)})"
-        for name, child in module.named_modules()
-        if isinstance(child, ParametrizationList)
-    ]
+    found = _submodules_where(module, lambda child: isinstance(child, ParametrizationList),
+                              lambda child: ", ".join(type(p).__name__ for p in child))
     if not found:
         return ""
     stateful = " with state (buffers: " + ", ".join(
