@@ -188,9 +188,9 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
     # asymmetric and HessTrace's head block half its value). One with a gradient but no graph (a reentrant
     # activation checkpoint detaches it) is differentiated as before: PyTorch then refuses with the cause, where
     # leaving it out would give another operator silently (outside trial 14: HessMaxEV 1.77 for 5.18)
-    gradless = {k for k, i in enumerate(trainable) if k not in set(live) and _no_gradient(grads[i])}
-    differentiated = [p for k, p in enumerate(inputs) if k not in gradless]
-    positions = [k for k in range(len(inputs)) if k not in gradless]
+    with_graph = set(live)
+    positions = [k for k, i in enumerate(trainable) if k in with_graph or not _no_gradient(grads[i])]
+    differentiated = [inputs[k] for k in positions]
 
     def matvec(vector: torch.Tensor) -> torch.Tensor:
         pieces = vector.split(sizes)
