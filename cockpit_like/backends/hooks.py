@@ -160,11 +160,12 @@ def coupling_reason(module: nn.Module) -> str | None:
 
 def _observing_fake_quant(module: nn.Module) -> str | None:
     """The names of the fake-quantize modules (``torch.ao.quantization.FakeQuantize``: ``observer_enabled`` and
-    ``fake_quant_enabled`` buffers) in ``module`` or below it that observe in training mode
-    (a weight's observer, ``weight_fake_quant``, sees the weight only; others are named whatever they see);
-    ``None`` if there is none."""
+    ``fake_quant_enabled`` buffers) that are ``module`` or its children and observe in training mode (a weight's
+    observer, ``weight_fake_quant``, sees the weight only; others are named whatever they see); ``None`` if there
+    is none. Children only, not the whole subtree: this runs for every call of a tracked step, and a deeper
+    observer's own parent is a call too (a QAT layer holds its ``activation_post_process``)."""
     found = []
-    for name, child in module.named_modules():
+    for name, child in [("", module), *module.named_children()]:
         enabled = getattr(child, "observer_enabled", None)
         if not (isinstance(enabled, torch.Tensor) and hasattr(child, "fake_quant_enabled")):
             continue
