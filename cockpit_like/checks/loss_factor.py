@@ -61,7 +61,7 @@ class OutputReference:
 
     def __init__(self, seed: int, batch: int):
         self.seed, self.batch = int(seed), int(batch)
-        self._kept: dict[tuple, tuple[torch.Tensor, float]] = {}
+        self._kept: dict[tuple, tuple[torch.Tensor, float]] = {}  # (projections, norm) per output
         #: the user's gradient at one output, projected alike: ``[projections, norm, dtype]``, summed over the
         #: block's backward passes (the norm only where there was one)
         self.seen: list | None = None
@@ -73,23 +73,26 @@ class OutputReference:
             for output, gradient in pairs:
                 key = _key(output)
                 if key is not None and gradient.dim() > 0 and gradient.dtype.is_floating_point:
-                    self._kept[key] = (self._project(gradient), float(gradient.double().norm()))
+                    self._kept[key] = self._project(gradient)
 
     #: entries per piece of the directions (made piece by piece, the same way for both gradients: a language
     #: model's logits, [8, 256, 50257] for GPT-2 small, would otherwise take another 411 MB twice)
     PIECE = 1 << 20
 
-    def _project(self, gradient: torch.Tensor) -> torch.Tensor:
+    def _project(self, gradient: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The projections and the float64 norm of ``gradient``, a piece at a time (no float64 copy of it)."""
         generator = torch.Generator(device=gradient.device).manual_seed(self.seed)
         flat = gradient.reshape(-1)
         width = max(flat.numel() // max(gradient.shape[0], 1), 1)
         projections = torch.zeros(gradient.shape[0], dtype=torch.float64, device=gradient.device)
+        squares = torch.zeros((), dtype=torch.float64, device=gradient.device)
         for start in range(0, flat.numel(), self.PIECE):
             piece = flat[start:start + self.PIECE]
             directions = torch.randn(piece.shape, generator=generator, device=piece.device, dtype=piece.dtype)
             rows = torch.arange(start, start + piece.numel(), device=piece.device) // width
             projections.index_add_(0, rows, (piece * directions).to(torch.float64))
-        return projections
+            squares += piece.to(torch.float64).square().sum()
+        return projections, float(squares.sqrt())
 
     def wants(self, node, output_nr: int) -> bool:
         key = (node, int(output_nr))
@@ -99,9 +102,9 @@ class OutputReference:
         """A backward pass of the user's brought ``gradient`` to the output ``(node, output_nr)``."""
         with cockpit_work():
             gradient = gradient.detach()
-            projections = self._project(gradient)
+            projections, norm = self._project(gradient)
             if self.seen is None:
-                self.seen = [projections, float(gradient.double().norm()), gradient.dtype]
+                self.seen = [projections, norm, gradient.dtype]
                 self._seen_key = (node, int(output_nr))
             else:  # another pass in the block (retain_graph): the gradients add up
                 self.seen[0] = self.seen[0] + projections
