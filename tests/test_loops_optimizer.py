@@ -390,6 +390,41 @@ def test_a_nan_step_gets_a_note_that_says_so_and_no_false_change_note(clip):
     assert {"Distance", "UpdateSize"} <= set(output[1]) and "Distance" in output[2]
 
 
+def test_one_factor_is_read_at_the_scale_of_each_projections_rounding():
+    """Clipping by the norm of float32 gradients whose projection the probe drew near 0: the projection holds the
+    rounding of terms of the gradient's size, so it moved by 1e-4 of itself under one factor, and outside
+    trial 14 saw "not by one factor" on 11 of 36 GPT runs that only called ``clip_grad_norm_``. The factor is read
+    where it is precise and each projection compared at the scale of its rounding; a change of 1e-4 of the
+    gradient's size is still a change."""
+    from cockpit_like.checks.probe import probe_directions
+    from cockpit_like.tracked_step import _fingerprint, _probe_seed, gradient_factor
+
+    torch.manual_seed(0)
+    params = [torch.randn(64, 256), torch.randn(64, 64), torch.randn(256)]
+    for index, p in enumerate(params):
+        grad = torch.randn(p.shape, dtype=torch.float64)
+        directions = probe_directions(_probe_seed(0) + 1, index, p.shape, p.device)
+        if index == 0:  # drawn (almost) at right angles to its direction: its projection is rounding
+            u, v = directions
+            grad -= (u @ grad @ v) / (u @ u * (v @ v)) * torch.outer(u, v)
+        p.grad = grad.float()
+    before = _fingerprint(params, 0)
+    assert abs(before[0]) < 1e-4 * before.spreads[0]  # the case: a projection far below its spread
+    for factor in (0.16208479, 0.0017491, 3.0):
+        for p in params:
+            p.grad.mul_(factor)
+        found = gradient_factor(before, _fingerprint(params, 0))
+        assert found == pytest.approx(factor, rel=1e-6)
+        for p in params:
+            p.grad.div_(factor)
+        before = _fingerprint(params, 0)
+    for index in range(3):  # a change of 1e-4 of one gradient's size, in any of them, is no factor
+        saved = params[index].grad
+        params[index].grad = saved + 1e-4 * saved.norm() / saved.numel() ** 0.5 * torch.randn(saved.shape)
+        assert gradient_factor(before, _fingerprint(params, 0)) is None
+        params[index].grad = saved
+
+
 def test_prints_take_nan_at_the_same_places_as_unchanged_and_see_real_changes():
     """The comparisons behind the notes, on tensors with NaN and infinite entries: the same ones are unchanged (a
     factor scales the finite entries only); a NaN that moved, appeared or went, or a changed finite entry, is a

@@ -77,9 +77,14 @@ def _draw(seed: int, index: int, shape: torch.Size, device) -> tuple[torch.Tenso
     return (torch.randn(max(shape.numel(), 1), generator=generator, dtype=torch.float64, device="cpu").to(device),)
 
 
-def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...], spread: bool = False):
     """``<tensor, u v^T>`` (or ``<tensor, r>``) as a float64 scalar; ``tensor`` is shaped like the parameter
-    and read in its own dtype (float32 or better: matrix-vector products, no copy of it)."""
+    and read in its own dtype (float32 or better: matrix-vector products, no copy of it).
+
+    ``spread=True``: ``(projection, spread)``, where ``spread`` is the projection's standard deviation over the
+    first direction given the others (``||tensor v||``, or ``||tensor||`` for one direction), from the same
+    product: the scale of its rounding error. A projection drawn near 0 carries the rounding of terms of that
+    size, so a relative comparison of two projections must be made against it, not against the projection."""
     flat = tensor.detach()
     if flat.is_sparse:  # an embedding's sparse gradient (``sparse=True``)
         flat = flat.to_dense()
@@ -88,12 +93,16 @@ def project(tensor: torch.Tensor, directions: tuple[torch.Tensor, ...]) -> torch
     if directions[0].dtype != flat.dtype:
         directions = tuple(d.to(flat.dtype) for d in directions)
     if flat.numel() == 0:  # a parameter with no entries (an adapter of rank 0): nothing to project
-        return torch.zeros((), dtype=torch.float64, device=flat.device)
+        zero = torch.zeros((), dtype=torch.float64, device=flat.device)
+        return (zero, zero) if spread else zero
     if len(directions) == 2:
         u, v = directions
-        return (u @ (flat.reshape(u.shape[0], -1) @ v)).to(torch.float64)
+        inner = flat.reshape(u.shape[0], -1) @ v
+        value = (u @ inner).to(torch.float64)
+        return (value, torch.linalg.vector_norm(inner).to(torch.float64)) if spread else value
     (r,) = directions
-    return (flat.reshape(-1) @ r).to(torch.float64)
+    value = (flat.reshape(-1) @ r).to(torch.float64)
+    return (value, torch.linalg.vector_norm(flat).to(torch.float64)) if spread else value
 
 
 def project_all(seed: int, items: list[tuple[int, torch.Tensor]]) -> list[float]:
