@@ -499,6 +499,38 @@ def test_bf16_autocast_with_adamw_stores_alpha_from_the_first_step():
     assert not [n for s in (0, 1) for n in cockpit.checks.get(s, {}).get("notes", []) if "Alpha" in n]
 
 
+def test_bf16_autocast_with_adamw_names_the_half_precision_rows_where_alpha_of_a_step_is_lost():
+    """Where the rows' rounding moves Adam's first update beyond that tolerance (outside trial 14: 4 of 28 bf16
+    autocast runs with AdamW, a LayerNorm MLP, gap 0.11), Alpha of that step is still not stored, but the start step
+    finds it with a look-ahead on p.grad and says why (the rows in half precision, not clipping or a loss factor the
+    loop does not have), and Alpha waits for the optimizer from then on: every later step stores it."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    lost, wrong = [], []
+    for batch, seed in [(b, s) for b in (7, 64) for s in range(8)]:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(12, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 5))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+        generator = torch.Generator().manual_seed(seed + 1)
+        for step in range(3):
+            optimizer.zero_grad()
+            x, y = torch.randn(batch, 12, generator=generator), torch.randint(0, 5, (batch,), generator=generator)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                rows = F.cross_entropy(model(x), y, reduction="none")
+            with cockpit(step, info={"batch_size": batch, "individual_losses": rows, "loss": rows.mean(), "optimizer": optimizer}):
+                rows.mean().backward()
+            optimizer.step()
+        output, notes = cockpit.get_output(), [n for c in cockpit.checks.values() for n in c["notes"] if "Alpha" in n]
+        assert cockpit.invalid_steps == {} and "Alpha" in output[1]
+        if "Alpha" not in output[0]:
+            lost.append((batch, seed))
+            wrong += [n for n in notes if "came in half precision" not in n]
+    assert not wrong, wrong  # before: "The gradients changed before the optimizer's step (clipping or a loss factor ..."
+    assert len(lost) <= 4, lost  # 2 of these 16 on the machines of 2026-11
+
+
 def test_a_conv1d_under_bf16_autocast_gets_its_rows():
     """Conv1d's hook rule got the recorded float32 input and a bfloat16 output gradient under autocast and raised
     'expected scalar type Float but found BFloat16' inside the backward pass (found outside the tests: a text CNN);

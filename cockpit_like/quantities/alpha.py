@@ -182,6 +182,13 @@ class Alpha(TwoStepQuantity):
             return
         if result["mode"] == "predicted":
             grad_sum, predicted, slopes = self._predicted_slopes(global_step, record, params, result, batch_size)
+            if prediction == "backward" and record.rows_tolerance > tolerance_for(torch.float32):
+                off = self._half_rows_off(global_step, record, params, predicted)
+                if off is not None:  # known now, and why: the end step would find the update off the prediction
+                    if off:
+                        record.note(off)
+                    self._waits = True
+                    return
         else:
             retained = result["retained"]
             try:
@@ -328,6 +335,35 @@ class Alpha(TwoStepQuantity):
         norm = _norm(predicted)
         slopes = torch.zeros_like(dots) if norm == 0 else batch_size * dots / norm
         return grad_sum, predicted, slopes
+
+    def _half_rows_off(self, global_step, record, params, predicted) -> str | None:
+        """Per-sample rows in half precision (autocast): their sum may be 5e-2 away from ``p.grad`` (the gradient
+        check allows it), and an optimizer whose update is not a multiple of the gradient can turn that into
+        another direction (Adam's first steps follow the sign of each entry: rounding flips the small ones; outside
+        trial 14, bf16 autocast with AdamW, 4 of 28 runs). The look-ahead on ``p.grad`` tells it at the start step:
+        the note where the two directions differ by more than the end step allows ("" where the look-ahead itself
+        wrote its note), None where they agree."""
+        from_grad = self._predict_update(global_step, record, params, None)
+        if from_grad is _NOT_VALID:
+            return ""
+        if from_grad is None:
+            return None
+        norm = _norm(from_grad)
+        if norm == 0 or _norm(predicted) == 0:
+            return None
+        relative_size = _norm(record.live_params or params).item() / float(norm)
+        if self._same_direction(from_grad, predicted, relative_size, rows_tolerance=record.rows_tolerance):
+            return None
+        ratio = float(norm / _norm(predicted))
+        gap = float(_norm(tensor_lists.differences(from_grad, predicted, alpha=ratio)) / norm)
+        name = type(record.info.get("optimizer")).__name__
+        return (f"Alpha of step {global_step} is not stored: the per-sample rows came in half precision (autocast), "
+                f"their sum within {record.rows_tolerance:g} of p.grad as the gradient check allows, and {name}'s "
+                f"update, which is not a multiple of the gradient (Adam's first steps follow the sign of each entry), "
+                f"points {gap:.2g} away (relative) from there when predicted from the rows: Alpha needs the "
+                f"per-sample slopes along the update {name} makes from p.grad. From the next start step on, Alpha "
+                f"waits for {name}.step() and predicts the update from the gradients it steps with (the step's "
+                "per-sample rows are kept until then).")
 
     @staticmethod
     def _slopes(retained: list, direction: list[torch.Tensor], batch_size: int) -> torch.Tensor:
