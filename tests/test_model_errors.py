@@ -161,6 +161,30 @@ def test_a_table_without_batch_dimension_climbs_to_the_model():
     assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
 
 
+class _PositionTable(nn.Module):
+    """Token embeddings plus ``nn.Embedding`` of ``torch.arange(T)`` (``[T, d]``, no batch dimension), as T5's
+    relative position bias and many hand-written transformers do."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(7, 4).double(), nn.Embedding(5, 4).double()
+        self.head = nn.Linear(20, 3).double()
+
+    def forward(self, ids):
+        return self.head((self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))).flatten(1))
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_an_embedding_without_batch_dimension_at_one_row_and_more(batch):
+    """At batch 1 the whole output of a call is that row's: an embedding of ``torch.arange(T)`` gets its rows
+    (before, batch 1 was refused, "no batch dimension of size 1", where batch 2 and more climbed to the model;
+    outside trial 14: T5 at batch 1)."""
+    ids = torch.randint(0, 7, (batch, 5), generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(1))
+    ratios = _sum_of_squares_against_loop(_PositionTable(), ids, labels, batch_size=batch)
+    assert ratios == pytest.approx([1.0] * len(ratios), rel=1e-9)
+
+
 class _ReturnsLoss(nn.Module):
     """A model that returns the mean loss: no module call around ``_Table`` has the batch dimension."""
 

@@ -169,6 +169,21 @@ def test_hess_max_ev_matches_lanczos(name):
         assert value == pytest.approx(magnitude, rel=1e-2)
 
 
+def test_t5_at_batch_one_gets_its_rows():
+    """T5's relative position bias has no batch dimension; at batch 1 the whole output is the row's (before, batch 1
+    was refused where batch 2 and more worked: outside trial 14)."""
+    problem = HF_ZOO["t5"](0)
+    model = problem.model
+    inputs, targets = problem.batch(1, 11)
+    cockpit = Cockpit(trainable(model), configuration("economy"), model=model)
+    losses = problem.sample_losses(problem.forward(model, inputs), targets)
+    with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 1}):
+        losses.mean().backward()
+    output = cockpit.get_output()[0]
+    assert output["checks"]["valid"] and output["checks"]["gradient"]["worst"] < 1e-9
+    assert output["GradNorm"] == pytest.approx([float(p.grad.norm()) for p in trainable(model)], rel=1e-10)
+
+
 #: architecture -> the modules the hook backend may re-run (their own forward, no dropout inside)
 RERUN = {"gpt2": set(), "bert": set(), "opt": {"OPTLearnedPositionalEmbedding"}}
 
