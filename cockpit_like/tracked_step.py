@@ -522,7 +522,10 @@ class TrackedStep:
                 partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
         for note in execution.notes:
             partitions.checks.note(note)
-        if execution.repeated_passes:
+        partitions.checks.declared_in_block = passes_in_block_of(self.info, self.step)
+        if not execution.repeated_passes:  # several passes summed by the rows (declared or learned): counted
+            partitions.checks.merged_passes += execution.passes_in_block - 1
+        else:
             partitions.checks.extra_passes += execution.passes_in_block - 1
             learned = execution.merges_passes and not env.run.multi_pass
             partitions.checks.fail(

@@ -72,6 +72,10 @@ def test_two_backward_calls_declared_are_summed_from_the_first_step():
         for name in ("GradNorm", "NormTest", "InnerTest", "OrthoTest"):
             assert out[step][name] == pytest.approx(expected[step][name], rel=1e-9), (step, name)
     assert out[0]["Alpha"] == pytest.approx(expected[0]["Alpha"], rel=1e-9)
+    # every pass counted where the rows summed them (before, merged steps said 1), against what was declared
+    assert [(declared.checks[s]["backward_passes"], declared.checks[s]["declared_passes"]) for s in range(3)] == [(2, 2)] * 3
+    assert [(undeclared.checks[s]["backward_passes"], undeclared.checks[s]["declared_passes"]) for s in range(3)] == [(2, 1)] * 3
+    assert reference.checks[0]["backward_passes"] == 1 and "checks" not in expected[0]
 
 
 def test_a_bad_number_of_backward_passes_is_refused():

@@ -1082,6 +1082,9 @@ class HookBackend:
                     grad = grad_outputs[nr]
                     if grad is None:
                         continue
+                    key = (id(call), slot)  # the passes through each output: the block's passes, at least
+                    self._arrivals[key] = self._arrivals.get(key, 0) + 1
+                    self.passes = max(self.passes, self._arrivals[key])
                     if call.grads[slot] is None:
                         call.waiting -= 1
                         call.grads[slot] = grad.detach()

@@ -5,8 +5,8 @@ and the stream when they say something beyond "valid as declared" (:func:`notabl
 
     {"valid": True,                 # False: the step failed a check (see "failed")
      "failed": [],                  # [{"check": "gradient", "reason": "...", ...}]
-     "backward_passes": 1,          # backward passes merged into the optimizer step
-     "declared_passes": 1,          # info["micro_batches"] (1: not declared)
+     "backward_passes": 1,          # backward passes merged into the optimizer step (all of them)
+     "declared_passes": 1,          # info["micro_batches"] x info["backward_passes"] (1: not declared)
      "loss_factor": 1.0,            # d(backpropagated root) / d info["loss"], seen by a hook (None: not seen)
      "assumed_factor": 1.0,         # what the declarations (grad_scaler, micro_batches, loss_scale) said
      "gradient": {"layers": 4, "worst": 3e-8, "tolerance": 2.4e-4},
@@ -188,6 +188,11 @@ class StepChecks:
         #: backward passes beyond one per block, seen where a block ran several that were not merged
         #: (the ``backward_passes`` check): counted in the record's ``backward_passes``
         self.extra_passes: int = 0
+        #: backward passes beyond one per block that the rows summed (declared with ``info["backward_passes"]`` or
+        #: learned): counted in ``backward_passes`` (before, merged steps said 1)
+        self.merged_passes: int = 0
+        #: ``info["backward_passes"]`` as declared (1: none): with ``declared``, the record's ``declared_passes``
+        self.declared_in_block: int = 1
         self.assumed: float = 1.0
         #: ``info["micro_batches"]`` as declared (1: none)
         self.declared: int = 1
@@ -335,8 +340,8 @@ class StepChecks:
         record: dict[str, Any] = {
             "valid": self.valid,
             "failed": [dict(f) for f in self.failed],
-            "backward_passes": len(self.factors) + self.extra_passes,
-            "declared_passes": self.declared,
+            "backward_passes": len(self.factors) + self.extra_passes + self.merged_passes,
+            "declared_passes": self.declared * self.declared_in_block,
             "loss_factor": factor,
             "assumed_factor": self.assumed,
             "no_gradient": list(self.no_gradient),
