@@ -261,6 +261,50 @@ def test_half_precision_parameters_within_the_documented_tolerance(half):
             assert _relative(output[step][name], reference[step][name]) < tolerance, (step, name)
 
 
+class _Tokens(torch.nn.Module):
+    """Tokens ``[B, T, 8]`` through Linear, LayerNorm, GELU, Linear, averaged over the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(), torch.nn.Linear(16, 5))
+
+    def forward(self, x):
+        return self.body(x).mean(1)
+
+
+def _bf16_tokens(steps: int, tamper: bool = False, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    model = _Tokens().to(dtype)
+    if tamper:  # a gradient the rows do not see: a hook adds to one Linear layer's gradient
+        model.body[3].weight.register_hook(lambda grad: grad + 0.05)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(32, 65, 8, generator=generator).to(dtype)
+        y = torch.randint(0, 5, (32,), generator=generator)
+        optimizer.zero_grad()
+        rows = torch.nn.functional.cross_entropy(model(x), y, reduction="none")
+        with cockpit(step, info={"batch_size": 32, "individual_losses": rows, "loss": rows.mean(), "optimizer": optimizer}):
+            rows.mean().backward()
+        optimizer.step()
+    return cockpit
+
+
+def test_bf16_parameters_norm_layers_are_compared_at_the_rounding_of_their_terms():
+    """bfloat16 parameters, a LayerNorm over 32 x 65 positions: autograd sums the bias's and weight's terms in
+    bfloat16 (measured up to 38 units of rounding of their absolute sums off, entry by entry), so p.grad is no
+    reference to 5e-2 of itself. Before, steps failed the gradient check at the LayerNorm (outside trial 14: a
+    ViT's on 10 of 18 steps, GPT-2's on 3 of 8 at batch 64); now a norm layer's p.grad in half precision is
+    compared at the rounding of its terms (TERMS_ROUNDING), and every other layer as before: a gradient the rows do
+    not see still fails the step, at that layer."""
+    assert _bf16_tokens(6).invalid_steps == {}
+    tampered = _bf16_tokens(2, tamper=True)
+    assert set(tampered.invalid_steps) == {0, 1}
+    reasons = [f["reason"] for c in tampered.checks.values() for f in c["failed"]]
+    assert all("body.3.weight" in r for r in reasons) and not any("body.1." in r for r in reasons)
+
+
 def test_loss_scale_is_not_a_scaler():
     """info['loss_scale'] (a framework's constant factor, e.g. Lightning's k/K): the quantities describe the
     loss without it (the first step equals the unscaled reference); a bad factor is a clear error."""
