@@ -465,6 +465,26 @@ class HookBackend:
             return False
         return not _output_used_inside(call, [t for _, t in with_grad])
 
+    def _enclosing(self, calls: list[Call], index: int) -> int | None:
+        """The index of the smallest call enclosing ``calls[index]`` that carries the batch and whose rows reach
+        the model's outputs as the samples' (not a layer with a rule: it computes only its own parameters)."""
+        call = calls[index]
+        misplaced = self._paths.misplaced if self._paths is not None else False
+        try:
+            for outer in range(index + 1, len(calls)):
+                candidate = calls[outer]
+                if not candidate.start <= call.position or rule_for(candidate.module) is not None:
+                    continue  # not an enclosing call, or a layer with a rule
+                if not self._carries_batch(candidate):
+                    continue
+                if self._paths is not None and self._broken_rows(candidate) is not None:
+                    continue  # its rows are not the samples' either
+                return outer
+            return None
+        finally:
+            if self._paths is not None:
+                self._paths.misplaced = misplaced
+
     def _climb(self, calls: list[Call], index: int, broken: str | None = None) -> None:
         """Move ``calls[index]``'s parameters to the smallest enclosing call that carries the batch.
 
@@ -474,14 +494,9 @@ class HookBackend:
         for row (what breaks them, :meth:`_route_rows`).
         """
         call = calls[index]
-        for outer in range(index + 1, len(calls)):
+        outer = self._enclosing(calls, index)
+        if outer is not None:
             candidate = calls[outer]
-            if not candidate.start <= call.position or rule_for(candidate.module) is not None:
-                continue  # not an enclosing call, or a layer with a rule (it computes only its own parameters)
-            if not self._carries_batch(candidate):
-                continue
-            if self._paths is not None and self._broken_rows(candidate) is not None:
-                continue  # its rows are not the samples' either
             climbing = list(call.params)
             self._claim_nested(calls, outer, {id(p) for p in climbing})
             known = {id(p) for p in candidate.params}
@@ -581,6 +596,18 @@ class HookBackend:
                 "all of them with one loss per row and 'batch_size' = those rows; if this is a short last batch, "
                 "pass its rows ('batch_size': len(targets))."
             )
+        if len(calls) > 1 and batch in calls and len(set(calls)) > 1:
+            others = " / ".join(str(n) for n in sorted(set(calls) - {batch}))
+            return RowsNotSamplesError, (
+                f"info['batch_size'] is {batch}, and the model ran {len(calls)} times in this step's forward pass, on "
+                f"{batch} rows and on {others}: the {batch} per-sample losses read the outputs of a call on other rows "
+                "(a support set whose prototypes every query reads, negatives or a memory bank computed with the "
+                "model in the step), so a row's gradient is not its own call's row: per-sample gradients (and the "
+                "quantities built on them: NormTest, InnerTest, OrthoTest, GradHist1d/2d, Alpha's noise, TIC) are not "
+                "defined for this loop; the others (Loss, GradNorm, Distance, UpdateSize, HessMaxEV, ...) are. Leave "
+                "the per-sample quantities out at these steps, or compute the other rows without a gradient "
+                "(torch.no_grad(), detach()) where the loss should not train through them."
+            )
         if len(self._leading) != 1 or batch in self._leading:
             return None
         (rows,) = self._leading
@@ -611,7 +638,9 @@ class HookBackend:
                 f"{k}, -1) only where a sample's {k} rows are next to each other, not for torch.cat([x1, x2])); if each row is a sample, pass 'batch_size': {rows} with "
                 "one loss per row (where only some rows have a loss, such as the labelled rows of a semi-supervised "
                 f"batch: give the others a loss of 0 and scale the rows so that their mean is the loss, rows * {rows} "
-                "/ n for a mean over n labelled rows)."
+                "/ n for a mean over n labelled rows). If instead every loss reads rows that are no sample's own "
+                "(a support set whose prototypes every query reads, shared negatives), per-sample gradients are not "
+                "defined for this loop: leave the per-sample quantities out (Loss, GradNorm, HessMaxEV need none)."
             )
         if rows > batch:
             return BatchSizeMismatchError, (
@@ -669,9 +698,10 @@ class HookBackend:
                 )
             if type(call.module) is not nn.MultiheadAttention:
                 self._paths.remove_box(id(call))  # its parameters move on: it is not re-run
-            if self._paths.misplaced:
+            if self._paths.misplaced and self._enclosing(calls, index) is None:
                 self._misplaced(call, broken)
-            else:
+            else:  # (misplaced rows climb too where an enclosing call's rows are the samples': a table of C class
+                # embeddings with C = B by chance, read as `img(x) @ txt(classes).T`; outside trial 15)
                 self._climb(calls, index, broken)
 
     def _climb_outside_reads(self, calls: list[Call]) -> None:

@@ -620,7 +620,21 @@ class StepExecution:
         self.check()
         self._check_loss_module()
         self._unscale_curvature()
-        computed = {need: need.compute(self) for need in self.needs}
+        computed = {}
+        for need in self.needs:
+            owners = set(self._need_owners.get(need, ()))
+            rowed = getattr(need, "per_sample_rows", False)
+            if rowed and owners and owners <= self._left_out:
+                continue  # (its rows are known not to be the samples': the quantities are left out, with a note)
+            try:
+                computed[need] = need.compute(self)
+            except RowsNotSamplesError as error:  # its own per-sample pass: the rows are not the samples'
+                if not rowed:
+                    raise
+                left = sorted(owners - self._left_out)
+                if left:
+                    self.notes.append(f"{left} left out: their curvature comes from per-sample gradients, and {error}")
+                self._left_out |= owners
         fields = take_mean_fields(self.params, self.extensions) if split else {}
         reducer = [self.reducer]
 
@@ -962,22 +976,27 @@ def _stale_extended(calls: list) -> list:
 def _root_outputs(tracer, calls: list, batch_size) -> list:
     """The floating outputs of the models' own calls this step with one row per sample along their batch
     dimension (:func:`~cockpit_like.backends.row_paths.rows_dim`): those with leading dimension ``B`` first, then
-    the others (an RNN's ``h_n`` ``[layers, B, H]``)."""
+    the others (an RNN's ``h_n`` ``[layers, B, H]``). Every call of a model, not only its last: a loss over two
+    calls (InfoNCE's keys computed before the anchors, prototypes from a support set of ``B`` rows) couples the rows
+    through the earlier one (outside trial 15: stored as valid with NormTest 0.84 for 0.36)."""
     if tracer is None or not calls or not batch_size:
         return []
     from cockpit_like.backends.tracer import _flat_outputs
 
     roots, batch = {id(ref()) for ref in tracer.roots}, int(batch_size)
-    leading, later = [], []
+    leading, later, seen = [], [], set()
     for call in reversed(calls):  # the outermost call is noted last
-        if id(call.module) in roots:
-            for output in _flat_outputs(call.output):
-                if getattr(output, "grad_fn", None) is None or not output.dtype.is_floating_point or output.dim() == 0:
-                    continue
-                dim = rows_dim(output.shape, batch)
-                if dim is not None and output.shape[dim] == batch:
-                    (leading if dim == 0 else later).append(output)
-            break
+        if id(call.module) not in roots:
+            continue
+        for output in _flat_outputs(call.output):
+            if getattr(output, "grad_fn", None) is None or not output.dtype.is_floating_point or output.dim() == 0:
+                continue
+            if id(output) in seen:
+                continue
+            seen.add(id(output))
+            dim = rows_dim(output.shape, batch)
+            if dim is not None and output.shape[dim] == batch:
+                (leading if dim == 0 else later).append(output)
     return leading + later
 
 
