@@ -169,7 +169,10 @@ class Dense:
         return self.grad_batch.reshape(self.grad_batch.shape[0], *shape)
 
     def feed(self, reducer, param: torch.Tensor) -> None:
-        reducer.reduce_grad_batch(param, self.grad_batch, absolute=self.absolute)
+        if self.absolute is None:
+            reducer.reduce_grad_batch(param, self.grad_batch)
+        else:
+            reducer.reduce_grad_batch(param, self.grad_batch, absolute=self.absolute)
 
     @property
     def batch(self) -> int:
