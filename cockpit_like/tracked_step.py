@@ -102,6 +102,9 @@ class StepRun:
     split_step: int | None = None
     #: a warning said once that the step numbers skip the end steps of two-step quantities
     gap_warned: bool = False
+    #: a warning said once that a tracked step's loss is not finite (a run gone NaN warned at every step after:
+    #: 298 lines of stderr in outside trial 15)
+    loss_told: bool = False
     #: steps whose block raised (nothing of them stored): the notes of the values that ended there say so
     raised: set[int] = field(default_factory=set)
     #: failed steps whose take-down was itself interrupted: finished when the next step begins
@@ -425,7 +428,15 @@ class TrackedStep:
         if partitions is not None and partitions.step == self.step and partitions.skippable:
             partitions.loss_warning = partitions.loss_warning or message
             return
-        warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
+        self._tell_loss(message)
+
+    def _tell_loss(self, message: str) -> None:
+        """The warning of a non-finite loss, once per run (each such step's checks and NaN values say it too)."""
+        if self.env.run.loss_told:
+            return
+        self.env.run.loss_told = True
+        warnings.warn(message + " (told once: later steps whose loss is not finite store NaN the same way, and "
+                      "their checks note the non-finite gradients)", RuntimeWarning, stacklevel=_user_stacklevel())
 
     # ---- exit: compute, store, free ---------------------------------------------
     def __exit__(self, exc_type, exc, traceback) -> bool:
@@ -680,7 +691,7 @@ class TrackedStep:
                 self._end_at_skipped_step(params)
                 return None
             if partitions.loss_warning is not None:  # the step is tracked after all: its non-finite loss is told now
-                warnings.warn(partitions.loss_warning, RuntimeWarning, stacklevel=_user_stacklevel())
+                self._tell_loss(partitions.loss_warning)
             view.apply()  # unscaled, whole gradients (GradScaler, FSDP2); zeros for parameters without one
             if ranks is not None:
                 ranks.unscale_graph_grads(view)

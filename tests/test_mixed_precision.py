@@ -179,7 +179,10 @@ def test_a_non_finite_loss_warns_only_where_the_step_is_tracked(scaled):
     if scaled:  # the skipped step left the model as it was (without a scaler, SGD stepped to NaN at step 1)
         assert told[3] == []
     assert len(told[1]) == (0 if scaled else 1)  # a skipped step stores nothing: no warning that says it does
-    assert len(told[2]) == 1 and "store NaN for this step" in str(told[2][0].message)
+    # told once per run (a run gone NaN warned at every step after it: 298 lines in outside trial 15)
+    first = 2 if scaled else 1
+    assert len(told[first]) == 1 and "store NaN for this step" in str(told[first][0].message)
+    assert "told once" in str(told[first][0].message) and (scaled or told[2] == [])
     # the warnings name the training loop's line, not one of the package
     assert {w.filename for step in (1, 2) for w in told[step]} == {__file__}
 
