@@ -161,3 +161,58 @@ def test_a_support_set_of_other_rows_leaves_the_per_sample_quantities_out_and_tr
         assert checks["valid"] and any("support set" in note for note in checks["notes"])
         assert {"Loss", "GradNorm"} <= set(output) and "NormTest" not in output
         assert preset == "economy" or "HessMaxEV" in output
+
+
+# ---- outside trial 16 (the same day, multi-call loops after the change above) ---------------------------------
+class _WithEncoder(nn.Module):
+    """An encoder and a pooled head; ``forward`` returns both (as Hugging Face's BertModel returns its
+    ``last_hidden_state`` and ``pooler_output``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.pool = nn.Linear(6, 6)
+
+    def forward(self, x):
+        hidden = self.enc(x)
+        return hidden, torch.tanh(self.pool(hidden))
+
+
+def test_a_loss_over_calls_of_a_submodule_is_checked_too():
+    """InfoNCE on ``model.enc(x1)`` and ``model.enc(x2)``, a submodule of ``model=`` called from the loop: before,
+    stored as valid with NormTest 1.39 where the per-sample gradients give 1.26 (only the model's own calls were
+    checked); every outermost call is checked now."""
+
+    def losses(model, x1, x2):
+        logits = F.normalize(model.enc(x1), dim=1) @ F.normalize(model.enc(x2), dim=1).T / 0.5
+        return F.cross_entropy(logits, torch.arange(len(x1)), reduction="none")
+
+    torch.manual_seed(0)
+    cockpit = _run(_WithEncoder().to(DT), losses)
+    for step in range(2):
+        assert any("not separable by rows" in note for note in cockpit.checks[step]["notes"])
+        assert "NormTest" not in cockpit.get_output()[step]
+
+
+def test_a_head_no_loss_reads_in_a_model_called_twice_gets_no_gradient():
+    """Two calls of a model whose second output (a pooled head) neither loss reads, and a separable loss on the
+    mean of the first (a sentence-transformers bi-encoder on BertModel's ``last_hidden_state``): before,
+    ``UncoveredParameterError`` about the head's parameters (its calls, unreached by the loss, were dropped and the
+    head went to the model's call); now valid and exact."""
+
+    def losses(model, x1, x2):
+        return (F.cosine_similarity(model(x1)[0], model(x2)[0], dim=1) - 0.5) ** 2
+
+    torch.manual_seed(0)
+    model = _WithEncoder().to(DT)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(B, 10, generator=generator, dtype=DT)
+    views = (x + 0.2 * torch.randn(x.shape, generator=generator, dtype=DT), x + 0.2 * torch.randn(x.shape, generator=generator, dtype=DT))
+    model.pool.requires_grad_(False)  # (no gradient: the loop of torch.autograd.grad goes without it)
+    expected = brute_force_step(model, lambda m, i: losses(m, views[0][i : i + 1], views[1][i : i + 1])[0], B)
+    model.pool.requires_grad_(True)
+    cockpit = _run(model, losses, steps=1)
+    output = cockpit.get_output()[0]
+    assert cockpit.checks[0]["valid"] and cockpit.checks[0]["no_gradient"] == ["pool.weight", "pool.bias"]
+    for name in ("NormTest", "InnerTest", "OrthoTest"):
+        assert output[name] == pytest.approx(expected[name], rel=1e-9), name

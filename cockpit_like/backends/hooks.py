@@ -318,6 +318,9 @@ class HookBackend:
         self.batch_size = batch_size
         self._handles: list[Any] = []
         self._deferred: list[Call] = []
+        #: ``{id(call): (inner call, where)}``: calls that the parameters of a call with misplaced rows climbed to;
+        #: where their re-run cannot split the rows either, the misplaced rows' error is raised (:meth:`_fallback`)
+        self._misplaced_at: dict[int, tuple[Call, str]] = {}
         self._uses: dict[int, int] = defaultdict(int)
         self._partial: dict[int, list] = {}
         #: ``(rows, parameter name)`` of the first parameter delivered: every other must have as many rows
@@ -358,7 +361,9 @@ class HookBackend:
     # ---- which call computes which parameter -------------------------------------------
     def _assign(self, calls: list[Call], handled_elsewhere, route: bool = True) -> list[Call]:
         tracked = self._params
-        called = {id(call.module) for call in calls}
+        # (with the modules whose calls the loss does not reach: BertModel's pooler, called twice and read by
+        # neither loss, went to the model's own call, which could not split it: outside trial 16)
+        called = {id(call.module) for call in calls} | set(getattr(self.tracer, "unreached", ()))
         owned = {id(p) for call in calls for p in call.module.parameters(recurse=False)}
         roots = {id(ref()) for ref in self.tracer.roots}
         self._model_inputs = {
@@ -698,11 +703,16 @@ class HookBackend:
                 )
             if type(call.module) is not nn.MultiheadAttention:
                 self._paths.remove_box(id(call))  # its parameters move on: it is not re-run
-            if self._paths.misplaced and self._enclosing(calls, index) is None:
-                self._misplaced(call, broken)
-            else:  # (misplaced rows climb too where an enclosing call's rows are the samples': a table of C class
-                # embeddings with C = B by chance, read as `img(x) @ txt(classes).T`; outside trial 15)
-                self._climb(calls, index, broken)
+            if self._paths.misplaced:
+                outer = self._enclosing(calls, index)
+                if outer is None:
+                    self._misplaced(call, broken)
+                    continue
+                # misplaced rows climb where an enclosing call carries the batch (a table of C class embeddings
+                # with C = B by chance, read as `img(x) @ txt(classes).T`: outside trial 15); where its re-run
+                # cannot split the rows either (an RNN's h_n [layers, B, H] with layers = B), their error is raised
+                self._misplaced_at[id(calls[outer])] = (call, broken)
+            self._climb(calls, index, broken)
 
     def _climb_outside_reads(self, calls: list[Call]) -> None:
         """A parameter that the graph reads outside the calls that compute it (a tied output layer written
@@ -746,10 +756,13 @@ class HookBackend:
     def _misplaced(self, call: Call, where: str) -> None:
         """The error for a call whose rows end along another dimension of a model output the loss reads than
         that output's batch dimension (an RNN's ``h_n`` ``[layers, B, H]`` with ``layers`` a multiple of ``B``,
-        penalised by the loss). No enclosing call helps: its rows end there the same way."""
-        names = [self._param_name(p) for p in call.params]
+        penalised by the loss), where no enclosing call helps (its rows end there the same way)."""
+        self._errors.append(self._misplaced_error(call, where))
         call.params = []
-        self._errors.append(UncoveredParameterError(
+
+    def _misplaced_error(self, call: Call, where: str, names: list[str] | None = None) -> UncoveredParameterError:
+        names = [self._param_name(p) for p in call.params] if names is None else names
+        return (UncoveredParameterError(
             f"{type(call.module).__name__} layer {self._module_name(call.module)}: the rows of its outputs end along "
             f"another dimension of a model output that the loss reads than that output's batch dimension ({where}; "
             "the batch dimension of a model output is the first whose size is a multiple of the batch size), so "
@@ -1305,7 +1318,15 @@ class HookBackend:
             for param, lazy in zip(call.params, per_sample_grad_rows(*arguments, **options)):
                 self._deliver(param, Lazy(lazy))
         else:
-            for param, grad_batch in zip(call.params, per_sample_grads(*arguments, **options)):
+            try:
+                grad_batches = per_sample_grads(*arguments, **options)
+            except Exception as error:
+                held = self._misplaced_at.get(id(call))
+                if held is None:
+                    raise
+                inner, where = held
+                raise self._misplaced_error(inner, where, [self._param_name(p) for p in call.params]) from error
+            for param, grad_batch in zip(call.params, grad_batches):
                 self._deliver(param, Dense(grad_batch))
         call.release()
 

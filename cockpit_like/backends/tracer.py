@@ -498,9 +498,14 @@ class ModelTracer:
             call.position = position
         stray = self.stray
         self.drop_calls()
+        #: modules whose calls ran in this step's forward passes but were left out as unreachable from the loss:
+        #: they were called (their parameters get no gradient from it, not one through an enclosing call)
+        self.unreached = set()
         if (passes > 1 or stray) and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             reachable = _graph_nodes(loss.grad_fn)
-            calls = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
+            kept = [call for call in calls if any(id(node) in reachable for node in _call_nodes(call))]
+            self.unreached = {id(call.module) for call in calls} - {id(call.module) for call in kept}
+            calls = kept
         return calls
 
     def drop_calls(self) -> None:
