@@ -33,11 +33,6 @@ __all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for", "no
 #: the output key of a tracked step's self-checks
 CHECKS_KEY = "checks"
 
-#: a half-precision gradient that autograd summed from many terms (a norm layer's weight and bias over every
-#: position of every row) is compared at this many units of rounding of the norm of its terms' entry-wise absolute
-#: sums: autograd's bfloat16 LayerNorm backward was measured up to 38 units off entry by entry, its projections up
-#: to 11 (a ViT's, batch 8 and 32); a wrong decomposition still shows at the other layers
-TERMS_ROUNDING = 64.0
 
 
 def tolerance_for(dtype: torch.dtype) -> float:
@@ -238,7 +233,7 @@ class StepChecks:
     ) -> None:
         """Compare each layer's projected sum of per-sample rows with the projected step gradient (less what p.grad
         held before the step, :attr:`stale`, divided by ``stale_scale``, the factor of the gradients' view)."""
-        worst, worst_at, tolerance_seen, offenders = 0.0, None, 0.0, []
+        worst, worst_at, tolerance_seen, offenders, unverified = 0.0, None, 0.0, [], []
         # a layer whose gradient cancels to rounding noise (a key bias under softmax: 1e-23 where the others are
         # 1e-1) is compared at a thousandth of the largest layer's scale, not at its own noise
         entries = list(probe.items())  # the probe's result holds floats (read from the device once)
@@ -270,9 +265,13 @@ class StepChecks:
             tolerance_seen = max(tolerance_seen, tolerance)
             scale = max(spread, abs(got), abs(expected), floor, size)
             if terms and grad is not None and grad.dtype in (torch.float16, torch.bfloat16):
-                # a half-precision p.grad that autograd summed from many terms rounds at the scale of the terms'
-                # absolute sums, not at its own (:data:`TERMS_ROUNDING`)
-                scale = max(scale, TERMS_ROUNDING * torch.finfo(grad.dtype).eps / 2 * terms / tolerance)
+                # a half-precision p.grad that autograd summed from the terms of every position of every row (a norm
+                # layer's weight and bias; the rules say so with the terms' absolute sums) is no reference: its
+                # rounding was measured up to 38 units of the terms' absolute sums off on a ViT's LayerNorm, 22-73%
+                # of the gradient on a ConvNeXt's (outside trials 14 and 17), and grows with the positions. It is
+                # not compared (named in the record); the other layers are (a loop's error shows there)
+                unverified.append(index)
+                continue
             if not (math.isfinite(got) and math.isfinite(expected)):
                 error = math.inf if math.isfinite(got) != math.isfinite(expected) or got != expected else 0.0
                 if not math.isfinite(expected):
@@ -288,11 +287,13 @@ class StepChecks:
         self.gradient = {"layers": len(probe), "worst": worst, "tolerance": tolerance_seen}
         if worst_at is not None:
             self.gradient["worst_at"] = name_of(worst_at)
+        if unverified:  # (half-precision sums of many terms: see above)
+            self.gradient["unverified"] = [name_of(i) for i in unverified]
         if offenders:
             shown = ", ".join(f"{name_of(i)} (rows {got:.6g}, gradient {want:.6g})" for i, got, want, _ in offenders[:3])
             more = f" and {len(offenders) - 3} more" if len(offenders) > 3 else ""
             half = (
-                "The rows were made in half precision (autocast): where a layer's gradient is a small sum of large "
+                "The rows were made in half precision (autocast or half-precision parameters): where a layer's gradient is a small sum of large "
                 "terms, rounding alone can put the two further apart than the tolerance (5e-2) while nothing is "
                 "wrong with the loop; such a step stores no per-sample numbers. Otherwise: "
             ) if half_step else ""

@@ -54,6 +54,8 @@ def to_output(value: Any) -> Any:
         value = value.detach()
         if value.dim() == 0:
             return value.item()
+        if value.dtype == torch.bfloat16:  # numpy has no bfloat16: float32 holds each of its values exactly
+            value = value.float()  # (outside trial 17: GradHist1d of a bfloat16 convolution stopped training)
         return value.cpu().numpy()
     if isinstance(value, dict):
         return {key: to_output(item) for key, item in value.items()}
