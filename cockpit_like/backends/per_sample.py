@@ -600,15 +600,22 @@ class PerSampleReducer:
             param.grad_batch = materialize_linear(kind, x, delta)
         self._reduce_factors(index, param, kind, x, delta, batch_sum)
 
+    def note_terms(self, param: torch.Tensor, size: float) -> None:
+        """Tell the statistics that ``param``'s gradient sums terms in half precision over every position, whose
+        entry-wise absolute sums have the norm ``size`` (:meth:`PerSampleStat.note_terms`)."""
+        index = self._index.get(id(param))
+        if index is None:
+            return
+        for stat, state in zip(self.stats, self._states):
+            stat.note_terms(state, index, size)
+
     def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor, absolute: torch.Tensor | None = None) -> None:
         """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now. ``absolute``: the sum of its terms'
         absolute values, where a rule knows them (:meth:`PerSampleStat.note_terms`)."""
         index = self._index[id(param)]
         self._note_precision(index, grad_batch)
         if absolute is not None:
-            size = float(torch.linalg.vector_norm(absolute.to(torch.float64))) * abs(self.row_scale)
-            for stat, state in zip(self.stats, self._states):
-                stat.note_terms(state, index, size)
+            self.note_terms(param, float(torch.linalg.vector_norm(absolute.to(torch.float64))) * abs(self.row_scale))
         grad_batch = self._scaled(grad_batch)
         self.seen.add(index)
         if self.keep_grad_batch:
