@@ -100,7 +100,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, Lazy, is_hf_conv1d, rule_for, summed
+from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, Lazy, is_hf_conv1d, rule_for, summed, sums_positions_in_half
 from cockpit_like.backends.rerun import (
     UncoveredParameterError,
     _batch_dim,
@@ -363,7 +363,7 @@ class HookBackend:
         tracked = self._params
         # (with the modules whose calls the loss does not reach: BertModel's pooler, called twice and read by
         # neither loss, went to the model's own call, which could not split it: outside trial 16)
-        called = {id(call.module) for call in calls} | set(getattr(self.tracer, "unreached", ()))
+        called = {id(call.module) for call in calls} | self.tracer.unreached
         owned = {id(p) for call in calls for p in call.module.parameters(recurse=False)}
         roots = {id(ref()) for ref in self.tracer.roots}
         self._model_inputs = {
@@ -1192,7 +1192,7 @@ class HookBackend:
     def _process(self, call: Call) -> None:
         call.done, call.waiting = True, -1
         rule = rule_for(call.module)
-        forms = None
+        forms, half_sums = None, False
         if rule is not None and len(call.want) == 1 and call.want[0] == 0 and call.args:
             x, grad = call.args[0], self._grads(call)[0]
             if not call.flat and self._call_batch(call) == 1 and grad.dim() > 0 and grad.shape[0] != 1:
@@ -1213,23 +1213,23 @@ class HookBackend:
                     forms = rule(call.module, x.detach(), grad)
                     if forms is not None and getattr(self.reducer, "module_stats", None):
                         self.reducer.observe_module(call.module, x.detach(), grad)
-                if (forms is not None and isinstance(call.module, nn.Embedding) and grad.dtype in (torch.float16, torch.bfloat16)
-                        and x.numel() > call.module.num_embeddings and hasattr(self.reducer, "note_terms")):
-                    # more positions than rows: autograd sums each row's terms in half precision (BERT's token
-                    # types in fp16, p.grad 10-15% off: outside trial 17), as a norm layer's (module_rules._affine)
-                    self.reducer.note_terms(call.module.weight, 1.0)
+                if forms is not None and sums_positions_in_half(call.module, x, grad):
+                    half_sums = True  # (p.grad is no reference for these rows: outside trials 14 and 17)
         if forms is None:
             self._deferred.append(call)
             return
-        self._deliver_forms(call, forms)
+        self._deliver_forms(call, forms, half_sums)
 
-    def _deliver_forms(self, call: Call, forms: dict) -> None:
-        """Deliver a rule's ``{parameter name: form}`` for the parameters this call computes, then free the call."""
+    def _deliver_forms(self, call: Call, forms: dict, half_sums: bool = False) -> None:
+        """Deliver a rule's ``{parameter name: form}`` for the parameters this call computes, then free the call
+        (``half_sums``: autograd sums their gradients over the positions in half precision, the reducer is told)."""
         owned = {id(p) for p in call.params}
         named = self.tracer.named_params(call.module)  # a rule may name a parameter the layer lacks (bias=False)
         for name, form in forms.items():
             param = named.get(name)
             if param is not None and id(param) in owned:
+                if half_sums and hasattr(self.reducer, "note_half_sum"):
+                    self.reducer.note_half_sum(param)
                 key = (id(call), id(param))
                 if self._sums.get(key) is _WAITING:  # handed on once autograd's sum for this use is made
                     self._parked[key] = (param, form)

@@ -298,10 +298,10 @@ class PerSampleStat:
         """The rows of parameter ``index`` were made in half precision (autocast, half parameters), before the
         reducer handed them on in float32. Nothing by default (the self-check's probe loosens its tolerance)."""
 
-    def note_terms(self, state: Any, index: int, size: float) -> None:
-        """The rows of parameter ``index`` sum terms in half precision whose absolute values (summed over rows and
-        positions, entry by entry) have the Frobenius norm ``size`` (scaled as the rows are): the scale of the
-        rounding of autograd's own sum of them. Nothing by default (the self-check's probe compares at it)."""
+    def note_half_sum(self, state: Any, index: int) -> None:
+        """Autograd sums parameter ``index``'s gradient over every position in half precision (a norm layer, an
+        embedding over more positions than rows, with half-precision parameters). Nothing by default (the
+        self-check's probe does not compare it)."""
 
     #: whether :meth:`accumulate_module` wants each layer call's input and output gradient (hook backend)
     module_form: ClassVar[bool] = False
@@ -600,22 +600,18 @@ class PerSampleReducer:
             param.grad_batch = materialize_linear(kind, x, delta)
         self._reduce_factors(index, param, kind, x, delta, batch_sum)
 
-    def note_terms(self, param: torch.Tensor, size: float) -> None:
-        """Tell the statistics that ``param``'s gradient sums terms in half precision over every position, whose
-        entry-wise absolute sums have the norm ``size`` (:meth:`PerSampleStat.note_terms`)."""
+    def note_half_sum(self, param: torch.Tensor) -> None:
+        """Tell the statistics that autograd sums ``param``'s gradient over every position in half precision
+        (:meth:`PerSampleStat.note_half_sum`)."""
         index = self._index.get(id(param))
-        if index is None:
-            return
-        for stat, state in zip(self.stats, self._states):
-            stat.note_terms(state, index, size)
+        if index is not None:
+            for stat, state in zip(self.stats, self._states):
+                stat.note_half_sum(state, index)
 
-    def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor, absolute: torch.Tensor | None = None) -> None:
-        """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now. ``absolute``: the sum of its terms'
-        absolute values, where a rule knows them (:meth:`PerSampleStat.note_terms`)."""
+    def reduce_grad_batch(self, param: torch.Tensor, grad_batch: torch.Tensor) -> None:
+        """Reduce a parameter's ``grad_batch`` ``[B, *param.shape]`` now."""
         index = self._index[id(param)]
         self._note_precision(index, grad_batch)
-        if absolute is not None:
-            self.note_terms(param, float(torch.linalg.vector_norm(absolute.to(torch.float64))) * abs(self.row_scale))
         grad_batch = self._scaled(grad_batch)
         self.seen.add(index)
         if self.keep_grad_batch:

@@ -986,12 +986,11 @@ def _root_outputs(tracer, calls: list, batch_size) -> list:
     roots, batch = {id(ref()) for ref in tracer.roots}, int(batch_size)
     # and every outermost call (one no other call encloses: `model.encoder(x)` called from the training loop, whose
     # output an InfoNCE loss reads; outside trial 16: stored as valid with NormTest 1.39 for 1.26)
-    enclosed = set()
-    for call in calls:
-        enclosed.update(range(call.start, call.position))
     leading, later, seen = [], [], set()
+    first = math.inf  # the earliest position a later call encloses (calls start.. before it are its descendants)
     for call in reversed(calls):  # the outermost call is noted last
-        if id(call.module) not in roots and call.position in enclosed:
+        enclosed, first = call.position >= first, min(first, call.start)
+        if enclosed and id(call.module) not in roots:
             continue
         for output in _flat_outputs(call.output):
             if getattr(output, "grad_fn", None) is None or not output.dtype.is_floating_point or output.dim() == 0:

@@ -374,6 +374,10 @@ class ModelTracer:
         self.passes = 0
         #: a call was noted outside the roots' forward passes since the last step (see take_calls)
         self.stray = False
+        #: modules whose calls ran in the last step's forward passes but were left out as unreachable from its loss
+        #: (:meth:`take_calls`): they were called (their parameters get no gradient from it, not one through an
+        #: enclosing call)
+        self.unreached: set[int] = set()
 
     # ---- installing ---------------------------------------------------------------
     def attach(self, root: nn.Module) -> None:
@@ -498,8 +502,6 @@ class ModelTracer:
             call.position = position
         stray = self.stray
         self.drop_calls()
-        #: modules whose calls ran in this step's forward passes but were left out as unreachable from the loss:
-        #: they were called (their parameters get no gradient from it, not one through an enclosing call)
         self.unreached = set()
         if (passes > 1 or stray) and isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
             reachable = _graph_nodes(loss.grad_fn)

@@ -34,7 +34,6 @@ __all__ = ["CHECKS_KEY", "StepChecks", "check_losses_mean", "tolerance_for", "no
 CHECKS_KEY = "checks"
 
 
-
 def tolerance_for(dtype: torch.dtype) -> float:
     """Relative tolerance of the gradient check for gradients in ``dtype``, relative to the sum of the rows'
     absolute projections: float64 1e-6 (models that compute inside in float32 even with float64 parameters,
@@ -252,7 +251,7 @@ class StepChecks:
         # (a first layer's float32 input, a convolution's rows widened before the reducer)
         half_step = any(low and low[0] for _, (_, _, *low) in entries)
         for k, (index, (total, absolute, *low)) in enumerate(entries):
-            terms = low[1] if len(low) > 1 else 0.0
+            half_sum = len(low) > 1 and low[1]
             low = bool(low and low[0])
             param, grad = params[index], grads[k]
             expected = 0.0 if grad is None else projected.pop()
@@ -264,9 +263,9 @@ class StepChecks:
             tolerance = tolerance_for(torch.float16 if low or half_step else dtype)  # half precision: looser
             tolerance_seen = max(tolerance_seen, tolerance)
             scale = max(spread, abs(got), abs(expected), floor, size)
-            if terms and grad is not None and grad.dtype in (torch.float16, torch.bfloat16):
+            if half_sum and grad is not None and grad.dtype in (torch.float16, torch.bfloat16):
                 # a half-precision p.grad that autograd summed from the terms of every position of every row (a norm
-                # layer's weight and bias; the rules say so with the terms' absolute sums) is no reference: its
+                # layer's weight and bias, module_rules.sums_positions_in_half) is no reference: its
                 # rounding was measured up to 38 units of the terms' absolute sums off on a ViT's LayerNorm, 22-73%
                 # of the gradient on a ConvNeXt's (outside trials 14 and 17), and grows with the positions. It is
                 # not compared (named in the record); the other layers are (a loop's error shows there)

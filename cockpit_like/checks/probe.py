@@ -135,15 +135,15 @@ class GradientProbe(PerSampleStat):
     def init(self, params: list[torch.Tensor]) -> Any:
         # the parts as they come (float64 scalars), added per parameter once, at finalize: a layer costs its two
         # products and an append, not a handful of small tensor operations more
-        return {"index": [], "total": [], "absolute": {}, "low": set(), "terms": {}}
+        return {"index": [], "total": [], "absolute": {}, "low": set(), "half_sums": set()}
 
     def note_half_precision(self, state, index: int) -> None:
         """The reducer saw half-precision rows (autocast) before handing them on in float32: a looser tolerance."""
         state["low"].add(index)
 
-    def note_terms(self, state, index: int, size: float) -> None:
-        """The norm of the entry-wise sums of the terms' absolute values (half precision): added per use."""
-        state["terms"][index] = state["terms"].get(index, 0.0) + size
+    def note_half_sum(self, state, index: int) -> None:
+        """Autograd sums the parameter's gradient over every position in half precision: it is not compared."""
+        state["half_sums"].add(index)
 
     def _dirs(self, state, index: int, param: torch.Tensor, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, ...]:
         """The parameter's directions in ``dtype`` (the rows' own: no copy of the rows in another dtype)."""
@@ -219,8 +219,9 @@ class GradientProbe(PerSampleStat):
         return self._add(state, index, project(wide, self._dirs(state, index, param, wide.dtype)), None)
 
     def finalize(self, state):
-        """``{index: (c_p, a_p)}``; a third entry ``True`` where the rows came in half precision, a fourth (after
-        it) the norm of the terms' absolute sums where a rule gave it (:meth:`note_terms`)."""
+        """``{index: (c_p, a_p)}``; a third entry ``True`` where the rows came in half precision, and after it a
+        fourth, ``True``, where autograd sums the gradient over every position in half precision
+        (:meth:`note_half_sum`)."""
         indices = state["index"]
         if not indices:
             return {}
@@ -233,9 +234,9 @@ class GradientProbe(PerSampleStat):
         size = max(indices) + 1
         total = totals.new_zeros(size).index_add_(0, where, totals).tolist()  # one read from the device
         absolute = absolutes.new_zeros(size).index_add_(0, where, absolutes).tolist()
-        terms = state["terms"]
+        low, half_sums = state["low"], state["half_sums"]
         return {index: (total[index], absolute[index])
-                + ((index in state["low"], terms[index]) if index in terms else (True,) if index in state["low"] else ())
+                + ((index in low, True) if index in half_sums else (True,) if index in low else ())
                 for index in sorted(set(indices))}  # fmt: skip
 
     def across_ranks(self, result, reduction):
