@@ -116,6 +116,21 @@ def test_noisy_loss():
     assert R.NoisyLoss().check(history({"Loss": noisy(2.0, 20, 0.9)})) == []  # window 20 + 1 values
 
 
+def test_noisy_loss_leaves_stored_batches_of_two_to_eight_alone():
+    """Round 11: where the batch size is stored, only batches of one are read (``max_batch=1``): outside
+    trial 15's healthy regressions with batches of 2, 4 and 8 swing by 50-170% of their first loss at their
+    optimum. Without a stored batch size the rule reads the loss alone, as before."""
+    loud = noisy(2.0, 40, 0.9, seed=2)
+    for batch in (2, 4, 8):
+        assert R.NoisyLoss().check(history({"Loss": loud, "BatchSize": [batch] * 40})) == []
+        assert ids(R.NoisyLoss(max_batch=8).check(history({"Loss": loud, "BatchSize": [batch] * 40}))) == [
+            ("noisy-loss", None)]
+    assert ids(R.NoisyLoss().check(history({"Loss": loud, "BatchSize": [1] * 40}))) == [("noisy-loss", None)]
+    assert ids(R.NoisyLoss().check(history({"Loss": loud}))) == [("noisy-loss", None)]
+    # the batch size read is the latest one: a run that moved from batches of 1 to 4 is left alone from then
+    assert R.NoisyLoss().check(history({"Loss": loud, "BatchSize": [1] * 39 + [4]})) == []
+
+
 def test_noisy_loss_leaves_a_noisy_run_that_learns_alone():
     # the same noise (+-60% of the level), on a flat loss and on one that falls from 2.0 to 1.0 in 60 steps
     flat = noisy(2.0, 60, 0.6, seed=4)
@@ -441,7 +456,42 @@ def test_poor_initialization():
     spread = history({"GradNorm": [[1e-6, 1e-9, 1.0]] * 3}, meta)  # weights 1e6 apart; the bias is ignored
     assert ids(R.PoorInitialization().check(spread)) == [("poor-initialization", "0.weight")]
     assert R.PoorInitialization(spread=1e7).check(spread) == []
-    assert R.PoorInitialization().missing(history({"Loss": [1.0]})) == ["ActivationStats or GradNorm"]
+    assert R.PoorInitialization().missing(history({"Loss": [1.0]})) == ["ActivationStats, GradNorm or DataStats"]
+    assert R.PoorInitialization().missing(history({"DataStats": [{"outputs": 3}]})) == []
+
+
+def _data(low: float, high: float, rms: float = 1.0, **extra) -> dict:
+    return {"samples": 16, "input_integer": False, "input_rms": rms, "outputs": 3, "output_min": low,
+            "output_max": high, "output_probabilities": False, **extra}
+
+
+def test_poor_initialization_from_the_outputs_at_step_0():
+    """Round 11: outputs at step 0 (before any update) spanning more than ``output_grow`` (1e3) x the inputs'
+    scale name the initialization, whatever modules the model is made of (outside trial 15's Maxout net:
+    -2.8e7..1.9e7 for inputs of rms 1)."""
+    (found,) = R.PoorInitialization().check(history({"DataStats": [_data(-2.8e7, 1.9e7)]}))
+    assert found.rule == "poor-initialization" and found.step == 0 and found.layer is None
+    assert found.evidence["ratio"] == pytest.approx(4.7e7)
+    from cockpit_like.diagnosis import group_findings
+
+    assert [incident.cause for incident in group_findings([found])] == ["poor-initialization"]
+    assert R.PoorInitialization().check(history({"DataStats": [_data(-400.0, 500.0)]})) == []  # 900x: under 1e3
+    assert len(R.PoorInitialization(output_grow=800).check(history({"DataStats": [_data(-400.0, 500.0)]}))) == 1
+    # the inputs' own scale counts (unnormalized inputs are large-input-scale's), at least 1
+    assert R.PoorInitialization().check(history({"DataStats": [_data(-4e4, 4e4, rms=300.0)]})) == []
+    assert len(R.PoorInitialization().check(history({"DataStats": [_data(-4e4, 4e4, rms=30.0)]}))) == 1
+    assert len(R.PoorInitialization().check(history({"DataStats": [_data(-1e3, 1e3, rms=0.01)]}))) == 1
+    # token inputs: the ids' scale means nothing; the outputs alone
+    assert len(R.PoorInitialization().check(history({"DataStats": [_data(-1e3, 1e3, rms=50.0, input_integer=True)]}))) == 1
+    # only step 0 is before any update: a run tracked from a later step is left alone
+    assert R.PoorInitialization().check(history({"DataStats": [_data(-2.8e7, 1.9e7)]}, steps=[5])) == []
+    # probabilities, and outputs that are not finite (the non-finite rules' to name), are left alone
+    assert R.PoorInitialization().check(history({"DataStats": [_data(0.0, 1.0, output_probabilities=True)]})) == []
+    assert R.PoorInitialization().check(history({"DataStats": [_data(-math.inf, 1.0)]})) == []
+    # a bias set to a large target mean shifts every output alike: the span, not the size, is read
+    assert R.PoorInitialization().check(history({"DataStats": [_data(1e5 - 2.0, 1e5 + 2.0)]})) == []
+    with pytest.raises(ValueError, match="output_grow"):
+        R.PoorInitialization(output_grow=0)
 
 
 def test_overfitting():

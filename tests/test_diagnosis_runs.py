@@ -244,3 +244,39 @@ def test_demo_run_is_healthy(tmp_path, capsys):
     assert main(["diagnose", written["log"]]) == 0
     text = capsys.readouterr().out
     assert "0 errors, 0 warnings" in text
+
+
+class Maxout(nn.Module):
+    """A Maxout layer: the largest of ``pieces`` linear maps (no activation module ``ActivationStats`` watches)."""
+
+    def __init__(self, fan_in, fan_out, pieces=3, std=None):
+        super().__init__()
+        self.pieces, self.linear = pieces, nn.Linear(fan_in, fan_out * pieces).to(DTYPE)
+        if std is not None:
+            with torch.no_grad():
+                self.linear.weight.normal_(0.0, std)
+
+    def forward(self, x):
+        return self.linear(x).unflatten(-1, (-1, self.pieces)).amax(-1)
+
+
+def maxout_net(std=None, depth=5, width=32, seed=0):
+    torch.manual_seed(seed)
+    widths = [64] + [width] * (depth - 1)
+    layers = [Maxout(a, b, std=std) for a, b in zip(widths[:-1], widths[1:])]
+    return nn.Sequential(*layers, nn.Linear(width, 10).to(DTYPE))
+
+
+def test_a_maxout_net_initialized_far_too_large_is_named_an_initialization_not_a_learning_rate(digits):
+    """Round 11 (outside trial 15's B03): 5 Maxout layers with weights of std 3 put out values of about 1e6
+    at step 0, before any update; the first update blows up at a normal learning rate. The outputs at step 0
+    name the initialization first (it was a learning rate too large); the default initialization is quiet."""
+    from cockpit_like.diagnosis import group_findings
+
+    cockpit = run(digits, maxout_net(std=3.0), lr=0.01, steps=6)
+    (found,) = [f for f in cockpit.findings if f.rule == "poor-initialization"]
+    assert found.step == 0 and found.evidence["ratio"] > 1e3
+    incidents = [i for i in group_findings(cockpit.findings) if severity_rank(i.severity) >= severity_rank("warning")]
+    assert incidents[0].cause == "poor-initialization"
+    healthy = run(digits, maxout_net(), lr=0.01, steps=6)
+    assert "poor-initialization" not in rules_of(healthy)
