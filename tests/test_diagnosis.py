@@ -96,6 +96,22 @@ def test_loss_diverging_from_start_and_from_best():
     assert ids(R.LossJump().check(jumped)) == [("loss-jump", None)]
 
 
+def test_loss_diverging_reads_the_runs_noise_from_ten_losses_at_least():
+    """Round 12: three first losses within 0.5% of each other are no measure of a run's noise; a rise of 1.47x
+    over them was "far outside" it at step 3 (outside trial 18's healthy Poisson regression at batch 4). The
+    noise is read from ``noise_values`` (10) finite losses at least; before, only a rise of ``factor`` (3x)
+    over the first loss counts."""
+    early = [1.9, 1.91, 1.905, 2.8, 2.8, 2.8]
+    assert R.LossDiverging().check(history({"Loss": early})) == []
+    assert ids(R.LossDiverging(noise_values=3).check(history({"Loss": early}))) == [("loss-diverging", None)]
+    assert ids(R.LossDiverging().check(history({"Loss": early[:3] + [6.0] * 3}))) == [("loss-diverging", None)]
+    quiet = [1.9 * (1 + 0.002 * i) for i in range(12)] + [2.8] * 3  # the same rise after 12 quiet losses
+    (found,) = R.LossDiverging().check(history({"Loss": quiet}))
+    assert found.evidence["from_first"] and found.evidence["recent"] / found.evidence["reference"] < 3.0
+    with pytest.raises(ValueError, match="noise_values"):
+        R.LossDiverging(noise_values=0)
+
+
 def test_loss_not_decreasing():
     assert ids(R.LossNotDecreasing().check(history({"Loss": [2.0] * 40}))) == [("loss-not-decreasing", None)]
     assert R.LossNotDecreasing().check(history({"Loss": [2.0] * 39})) == []  # fewer than min_values
