@@ -105,6 +105,9 @@ class StepRun:
     #: a warning said once that a tracked step's loss is not finite (a run gone NaN warned at every step after:
     #: 298 lines of stderr in outside trial 15)
     loss_told: bool = False
+    #: a warning said once that a tracked step left its per-sample quantities out (rows that are not the samples':
+    #: coupled through the batch, or a module called on parts of it); every such step's note says it too
+    rows_told: bool = False
     #: steps whose block raised (nothing of them stored): the notes of the values that ended there say so
     raised: set[int] = field(default_factory=set)
     #: failed steps whose take-down was itself interrupted: finished when the next step begins
@@ -533,6 +536,11 @@ class TrackedStep:
                 partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
         for note in execution.notes:
             partitions.checks.note(note)
+        if execution.rows_note is not None and not env.run.rows_told:
+            env.run.rows_told = True
+            warnings.warn(
+                f"[cockpit_like] step {self.step}: {execution.rows_note} (told once: every such step's note is in "
+                "cockpit.checks[step]['notes'] and the log)", UserWarning, stacklevel=_user_stacklevel())
         partitions.checks.declared_in_block = passes_in_block_of(self.info, self.step)
         if not execution.repeated_passes:  # several passes summed by the rows (declared or learned): counted
             partitions.checks.merged_passes += execution.passes_in_block - 1

@@ -22,6 +22,8 @@ One known limit is marked ``xfail(strict=True)`` with its reason.
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 
 import pytest
 import torch
@@ -637,8 +639,10 @@ def test_gradient_penalty_double_backward():
 
 def test_gan_discriminator_called_on_real_and_fake_rows():
     """The discriminator step: D called on real rows and on (detached) fake rows, loss the mean over
-    all 2B rows; then a generator step through D outside the cockpit. Exact, invalid, or a clear error
-    that names the cause (issue 34): here the error, naming the two calls on 4 + 4 rows."""
+    all 2B rows; then a generator step through D outside the cockpit. The cockpit does not pair the two calls'
+    rows with the losses' rows, so the per-sample quantities are left out of every step with a note naming the
+    two calls on 4 + 4 rows (told once as a warning; an error that stopped the training loop until 2026-11-29),
+    and the others are stored exact: the run goes on."""
     torch.manual_seed(7)
     generator = nn.Linear(3, 6).to(torch.float64)
     disc, twin = zoo.mlp(outputs=1), zoo.mlp(outputs=1)
@@ -647,8 +651,8 @@ def test_gan_discriminator_called_on_real_and_fake_rows():
     opt_d = torch.optim.Adam(params, lr=0.01)
     opt_g = torch.optim.Adam(generator.parameters(), lr=0.01)
     bce = lambda out, target: F.binary_cross_entropy_with_logits(out[:, 0], target, reduction="none")  # noqa: E731
-    refs = {}
     half = ROWS // 2
+    told = []
     for step in range(STEPS):
         real = zoo.classification(half, step)[0]
         noise = torch.randn(half, 3, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
@@ -659,17 +663,25 @@ def test_gan_discriminator_called_on_real_and_fake_rows():
         grads, values = row_grads(tparams, lambda i: bce(twin(rows[i : i + 1]), targets[i : i + 1])[0], ROWS)
         opt_d.zero_grad()
         losses = torch.cat([bce(disc(real), targets[:half]), bce(disc(fake), targets[half:])])
-        with pytest.raises(UncoveredParameterError, match=r"called 2 times .* on 4 \+ 4 = 8 rows.*GAN discriminator"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             with cockpit(step, info=info_of(losses, opt_d)):
                 losses.mean().backward()
-        return
+        told += [str(w.message) for w in caught if "left out" in str(w.message)]
         check_twin(params, grads)
         opt_d.step()
-        refs[step] = reference(grads, values)
+        expected = reference(grads, values)
+        stored = cockpit.get_output()[step]
+        assert not {"NormTest", "InnerTest", "OrthoTest"} & set(stored), sorted(stored)
+        (note,) = [n for n in stored["checks"]["notes"] if "left out" in n]
+        assert re.search(r"called 2 times .* on 4 \+ 4 = 8 rows.*GAN discriminator", note)
+        assert stored["checks"]["valid"] is True
+        for name in ("GradNorm", "Loss", "BatchSize"):
+            assert_exact(cockpit, step, name, expected[name])
         opt_g.zero_grad()
         bce(disc(generator(noise)), torch.ones(half, dtype=torch.float64)).mean().backward()
         opt_g.step()
-    check_all(cockpit, refs)
+    assert len(told) == 1 and "told once" in told[0]
 
 
 # ----------------------------------------------------------------------------------------------------

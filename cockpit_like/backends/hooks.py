@@ -529,15 +529,18 @@ class HookBackend:
         batch = self._call_batch(call)
         sizes = [c.batch for c in calls if c.module is call.module]
         if len(sizes) > 1 and sum(sizes) == batch:  # one module on several parts of the rows (a GAN's D)
-            self._errors.append(UncoveredParameterError(
+            # a note, not an error (since 2026-11-29): the step's other quantities are defined and the run goes on
+            self._errors.append(RowsNotSamplesError(
                 f"{type(call.module).__name__} layer {self._module_name(call.module)} was called {len(sizes)} times "
                 f"in this step's forward pass, on {' + '.join(str(n) for n in sizes)} = {batch} rows: one module on "
                 "different rows of the batch (a GAN discriminator on real and on fake rows, a forward pass in "
                 "chunks such as torch.cat([model(x[:k]), model(x[k:])])) gives no call whose outputs carry all "
                 f"{batch} rows, and the cockpit does not pair the calls' rows with the rows of "
-                f"info['individual_losses'], so the rows' gradients of {names} cannot be told apart. Call it once "
-                "on the concatenated rows (torch.cat([real, fake])) and split its output, or track the per-sample "
-                "quantities at the steps that call it once (docs/your_model.md#limits)."
+                f"info['individual_losses'], so the rows' gradients of {names} cannot be told apart: the per-sample "
+                "quantities (NormTest, InnerTest, OrthoTest, GradHist1d/2d, Alpha's noise, TIC) are left out of "
+                "this step, the others (Loss, GradNorm, Distance, UpdateSize, HessMaxEV, ...) are stored. To have "
+                "them, call it once on the concatenated rows (torch.cat([real, fake])) and split its output "
+                "(docs/your_model.md#limits)."
             ))
             return
         # raised by finish(), after the backward pass, where the step adds the quantities that need it

@@ -175,6 +175,7 @@ class StepExecution:
         self._left_out: set[str] = set()
         #: the per-sample statistics of this pass could not be had after its backward pass (:meth:`_without_rows`)
         self._rows_lost = False
+        self.rows_note: str | None = None
         coupling = sorted({reason for call in calls if (reason := coupling_reason(call.module)) is not None})
         why = None
         if stats and coupling and not raw_batch_grad:
@@ -562,6 +563,8 @@ class StepExecution:
             (f"per-sample quantities {left} left out" if left else "per-sample statistics left out")
             + f": {why}{partial}"
         )
+        #: the note above, for the warning said once per run (:meth:`~cockpit_like.tracked_step.TrackedStep`)
+        self.rows_note = self.notes[-1]
         self._left_out |= set(left)
         self.reducer = None
         self._rows_lost = True
