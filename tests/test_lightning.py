@@ -86,10 +86,10 @@ def _trainer(package, tmp_path, callback, epochs):
     )
 
 
-def _fit(package, tmp_path, epochs, logpath=None, ckpt_path=None, mixin=True, tracked=None, stream_to=None):
+def _fit(package, tmp_path, epochs, logpath=None, ckpt_path=None, mixin=True, tracked=None, stream_to=None, net_class=None):
     from cockpit_like.integrations.lightning import CockpitCallback
 
-    net = _net_class(package, mixin)()
+    net = (net_class or _net_class(package, mixin))()
     cockpit = Cockpit(net.parameters(), quantities=tracked or configuration("full"), model=net.model, stream_to=stream_to)
     callback = CockpitCallback(cockpit, logpath=logpath)
     trainer = _trainer(package, tmp_path, callback, epochs)
@@ -219,6 +219,19 @@ def test_checkpoint_and_resume(tmp_path, reference):
     assert trainer.global_step == 6
     assert_same_log(resumed.get_output(), reference)  # Alpha and UpdateSize across the break included
     assert_same_log(read_log(tmp_path / "stream.jsonl"), reference)  # the stream continued: no step lost or doubled
+
+
+def test_the_mixin_added_by_subclassing_an_existing_module(tmp_path, reference):
+    """``class Tracked(CockpitModule, MyNet): pass`` on a module written without the cockpit: the mixin saw only a
+    training_step defined in the class itself, and the run stopped with advice to put the mixin first, which it
+    was (outside trial 19). Now an inherited training_step is seen too: the log of the plain loop."""
+    from cockpit_like.integrations.lightning import CockpitModule
+
+    class Tracked(CockpitModule, _net_class("lightning.pytorch", mixin=False)):
+        pass
+
+    cockpit, _ = _fit("lightning.pytorch", tmp_path, epochs=2, net_class=Tracked)
+    assert_same_log(cockpit.get_output(), reference)
 
 
 def test_without_the_mixin_clear_errors(tmp_path):
@@ -445,3 +458,56 @@ def test_unequal_micro_batches_say_what_to_do_under_lightning(tmp_path):
     with warnings.catch_warnings(), pytest.raises(PartitionError, match="With Lightning .*drop_last=True"):
         warnings.filterwarnings("ignore", message=".*(does not have many workers).*")
         trainer.fit(net, train)
+
+
+def _manual_fit(tmp_path, cockpit_on: bool, max_steps: int = 5):
+    """Manual optimization with one optimizer, ``opt = self.optimizers()`` (Lightning's wrapper) declared to the
+    cockpit as lightning.md says; returns (parameters, global_step, the cockpit, the next torch.rand)."""
+    import lightning as L
+
+    from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
+
+    x, y = _data()
+    bases = (CockpitModule, L.LightningModule) if cockpit_on else (L.LightningModule,)
+
+    class Manual(*bases):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            losses = F.cross_entropy(self.net(batch[0]), batch[1], reduction="none")
+            if cockpit_on:
+                self.cockpit_info(optimizer=opt, individual_losses=losses)
+            opt.zero_grad()
+            self.manual_backward(losses.mean())
+            opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    module = Manual()
+    cockpit = Cockpit(module.parameters(), configuration("economy"), model=module.net) if cockpit_on else None
+    trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", callbacks=[CockpitCallback(cockpit)] if cockpit_on else [],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path)  # fmt: skip
+    torch.manual_seed(3)
+    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH))
+    return [p.detach().clone() for p in module.parameters()], trainer.global_step, cockpit, torch.rand(1)
+
+
+def test_manual_optimization_with_lightnings_optimizer_wrapper_leaves_the_run_alone(tmp_path):
+    """``self.optimizers()`` is Lightning's ``LightningOptimizer``, an instance of the wrapped optimizer's class
+    too: it was not unwrapped, and Alpha's look-ahead through its ``step`` counted as an optimizer step (outside
+    trial 19: 3 of 5 steps trained with max_steps=5, the parameters 0.029 apart). Now the run is bitwise the
+    same as without the cockpit, every step tracked, Alpha and UpdateSize stored."""
+    pytest.importorskip("lightning")
+    plain, plain_steps, _, plain_next = _manual_fit(tmp_path, cockpit_on=False)
+    tracked, tracked_steps, cockpit, tracked_next = _manual_fit(tmp_path, cockpit_on=True)
+    assert tracked_steps == plain_steps == 5
+    assert all(torch.equal(a, b) for a, b in zip(plain, tracked)) and torch.equal(plain_next, tracked_next)
+    output = cockpit.get_output()
+    assert sorted(output) == [0, 1, 2, 3, 4] and cockpit.invalid_steps == {}
+    assert all("Alpha" in output[step] and "UpdateSize" in output[step] for step in range(4))

@@ -114,6 +114,20 @@ def _unequal_micro_batches_told():
         ) from error
 
 
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's ``LightningOptimizer`` (``self.optimizers()``), else ``optimizer``.
+
+    The wrapper is an instance of the wrapped optimizer's class too (Lightning makes a subclass of both), so
+    an ``isinstance`` test does not tell it; and its ``step`` counts an optimizer step (``global_step``): the
+    cockpit's look-ahead through it trained every other step of a manual-optimization loop (outside trial
+    19: 3 of 5 steps trained with ``max_steps=5``, a GAN 4 of 8)."""
+    inner = getattr(optimizer, "_optimizer", None)
+    if (isinstance(inner, torch.optim.Optimizer) and inner is not optimizer
+            and type(optimizer).__module__.split(".")[0] in ("lightning", "pytorch_lightning")):
+        return inner
+    return optimizer
+
+
 def _find_callback(trainer: Any) -> Any:
     for callback in getattr(trainer, "callbacks", None) or []:
         if isinstance(callback, _CockpitCallbackBase):
@@ -131,8 +145,13 @@ class CockpitModule:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        step = cls.__dict__.get("training_step")
-        if step is None or getattr(step, "_cockpit_noted", False):
+        # the class's own training_step, or one it inherits from a base after the mixin (class
+        # Tracked(CockpitModule, MyNet): pass, outside trial 19: the dict it returned was not seen)
+        owner = next((klass for klass in cls.__mro__ if "training_step" in klass.__dict__), None)
+        if owner is None or owner.__module__.split(".")[0] in ("lightning", "pytorch_lightning"):
+            return  # (Lightning's own, which raises that it must be implemented)
+        step = owner.__dict__["training_step"]
+        if getattr(step, "_cockpit_noted", False):
             return
 
         @functools.wraps(step)
@@ -279,9 +298,8 @@ class _CockpitCallbackBase:
         if trainer.optimizers:
             info["optimizer"] = trainer.optimizers[0]
         info.update(pending)
-        wrapped = getattr(info.get("optimizer"), "optimizer", None)  # Lightning's LightningOptimizer wraps it
-        if isinstance(wrapped, torch.optim.Optimizer) and not isinstance(info["optimizer"], torch.optim.Optimizer):
-            info["optimizer"] = wrapped
+        if "optimizer" in info:
+            info["optimizer"] = _unwrapped(info["optimizer"])
         losses = info.get("individual_losses")
         if isinstance(losses, torch.Tensor) and losses.dim() == 1:
             info["batch_size"] = len(losses)

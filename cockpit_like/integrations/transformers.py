@@ -224,6 +224,7 @@ class CockpitTrainerMixin:
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         callback = self._cockpit_callback()
         if callback is not None:
+            _check_overrides(type(self))
             callback.trainer = self
             path = resume_from_checkpoint
             if path is True:
@@ -315,6 +316,9 @@ class CockpitTrainerMixin:
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper -> torch's
         info = {"loss": info_loss, "individual_losses": losses, "batch_size": len(losses), "optimizer": optimizer,
                 "micro_batches": micro_batches}
+        logits = _logits_of(outputs)
+        if logits is not None:  # TIC's GGN diagonal reads them (and checks that the loss is their cross-entropy)
+            info["outputs"] = logits
         if ids is not None:
             info["sample_ids"] = ids
         with _unequal_micro_batches_told():
@@ -362,6 +366,37 @@ class CockpitTrainerMixin:
             f"{float(loss.detach()):.6g}; the cockpit needs losses whose mean is the loss. Pass "
             "CockpitCallback(individual_losses=fn) with fn(outputs, inputs) -> [B] for this model's loss."
         )
+
+
+def _logits_of(outputs: Any) -> torch.Tensor | None:
+    """The model output's ``logits`` (a ``ModelOutput`` or a dict), else ``None``."""
+    try:
+        logits = outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else None
+    except (KeyError, TypeError):
+        logits = None
+    logits = getattr(outputs, "logits", None) if logits is None else logits
+    return logits if isinstance(logits, torch.Tensor) and logits.grad_fn is not None else None
+
+
+def _check_overrides(cls: type) -> None:
+    """The mixin's ``compute_loss`` and ``training_step`` open and close the cockpit's step: a class before the
+    mixin in ``cls``'s bases that defines one of them bypasses it, and the cockpit would record nothing, with no
+    error (outside trial 19: ``class T(CockpitTrainerMixin, Trainer)`` with its own ``compute_loss`` trained three
+    steps and logged none)."""
+    order = cls.__mro__
+    mixin = order.index(CockpitTrainerMixin)
+    for name in ("compute_loss", "training_step"):
+        owners = [klass for klass in order[:mixin] if name in klass.__dict__]
+        if owners:
+            owner = owners[0]
+            raise TypeError(
+                f"CockpitTrainerMixin: {owner.__qualname__} defines {name}, which comes before the mixin's in "
+                f"{cls.__qualname__}'s bases, so the cockpit's step is never opened around the backward pass and "
+                f"nothing would be recorded. Define {name} in a Trainer subclass of your own and put the mixin "
+                f"first among the bases of a class built on it: class MyTrainer(Trainer): def {name}(...): ...; "
+                f"class TrackedTrainer(CockpitTrainerMixin, MyTrainer): pass (the mixin calls your {name} "
+                "through super())."
+            )
 
 
 @contextlib.contextmanager
