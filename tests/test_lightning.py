@@ -460,9 +460,11 @@ def test_unequal_micro_batches_say_what_to_do_under_lightning(tmp_path):
         trainer.fit(net, train)
 
 
-def _manual_fit(tmp_path, cockpit_on: bool, max_steps: int = 5):
+def _manual_fit(tmp_path, cockpit_on: bool, max_steps: int = 5, declare: str = "optimizer", accumulate: int = 1):
     """Manual optimization with one optimizer, ``opt = self.optimizers()`` (Lightning's wrapper) declared to the
-    cockpit as lightning.md says; returns (parameters, global_step, the cockpit, the next torch.rand)."""
+    cockpit as lightning.md says; returns (parameters, global_step, the cockpit, the next torch.rand).
+    ``declare``: "optimizer" (optimizer and per-sample losses), "none" (no cockpit_info), "loss" (also the mean
+    loss and the micro-batches); ``accumulate``: micro-batches per optimizer step, each ``manual_backward(loss / K)``."""
     import lightning as L
 
     from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
@@ -479,11 +481,17 @@ def _manual_fit(tmp_path, cockpit_on: bool, max_steps: int = 5):
         def training_step(self, batch, batch_idx):
             opt = self.optimizers()
             losses = F.cross_entropy(self.net(batch[0]), batch[1], reduction="none")
-            if cockpit_on:
+            if cockpit_on and declare == "optimizer":
                 self.cockpit_info(optimizer=opt, individual_losses=losses)
-            opt.zero_grad()
-            self.manual_backward(losses.mean())
-            opt.step()
+            elif cockpit_on and declare == "loss":
+                self.cockpit_info(optimizer=opt, individual_losses=losses, loss=losses.mean(), micro_batches=accumulate)
+            micro = self.__dict__.setdefault("micro", 0)  # counted across epochs (3 batches per epoch)
+            if micro % accumulate == 0:
+                opt.zero_grad()
+            self.manual_backward(losses.mean() / accumulate)
+            if micro % accumulate == accumulate - 1:
+                opt.step()
+            self.micro = micro + 1
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
@@ -511,3 +519,22 @@ def test_manual_optimization_with_lightnings_optimizer_wrapper_leaves_the_run_al
     output = cockpit.get_output()
     assert sorted(output) == [0, 1, 2, 3, 4] and cockpit.invalid_steps == {}
     assert all("Alpha" in output[step] and "UpdateSize" in output[step] for step in range(4))
+
+
+def test_manual_optimization_errors_say_what_to_do_under_lightning(tmp_path):
+    """Manual optimization runs the backward pass inside training_step: the error for missing per-sample losses
+    said to return them from training_step, which comes too late; a manual accumulation (manual_backward(loss / 2))
+    was told causes it does not have and not the factor (the factor's hint asked for at least 2, and a float32
+    loss / 2 is 1.99999992 of the rows' mean). Both now say what works under Lightning, and that works: the run
+    bitwise the same as without the cockpit (outside trial 19)."""
+    pytest.importorskip("lightning")
+    with pytest.raises(ValueError, match=r"before it returns: call self.cockpit_info\(individual_losses=...\) in "
+                                         r"training_step before self.manual_backward"):
+        _manual_fit(tmp_path, cockpit_on=True, declare="none")
+    with pytest.raises(ValueError, match=r"1/2 x that mean.*self.cockpit_info\(loss=loss, micro_batches=K"):
+        _manual_fit(tmp_path, cockpit_on=True, accumulate=2)
+    plain, plain_steps, _, _ = _manual_fit(tmp_path, cockpit_on=False, max_steps=2, accumulate=2)
+    tracked, steps, cockpit, _ = _manual_fit(tmp_path, cockpit_on=True, max_steps=2, declare="loss", accumulate=2)
+    assert steps == plain_steps == 2 and all(torch.equal(a, b) for a, b in zip(plain, tracked))
+    assert sorted(cockpit.get_output()) == [0, 1] and cockpit.invalid_steps == {}
+    assert all(check["backward_passes"] == 2 for check in cockpit.checks.values())

@@ -188,6 +188,18 @@ def test_the_mean_of_the_losses_must_be_the_loss():
     assert "x that mean" not in str(raised.value)
 
 
+def test_a_loss_divided_by_a_round_factor_is_named_also_just_below_it():
+    """A float32 ``loss / 2`` against the rows' mean in float64 is 1.99999992 x apart: the hint that names the
+    factor asked for at least 2 and said nothing (outside trial 19, Lightning's manual_backward(loss / 2))."""
+    for seed in range(20):
+        losses = torch.rand(8, generator=torch.Generator().manual_seed(seed)) * 3
+        for divisor in (2, 4):
+            with pytest.raises(ValueError, match=rf"info\['loss'\] is 1/{divisor} x that mean"):
+                check_losses_mean({"loss": losses.mean() / divisor, "individual_losses": losses}, 0)
+        with pytest.raises(ValueError, match=r"info\['loss'\] is 3 x that mean"):
+            check_losses_mean({"loss": losses.mean() * 3, "individual_losses": losses}, 0)
+
+
 def test_a_mean_off_at_float32_rounding_for_float64_losses_names_the_lower_precision_factor():
     """The docs' padded-rows recipe once multiplied float64 losses by ``B / counted`` (an integer tensor: a
     float32 factor): the rows' mean was off by 5e-8 relative, and the error listed causes that were all wrong."""

@@ -151,7 +151,8 @@ def _scaled_loss_hint(loss_value: float, mean: float) -> str:
         return ""
     ratio = loss_value / mean
     for factor, shown in ((ratio, f"{round(ratio):d}"), (1.0 / ratio, f"1/{round(1.0 / ratio):d}")):
-        if factor >= 2.0 and abs(factor - round(factor)) <= 1e-6 * factor:
+        # (round(factor), not factor, at least 2: a float32 loss / 2 against the rows' float64 mean is 1.99999992)
+        if round(factor) >= 2 and abs(factor - round(factor)) <= 1e-6 * factor:
             return (
                 f" info['loss'] is {shown} x that mean: pass as info['loss'] the mean loss itself, not the tensor "
                 "you call backward() on after scaling or dividing it (scaler.scale(loss), loss / K); the cockpit "

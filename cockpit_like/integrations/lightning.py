@@ -303,15 +303,32 @@ class _CockpitCallbackBase:
         losses = info.get("individual_losses")
         if isinstance(losses, torch.Tensor) and losses.dim() == 1:
             info["batch_size"] = len(losses)
+        manual = not getattr(pl_module, "automatic_optimization", True)
         try:
             with _unequal_micro_batches_told():
                 self.cockpit.begin(step, info=info)
         except MissingInfoError as error:
+            if manual:  # the backward pass runs inside training_step: what it returns comes too late
+                raise ValueError(
+                    f"CockpitCallback: {error}. With Lightning's manual optimization the backward pass runs inside "
+                    "training_step, before it returns: call self.cockpit_info("
+                    f"{error.key}=...) in training_step before self.manual_backward(loss) (with the CockpitModule "
+                    "mixin first among your LightningModule's bases)."
+                ) from error
             raise ValueError(
                 f"CockpitCallback: {error}. With Lightning: return {{'loss': ..., '{error.key}': ...}} from "
                 "training_step and put the CockpitModule mixin first among your LightningModule's bases "
                 f"(or call self.cockpit_info({error.key}=...) in training_step)."
             ) from error
+        except ValueError as error:
+            if manual and "x that mean" in str(error) and "loss" not in pending:
+                raise ValueError(
+                    f"CockpitCallback: {error} With Lightning's manual optimization the cockpit takes the tensor "
+                    "given to self.manual_backward as info['loss']: where you accumulate K micro-batches with "
+                    "self.manual_backward(loss / K), declare the mean loss and the micro-batches before it: "
+                    "self.cockpit_info(loss=loss, micro_batches=K, individual_losses=losses, optimizer=opt)."
+                ) from error
+            raise
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         step = self.cockpit.open_step
