@@ -360,7 +360,7 @@ def test_bad_arguments():
         CockpitCallback(cockpit, metrics={"valid_los": "val/loss"})
 
 
-def _two_optimizer_fit(tmp_path, say_which: bool):
+def _two_optimizer_fit(tmp_path, say_which: bool, watch_a_only: bool = False):
     """Manual optimization with two optimizers, GAN style: opt_a steps net a, then opt_b steps net b."""
     import lightning as L
 
@@ -393,7 +393,8 @@ def _two_optimizer_fit(tmp_path, say_which: bool):
             return [torch.optim.SGD(self.a.parameters(), lr=0.5), torch.optim.SGD(self.b.parameters(), lr=0.3)]
 
     net = TwoNets()
-    cockpit = Cockpit(net.parameters(), configuration("economy"), model=net)
+    cockpit = Cockpit((net.a if watch_a_only else net).parameters(), configuration("economy"),
+                      model=net.a if watch_a_only else net)
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", callbacks=[CockpitCallback(cockpit)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=tmp_path)  # fmt: skip
@@ -412,6 +413,17 @@ def test_two_optimizers_need_to_say_which_steps(tmp_path):
     cockpit = _two_optimizer_fit(tmp_path, say_which=True)
     assert cockpit.invalid_steps == {}
     assert len(cockpit.checks) == 6  # 3 batches, two optimizer steps each (numbered by trainer.global_step)
+
+
+def test_a_cockpit_on_one_network_of_two_skips_the_other_networks_steps(tmp_path):
+    """A GAN-style module whose cockpit watches one network: the other optimizer's backward passes stopped
+    training (the watched parameters got no gradient there, outside trial 19). Now the passes of an optimizer
+    that holds none of the cockpit's parameters are not tracked; the watched network's steps are (numbered by
+    trainer.global_step: every other number, so its two-step quantities are not stored, with the note)."""
+    pytest.importorskip("lightning")
+    cockpit = _two_optimizer_fit(tmp_path, say_which=True, watch_a_only=True)
+    assert sorted(cockpit.get_output()) == [0, 2, 4] and cockpit.invalid_steps == {}
+    assert all("NormTest" in cockpit.get_output()[step] for step in (0, 2, 4))
 
 
 def test_the_validation_learning_rate_is_the_last_trained_steps(tmp_path):

@@ -128,6 +128,15 @@ def _unwrapped(optimizer: Any) -> Any:
     return optimizer
 
 
+def _holds_any(optimizer: Any, params: Any) -> bool:
+    """Whether ``optimizer`` steps any of ``params`` (True where it has no ``param_groups`` to tell)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups:
+        return True
+    held = {id(p) for group in groups for p in group.get("params", ())}
+    return any(id(p) in held for p in params)
+
+
 def _find_callback(trainer: Any) -> Any:
     for callback in getattr(trainer, "callbacks", None) or []:
         if isinstance(callback, _CockpitCallbackBase):
@@ -300,6 +309,10 @@ class _CockpitCallbackBase:
         info.update(pending)
         if "optimizer" in info:
             info["optimizer"] = _unwrapped(info["optimizer"])
+            if not _holds_any(info["optimizer"], self.cockpit.params):
+                # another network's step (a GAN's generator where the cockpit watches the discriminator): not
+                # the cockpit's to track (outside trial 19: it stopped training, naming parameters without gradient)
+                return
         losses = info.get("individual_losses")
         if isinstance(losses, torch.Tensor) and losses.dim() == 1:
             info["batch_size"] = len(losses)
