@@ -266,6 +266,18 @@ def test_causal_lm_accumulation_equals_plain_loop(tmp_path, gpt_reference):
     assert_same_log(output, gpt_reference, rtol=1e-5, atol=1e-8)
 
 
+def test_bf16_accumulation_sees_the_loss_factor(tmp_path):
+    """bf16=True: accelerate returns the model's outputs cast to float32, while the model's own loss reads the
+    bfloat16 logits, so the backward pass never reached the cast where the cockpit watched the output, and every
+    step with accumulation noted "loss factor not verified" (outside trial 19). The node before the cast is
+    watched: the factor is seen, every step valid."""
+    model = gpt2().model.float()  # (autocast leaves float64 alone)
+    cockpit = _train(tmp_path, model, _gpt_data(), 3, batch=BATCH // 2, accumulate=2, bf16=True)
+    notes = [note for check in cockpit.checks.values() for note in check.get("notes", [])]
+    assert sorted(cockpit.checks) == [0, 1, 2] and cockpit.invalid_steps == {}
+    assert not [note for note in notes if "loss factor not verified" in note], notes
+
+
 def test_causal_lm_accumulation_shorter_last_step(tmp_path):
     """4 micro-batches of 2 rows per epoch, gradient_accumulation_steps=3: steps of 6 and 2 rows."""
     reference = _plain_loop(gpt2().model, _gpt_data(), 4, rows_per_step=(6, 2))
