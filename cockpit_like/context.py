@@ -96,6 +96,9 @@ class StepRecord:
     #: how far (relative) the gradient self-check let the per-sample rows be from ``p.grad`` at this step (0: not
     #: checked): 5e-2 where the rows came in half precision (autocast), the float32 or float64 tolerance otherwise
     rows_tolerance: float = 0.0
+    #: the block ran inside ``info["optimizer"]``'s ``step(closure)`` (Lightning's automatic optimization), or the
+    #: optimizer needs a closure: a quantity cannot wait for its step there
+    inside_optimizer_step: bool = False
 
     def note(self, text: str) -> None:
         """Say something about this step's numbers in its ``checks["notes"]`` (where a quantity cannot be

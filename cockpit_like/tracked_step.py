@@ -238,10 +238,9 @@ class TrackedStep:
         optimizer = info.get("optimizer")
         #: the quantities scheduled at this step (``active`` once the block is entered, unless ignored)
         self._scheduled = list(env.active_at(global_step))
-        waits = (
-            env.run.stepping is None and not needs_closure(optimizer)
-            and any(q.waits_for_optimizer(global_step) for q in self._scheduled)
-        )  # fmt: skip
+        #: the block runs inside the optimizer's step(closure), or its optimizer needs one: nothing can wait for it
+        self._inside_step = env.run.stepping is not None or needs_closure(optimizer)
+        waits = not self._inside_step and any(q.waits_for_optimizer(global_step) for q in self._scheduled)
         # (with declared micro-batches only their last backward pass waits for the optimizer: the step's end is known)
         finished_by_optimizer = env.ranks is None and _is_optimizer(optimizer)
         #: more backward passes of this step may follow: the loop was seen to accumulate undeclared micro-batches
@@ -752,6 +751,7 @@ class TrackedStep:
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params, at_optimizer_step=at_optimizer_step,
                 rows_tolerance=float((checks.gradient or {}).get("tolerance", 0.0)),
+                inside_optimizer_step=self._inside_step,
             )
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why; where every

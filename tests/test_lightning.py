@@ -550,3 +550,57 @@ def test_manual_optimization_errors_say_what_to_do_under_lightning(tmp_path):
     assert steps == plain_steps == 2 and all(torch.equal(a, b) for a, b in zip(plain, tracked))
     assert sorted(cockpit.get_output()) == [0, 1] and cockpit.invalid_steps == {}
     assert all(check["backward_passes"] == 2 for check in cockpit.checks.values())
+
+
+def test_alpha_under_lightnings_clipping_says_it_cannot_wait(tmp_path):
+    """gradient_clip_val with momentum: the update is not the look-ahead's from the unclipped gradient, and
+    Lightning runs the backward pass inside optimizer.step(closure), where Alpha cannot wait for the update. Its
+    note promised that Alpha would predict the update at the optimizer's step from the next start step on, which
+    never came (outside trial 19); now it says why it cannot, and what would let it."""
+    import lightning as L
+
+    from cockpit_like.integrations.lightning import CockpitCallback, CockpitModule
+
+    x, y = _data()
+
+    class Clipped(CockpitModule, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp()
+
+        def training_step(self, batch, batch_idx):
+            outputs = self.net(batch[0])
+            return {"loss": F.cross_entropy(outputs, batch[1]),
+                    "individual_losses": F.cross_entropy(outputs, batch[1], reduction="none")}
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=LR, momentum=0.9)
+
+    module = Clipped()
+    cockpit = Cockpit(module.parameters(), configuration("economy"), model=module.net)
+    trainer = L.Trainer(max_steps=5, accelerator="cpu", callbacks=[CockpitCallback(cockpit)], logger=False,
+                        gradient_clip_val=1e-3, precision="64-true", enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH))
+    notes = [note for check in cockpit.checks.values() for note in check.get("notes", []) if note.startswith("Alpha")]
+    assert notes and all("cannot wait for the optimizer's update" in note for note in notes), notes
+    assert not any("From the next start step on" in note for note in notes)
+
+
+def test_a_second_fit_with_a_new_trainer_says_what_to_do_under_lightning(tmp_path):
+    """A second fit with a new Trainer on the same module and cockpit counts global_step from 0 again: refused
+    (as it should be), with the fixes of a hand-written loop only (outside trial 19); now Lightning's too."""
+    from cockpit_like.integrations.lightning import CockpitCallback
+    from cockpit_like.run_output import StepAlreadyTrackedError
+
+    net = _net_class("lightning.pytorch")()
+    cockpit = Cockpit(net.parameters(), quantities=configuration("economy"), model=net.model)
+    callback = CockpitCallback(cockpit)
+    train, valid = _loaders()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer("lightning.pytorch", tmp_path, callback, 1).fit(net, train, valid)
+        with pytest.raises(StepAlreadyTrackedError, match=r"With Lightning: a second trainer.fit\(\).*ckpt_path"):
+            _trainer("lightning.pytorch", tmp_path, callback, 1).fit(net, train, valid)

@@ -78,6 +78,7 @@ from typing import Any
 import torch
 
 from cockpit_like.context import MissingInfoError
+from cockpit_like.run_output import StepAlreadyTrackedError
 
 __all__ = ["CockpitCallback", "CockpitModule", "CHECKPOINT_KEY", "DEFAULT_METRICS"]
 
@@ -332,6 +333,13 @@ class _CockpitCallbackBase:
                 f"CockpitCallback: {error}. With Lightning: return {{'loss': ..., '{error.key}': ...}} from "
                 "training_step and put the CockpitModule mixin first among your LightningModule's bases "
                 f"(or call self.cockpit_info({error.key}=...) in training_step)."
+            ) from error
+        except StepAlreadyTrackedError as error:  # (a ValueError: before the one below)
+            raise StepAlreadyTrackedError(
+                f"{error} With Lightning: a second trainer.fit() with a new Trainer counts global_step from 0 "
+                "again; to go on with this run, resume it (trainer.fit(module, ckpt_path=...) from a checkpoint "
+                "saved with the CockpitCallback, whose step numbers go on), or fit again with the same Trainer; for "
+                "a new run, give the new Trainer a new Cockpit and CockpitCallback."
             ) from error
         except ValueError as error:
             if manual and "x that mean" in str(error) and "loss" not in pending:

@@ -176,7 +176,8 @@ class Alpha(TwoStepQuantity):
         record = context.get_record(global_step)
         batch_size = record.require("batch_size", "Alpha")
         result = record.stat(PredictedSlopes(self._slopes_key(global_step)))
-        prediction = "waited" if record.at_optimizer_step else "backward"  # from which gradients
+        # from which gradients; "inside": at the end of a backward pass inside the optimizer's step(closure)
+        prediction = "waited" if record.at_optimizer_step else "inside" if record.inside_optimizer_step else "backward"
         if result.get("not_valid"):  # the look-ahead could not predict the update (it wrote the real parameters)
             record.note(f"Alpha of step {global_step} is not stored: {result['not_valid']}.")
             return
@@ -480,6 +481,15 @@ class Alpha(TwoStepQuantity):
                     "negative gradient, which Alpha assumed as it could not look ahead with the optimizer (no "
                     "info['optimizer'], or an optimizer whose step() needs a closure, such as LBFGS). Pass "
                     "info['optimizer'] = optimizer, one whose step() can run without a closure, to track Alpha.")
+        if prediction == "inside":  # waiting cannot help: the backward pass runs inside the optimizer's step
+            return (f"{why} from the gradients at the end of the backward pass. The gradients changed before the "
+                    "optimizer's update (clipping, as Lightning's gradient_clip_val, or a loss factor, with an "
+                    "optimizer whose update is not just a multiple of the gradient: momentum, weight decay, Adam), or "
+                    "the parameters changed outside optimizer.step(). The cockpit's block runs inside "
+                    "optimizer.step(closure) here (Lightning's automatic optimization does so), where Alpha cannot "
+                    "wait for the optimizer's update: while the gradients change before it, Alpha is not stored. "
+                    "Without the clipping (or with an optimizer that steps along the gradient, plain SGD), or in a "
+                    "loop that calls optimizer.step() after the block, it is.")
         if prediction == "waited":
             return (f"{why}, although the look-ahead ran at the optimizer's step on the gradients it got: the "
                     "parameters changed outside optimizer.step() (a projection, a rollback, load_state_dict), or "
