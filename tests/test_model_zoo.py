@@ -231,8 +231,10 @@ def test_default_dropout_positions_and_flattened_rows_need_no_rerun(monkeypatch,
     assert set(rerun) <= RERUN[name], rerun
 
 
-def test_dropout_in_a_module_climbed_to_is_an_error_naming_it():
-    """T5 with its default dropout: the relative position bias climbs to the stack, which draws dropout masks."""
+def test_dropout_in_a_module_climbed_to_is_named_and_its_per_sample_quantities_left_out():
+    """T5 with its default dropout: the relative position bias climbs to the stack, which draws dropout masks. The
+    per-sample quantities are left out of the step with a note naming the stack, the parameter and the dropout
+    (the run stopped until 2026-11-29), and the others are stored."""
     import transformers
 
     config = transformers.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=24, num_layers=1, num_heads=2,
@@ -244,11 +246,12 @@ def test_dropout_in_a_module_climbed_to_is_an_error_naming_it():
     logits = model(input_ids=tokens, decoder_input_ids=tokens).logits
     losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none").mean(1)
     info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
-    with pytest.raises(RuntimeError) as error, cockpit(0, info=info):
+    with cockpit(0, info=info):
         losses.mean().backward()
-    message = str(error.value)
+    (message,) = [note for note in cockpit.checks[0]["notes"] if "left out" in note]
     assert "T5Stack layer '" in message and "relative_attention_bias.weight" in message
     assert "Dropout(p=0.1)" in message and "dropout to 0" in message and "'NormTest'" in message
+    assert "NormTest" not in cockpit.get_output()[0] and "GradNorm" in cockpit.get_output()[0]
     # dropout modules off, but T5's attention also calls dropout functionally (p = config.dropout_rate):
     # the row-by-row re-run does not reproduce the forward pass, and says so instead of a wrong number
     for module in model.modules():
@@ -262,8 +265,9 @@ def test_dropout_in_a_module_climbed_to_is_an_error_naming_it():
         with cockpit(number, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}):
             losses.mean().backward()
 
-    with pytest.raises(RuntimeError, match=r"T5Stack: re-running it row by row .* did not reproduce"):
-        step(1)
+    step(1)
+    assert any("T5Stack: re-running it row by row" in note and "did not reproduce" in note
+               for note in cockpit.checks[1]["notes"])
     model.eval()  # no dropout at all: the same model works
     step(2)
     assert np.isfinite(cockpit.get_output()[2]["NormTest"])

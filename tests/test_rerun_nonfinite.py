@@ -11,7 +11,6 @@ from torch import nn
 
 from cockpit_like import Cockpit
 from cockpit_like.backends import rerun
-from cockpit_like.backends.rerun import UncoveredParameterError
 from cockpit_like.utils.configuration import configuration
 
 ROWS = 6
@@ -90,13 +89,14 @@ def test_a_micro_batch_with_non_finite_outputs_leaves_out_the_whole_steps_per_sa
     assert "NormTest" in output[0] and "NormTest" not in output[1] and "GradNorm" in output[1]
 
 
-def test_a_finite_forward_pass_that_the_rerun_does_not_reproduce_is_still_an_error(monkeypatch):
+def test_a_finite_forward_pass_that_the_rerun_does_not_reproduce_is_named_not_taken_for_non_finite(monkeypatch):
     monkeypatch.setattr(rerun, "_same_outputs", lambda recomputed, recorded, half=False: False)
     torch.manual_seed(0)
     model = _Seq()
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
     x, y = _batch(0, overflow=False)
     losses = F.cross_entropy(model(x), y, reduction="none")
-    with pytest.raises(UncoveredParameterError, match="did not reproduce the outputs"):
-        with cockpit(0, info={"batch_size": ROWS, "individual_losses": losses, "loss": losses.mean()}):
-            losses.mean().backward()
+    with cockpit(0, info={"batch_size": ROWS, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    notes = cockpit.checks[0]["notes"]  # the mismatch's own note (left out since 2026-11-29), not the non-finite one
+    assert any("did not reproduce the outputs" in note for note in notes) and not any("not finite" in n for n in notes)

@@ -102,6 +102,7 @@ from torch import nn
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES, Dense, Lazy, is_hf_conv1d, rule_for, summed, sums_positions_in_half
 from cockpit_like.backends.rerun import (
+    RowsNotReproducedError,
     UncoveredParameterError,
     _batch_dim,
     _batched,
@@ -1288,21 +1289,21 @@ class HookBackend:
         random = _random_submodule(call.module)
         if random is not None and call.climbed:
             names = [self._param_name(p) for p in call.params]
-            raise UncoveredParameterError(
+            raise RowsNotReproducedError(
                 f"{type(call.module).__name__} layer {self._module_name(call.module)} computes the per-sample "
                 f"gradients of {names}, whose own layers cannot tell the rows apart (an output without batch "
                 "dimension, e.g. a relative position bias shared by all rows, or tokens routed from every row), "
                 "by re-running it row by row, but it draws random numbers in training mode "
-                f"({random}): the re-run would use other dropout masks than the training step. Set its dropout "
+                f"({random}): the re-run would use other dropout masks than the training step. To have them, set its dropout "
                 "to 0 or call .eval() on it during the cockpit's steps, or leave these parameters out of "
                 "Cockpit(params)."
             )
         if random is not None:
-            raise UncoveredParameterError(
+            raise RowsNotReproducedError(
                 f"{type(call.module).__name__} layer {self._module_name(call.module)} has no per-layer rule, "
                 "so its per-sample gradients are recomputed row by row, but it draws random numbers in "
                 f"training mode ({random}): the recomputation would use other dropout masks than the "
-                "training step. Set its dropout to 0 (nn.TransformerEncoderLayer / DecoderLayer: "
+                "training step. To have them, set its dropout to 0 (nn.TransformerEncoderLayer / DecoderLayer: "
                 "`layer.self_attn.dropout = 0.0` keeps the other dropouts), or call .eval() on it during "
                 "the cockpit's steps. Hugging Face attention layers are not affected (their projections "
                 "have per-layer rules). If the module is the model itself because it owns a parameter "

@@ -48,7 +48,8 @@ from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
 from cockpit_like.backends.user_state import held_tensor_hooks, kept_module_attributes, rerunning
 
-__all__ = ["NonFiniteOutputsError", "UncoveredParameterError", "per_sample_grads", "per_sample_grad_rows"]
+__all__ = ["NonFiniteOutputsError", "RowsNotReproducedError", "UncoveredParameterError", "per_sample_grads",
+           "per_sample_grad_rows"]
 
 
 class UncoveredParameterError(RuntimeError):
@@ -59,6 +60,14 @@ class NonFiniteOutputsError(UncoveredParameterError):
     """A re-run did not reproduce a forward pass whose outputs (or the re-run's) were not finite: nothing to check
     the per-sample gradients against. The step goes on without its per-sample values, with a note
     (:meth:`~cockpit_like.backends.step.StepExecution.exit`); the non-finite loss or gradient has its own warning."""
+
+
+class RowsNotReproducedError(UncoveredParameterError):
+    """A module re-run row by row would not (or did not) reproduce the training step's forward pass: random
+    numbers drawn inside it, state it keeps across calls, a statistic over the batch computed inside it. Its
+    per-sample gradients are undefined for this step, not the loop wrong: the step goes on without its per-sample
+    values, with a note (:meth:`~cockpit_like.backends.step.StepExecution.exit`; since 2026-11-29: the training
+    run stopped before, outside trial 20's hard-concrete gate and AlphaDropout)."""
 
 
 def _random_submodule(module: nn.Module) -> str | None:
@@ -371,14 +380,16 @@ class _Rerun:
                     "other (a statistic over the batch, such as x.var(0) or x.std(0), is NaN or inf for one row), "
                     "so its per-sample gradients are undefined"
                 )
-            raise UncoveredParameterError(
+            layout = _layout_hint(self.module)  # the batch in another dimension than the layer reads: the user's to fix
+            raise (UncoveredParameterError if layout else RowsNotReproducedError)(
                 f"{type(self.module).__name__}: re-running it row by row to get per-sample gradients did not "
                 "reproduce the outputs of the training step's forward pass, so its rows are not independent or "
-                "its forward pass depends on state (a key/value cache filled by earlier forward passes: pass "
+                "its forward pass depends on state; to have them, remove what makes the difference (a key/value "
+                "cache filled by earlier forward passes: pass "
                 "use_cache=False while training; random numbers: set dropout and drop-path (stochastic depth) rates to 0 "
                 "or call .eval(), and where the forward pass draws in eval mode too (random masking: ViTMAE's), pass "
                 "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
-                "inside it)." + _layout_hint(self.module) + _parametrization_hint(self.module)
+                "inside it)." + layout + _parametrization_hint(self.module)
             )
 
 

@@ -31,7 +31,7 @@ from cockpit_like.backends.extensions import describe, merge_extensions
 from cockpit_like.backends.hooks import (
     BatchSizeMismatchError, HookBackend, RowsNotSamplesError, UncoveredParameterError, coupling_reason,
 )
-from cockpit_like.backends.rerun import NonFiniteOutputsError
+from cockpit_like.backends.rerun import NonFiniteOutputsError, RowsNotReproducedError
 from cockpit_like.backends.module_rules import pruned
 from cockpit_like.backends.lean_hooks import is_lean
 from cockpit_like.backends.per_sample import DEFAULT_BUDGET_BYTES, PerSampleReducer
@@ -535,7 +535,7 @@ class StepExecution:
         if self.hook_backend is not None:
             try:
                 self.hook_backend.finish()
-            except (NonFiniteOutputsError, RowsNotSamplesError) as error:  # the run goes on, with a note
+            except (NonFiniteOutputsError, RowsNotSamplesError, RowsNotReproducedError) as error:  # a note: the run goes on
                 self._without_rows(str(error))
             except BatchSizeMismatchError as error:
                 raise BatchSizeMismatchError(
