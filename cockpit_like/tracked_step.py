@@ -34,6 +34,7 @@ import torch
 
 from cockpit_like import context
 from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad_scale, is_dtensor, loss_scale, passes_in_block_of
+from cockpit_like.backends.distributed import UnequalBatchError
 from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
 from cockpit_like.backends.user_state import guard_module_hooks
@@ -689,7 +690,10 @@ class TrackedStep:
         )
         self._kept = None  # the view holds them while the quantities read them
         try:
-            reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
+            try:
+                reduction = None if ranks is None else ranks.synchronise(self.step, params, partitions)
+            except UnequalBatchError as error:
+                raise UnequalBatchError(f"{error}{_ending_here(self.active, self.step, env)}") from error
             skippable = partitions.skippable or scale / max(len(partitions.partitions), 1) > 1.0
             if skippable and not gradients_finite(params):
                 env.store_skipped(self.step, {"reason": "grad_scaler", "scale": scale})
@@ -1186,6 +1190,18 @@ _UNCHECKED = object()
 
 def _is_optimizer(value: Any) -> bool:
     return isinstance(value, torch.optim.Optimizer)
+
+
+def _ending_here(active, step: int, env) -> str:
+    """Where the quantities tracking ``step`` only end there (two-step quantities started at the step before, whose
+    schedule leaves ``step`` out): the note for an error whose advice is to leave the step untracked."""
+    ending = sorted(env.name_of(q) for q in active if getattr(q, "is_end", None) and q.is_end(step)
+                    and not q.is_start(step))
+    if not ending or len(ending) < len(active):
+        return ""
+    return (f" (Step {step} is tracked although the schedule leaves it out: {ending} started at step "
+            f"{step - 1} end here, at the parameters after its update. Give the ranks equal rows at the step after a "
+            "tracked one too, or leave those quantities out.)")
 
 
 def needs_closure(optimizer: Any) -> bool:

@@ -156,13 +156,24 @@ class RankGroup:
 
     def _before_forward(self, module, wants_graph) -> None:
         module._cockpit_sync = module.require_backward_grad_sync
-        if torch.is_grad_enabled() and module.require_backward_grad_sync and wants_graph():
+        module._cockpit_unsynced = False
+        # (not with static_graph=True: its reducer writes the gradients in place even unsynchronised, which a
+        # backward pass with create_graph=True refuses; check_step says so before the backward pass)
+        if (torch.is_grad_enabled() and module.require_backward_grad_sync and wants_graph()
+                and not getattr(module, "static_graph", False)):
             module.require_backward_grad_sync = False
+            module._cockpit_unsynced = True
             self.forward_unsynced = True
 
     @staticmethod
     def _after_forward(module) -> None:
         module.require_backward_grad_sync = getattr(module, "_cockpit_sync", True)
+        if getattr(module, "_cockpit_unsynced", False):
+            # DDP's forward pass without sync leaves require_forward_param_sync False, and its next forward pass
+            # then skips the broadcast of rank 0's buffers (outside trial 21: BatchNorm's running statistics
+            # on the other ranks followed their own batches after every graph step): as the synced pass leaves it
+            module.require_forward_param_sync = True
+            module._cockpit_unsynced = False
 
     def check_step(
         self,
@@ -201,6 +212,18 @@ class RankGroup:
                 "the gradients are not synchronised, so no quantity can describe the global batch. With "
                 "gradient accumulation pass info['micro_batches'] = K on each of the K micro-steps and run "
                 "only the last one outside no_sync() (docs/distributed.md, gradient accumulation)."
+            )
+        static = [model for model in ddp if getattr(model, "static_graph", False)]
+        if create_graph and static:
+            raise RuntimeError(
+                f"cockpit step {step}: {list(graph_owners) or 'a quantity'} need(s) Hessian-vector products "
+                "(loss.backward(create_graph=True)), which DistributedDataParallel(static_graph=True) cannot "
+                "backpropagate: its reducer writes the gradients in place even where the cockpit turns its "
+                "synchronisation off (PyTorch: 'a leaf Variable that requires grad is being used in an in-place "
+                "operation'). This step's forward pass ran synchronised, so a loop that catches this error and "
+                "calls loss.backward() trains as without the cockpit. Construct DistributedDataParallel without "
+                "static_graph for these quantities, or leave them out (e.g. configuration('economy'), which "
+                "works with static_graph=True)."
             )
         if create_graph and syncing and not self.forward_unsynced:
             raise RuntimeError(
@@ -301,6 +324,17 @@ class RankGroup:
                 f"cockpit step {step}: rank(s) {failed} raised inside the cockpit context (see their own "
                 f"tracebacks); rank {self.rank} stops too."
             )
+        if grads is not None:
+            # DDP's average, which the cockpit took over for this step (its forward pass ran unsynchronised): made
+            # before anything else can stop the step, so the run stays a DDP run whatever the loop does with the
+            # error below (outside trial 21: an UnequalBatchError caught by the loop left every rank stepping with
+            # its own gradient, and the replicas drifted apart)
+            self._graph_grads = grads
+            offset = 2 * self.world
+            for param in params:
+                size = param.numel()
+                param.grad = (header[offset : offset + size] / self.world).to(param.dtype).view_as(param).clone()
+                offset += size
         if len(set(batches)) > 1:
             raise UnequalBatchError(
                 f"cockpit step {step}: the ranks have different local batch sizes {batches}. "
@@ -308,13 +342,6 @@ class RankGroup:
                 "batch only when every rank has the same number of samples; use equal local batches (e.g. "
                 "DistributedSampler with drop_last=True for the data loader), or leave this step untracked."
             )
-        if grads is not None:
-            self._graph_grads = grads
-            offset = 2 * self.world
-            for param in params:
-                size = param.numel()
-                param.grad = (header[offset : offset + size] / self.world).to(param.dtype).view_as(param).clone()
-                offset += size
         global _ACTIVE
         _ACTIVE = self
         return Reduction([p.rows for p in partitions.partitions], sum(batches), self, step, params[0].device)
