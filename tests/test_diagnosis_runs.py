@@ -280,3 +280,63 @@ def test_a_maxout_net_initialized_far_too_large_is_named_an_initialization_not_a
     assert incidents[0].cause == "poor-initialization"
     healthy = run(digits, maxout_net(), lr=0.01, steps=6)
     assert "poor-initialization" not in rules_of(healthy)
+
+
+class SharedReLUNet(nn.Module):
+    """Layers each called once, one nn.ReLU module after every one of them (a TabNet's, a PixelCNN's pattern)."""
+
+    def __init__(self, std, depth=5, width=32, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        widths = [64] + [width] * depth
+        self.layers = nn.ModuleList(nn.Linear(a, b).to(DTYPE) for a, b in zip(widths[:-1], widths[1:]))
+        self.act, self.head = nn.ReLU(), nn.Linear(width, 10).to(DTYPE)
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.weight.normal_(0.0, std)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.act(layer(x))
+        return self.head(x)
+
+
+class WrittenOutRNN(nn.Module):
+    """A ReLU recurrence over the 8 rows of a digit, its recurrent weight `scale` x an orthogonal matrix."""
+
+    def __init__(self, scale, width=24, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp, self.rec, self.act = nn.Linear(8, width).to(DTYPE), nn.Linear(width, width).to(DTYPE), nn.ReLU()
+        self.out = nn.Linear(width, 10).to(DTYPE)
+        with torch.no_grad():
+            q, _ = torch.linalg.qr(torch.randn(width, width, dtype=DTYPE))
+            self.rec.weight.copy_(scale * q)
+
+    def forward(self, x):
+        h = torch.zeros(x.shape[0], self.rec.in_features, dtype=x.dtype)
+        for t in range(8):
+            h = self.act(self.inp(x[:, 8 * t : 8 * t + 8]) + self.rec(h))
+        return self.out(h)
+
+
+def test_one_activation_module_reused_through_depth_is_not_a_recurrence(digits):
+    """Round 13 (outside trials 20 and 22: a TabNet, a PixelCNN and an ECG CNN initialized far too large, each with
+    one nn.ReLU after every layer): the ReLU's several calls per sample were read as a recurrence, and the first cause
+    was an exploding gradient with advice about recurrent weights. ActivationStats now tells whether a module with
+    weights runs more often than another (a recurrent cell does); here none does, and the initialization is named.
+    A written-out recurrence with recurrent weights 3x orthogonal is still named an exploding gradient."""
+    from cockpit_like.diagnosis import group_findings
+
+    def first_cause(cockpit):
+        incidents = [i for i in group_findings(cockpit.findings) if severity_rank(i.severity) >= severity_rank("warning")]
+        return incidents[0].cause if incidents else None
+
+    deep = run(digits, SharedReLUNet(std=2.0), lr=0.01, steps=4)
+    assert "exploding-recurrence" not in rules_of(deep)
+    assert first_cause(deep) == "poor-initialization"
+    stats = [f for f in deep.findings if f.rule == "poor-initialization"]
+    assert stats and stats[0].step == 0
+    recurrent = run(digits, WrittenOutRNN(scale=3.0), lr=0.01, steps=4)
+    assert "exploding-recurrence" in rules_of(recurrent)
+    assert first_cause(recurrent) == "exploding-gradient"

@@ -167,7 +167,8 @@ class ActivationStats(SingleStepQuantity):
     """
 
     #: hooks, the model references and one step's tallies are not carried across a resume
-    _STATE_SKIP = SingleStepQuantity._STATE_SKIP + ("_models", "_handles", "_tallies", "_armed_step", "_warned")
+    _STATE_SKIP = SingleStepQuantity._STATE_SKIP + ("_models", "_handles", "_tallies", "_armed_step", "_warned",
+                                                    "_weight_calls")
 
     def __init__(self, track_schedule, verbose: bool = False, saturation: float = 0.01):
         super().__init__(track_schedule, verbose=verbose)
@@ -179,6 +180,8 @@ class ActivationStats(SingleStepQuantity):
         self._tallies: dict[str, _Tally] = {}
         self._armed_step: int | None = None
         self._warned = False
+        #: ``{id(module): calls}`` of the modules with weights in the step's forward passes
+        self._weight_calls: dict[int, int] = {}
 
     def settings(self) -> dict[str, Any]:
         return {"saturation": self.saturation}
@@ -198,13 +201,24 @@ class ActivationStats(SingleStepQuantity):
                     found.append((prefix + (name or type(module).__name__), module, kind))
         return found
 
+    def _weighted_modules(self) -> list[nn.Module]:
+        """The modules of the cockpit's models that own parameters themselves."""
+        models = [model for model in (ref() for ref in self._models) if model is not None]
+        return [module for model in models for module in unwrap(model).modules()
+                if next(module.parameters(recurse=False), None) is not None]
+
     def prepare_forward(self, global_step: int) -> None:
         """Install the forward hooks for ``global_step`` (once per step)."""
         if self._armed_step != global_step:
             self._armed_step = global_step
             self._tallies = {}
+            self._weight_calls = {}
         if self._handles:
             return
+        # how often each module with weights runs in the step: a recurrence calls one (its cell) more often than the
+        # others; depth reusing one activation module (one nn.ReLU after every layer) calls each layer once
+        for module in self._weighted_modules():
+            self._handles.append(module.register_forward_hook(self._count_hook()))
         for name, module, kind in self._modules():
             kept: list = []
             if kind in _OFF_BELOW and getattr(module, "inplace", False):
@@ -237,6 +251,14 @@ class ActivationStats(SingleStepQuantity):
 
         return hook
 
+    def _count_hook(self):
+        def hook(module, args, output):
+            if in_rerun() or not torch.is_grad_enabled():
+                return
+            self._weight_calls[id(module)] = self._weight_calls.get(id(module), 0) + 1
+
+        return hook
+
     def skip(self, global_step: int) -> None:
         """Nothing is stored for this step: the forward hooks go, as after a tracked step."""
         self._remove_hooks()
@@ -249,8 +271,9 @@ class ActivationStats(SingleStepQuantity):
 
     def _compute(self, global_step, params, batch_loss):
         tallies = self._tallies if self._armed_step == global_step else {}
+        calls = list(self._weight_calls.values()) if self._armed_step == global_step else []
         self._remove_hooks()
-        self._tallies, self._armed_step = {}, None
+        self._tallies, self._armed_step, self._weight_calls = {}, None, {}
         if not tallies:
             if not self._warned:
                 self._warned = True
@@ -265,4 +288,6 @@ class ActivationStats(SingleStepQuantity):
                     stacklevel=2,
                 )
             return None
-        return {name: tally.result() for name, tally in tallies.items()}
+        # (None where no module with weights ran: nothing to tell)
+        reused = (max(calls) > min(calls)) if calls else None
+        return {name: {**tally.result(), "weights_reused": reused} for name, tally in tallies.items()}
