@@ -173,8 +173,8 @@ class StepExecution:
         if math_attention:
             self.notes.append(MATH_ATTENTION_NOTE)
         self._left_out: set[str] = set()
-        #: the per-sample statistics of this pass could not be had after its backward pass (:meth:`_without_rows`)
-        self._rows_lost = False
+        #: why the per-sample statistics of this pass could not be had after its backward pass (:meth:`_without_rows`;
+        #: None: they could), the note also told once per run as a warning
         self.rows_note: str | None = None
         coupling = sorted({reason for call in calls if (reason := coupling_reason(call.module)) is not None})
         why = None
@@ -563,11 +563,9 @@ class StepExecution:
             (f"per-sample quantities {left} left out" if left else "per-sample statistics left out")
             + f": {why}{partial}"
         )
-        #: the note above, for the warning said once per run (:meth:`~cockpit_like.tracked_step.TrackedStep`)
         self.rows_note = self.notes[-1]
         self._left_out |= set(left)
         self.reducer = None
-        self._rows_lost = True
 
     def _leave_warnings(self) -> None:
         if self._warnings is not None:
@@ -652,7 +650,7 @@ class StepExecution:
         if rows is None:
             rows = int(self.info.get("batch_size", 0))
         partition = Partition(rows, finish, fields, self.info)
-        partition.left_out, partition.rows_lost, partition.drop_rows = self.left_out_owners(), self._rows_lost, drop_rows
+        partition.left_out, partition.rows_lost, partition.drop_rows = self.left_out_owners(), self.rows_note is not None, drop_rows
         return partition
 
     def _unscale_curvature(self) -> None:
