@@ -21,6 +21,8 @@ statistic                   result                                          used
 :class:`DirectionalDots`    ``[sum_p <gb_p[i], d_p> for i]`` (B)            Alpha (end step)
 :class:`RetainedGradBatch`  ``grad_batch`` of every parameter, kept until   Alpha (start step, within one step
                             the step's quantities ran                       only, see docs/gradient_statistics.md)
+:class:`KeepGradBatch`      nothing (``param.grad_batch`` is left on the    a quantity asking ``BatchGrad()`` alone
+                            parameters)
 ==========================  ==============================================  =====================================
 
 Scaling: the loss is the *mean* over ``B`` samples, so BackPACK's
@@ -621,6 +623,26 @@ class RetainedSequence:
     def dots(self, direction: torch.Tensor) -> torch.Tensor:
         d = direction.to(self.a.dtype).reshape(self.a.shape[2], self.b.shape[2])
         return ((self.a @ d) * self.b).sum((1, 2))
+
+
+@dataclass(frozen=True)
+class KeepGradBatch(PerSampleStat):
+    """No reduction: the statistic of a step where a quantity (or the user) asked for BackPACK's ``BatchGrad``
+    and for nothing per sample besides, so that the reducer runs and leaves ``param.grad_batch`` on the
+    parameters on every backend (``keep_grad_batch``): on a model that is not extended, the hooks make it.
+    Freed with BackPACK's buffers after the step's quantities ran."""
+
+    def init(self, params):
+        return None
+
+    def accumulate(self, state, index, param, grad_batch):
+        return state
+
+    def accumulate_sum(self, state, index, param, batch_sum):
+        return state
+
+    def across_ranks(self, result, reduction):
+        return lambda: None
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,12 @@ class StepNeeds:
                 askers.add(name)
         if transforms:
             stats.append(merge_transform_hooks(transforms))
+        if raw_batch_grad and not stats:
+            # BatchGrad() asked for alone: a statistic that reduces nothing, so that the reducer leaves
+            # p.grad_batch on every backend (the hooks make it on a model that is not extended)
+            from cockpit_like.backends.per_sample_stats import KeepGradBatch
+
+            stats.append(KeepGradBatch())
         asked, needs, aliases = tuple(needs), [], []
         for need in asked:
             met_by = need.resolve(asked) if hasattr(need, "resolve") else need
