@@ -4,7 +4,9 @@ A step that needs the graph runs its forward pass with the math attention kernel
 the checkpoint recomputes the forward inside the backward passes (the user's, and the cockpit's Hessian-vector
 products), and a recomputation with another kernel saves other tensors: ``CheckpointError`` ("different
 metadata"), found by an outside tester on a nanoGPT-style loop. The kernels are held there too: the numbers are
-those of the same model without checkpointing."""
+those of the same model without checkpointing. TIC's GGN diagonal from ``info["outputs"]`` runs backward passes of
+its own through the step's graph, which recompute the checkpoint as well (outside trial 24: ``CheckpointError``
+there, with the Hessian-vector products fine)."""
 
 import pytest
 import torch
@@ -42,7 +44,7 @@ class Net(nn.Module):
         return self.head(h + block).mean(1)
 
 
-def run(checkpointed: bool) -> tuple[dict, dict]:
+def run(checkpointed: bool, outputs: bool = False) -> tuple[dict, dict]:
     model = Net(checkpointed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model)
@@ -50,18 +52,24 @@ def run(checkpointed: bool) -> tuple[dict, dict]:
     for step in range(2):
         x, y = torch.randn(8, 16, 4, generator=generator), torch.randint(0, 3, (8,), generator=generator)
         optimizer.zero_grad()
-        losses = F.cross_entropy(model(x), y, reduction="none")
+        logits = model(x)
+        losses = F.cross_entropy(logits, y, reduction="none")
         info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
+        if outputs:
+            info["outputs"] = logits
         with cockpit(step, info=info):
             losses.mean().backward(create_graph=cockpit.create_graph(step))
         optimizer.step()
     return cockpit.get_output(), cockpit.checks
 
 
-def test_full_preset_through_a_checkpointed_attention_block():
-    checkpointed, checks = run(True)
-    plain, _ = run(False)
+@pytest.mark.parametrize("outputs", [False, True])
+def test_full_preset_through_a_checkpointed_attention_block(outputs):
+    checkpointed, checks = run(True, outputs)
+    plain, _ = run(False, outputs)
     assert all(checks[step]["valid"] for step in range(2)), checks
+    names = ("HessMaxEV", "HessTrace", "GradNorm") + (("TICDiag",) if outputs else ())
+    assert all(name in checkpointed[step] for step in range(2) for name in names)
     for step in range(2):
-        for name in ("HessMaxEV", "HessTrace", "GradNorm"):
+        for name in names:
             assert checkpointed[step][name] == pytest.approx(plain[step][name], rel=1e-4, abs=1e-6), name

@@ -211,7 +211,7 @@ def hessian_vector_product(params: list[torch.Tensor], owner: str = "HessMaxEV",
                 for k, hv in zip(positions, found):
                     products[k] = hv
             except RuntimeError as error:
-                limit = graph_limit(error)
+                limit = graph_limit(error, [owner])
                 if limit is not None:
                     raise RuntimeError(f"{owner}: {limit}") from error
                 if "derivative for" in str(error) and "not implemented" in str(error):
@@ -266,21 +266,26 @@ def fused_weight_norms(models: list) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def graph_limit(error: BaseException) -> str | None:
-    """What a PyTorch feature of the model prevents, if ``error`` says that Hessian-vector products cannot run."""
+def graph_limit(
+    error: BaseException, owners=(), what: str = "Hessian-vector products differentiate p.grad"
+) -> str | None:
+    """What a PyTorch feature of the model prevents, if ``error`` says that a backward pass through the step's
+    graph cannot run; ``owners``: the quantities that need it (named in the advice), ``what``: the pass."""
     text = str(error)
+    named = ", ".join(sorted(owners)) or "HessMaxEV, TICDiag, HessTrace with curvature='hutchinson'"
+    leave = f"or leave out the quantities that need the graph ({named}; configuration('economy') needs none)."
     if "does not currently support double backward" in text or "requires create_graph=False" in text:
         return (
-            "Hessian-vector products need a second backward pass through the model, which torch.compile's default "
-            "backend (aot_autograd) does not support. Compile with torch.compile(model, backend='eager') while "
-            "curvature quantities are tracked, or leave out the quantities that need the graph (HessMaxEV, "
-            "curvature='hutchinson'; e.g. configuration('economy'))."
+            "these quantities need a second backward pass through the model, which torch.compile's AOTAutograd "
+            "backends (the default 'inductor', 'aot_eager') do not support. Compile with torch.compile(model, backend='eager') while these quantities are tracked, "
+            + leave
         )
     if "use_reentrant=True" in text:
         return (
-            "Hessian-vector products differentiate p.grad with torch.autograd.grad, which PyTorch does not allow "
-            "through a reentrant activation checkpoint. Use torch.utils.checkpoint(..., use_reentrant=False), or "
-            "leave out the quantities that need the graph (HessMaxEV, curvature='hutchinson')."
+            f"{what} with torch.autograd.grad, which PyTorch does not allow through a reentrant activation "
+            "checkpoint. Use torch.utils.checkpoint(..., use_reentrant=False) (Hugging Face: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), "
+            + leave
         )
     return None
 

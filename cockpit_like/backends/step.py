@@ -495,7 +495,7 @@ class StepExecution:
             if self._create_graph and isinstance(exc, RuntimeError):
                 from cockpit_like.backends.hvp import graph_limit
 
-                limit = graph_limit(exc)
+                limit = graph_limit(exc, {name for names in self._need_owners.values() for name in names})
                 if limit is not None:
                     raise RuntimeError(
                         f"step {self.step} needs loss.backward(create_graph=True) for curvature quantities: {limit}"
@@ -715,17 +715,19 @@ class StepExecution:
         trainable = [i for i, p in enumerate(self.params) if p.requires_grad]
         backend.enter()
         try:
-            with held_tensor_hooks(self.params):
+            # (the graph kernels as in the forward pass: a non-reentrant checkpoint recomputes it here; outside
+            # trial 24 got CheckpointError "different metadata" from attention inside one)
+            with held_tensor_hooks(self.params), graph_kernels(held=bool(self._create_graph)):
                 grads = torch.autograd.grad(loss, [self.params[i] for i in trainable], retain_graph=True, allow_unused=True)
         except RuntimeError as error:
             from cockpit_like.backends.hvp import MissingGraphError, graph_limit
 
-            limit = graph_limit(error)
+            owners = sorted(self.need_owners_of_rows())
+            limit = graph_limit(error, owners, what="it differentiates the loss")
             if limit is not None:  # (a reentrant checkpoint: outside trial 9 got PyTorch's own words about .grad())
                 raise RuntimeError(
-                    f"step {self.step}: the quantities {sorted(self.need_owners_of_rows())} need a second backward "
-                    "pass through this step's graph (TIC's GGN diagonal from info['outputs'], or a sampled GGN): "
-                    + limit.replace("Hessian-vector products differentiate p.grad", "it differentiates the loss")
+                    f"step {self.step}: the quantities {owners} need a second backward pass through this step's "
+                    f"graph (TIC's GGN diagonal from info['outputs'], or a sampled GGN): {limit}"
                 ) from error
             if "backward through the graph a second time" not in str(error):
                 raise
