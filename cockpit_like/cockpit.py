@@ -422,6 +422,9 @@ class Cockpit:
                     "schedule": getattr(schedule, "description", repr(schedule)),
                 }
             )
+            shift = int(getattr(quantity, "SAVE_SHIFT", 0) or 0)
+            if shift:  # stored under its start step, known SAVE_SHIFT steps later (a replay feeds it then)
+                described[-1]["save_shift"] = shift
         meta = run_metadata(described)
         meta["created"] = self._history.get("created") or meta["created"]  # when the run began
         meta["num_params"] = len(self.params)

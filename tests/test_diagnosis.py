@@ -27,7 +27,7 @@ from cockpit_like.diagnosis import (
     findings_in,
 )
 from cockpit_like.diagnosis import rules as R
-from cockpit_like.logs import write_log
+from cockpit_like.logs import read_log_with_metadata, write_log
 from cockpit_like.quantities import GradNorm, Loss
 from cockpit_like.utils.schedules import linear
 from tests.helpers import make_problem, train
@@ -946,3 +946,22 @@ def test_a_nan_the_step_received_is_worded_as_the_data_not_an_operation():
     made = Finding("nonfinite-origin", "error", 3, "log made -inf", evidence={"origin": "operation", "since": 3})
     (incident,) = group_findings([loss, made])
     assert incident.title == "an operation made a NaN or an infinity"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_replay_feeds_two_step_quantities_when_they_arrived(tmp_path, monkeypatch):
+    """UpdateSize of step t is stored under t but known at step t + 1 (``save_shift`` in the log's metadata): the
+    replay feeds it then, so it names the steps the live run named. Outside trial 26: ``cockpit-like diagnose`` on
+    examples/lr_blowup.py listed ``update-ratio-too-large`` at steps 0 and 1, and 10 and 11 (the replay read
+    step 1's update with step 1 and named step 1; the live run named step 0), 17 findings for the live 14."""
+    from tests.test_examples import load
+
+    monkeypatch.chdir(tmp_path)
+    load("lr_blowup").main(["--no-show", "--steps", "16"])
+    metadata, steps = read_log_with_metadata(tmp_path / "runs" / "lr_blowup.json")
+    assert {entry["name"]: entry.get("save_shift") for entry in metadata["quantities"]}["UpdateSize"] == 1
+    live = sorted((f.rule, f.layer, f.step) for f in findings_in(steps))
+    assert ("update-ratio-too-large", "0.weight", 0) in live
+    replayed = diagnose(steps, metadata, stored=False)
+    assert sorted((f.rule, f.layer, f.step) for f in replayed.findings) == live
+    assert len(diagnose(steps, metadata).findings) == len(live)

@@ -136,3 +136,29 @@ def test_cli_diagnose_sample_is_what_the_command_prints(tmp_path, monkeypatch, c
             assert any(line == printed_line for printed_line in lines), f"not printed (in this order): {line!r}"
     notes = [line for line in printed if line.startswith("note:")]
     assert notes and notes == [line for line in sample if line.startswith("note:")]  # every note, none more
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_readme_check_engine_block_runs_as_written(tmp_path, monkeypatch):
+    """README "Check-engine lights, curvature to compute with, resume, DDP" with the "Any model" loop where its
+    comment says: outside trial 26 found two of its calls failing as written (``record`` after the loop, ``curvature``
+    without a quantity that keeps statistics) and ``v`` undefined."""
+    monkeypatch.chdir(tmp_path)
+    any_model = fenced_block(ROOT / "README.md", "## Any model", "python")
+    setup, loop = any_model[: any_model.index("cockpit = Cockpit(")], any_model[any_model.index("for step"):]
+    block = fenced_block(ROOT / "README.md", "## Check-engine lights", "python")
+    marker = "# the loop as in"
+    assert marker in block
+    before, after = block[: block.index(marker)], block[block.index(marker):]
+    generator = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(8, 64, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+              for _ in range(11)]  # fmt: skip
+    torch.manual_seed(0)
+    namespace = _run_snippet(setup + before + loop + after, {"torch": torch, "Cockpit": Cockpit,
+                                                            "configuration": configuration, "loader": loader})
+    cockpit, F, x = namespace["cockpit"], namespace["F"], namespace["x"]
+    assert cockpit.records[5].to_dict()["trigger"] == "on demand" and "record" in cockpit.get_output()[5]
+    assert x.shape == (F.shape[1],) and bool(torch.isfinite(x).all())
+    assert (tmp_path / "ckpt.pt").exists()
+    assert "PreconditionedGradNorm" in cockpit.get_output()[10]

@@ -199,9 +199,9 @@ def diagnose(
             (same rule, layer and step) is listed once.
     """
     diagnosis = Diagnosis(rules, metadata)
-    for step in sorted(steps, key=int):
-        values = steps[step]
-        if isinstance(values, Mapping) and diagnosis.update(int(step), values):
+    for step, arriving in _as_they_arrived(steps, metadata):
+        added = [diagnosis.update(at, values) for at, values in arriving]
+        if any(added):
             diagnosis.run()
     found = list(diagnosis.reported)
     active = list(diagnosis.active.values())
@@ -218,6 +218,37 @@ def diagnose(
     found.sort(key=lambda f: f.step)
     active.sort(key=lambda f: f.step)
     return DiagnosisReport(found, active, diagnosis.notes())
+
+
+def _as_they_arrived(steps: Mapping[Any, Any], metadata: Mapping[str, Any] | None) -> list[tuple[int, list]]:
+    """``[(step, [(stored_at, values), ...])]``: what a live diagnosis was fed after each tracked step. A quantity
+    with ``save_shift`` in the log's metadata (a two-step quantity: UpdateSize, Alpha) is stored under its start
+    step ``t`` but known only at ``t + save_shift``; fed with step ``t``, a rule would see it one step early and
+    name a later step than the live run did (outside trial 26: ``update-ratio-too-large`` listed at steps 0 and 1).
+    Logs without ``save_shift`` are fed step by step, as written."""
+    shifts = {
+        entry["name"]: int(entry["save_shift"])
+        for entry in (metadata or {}).get("quantities") or []
+        if isinstance(entry, Mapping) and isinstance(entry.get("name"), str) and entry.get("save_shift")
+    }
+    order = sorted((int(step), values) for step, values in steps.items() if isinstance(values, Mapping))
+    if not shifts:
+        return [(step, [(step, values)]) for step, values in order]
+    tracked = [step for step, _ in order]
+    late: dict[int, list] = {}  # arrival step -> [(stored_at, values)]
+    fed = []
+    for step, values in order:
+        now = {name: value for name, value in values.items() if name not in shifts}
+        for name, shift in shifts.items():
+            if name in values:
+                # the first step of the log at or after the end step (the end step itself, where it was tracked)
+                at = next((later for later in tracked if later >= step + shift), tracked[-1])
+                late.setdefault(at, []).append((step, {name: values[name]}))
+        fed.append((step, now))
+    arrived = []
+    for step, now in fed:
+        arrived.append((step, sorted(late.pop(step, []), key=lambda item: item[0]) + [(step, now)]))
+    return arrived
 
 
 def diagnose_log(path: str | os.PathLike, rules: Sequence[Rule] | None = None, stored: bool = True) -> DiagnosisReport:
