@@ -58,7 +58,8 @@ class DigitTransformer(nn.Module):
         self.positions = nn.Embedding(ROWS, width)
         # ids [1, T], shared by every row of the batch (as in GPT-2)
         self.register_buffer("position_ids", torch.arange(ROWS).unsqueeze(0), persistent=False)
-        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(width, heads, dim_feedforward=2 * width, dropout=0.0, batch_first=True,
+                                           activation=nn.ReLU())  # a module: the dead-units rule watches it
         self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(width, classes)
 

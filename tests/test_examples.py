@@ -78,6 +78,9 @@ def test_transformer_digits(tmp_path, capsys):
     from cockpit_like.diagnosis import findings_in
 
     assert [f.rule for f in findings_in(steps) if f.severity != "info"] == []  # diagnosed live: a healthy run
+    # its feed-forward ReLU is a module, so the dead-units rule has input (outside trial 26: the default functional
+    # relu left ActivationStats empty, with a warning advising model=, which the example passed)
+    assert all(steps[step].get("ActivationStats") for step in (0, 2, 4))
     assert "Momentum" in steps[0] and "sharpness-above-stability" in metadata["diagnosis"]["can_run"]
 
 

@@ -277,13 +277,21 @@ class ActivationStats(SingleStepQuantity):
         if not tallies:
             if not self._warned:
                 self._warned = True
-                known = "no model known yet" if not self._models else "no activation module ran"
+                if not self._models:
+                    known, fix = "no model known yet", "Pass Cockpit(..., model=model) and use activation modules."
+                else:  # (outside trial 26: the advice to pass model=, which the transformer example did)
+                    known = "the model ran no activation module"
+                    fix = (
+                        "Use activation modules where they should be watched (nn.TransformerEncoderLayer("
+                        "..., activation=nn.ReLU()) instead of the default functional relu); without them the "
+                        "dead-units and saturated-units rules stay silent, the rest is unaffected."
+                    )
                 warnings.warn(
                     f"[cockpit_like] ActivationStats, step {global_step}: nothing recorded ({known}). "
                     "It counts nn.ReLU / ReLU6 / GELU / SiLU / Mish / Hardswish / Tanh / Sigmoid modules (and "
                     "Hugging Face's activation modules) of the cockpit's model "
-                    "in forward passes with gradients; functional activations (torch.relu in forward) "
-                    "are not seen. Pass Cockpit(..., model=model) or use activation modules.",
+                    "in forward passes with gradients; functional activations (torch.relu or F.gelu in forward) "
+                    f"are not seen. {fix}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
