@@ -158,17 +158,37 @@ def test_quantity_errors_propagate_unchanged_with_finite_loss():
 def test_model_not_extended():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))  # no backpack.extend
-    cockpit = Cockpit(model.parameters(), quantities=[NeedsExtension(linear(1), BatchGrad(), "grad_batch")])
+    cockpit = Cockpit(model.parameters(), quantities=[NeedsExtension(linear(1), SumGradSquared(), "sum_grad_squared")])
     loss = torch.nn.functional.mse_loss(model(torch.randn(4, 3)), torch.zeros(4, 2))
-    with pytest.raises(NotExtendedError, match=r"BatchGrad\(\).*must be extended: `model = backpack.extend\(model\)`"):
+    with pytest.raises(NotExtendedError, match=r"SumGradSquared\(\).*must be extended: `model = backpack.extend\(model\)`"):
         with cockpit(0, info={"loss": loss}):
             loss.backward()
+
+
+def test_batch_grad_alone_on_a_model_that_is_not_extended_is_made_by_the_hooks():
+    """``BatchGrad()`` asked for alone: ``p.grad_batch`` on a plain model as BackPACK gives it on an extended one
+    (it raised ``NotExtendedError``; outside trial 26 ran docs/custom_quantities.md's first example on a plain model)."""
+    results = []
+    for extended in (True, False):
+        torch.manual_seed(0)
+        first, second = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+        if extended:
+            first, second = extend(first), extend(second)
+        quantity = NeedsExtension(linear(1), BatchGrad(), "grad_batch")
+        cockpit = Cockpit([*first.parameters(), *second.parameters()], quantities=[quantity])
+        loss = second(torch.tanh(first(torch.randn(5, 3, generator=torch.Generator().manual_seed(1))))).pow(2).mean()
+        with cockpit(0, info={"loss": loss, "batch_size": 5}):
+            loss.backward()
+        results.append([float(v) for v in quantity.get_output()[0]])
+        assert not any(hasattr(p, "grad_batch") for p in [*first.parameters(), *second.parameters()])  # freed
+    assert results[1] == pytest.approx(results[0], rel=1e-6)
 
 
 def test_parameters_of_a_module_that_is_not_extended():
     torch.manual_seed(0)
     first, second = extend(torch.nn.Linear(3, 4)), torch.nn.Linear(4, 2)  # second not extended
-    cockpit = Cockpit([*first.parameters(), *second.parameters()], quantities=[NeedsExtension(linear(1), BatchGrad(), "grad_batch")])
+    cockpit = Cockpit([*first.parameters(), *second.parameters()],
+                      quantities=[NeedsExtension(linear(1), SumGradSquared(), "sum_grad_squared")])
     loss = second(first(torch.randn(5, 3))).pow(2).mean()
     with pytest.raises(NotExtendedError, match=r"parameters #2 weight \[2, 4\], #3 bias \[2\]"):
         with cockpit(0, info={"loss": loss}):

@@ -129,5 +129,8 @@ def test_a_read_outside_the_model_is_still_refused():
     losses = F.cross_entropy(logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none").view(B, -1).mean(1)
     with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean()}):
         losses.mean().backward()
-    assert not cockpit.checks[0]["valid"] and "NormTest" not in cockpit.get_output().get(0, {})
-    assert "emb.weight" in cockpit.checks[0]["failed"][0]["reason"]
+    # the read in the loop is seen before the backward pass since outside trial 25 (the loss reaches emb.weight
+    # around the model's calls): no number, a note that names the parameter (the gradient check named it before)
+    assert "NormTest" not in cockpit.get_output().get(0, {})
+    note = " ".join(cockpit.checks[0]["notes"])
+    assert "info['loss'] reaches emb.weight other than through the module calls" in note

@@ -653,9 +653,19 @@ class HookBackend:
                 "defined for this loop: leave the per-sample quantities out (Loss, GradNorm, HessMaxEV need none)."
             )
         if rows > batch:
+            # (outside trial 25: a node-level GNN with the loss on 6 labelled nodes of 10, a TD critic called once on
+            # T + 1 states for T losses: each declared the losses' rows, and was told that was likely wrong)
             return BatchSizeMismatchError, (
-                f"{seen}: more rows than declared, so info['batch_size'] is likely wrong. Pass the number of rows of "
-                "this batch (`'batch_size': len(targets)`)."
+                f"{seen}: more rows than declared. If info['batch_size'] is not the number of rows of this batch, "
+                "pass it (`'batch_size': len(targets)`). If it is the number of losses, and the model's call has rows "
+                "that are not one loss's each: where only some rows have a loss (the labelled nodes of a graph, the "
+                f"labelled rows of a semi-supervised batch), give every row a loss, 0 for the others, scaled so "
+                f"that their mean is the loss (rows * {rows} / n for a mean over n labelled rows), with "
+                f"'batch_size': {rows}; where a loss reads two rows of one call (a TD target from v(s_t) and "
+                "v(s_t+1) of one call on T + 1 states), call the model once per role (model(s[:-1]), model(s[1:])), "
+                "each on the batch's rows; where every loss reads rows that are no sample's own, per-sample "
+                "gradients are not defined for this loop: leave the per-sample quantities out (Loss, GradNorm, "
+                "HessMaxEV need none)."
             )
         return BatchSizeMismatchError, (
             f"{seen}: info['batch_size'] is likely wrong, e.g. the loader's nominal batch size on a short last batch. "

@@ -305,7 +305,7 @@ class _Rerun:
         except UncoveredParameterError as error:
             first = error
         if recorded is None or len(self.batched) < 2:
-            raise first
+            raise self._rows_related(first)
         batched, vmap = list(self.batched), self._vmap
         readings = (
             set(whole) for size in range(1, len(batched)) for whole in itertools.combinations(batched, size)
@@ -323,7 +323,30 @@ class _Rerun:
                 _NO_VMAP.pop(self.module, None)
             return results, outputs
         self.batched = batched
-        raise first
+        raise self._rows_related(first)
+
+    def _rows_related(self, error: UncoveredParameterError) -> UncoveredParameterError:
+        """``error``, or where an argument is ``[B, B, ...]`` (a matrix that relates the batch's rows to each other:
+        a node-level graph network's adjacency, attention over the batch) a :class:`RowsNotReproducedError`: the
+        rows are not independent samples, per-sample gradients are undefined, the step goes on without them
+        (outside trial 25: a GCN's ``A @ H`` stopped training with advice about a graph's ``batch`` vector)."""
+        if isinstance(error, RowsNotReproducedError):
+            return error
+        # (a [B, B] argument beside the rows' own: one argument whose features equal the batch size by chance
+        # stays the error)
+        square = [list(v.shape) for v in self.values
+                  if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == v.shape[1] == self.batch]
+        if not square or self.batch < 2 or len(self.values) < 2:
+            return error
+        related = RowsNotReproducedError(
+            f"{type(self.module).__name__} takes {square[0]}, a matrix over the batch's {self.batch} rows (an "
+            "adjacency over a graph's nodes, attention across the batch): each row's output reads other rows, so "
+            "the rows are not independent samples and their per-sample gradients are not defined (re-running the "
+            f"module on single rows failed: {str(error).split(' though ')[0]}). Per-sample quantities need the "
+            "samples as rows (a graph-level loss on pooled graphs, each graph its own row)"
+        )
+        related.__cause__ = error
+        return related
 
     def _failed_message(self, error: Exception) -> str:
         """Why re-running the module on some rows failed, where its forward pass on the whole batch ran."""

@@ -182,6 +182,29 @@ class StepExecution:
             # BatchNorm in training mode, an embedding scaling by the batch's id counts: every row's gradient
             # depends on the other rows, so per-sample gradients are undefined; their quantities are left out
             why = f"{'; '.join(coupling)}, so a row's gradient depends on the other rows"
+        elif stats and not raw_batch_grad and (around := _paths_around(self.info.get("loss"), calls, params, self.names)):
+            # the loss reaches parameters other than through their modules' calls: the hooks miss that part
+            # (outside trial 25: a PINN's residual of d2u/dx2 failed the gradient check at every step, naming a
+            # learnable loss weight first, and its HessMaxEV and HessTrace were withheld with the rows)
+            shown = ", ".join(around["parameters"][:4]) + (" ..." if len(around["parameters"]) > 4 else "")
+            first = (
+                "a derivative of the model's outputs taken with create_graph (torch.autograd.grad or torch.func.grad in the loss: a "
+                "physics-informed residual, a gradient penalty, Sobolev training), whose graph multiplies by the "
+                "weights again; or the parameters read in the loss itself (a penalty on them: use the optimizer's "
+                "weight_decay; a learnable loss weight or temperature: compute it in a module's forward, or leave it out "
+                "of Cockpit(params))"
+            ) if around["derivatives"] else (
+                "the parameters read in the loss itself (a penalty on them: use the optimizer's weight_decay; a "
+                "learnable loss weight or temperature: compute it in a module's forward, or leave it out of "
+                "Cockpit(params)), or a derivative of the "
+                "model's outputs in the loss (torch.autograd.grad or torch.func with create_graph: a "
+                "physics-informed residual, a gradient penalty)"
+            )
+            why = (
+                f"info['loss'] reaches {shown} other than through the module calls that use them: {first}. The "
+                "module hooks take each row's gradient at those calls' outputs, so they would miss that part of it "
+                "(docs/your_model.md#limits)"
+            )
         elif stats and not raw_batch_grad and row_check is not None:
             # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients
             coupled = row_check(self.root_outputs)
@@ -974,6 +997,24 @@ def _stale_extended(calls: list) -> list:
         if not same and (isinstance(first, torch.Tensor) or first.ref is not None):
             stale.append(module)
     return stale
+
+
+def _paths_around(loss, calls: list, params: list, names: dict) -> dict | None:
+    """:func:`~cockpit_like.checks.rows.paths_around_the_calls` for this step's calls: the tracked parameters of
+    modules whose calls were recorded, the calls' outputs as the stops."""
+    if not calls or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
+        return None
+    from cockpit_like.backends.tracer import _call_nodes
+    from cockpit_like.checks.rows import paths_around_the_calls
+
+    tracked = {id(p): index for index, p in enumerate(params)}
+    covered, stops = {}, []
+    for call in calls:
+        stops.extend(_call_nodes(call))
+        for name, param in call.module.named_parameters(recurse=False):
+            if id(param) in tracked and name not in call.swapped:
+                covered[id(param)] = names.get(id(param)) or f"#{tracked[id(param)]} {list(param.shape)}"
+    return paths_around_the_calls(loss, stops, covered)
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:

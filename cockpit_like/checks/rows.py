@@ -28,7 +28,7 @@ import torch
 
 from cockpit_like.backends.internal import cockpit_work
 
-__all__ = ["coupled_rows"]
+__all__ = ["coupled_rows", "paths_around_the_calls"]
 
 
 @contextlib.contextmanager
@@ -106,3 +106,54 @@ def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for, on_gradi
         if error > tolerance and (worst is None or error / tolerance > worst["error"] / worst["tolerance"]):
             worst = {"error": error, "tolerance": tolerance, "output": index}
     return worst
+
+
+#: the most autograd nodes :func:`paths_around_the_calls` visits (beyond: it says nothing)
+PATH_NODES = 20_000
+
+
+def paths_around_the_calls(loss, stops: list, covered: dict, limit: int = PATH_NODES) -> dict | None:
+    """Where ``loss`` reaches tracked parameters other than through the module calls that use them.
+
+    The hooks take a parameter's per-sample gradients at the outputs of its module's calls (``stops``: their
+    autograd nodes, and the model's own outputs). A path from the loss to the parameter's gradient accumulator that
+    passes through none of them goes around the hooks: a derivative of the model's outputs inside the loss
+    (``torch.autograd.grad(..., create_graph=True)``: a physics-informed residual, a gradient penalty, Sobolev
+    training, whose graph multiplies by the weights again), or the parameter read in the loss itself (a penalty on
+    the parameters, a learnable loss weight). The rows then miss that part of each row's gradient, whatever the
+    loss; the gradient check would fail at every such step. Walks the loss's graph up to those nodes only: a few
+    nodes for a loss on the outputs.
+
+    Args:
+        loss: ``info["loss"]``.
+        stops: autograd nodes of the step's module calls' outputs.
+        covered: ``{id(parameter): name}`` of the tracked parameters whose modules' calls were recorded.
+
+    Returns:
+        ``None`` where every path goes through the calls (or the graph is larger than ``limit`` nodes), else
+        ``{"parameters": [names], "derivatives": bool}`` (``derivatives``: the walk passed a node of a backward pass
+        made with ``create_graph``).
+    """
+    root = getattr(loss, "grad_fn", None)
+    if root is None or not covered:
+        return None
+    stop = {id(node) for node in stops if node is not None}
+    if id(root) in stop:  # the loss is an output of a call (a model that computes its own loss)
+        return None
+    seen, stack, reached, derivatives = {id(root)}, [root], [], False
+    while stack:
+        node = stack.pop()
+        if len(seen) > limit:
+            return None
+        variable = getattr(node, "variable", None)  # a gradient accumulator: a leaf
+        if variable is not None:
+            name = covered.get(id(variable))
+            if name is not None and name not in reached:
+                reached.append(name)
+            continue
+        derivatives = derivatives or "BackwardBackward" in type(node).__name__
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen and id(child) not in stop:
+                seen.add(id(child))
+                stack.append(child)
+    return {"parameters": reached, "derivatives": derivatives} if reached else None
