@@ -550,9 +550,12 @@ class TrackedStep:
             partitions.checks.fail(
                 "backward_passes",
                 f"several backward passes ran inside the cockpit's block at step {self.step} (two losses with "
-                "retain_graph=True, or the same loss twice), and the per-sample rows saw only one of them"
+                "retain_graph=True, or the same loss twice; or torch.autograd.grad called inside the backward pass, "
+                "such as a hook that solves an implicit layer's adjoint in a deep equilibrium model, whose passes "
+                "are not the loss's), and the per-sample rows saw only one of them"
                 + (". The cockpit has learned that this loop does so: from the next tracked step on it sums "
-                   "each layer's output gradients over the block's backward passes (exact)" if learned else
+                   "each layer's output gradients over the block's backward passes (exact for separate losses; the "
+                   "gradient check says where they are not)" if learned else
                    " (BackPACK's hooks cannot sum them: backpropagate the sum of the losses once)")
                 + ".",
             )
