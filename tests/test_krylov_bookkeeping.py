@@ -260,3 +260,22 @@ def test_norm_in_pieces_has_float64_accuracy(n):
     assert _norm(v.to(torch.float64)) == exact  # float64 as it is
     if n > 100_000:  # the check can fail: float32 all the way is off by more
         assert float(abs(torch.linalg.vector_norm(v).to(torch.float64) - exact) / exact) > 3e-7
+
+
+def test_probe_asymmetry_tells_a_symmetric_operator_from_one_that_is_not():
+    """``probe_asymmetry``: the probes' bilinear forms of a symmetric matrix agree to rounding (delta far below the
+    tolerance, float64 and float32); a perturbation with an antisymmetric part of 5% shows (delta above it)."""
+    from cockpit_like.functional.krylov import probe_asymmetry
+
+    generator = torch.Generator().manual_seed(0)
+    A = torch.randn(50, 50, generator=generator, dtype=torch.float64)
+    S = (A + A.T) / 2
+    probes = torch.randint(0, 2, (4, 50), generator=generator).to(torch.float64) * 2 - 1
+    for dtype in (torch.float64, torch.float32):
+        delta, tolerance = probe_asymmetry(probes.to(dtype), (probes @ S.T).to(dtype), 1e-2)
+        assert tolerance > 0 and delta < 1e-3 * tolerance
+    K = torch.randn(50, 50, generator=generator, dtype=torch.float64)
+    wrong = S + 0.05 * float(torch.linalg.matrix_norm(S)) / float(torch.linalg.matrix_norm(K)) * (K - K.T)
+    delta, tolerance = probe_asymmetry(probes, probes @ wrong.T, 1e-2)
+    assert delta > tolerance
+    assert probe_asymmetry(probes[:1], (probes @ wrong.T)[:1], 1e-2) == (0.0, 0.0)  # one probe: nothing to compare

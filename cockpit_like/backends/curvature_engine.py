@@ -41,10 +41,17 @@ import torch
 
 from cockpit_like.backends.distributed import same_on_all_ranks
 from cockpit_like.backends.hvp import (
-    HutchinsonDiagonal, curvature_params, hessian_vector_product, operator_dtype, product_standard_errors, scatter_blocks,
+    SYMMETRY_PROBES, HutchinsonDiagonal, curvature_params, hessian_vector_product, operator_dtype,
+    product_standard_errors, scatter_blocks,
 )
 from cockpit_like.backends.randomness import generator
-from cockpit_like.functional.krylov import KrylovDecomposition, deflated_diagonal, deflated_trace_samples, lanczos_decomposition
+from cockpit_like.functional.krylov import (
+    KrylovDecomposition,
+    deflated_diagonal,
+    deflated_trace_samples,
+    lanczos_decomposition,
+    probe_asymmetry,
+)
 
 __all__ = ["WarmStart", "LanczosNeed", "KrylovTrace", "DeflatedDiagonal", "SharedSpaceDiagonal", "DEFAULT_RTOL", "DEFAULT_PROBES", "rademacher", "start_vectors", "step_generator"]
 
@@ -275,12 +282,22 @@ class DeflatedDiagonal:
                 block_errors[index] = error
             return {"block_errors": block_errors, "trace_error": found["trace_error"]}
 
+        # the products are a symmetric operator's, or nothing from them is the Hessian's: the decomposition's own
+        # check, and the probes' (outside trial 27: a LayerNorm's wrong third derivative under a gradient penalty
+        # withheld HessMaxEV, and this trace was stored 0.7-2.8 errors high)
+        # (the deflated products B g_k are the samples' rows times the signs g_k = +-1, and g_i^T B g_j is their
+        # bilinear form: B = (I - P) H (I - P) is symmetric where H is)
+        asymmetry = (decomposition.asymmetry(), decomposition.symmetry_tolerance(self.lanczos.rtol))
+        if asymmetry[0] <= asymmetry[1] and self.samples > 1:
+            probes = draws[:SYMMETRY_PROBES].to(estimates.dtype)
+            asymmetry = probe_asymmetry(probes, estimates[:SYMMETRY_PROBES] * probes, self.lanczos.rtol)
         return {
             "diagonal": scatter_blocks(list(diagonal.split(sizes)), indices, params),
             **spread(errors),
             "sample_errors": spread(errors["sample_errors"]),
             "product_errors": spread(errors["product_errors"]),
             "products": self.samples,
+            "asymmetry": asymmetry,
         }
 
     def across_ranks(self, result, reduction):

@@ -290,10 +290,19 @@ def graph_limit(
     return None
 
 
+#: probes whose products a Hutchinson estimate compares pairwise (``v_i^T H v_j`` against ``v_j^T H v_i``), and the
+#: share of their symmetric part the difference may reach (the Lanczos engine's default ``rtol``)
+SYMMETRY_PROBES = 8
+SYMMETRY_RTOL = 1e-2
+
+
 class DiagonalEstimate(list):
-    """One estimated diagonal tensor per parameter; ``errors``: the estimator's standard errors (or None)."""
+    """One estimated diagonal tensor per parameter; ``errors``: the estimator's standard errors (or None);
+    ``asymmetry``: ``(delta, tolerance)`` of its products (:func:`~cockpit_like.functional.krylov.probe_asymmetry`;
+    None: not checked)."""
 
     errors: dict | None = None
+    asymmetry: tuple[float, float] | None = None
 
 
 def _standard_errors(blocks: torch.Tensor) -> dict:
@@ -378,10 +387,14 @@ class HutchinsonDiagonal:
 
         draws = generator(execution.step, "hutchinson diagonal", total.device)
         blocks, energies = [], []
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []  # the first probes and products: the symmetry check
         zeros = [total.new_zeros(())] * len(params)  # a frozen parameter's block: zero, exactly
         for _ in range(self.samples):
             v = torch.randint(0, 2, (size,), device=total.device, generator=draws).to(total.dtype).mul_(2).sub_(1)
-            sample = v * matvec(v)
+            product = matvec(v)
+            if len(kept) < SYMMETRY_PROBES:
+                kept.append((v, product))
+            sample = v * product
             total.add_(sample)
             pieces = sample.split(sizes)
             blocks.append(torch.stack(scatter_blocks([piece.sum() for piece in pieces], indices, zeros)))
@@ -391,6 +404,11 @@ class HutchinsonDiagonal:
         result.blocks = torch.stack(blocks)  # [samples, params]: each sample's block sums
         result.energies = torch.stack(energies)  # [samples, params]: each product's squared norm per block
         result.errors = product_standard_errors(result.blocks.to(torch.float64).cpu(), result.energies.cpu())
+        if len(kept) > 1:
+            from cockpit_like.functional.krylov import probe_asymmetry
+
+            result.asymmetry = probe_asymmetry(torch.stack([v for v, _ in kept]), torch.stack([hv for _, hv in kept]),
+                                               SYMMETRY_RTOL)
         return result
 
     def across_ranks(self, result, reduction):
@@ -421,6 +439,7 @@ class HutchinsonDiagonal:
                     estimate.energies = merged_energies()
                     estimate.errors = product_standard_errors(estimate.blocks.to(torch.float64).cpu(),
                                                               estimate.energies.cpu())
+            estimate.asymmetry = getattr(result, "asymmetry", None)  # (this rank's products: each a Hessian's)
             return estimate
 
         return finish

@@ -177,12 +177,14 @@ class StepExecution:
         #: None: they could), the note also told once per run as a warning
         self.rows_note: str | None = None
         coupling = sorted({reason for call in calls if (reason := coupling_reason(call.module)) is not None})
+        #: where info['loss'] reaches tracked parameters around their modules' calls (:func:`_paths_around`)
+        around = _paths_around(self.info.get("loss"), calls, params, self.names) if (stats or needs.requests) else None
         why = None
         if stats and coupling and not raw_batch_grad:
             # BatchNorm in training mode, an embedding scaling by the batch's id counts: every row's gradient
             # depends on the other rows, so per-sample gradients are undefined; their quantities are left out
             why = f"{'; '.join(coupling)}, so a row's gradient depends on the other rows"
-        elif stats and not raw_batch_grad and (around := _paths_around(self.info.get("loss"), calls, params, self.names)):
+        elif stats and not raw_batch_grad and around:
             # the loss reaches parameters other than through their modules' calls: the hooks miss that part
             # (outside trial 25: a PINN's residual of d2u/dx2 failed the gradient check at every step, naming a
             # learnable loss weight first, and its HessMaxEV and HessTrace were withheld with the rows)
@@ -304,6 +306,18 @@ class StepExecution:
         self._loss_values: list[torch.Tensor] = []
         #: ``(loss module, ignore_index, rows ignored, rows)`` of extended losses whose targets hold their ignore_index
         self._ignored_rows: list[tuple[str, int, int, int]] = []
+        if self.extensions and self._stale_extended and around and around["derivatives"]:
+            named = sorted({type(module).__name__ for module in self._stale_extended})
+            wanted = sorted({describe(extension) for extension in self.extensions})
+            raise ValueError(  # (outside trial 27: the message below blamed an evaluation batch)
+                f"cockpit step {step}: info['loss'] holds a derivative of the model's outputs taken with "
+                "create_graph (a gradient penalty, an input-gradient or physics-informed term), and computing it "
+                f"ran the backward pass of the BackPACK-extended module(s) {named} before this step's: BackPACK "
+                f"keeps one call's input and output per module, so its extensions {wanted} cannot run here. Use the "
+                "model without backpack.extend (Cockpit(..., model=model): the curvature then comes from "
+                "Hessian-vector products, and the per-sample quantities are left out with a note), or "
+                "configuration('economy') on the extended model."
+            )
         if self.extensions and self._stale_extended:
             named = sorted({type(module).__name__ for module in self._stale_extended})
             wanted = sorted({describe(extension) for extension in self.extensions})
@@ -1004,13 +1018,19 @@ def _paths_around(loss, calls: list, params: list, names: dict) -> dict | None:
     modules whose calls were recorded, the calls' outputs as the stops."""
     if not calls or not isinstance(loss, torch.Tensor) or loss.grad_fn is None:
         return None
-    from cockpit_like.backends.tracer import _call_nodes
+    from cockpit_like.backends.tracer import _call_nodes, _flat_outputs
     from cockpit_like.checks.rows import paths_around_the_calls
 
     tracked = {id(p): index for index, p in enumerate(params)}
     covered, stops = {}, []
     for call in calls:
-        stops.extend(_call_nodes(call))
+        # (not a call's outputs without rows: a penalty ||W||^2 that the model's forward returns beside its logits
+        # reads W around W's own call, as the same penalty written in the loss does; outside trial 27)
+        outputs = [t for t in _flat_outputs(call.output) if getattr(t, "grad_fn", None) is not None]
+        if outputs and all(len(t.shape) == 0 for t in outputs):
+            continue
+        stops.extend(node for node in _call_nodes(call)
+                     if not any(len(t.shape) == 0 and t.grad_fn is node for t in outputs))
         for name, param in call.module.named_parameters(recurse=False):
             if id(param) in tracked and name not in call.swapped:
                 covered[id(param)] = names.get(id(param)) or f"#{tracked[id(param)]} {list(param.shape)}"

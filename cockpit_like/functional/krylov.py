@@ -61,6 +61,7 @@ __all__ = [
     "deflated_trace",
     "deflated_trace_samples",
     "deflated_diagonal",
+    "probe_asymmetry",
 ]
 
 MatVec = Callable[[torch.Tensor], torch.Tensor]
@@ -693,3 +694,25 @@ def deflated_diagonal(
         row.copy_(matvec(row))
     estimates = deflate_(work).mul_(signs)
     return exact + estimates.mean(0), estimates
+
+
+def probe_asymmetry(probes: torch.Tensor, products: torch.Tensor, rtol: float) -> tuple[float, float]:
+    """``(delta, tolerance)`` of the products of a few probes: ``C_ij = p_i^T (A p_j) / (||p_i|| ||p_j||)``,
+    ``delta = ||(C - C^T) / 2||_2``, and the tolerance :func:`_symmetry_tolerance` of ``||(C + C^T) / 2||_2``
+    (``max(rtol, eps^(1/3))`` of it). ``A`` symmetric gives ``delta`` at rounding; more says the products are not a
+    symmetric operator's (a wrong double backward), whatever estimator reads them. Fewer than two probes: ``(0, 0)``.
+
+    Args:
+        probes: ``[k, n]`` (rows).
+        products: ``[k, n]``, row ``i`` the operator applied to probe ``i``.
+    """
+    if probes.shape[0] < 2:
+        return 0.0, 0.0
+    p = probes.to(torch.float64)
+    norms = p.norm(dim=1).clamp_min(torch.finfo(torch.float64).tiny)
+    C = (p @ products.to(torch.float64).T) / (norms[:, None] * norms[None, :])
+    if not bool(torch.isfinite(C).all()):
+        return 0.0, 0.0  # (the estimators' own checks speak for products that are not finite)
+    delta = float(torch.linalg.matrix_norm((C - C.T) / 2, ord=2))
+    scale = float(torch.linalg.matrix_norm((C + C.T) / 2, ord=2))
+    return delta, _symmetry_tolerance(rtol, scale, products.dtype)
