@@ -290,7 +290,9 @@ class DeflatedDiagonal:
         asymmetry = (decomposition.asymmetry(), decomposition.symmetry_tolerance(self.lanczos.rtol))
         if asymmetry[0] <= asymmetry[1] and self.samples > 1:
             probes = draws[:SYMMETRY_PROBES].to(estimates.dtype)
-            asymmetry = probe_asymmetry(probes, estimates[:SYMMETRY_PROBES] * probes, self.lanczos.rtol)
+            theta = decomposition.ritz_values() if decomposition.num_products else None
+            scale = float(theta.abs().max()) if theta is not None and theta.numel() else 0.0
+            asymmetry = probe_asymmetry(probes, estimates[:SYMMETRY_PROBES] * probes, self.lanczos.rtol, scale)
         return {
             "diagonal": scatter_blocks(list(diagonal.split(sizes)), indices, params),
             **spread(errors),

@@ -696,15 +696,21 @@ def deflated_diagonal(
     return exact + estimates.mean(0), estimates
 
 
-def probe_asymmetry(probes: torch.Tensor, products: torch.Tensor, rtol: float) -> tuple[float, float]:
+def probe_asymmetry(
+    probes: torch.Tensor, products: torch.Tensor, rtol: float, scale: float = 0.0
+) -> tuple[float, float]:
     """``(delta, tolerance)`` of the products of a few probes: ``C_ij = p_i^T (A p_j) / (||p_i|| ||p_j||)``,
-    ``delta = ||(C - C^T) / 2||_2``, and the tolerance :func:`_symmetry_tolerance` of ``||(C + C^T) / 2||_2``
-    (``max(rtol, eps^(1/3))`` of it). ``A`` symmetric gives ``delta`` at rounding; more says the products are not a
-    symmetric operator's (a wrong double backward), whatever estimator reads them. Fewer than two probes: ``(0, 0)``.
+    ``delta = ||(C - C^T) / 2||_2``, and the tolerance :func:`_symmetry_tolerance` of the larger of
+    ``||(C + C^T) / 2||_2`` and ``scale`` (``max(rtol, eps^(1/3))`` of it). ``A`` symmetric gives ``delta`` at
+    rounding; more says the products are not a symmetric operator's (a wrong double backward), whatever estimator
+    reads them. Fewer than two probes: ``(0, 0)``.
 
     Args:
         probes: ``[k, n]`` (rows).
         products: ``[k, n]``, row ``i`` the operator applied to probe ``i``.
+        scale: the size of the operator the products' rounding is relative to, where ``A`` is a part of it (the
+            Hessian deflated by a Krylov space that holds nearly all of it: its products are rounding, ``C``'s
+            symmetric part is no scale then; ``max|theta|`` of the space is).
     """
     if probes.shape[0] < 2:
         return 0.0, 0.0
@@ -714,5 +720,5 @@ def probe_asymmetry(probes: torch.Tensor, products: torch.Tensor, rtol: float) -
     if not bool(torch.isfinite(C).all()):
         return 0.0, 0.0  # (the estimators' own checks speak for products that are not finite)
     delta = float(torch.linalg.matrix_norm((C - C.T) / 2, ord=2))
-    scale = float(torch.linalg.matrix_norm((C + C.T) / 2, ord=2))
+    scale = max(float(torch.linalg.matrix_norm((C + C.T) / 2, ord=2)), float(scale))
     return delta, _symmetry_tolerance(rtol, scale, products.dtype)
