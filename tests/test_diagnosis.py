@@ -965,3 +965,18 @@ def test_replay_feeds_two_step_quantities_when_they_arrived(tmp_path, monkeypatc
     replayed = diagnose(steps, metadata, stored=False)
     assert sorted((f.rule, f.layer, f.step) for f in replayed.findings) == live
     assert len(diagnose(steps, metadata).findings) == len(live)
+
+
+def test_replay_order_of_values_known_after_their_step():
+    """``save_shift`` values are fed at the first step of the log at or after their end step, before that step's own
+    values, and after the last step where the log ends before it; without ``save_shift`` the log is fed as written."""
+    from cockpit_like.diagnosis.engine import _as_they_arrived
+
+    metadata = {"quantities": [{"name": "UpdateSize", "save_shift": 1}, {"name": "Loss"}]}
+    steps = {"0": {"Loss": 2.0, "UpdateSize": [0.1]}, "2": {"Loss": 1.0, "UpdateSize": [0.2]}}
+    assert _as_they_arrived(steps, metadata) == [
+        (0, [(0, {"Loss": 2.0})]),
+        (2, [(0, {"UpdateSize": [0.1]}), (2, {"Loss": 1.0})]),
+        (2, [(2, {"UpdateSize": [0.2]})]),
+    ]
+    assert _as_they_arrived(steps, {}) == [(0, [(0, steps["0"])]), (2, [(2, steps["2"])])]

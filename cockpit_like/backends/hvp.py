@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from cockpit_like.backends.user_state import held_tensor_hooks
+from cockpit_like.functional.krylov import probe_asymmetry
 
 __all__ = [
     "MissingGraphError", "NoSecondDerivativeError", "hessian_vector_product", "HutchinsonDiagonal", "DiagonalEstimate", "graph_limit",
@@ -405,8 +406,6 @@ class HutchinsonDiagonal:
         result.energies = torch.stack(energies)  # [samples, params]: each product's squared norm per block
         result.errors = product_standard_errors(result.blocks.to(torch.float64).cpu(), result.energies.cpu())
         if len(kept) > 1:
-            from cockpit_like.functional.krylov import probe_asymmetry
-
             result.asymmetry = probe_asymmetry(torch.stack([v for v, _ in kept]), torch.stack([hv for _, hv in kept]),
                                                SYMMETRY_RTOL)
         return result

@@ -638,9 +638,6 @@ class KeepGradBatch(PerSampleStat):
     def accumulate(self, state, index, param, grad_batch):
         return state
 
-    def accumulate_sum(self, state, index, param, batch_sum):
-        return state
-
     def across_ranks(self, result, reduction):
         return lambda: None
 

@@ -19,6 +19,7 @@ May import torch, BackPACK and :mod:`cockpit_like.backends`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -177,33 +178,33 @@ class StepExecution:
         #: None: they could), the note also told once per run as a warning
         self.rows_note: str | None = None
         coupling = sorted({reason for call in calls if (reason := coupling_reason(call.module)) is not None})
-        #: where info['loss'] reaches tracked parameters around their modules' calls (:func:`_paths_around`)
-        around = _paths_around(self.info.get("loss"), calls, params, self.names) if (stats or needs.requests) else None
+        #: where info['loss'] reaches tracked parameters around their modules' calls (:func:`_paths_around`): walked
+        #: only where per-sample rows are wanted, or where BackPACK cannot run and the error should say why
+        around = functools.cache(lambda: _paths_around(self.info.get("loss"), calls, params, self.names))
         why = None
         if stats and coupling and not raw_batch_grad:
             # BatchNorm in training mode, an embedding scaling by the batch's id counts: every row's gradient
             # depends on the other rows, so per-sample gradients are undefined; their quantities are left out
             why = f"{'; '.join(coupling)}, so a row's gradient depends on the other rows"
-        elif stats and not raw_batch_grad and around:
+        elif stats and not raw_batch_grad and around():
             # the loss reaches parameters other than through their modules' calls: the hooks miss that part
             # (outside trial 25: a PINN's residual of d2u/dx2 failed the gradient check at every step, naming a
             # learnable loss weight first, and its HessMaxEV and HessTrace were withheld with the rows)
-            shown = ", ".join(around["parameters"][:4]) + (" ..." if len(around["parameters"]) > 4 else "")
-            first = (
-                "a derivative of the model's outputs taken with create_graph (torch.autograd.grad or torch.func.grad in the loss: a "
-                "physics-informed residual, a gradient penalty, Sobolev training), whose graph multiplies by the "
-                "weights again; or the parameters read in the loss itself (a penalty on them: use the optimizer's "
-                "weight_decay; a learnable loss weight or temperature: compute it in a module's forward, or leave it out "
-                "of Cockpit(params))"
-            ) if around["derivatives"] else (
+            reached = around()["parameters"]
+            shown = ", ".join(reached[:4]) + (" ..." if len(reached) > 4 else "")
+            derivative = (
+                "a derivative of the model's outputs taken with create_graph (torch.autograd.grad or torch.func.grad "
+                "in the loss: a physics-informed residual, a gradient penalty, Sobolev training), whose graph "
+                "multiplies by the weights again"
+            )
+            read = (
                 "the parameters read in the loss itself (a penalty on them: use the optimizer's weight_decay; a "
                 "learnable loss weight or temperature: compute it in a module's forward, or leave it out of "
-                "Cockpit(params)), or a derivative of the "
-                "model's outputs in the loss (torch.autograd.grad or torch.func with create_graph: a "
-                "physics-informed residual, a gradient penalty)"
+                "Cockpit(params))"
             )
+            causes = f"{derivative}; or {read}" if around()["derivatives"] else f"{read}, or {derivative}"
             why = (
-                f"info['loss'] reaches {shown} other than through the module calls that use them: {first}. The "
+                f"info['loss'] reaches {shown} other than through the module calls that use them: {causes}. The "
                 "module hooks take each row's gradient at those calls' outputs, so they would miss that part of it "
                 "(docs/your_model.md#limits)"
             )
@@ -306,21 +307,19 @@ class StepExecution:
         self._loss_values: list[torch.Tensor] = []
         #: ``(loss module, ignore_index, rows ignored, rows)`` of extended losses whose targets hold their ignore_index
         self._ignored_rows: list[tuple[str, int, int, int]] = []
-        if self.extensions and self._stale_extended and around and around["derivatives"]:
-            named = sorted({type(module).__name__ for module in self._stale_extended})
-            wanted = sorted({describe(extension) for extension in self.extensions})
-            raise ValueError(  # (outside trial 27: the message below blamed an evaluation batch)
-                f"cockpit step {step}: info['loss'] holds a derivative of the model's outputs taken with "
-                "create_graph (a gradient penalty, an input-gradient or physics-informed term), and computing it "
-                f"ran the backward pass of the BackPACK-extended module(s) {named} before this step's: BackPACK "
-                f"keeps one call's input and output per module, so its extensions {wanted} cannot run here. Use the "
-                "model without backpack.extend (Cockpit(..., model=model): the curvature then comes from "
-                "Hessian-vector products, and the per-sample quantities are left out with a note), or "
-                "configuration('economy') on the extended model."
-            )
         if self.extensions and self._stale_extended:
             named = sorted({type(module).__name__ for module in self._stale_extended})
             wanted = sorted({describe(extension) for extension in self.extensions})
+            if around() and around()["derivatives"]:  # (outside trial 27: the message below blamed an evaluation batch)
+                raise ValueError(
+                    f"cockpit step {step}: info['loss'] holds a derivative of the model's outputs taken with "
+                    "create_graph (a gradient penalty, an input-gradient or physics-informed term), and computing it "
+                    f"ran the backward pass of the BackPACK-extended module(s) {named} before this step's: BackPACK "
+                    f"keeps one call's input and output per module, so its extensions {wanted} cannot run here. Use "
+                    "the model without backpack.extend (Cockpit(..., model=model): the curvature then comes from "
+                    "Hessian-vector products, and the per-sample quantities are left out with a note), or "
+                    "configuration('economy') on the extended model."
+                )
             raise ValueError(
                 f"cockpit step {step}: the BackPACK-extended module(s) {named} ran again after the forward pass "
                 "of the loss this step backpropagates (a forward pass with gradients enabled, such as an evaluation "

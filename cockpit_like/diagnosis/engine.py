@@ -9,6 +9,7 @@ stops (the clearing is stored too, so the dashboard lists only active ones).
 
 from __future__ import annotations
 
+import bisect
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -231,23 +232,20 @@ def _as_they_arrived(steps: Mapping[Any, Any], metadata: Mapping[str, Any] | Non
         for entry in (metadata or {}).get("quantities") or []
         if isinstance(entry, Mapping) and isinstance(entry.get("name"), str) and entry.get("save_shift")
     }
-    order = sorted((int(step), values) for step, values in steps.items() if isinstance(values, Mapping))
-    if not shifts:
-        return [(step, [(step, values)]) for step, values in order]
+    order = sorted(((int(step), values) for step, values in steps.items() if isinstance(values, Mapping)),
+                   key=lambda item: item[0])
     tracked = [step for step, _ in order]
     late: dict[int, list] = {}  # arrival step -> [(stored_at, values)]
-    fed = []
+    arrived = []
     for step, values in order:
         now = {name: value for name, value in values.items() if name not in shifts}
+        arrived.append((step, late.pop(step, []) + [(step, now)]))
         for name, shift in shifts.items():
-            if name in values:
-                # the first step of the log at or after the end step (the end step itself, where it was tracked)
-                at = next((later for later in tracked if later >= step + shift), tracked[-1])
-                late.setdefault(at, []).append((step, {name: values[name]}))
-        fed.append((step, now))
-    arrived = []
-    for step, now in fed:
-        arrived.append((step, sorted(late.pop(step, []), key=lambda item: item[0]) + [(step, now)]))
+            if name in values:  # known at the first step of the log at or after its end step
+                at = bisect.bisect_left(tracked, step + shift)
+                late.setdefault(tracked[at] if at < len(tracked) else None, []).append((step, {name: values[name]}))
+    if late.get(None):  # ends after the log's last step: fed after it
+        arrived.append((tracked[-1], late[None]))
     return arrived
 
 
