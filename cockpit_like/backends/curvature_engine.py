@@ -47,6 +47,7 @@ from cockpit_like.backends.hvp import (
 from cockpit_like.backends.randomness import generator
 from cockpit_like.functional.krylov import (
     KrylovDecomposition,
+    complement_rows,
     deflated_diagonal,
     deflated_trace_samples,
     lanczos_decomposition,
@@ -182,6 +183,17 @@ class LanczosNeed:
         return lambda: result
 
 
+def _exact_rest(matvec, decomposition, rows: torch.Tensor, keep: bool = False):
+    """``(tr(T), M)`` with ``M = C H C^T`` (float64, symmetrised) for the rows ``C`` of
+    :func:`~cockpit_like.functional.krylov.complement_rows`: ``tr(H) = tr(T) + tr(M)`` exactly, one product per
+    row (``keep``: the products ``H c`` too, as a third element)."""
+    products = torch.stack([matvec(row) for row in rows])
+    square = rows.to(torch.float64) @ products.to(torch.float64).T
+    inside = float(torch.trace(decomposition.projection)) if decomposition.num_products else 0.0
+    rest = (square + square.T) / 2
+    return (inside, rest, products) if keep else (inside, rest)
+
+
 @dataclass(frozen=True)
 class KrylovTrace:
     """Need: Hutch++ trace of the Hessian on the step's Lanczos space, ``samples`` more products.
@@ -204,6 +216,13 @@ class KrylovTrace:
         matvec = hessian_vector_product(params, _OWNER)
         size = _dimension(params)
         device = params[0].device
+        rows = complement_rows(decomposition, 2 * self.samples) if self.samples else None
+        if rows is not None:  # a few directions left: the rest exact from as many products (no more than 2x)
+            inside, rest = _exact_rest(matvec, decomposition, rows)
+            terms = float(decomposition.ritz_values().abs().sum()) + float(rest.diagonal().abs().sum())
+            floor = float(torch.finfo(operator_dtype(params)).eps) * math.sqrt(max(size, 1)) * terms
+            return {"estimate": inside + float(rest.trace()), "standard_error": floor, "sample_error": 0.0,
+                    "product_error": 0.0, "projected": inside, "products": rows.shape[0], "exact": True}
         samples = rademacher(self.samples, size, operator_dtype(params), device, step_generator(execution.step, "hutch++", device))
         inside, values, energies = deflated_trace_samples(matvec, decomposition, samples)
         errors = product_standard_errors(values.reshape(-1, 1), energies.reshape(-1, 1))
@@ -267,6 +286,9 @@ class DeflatedDiagonal:
         indices = curvature_params(params)  # the trainable parameters; frozen ones get zeros
         sizes = [params[i].numel() for i in indices]
         dtype, device = operator_dtype(params), params[0].device
+        rows = complement_rows(decomposition, 2 * self.samples) if self.samples else None
+        if rows is not None:  # a few directions left: the rest exact from as many products (no more than 2x)
+            return self._exact(matvec, decomposition, rows, params, indices, sizes)
         draws = rademacher(self.samples, sum(sizes), dtype, device, step_generator(execution.step, "deflated diagonal", device))
         diagonal, estimates = deflated_diagonal(matvec, decomposition, draws)
         pieces = estimates.split(sizes, dim=1)
@@ -300,6 +322,34 @@ class DeflatedDiagonal:
             "product_errors": spread(errors["product_errors"]),
             "products": self.samples,
             "asymmetry": asymmetry,
+        }
+
+    def _exact(self, matvec, decomposition, rows, params, indices, sizes) -> dict:
+        """The diagonal where :func:`~cockpit_like.functional.krylov.complement_rows` leaves ``r`` directions:
+        ``diag(H) = exact part + diag(C^T M C)``, ``M = C H C^T`` from ``r`` products; errors at rounding."""
+        exact, _ = deflated_diagonal(matvec, decomposition, decomposition.basis.new_zeros(0, sum(sizes)))
+        _, rest, products = _exact_rest(matvec, decomposition, rows, keep=True)
+        rows64 = rows.to(torch.float64)
+        diagonal = exact + ((rows64.T @ rest) * rows64.T).sum(1).to(exact.dtype)
+        eps = float(torch.finfo(exact.dtype).eps) * math.sqrt(max(exact.numel(), 1))
+        blocks = [eps * (float(piece.abs().sum()) + float(rest.diagonal().abs().sum())) for piece in diagonal.split(sizes)]
+        block_errors = [0.0] * len(params)
+        for index, error in zip(indices, blocks):
+            block_errors[index] = error
+        errors = {"block_errors": block_errors, "trace_error": sum(blocks)}
+        theta = decomposition.ritz_values()
+        scale = float(theta.abs().max()) if theta.numel() else 0.0
+        asymmetry = (decomposition.asymmetry(), decomposition.symmetry_tolerance(self.lanczos.rtol))
+        if asymmetry[0] <= asymmetry[1] and rows.shape[0] > 1:
+            asymmetry = probe_asymmetry(rows[:SYMMETRY_PROBES], products[:SYMMETRY_PROBES], self.lanczos.rtol, scale)
+        return {
+            "diagonal": scatter_blocks(list(diagonal.split(sizes)), indices, params),
+            **errors,
+            "sample_errors": dict(errors),
+            "product_errors": dict(errors),
+            "products": rows.shape[0],
+            "asymmetry": asymmetry,
+            "exact": True,
         }
 
     def across_ranks(self, result, reduction):
