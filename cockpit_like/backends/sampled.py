@@ -292,13 +292,31 @@ def _with_checks(result, checks: dict):
     return result
 
 
-def _merged_verdict(result, reduction):
+def _merged_verdict(result, reduction, draws: int = 0):
     """The batch-weighted mean of the parts' diagonals, and their checks: the loss is not a mean cross-entropy
     of the outputs if it is not in one part (micro-batch or rank), and a parameter outside the outputs in one
-    part is outside in the merged result (one small sum rides along with the diagonals)."""
+    part is outside in the merged result (one small sum rides along with the diagonals).
+
+    ``draws``: the number of sketched draws of every part (0: the estimator is exact, or has no draws). Draw
+    ``k`` of the step is then the batch-weighted mean of the parts' draws ``k``: the parts draw independently,
+    so the step's ``draws`` are i.i.d. and unbiased for its diagonal as one batch's are, and their spread (and
+    the rows' parts of each, concatenated) gives the step its standard errors (outside trial 28: a sketched
+    TIC under gradient accumulation was stored with none, 8.5% off in the median and 35% at worst). A part
+    that computed nothing (refused: the merged result is then refused too) adds zeros."""
     from cockpit_like.backends.hvp import DiagonalEstimate
 
     parts = [reduction.mean(d) for d in result]
+    own = getattr(result, "draws", None) or []
+    merged_draws, merged_rows = [], None
+    if draws:
+        sketched = len(own) == draws
+        for k in range(draws):
+            merged_draws.append([reduction.mean(t if sketched else torch.zeros_like(d)) for t, d in
+                                 zip(own[k] if sketched else result, result)])
+        rows = getattr(result, "row_traces", None) if sketched else None
+        if rows is None:
+            rows = torch.zeros(draws, reduction.local_batch, dtype=torch.float64)
+        merged_rows = reduction.cat(rows.to(torch.float64).T * reduction.local_batch)  # [rows, draws]
     count = len(result)
     flags = torch.zeros(count + 2, dtype=torch.float64)
     for index in getattr(result, "outside_indices", ()):
@@ -316,6 +334,14 @@ def _merged_verdict(result, reduction):
         merged.outside_indices, merged.outside, merged.names = outside, [names[i] for i in outside], names
         merged.cross_entropy = False if float(seen[count]) > 0 else (None if float(seen[count + 1]) > 0 else True)
         merged.not_cross_entropy = None
+        if draws:
+            merged.draws = [[part() for part in draw] for draw in merged_draws]
+            merged.row_traces = merged_rows.value.T / reduction.batch
+            blocks = torch.tensor([[float(t.sum()) for t in draw] for draw in merged.draws], dtype=torch.float64)
+            merged.exact, merged.errors = False, sketch_standard_errors(blocks, merged.row_traces)
+        elif getattr(result, "exact", None):
+            merged.exact, merged.draws = True, []
+            merged.errors = {"block_errors": [0.0] * count, "trace_error": 0.0}
         if merged.cross_entropy is False:
             merged.not_cross_entropy = reason or (
                 "in another micro-batch or rank of the step it is not (its gradient in the outputs or its value "
@@ -416,6 +442,8 @@ class GGNDiagonal:
         result = _refused(checks, execution.params)  # not this loss's curvature: nothing computed
         if result is None:
             result = self._diagonal(execution, logits, outputs, classes, count, counted)
+        # sketched or exact: the same for every part of a step (the outputs' form), refused or not
+        result.sketched = not (outputs.dim() == 2 and classes <= self.max_classes) and self.samples > 0
         return _with_checks(result, checks)
 
     def _diagonal(self, execution, logits, outputs, classes, count, counted=None):
@@ -461,6 +489,6 @@ class GGNDiagonal:
 
     def across_ranks(self, result, reduction):
         """Under DDP or micro-batches: the batch-weighted mean of the parts' diagonals (each part's own
-        draws: unbiased for the whole batch's diagonal); the standard errors are not combined (none kept);
-        the checks of every part (:func:`_merged_verdict`)."""
-        return _merged_verdict(result, reduction)
+        draws: unbiased for the whole batch's diagonal), and of their draws one by one where sketched (the
+        step's standard errors from them), with the checks of every part (:func:`_merged_verdict`)."""
+        return _merged_verdict(result, reduction, self.samples if getattr(result, "sketched", False) else 0)
