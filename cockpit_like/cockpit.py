@@ -34,7 +34,7 @@ from cockpit_like.backends.lean_hooks import ModuleCollector
 from cockpit_like.backends.partitions import is_dtensor, micro_batches_of
 from cockpit_like.backends.step import NotExtendedError, UnsupportedLayerError
 from cockpit_like.backends.tracer import ModelTracer
-from cockpit_like.backends.user_state import guard_module_hooks, restored_on_failure
+from cockpit_like.backends.user_state import guard_module_hooks, guard_tensor_hooks, user_state_kept
 from cockpit_like.checks.invariants import StepChecks
 from cockpit_like.diagnosis import Diagnosis, Finding, Rule, active_findings, findings_in
 from cockpit_like.diagnosis.recorder import RECORD_KEY, Record, Recorder
@@ -257,6 +257,7 @@ class Cockpit:
         self.on_finding = on_finding
         #: the :class:`~cockpit_like.diagnosis.Diagnosis` run after tracked steps (None: off)
         self.diagnosis: Diagnosis | None = _make_diagnosis(diagnose)
+        guard_tensor_hooks()  # the user's tensor hooks sit out the cockpit's own backward passes (user_state.py)
         self._tracer = ModelTracer(
             self.params,
             wants_graph=self._before_forward,
@@ -509,7 +510,7 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
-        with restored_on_failure():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
+        with user_state_kept():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
             self._release_loose()
             self._begin(global_step, exts, info, debug)
 
@@ -609,7 +610,7 @@ class Cockpit:
             )
         self._open_step = None
         try:
-            with restored_on_failure():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
+            with user_state_kept():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
                 self._end(tracked, error)
         except BaseException:  # what the failure (or an interrupt in its own take-down) skipped; each runs again safely
             if self._run.pending is not tracked:
@@ -761,7 +762,7 @@ class Cockpit:
         output is read): merge its backward passes, check them and track its quantities."""
         pending, self._run.pending = self._run.pending, None
         if pending is not None:
-            with restored_on_failure():
+            with user_state_kept():
                 pending.finish(at_optimizer_step=at_optimizer_step)
             self._withdraw_if_unseen(pending.step, pending.info.get("optimizer"))
 

@@ -27,7 +27,8 @@ gradient comes from the row check's backward pass before the user's
 (:func:`~cockpit_like.checks.rows.coupled_rows`), kept as projections on
 random directions (:class:`OutputReference`), never as a copy of the output.
 
-May import torch and :mod:`cockpit_like.backends.internal`.
+May import torch, :mod:`cockpit_like.backends.internal` and :mod:`cockpit_like.backends.user_state` (the
+cockpit's own backward passes).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from functools import partial
 import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
+from cockpit_like.backends.user_state import own_backward
 
 __all__ = ["LossFactor", "OutputReference"]
 
@@ -243,7 +245,7 @@ class LossFactor:
             return
         from torch.autograd.graph import GradientEdge
 
-        with cockpit_work(), torch.enable_grad():
+        with cockpit_work(), own_backward(), torch.enable_grad():
             losses = self._losses
             self._probing = True  # (hooks may run on another thread of the autograd engine: marked here too)
             try:

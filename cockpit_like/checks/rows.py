@@ -17,7 +17,8 @@ graph node), before the user's backward pass; nothing is kept. BackPACK's hooks
 on the outputs may fire there: its stored inputs are kept for the step's
 backward pass.
 
-May import torch, BackPACK's context and :mod:`cockpit_like.backends.internal` (the cockpit's own work).
+May import torch, BackPACK's context, :mod:`cockpit_like.backends.internal` (the cockpit's own work) and
+:mod:`cockpit_like.backends.user_state` (its own backward passes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import torch
 
 from cockpit_like.backends.internal import cockpit_work
+from cockpit_like.backends.user_state import own_backward
 
 __all__ = ["coupled_rows", "paths_around_the_calls"]
 
@@ -79,7 +81,7 @@ def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for, on_gradi
     edges = [o if leaf(o) else GradientEdge(o.grad_fn, o.output_nr) for o in outputs]
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     signs = (torch.randint(0, 2, (batch,), generator=generator) * 2 - 1).to(device=losses.device, dtype=losses.dtype)
-    with torch.enable_grad(), cockpit_work(), _backpack_keeps_its_inputs():
+    with torch.enable_grad(), cockpit_work(), own_backward(), _backpack_keeps_its_inputs():
         try:
             plain = torch.autograd.grad(losses, edges, torch.ones_like(losses), retain_graph=True, allow_unused=True)
             signed = torch.autograd.grad(losses, edges, signs, retain_graph=True, allow_unused=True)
