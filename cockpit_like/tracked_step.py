@@ -1006,13 +1006,21 @@ class TrackedStep:
         if all(f is not None for f in factors):
             scale = partitions.gradient_scale()
             if scale is not None and _undeclared_factor(scale, partitions.scale):
+                ratio = scale / partitions.scale
+                # a GradScaler's scale is a power of two: nothing to declare for it (docs/your_training_loop.md), and
+                # the note said "declare" at every step of that documented loop (outside trial 29)
+                scaler = ratio > 1 and math.frexp(ratio)[0] == 0.5
+                cause = ("a power of two, as a GradScaler's scale is (nothing needs declaring for one: "
+                         "info['grad_scaler'] = scaler says so and ends this note); else a sum-reduced loss with "
+                         "info['loss'] its mean or a loss multiplied by hand (declare info['loss_scale'] where intended)"
+                         if scaler else "an undeclared GradScaler, a sum-reduced loss with info['loss'] its mean, a "
+                         "loss multiplied by hand: declare the factor, info['grad_scaler'] or info['loss_scale'], where "
+                         "it is intended")  # fmt: skip
                 checks.note(
                     f"the gradients are {scale:.6g} x those of the step's mean loss (info['loss'], over the step's "
-                    f"micro-batches), where the declarations say {partitions.scale:.6g} (an undeclared GradScaler, a "
-                    "sum-reduced loss with info['loss'] its mean, a loss multiplied by hand): the quantities describe "
+                    f"micro-batches), where the declarations say {partitions.scale:.6g}: the quantities describe "
                     f"the mean loss (GradNorm is ||p.grad|| / {scale:.6g}; the per-sample rows and the curvature are "
-                    "divided alike). Declare the factor (info['grad_scaler'] or info['loss_scale']) where it is "
-                    "intended."
+                    f"divided alike). The factor is {cause}."
                 )
             if scale is None:
                 rows = [p.rows for p in partitions.partitions]

@@ -287,6 +287,15 @@ class Alpha(TwoStepQuantity):
                 "(told once; each step's notes say what it stored)",
             )
             return None
+        if _needs_closure(optimizer):  # (outside trial 29: the look-ahead's TypeError was shown as it came)
+            self._tell_once(
+                ("closure", type(optimizer)),
+                f"Alpha: {type(optimizer).__name__}.step() needs a closure (it evaluates the loss again), so Alpha "
+                "cannot look ahead at its update; it assumes the update points along the negative gradient (at "
+                "LBFGS's first step it does, at its later steps mostly not) and checks that at the next step, where "
+                "Alpha is not stored if it does not (each step's notes say so; told once)",
+            )
+            return None
         try:  # the optimizer owns the cockpit's own tensors (params may be whole stand-ins of sharded ones)
             live = record.live_params or params
             return step_memo(
@@ -536,3 +545,14 @@ class Alpha(TwoStepQuantity):
         ratio = float(norm_actual / norm_predicted)
         gap = _norm(tensor_lists.differences(actual, predicted, alpha=ratio)) / norm_actual
         return bool(gap <= max(eps * (1000 + 20 * relative_size), tolerance_for(actual[0].dtype), rows_tolerance))
+
+
+def _needs_closure(optimizer) -> bool:
+    """Whether ``optimizer.step`` has a ``closure`` argument without a default (``torch.optim.LBFGS``)."""
+    import inspect
+
+    try:
+        parameter = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # no signature to read: the look-ahead will tell
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
