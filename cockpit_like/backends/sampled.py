@@ -490,5 +490,6 @@ class GGNDiagonal:
     def across_ranks(self, result, reduction):
         """Under DDP or micro-batches: the batch-weighted mean of the parts' diagonals (each part's own
         draws: unbiased for the whole batch's diagonal), and of their draws one by one where sketched (the
-        step's standard errors from them), with the checks of every part (:func:`_merged_verdict`)."""
+        step's standard errors from them; ``samples`` more parameter-sized parts to merge, at the steps that
+        sketch), with the checks of every part (:func:`_merged_verdict`)."""
         return _merged_verdict(result, reduction, self.samples if getattr(result, "sketched", False) else 0)
