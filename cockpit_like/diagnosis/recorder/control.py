@@ -379,7 +379,11 @@ class Recorder:
         """Note the gradient that reaches ``info["loss"]``: ``S`` under ``scaler.scale(loss).backward()``."""
         if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
             self._factor = []
-            self._factor_hook = loss.register_hook(self._factor.append)
+            self._factor_hook = loss.register_hook(self._factor_seen)
+
+    def _factor_seen(self, grad: torch.Tensor) -> None:
+        """The hook on ``info["loss"]`` (a method of the cockpit's: the user's hooks' guard leaves it alone)."""
+        self._factor.append(grad)
 
     def let_go(self) -> None:
         """The step failed between :meth:`step_begins` and the end of :meth:`after_step` (an exception, an
