@@ -1235,7 +1235,11 @@ class Cockpit:
         active at the coming step prepare for it (:meth:`Quantity.prepare_forward`); returns
         whether that step needs the graph."""
         step, graph = self._next_step, False
-        for quantity in self._active_at(step):
+        active = self._active_at(step)
+        if active:  # hooks registered since the last tracked step: guarded before the modules below run (outside
+            # trial 31: a backward hook registered after Cockpit(...) ran 9-38 times at step 0)
+            guard_module_hooks(self.models())
+        for quantity in active:
             quantity.prepare_forward(step)
             graph = graph or quantity.create_graph(step)
         return graph

@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
 from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
-from cockpit_like.backends.user_state import held_tensor_hooks, kept_module_attributes, rerunning
+from cockpit_like.backends.user_state import held_tensor_hooks, kept_generators, kept_module_attributes, rerunning
 
 __all__ = ["NonFiniteOutputsError", "RowsNotReproducedError", "UncoveredParameterError", "per_sample_grads",
            "per_sample_grad_rows"]
@@ -557,7 +557,7 @@ def _model_kept(module: nn.Module):
     ]  # fmt: skip
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices), rerunning(), kept_module_attributes(module):
+        with torch.random.fork_rng(devices=devices), kept_generators(module), rerunning(), kept_module_attributes(module):
             yield
     finally:
         for owner, name in empty:

@@ -665,7 +665,9 @@ class StepExecution:
                 continue  # (its rows are known not to be the samples': the quantities are left out, with a note)
             try:
                 computed[need] = need.compute(self)
-            except RowsNotSamplesError as error:  # its own per-sample pass: the rows are not the samples'
+            except (RowsNotSamplesError, RowsNotReproducedError) as error:  # its own per-sample pass: the rows are
+                # not the samples' (outside trial 31: a LayerDrop drawing from Python's `random` stopped the run
+                # with TICDiag's GGN pass, where the step's own pass left the per-sample quantities out with a note)
                 if not rowed:
                     raise
                 left = sorted(owners - self._left_out)

@@ -34,15 +34,15 @@ import torch
 
 from cockpit_like.backends import internal
 
-__all__ = ["UserState", "guard_module_hooks", "guard_tensor_hooks", "held_tensor_hooks", "in_rerun", "kept_module_attributes",
-           "own_backward", "rerunning", "user_state_kept"]  # fmt: skip
+__all__ = ["UserState", "gradient_changes", "guard_module_hooks", "guard_tensor_hooks", "held_tensor_hooks", "in_rerun",
+           "kept_generators", "kept_module_attributes", "own_backward", "rerunning", "user_state_kept"]  # fmt: skip
 
 
 class UserState:
     """Grad mode, torch's CPU generator (and those of the CUDA devices once CUDA is initialised), the depth of
     the cockpit's own work and of the optimizer look-aheads, as they were at :meth:`capture`."""
 
-    __slots__ = ("grad_enabled", "cpu_rng", "cuda_rng", "work_depth", "looking_ahead")
+    __slots__ = ("grad_enabled", "cpu_rng", "cuda_rng", "other_rng", "work_depth", "looking_ahead")
 
     @classmethod
     def capture(cls) -> UserState:
@@ -52,6 +52,7 @@ class UserState:
         state.grad_enabled = torch.is_grad_enabled()
         state.cpu_rng = torch.default_generator.get_state()
         state.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        state.other_rng = _global_streams()
         state.work_depth = getattr(internal._STATE, "depth", 0)
         state.looking_ahead = optim._LOOKING_AHEAD
         return state
@@ -68,6 +69,59 @@ class UserState:
         torch.default_generator.set_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+        _set_global_streams(self.other_rng)
+
+
+def _global_streams() -> tuple:
+    """The states of Python's ``random`` and (where imported) NumPy's global generator: a forward pass the
+    cockpit re-runs, or a hook in its own passes, may draw from them (outside trial 31: a LayerDrop on
+    ``random.random()``, a SpecAugment mask from ``np.random``, 0.03-0.05 apart in the parameters)."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), (numpy.random.get_state() if numpy is not None else None)
+
+
+def _set_global_streams(states: tuple) -> None:
+    import random
+    import sys
+
+    python, numpy_state = states
+    random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
+
+
+@contextlib.contextmanager
+def kept_generators(module: torch.nn.Module) -> Iterator[None]:
+    """Put back, afterwards, the random streams a forward pass of ``module`` may draw from besides torch's global
+    ones: Python's and NumPy's global generators, and generators the modules hold as attributes
+    (``torch.Generator``, ``numpy.random.Generator`` / ``RandomState``, ``random.Random``)."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    held = []
+    for owner in module.modules():
+        for value in owner.__dict__.values():
+            if isinstance(value, torch.Generator):
+                held.append((value.set_state, value.get_state()))
+            elif isinstance(value, random.Random):
+                held.append((value.setstate, value.getstate()))
+            elif numpy is not None and isinstance(value, numpy.random.RandomState):
+                held.append((value.set_state, value.get_state()))
+            elif numpy is not None and isinstance(value, numpy.random.Generator):
+                held.append((lambda state, bits=value.bit_generator: setattr(bits, "state", state),
+                             value.bit_generator.state))
+    streams = _global_streams()
+    try:
+        yield
+    finally:
+        _set_global_streams(streams)
+        for restore, state in held:
+            restore(state)
 
 
 @contextlib.contextmanager
@@ -182,6 +236,18 @@ _GUARDED_TABLES = (("_backward_hooks", "backward"), ("_backward_pre_hooks", "bac
                    ("_forward_hooks", "forward"), ("_forward_pre_hooks", "forward_pre"))  # fmt: skip
 
 
+#: ``[count, name]``: the user's guarded backward hooks (module backward hooks, tensor hooks) that returned a new
+#: gradient in the user's own backward passes, and the last one's name (:func:`gradient_changes`)
+_CHANGES: list = [0, None]
+
+
+def gradient_changes() -> tuple[int, str | None]:
+    """``(count, name)`` of the user's hooks that returned a new gradient in a backward pass of the user's so far:
+    a step compares the count with its value when the step began (the quantities then read the changed
+    gradients, the curvature's products included: a hook that halves them halves HessMaxEV)."""
+    return _CHANGES[0], _CHANGES[1]
+
+
 def _guarded(hook, kind: str):
     if kind == "backward":
 
@@ -189,7 +255,12 @@ def _guarded(hook, kind: str):
         def guarded(*args, **kwargs):
             if _OWN_PASSES:
                 return None
-            return hook(*args, **kwargs)
+            result = hook(*args, **kwargs)
+            if result is not None:
+                target = getattr(hook, "func", hook)
+                _CHANGES[0] += 1
+                _CHANGES[1] = getattr(target, "__qualname__", None) or type(target).__name__
+            return result
 
     elif kind == "forward_pre":
 
