@@ -37,7 +37,7 @@ from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad
 from cockpit_like.backends.distributed import UnequalBatchError
 from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
-from cockpit_like.backends.user_state import guard_module_hooks
+from cockpit_like.backends.user_state import gradient_changes, guard_module_hooks
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.loss_factor import OutputReference
 from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
@@ -224,6 +224,8 @@ class TrackedStep:
         self.debug = debug
         self.micro, self.micro_batches = micro, micro_batches
         self.last = micro == micro_batches - 1
+        if micro == 0:  # the user's hooks that change gradients, counted from the step's first backward pass on
+            env.run.gradient_changes = gradient_changes()[0]
         self.active: list[Quantity] = []
         #: the step's quantities were tracked (its last backward pass, not skipped)
         self.completed = False
@@ -651,6 +653,14 @@ class TrackedStep:
             checks.note(
                 f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
                 "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
+            )
+        count, name = gradient_changes()
+        if count > getattr(env.run, "gradient_changes", count):
+            checks.note(
+                f"a backward hook of yours ({name}) returned a new gradient in this step's backward pass: every "
+                "quantity reads the gradients as the hooks left them, the curvature's products too (their graph "
+                "holds what the hook did: one that halves the gradient halves HessMaxEV and HessTrace), so they "
+                "describe the hooked gradient, not the loss's"
             )
         untouched = self._untouched_stale(checks, params)
         for index in untouched:  # zero at this step: nothing of theirs for the per-sample check to take off
