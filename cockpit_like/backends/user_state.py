@@ -206,8 +206,10 @@ def guard_module_hooks(models) -> None:
     cockpit's passes is too late; the Hessian-vector products of a curvature step run through the forward graph
     again, and a gradient logger hooked on a Linear layer saw 117 calls instead of 4 over 4 steps of the full
     preset (outside trial 8). Each such hook is replaced in its table by a twin that calls it, or does nothing
-    while the cockpit's own work runs: called before the next forward pass (when the cockpit learns the models and
-    after each tracked step), so a hook registered meanwhile is guarded from the step after. Hooks of torch,
+    while the cockpit's own work runs: called before the next forward pass (when the cockpit learns the models,
+    after each tracked step, and as a tracked step's forward pass begins: the root module's own hooks are read
+    by torch just before that), so a hook registered between a tracked step's forward and backward passes is
+    guarded from the step after. Hooks of torch,
     BackPACK and the cockpit are left as they are.
     """
     from torch.nn.modules import module as torch_module
