@@ -162,3 +162,17 @@ def test_a_hook_that_changes_the_gradient_is_named_in_the_steps_notes():
     halved, notes = top(True)
     assert plain_notes == [] and len(notes) == 1 and "halves HessMaxEV" in notes[0]
     assert halved == pytest.approx(plain / 2, rel=1e-6)
+
+
+def test_a_hook_that_hands_back_the_gradient_it_was_given_is_no_change():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    cockpit = Cockpit(model.parameters(), quantities=[Q.GradNorm(linear(1))], model=model)
+    model[2].register_full_backward_hook(lambda module, grad_input, grad_output: grad_input)
+    x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
+    out = model(x)
+    out.register_hook(lambda grad: grad)
+    losses = F.cross_entropy(out, y, reduction="none")
+    with cockpit(0, info={"batch_size": 8, "individual_losses": losses, "loss": losses.mean()}):
+        losses.mean().backward()
+    assert not [n for n in cockpit.checks[0].get("notes", []) if "returned a new gradient" in n]

@@ -250,6 +250,14 @@ def gradient_changes() -> tuple[int, str | None]:
     return _CHANGES[0], _CHANGES[1]
 
 
+def _handed_back(result, args) -> bool:
+    """Whether a backward hook's ``result`` is only the gradients it was given (``return grad``, ``return
+    grad_input``): not a change."""
+    given = {id(t) for a in args for t in (a if isinstance(a, (tuple, list)) else (a,)) if isinstance(t, torch.Tensor)}
+    returned = result if isinstance(result, (tuple, list)) else (result,)
+    return all(t is None or id(t) in given for t in returned)
+
+
 def _guarded(hook, kind: str):
     if kind == "backward":
 
@@ -258,7 +266,7 @@ def _guarded(hook, kind: str):
             if _OWN_PASSES:
                 return None
             result = hook(*args, **kwargs)
-            if result is not None:
+            if result is not None and not _handed_back(result, args):
                 target = getattr(hook, "func", hook)
                 _CHANGES[0] += 1
                 _CHANGES[1] = getattr(target, "__qualname__", None) or type(target).__name__
