@@ -69,6 +69,8 @@ class StepRun:
     accumulates: bool = False
     #: a backpropagated loss was seen scaled (BackPACK's Hessian diagonal then gets the GGN beside it)
     scaled_losses: bool = False
+    #: :func:`~cockpit_like.backends.user_state.gradient_changes` as the open step's first backward pass began
+    gradient_changes: int = 0
     #: the loop was seen to run several backward passes inside one block (two losses): the hook backend sums
     #: each call's output gradients over them from then on
     multi_pass: bool = False
@@ -655,7 +657,7 @@ class TrackedStep:
                 "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
             )
         count, name = gradient_changes()
-        if count > getattr(env.run, "gradient_changes", count):
+        if count > env.run.gradient_changes:
             checks.note(
                 f"a backward hook of yours ({name}) returned a new gradient in this step's backward pass: every "
                 "quantity reads the gradients as the hooks left them, the curvature's products too (their graph "

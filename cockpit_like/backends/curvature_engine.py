@@ -183,6 +183,11 @@ class LanczosNeed:
         return lambda: result
 
 
+def _rounding(params, size: int, terms: float) -> float:
+    """The rounding of a sum over ``size`` entries whose terms add up to ``terms`` in magnitude (``eps sqrt(D)``)."""
+    return float(torch.finfo(operator_dtype(params)).eps) * math.sqrt(max(size, 1)) * terms
+
+
 def _exact_rest(matvec, decomposition, rows: torch.Tensor, keep: bool = False):
     """``(tr(T), M)`` with ``M = C H C^T`` (float64, symmetrised) for the rows ``C`` of
     :func:`~cockpit_like.functional.krylov.complement_rows`: ``tr(H) = tr(T) + tr(M)`` exactly, one product per
@@ -220,7 +225,7 @@ class KrylovTrace:
         if rows is not None:  # a few directions left: the rest exact from as many products (no more than 2x)
             inside, rest = _exact_rest(matvec, decomposition, rows)
             terms = float(decomposition.ritz_values().abs().sum()) + float(rest.diagonal().abs().sum())
-            floor = float(torch.finfo(operator_dtype(params)).eps) * math.sqrt(max(size, 1)) * terms
+            floor = _rounding(params, size, terms)
             return {"estimate": inside + float(rest.trace()), "standard_error": floor, "sample_error": 0.0,
                     "product_error": 0.0, "projected": inside, "products": rows.shape[0], "exact": True}
         samples = rademacher(self.samples, size, operator_dtype(params), device, step_generator(execution.step, "hutch++", device))
@@ -230,7 +235,7 @@ class KrylovTrace:
         # that holds the whole operator the samples' part is rounding, and its spread (1e-62 in float64 next to
         # a trace 1e-16 off, outside trials 9 and 10) no error bar
         terms = float(decomposition.ritz_values().abs().sum()) + (float(values.abs().mean()) if values.numel() else 0.0)
-        floor = float(torch.finfo(operator_dtype(params)).eps) * math.sqrt(max(size, 1)) * terms
+        floor = _rounding(params, size, terms)
         return {
             "estimate": inside + float(values.mean()) if values.numel() else inside,
             "standard_error": max(float(errors["trace_error"]), floor) if values.numel() else math.nan,

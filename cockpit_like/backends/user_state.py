@@ -11,8 +11,8 @@ inside such a statement's own entry or exit skips the restore: Jupyter's
 interrupt inside ``torch.no_grad().__enter__``, after it turned gradients
 off, leaves them off for the rest of the session). :func:`user_state_kept`
 captures this state before the work and puts it back when the work raises,
-whatever raised and wherever; torch's random number generators it puts back
-in any case (the user's code that the cockpit's own passes run, a hook that
+whatever raised and wherever; the global random number generators (torch's,
+NumPy's, Python's) it puts back in any case (the user's code that the cockpit's own passes run, a hook that
 draws gradient noise, must not move the user's streams).
 
 The user's hooks sit out the cockpit's own backward passes and re-runs: module
@@ -39,7 +39,8 @@ __all__ = ["UserState", "gradient_changes", "guard_module_hooks", "guard_tensor_
 
 
 class UserState:
-    """Grad mode, torch's CPU generator (and those of the CUDA devices once CUDA is initialised), the depth of
+    """Grad mode, torch's CPU generator (and those of the CUDA devices once CUDA is initialised), Python's and
+    NumPy's global generators, the depth of
     the cockpit's own work and of the optimizer look-aheads, as they were at :meth:`capture`."""
 
     __slots__ = ("grad_enabled", "cpu_rng", "cuda_rng", "other_rng", "work_depth", "looking_ahead")
@@ -96,9 +97,9 @@ def _set_global_streams(states: tuple) -> None:
 
 @contextlib.contextmanager
 def kept_generators(module: torch.nn.Module) -> Iterator[None]:
-    """Put back, afterwards, the random streams a forward pass of ``module`` may draw from besides torch's global
-    ones: Python's and NumPy's global generators, and generators the modules hold as attributes
-    (``torch.Generator``, ``numpy.random.Generator`` / ``RandomState``, ``random.Random``)."""
+    """Put back, afterwards, the generators the modules of ``module`` hold as attributes (``torch.Generator``,
+    ``numpy.random.Generator`` / ``RandomState``, ``random.Random``), which a re-run of its forward pass may draw
+    from (torch's, NumPy's and Python's global ones: :func:`user_state_kept` around all of the cockpit's work)."""
     import random
     import sys
 
@@ -115,11 +116,9 @@ def kept_generators(module: torch.nn.Module) -> Iterator[None]:
             elif numpy is not None and isinstance(value, numpy.random.Generator):
                 held.append((lambda state, bits=value.bit_generator: setattr(bits, "state", state),
                              value.bit_generator.state))
-    streams = _global_streams()
     try:
         yield
     finally:
-        _set_global_streams(streams)
         for restore, state in held:
             restore(state)
 
@@ -127,9 +126,10 @@ def kept_generators(module: torch.nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def user_state_kept() -> Iterator[UserState]:
     """Run the cockpit's work; if it raises (anything, ``KeyboardInterrupt`` included), put the
-    :class:`UserState` captured before it back, then let the exception go on; if it does not, put torch's
-    generators back (the cockpit draws from its own; the user's code its passes run may draw from them: outside
-    trial 29, a hook adding gradient noise moved the parameters by 0.04-0.08 in 4 steps)."""
+    :class:`UserState` captured before it back, then let the exception go on; if it does not, put the global
+    generators back, torch's, NumPy's and Python's (the cockpit draws from its own; the user's code its passes and
+    re-runs run may draw from them: outside trial 29, a hook adding gradient noise moved the parameters by
+    0.04-0.08 in 4 steps; trial 31, a LayerDrop on ``random.random()`` 0.048)."""
     state = UserState.capture()
     try:
         yield state
