@@ -147,14 +147,19 @@ def _gpt(small: bool = False):
     return model, (length,)
 
 
-def _gpt2_small():
+def _gpt2_small(small: bool = False):
     """GPT-2 small: the Hugging Face ``GPT2Config()`` defaults (12 layers, width 768, 12 heads, vocabulary
     50257, 124M parameters, tied embedding) with dropout off, built from the config (no download);
-    sequences of 256 tokens."""
+    sequences of 256 tokens (``small``: the same model on sequences of 16 tokens, for tests)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
-    return GPT2LMHeadModel(config).train(), (256,)
+    return GPT2LMHeadModel(config).train(), (gpt2_small_length(small),)
+
+
+def gpt2_small_length(small: bool = False) -> int:
+    """gpt2-small's sequence length: 256 tokens, 16 with ``--small``."""
+    return 16 if small else 256
 
 
 def _resnet(small: bool = False):
@@ -202,7 +207,7 @@ def build_problem(name: str, batch_size: int, small: bool = False):
     """``(model, input_shape)`` of a problem; weights from a fixed seed.
 
     ``gpt``'s input shape is ``(sequence length,)`` (token ids). ``small``:
-    tiny versions of ``gpt`` and ``resnet`` (for tests).
+    tiny versions of ``gpt`` and ``resnet``, and ``gpt2-small`` on short sequences (for tests).
     """
     import torch
     from torch import nn
@@ -211,7 +216,7 @@ def build_problem(name: str, batch_size: int, small: bool = False):
     if name == "gpt":
         return _gpt(small)
     if name == "gpt2-small":
-        return _gpt2_small()
+        return _gpt2_small(small)
     if name == "resnet":
         return _resnet(small)
     if name == "mlp":
@@ -837,7 +842,7 @@ def parse_args(argv=None):
         help=f"batch size of every problem (default: {DEFAULT_BATCH_SIZE}; "
         + ", ".join(f"{p} {b}" for p, b in BATCH_SIZES.items()) + ")",
     )  # fmt: skip
-    parser.add_argument("--small", action="store_true", help="tiny gpt/resnet models (for tests)")
+    parser.add_argument("--small", action="store_true", help="tiny gpt/resnet models, gpt2-small on 16 tokens (for tests)")
     parser.add_argument(
         "--no-self-checks", action="store_true",
         help="cockpits without their self-checks (Cockpit(self_checks=False)): to measure what the checks cost",

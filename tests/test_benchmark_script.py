@@ -157,8 +157,9 @@ def test_hook_problems_build_and_run_one_step(problem):
     assert {"NormTest", "GradHist1d", "GradNorm"} <= set(output)
 
 
-def test_gpt2_small_is_the_hugging_face_default_configuration():
-    """124M parameters (tied embedding), batch 8 x 256 tokens, dropout off; opt-in (not in the default run)."""
+def test_gpt2_small_is_the_hugging_face_default_configuration(gpt2_small_built_once):
+    """124M parameters (tied embedding), batch 8 x 256 tokens, dropout off; opt-in (not in the default run).
+    The model is ``_gpt2_small()``'s, built once for the module (the fixture below)."""
     model, shape = overhead.build_problem("gpt2-small", 8)
     config = model.config
     assert (config.n_layer, config.n_embd, config.n_head, config.vocab_size, shape) == (12, 768, 12, 50257, (256,))
@@ -207,12 +208,12 @@ def gpt2_small_built_once(_gpt2_small_cache, monkeypatch):
 
     original = overhead._gpt2_small
 
-    def built():
+    def built(small: bool = False):
         if not _gpt2_small_cache:
             _gpt2_small_cache.append((original(), torch_rng().get_rng_state()))
         (model, shape), after = _gpt2_small_cache[0]
         torch_rng().set_rng_state(after)  # the random stream where a fresh build leaves it
-        return copy.deepcopy(model), shape
+        return copy.deepcopy(model), (overhead.gpt2_small_length(small),)
 
     monkeypatch.setattr(overhead, "_gpt2_small", built)
 
@@ -220,9 +221,9 @@ def gpt2_small_built_once(_gpt2_small_cache, monkeypatch):
 @pytest.mark.parametrize("problem", overhead.HOOK_PROBLEMS)
 @pytest.mark.parametrize("config", ["plain", "nothing", "economy"])
 def test_hook_problem_child_loop(problem, config, gpt2_small_built_once):
-    """The child's training loop (in this process) on the small models: one timed step. gpt2-small has no
-    small size (124M parameters, 256 tokens): batches of 2 and no warm-up step (a step of batch 4 took 7-20 s
-    and 3 GB; the warm-up step is tested on the others)."""
+    """The child's training loop (in this process) on the small models: one timed step. gpt2-small keeps its
+    124M parameters with ``--small`` (sequences of 16 tokens instead of 256): batches of 2 and no warm-up step
+    (a step of batch 4 x 256 tokens took 7-20 s and 3 GB; the warm-up step is tested on the others)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -237,6 +238,8 @@ def test_hook_problem_child_loop(problem, config, gpt2_small_built_once):
         torch.set_num_threads(threads)
     assert (result["problem"], result["config"], result["batch_size"]) == (problem, config, int(batch))
     assert len(result["times"]) == 1 and result["median_s"] > 0
+    if problem == "gpt2-small":
+        assert overhead.gpt2_small_length(small=True) == 16 and overhead.gpt2_small_length() == 256
 
 
 def test_hook_problem_child_process(tmp_path):
@@ -245,6 +248,7 @@ def test_hook_problem_child_process(tmp_path):
         sys.executable, str(SCRIPT), "--problems", "resnet", "--small", "--configs", "economy",
         "--quantities", "none", "--rounds", "1", "--steps", "1", "--warmup", "1", "--min-time", "0",
         "--out", str(tmp_path / "resnet.json"), "--table", str(tmp_path / "resnet.md"), "--no-docs",
+        "--no-live-memory",  # the live-memory children end to end: test_json_structure (mlp)
     ]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
