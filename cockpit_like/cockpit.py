@@ -510,7 +510,7 @@ class Cockpit:
                 "Steps cannot overlap: call cockpit.end() after that step's loss.backward() "
                 "before beginning the next one."
             )
-        with user_state_kept():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
+        with user_state_kept(self.models()):  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
             self._release_loose()
             self._begin(global_step, exts, info, debug)
 
@@ -610,7 +610,7 @@ class Cockpit:
             )
         self._open_step = None
         try:
-            with user_state_kept():  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
+            with user_state_kept(self.models()):  # grad mode, RNG: as they were, whatever fails (docs/notebooks.md)
                 self._end(tracked, error)
         except BaseException:  # what the failure (or an interrupt in its own take-down) skipped; each runs again safely
             if self._run.pending is not tracked:
@@ -762,7 +762,7 @@ class Cockpit:
         output is read): merge its backward passes, check them and track its quantities."""
         pending, self._run.pending = self._run.pending, None
         if pending is not None:
-            with user_state_kept():
+            with user_state_kept(self.models()):
                 pending.finish(at_optimizer_step=at_optimizer_step)
             self._withdraw_if_unseen(pending.step, pending.info.get("optimizer"))
 

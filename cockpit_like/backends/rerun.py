@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
-from cockpit_like.backends.tracer import Shell, _flat_outputs, stateful_parts
+from cockpit_like.backends.tracer import FrozenStart, Shell, _flat_outputs, stateful_parts
 from cockpit_like.backends.user_state import held_tensor_hooks, kept_generators, kept_module_attributes, rerunning
 
 __all__ = ["NonFiniteOutputsError", "RowsNotReproducedError", "UncoveredParameterError", "per_sample_grads",
@@ -137,7 +137,7 @@ def per_sample_grads(
     The model's buffers and torch's random number generators are left as they were.
     """
     rerun = _Rerun(module, params, args, kwargs, want, grads, batch, tracer, shared, state, autocast)
-    with _model_kept(module):
+    with _model_kept(module, rerun):
         results, _ = rerun.checked_rows(recorded, 0, batch)
     return results
 
@@ -157,7 +157,7 @@ def per_sample_grad_rows(
 
     def maker(index: int):
         def make(start: int, stop: int) -> torch.Tensor:
-            with _model_kept(module):
+            with _model_kept(module, rerun):
                 if (start, stop) in checked:
                     results, _ = rerun.rows(start, stop, only=index)
                 else:
@@ -192,6 +192,8 @@ class _Rerun:
         self.module, self.params, self.tracer, self.batch = module, list(params), tracer, batch
         self.state = state or []
         self.autocast = autocast
+        #: the user's buffers' and untracked parameters' ids -> the copies the re-runs run on (:func:`_model_kept`)
+        self.copies: dict[int, torch.Tensor] = {}
         self.param_names = [names[id(p)] for p in params]
         args, kwargs = list(args or ()), dict(kwargs or {})
         # every tensor in the arguments, also inside tuples, lists and dicts (Llama's rotary (cos, sin))
@@ -243,8 +245,15 @@ class _Rerun:
         where the call started (what it changes is put back afterwards: :func:`_model_kept`)."""
         with torch.no_grad():
             for entry in self.state:
+                if isinstance(entry, FrozenStart):  # frozen parameters a forward pass changes: as it began
+                    for key, start in entry.items():
+                        copy = self.copies.get(key)
+                        if copy is not None and not torch.equal(copy, start):
+                            copy.copy_(start)
+                    continue
                 if len(entry) == 4:  # a reference: bound again where the call (or a re-run) rebound it
                     owner, name, value, kind = entry
+                    value = self.copies.get(id(value), value)  # a buffer of the user's: its copy (_model_kept)
                     table = owner._buffers if kind == "buffer" else owner.__dict__
                     if kind == "attribute" and name in owner._buffers:
                         continue  # (now a buffer: the buffer's reference decides)
@@ -530,16 +539,34 @@ def _autocast_as(state: tuple | None):
 
 
 @contextlib.contextmanager
-def _model_kept(module: nn.Module):
-    """Re-runs of ``module`` inside leave the user's run as it was: every buffer of ``module`` (its
-    parametrizations' included; a buffer a forward pass replaces is put back too) and the states of
-    torch's random number generators (CPU, and the CUDA devices of the module's tensors)."""
-    kept = [
-        (owner, name, value, value.detach().clone())
-        for owner in module.modules()
-        for name, value in owner._buffers.items()
-        if isinstance(value, torch.Tensor)
-    ]
+def _model_kept(module: nn.Module, rerun: "_Rerun | None" = None):
+    """Re-runs of ``module`` inside leave the user's run as it was. They run on copies: every buffer of
+    ``module`` (its parametrizations' included) and every frozen parameter (``requires_grad`` off: a momentum
+    encoder or mean teacher that ``forward`` updates in place, as ALBEF's and BLIP's do; a frozen base
+    layer costs one copy of its weights per re-run) is replaced by a copy for the re-runs and the user's own
+    tensor is bound again afterwards,
+    untouched: neither its values nor its version counter change (outside trial 32: a momentum encoder updated
+    again by each re-run ended 0.015-0.066 off; a parametrization's running buffer written back in place made
+    the step's graph, which saved it, fail at TIC's next pass). A buffer a forward pass replaces is put back
+    too, and the states of torch's random number generators (CPU, and the CUDA devices of the module's
+    tensors) and those the module holds or reads (:func:`~cockpit_like.backends.user_state.kept_generators`)."""
+    differentiated = {id(p) for p in (rerun.params if rerun is not None else ())}
+    copies: dict[int, torch.Tensor] = {}  # the user's tensor's id -> its copy (a tensor held twice: one copy)
+    swapped = []  # (table, name, the user's tensor)
+    with torch.no_grad():
+        for owner in module.modules():
+            for table, only_kept in ((owner._buffers, False), (owner._parameters, True)):
+                for name, value in table.items():
+                    if not isinstance(value, torch.Tensor) or (
+                        only_kept and (id(value) in differentiated or value.requires_grad)
+                    ):
+                        continue
+                    if id(value) not in copies:
+                        copy = value.detach().clone()
+                        if isinstance(value, nn.Parameter):
+                            copy = nn.Parameter(copy, requires_grad=False)
+                        copies[id(value)] = copy
+                    swapped.append((table, name, value))
     # buffers registered as None (a state a forward pass fills): None again afterwards
     empty = [(owner, name) for owner in module.modules() for name, value in owner._buffers.items() if value is None]
     # ``prune``'s forward pre-hook sets the computed ``weight`` as a plain attribute: the re-run's goes, the user's stays
@@ -556,22 +583,25 @@ def _model_kept(module: nn.Module):
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
     ]  # fmt: skip
     devices = sorted({t.device.index or 0 for t in [*module.parameters(), *module.buffers()] if t.device.type == "cuda"})
+    for table, name, value in swapped:
+        table[name] = copies[id(value)]
+    if rerun is not None:
+        rerun.copies = copies
     try:
-        with torch.random.fork_rng(devices=devices), kept_generators(module), rerunning(), kept_module_attributes(module):
+        with torch.random.fork_rng(devices=devices), kept_generators(module, rerun.values if rerun else ()), \
+                rerunning(), kept_module_attributes(module):
             yield
     finally:
+        if rerun is not None:
+            rerun.copies = {}
         for owner, name in empty:
             owner._buffers[name] = None
         for owner, name, value in attributes:
             owner.__dict__[name] = value
         for owner, name, value in computed:
             owner.__dict__[name] = value
-        with torch.no_grad():
-            for owner, name, value, copy in kept:
-                if owner._buffers.get(name) is not value:
-                    owner._buffers[name] = value
-                if not torch.equal(value, copy):
-                    value.copy_(copy)
+        for table, name, value in swapped:
+            table[name] = value
 
 
 def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):

@@ -148,6 +148,8 @@ def _open(tracer_id: int, module, args) -> None:
     tracer = _TRACERS.get(tracer_id)
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
+    if not tracer.in_forward() and any(ref() is module for ref in tracer.roots):
+        tracer.frozen_begin(module)  # (a root's pre-hooks: this one before the one that begins its forward pass)
     tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
     tracer.states.setdefault(id(module), []).append(_state_at_start(tracer, module))
 
@@ -157,7 +159,27 @@ def _state_at_start(tracer, module: nn.Module) -> list:
     (:func:`snapshot_state`), and references to the module's own tensor and ``None`` attributes and buffers as the
     call begins (:func:`start_references`)."""
     stateful = tracer.stateful.get(id(module))
-    return (snapshot_state(stateful) if stateful else []) + start_references(module)
+    state = (snapshot_state(stateful) if stateful else []) + start_references(module)
+    if tracer.frozen_start:
+        state.append(FrozenStart(tracer.frozen_start))
+    return state
+
+
+class FrozenStart(dict):
+    """``id(parameter) -> copy``: the frozen parameters that a forward pass of the model was seen changing (a
+    momentum encoder or mean teacher updated in place in ``forward``, as ALBEF's and BLIP's), as they were when
+    the model's forward pass began: a re-run starts from them (:meth:`~cockpit_like.backends.rerun._Rerun.rewind`),
+    so it computes what the call computed."""
+
+
+#: ``id(parameter) -> weak reference``: the frozen parameters a forward pass of a model was seen changing (their
+#: version counter or storage moved between the model's forward pre-hook and its forward hook)
+_CHANGED_IN_FORWARD: dict[int, weakref.ref] = {}
+
+
+def _changed_in_forward(param: torch.Tensor) -> bool:
+    seen = _CHANGED_IN_FORWARD.get(id(param))
+    return seen is not None and seen() is param
 
 
 def start_references(module: nn.Module) -> list[tuple[nn.Module, str, Any, str]]:
@@ -227,6 +249,8 @@ def _after_root(tracer_id: int, held: list, module, args, output) -> None:
     tracer = _TRACERS.get(tracer_id)
     if tracer is not None:
         tracer.exit_forward()
+        if not tracer.in_forward():
+            tracer.frozen_end()
     else:  # the tracer was collected during the forward pass: put back the kernels it took
         _put_back(held, 1)
 
@@ -350,6 +374,9 @@ class ModelTracer:
         self.states: dict[int, list] = {}
         self.paused = False
         self.roots: list[weakref.ref] = []
+        #: the frozen parameters of the model whose forward pass runs, as it began (:meth:`frozen_begin`)
+        self._frozen_marks: list[tuple[torch.Tensor, int, int]] = []
+        self.frozen_start: FrozenStart | None = None
         self._covered: set[int] = set()
         #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
         #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
@@ -456,6 +483,23 @@ class ModelTracer:
         self._attention_marks.clear()
 
     # ---- the model's forward pass ------------------------------------------------------
+    def frozen_begin(self, root: nn.Module) -> None:
+        """As a model's forward pass begins: note its frozen parameters' version counters and storage (a model
+        without frozen parameters: one pass over its parameters), and copy those seen changing in an earlier
+        forward pass (:class:`FrozenStart`)."""
+        frozen = [p for p in root.parameters() if not p.requires_grad]
+        self._frozen_marks = [(p, p._version, p.data_ptr()) for p in frozen]
+        changed = [p for p in frozen if _changed_in_forward(p)]
+        self.frozen_start = FrozenStart({id(p): p.detach().clone() for p in changed}) if changed else None
+
+    def frozen_end(self) -> None:
+        """As the model's forward pass ends: its frozen parameters whose version counter or storage moved are
+        noted as changing in forward passes (copied as the next passes begin)."""
+        for p, version, pointer in self._frozen_marks:
+            if p._version != version or p.data_ptr() != pointer:
+                _CHANGED_IN_FORWARD[id(p)] = weakref.ref(p, lambda _, key=id(p): _CHANGED_IN_FORWARD.pop(key, None))
+        self._frozen_marks = []
+
     def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
         """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""
         if root is not None and id(root) in self._forward_roots:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -35,7 +36,7 @@ import torch
 from cockpit_like.backends import internal
 
 __all__ = ["UserState", "gradient_changes", "guard_module_hooks", "guard_tensor_hooks", "held_tensor_hooks", "in_rerun",
-           "kept_generators", "kept_module_attributes", "own_backward", "rerunning", "user_state_kept"]  # fmt: skip
+           "generator_namespaces", "kept_generators", "kept_module_attributes", "own_backward", "rerunning", "user_state_kept"]  # fmt: skip
 
 
 class UserState:
@@ -95,27 +96,105 @@ def _set_global_streams(states: tuple) -> None:
         numpy.random.set_state(numpy_state)
 
 
-@contextlib.contextmanager
-def kept_generators(module: torch.nn.Module) -> Iterator[None]:
-    """Put back, afterwards, the generators the modules of ``module`` hold as attributes (``torch.Generator``,
-    ``numpy.random.Generator`` / ``RandomState``, ``random.Random``), which a re-run of its forward pass may draw
-    from (torch's, NumPy's and Python's global ones: :func:`user_state_kept` around all of the cockpit's work)."""
+def _stream_of(value):
+    """``(restore, state)`` of a random number generator (``torch.Generator``, ``numpy.random.Generator`` /
+    ``RandomState``, ``random.Random``), else ``None``."""
     import random
     import sys
 
+    if isinstance(value, torch.Generator):
+        return value.set_state, value.get_state()
+    if isinstance(value, random.Random):
+        return value.setstate, value.getstate()
     numpy = sys.modules.get("numpy")
-    held = []
-    for owner in module.modules():
-        for value in owner.__dict__.values():
-            if isinstance(value, torch.Generator):
-                held.append((value.set_state, value.get_state()))
-            elif isinstance(value, random.Random):
-                held.append((value.setstate, value.getstate()))
-            elif numpy is not None and isinstance(value, numpy.random.RandomState):
-                held.append((value.set_state, value.get_state()))
-            elif numpy is not None and isinstance(value, numpy.random.Generator):
-                held.append((lambda state, bits=value.bit_generator: setattr(bits, "state", state),
-                             value.bit_generator.state))
+    if numpy is not None:
+        if isinstance(value, numpy.random.RandomState):
+            return value.set_state, value.get_state()
+        if isinstance(value, numpy.random.Generator):
+            return (lambda state, bits=value.bit_generator: setattr(bits, "state", state)), value.bit_generator.state
+    return None
+
+
+def _streams(values, inner: bool = True) -> list:
+    """``(restore, state)`` of each generator among ``values``, and (``inner``) one level inside those that are
+    dicts, lists, tuples or plain objects (a ``{"gen": g}`` configuration, a helper holding ``self.g``); each
+    generator once."""
+    import itertools
+    import types
+
+    found, seen = [], set()
+
+    def add(value) -> bool:
+        stream = _stream_of(value)
+        if stream is not None and id(value) not in seen:
+            seen.add(id(value))
+            found.append(stream)
+        return stream is not None
+
+    for value in values:
+        if add(value) or not inner or isinstance(
+            value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type, types.ModuleType)
+        ):
+            continue
+        if isinstance(value, dict):
+            inner = value.values()
+        elif isinstance(value, (list, tuple)):
+            inner = value
+        else:
+            attributes = getattr(value, "__dict__", None)
+            inner = attributes.values() if isinstance(attributes, dict) and not callable(value) else ()
+        for item in itertools.islice(inner, _INNER_LIMIT):
+            add(item)
+    return found
+
+
+#: the most entries of a container or object looked into for generators (:func:`_streams`)
+_INNER_LIMIT = 256
+
+#: the packages whose modules' globals hold no generator of the user's (:func:`generator_namespaces`)
+_LIBRARIES = frozenset(("torch", "transformers", "cockpit_like", "backpack", "timm", "torchvision", "diffusers",
+                        "peft", "accelerate", "lightning", "pytorch_lightning"))  # fmt: skip
+
+
+#: per model, the namespaces :func:`generator_namespaces` found (a model's classes do not change)
+_NAMESPACES = weakref.WeakKeyDictionary()
+
+
+def generator_namespaces(models) -> list[dict]:
+    """The global namespaces of the Python modules that define the classes of the modules of ``models`` (the
+    user's own, not a library's): a generator made at the top of the user's script or module
+    (``GEN = torch.Generator()``) and drawn from in a ``forward`` or in a custom ``autograd.Function``'s
+    ``backward`` lives there (outside trial 32: the cockpit's re-runs and own backward passes drew from such
+    generators, and the parameters ended 0.005-0.009 apart)."""
+    import sys
+
+    spaces, seen = [], set()
+    for model in models:
+        names = _NAMESPACES.get(model)
+        if names is None:
+            names = sorted({type(module).__module__ for module in model.modules()} - {None})
+            names = [name for name in names if name.split(".")[0] not in _LIBRARIES]
+            _NAMESPACES[model] = names
+        for name in names:
+            found = sys.modules.get(name)
+            if found is not None and name not in seen:
+                seen.add(name)
+                spaces.append(vars(found))
+    return spaces
+
+
+@contextlib.contextmanager
+def kept_generators(module: torch.nn.Module, arguments=()) -> Iterator[None]:
+    """Put back, afterwards, the generators a re-run of ``module``'s forward pass may draw from: those its modules
+    hold as attributes (also inside a dict, list or helper object one level down), those among ``arguments``
+    (``model(x, generator=g)``), and those at the top of the user's modules that define its classes
+    (:func:`generator_namespaces`). (torch's, NumPy's and Python's global ones: :func:`user_state_kept` around all
+    of the cockpit's work.)"""
+    values = [value for owner in module.modules() for name, value in owner.__dict__.items()
+              if name not in _MODULE_INTERNALS]  # fmt: skip
+    values += list(arguments)
+    held = _streams(values) + _streams([v for space in generator_namespaces([module]) for v in list(space.values())],
+                                       inner=False)
     try:
         yield
     finally:
@@ -124,18 +203,24 @@ def kept_generators(module: torch.nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def user_state_kept() -> Iterator[UserState]:
+def user_state_kept(models=()) -> Iterator[UserState]:
     """Run the cockpit's work; if it raises (anything, ``KeyboardInterrupt`` included), put the
     :class:`UserState` captured before it back, then let the exception go on; if it does not, put the global
     generators back, torch's, NumPy's and Python's (the cockpit draws from its own; the user's code its passes and
     re-runs run may draw from them: outside trial 29, a hook adding gradient noise moved the parameters by
-    0.04-0.08 in 4 steps; trial 31, a LayerDrop on ``random.random()`` 0.048)."""
+    0.04-0.08 in 4 steps; trial 31, a LayerDrop on ``random.random()`` 0.048), and the generators at the top of
+    the user's modules that define the classes of ``models`` (:func:`generator_namespaces`: trial 32, a custom
+    ``autograd.Function``'s ``backward`` adding noise from one, run again by the curvature's products)."""
     state = UserState.capture()
+    held = _streams([v for space in generator_namespaces(models) for v in list(space.values())], inner=False)
     try:
         yield state
     except BaseException:
         state.restore()
         raise
+    finally:
+        for restore, stream in held:
+            restore(stream)
     state.restore_rng()
 
 
