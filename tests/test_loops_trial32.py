@@ -264,3 +264,107 @@ def test_a_custom_backward_drawing_noise_leaves_the_run_alone(quantities):
         _, state, losses = _noisy_backward_run(quantities())
     assert _same(state, plain) and _same(losses, plain_losses)  # 1e-3 apart after 2 steps
     assert CALLS[0] > 2  # it did run in the cockpit's own passes (documented): only its draws are put back
+
+
+# ---- the legacy weight_norm / spectral_norm under TIC ------------------------------------------------------
+@pytest.mark.parametrize("legacy", ["spectral_norm", "weight_norm"])
+def test_the_legacy_reparametrizations_leave_tic_out_with_a_note_that_names_them(legacy):
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
+        getattr(nn.utils, legacy)(model[2])
+        return model
+
+    def batch(g):
+        return (torch.randn(B, 6, generator=g, dtype=DTYPE),), torch.randint(0, 4, (B,), generator=g)
+
+    _, plain, plain_losses = _loop(build(), None, 2, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, state, losses = _loop(build(), configuration("business"), 2, batch)  # stopped with NotExtendedError
+    assert _same(state, plain) and _same(losses, plain_losses)
+    for step in range(2):
+        assert "TICDiag" not in out[step] and "GradNorm" in out[step]
+        notes = " ".join(out[step]["checks"]["notes"])
+        assert "left out" in notes and "legacy torch.nn.utils.weight_norm or spectral_norm" in notes, notes
+
+
+# ---- a parametrization under parametrize.cached() ----------------------------------------------------------
+class Symmetric(nn.Module):
+    def forward(self, weight):
+        return weight.triu() + weight.triu(1).T
+
+
+def test_a_parametrization_under_cached_is_named_as_the_reason():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8)).to(DTYPE)
+    parametrize.register_parametrization(model[2], "weight", Symmetric())
+    params = list(model.parameters())
+    cockpit = Cockpit(params, quantities=configuration("economy"), model=model)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(B, 6, generator=g, dtype=DTYPE), torch.randint(0, 8, (B,), generator=g)
+    with parametrize.cached(), pytest.warns(RuntimeWarning, match="failed the self-check 'gradient'"):
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
+            losses.mean().backward()
+    (failed,) = cockpit.checks[0]["failed"]
+    reason = failed["reason"]
+    assert "parametrize.cached()" in reason and "outside cached()" in reason, reason
+
+
+# ---- a mixture of experts returning (logits, aux) ------------------------------------------------------------
+class MixtureOfExperts(nn.Module):
+    def __init__(self, returns: str):
+        super().__init__()
+        self.router = nn.Linear(6, 4)
+        self.experts = nn.ModuleList([nn.Linear(6, 4) for _ in range(4)])
+        self.returns = returns
+
+    def forward(self, x):
+        probs = self.router(x).softmax(1)
+        top, chosen = probs.topk(2, 1)
+        out = torch.zeros(x.shape[0], 4, dtype=x.dtype)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if len(rows):
+                out = out.index_add(0, rows, expert(x[rows]) * top[rows, slot][:, None])
+        aux = 4 * (torch.stack([(chosen == e).any(1).to(x.dtype).mean() for e in range(4)]) * probs.mean(0)).sum()
+        return out if self.returns == "logits" else (out, aux)
+
+
+def _moe_run(returns: str, quantities):
+    torch.manual_seed(0)
+    model = MixtureOfExperts(returns).to(DTYPE)
+
+    def batch(g):
+        return (torch.randn(B, 6, generator=g, dtype=DTYPE),), torch.randint(0, 4, (B,), generator=g)
+
+    def forward(model, inputs):
+        out = model(*inputs)
+        if returns == "logits":
+            return out
+        logits, aux = out
+        return logits + 0.1 * aux if returns == "aux read" else logits
+
+    return _loop(model, quantities, 2, batch, forward=forward)
+
+
+def test_a_scalar_output_the_loss_does_not_read_is_left_out_of_the_re_run():
+    exact, _, _ = _moe_run("logits", configuration("economy"))
+    out, state, _ = _moe_run("aux unread", configuration("economy"))  # stopped with UncoveredParameterError
+    _, plain, _ = _moe_run("aux unread", None)
+    assert _same(state, plain)
+    for step in range(2):
+        for name in ("NormTest", "InnerTest", "OrthoTest"):
+            assert out[step][name] == pytest.approx(exact[step][name], rel=1e-12), (step, name)
+
+
+def test_a_scalar_output_the_loss_reads_leaves_per_sample_values_out_with_a_note():
+    out, state, _ = _moe_run("aux read", configuration("economy"))
+    _, plain, _ = _moe_run("aux read", None)
+    assert _same(state, plain)
+    for step in range(2):
+        assert "NormTest" not in out[step] and "GradNorm" in out[step]
+        notes = " ".join(out[step]["checks"]["notes"])
+        assert "returns a scalar beside the batch's outputs" in notes and "the loss reads it" in notes, notes

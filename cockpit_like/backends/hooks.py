@@ -435,6 +435,11 @@ class HookBackend:
             return True  # one row (or unknown rows): nothing to tell apart
         outputs = _flat_outputs(call.output)
         with_grad = [(i, t) for i, t in enumerate(outputs) if t.grad_fn is not None]
+        if any(t.dim() > 0 for _, t in with_grad):
+            # a scalar beside the batch's outputs (a mixture of experts' load-balancing loss, `return logits,
+            # aux`) carries no rows: whether the loss reads it is known once the backward pass has run
+            # (:meth:`_without_scalar_outputs`)
+            with_grad = [(i, t) for i, t in with_grad if t.dim() > 0]
         if not with_grad or type(call.module) is nn.MultiheadAttention:
             return True  # nothing flows back through this call; the attention rule checks its own layout
         if rule_for(call.module) is not None:
@@ -1200,6 +1205,30 @@ class HookBackend:
         self._handles = []
 
     # ---- per call -------------------------------------------------------------------------
+    def _without_scalar_outputs(self, call: Call) -> None:
+        """Leave out of ``call``'s re-run its scalar outputs beside outputs of the batch (a mixture of experts'
+        ``return logits, aux``) that the loss did not read (no gradient reached them): they carry no rows (outside
+        trial 32: such a model stopped training whether the loss read ``aux`` or not). Where the loss reads one,
+        every row's gradient goes through a number of the whole batch, and the rows' gradients cannot be told apart:
+        :class:`~cockpit_like.backends.rerun.RowsNotReproducedError` (the step goes on without per-sample values,
+        with a note)."""
+        scalars = [slot for slot, t in enumerate(call.entries) if t.dim() == 0]
+        if not scalars or len(scalars) == len(call.entries):
+            return
+        read = [slot for slot in scalars if call.grads[slot] is not None and bool(call.grads[slot].ne(0).any())]
+        if read:
+            raise RowsNotReproducedError(
+                f"{type(call.module).__name__} layer {self._module_name(call.module)} returns a scalar beside the "
+                f"batch's outputs (output {call.want[read[0]]}: a number of the whole batch, such as a "
+                "load-balancing loss) and the loss reads it, so every row's gradient goes through it and the rows' "
+                "gradients cannot be told apart (per-sample values are defined for a loss that is a mean over the "
+                "rows: track the auxiliary loss with cockpit.log, or leave it out of the loss at the tracked steps)"
+            )
+        keep = [slot for slot in range(len(call.entries)) if slot not in scalars]
+        call.want = [call.want[slot] for slot in keep]
+        call.entries = [call.entries[slot] for slot in keep]
+        call.grads = [call.grads[slot] for slot in keep]
+
     def _grads(self, call: Call) -> list[torch.Tensor]:
         return [(t.zeros() if isinstance(t, Shell) else torch.zeros_like(t)) if g is None else g
                 for t, g in zip(call.entries, call.grads)]  # fmt: skip
@@ -1327,6 +1356,7 @@ class HookBackend:
                 self._deliver_forms(call, forms)
                 return
         self._refuse_unsplittable(call)
+        self._without_scalar_outputs(call)
         batch = self._batch(call)
         arguments = (call.module, call.params, call.args, call.kwargs, call.want, self._grads(call), batch, self.tracer)
         options = {"recorded": call.entries, "shared": call.consumer is not None, "state": call.state,

@@ -55,6 +55,14 @@ class NotExtendedError(RuntimeError):
     """A backend computed nothing for some parameters (BackPACK: the model or loss was not ``extend``-ed)."""
 
 
+class RowsNotSeenError(NotExtendedError):
+    """A per-sample pass of a quantity's own (TIC's GGN diagonal) reached tracked parameters through no module call
+    that computes their rows (the legacy ``torch.nn.utils.weight_norm`` / ``spectral_norm``, a parameter read outside
+    its module's forward): their per-sample values are not defined at this step. As where the step's own pass meets
+    them (zero rows, the gradient check fails, a note), the quantity is left out with a note and the run goes on
+    (outside trial 32: training stopped with advice to pass ``model=``, which was passed)."""
+
+
 class UnsupportedLayerError(NotImplementedError):
     """BackPACK cannot run a needed extension on a layer of the model."""
 
@@ -665,7 +673,7 @@ class StepExecution:
                 continue  # (its rows are known not to be the samples': the quantities are left out, with a note)
             try:
                 computed[need] = need.compute(self)
-            except (RowsNotSamplesError, RowsNotReproducedError) as error:  # its own per-sample pass: the rows are
+            except (RowsNotSamplesError, RowsNotReproducedError, RowsNotSeenError) as error:  # its own per-sample pass: the rows are
                 # not the samples' (outside trial 31: a LayerDrop drawing from Python's `random` stopped the run
                 # with TICDiag's GGN pass, where the step's own pass left the per-sample quantities out with a note)
                 if not rowed:
@@ -787,7 +795,7 @@ class StepExecution:
         missing = [i for i in range(len(self.params)) if i not in reducer.seen]
         uncovered = [i for i in missing if i in reached]
         if uncovered:  # the loss reaches them, but no module call computed their rows
-            raise NotExtendedError(self._uncovered_message(uncovered))
+            raise RowsNotSeenError(self._uncovered_message(uncovered))
         for index in missing:
             # not in this loss's graph (a branch skipped at this step, an expert without tokens, a frozen
             # parameter): every row's gradient is zero, as in the step's own pass (:meth:`check`)
@@ -920,6 +928,16 @@ class StepExecution:
                 f"step {self.step}: parameters {shown}{more} got no gradient in this backward pass, so "
                 "they have no per-sample gradients. Pass only parameters the loss depends on to "
                 "Cockpit(params), e.g. the trainable parameters of the model you train."
+            )
+        legacy = [self._name(i) for i in missing if (self.names.get(id(self.params[i])) or "").rsplit(".", 1)[-1]
+                  in ("weight_g", "weight_v", "weight_orig")]  # fmt: skip
+        if legacy:
+            return (
+                f"step {self.step}: no per-sample gradients were computed for parameters {shown}{more}: "
+                f"{', '.join(legacy[:3])} {'is' if len(legacy) == 1 else 'are'} the parameters of the legacy "
+                "torch.nn.utils.weight_norm or spectral_norm, which compute the weight in a forward pre-hook that "
+                "the cockpit's re-runs of the layer do not run: use torch.nn.utils.parametrizations.weight_norm or "
+                "spectral_norm (the cockpit re-runs parametrized layers)."
             )
         return (
             f"step {self.step}: no per-sample gradients were computed for parameters {shown}{more}. The "

@@ -20,6 +20,7 @@ May import torch and :mod:`cockpit_like.checks.probe`.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -305,12 +306,18 @@ class StepChecks:
                 "Compute the losses you declare and the one you backpropagate from one forward pass. Otherwise: "
             ) if self.loss_unreached and rowless and len(rowless) == len(probe) else ""
             legacy = [name for name in rowless if name.rsplit(".", 1)[-1] in ("weight_g", "weight_v", "weight_orig")]
+            originals = [name for name in rowless if re.search(r"(^|\.)parametrizations\.[^.]+\.original\d*$", name)]
             unseen = ((
                 f"{', '.join(legacy[:3])} {'is' if len(legacy) == 1 else 'are'} the parameters of the legacy "
                 "torch.nn.utils.weight_norm or spectral_norm, which compute the weight in a forward pre-hook that the "
                 "cockpit's re-runs of the layer do not run: use torch.nn.utils.parametrizations.weight_norm or "
                 "spectral_norm (the cockpit re-runs parametrized layers). Otherwise: "
-            ) if legacy else "") + (
+            ) if legacy else "") + ((
+                f"{', '.join(originals[:3])} {'is' if len(originals) == 1 else 'are'} the original tensor of a "
+                "torch.nn.utils.parametrize parametrization that got no rows: under parametrize.cached() the "
+                "parametrized weight is computed once, before the layer's calls, and the cockpit cannot split it by "
+                "rows (outside trial 32); run the tracked steps' forward pass outside cached(). Otherwise: "
+            ) if originals else "") + (
                 f"{', '.join(rowless[:3])}{' ...' if len(rowless) > 3 else ''} got no per-sample rows at all while "
                 f"autograd gave {'it' if len(rowless) == 1 else 'them'} a gradient: most likely read outside any module call of the model (a learnable "
                 "loss weight or temperature used only in the loss, a parameter used in the training loop), which "
