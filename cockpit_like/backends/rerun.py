@@ -14,13 +14,16 @@ Every re-run must reproduce the recorded outputs of the forward pass (a
 key/value cache argument, filled by the call itself, is left out); if it does
 not (state, a coupled batch), :class:`UncoveredParameterError` says so.
 
-A re-run leaves the model as it was: the buffers of the re-run module (all of
-them, its parametrizations' included) are put back afterwards, and torch's
-random number generators too (:func:`_model_kept`). The buffers of its
-parametrizations (``spectral_norm``'s power iteration vectors, updated in
-place by each read of the weight in training mode) are set, before each re-run,
-to what they were when the recorded call began (``Call.state``, noted by the
-tracer), so the re-run computes the weight the forward pass computed.
+A re-run leaves the model as it was: it runs on copies of the re-run module's
+buffers (all of them, its parametrizations' included) and frozen parameters,
+and the user's tensors are bound again afterwards, untouched; torch's random
+number generators and those the re-run can reach are put back
+(:func:`_model_kept`). The buffers of its parametrizations (``spectral_norm``'s
+power iteration vectors, updated in place by each read of the weight in
+training mode), and the frozen parameters a forward pass was seen changing
+(a momentum encoder), are set, before each re-run, to what they were when the
+recorded call (or the model's forward pass) began (``Call.state``, noted by the
+tracer), so the re-run computes what the forward pass computed.
 
 May import torch, :mod:`cockpit_like.backends.tracer`,
 :mod:`cockpit_like.backends.per_sample`, :mod:`~cockpit_like.backends.module_rules` and
