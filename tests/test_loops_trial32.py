@@ -368,3 +368,29 @@ def test_a_scalar_output_the_loss_reads_leaves_per_sample_values_out_with_a_note
         assert "NormTest" not in out[step] and "GradNorm" in out[step]
         notes = " ".join(out[step]["checks"]["notes"])
         assert "returns a scalar beside the batch's outputs" in notes and "the loss reads it" in notes, notes
+
+
+# ---- a multi-grad hook of the user's ------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", ["economy", "full"])
+def test_a_multi_grad_hook_sits_out_the_cockpits_own_passes(preset):
+    def run(quantities):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
+        calls = [0]
+
+        def forward(model, inputs):
+            hidden = model[1](model[0](*inputs))
+            torch.autograd.graph.register_multi_grad_hook((hidden,), lambda grads: calls.__setitem__(0, calls[0] + 1))
+            return model[2](hidden)
+
+        def batch(g):
+            return (torch.randn(B, 6, generator=g, dtype=DTYPE),), torch.randint(0, 4, (B,), generator=g)
+
+        _, state, _ = _loop(model, quantities, 3, batch, forward=forward)
+        return calls[0], state
+
+    plain_calls, plain = run(None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calls, state = run(configuration(preset))
+    assert (plain_calls, calls) == (3, 3) and _same(state, plain)  # 9 (economy) and 108 (full) calls before
