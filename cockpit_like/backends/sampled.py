@@ -147,15 +147,31 @@ def _cross_entropy_check(loss, outputs: torch.Tensor, losses=None) -> tuple[bool
     third entry the positions the loss counts (``[N_all]`` bool, those with a gradient; ``None`` where the
     verdict is ``None``): the mean is over them, so the GGN is ``(1/N) sum`` over them only.
     """
+    return cross_entropy_verdict(loss, outputs, losses, outputs_gradient(loss, outputs))
+
+
+def outputs_gradient(loss, outputs: torch.Tensor, create_graph: bool = False) -> torch.Tensor | None:
+    """``dL/doutputs`` by one backward pass through the loss's own operations (the step's graph is kept; the
+    user's hooks sit it out), with its own graph where ``create_graph``; ``None`` where ``loss`` is not a
+    scalar with a graph or does not depend on ``outputs``."""
     if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or loss.numel() != 1:
-        return None, None, None
+        return None
     from cockpit_like.backends.user_state import own_backward
 
     try:
         with own_backward():  # the user's hooks on the loss and the outputs sit it out (outside trial 31)
-            (gradient,) = torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
+            (gradient,) = torch.autograd.grad(
+                loss, outputs, retain_graph=True, create_graph=create_graph, allow_unused=True
+            )
     except RuntimeError:
-        gradient = None
+        return None
+    return gradient
+
+
+def cross_entropy_verdict(loss, outputs: torch.Tensor, losses, gradient: torch.Tensor | None):
+    """:func:`_cross_entropy_check` given the gradient :func:`outputs_gradient` found (the same three entries)."""
+    if not isinstance(loss, torch.Tensor) or loss.grad_fn is None or loss.numel() != 1:
+        return None, None, None
     if gradient is None:
         # info['outputs'] is not upstream of info['loss']: a view of the logits the loss read (an LM's
         # logits[:, :-1], shifted again inside the loss) is fine; what is not (outside trial 10: 8 of 16 rows, or
