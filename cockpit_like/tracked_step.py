@@ -37,6 +37,7 @@ from cockpit_like.backends.partitions import StepGradients, StepPartitions, grad
 from cockpit_like.backends.distributed import UnequalBatchError
 from cockpit_like.backends.hvp import GraphModifiedError, MissingGraphError, NoSecondDerivativeError
 from cockpit_like.backends.step import StepExecution
+from cockpit_like.backends.loss_curvature import LossCurvatureCheck
 from cockpit_like.backends.user_state import gradient_changes, guard_module_hooks
 from cockpit_like.checks import CHECKS_KEY, GradientProbe, LossFactor, StepChecks, check_losses_mean
 from cockpit_like.checks.loss_factor import OutputReference
@@ -746,9 +747,15 @@ class TrackedStep:
                 )
                 env.run.scaled_losses = True
             graph_gone = False
+            # the loss's own second derivative is not that of the cross-entropy its value and gradient declare
+            # (backends/loss_curvature.py): the quantities that read Hessian-vector products store nothing at the
+            # step, and their products are not computed (in one process; under DDP they ran before the merge)
+            wrong_curvature = getattr(stats.get(LossCurvatureCheck()), "wrong", False)
+            products = {env.name_of(q) for q in self.active if q.hessian_products(self.step)}
             if ranks is None and checks.valid:
                 try:
-                    stats.update(partitions.merge_whole(execution.whole_step_results()))
+                    leave_out = products if wrong_curvature else set()
+                    stats.update(partitions.merge_whole(execution.whole_step_results(leave_out)))
                 except (MissingGraphError, GraphModifiedError) as error:
                     if not at_optimizer_step:
                         raise
@@ -778,7 +785,10 @@ class TrackedStep:
             skipped = set() if checks.valid else self._left_out_by_failed_checks(checks)
             skipped |= execution.left_out_owners().union(*(partition.left_out for partition in partitions.partitions))
             if graph_gone:
-                skipped |= {env.name_of(q) for q in self.active if q.hessian_products(self.step)}
+                skipped |= products
+            if wrong_curvature and products - skipped:
+                checks.note(stats[LossCurvatureCheck()].note(self.step, sorted(products - skipped)))
+                skipped |= products
             rows = info.get("batch_size")
             if isinstance(rows, int) and rows < 2:
                 single = sorted(env.name_of(q) for q in self.active if q.needs_two_samples and env.name_of(q) not in skipped)

@@ -724,16 +724,20 @@ class StepExecution:
             if self._added_ggn and hasattr(param, "diag_ggn_exact"):
                 delattr(param, "diag_ggn_exact")
 
-    def whole_step_results(self) -> dict:
+    def whole_step_results(self, leave_out=frozenset()) -> dict:
         """The needs computed once per step, after its last backward pass.
 
         Each is computed once; a need that builds on another (a trace on the
         step's Lanczos decomposition) reads it with :meth:`whole_step_result`,
-        and both are in the result.
+        and both are in the result. A need whose quantities are all in
+        ``leave_out`` (names: they store nothing at the step) is not computed.
         """
         self._whole_results: dict = {}
         with graph_kernels(held=bool(self._create_graph and self.whole_step_needs)):
             for need in self.whole_step_needs:
+                owners = set(self._need_owners.get(need, ()))
+                if owners and owners <= set(leave_out):
+                    continue
                 self.whole_step_result(need)
         return dict(self._whole_results)
 

@@ -92,6 +92,13 @@ per-sample statistic :class:`~cockpit_like.backends.per_sample_stats.SumOfSquare
 (the one MeanGSNR, CABS and EarlyStopping use, computed once per step, from
 the outer-product factors on linear layers), and ``B = info["batch_size"]``.
 
+Where the diagonal comes from Hessian-vector products (``"hutchinson"``,
+``"hutch++"``), no value is stored at a step whose products are not
+symmetric, nor at one whose loss's second derivative in ``info["outputs"]``
+is not the mean cross-entropy's its value and gradient declare
+(:mod:`cockpit_like.backends.loss_curvature`, a check of the step); the
+step's ``checks["notes"]`` say why.
+
 Difference to Cockpit: an unknown ``curvature`` fails when the quantity is
 constructed (a :class:`UnknownCurvatureError`, both a ``ValueError`` and a
 ``KeyError``), not later when the extensions are requested.

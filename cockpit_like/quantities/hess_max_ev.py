@@ -82,7 +82,10 @@ class HessMaxEV(KrylovQuantity):
             says that Cockpit's rule stopped it).
 
     Stored value: the eigenvalue, a Python float; none where the products are not symmetric (a wrong
-    double backward, such as PyTorch's fused ``weight_norm``: the step's ``checks["notes"]`` say so).
+    double backward, such as PyTorch's fused ``weight_norm``: the step's ``checks["notes"]`` say so), and
+    none where the loss's own second derivative in ``info["outputs"]`` is not the mean cross-entropy's that
+    its value and gradient declare (a hand-written cross-entropy whose backward reuses the saved softmax:
+    :mod:`cockpit_like.backends.loss_curvature`; the notes say so too).
     """
 
     def __init__(

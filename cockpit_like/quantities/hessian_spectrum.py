@@ -16,7 +16,10 @@ DDP, of the global batch's mean loss). Where the products are not symmetric
 (:meth:`~cockpit_like.functional.krylov.KrylovDecomposition.asymmetry` above
 ``rtol * max|theta|`` and above rounding: a wrong double backward, such as
 PyTorch's fused ``weight_norm``) they are not the Hessian's: no value is
-stored, and the step's ``checks["notes"]`` say why.
+stored, and the step's ``checks["notes"]`` say why. The same where the
+loss's own second derivative in ``info["outputs"]`` is not the cross-entropy's
+(symmetric products that miss the loss's curvature: the step, not the
+quantity, checks it, :mod:`cockpit_like.backends.loss_curvature`).
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ equal step needs are one; a need with a ``resolve`` method is met by the need
 it names given the step's others, e.g. an estimator that uses the step's
 Lanczos space where another quantity computes it);
 :class:`~cockpit_like.backends.step.StepExecution` meets the result. Nothing here names a quantity or a backend.
+One need is added here rather than asked for: a step at which some quantity uses Hessian-vector products
+(``Quantity.hessian_products``) checks the loss's own curvature
+(:class:`~cockpit_like.backends.loss_curvature.LossCurvatureCheck`), owned by those quantities.
 
 May import torch, BackPACK, :mod:`cockpit_like.backends` and the quantity
 base modules.
@@ -75,6 +78,7 @@ class StepNeeds:
         create_graph: bool = False,
     ) -> StepNeeds:
         """Ask every quantity in ``quantities`` what it needs at ``step``; merge by value."""
+        quantities = list(quantities)
         requests = [(USER_EXTENSIONS, ext) for ext in user_exts]
         stats, hooks, needs, owners, transforms, partial = [], [], [], [], [], []
         asked_by: list[tuple[Any, str]] = []
@@ -101,6 +105,16 @@ class StepNeeds:
             needs.extend(n for n in its_needs if n not in needs)
             if its_extensions or other_hooks or its_transforms or asked or its_needs:
                 askers.add(name)
+        # a step with Hessian-vector products checks that they go through the loss's own curvature, where it is
+        # known (info['outputs'] of a mean cross-entropy: backends/loss_curvature.py); the quantities that read
+        # them own the check (a wrong verdict leaves them out of the step), which no quantity asks for itself
+        products = [name_of(quantity) for quantity in quantities if quantity.hessian_products(step)]
+        if products:
+            from cockpit_like.backends.loss_curvature import LossCurvatureCheck
+
+            asked_by.extend((LossCurvatureCheck(), name) for name in products)
+            if LossCurvatureCheck() not in needs:
+                needs.append(LossCurvatureCheck())
         if transforms:
             stats.append(merge_transform_hooks(transforms))
         if raw_batch_grad and not stats:
