@@ -223,6 +223,9 @@ CALLS = [0]
 
 
 class NoisyIdentity(torch.autograd.Function):
+    #: a generator of the Function class's own (``None``: the one at the top of this module)
+    generator = None
+
     @staticmethod
     def forward(ctx, x):
         return x * 1.0
@@ -230,7 +233,8 @@ class NoisyIdentity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         CALLS[0] += 1
-        return grad + 1e-3 * torch.randn(grad.shape, generator=NOISE, dtype=grad.dtype)
+        generator = NOISE if NoisyIdentity.generator is None else NoisyIdentity.generator
+        return grad + 1e-3 * torch.randn(grad.shape, generator=generator, dtype=grad.dtype)
 
 
 class NoisyBackwardNet(nn.Module):
@@ -242,26 +246,29 @@ class NoisyBackwardNet(nn.Module):
         return self.l2(NoisyIdentity.apply(torch.tanh(self.l1(x))))
 
 
-def _noisy_backward_run(quantities):
+def _noisy_backward_run(quantities, held: bool):
     torch.manual_seed(0)
     NOISE.manual_seed(3)
+    NoisyIdentity.generator = torch.Generator().manual_seed(4) if held else None
     model = NoisyBackwardNet().to(DTYPE)
 
     def batch(g):
         return (torch.randn(B, 6, generator=g, dtype=DTYPE),), torch.randint(0, 4, (B,), generator=g)
 
     out, state, losses = _loop(model, quantities, 2, batch)
-    return out, state + [NOISE.get_state()], losses
+    streams = [NOISE.get_state()] + ([NoisyIdentity.generator.get_state()] if held else [])
+    return out, state + streams, losses
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["at the top", "a class attribute"])
 @pytest.mark.parametrize("quantities", [lambda: [HessTrace(linear(1))], lambda: [HessMaxEV(linear(1))],
                                         lambda: configuration("full")], ids=["HessTrace", "HessMaxEV", "full"])  # fmt: skip
-def test_a_custom_backward_drawing_noise_leaves_the_run_alone(quantities):
-    _, plain, plain_losses = _noisy_backward_run(None)
+def test_a_custom_backward_drawing_noise_leaves_the_run_alone(quantities, held):
+    _, plain, plain_losses = _noisy_backward_run(None, held)
     CALLS[0] = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, state, losses = _noisy_backward_run(quantities())
+        _, state, losses = _noisy_backward_run(quantities(), held)
     assert _same(state, plain) and _same(losses, plain_losses)  # 1e-3 apart after 2 steps
     assert CALLS[0] > 2  # it did run in the cockpit's own passes (documented): only its draws are put back
 

@@ -183,6 +183,19 @@ def generator_namespaces(models) -> list[dict]:
     return spaces
 
 
+def _namespace_values(spaces: list[dict]) -> list:
+    """The values of the namespaces ``spaces``, and the class attributes of the classes defined there (a custom
+    ``autograd.Function`` holding its generator as ``gen``: outside trial 32)."""
+    values = []
+    for space in spaces:
+        here = space.get("__name__")
+        for value in list(space.values()):
+            values.append(value)
+            if isinstance(value, type) and value.__module__ == here:
+                values.extend(vars(value).values())
+    return values
+
+
 @contextlib.contextmanager
 def kept_generators(module: torch.nn.Module, arguments=()) -> Iterator[None]:
     """Put back, afterwards, the generators a re-run of ``module``'s forward pass may draw from: those its modules
@@ -193,8 +206,7 @@ def kept_generators(module: torch.nn.Module, arguments=()) -> Iterator[None]:
     values = [value for owner in module.modules() for name, value in owner.__dict__.items()
               if name not in _MODULE_INTERNALS]  # fmt: skip
     values += list(arguments)
-    held = _streams(values) + _streams([v for space in generator_namespaces([module]) for v in list(space.values())],
-                                       inner=False)
+    held = _streams(values) + _streams(_namespace_values(generator_namespaces([module])), inner=False)
     try:
         yield
     finally:
@@ -212,7 +224,7 @@ def user_state_kept(models=()) -> Iterator[UserState]:
     the user's modules that define the classes of ``models`` (:func:`generator_namespaces`: trial 32, a custom
     ``autograd.Function``'s ``backward`` adding noise from one, run again by the curvature's products)."""
     state = UserState.capture()
-    held = _streams([v for space in generator_namespaces(models) for v in list(space.values())], inner=False)
+    held = _streams(_namespace_values(generator_namespaces(models)), inner=False)
     try:
         yield state
     except BaseException:
