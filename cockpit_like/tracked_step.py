@@ -407,7 +407,10 @@ class TrackedStep:
         # the plain sum's gradients at the outputs, kept as projections: the user's backward pass must bring
         # the loss factor times the declared loss's gradient there (a term of value 0 with a gradient does not)
         self._output_reference = reference = OutputReference(seed + 0x51, losses.numel())
-        return lambda outputs: coupled_rows(losses, outputs, batch, seed, tolerance_for, on_gradients=reference.keep)
+        return lambda outputs, scalars=(), row_nodes=frozenset(): coupled_rows(
+            losses, outputs, batch, seed, tolerance_for, on_gradients=reference.keep, scalars=scalars,
+            row_nodes=row_nodes,
+        )
 
     def loss_finite(self) -> bool | None:
         """Whether ``info["loss"]`` is finite (``None``: no loss given), computed once per step."""

@@ -48,8 +48,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
-from cockpit_like.backends.tracer import FrozenStart, Shell, _flat_outputs, stateful_parts
-from cockpit_like.backends.user_state import held_tensor_hooks, kept_generators, kept_module_attributes, rerunning
+from cockpit_like.backends.tracer import FrozenStart, Shell, _flat_outputs, changed_in_forward, stateful_parts
+from cockpit_like.backends.user_state import (
+    held_modules, held_tensor_hooks, kept_generators, kept_module_attributes, rerunning,
+)
 
 __all__ = ["NonFiniteOutputsError", "RowsNotReproducedError", "UncoveredParameterError", "per_sample_grads",
            "per_sample_grad_rows"]
@@ -271,6 +273,17 @@ class _Rerun:
                 else:
                     owner._buffers[name] = value.clone()
 
+    def _own(self, param: torch.Tensor, live: bool) -> torch.Tensor:
+        """What the re-run reads for one of its parameters: ``param`` itself (``live``: the loop over the rows) or
+        detached (``vmap``); a copy of it where a forward pass was seen changing it (an EMA copy that requires
+        gradients, read by no module call of its own: outside trial 33), so that the re-run's update lands there
+        (:meth:`rewind` starts it from the pass's start)."""
+        if not changed_in_forward(param):
+            return param if live else param.detach()
+        copy = param.detach().clone().requires_grad_(live and param.requires_grad)
+        self.copies[id(param)] = copy
+        return copy
+
     def rows(self, start: int, stop: int, only: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``([stop - start, *p.shape] per parameter (or for ``params[only]``), the re-run's outputs)``."""
         count = stop - start
@@ -285,7 +298,7 @@ class _Rerun:
         with self.tracer.pause():
             if self._vmap:
                 try:
-                    detached = {name: p.detach() for name, p in zip(self.param_names, self.params)}
+                    detached = {name: self._own(p, False) for name, p in zip(self.param_names, self.params)}
                     with _batching_rules_told(self.module):
                         return _vmapped(self.run, detached, names, values, self.batched, self.dims, grads, self.out_dims)
                 except UncoveredParameterError:
@@ -293,13 +306,20 @@ class _Rerun:
                 except Exception:  # noqa: BLE001 - vmap has no batching rule (RNNs, custom autograd, routing)
                     self._vmap = False
                     _NO_VMAP[self.module] = True
-            live = dict(zip(self.param_names, self.params))
-            params = [self.params[k] for k in chosen]
+            live = {name: self._own(p, True) for name, p in zip(self.param_names, self.params)}
+            params = [live[self.param_names[k]] for k in chosen]
             try:
                 return _looped(self.run, live, params, values, self.batched, self.dims, grads, self.out_dims, count)
             except UncoveredParameterError:
                 raise
             except Exception as error:  # noqa: BLE001 - the user's forward pass on a part of the batch
+                if _under_cached_parametrizations(self.module):
+                    raise RowsNotReproducedError(
+                        f"{type(self.module).__name__}: its parametrized weights come from "
+                        "torch.nn.utils.parametrize.cached(), computed once for the whole batch before the call, "
+                        "so a re-run of single rows cannot compute them again (outside trial 33: training stopped "
+                        "here); run the tracked steps' forward pass outside cached() for per-sample values"
+                    ) from error
                 raise UncoveredParameterError(self._failed_message(error)) from error
 
     def checked_rows(self, recorded, start: int, stop: int, only: int | None = None):
@@ -388,7 +408,7 @@ class _Rerun:
             if self._whole is None:
                 with self.tracer.pause(), torch.no_grad():
                     self._whole = self.run(
-                        {name: p.detach() for name, p in zip(self.param_names, self.params)},
+                        {name: self._own(p, False) for name, p in zip(self.param_names, self.params)},
                         [self.values[k] for k in self.batched],
                     )
             # a shared output (leading 1) was recorded as its expansion over the rows
@@ -534,6 +554,15 @@ def _tell(caught: list, module: nn.Module) -> None:
         )
 
 
+def _under_cached_parametrizations(module: nn.Module) -> bool:
+    """Whether ``torch.nn.utils.parametrize.cached()`` is on and ``module`` holds parametrized tensors."""
+    from torch.nn.utils import parametrize
+
+    return bool(getattr(parametrize, "_cache_enabled", 0)) and any(
+        parametrize.is_parametrized(owner) for owner in module.modules()
+    )
+
+
 def _autocast_as(state: tuple | None):
     """``torch.autocast`` as a recorded call ran under it (``(device type, dtype)``), or nothing."""
     if state is None:
@@ -544,25 +573,29 @@ def _autocast_as(state: tuple | None):
 @contextlib.contextmanager
 def _model_kept(module: nn.Module, rerun: "_Rerun | None" = None):
     """Re-runs of ``module`` inside leave the user's run as it was. They run on copies: every buffer of
-    ``module`` (its parametrizations' included) and every frozen parameter (``requires_grad`` off: a momentum
-    encoder or mean teacher that ``forward`` updates in place, as ALBEF's and BLIP's do; a frozen base
-    layer costs one copy of its weights per re-run) is replaced by a copy for the re-runs and the user's own
-    tensor is bound again afterwards,
+    ``module`` (its parametrizations' included, and those of modules it holds unregistered: a mean teacher in a
+    plain list) and every parameter that is frozen or not the cockpit's (a momentum encoder or mean teacher that
+    ``forward`` updates in place, as ALBEF's and BLIP's do; a frozen base layer costs one copy of its weights per
+    re-run) is replaced by a copy for the re-runs and the user's own tensor is bound again afterwards,
     untouched: neither its values nor its version counter change (outside trial 32: a momentum encoder updated
     again by each re-run ended 0.015-0.066 off; a parametrization's running buffer written back in place made
     the step's graph, which saved it, fail at TIC's next pass). A buffer a forward pass replaces is put back
     too, and the states of torch's random number generators (CPU, and the CUDA devices of the module's
     tensors) and those the module holds or reads (:func:`~cockpit_like.backends.user_state.kept_generators`)."""
     differentiated = {id(p) for p in (rerun.params if rerun is not None else ())}
+    tracked = getattr(getattr(rerun, "tracer", None), "_tracked", None)  # the cockpit's parameters (ids)
     copies: dict[int, torch.Tensor] = {}  # the user's tensor's id -> its copy (a tensor held twice: one copy)
     swapped = []  # (table, name, the user's tensor)
     with torch.no_grad():
-        for owner in module.modules():
+        for owner in held_modules(module):
             for table, only_kept in ((owner._buffers, False), (owner._parameters, True)):
                 for name, value in table.items():
-                    if not isinstance(value, torch.Tensor) or (
-                        only_kept and (id(value) in differentiated or value.requires_grad)
-                    ):
+                    # a parameter is copied where it is frozen, not the cockpit's, or seen changing in a forward pass (an
+                    # EMA copy that timm's ModelEmaV2 or torch's AveragedModel leave requiring gradients: trial 33)
+                    if not isinstance(value, torch.Tensor) or (only_kept and (
+                        id(value) in differentiated or (value.requires_grad and (tracked is None or id(value) in tracked)
+                                                        and not changed_in_forward(value))
+                    )):
                         continue
                     if id(value) not in copies:
                         copy = value.detach().clone()

@@ -218,8 +218,16 @@ class StepExecution:
             )
         elif stats and not raw_batch_grad and row_check is not None:
             # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients
-            coupled = row_check(self.root_outputs)
-            if coupled is not None:
+            coupled = row_check(self.root_outputs, *_scalars_and_row_nodes(tracer, calls, batch_size))
+            if coupled is not None and "scalar" in coupled:
+                why = (
+                    "info['individual_losses'] read a number of the whole batch that the model returns (a scalar "
+                    "output computed from every row, such as a router z-loss or a load-balancing loss added to each "
+                    "row's loss), so a row's loss depends on the other rows and per-sample gradients are undefined "
+                    "(log the auxiliary loss with cockpit.log and leave it out of info['individual_losses'] and "
+                    "the loss at the tracked steps, or compute it per row; docs/your_training_loop.md#self-checks)"
+                )
+            elif coupled is not None:
                 why = (
                     "info['individual_losses'] are not separable by rows: a row's loss depends on other rows of "
                     f"the model's output (output {coupled['output']}: the gradient of a sign-weighted sum of the "
@@ -1058,6 +1066,26 @@ def _paths_around(loss, calls: list, params: list, names: dict) -> dict | None:
             if id(param) in tracked and name not in call.swapped:
                 covered[id(param)] = names.get(id(param)) or f"#{tracked[id(param)]} {list(param.shape)}"
     return paths_around_the_calls(loss, stops, covered)
+
+
+def _scalars_and_row_nodes(tracer, calls: list, batch_size) -> tuple[list, frozenset]:
+    """``(the 0-dim floating outputs of the models' outermost calls, the ids of the graph nodes of every call's
+    outputs with the batch's rows)``: what :func:`~cockpit_like.checks.rows.coupled_rows` needs to see a number of
+    the whole batch that the losses read (nothing where no call returns a scalar)."""
+    if tracer is None or not calls or not batch_size:
+        return [], frozenset()
+    from cockpit_like.backends.tracer import _flat_outputs
+
+    roots, batch = {id(ref()) for ref in tracer.roots}, int(batch_size)
+    scalars = [output for call in calls if id(call.module) in roots for output in _flat_outputs(call.output)
+               if getattr(output, "grad_fn", None) is not None and output.dim() == 0 and output.dtype.is_floating_point]  # fmt: skip
+    if not scalars:
+        return [], frozenset()
+    nodes = frozenset(
+        id(output.grad_fn) for call in calls for output in _flat_outputs(call.output)
+        if getattr(output, "grad_fn", None) is not None and output.dim() > 0 and rows_dim(output.shape, batch) is not None
+    )  # fmt: skip
+    return scalars, nodes
 
 
 def _root_outputs(tracer, calls: list, batch_size) -> list:

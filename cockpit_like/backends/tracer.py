@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from cockpit_like.backends.module_rules import RECOMPUTE_RULES
 from cockpit_like.backends.partitions import is_dtensor
-from cockpit_like.backends.user_state import _MODULE_INTERNALS  # nn.Module's own attributes: never a user's state
+from cockpit_like.backends.user_state import _MODULE_INTERNALS, held_modules  # (_MODULE_INTERNALS: nn.Module's own)
 
 __all__ = ["ModelTracer", "Call", "Shell", "stateful_parts", "snapshot_state"]
 
@@ -166,18 +166,19 @@ def _state_at_start(tracer, module: nn.Module) -> list:
 
 
 class FrozenStart(dict):
-    """``id(parameter) -> copy``: the frozen parameters that a forward pass of the model was seen changing (a
-    momentum encoder or mean teacher updated in place in ``forward``, as ALBEF's and BLIP's), as they were when
+    """``id(parameter) -> copy``: the parameters that a forward pass of the model was seen changing (a momentum
+    encoder or mean teacher updated in place in ``forward``, as ALBEF's and BLIP's), as they were when
     the model's forward pass began: a re-run starts from them (:meth:`~cockpit_like.backends.rerun._Rerun.rewind`),
     so it computes what the call computed."""
 
 
-#: ``id(parameter) -> weak reference``: the frozen parameters a forward pass of a model was seen changing (their
+#: ``id(parameter) -> weak reference``: the parameters a forward pass of a model was seen changing (their
 #: version counter or storage moved between the model's forward pre-hook and its forward hook)
 _CHANGED_IN_FORWARD: dict[int, weakref.ref] = {}
 
 
-def _changed_in_forward(param: torch.Tensor) -> bool:
+def changed_in_forward(param: torch.Tensor) -> bool:
+    """Whether a forward pass of a model was seen changing ``param`` (:meth:`ModelTracer.frozen_end`)."""
     seen = _CHANGED_IN_FORWARD.get(id(param))
     return seen is not None and seen() is param
 
@@ -484,16 +485,16 @@ class ModelTracer:
 
     # ---- the model's forward pass ------------------------------------------------------
     def frozen_begin(self, root: nn.Module) -> None:
-        """As a model's forward pass begins: note its frozen parameters' version counters and storage (a model
-        without frozen parameters: one pass over its parameters), and copy those seen changing in an earlier
+        """As a model's forward pass begins: note the version counters and storage of its parameters (and of
+        those of modules it holds unregistered: one pass over them), and copy those seen changing in an earlier
         forward pass (:class:`FrozenStart`)."""
-        frozen = [p for p in root.parameters() if not p.requires_grad]
+        frozen = [p for owner in held_modules(root) for p in owner.parameters(recurse=False)]
         self._frozen_marks = [(p, p._version, p.data_ptr()) for p in frozen]
-        changed = [p for p in frozen if _changed_in_forward(p)]
+        changed = [p for p in frozen if changed_in_forward(p)]
         self.frozen_start = FrozenStart({id(p): p.detach().clone() for p in changed}) if changed else None
 
     def frozen_end(self) -> None:
-        """As the model's forward pass ends: its frozen parameters whose version counter or storage moved are
+        """As the model's forward pass ends: its parameters whose version counter or storage moved are
         noted as changing in forward passes (copied as the next passes begin)."""
         for p, version, pointer in self._frozen_marks:
             if p._version != version or p.data_ptr() != pointer:

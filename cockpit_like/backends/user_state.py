@@ -36,7 +36,7 @@ import torch
 from cockpit_like.backends import internal
 
 __all__ = ["UserState", "gradient_changes", "guard_module_hooks", "guard_tensor_hooks", "held_tensor_hooks", "in_rerun",
-           "generator_namespaces", "kept_generators", "kept_module_attributes", "own_backward", "rerunning", "user_state_kept"]  # fmt: skip
+           "generator_namespaces", "held_modules", "kept_generators", "kept_module_attributes", "own_backward", "rerunning", "user_state_kept"]  # fmt: skip
 
 
 class UserState:
@@ -131,20 +131,23 @@ def _streams(values, inner: bool = True) -> list:
             found.append(stream)
         return stream is not None
 
-    for value in values:
-        if add(value) or not inner or isinstance(
-            value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type, types.ModuleType)
-        ):
-            continue
+    def contents(value):
+        if isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type, types.ModuleType)):
+            return ()
         if isinstance(value, dict):
-            inner = value.values()
-        elif isinstance(value, (list, tuple)):
-            inner = value
-        else:
-            attributes = getattr(value, "__dict__", None)
-            inner = attributes.values() if isinstance(attributes, dict) and not callable(value) else ()
-        for item in itertools.islice(inner, _INNER_LIMIT):
-            add(item)
+            return itertools.islice(value.values(), _INNER_LIMIT)
+        if isinstance(value, (list, tuple)):
+            return itertools.islice(value, _INNER_LIMIT)
+        attributes = getattr(value, "__dict__", None)
+        return itertools.islice(attributes.values(), _INNER_LIMIT) if isinstance(attributes, dict) and not callable(value) else ()
+
+    for value in values:
+        if add(value) or not inner:
+            continue
+        for item in contents(value):  # two levels down: a list of lists, a dict in a list (outside trial 33)
+            if not add(item):
+                for deeper in contents(item):
+                    add(deeper)
     return found
 
 
@@ -184,15 +187,70 @@ def generator_namespaces(models) -> list[dict]:
 
 
 def _namespace_values(spaces: list[dict]) -> list:
-    """The values of the namespaces ``spaces``, and the class attributes of the classes defined there (a custom
-    ``autograd.Function`` holding its generator as ``gen``: outside trial 32)."""
-    values = []
+    """The values of the namespaces ``spaces``, the class attributes of the classes defined there (a custom
+    ``autograd.Function`` holding its generator as ``gen``: outside trial 32), and the values at the top of the
+    user's own modules they import (``import noise`` and ``noise.G`` in the forward pass: outside trial 33)."""
+    import types
+
+    values, seen = [], {id(space) for space in spaces}
     for space in spaces:
         here = space.get("__name__")
         for value in list(space.values()):
             values.append(value)
             if isinstance(value, type) and value.__module__ == here:
                 values.extend(vars(value).values())
+            elif isinstance(value, types.ModuleType) and id(vars(value)) not in seen and _users_module(value):
+                seen.add(id(vars(value)))
+                values.extend(list(vars(value).values()))
+    return values
+
+
+def _users_module(module) -> bool:
+    """Whether ``module`` is a Python module of the user's project: a file outside the standard library and the
+    installed packages, and not a library the cockpit knows."""
+    import sysconfig
+
+    path = getattr(module, "__file__", None)
+    if not path or module.__name__.split(".")[0] in _LIBRARIES:
+        return False
+    installed = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return not any(path.startswith(prefix) for prefix in installed if prefix)
+
+
+def held_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module``'s modules and those its modules hold without registering them (in a plain list, tuple or dict
+    attribute, or set past ``Module.__setattr__``: a mean teacher kept out of ``state_dict``, outside trial 33),
+    each once."""
+    found, seen = [], set()
+
+    def take(root):
+        for owner in root.modules():
+            if id(owner) not in seen:
+                seen.add(id(owner))
+                found.append(owner)
+
+    take(module)
+    for owner in list(found):
+        for name, value in owner.__dict__.items():
+            if name in _MODULE_INTERNALS:
+                continue
+            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if isinstance(item, torch.nn.Module) and id(item) not in seen:
+                    take(item)
+    return found
+
+
+def _module_values(module: torch.nn.Module) -> list:
+    """The attribute values of ``module``'s modules (and of those it holds unregistered), and the class attributes
+    of their classes that are not the library's (``GEN = torch.Generator()`` in a class body)."""
+    values, classes = [], set()
+    for owner in held_modules(module):
+        values.extend(value for name, value in owner.__dict__.items() if name not in _MODULE_INTERNALS)
+        cls = type(owner)
+        if cls not in classes and (cls.__module__ or "").split(".")[0] not in _LIBRARIES:
+            classes.add(cls)
+            values.extend(vars(cls).values())
     return values
 
 
@@ -203,8 +261,7 @@ def kept_generators(module: torch.nn.Module, arguments=()) -> Iterator[None]:
     (``model(x, generator=g)``), and those at the top of the user's modules that define its classes
     (:func:`generator_namespaces`). (torch's, NumPy's and Python's global ones: :func:`user_state_kept` around all
     of the cockpit's work.)"""
-    values = [value for owner in module.modules() for name, value in owner.__dict__.items()
-              if name not in _MODULE_INTERNALS]  # fmt: skip
+    values = _module_values(module)
     values += list(arguments)
     held = _streams(values) + _streams(_namespace_values(generator_namespaces([module])), inner=False)
     try:
@@ -225,6 +282,7 @@ def user_state_kept(models=()) -> Iterator[UserState]:
     ``autograd.Function``'s ``backward`` adding noise from one, run again by the curvature's products)."""
     state = UserState.capture()
     held = _streams(_namespace_values(generator_namespaces(models)), inner=False)
+    held += _streams([value for model in models for value in _module_values(model)])
     try:
         yield state
     except BaseException:

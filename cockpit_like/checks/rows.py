@@ -48,7 +48,9 @@ def _backpack_keeps_its_inputs():
         CTX.retain_graph = kept
 
 
-def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for, on_gradients=None) -> dict | None:
+def coupled_rows(
+    losses, outputs, batch: int, seed: int, tolerance_for, on_gradients=None, scalars=(), row_nodes=frozenset()
+) -> dict | None:
     """``None`` where every row's loss reads only its own row of ``outputs`` (or where that cannot be seen:
     losses without a graph, outputs the losses do not reach); else ``{"error", "tolerance", "output"}``.
 
@@ -64,6 +66,13 @@ def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for, on_gradi
 
     A tensor whose rows lie along another dimension of size ``batch`` (sequence-first ``[T, B, ...]``
     outputs with ``T == B``) passes where the signs along that dimension fit.
+
+    ``scalars``: the model's outputs without rows (``return logits, {"z_loss": z}``), and ``row_nodes`` the graph
+    nodes of the module calls' outputs that have the batch's rows: a scalar that the losses read and that is
+    computed from those rows (a router z-loss, a load-balancing loss: a number of the whole batch added to every
+    row's loss) couples the rows as well, while the signs at the outputs see nothing (outside trial 33: NormTest
+    9.6-13% off, stored as valid); then ``{"scalar": its index among scalars}``. A scalar computed from the
+    parameters alone (a temperature) does not couple them.
     """
     if not isinstance(losses, torch.Tensor) or losses.grad_fn is None or losses.dim() != 1:
         return None
@@ -107,7 +116,44 @@ def coupled_rows(losses, outputs, batch: int, seed: int, tolerance_for, on_gradi
         error, tolerance = min(errors), tolerance_for(g.dtype)
         if error > tolerance and (worst is None or error / tolerance > worst["error"] / worst["tolerance"]):
             worst = {"error": error, "tolerance": tolerance, "output": index}
+    if worst is None and scalars and row_nodes:
+        worst = _coupling_scalar(losses, scalars, row_nodes)
     return worst
+
+
+def _coupling_scalar(losses, scalars, row_nodes) -> dict | None:
+    """``{"scalar": index}`` of the first of ``scalars`` (recorded 0-dim outputs) that ``losses`` read (a gradient
+    other than zero) and whose graph reaches one of ``row_nodes`` (ids of autograd nodes); else ``None``."""
+    from torch.autograd.graph import GradientEdge
+
+    for index, scalar in enumerate(scalars):
+        node = getattr(scalar, "grad_fn", None)
+        if node is None or not _reaches(node, row_nodes):
+            continue
+        with torch.enable_grad(), cockpit_work(), own_backward(), _backpack_keeps_its_inputs():
+            try:
+                (read,) = torch.autograd.grad(losses, [GradientEdge(node, scalar.output_nr)], torch.ones_like(losses),
+                                              retain_graph=True, allow_unused=True)  # fmt: skip
+            except RuntimeError:
+                continue
+        if read is not None and bool(read.detach().ne(0).any()):
+            return {"scalar": index}
+    return None
+
+
+def _reaches(node, targets, limit: int = 20_000) -> bool:
+    """Whether the autograd graph below ``node`` holds a node whose id is in ``targets`` (at most ``limit`` nodes
+    visited: beyond, ``False``)."""
+    stack, seen = [node], {id(node)}
+    while stack and len(seen) <= limit:
+        current = stack.pop()
+        if id(current) in targets:
+            return True
+        for following, _ in getattr(current, "next_functions", ()):
+            if following is not None and id(following) not in seen:
+                seen.add(id(following))
+                stack.append(following)
+    return False
 
 
 #: the most autograd nodes :func:`paths_around_the_calls` visits (beyond: it says nothing)
