@@ -312,13 +312,17 @@ def test_a_parametrization_under_cached_is_named_as_the_reason():
     optimizer = torch.optim.SGD(params, lr=0.1)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(B, 6, generator=g, dtype=DTYPE), torch.randint(0, 8, (B,), generator=g)
-    with parametrize.cached(), pytest.warns(RuntimeWarning, match="failed the self-check 'gradient'"):
+    with parametrize.cached(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         losses = F.cross_entropy(model(x), y, reduction="none")
         with cockpit(0, info={"batch_size": B, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}):
             losses.mean().backward()
-    (failed,) = cockpit.checks[0]["failed"]
-    reason = failed["reason"]
-    assert "parametrize.cached()" in reason and "outside cached()" in reason, reason
+    # the reason was a parameter "read outside any module call" and torch.nn.utils.parametrize advised (in use);
+    # since outside trial 33 the re-run is not tried under cached() (it froze the cached weight's graph): a note
+    checks = cockpit.checks[0]
+    said = " ".join(checks["notes"] + [failed["reason"] for failed in checks["failed"]])
+    assert "parametrize.cached()" in said and "outside cached()" in said, said
+    assert "NormTest" not in cockpit.get_output()[0]
 
 
 # ---- a mixture of experts returning (logits, aux) ------------------------------------------------------------

@@ -146,7 +146,8 @@ class LossCurvatureCheck:
         """The step's verdict from its passes' (micro-batches, ranks): checked where one was, wrong where one
         was, the largest error (the tolerances are the same dtype's)."""
         part = reduction.max(torch.tensor([float(result.checked), float(result.wrong), result.error,
-                                           result.tolerance], dtype=torch.float64))
+                                           result.tolerance], dtype=torch.float64,
+                                          device=getattr(reduction, "_device", None) or "cpu"))  # (a few flags)
 
         def finish() -> LossCurvature:
             checked, wrong, error, tolerance = (float(x) for x in part.value)

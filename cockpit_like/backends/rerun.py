@@ -295,6 +295,13 @@ class _Rerun:
         grads = self.grads if whole else [g.narrow(d, start, count) for g, d in zip(self.grads, self.out_dims)]
         chosen = range(len(self.params)) if only is None else [only]
         names = [self.param_names[k] for k in chosen]
+        if _under_cached_parametrizations(self.module):  # (before running: a re-run would free the cached graph)
+            raise RowsNotReproducedError(
+                f"{type(self.module).__name__}: its parametrized weights come from "
+                "torch.nn.utils.parametrize.cached(), computed once for the whole batch before the call, so a "
+                "re-run of single rows cannot compute them again (outside trial 33: training stopped here); run the "
+                "tracked steps' forward pass outside cached() for per-sample values"
+            )
         with self.tracer.pause():
             if self._vmap:
                 try:
@@ -313,13 +320,6 @@ class _Rerun:
             except UncoveredParameterError:
                 raise
             except Exception as error:  # noqa: BLE001 - the user's forward pass on a part of the batch
-                if _under_cached_parametrizations(self.module):
-                    raise RowsNotReproducedError(
-                        f"{type(self.module).__name__}: its parametrized weights come from "
-                        "torch.nn.utils.parametrize.cached(), computed once for the whole batch before the call, "
-                        "so a re-run of single rows cannot compute them again (outside trial 33: training stopped "
-                        "here); run the tracked steps' forward pass outside cached() for per-sample values"
-                    ) from error
                 raise UncoveredParameterError(self._failed_message(error)) from error
 
     def checked_rows(self, recorded, start: int, stop: int, only: int | None = None):

@@ -177,6 +177,15 @@ class FrozenStart(dict):
 _CHANGED_IN_FORWARD: dict[int, weakref.ref] = {}
 
 
+def _mark(param: torch.Tensor) -> tuple[int | None, int | None]:
+    """``(version counter, storage pointer)`` of ``param``; ``None`` where it has none (a tensor without storage:
+    ``torch.func``'s functional or batched tensors, swapped in by a look-ahead)."""
+    try:
+        return param._version, param.data_ptr()
+    except RuntimeError:
+        return None, None
+
+
 def changed_in_forward(param: torch.Tensor) -> bool:
     """Whether a forward pass of a model was seen changing ``param`` (:meth:`ModelTracer.frozen_end`)."""
     seen = _CHANGED_IN_FORWARD.get(id(param))
@@ -489,7 +498,7 @@ class ModelTracer:
         those of modules it holds unregistered: one pass over them), and copy those seen changing in an earlier
         forward pass (:class:`FrozenStart`)."""
         frozen = [p for owner in held_modules(root) for p in owner.parameters(recurse=False)]
-        self._frozen_marks = [(p, p._version, p.data_ptr()) for p in frozen]
+        self._frozen_marks = [(p, *_mark(p)) for p in frozen]
         changed = [p for p in frozen if changed_in_forward(p)]
         self.frozen_start = FrozenStart({id(p): p.detach().clone() for p in changed}) if changed else None
 
@@ -497,7 +506,7 @@ class ModelTracer:
         """As the model's forward pass ends: its parameters whose version counter or storage moved are
         noted as changing in forward passes (copied as the next passes begin)."""
         for p, version, pointer in self._frozen_marks:
-            if p._version != version or p.data_ptr() != pointer:
+            if (version, pointer) != _mark(p):
                 _CHANGED_IN_FORWARD[id(p)] = weakref.ref(p, lambda _, key=id(p): _CHANGED_IN_FORWARD.pop(key, None))
         self._frozen_marks = []
 
