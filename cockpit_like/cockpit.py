@@ -263,6 +263,7 @@ class Cockpit:
             wants_graph=self._before_forward,
             on_attach=self._adapt_quantities,
             on_forward=lambda root, args, kwargs: self._recorder.forward_begins(root, args, kwargs, self._next_step),
+            tracking=lambda: bool(self._active_at(self._next_step)),
         )
         self._recorder = Recorder(
             self._tracer,

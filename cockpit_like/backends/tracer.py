@@ -149,7 +149,11 @@ def _open(tracer_id: int, module, args) -> None:
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
     if not tracer.in_forward() and any(ref() is module for ref in tracer.roots):
-        tracer.frozen_begin(module)  # (a root's pre-hooks: this one before the one that begins its forward pass)
+        # (a root's pre-hooks: this one before the one that begins its forward pass)
+        if tracer._tracking():
+            tracer.frozen_begin(module)
+        else:
+            tracer.frozen_start = None
     tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
     tracer.states.setdefault(id(module), []).append(_state_at_start(tracer, module))
 
@@ -365,12 +369,16 @@ class ModelTracer:
     MAX_CALLS = 200_000
 
     def __init__(
-        self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None, on_forward=None
+        self, params: list[torch.Tensor], wants_graph=lambda: False, on_attach=lambda: None, on_forward=None,
+        tracking=lambda: True,
     ):
         self.id = next(_IDS)
         _TRACERS[self.id] = self
         self._tracked = {id(p) for p in params}
         self._wants_graph = wants_graph
+        #: whether the forward pass about to run belongs to a tracked step (the cockpit's schedule): the parameters
+        #: a forward pass changes are looked for there only (:meth:`frozen_begin`; 0.26 ms per gpt forward pass)
+        self._tracking = tracking
         self._on_attach = on_attach
         self._on_forward = on_forward
         #: ``(module, args, kwargs, output, node, batch, start)`` of each noted call since the last step

@@ -115,24 +115,37 @@ def _stream_of(value):
     return None
 
 
-def _streams(values, inner: bool = True) -> list:
-    """``(restore, state)`` of each generator among ``values``, and (``inner``) one level inside those that are
-    dicts, lists, tuples or plain objects (a ``{"gen": g}`` configuration, a helper holding ``self.g``); each
-    generator once."""
+def _generator_types() -> tuple:
+    """The classes of random number generators: torch's, Python's and (where imported) NumPy's."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    extra = (numpy.random.RandomState, numpy.random.Generator) if numpy is not None else ()
+    return (torch.Generator, random.Random, *extra)
+
+
+def _generators(values, inner: bool = True) -> list:
+    """The generators among ``values``, and (``inner``) inside those that are dicts, lists, tuples or plain objects,
+    two levels down (a ``{"gen": g}`` configuration, a helper holding ``self.g``, a list of lists: outside trials 32
+    and 33); each once."""
     import itertools
     import types
 
+    kinds = _generator_types()
     found, seen = [], set()
+    opaque = (torch.Tensor, torch.nn.Module, str, bytes, int, float, type, types.ModuleType)
 
     def add(value) -> bool:
-        stream = _stream_of(value)
-        if stream is not None and id(value) not in seen:
+        if not isinstance(value, kinds):
+            return False
+        if id(value) not in seen:
             seen.add(id(value))
-            found.append(stream)
-        return stream is not None
+            found.append(value)
+        return True
 
     def contents(value):
-        if isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float, type, types.ModuleType)):
+        if value is None or isinstance(value, opaque):
             return ()
         if isinstance(value, dict):
             return itertools.islice(value.values(), _INNER_LIMIT)
@@ -144,11 +157,16 @@ def _streams(values, inner: bool = True) -> list:
     for value in values:
         if add(value) or not inner:
             continue
-        for item in contents(value):  # two levels down: a list of lists, a dict in a list (outside trial 33)
+        for item in contents(value):
             if not add(item):
                 for deeper in contents(item):
                     add(deeper)
     return found
+
+
+def _streams(values, inner: bool = True) -> list:
+    """``(restore, state)`` of each generator :func:`_generators` finds among ``values``."""
+    return [_stream_of(generator) for generator in _generators(values, inner)]
 
 
 #: the most entries of a container or object looked into for generators (:func:`_streams`)
@@ -208,13 +226,18 @@ def _namespace_values(spaces: list[dict]) -> list:
 def _users_module(module) -> bool:
     """Whether ``module`` is a Python module of the user's project: a file outside the standard library and the
     installed packages, and not a library the cockpit knows."""
-    import sysconfig
-
     path = getattr(module, "__file__", None)
     if not path or module.__name__.split(".")[0] in _LIBRARIES:
         return False
-    installed = {sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return not any(path.startswith(prefix) for prefix in installed if prefix)
+    return not any(path.startswith(prefix) for prefix in _installed_paths() if prefix)
+
+
+@functools.cache
+def _installed_paths() -> tuple:
+    """Where the standard library and the installed packages live."""
+    import sysconfig
+
+    return tuple({sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
 def held_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -254,6 +277,29 @@ def _module_values(module: torch.nn.Module) -> list:
     return values
 
 
+#: per model, ``(signature, generators)``: what :func:`_held_generators` found, and the modules' attribute counts then
+_MODEL_GENERATORS = weakref.WeakKeyDictionary()
+
+
+def _held_generators(models) -> list:
+    """The generators the cockpit's work puts back for ``models`` (:func:`user_state_kept`): those the models'
+    modules hold (:func:`_module_values`) and those at the top of the user's modules that define their classes
+    (:func:`generator_namespaces`: looked at each time). The models' are looked for again only where a module's
+    attributes changed in number (a scan at every step cost 1.5-4 ms on the benchmark's models): a generator bound
+    later to an attribute that existed before (``self.gen = None`` first) is found at the next such change."""
+    found: list = []
+    for model in models:
+        signature = tuple(len(owner.__dict__) for owner in model.modules())
+        cached = _MODEL_GENERATORS.get(model)
+        if cached is None or cached[0] != signature:
+            cached = (signature, _generators(_module_values(model)))
+            _MODEL_GENERATORS[model] = cached
+        found += cached[1]
+    found += _generators(_namespace_values(generator_namespaces(models)), inner=False)  # (direct values: cheap)
+    unique = {id(generator): generator for generator in found}
+    return list(unique.values())
+
+
 @contextlib.contextmanager
 def kept_generators(module: torch.nn.Module, arguments=()) -> Iterator[None]:
     """Put back, afterwards, the generators a re-run of ``module``'s forward pass may draw from: those its modules
@@ -281,8 +327,7 @@ def user_state_kept(models=()) -> Iterator[UserState]:
     the user's modules that define the classes of ``models`` (:func:`generator_namespaces`: trial 32, a custom
     ``autograd.Function``'s ``backward`` adding noise from one, run again by the curvature's products)."""
     state = UserState.capture()
-    held = _streams(_namespace_values(generator_namespaces(models)), inner=False)
-    held += _streams([value for model in models for value in _module_values(model)])
+    held = [_stream_of(generator) for generator in _held_generators(models)]
     try:
         yield state
     except BaseException:
