@@ -68,6 +68,14 @@ def _same(first, second) -> bool:
     return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def _left_out_with(out, steps: int, said: str) -> None:
+    """At each of ``steps`` tracked steps: no per-sample value, the rest stored, a note that says ``said``."""
+    for step in range(steps):
+        assert "NormTest" not in out[step] and "GradNorm" in out[step]
+        notes = " ".join(out[step]["checks"]["notes"])
+        assert said in notes, notes
+
+
 # ---- a momentum encoder updated inside forward ------------------------------------------------------------
 class MomentumModel(nn.Module):
     """ALBEF-like: a learnable temperature of its own (so the cockpit re-runs the whole model row by row) and a
@@ -376,11 +384,8 @@ def test_a_scalar_output_the_loss_reads_leaves_per_sample_values_out_with_a_note
     out, state, _ = _moe_run("aux read", configuration("economy"))
     _, plain, _ = _moe_run("aux read", None)
     assert _same(state, plain)
-    for step in range(2):
-        assert "NormTest" not in out[step] and "GradNorm" in out[step]
-        notes = " ".join(out[step]["checks"]["notes"])
-        # (since outside trial 33 the row check sees it first: a number of the whole batch in every row's loss)
-        assert "read a number of the whole batch that the model returns" in notes, notes
+    # (since outside trial 33 the row check sees it first: a number of the whole batch in every row's loss)
+    _left_out_with(out, 2, "read a number of the whole batch that the model returns")
 
 
 # ---- a multi-grad hook of the user's ------------------------------------------------------------------------
