@@ -254,3 +254,33 @@ def test_a_stateful_parametrization_under_cached_gives_a_note_not_an_error(prese
         out = cockpit.get_output()[step]
         assert "NormTest" not in out and "GradNorm" in out and ("HessTrace" in out) == (preset == "business")
         assert "parametrize.cached()" in " ".join(out["checks"]["notes"]), out["checks"]
+
+
+# ---- MoCo's momentum update through `.data` ----------------------------------------------------------------------
+class MoCoLike(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.query = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+        self.key = copy.deepcopy(self.query)
+        self.temp = nn.Parameter(torch.tensor(1.0))  # its own parameter: the model is re-run row by row
+
+    def forward(self, x):
+        for k, q in zip(self.key.parameters(), self.query.parameters()):
+            k.data = k.data * 0.9 + q.data * 0.1  # MoCo's `_momentum_update_key_encoder`, verbatim
+        with torch.no_grad():
+            keys = self.key(x)
+        return (self.query(x) + 0.5 * keys) * self.temp
+
+
+def test_a_momentum_update_through_data_gives_a_note_and_leaves_the_run_alone():
+    def run(quantities):
+        torch.manual_seed(0)
+        model = MoCoLike().to(DTYPE)
+        params = [p for name, p in model.named_parameters() if not name.startswith("key.")]
+        return _loop(model, quantities, 3, _batch, params=params)
+
+    _, plain, plain_losses = run(None)
+    out, state, losses = _quiet(lambda: run(configuration("economy")))  # training stopped at step 0 before
+    assert _same(state, plain) and _same(losses, plain_losses)
+    assert "NormTest" in out[0]  # the first update changes nothing (the keys are the queries' copy): skipped, exact
+    _left_out_with({step - 1: out[step] for step in (1, 2)}, 2, "replaces a tensor's `.data`")

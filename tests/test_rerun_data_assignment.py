@@ -2,7 +2,8 @@
 SwitchTransformers router does: ``self.classifier = self.classifier.to(self.dtype)``), re-run row by row by the
 ``torch.func`` fallback. The re-run used to crash the process (a segmentation fault inside ``vmap(vjp(...))``
 where the tensor was a constant of the re-run); now an assignment that changes nothing is skipped (exact
-per-sample gradients) and any other is a clear :class:`UncoveredParameterError`. Each scenario runs in a
+per-sample gradients) and any other leaves the per-sample values out with a note naming the module (a clear
+:class:`UncoveredParameterError` that stopped training before outside trial 33). Each scenario runs in a
 child process, so that a crash fails its test instead of killing the test run."""
 
 import subprocess
@@ -55,11 +56,16 @@ def _scenario(assignment: str) -> None:
     probe = row_stats_probe(lambda step: True)
     cockpit = Cockpit(params, quantities=[probe], model=model)
     loss = F.cross_entropy(model(x), y)
-    if assignment == "decay":
-        with pytest.raises(UncoveredParameterError, match=r"_Router: its forward pass replaces a tensor's `\.data`"):
-            with cockpit(0, info={"loss": loss, "batch_size": ROWS}):
-                loss.backward()
-        print("refused")
+    if assignment == "decay":  # (training stopped here with UncoveredParameterError before outside trial 33)
+        decayed = [p.detach().clone() for p in params]  # as the training's own forward passes left them
+        with cockpit(0, info={"loss": loss, "batch_size": ROWS}):
+            loss.backward()
+        notes = " ".join(cockpit.checks[0]["notes"])
+        assert "_Router: its forward pass replaces a tensor's `.data`" in notes, notes
+        assert 0 not in probe.output  # no per-sample value at the step
+        for p, b in zip(params, decayed):
+            assert torch.equal(p.detach(), b)  # the re-run stopped before the assignment
+        print("noted")
         return
     with cockpit(0, info={"loss": loss, "batch_size": ROWS}):
         loss.backward()
@@ -79,8 +85,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=300)
 
 
-@pytest.mark.parametrize("assignment, expected", [("to", "exact"), ("equal", "exact"), ("decay", "refused")])
-def test_a_data_assignment_in_a_rerun_is_skipped_or_refused_never_a_crash(assignment, expected):
+@pytest.mark.parametrize("assignment, expected", [("to", "exact"), ("equal", "exact"), ("decay", "noted")])
+def test_a_data_assignment_in_a_rerun_is_skipped_or_noted_never_a_crash(assignment, expected):
     done = _run(f"from tests.test_rerun_data_assignment import _scenario; _scenario({assignment!r})")
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
     assert done.stdout.split()[-1] == expected

@@ -461,7 +461,8 @@ class _DataKept(TorchFunctionMode):
     refuses it where the tensor is a variable. An assignment that changes nothing (the tensor itself, as
     ``Module.to`` assigns where the dtype and device are already right, or an equal tensor of the same dtype,
     device and shape) is skipped, so the re-run computes what the forward pass computed; any other raises
-    :class:`UncoveredParameterError` naming the submodule. The check is one identity test per operation."""
+    :class:`RowsNotReproducedError` naming the submodule (the step goes on without per-sample values, with a
+    note; training stopped before outside trial 33). The check is one identity test per operation."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -472,7 +473,9 @@ class _DataKept(TorchFunctionMode):
             tensor, value = args[0], args[1]
             if value is tensor or _equal(tensor, value):
                 return None
-            raise UncoveredParameterError(_data_message(self.module))
+            # (before the assignment: nothing changed) the step goes on without per-sample values, with a note
+            # (outside trial 33: MoCo's `param_k.data = ...` momentum update stopped training at step 0)
+            raise RowsNotReproducedError(_data_message(self.module))
         return func(*args, **(kwargs or {}))
 
 
