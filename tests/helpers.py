@@ -100,6 +100,20 @@ def train(
         optimizer.step()
 
 
+def backward_in(cockpit, step: int, losses: torch.Tensor, optimizer=None, outputs=None, batch_size=None) -> None:
+    """The rows' mean ``losses.mean()`` backpropagated: inside ``cockpit``'s block at ``step`` (``info`` with the
+    rows' losses, the optimizer and the outputs where given; the graph kept where the step needs it), or plainly
+    where ``cockpit`` is ``None`` (the same loop without a cockpit)."""
+    loss = losses.mean()
+    if cockpit is None:
+        loss.backward()
+        return
+    info = {"batch_size": len(losses) if batch_size is None else batch_size, "individual_losses": losses, "loss": loss}
+    info.update({key: value for key, value in (("optimizer", optimizer), ("outputs", outputs)) if value is not None})
+    with cockpit(step, info=info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+
+
 def _params_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters()}
 

@@ -24,6 +24,7 @@ from cockpit_like import Cockpit
 from cockpit_like import quantities as Q
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
+from tests.helpers import backward_in
 
 
 class _Drawing(nn.Module):
@@ -56,14 +57,7 @@ def _train(source: str, quantities, steps: int = 4):
         x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
         optimizer.zero_grad()
         out = model(x)
-        losses = F.cross_entropy(out, y, reduction="none")
-        if cockpit is None:
-            losses.mean().backward()
-        else:
-            info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer,
-                    "outputs": out}  # fmt: skip
-            with cockpit(step, info=info):
-                losses.mean().backward(create_graph=cockpit.create_graph(step))
+        backward_in(cockpit, step, F.cross_entropy(out, y, reduction="none"), optimizer, out)
         optimizer.step()
     streams = (np.random.rand(), random.random(), torch.rand(1).item(), torch.rand(1, generator=model[1].own).item())
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), streams, cockpit
@@ -130,11 +124,7 @@ def test_a_backward_hook_registered_after_the_cockpit_runs_once_per_step():
     for step in range(3):
         x, y = torch.randn(8, 6), torch.randint(0, 4, (8,))
         optimizer.zero_grad()
-        out = model(x)
-        losses = F.cross_entropy(out, y, reduction="none")
-        info = {"batch_size": 8, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer}
-        with cockpit(step, info=info):
-            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        backward_in(cockpit, step, F.cross_entropy(model(x), y, reduction="none"), optimizer)
         optimizer.step()
     assert len(calls) == 3  # before: 38 at step 0 with full
 

@@ -19,6 +19,7 @@ from cockpit_like.backends import randomness
 from cockpit_like.quantities import HessMaxEV, HessTrace, KFACTrace, TICDiag
 from cockpit_like.utils import schedules
 from cockpit_like.utils.configuration import PRESETS, configuration
+from tests.helpers import backward_in
 
 
 class Residual(nn.Module):
@@ -233,14 +234,7 @@ def test_the_users_module_hooks_and_forward_state_see_only_the_users_passes(pres
             y = torch.randint(0, 4, (6,), generator=generator)
             optimizer.zero_grad()
             out = model(x)
-            losses = nn.functional.cross_entropy(out, y, reduction="none")
-            if cockpit is None:
-                losses.mean().backward()
-            else:
-                info = {"batch_size": 6, "individual_losses": losses, "loss": losses.mean(), "optimizer": optimizer,
-                        "outputs": out}  # fmt: skip
-                with cockpit(step, info=info):
-                    losses.mean().backward(create_graph=cockpit.create_graph(step))
+            backward_in(cockpit, step, nn.functional.cross_entropy(out, y, reduction="none"), optimizer, out)
             optimizer.step()
         state = (model[1].calls, list(model[1].log), dict(model[1].seen))
         return [p.detach().clone() for p in model.parameters()], log, state, cockpit

@@ -34,6 +34,7 @@ from cockpit_like.backends.sampled import looks_like_mean_cross_entropy, mean_cr
 from cockpit_like.quantities import GradNorm, HessTrace, TICDiag, TICTrace
 from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
+from tests.helpers import backward_in
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook", "ignore:Using backward")
 
@@ -351,10 +352,7 @@ def test_batch_norm_in_training_mode_leaves_tic_out_with_a_note():
         model.train(train)
         x, y = torch.randn(6, 4, generator=generator, dtype=DTYPE), torch.randint(0, 3, (6,), generator=generator)
         outputs = model(x)
-        losses = F.cross_entropy(outputs, y, reduction="none")
-        info = {"batch_size": 6, "individual_losses": losses, "loss": losses.mean(), "outputs": outputs}
-        with cockpit(step, info=info):
-            losses.mean().backward(create_graph=cockpit.create_graph(step))
+        backward_in(cockpit, step, F.cross_entropy(outputs, y, reduction="none"), outputs=outputs)
         model.zero_grad()
     first, second = cockpit.get_output()[0], cockpit.get_output()[1]
     assert "GradNorm" in first and not {"TICDiag", "TICTrace", "HessTrace"} & set(first)

@@ -15,12 +15,13 @@ key/value cache argument, filled by the call itself, is left out); if it does
 not (state, a coupled batch), :class:`UncoveredParameterError` says so.
 
 A re-run leaves the model as it was: it runs on copies of the re-run module's
-buffers (all of them, its parametrizations' included) and frozen parameters,
+buffers (all of them, its parametrizations' included) and of the parameters it
+does not differentiate that are frozen, not the cockpit's or changed by forward,
 and the user's tensors are bound again afterwards, untouched; torch's random
 number generators and those the re-run can reach are put back
 (:func:`_model_kept`). The buffers of its parametrizations (``spectral_norm``'s
 power iteration vectors, updated in place by each read of the weight in
-training mode), and the frozen parameters a forward pass was seen changing
+training mode), and the parameters a forward pass was seen changing
 (a momentum encoder), are set, before each re-run, to what they were when the
 recorded call (or the model's forward pass) began (``Call.state``, noted by the
 tracer), so the re-run computes what the forward pass computed.
@@ -48,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from cockpit_like.backends.module_rules import BasePruningMethod, finite_parts
 from cockpit_like.backends.per_sample import LazyRows
-from cockpit_like.backends.tracer import FrozenStart, Shell, _flat_outputs, changed_in_forward, stateful_parts
+from cockpit_like.backends.tracer import ChangedStart, Shell, _flat_outputs, changed_in_forward, stateful_parts
 from cockpit_like.backends.user_state import (
     held_modules, held_tensor_hooks, kept_generators, kept_module_attributes, rerunning,
 )
@@ -250,7 +251,7 @@ class _Rerun:
         where the call started (what it changes is put back afterwards: :func:`_model_kept`)."""
         with torch.no_grad():
             for entry in self.state:
-                if isinstance(entry, FrozenStart):  # frozen parameters a forward pass changes: as it began
+                if isinstance(entry, ChangedStart):  # parameters a forward pass changes: as it began
                     for key, start in entry.items():
                         copy = self.copies.get(key)
                         if copy is not None and not torch.equal(copy, start):
@@ -577,9 +578,9 @@ def _autocast_as(state: tuple | None):
 def _model_kept(module: nn.Module, rerun: "_Rerun | None" = None):
     """Re-runs of ``module`` inside leave the user's run as it was. They run on copies: every buffer of
     ``module`` (its parametrizations' included, and those of modules it holds unregistered: a mean teacher in a
-    plain list) and every parameter that is frozen or not the cockpit's (a momentum encoder or mean teacher that
-    ``forward`` updates in place, as ALBEF's and BLIP's do; a frozen base layer costs one copy of its weights per
-    re-run) is replaced by a copy for the re-runs and the user's own tensor is bound again afterwards,
+    plain list) and every parameter :func:`_copied_parameter` names (frozen, not the cockpit's, or changed by a
+    forward pass: a momentum encoder or mean teacher that ``forward`` updates in place, as ALBEF's and BLIP's do;
+    a frozen base layer costs one copy of its weights per re-run) is replaced by a copy for the re-runs and the user's own tensor is bound again afterwards,
     untouched: neither its values nor its version counter change (outside trial 32: a momentum encoder updated
     again by each re-run ended 0.015-0.066 off; a parametrization's running buffer written back in place made
     the step's graph, which saved it, fail at TIC's next pass). A buffer a forward pass replaces is put back
@@ -591,14 +592,11 @@ def _model_kept(module: nn.Module, rerun: "_Rerun | None" = None):
     swapped = []  # (table, name, the user's tensor)
     with torch.no_grad():
         for owner in held_modules(module):
-            for table, only_kept in ((owner._buffers, False), (owner._parameters, True)):
+            for table, parameters in ((owner._buffers, False), (owner._parameters, True)):
                 for name, value in table.items():
-                    # a parameter is copied where it is frozen, not the cockpit's, or seen changing in a forward pass (an
-                    # EMA copy that timm's ModelEmaV2 or torch's AveragedModel leave requiring gradients: trial 33)
-                    if not isinstance(value, torch.Tensor) or (only_kept and (
-                        id(value) in differentiated or (value.requires_grad and (tracked is None or id(value) in tracked)
-                                                        and not changed_in_forward(value))
-                    )):
+                    if not isinstance(value, torch.Tensor) or (
+                        parameters and not _copied_parameter(value, differentiated, tracked)
+                    ):
                         continue
                     if id(value) not in copies:
                         copy = value.detach().clone()
@@ -641,6 +639,16 @@ def _model_kept(module: nn.Module, rerun: "_Rerun | None" = None):
             owner.__dict__[name] = value
         for table, name, value in swapped:
             table[name] = value
+
+
+def _copied_parameter(param: torch.Tensor, differentiated: set[int], tracked: set[int] | None) -> bool:
+    """Whether a re-run reads a copy of ``param`` (:func:`_model_kept`): not where the re-run differentiates it
+    (:meth:`_Rerun._own` decides there), but where it is frozen, not the cockpit's (``tracked``: the ids of its
+    parameters), or seen changing in a forward pass (an EMA copy that timm's ``ModelEmaV2`` or torch's
+    ``AveragedModel`` leave requiring gradients: outside trial 33)."""
+    if id(param) in differentiated:
+        return False
+    return not param.requires_grad or (tracked is not None and id(param) not in tracked) or changed_in_forward(param)
 
 
 def _vmapped(run, detached, names, values, batched, dims, grads, out_dims):

@@ -151,9 +151,9 @@ def _open(tracer_id: int, module, args) -> None:
     if not tracer.in_forward() and any(ref() is module for ref in tracer.roots):
         # (a root's pre-hooks: this one before the one that begins its forward pass)
         if tracer._tracking():
-            tracer.frozen_begin(module)
+            tracer.parameters_begin(module)
         else:
-            tracer.frozen_start = None
+            tracer.changed_start = None
     tracer.opened.setdefault(id(module), []).append(len(tracer.calls))
     tracer.states.setdefault(id(module), []).append(_state_at_start(tracer, module))
 
@@ -164,12 +164,12 @@ def _state_at_start(tracer, module: nn.Module) -> list:
     call begins (:func:`start_references`)."""
     stateful = tracer.stateful.get(id(module))
     state = (snapshot_state(stateful) if stateful else []) + start_references(module)
-    if tracer.frozen_start:
-        state.append(FrozenStart(tracer.frozen_start))
+    if tracer.changed_start:
+        state.append(ChangedStart(tracer.changed_start))
     return state
 
 
-class FrozenStart(dict):
+class ChangedStart(dict):
     """``id(parameter) -> copy``: the parameters that a forward pass of the model was seen changing (a momentum
     encoder or mean teacher updated in place in ``forward``, as ALBEF's and BLIP's), as they were when
     the model's forward pass began: a re-run starts from them (:meth:`~cockpit_like.backends.rerun._Rerun.rewind`),
@@ -191,7 +191,7 @@ def _mark(param: torch.Tensor) -> tuple[int | None, int | None]:
 
 
 def changed_in_forward(param: torch.Tensor) -> bool:
-    """Whether a forward pass of a model was seen changing ``param`` (:meth:`ModelTracer.frozen_end`)."""
+    """Whether a forward pass of a model was seen changing ``param`` (:meth:`ModelTracer.parameters_end`)."""
     seen = _CHANGED_IN_FORWARD.get(id(param))
     return seen is not None and seen() is param
 
@@ -264,7 +264,7 @@ def _after_root(tracer_id: int, held: list, module, args, output) -> None:
     if tracer is not None:
         tracer.exit_forward()
         if not tracer.in_forward():
-            tracer.frozen_end()
+            tracer.parameters_end()
     else:  # the tracer was collected during the forward pass: put back the kernels it took
         _put_back(held, 1)
 
@@ -377,7 +377,7 @@ class ModelTracer:
         self._tracked = {id(p) for p in params}
         self._wants_graph = wants_graph
         #: whether the forward pass about to run belongs to a tracked step (the cockpit's schedule): the parameters
-        #: a forward pass changes are looked for there only (:meth:`frozen_begin`; 0.26 ms per gpt forward pass)
+        #: a forward pass changes are looked for there only (:meth:`parameters_begin`; 0.26 ms per gpt forward pass)
         self._tracking = tracking
         self._on_attach = on_attach
         self._on_forward = on_forward
@@ -392,9 +392,9 @@ class ModelTracer:
         self.states: dict[int, list] = {}
         self.paused = False
         self.roots: list[weakref.ref] = []
-        #: the frozen parameters of the model whose forward pass runs, as it began (:meth:`frozen_begin`)
-        self._frozen_marks: list[tuple[torch.Tensor, int, int]] = []
-        self.frozen_start: FrozenStart | None = None
+        #: the parameters of the model whose forward pass runs, as it began (:meth:`parameters_begin`)
+        self._parameter_marks: list[tuple[torch.Tensor, int, int]] = []
+        self.changed_start: ChangedStart | None = None
         self._covered: set[int] = set()
         #: ``id(module) -> {name: parameter}`` as attached: the parameters a module owns even while a
         #: wrapper swaps other tensors in (``fully_shard`` gathers whole parameters for the passes)
@@ -501,22 +501,22 @@ class ModelTracer:
         self._attention_marks.clear()
 
     # ---- the model's forward pass ------------------------------------------------------
-    def frozen_begin(self, root: nn.Module) -> None:
+    def parameters_begin(self, root: nn.Module) -> None:
         """As a model's forward pass begins: note the version counters and storage of its parameters (and of
         those of modules it holds unregistered: one pass over them), and copy those seen changing in an earlier
-        forward pass (:class:`FrozenStart`)."""
-        frozen = [p for owner in held_modules(root) for p in owner.parameters(recurse=False)]
-        self._frozen_marks = [(p, *_mark(p)) for p in frozen]
-        changed = [p for p in frozen if changed_in_forward(p)]
-        self.frozen_start = FrozenStart({id(p): p.detach().clone() for p in changed}) if changed else None
+        forward pass (:class:`ChangedStart`)."""
+        params = [p for owner in held_modules(root) for p in owner.parameters(recurse=False)]
+        self._parameter_marks = [(p, *_mark(p)) for p in params]
+        changed = [p for p in params if changed_in_forward(p)]
+        self.changed_start = ChangedStart({id(p): p.detach().clone() for p in changed}) if changed else None
 
-    def frozen_end(self) -> None:
+    def parameters_end(self) -> None:
         """As the model's forward pass ends: its parameters whose version counter or storage moved are
         noted as changing in forward passes (copied as the next passes begin)."""
-        for p, version, pointer in self._frozen_marks:
+        for p, version, pointer in self._parameter_marks:
             if (version, pointer) != _mark(p):
                 _CHANGED_IN_FORWARD[id(p)] = weakref.ref(p, lambda _, key=id(p): _CHANGED_IN_FORWARD.pop(key, None))
-        self._frozen_marks = []
+        self._parameter_marks = []
 
     def enter_forward(self, args: tuple, kwargs: dict, root: nn.Module | None = None) -> None:
         """Note the batch size (the leading dim of the first tensor input) and pick the attention kernel."""

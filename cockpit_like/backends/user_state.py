@@ -164,12 +164,7 @@ def _generators(values, inner: bool = True) -> list:
     return found
 
 
-def _streams(values, inner: bool = True) -> list:
-    """``(restore, state)`` of each generator :func:`_generators` finds among ``values``."""
-    return [_stream_of(generator) for generator in _generators(values, inner)]
-
-
-#: the most entries of a container or object looked into for generators (:func:`_streams`)
+#: the most entries of a container or object looked into for generators (:func:`_generators`)
 _INNER_LIMIT = 256
 
 #: the packages whose modules' globals hold no generator of the user's (:func:`generator_namespaces`)
@@ -282,8 +277,9 @@ _MODEL_GENERATORS = weakref.WeakKeyDictionary()
 
 
 def _held_generators(models) -> list:
-    """The generators the cockpit's work puts back for ``models`` (:func:`user_state_kept`): those the models'
-    modules hold (:func:`_module_values`) and those at the top of the user's modules that define their classes
+    """The generators the cockpit's work puts back for ``models`` (:func:`user_state_kept`, and for a re-run
+    module :func:`kept_generators`): those the models' modules hold (:func:`_module_values`; inside dicts, lists
+    and helper objects two levels down) and those at the top of the user's modules that define their classes
     (:func:`generator_namespaces`: looked at each time). The models' are looked for again only where a module's
     attributes changed in number (a scan at every step cost 1.5-4 ms on the benchmark's models): a generator bound
     later to an attribute that existed before (``self.gen = None`` first) is found at the next such change."""
@@ -296,20 +292,16 @@ def _held_generators(models) -> list:
             _MODEL_GENERATORS[model] = cached
         found += cached[1]
     found += _generators(_namespace_values(generator_namespaces(models)), inner=False)  # (direct values: cheap)
-    unique = {id(generator): generator for generator in found}
-    return list(unique.values())
+    return list({id(generator): generator for generator in found}.values())
 
 
 @contextlib.contextmanager
 def kept_generators(module: torch.nn.Module, arguments=()) -> Iterator[None]:
-    """Put back, afterwards, the generators a re-run of ``module``'s forward pass may draw from: those its modules
-    hold as attributes (also inside a dict, list or helper object one level down), those among ``arguments``
-    (``model(x, generator=g)``), and those at the top of the user's modules that define its classes
-    (:func:`generator_namespaces`). (torch's, NumPy's and Python's global ones: :func:`user_state_kept` around all
-    of the cockpit's work.)"""
-    values = _module_values(module)
-    values += list(arguments)
-    held = _streams(values) + _streams(_namespace_values(generator_namespaces([module])), inner=False)
+    """Put back, afterwards, the generators a re-run of ``module``'s forward pass may draw from: those
+    :func:`_held_generators` finds for it and those among ``arguments`` (``model(x, generator=g)``). (torch's,
+    NumPy's and Python's global ones: :func:`user_state_kept` around all of the cockpit's work.)"""
+    found = {id(g): g for g in _held_generators([module]) + _generators(arguments)}
+    held = [_stream_of(generator) for generator in found.values()]
     try:
         yield
     finally:
