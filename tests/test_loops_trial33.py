@@ -284,3 +284,38 @@ def test_a_momentum_update_through_data_gives_a_note_and_leaves_the_run_alone():
     assert _same(state, plain) and _same(losses, plain_losses)
     assert "NormTest" in out[0]  # the first update changes nothing (the keys are the queries' copy): skipped, exact
     _left_out_with({step - 1: out[step] for step in (1, 2)}, 2, "replaces a tensor's `.data`")
+
+
+# ---- found when checking the fixes on models not built before: BYOL ----------------------------------------------
+class ByolLike(nn.Module):
+    """A target network updated by ``torch._foreach_lerp_`` in ``forward`` and scores of every row against every
+    row (``p @ z.T``) from one input: a re-run of single rows cannot reproduce them."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+        self.predictor = nn.Linear(5, 5)
+        self.target = copy.deepcopy(self.online).requires_grad_(False)
+        self.tau = nn.Parameter(torch.tensor(2.0))  # its own parameter: the model is re-run row by row
+
+    def forward(self, x):
+        with torch.no_grad():
+            torch._foreach_lerp_(list(self.target.parameters()), list(self.online.parameters()), 0.05)
+            z = F.normalize(self.target(x + 0.01), dim=1)
+        return (F.normalize(self.predictor(self.online(x)), dim=1) @ z.T) * self.tau
+
+
+def test_scores_of_every_row_against_every_row_give_a_note_not_an_error():
+    def run(quantities):
+        torch.manual_seed(0)
+
+        def batch(g):
+            return (torch.randn(B, 6, generator=g, dtype=DTYPE),), torch.arange(B)
+
+        model = ByolLike().to(DTYPE)
+        return _loop(model, quantities, 3, batch, params=[p for p in model.parameters() if p.requires_grad])
+
+    _, plain, plain_losses = run(None)
+    out, state, losses = _quiet(lambda: run(configuration("economy")))  # training stopped at step 0 before
+    assert _same(state, plain) and _same(losses, plain_losses)
+    _left_out_with(out, 3, "has a dimension of the batch's size")

@@ -321,7 +321,24 @@ class _Rerun:
             except UncoveredParameterError:
                 raise
             except Exception as error:  # noqa: BLE001 - the user's forward pass on a part of the batch
+                coupled = self._columns_of_rows()
+                if coupled is not None:
+                    raise RowsNotReproducedError(
+                        f"{type(self.module).__name__}: its output {coupled} has a dimension of the batch's size "
+                        f"({self.batch}) besides the rows (an in-batch similarity such as `p @ z.T`, as BYOL, SimCLR "
+                        "or CLIP compute it), and a re-run of single rows could not reproduce it: each row's output "
+                        "depends on the other rows, so per-sample gradients are undefined (found on a model the "
+                        f"team had not built; the re-run's error: {type(error).__name__}: {str(error)[:160]})"
+                    ) from error
                 raise UncoveredParameterError(self._failed_message(error)) from error
+
+    def _columns_of_rows(self) -> int | None:
+        """The index of an output whose gradient has another dimension of the batch's size beside its rows'
+        (``[B, B]`` scores of every row against every row), else ``None``."""
+        for index, (grad, dim) in enumerate(zip(self.grads, self.out_dims)):
+            if self.batch > 1 and any(size == self.batch for d, size in enumerate(grad.shape) if d != dim):
+                return index
+        return None
 
     def checked_rows(self, recorded, start: int, stop: int, only: int | None = None):
         """:meth:`rows` checked against the forward pass (:meth:`check`). Where the re-run fails or does not
