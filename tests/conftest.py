@@ -85,8 +85,12 @@ def _memory_given_back():
 #: order) they are handed out first, so that both workers finish near the same time (longest first); a serial
 #: run keeps the collection order. Times in docs/performance.md ("The test suite's time").
 HEAVY_MODULES_FIRST = (
-    "test_diagnosis_corpus.py", "test_benchmark_script.py", "test_distributed.py", "test_resume.py",
-    "test_model_errors.py", "test_notebooks.py", "test_fsdp.py", "test_cli.py", "test_diagnosis_runs.py",
+    "test_diagnosis_corpus.py", "test_benchmark_script.py", "test_distributed.py", "test_benchmark_smoke.py",
+    "test_transformers.py", "test_model_zoo.py", "test_plotting.py", "test_recorder.py", "test_spikes.py",
+    "test_rerun_data_assignment.py", "test_cli.py", "test_notebooks.py", "test_diagnosis_generator.py",
+    "test_accumulation.py", "test_fsdp.py", "test_resume.py", "test_diagnosis_runs.py", "test_exporters.py",
+    "test_loops_trial28.py", "test_any_model.py", "test_examples.py", "test_model_errors.py", "test_watch.py",
+    "test_lookahead_guard.py",
 )  # fmt: skip
 
 
