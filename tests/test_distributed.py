@@ -1,6 +1,6 @@
 """The cockpit under DistributedDataParallel: 2 gloo ranks on CPU against one process on the concatenated batch.
 
-Each test spawns one job of 2 processes (start-up is slow, so a job runs
+Each test runs one job of 2 rank processes (forked from a server that imported torch once, so a job runs
 many checks) and compares, in float64, every quantity of the economy,
 business and full presets with a single process that trains on the
 concatenated batch (rank 0 gets its first half, rank 1 the second): the
@@ -376,7 +376,8 @@ def _job_monte_carlo(rank: int) -> dict:
 
 
 def _job_all(rank: int) -> dict:
-    """Everything in one job: each spawn costs ~10-25 s of start-up (DDP imports torch._dynamo)."""
+    """Everything in one job: a job's ranks are quick to start now (:func:`_start_method`), but the job's checks read
+    one training run each of the presets."""
     return {**_job_presets(rank), **_job_collectives(rank), **_job_monte_carlo(rank), **_job_accumulation(rank)}
 
 
@@ -416,10 +417,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: what the ranks' server process imports once: each rank of every later job in this test process is forked from
+#: it (0.1 s) instead of starting an interpreter that imports torch, DDP's torch._dynamo and the cockpit (3 s a rank)
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "cockpit_like", __name__]
+
+
+def _start_method() -> str:
+    """``forkserver`` with :data:`_PRELOAD` where there is one (Linux, macOS), else ``spawn``: either way each rank is
+    a process of its own that shares nothing with the test process."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(_PRELOAD)  # (read when the server starts: the first job)
+    return "forkserver"
+
+
 def _spawn(job: str, folder, timeout: float = 240) -> list:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before the server starts: the ranks inherit its environment)
     context = torch.multiprocessing.start_processes(
-        _worker, args=(_free_port(), job, str(folder)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(_free_port(), job, str(folder)), nprocs=WORLD, join=False, start_method=_start_method()
     )
     deadline = time.monotonic() + timeout
     paths = [os.path.join(folder, f"rank{rank}.pt") for rank in range(WORLD)]
