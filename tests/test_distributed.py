@@ -1,7 +1,7 @@
 """The cockpit under DistributedDataParallel: 2 gloo ranks on CPU against one process on the concatenated batch.
 
-Each test runs one job of 2 rank processes (forked from a server that imported torch once, so a job runs
-many checks) and compares, in float64, every quantity of the economy,
+Each test runs one job of 2 rank processes (forked from a server process that imported torch once, see
+``_start_method``; a job runs many checks) and compares, in float64, every quantity of the economy,
 business and full presets with a single process that trains on the
 concatenated batch (rank 0 gets its first half, rank 1 the second): the
 MLP and CNN of ``tests/helpers.py`` (BackPACK-extended) and the LayerNorm
