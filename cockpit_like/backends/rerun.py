@@ -346,7 +346,10 @@ class _Rerun:
         coincidence (a ``[T, T]`` mask or bias where ``T`` equals the batch size, passed to every row whole):
         the re-run is tried with them whole, a few readings, and the first that reproduces the forward pass
         is used (and kept for the module's later calls); else the first reading's error is raised."""
+        if recorded is not None:  # the forward pass's own values where they are still alive and unchanged
+            recorded = [_alive(t) for t in recorded]
         try:
+            self._rerun_whole(recorded)
             results, outputs = self.rows(start, stop, only)
             self.check(outputs, recorded, start, stop)
             return results, outputs
@@ -416,19 +419,28 @@ class _Rerun:
             "quantities."
         ) + (_INDEX_HINT if isinstance(error, IndexError) else "") + _parametrization_hint(self.module)
 
+    def _rerun_whole(self, recorded) -> None:
+        """The whole batch re-run once, where the forward pass's values were not kept (``recorded`` holds a
+        :class:`~cockpit_like.backends.tracer.Shell`): before the rows, so that it starts from the state the rows'
+        re-runs start from. At a module's first tracked step the state its forward pass changes has no start
+        value yet, so each re-run moves it on; made after the rows, the whole batch's re-run read what they left
+        (outside trial 33: a running variance updated with h.var(0), NaN on one row, made both NaN, the comparison
+        passed and the step failed the gradient check with causes that did not apply)."""
+        if self._whole is None and recorded is not None and any(isinstance(t, Shell) for t in recorded):
+            with self.tracer.pause(), torch.no_grad():
+                self._whole = self.run(
+                    {name: self._own(p, False) for name, p in zip(self.param_names, self.params)},
+                    [self.values[k] for k in self.batched],
+                )
+
     def check(self, outputs: list[torch.Tensor], recorded: list[torch.Tensor] | None, start: int, stop: int) -> None:
         """The re-run's outputs of rows ``start:stop`` must be the forward pass's (``recorded``)."""
         if recorded is None:
             return
         if any(isinstance(t, Shell) for t in recorded):
             # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
-            # of the whole batch, i.e. the rows are independent (dropout is refused before); made once
-            if self._whole is None:
-                with self.tracer.pause(), torch.no_grad():
-                    self._whole = self.run(
-                        {name: self._own(p, False) for name, p in zip(self.param_names, self.params)},
-                        [self.values[k] for k in self.batched],
-                    )
+            # of the whole batch, i.e. the rows are independent (dropout is refused before)
+            self._rerun_whole(recorded)
             # a shared output (leading 1) was recorded as its expansion over the rows
             recorded = [
                 o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(self._whole, recorded)
@@ -768,6 +780,18 @@ def _nonfinite_count(tensors: list[torch.Tensor]) -> int:
         int((~torch.isfinite(t.detach())).sum()) for t in tensors
         if isinstance(t, torch.Tensor) and t.is_floating_point()
     )  # fmt: skip
+
+
+def _alive(recorded):
+    """A recorded output's values: a :class:`~cockpit_like.backends.tracer.Shell`'s tensor where it is still alive and
+    unwritten (:meth:`~cockpit_like.backends.tracer.Shell.values`), else the entry as it is. Compared with the
+    forward pass's own values, a re-run that reads state its forward pass changed is seen at the first tracked step
+    (outside trial 33: a counter buffer read as 2, 3, ... by the rows' re-runs and 1 by the forward pass reloaded a
+    teacher every other row, the whole batch's re-run as well, so they agreed with each other but not with it)."""
+    if isinstance(recorded, Shell):
+        values = recorded.values()
+        return recorded if values is None else values
+    return recorded
 
 
 def _same_outputs(recomputed: list[torch.Tensor], recorded: list[torch.Tensor], half: bool = False) -> bool:

@@ -117,16 +117,26 @@ def _view_base(output) -> tuple | None:
 class Shell:
     """A recorded output without its values: shape, dtype, device and graph node (see :func:`_record`)."""
 
-    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr", "ref")
+    __slots__ = ("shape", "dtype", "device", "grad_fn", "output_nr", "ref", "version")
 
-    def __init__(self, shape, dtype, device, grad_fn, output_nr, ref=None):
+    def __init__(self, shape, dtype, device, grad_fn, output_nr, ref=None, version=None):
         self.shape, self.dtype, self.device, self.grad_fn, self.output_nr = torch.Size(shape), dtype, device, grad_fn, output_nr
         #: a weak reference to the recorded tensor (``None``: not kept): whether another holder's tensor is it
         self.ref = ref
+        #: the tensor's version counter when the call returned (:meth:`values`)
+        self.version = version
 
     def is_tensor(self, value) -> bool:
         """Whether ``value`` is the recorded tensor (still alive)."""
         return self.ref is not None and self.ref() is value
+
+    def values(self) -> torch.Tensor | None:
+        """The recorded tensor where another holder kept it alive (the model's output the loss read, a block's
+        output a later layer saved) and nothing wrote it in place since the call returned, else ``None``."""
+        value = self.ref() if self.ref is not None else None
+        if value is None or value._version != self.version:
+            return None
+        return value
 
     def dim(self) -> int:
         return len(self.shape)
@@ -140,7 +150,8 @@ class Shell:
 
 def _shell(value):
     if isinstance(value, torch.Tensor):
-        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr, weakref.ref(value))
+        return Shell(value.shape, value.dtype, value.device, value.grad_fn, value.output_nr, weakref.ref(value),
+                     value._version)
     return value
 
 
