@@ -99,6 +99,22 @@ class StepRecord:
     #: the block ran inside ``info["optimizer"]``'s ``step(closure)`` (Lightning's automatic optimization), or the
     #: optimizer needs a closure: a quantity cannot wait for its step there
     inside_optimizer_step: bool = False
+    #: the name of a backward hook of the user's that returned a new gradient in this step's backward pass (the
+    #: gradients and the curvature's products hold what it did), else ``None``
+    gradient_hook: str | None = None
+
+    def hooked_gradient_cause(self) -> str | None:
+        """Where :attr:`gradient_hook` is set: the sentence that names it as the cause of products that are not
+        the loss's Hessian's (outside trial 34: a hook doubling an activation's gradient left HessTrace and
+        HessMaxEV out with a reason that named fused weight norms and LayerNorm, which the model did not have)."""
+        if self.gradient_hook is None:
+            return None
+        return (
+            f"A backward hook of yours ({self.gradient_hook}) returned a new gradient in this step's backward pass "
+            "(see the step's notes): the products differentiate the gradients' graph, which holds what the hook "
+            "did, so they are not the loss's Hessian's. Change the gradients after the cockpit's block (on p.grad, "
+            "before the optimizer's step) instead of in a hook"
+        )
 
     def note(self, text: str) -> None:
         """Say something about this step's numbers in its ``checks["notes"]`` (where a quantity cannot be

@@ -45,7 +45,7 @@ from cockpit_like.checks.roots import BackwardRoots, undeclared_terms
 from cockpit_like.checks.invariants import notable, tolerance_for
 from cockpit_like.checks.probe import probe_directions, project, project_all
 from cockpit_like.checks.prints import NonFinitePrint, any_nonfinite, finite_print, nonfinite_counts, parts, print_of
-from cockpit_like.checks.rows import coupled_rows
+from cockpit_like.checks.rows import coupled_rows, declared_output_gradients
 from cockpit_like.diagnosis.findings import Finding
 from cockpit_like.diagnosis.recorder.control import gradients_finite, loss_finite
 from cockpit_like.quantities.needs import StepNeeds
@@ -398,15 +398,19 @@ class TrackedStep:
 
     def _row_check(self, needs):
         """The check that each row's loss reads its own row of the output (:mod:`cockpit_like.checks.rows`),
-        bound to this pass's losses: only where per-sample statistics are needed."""
+        bound to this pass's losses, where per-sample statistics are needed; where they are not but a quantity
+        reads the loss's derivatives beyond ``p.grad`` (``needs.askers``: curvature, Alpha), only the declared
+        loss's gradient at the outputs, which the user's backward pass must bring there."""
         losses, batch = self.info.get("individual_losses"), self.info.get("batch_size")
-        if not needs.stats or not isinstance(losses, torch.Tensor) or batch is None:
+        if not (needs.stats or needs.askers) or not isinstance(losses, torch.Tensor) or batch is None:
             return None
         batch = int(batch)
         seed = _probe_seed(self.step) + 1 + self.micro
         # the plain sum's gradients at the outputs, kept as projections: the user's backward pass must bring
         # the loss factor times the declared loss's gradient there (a term of value 0 with a gradient does not)
         self._output_reference = reference = OutputReference(seed + 0x51, losses.numel())
+        if not needs.stats:
+            return functools.partial(declared_output_gradients, losses, on_gradients=reference.keep)
         return lambda outputs, scalars=(), row_nodes=frozenset(): coupled_rows(
             losses, outputs, batch, seed, tolerance_for, on_gradients=reference.keep, scalars=scalars,
             row_nodes=row_nodes,
@@ -538,7 +542,8 @@ class TrackedStep:
             why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
             known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
             if why is None and not known and factor is not None and factor.calls <= 1:
-                why = _output_mismatch(factor.reference, used)
+                count, name = gradient_changes()
+                why = _output_mismatch(factor.reference, used, name if count > env.run.gradient_changes else None)
             if why is not None and not known:  # (once per step: the first micro-batch that shows it)
                 where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""
                 partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
@@ -661,12 +666,13 @@ class TrackedStep:
                 "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
             )
         count, name = gradient_changes()
-        if count > env.run.gradient_changes:
+        hook = name if count > env.run.gradient_changes else None
+        if hook is not None:
             checks.note(
                 f"a backward hook of yours ({name}) returned a new gradient in this step's backward pass: every "
                 "quantity reads the gradients as the hooks left them, the curvature's products too (their graph "
-                "holds what the hook did: one that halves the gradient halves HessMaxEV and HessTrace), so they "
-                "describe the hooked gradient, not the loss's"
+                "holds what the hook did), so they describe the hooked gradient, not the loss's; where that shows "
+                "(the gradient at the model's output, products that are not symmetric) nothing is stored"
             )
         untouched = self._untouched_stale(checks, params)
         for index in untouched:  # zero at this step: nothing of theirs for the per-sample check to take off
@@ -780,7 +786,7 @@ class TrackedStep:
                 global_step=self.step, info=info, params=view.params, stats=stats,
                 loss_is_finite=self._loss_is_finite, live_params=params, at_optimizer_step=at_optimizer_step,
                 rows_tolerance=float((checks.gradient or {}).get("tolerance", 0.0)),
-                inside_optimizer_step=self._inside_step,
+                inside_optimizer_step=self._inside_step, gradient_hook=hook,
             )
             context._activate(record)
             # a step that failed a check stores no numbers (never a wrong one): its checks say why; where every
@@ -1174,14 +1180,23 @@ def _same_gradients(params, entry) -> bool:
         (None if p.grad is None else (id(p.grad), p.grad._version)) == seen for p, seen in zip(params, entry))
 
 
-def _output_mismatch(reference, factor: float | None) -> str | None:
+def _output_mismatch(reference, factor: float | None, hook: str | None = None) -> str | None:
     """The reason where the gradient the user's backward pass brought to the model's output is not ``factor``
-    times the declared loss's there (:class:`~cockpit_like.checks.loss_factor.OutputReference`), else None."""
+    times the declared loss's there (:class:`~cockpit_like.checks.loss_factor.OutputReference`), else None;
+    ``hook``: a backward hook of the user's that returned a new gradient in the pass (named first)."""
     if reference is None or factor is None:
         return None
     error = reference.mismatch(factor, tolerance_for)
     if error is None:
         return None
+    if hook is not None:
+        return (
+            f"the gradient the backward pass brought to the model's output is {error:.3g} (relative) off {factor:.6g} "
+            f"times the gradient of info['loss'] there, and a backward hook of yours ({hook}) returned a new "
+            "gradient in that pass: the per-sample rows and the curvature's products would describe the hooked "
+            "gradient, not the loss's. Change the gradients after the cockpit's block (on p.grad, before the "
+            "optimizer's step) instead of in a hook (docs/your_model.md, hooks)"
+        )
     return (
         f"the gradient the backward pass brought to the model's output is {error:.3g} (relative) off {factor:.6g} "
         "times the gradient of info['loss'] there, although the value backpropagated is that multiple of "

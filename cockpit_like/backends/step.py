@@ -216,8 +216,9 @@ class StepExecution:
                 "module hooks take each row's gradient at those calls' outputs, so they would miss that part of it "
                 "(docs/your_model.md#limits)"
             )
-        elif stats and not raw_batch_grad and row_check is not None:
-            # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients
+        elif (stats or not needs.stats) and not raw_batch_grad and row_check is not None:
+            # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients (at a
+            # step without per-sample statistics only the declared loss's gradient at the outputs: no rows)
             coupled = row_check(self.root_outputs, *_scalars_and_row_nodes(tracer, calls, batch_size))
             if coupled is not None and "scalar" in coupled:
                 why = (

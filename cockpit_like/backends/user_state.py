@@ -453,7 +453,7 @@ _CHANGES: list = [0, None]
 def gradient_changes() -> tuple[int, str | None]:
     """``(count, name)`` of the user's hooks that returned a new gradient in a backward pass of the user's so far:
     a step compares the count with its value when the step began (the quantities then read the changed
-    gradients, the curvature's products included: a hook that halves them halves HessMaxEV)."""
+    gradients, the curvature's products included: hooks that halve every parameter's gradient halve HessMaxEV)."""
     return _CHANGES[0], _CHANGES[1]
 
 

@@ -315,13 +315,18 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
             self.estimators[global_step] = self._used
             asymmetry = result.get("asymmetry") if isinstance(result, dict) else getattr(result, "asymmetry", None)
             if asymmetry is not None and asymmetry[0] > asymmetry[1]:
-                get_record(global_step).note(
+                record = get_record(global_step)
+                hooked = record.hooked_gradient_cause()
+                cause = hooked[0].lower() + hooked[1:] if hooked else (
+                    "an operation of the model has a wrong higher derivative (PyTorch's fused weight norm treats its "
+                    "norms as constants; a LayerNorm's third derivative under a loss that holds a gradient, such as a "
+                    "gradient penalty)"
+                )
+                record.note(
                     f"{type(self).__name__} at step {global_step}: no value stored: the Hessian-vector products are "
                     f"not symmetric (their probes' bilinear forms differ from any symmetric operator's by "
                     f"{asymmetry[0]:.3g}, more than the tolerance {asymmetry[1]:.3g}, max(rtol, eps^(1/3)) of their "
-                    "symmetric part), so a trace or diagonal from them is not the Hessian's: an operation of the "
-                    "model has a wrong higher derivative (PyTorch's fused weight norm treats its norms as constants; "
-                    "a LayerNorm's third derivative under a loss that holds a gradient, such as a gradient penalty)"
+                    f"symmetric part), so a trace or diagonal from them is not the Hessian's: {cause}"
                 )
                 return None
             if isinstance(result, dict):

@@ -150,7 +150,10 @@ class KrylovQuantity(SingleStepQuantity):
             return False
         scale = float(result.ritz_values().abs().max())
         tolerance, asymmetry = result.symmetry_tolerance(self._krylov_rtol), result.asymmetry()
-        if self._weight_norms:
+        hooked = get_record(global_step).hooked_gradient_cause()
+        if hooked is not None:
+            cause = hooked
+        elif self._weight_norms:
             cause = (
                 f"Here PyTorch's fused weight norm computes {', '.join(self._weight_norms)} "
                 "(torch.nn.utils.parametrizations.weight_norm or torch.nn.utils.weight_norm with dim 0 or the "
