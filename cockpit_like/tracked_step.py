@@ -528,7 +528,8 @@ class TrackedStep:
                 "loss factor not verified: info['loss'] got no gradient (the tensor backpropagated is neither "
                 "info['loss'] nor computed from it), so a GradScaler or a division of the loss could not be "
                 "seen and the declared factor was used. Pass the loss you call backward() on (or the one a "
-                "GradScaler scales) as info['loss']."
+                "GradScaler scales) as info['loss'], and its rows, computed with the same function and options "
+                "(label_smoothing, weight=, ...) and reduction='none', as info['individual_losses']."
             )
         elif factor is not None and not factor.seeable:
             partitions.checks.note(
@@ -1041,7 +1042,7 @@ class TrackedStep:
                 # a GradScaler's scale is a power of two: nothing to declare for it (docs/your_training_loop.md), and
                 # the note said "declare" at every step of that documented loop (outside trial 29)
                 scaler = ratio > 1 and math.frexp(ratio)[0] == 0.5
-                cause = ("a power of two, as a GradScaler's scale is (nothing needs declaring for one: "
+                cause = _factor_cause(ratio, checks) or ("a power of two, as a GradScaler's scale is (nothing needs declaring for one: "
                          "info['grad_scaler'] = scaler says so and ends this note); else a sum-reduced loss with "
                          "info['loss'] its mean or a loss multiplied by hand (declare info['loss_scale'] where intended)"
                          if scaler else "an undeclared GradScaler, a sum-reduced loss with info['loss'] its mean, a "
@@ -1178,6 +1179,32 @@ def _same_gradients(params, entry) -> bool:
     """Whether every ``p.grad`` is the tensor (and version) it was at the block's entry: nothing wrote one."""
     return entry is not None and len(entry) == len(params) and all(
         (None if p.grad is None else (id(p.grad), p.grad._version)) == seen for p, seen in zip(params, entry))
+
+
+def _factor_cause(ratio: float, checks: StepChecks) -> str | None:
+    """The likelier cause of an undeclared factor ``ratio`` between the step's gradients and its mean loss's, where
+    the step says more than a GradScaler would (outside trial 34: a gradient penalty's second pass through the loss,
+    undeclared micro-batches and a loss not divided by its micro-batches were each read as a GradScaler or a factor
+    to declare, and declaring it changed nothing): a check the step failed, a ratio of 1/K over K undeclared passes,
+    or K where K micro-batches are declared; else ``None``."""
+    failed = sorted({entry.get("check") for entry in checks.failed} - {None})
+    whole = round(ratio) if ratio >= 1 else round(1 / ratio)
+    near = whole >= 2 and abs((ratio if ratio >= 1 else 1 / ratio) - whole) <= 1e-6 * whole
+    if near and ratio < 1 and checks.declared == 1:
+        return (f"1/{whole}: most likely the loss divided by {whole}, as gradient accumulation over {whole} "
+                f"micro-batches does; then declare info['micro_batches'] = {whole} at each micro-batch's block (the "
+                f"same step number), not info['loss_scale']; a loss multiplied by 1/{whole} by hand for another "
+                "reason is declared with info['loss_scale']")
+    if near and ratio > 1 and checks.declared == whole:
+        return (f"the number of declared micro-batches, {whole}: each micro-batch's loss was backpropagated as it "
+                f"is, not divided by {whole} (loss / {whole} forgotten, or intended: then nothing needs changing, "
+                "the quantities describe the mean loss)")
+    if failed:
+        several = len(failed) > 1
+        return (f"most likely what the failed {' and '.join(failed)} check{'s' if several else ''} of this step "
+                f"name{'' if several else 's'} (see {'their reasons' if several else 'its reason'}); declaring a "
+                "factor does not mend that")
+    return None
 
 
 def _output_mismatch(reference, factor: float | None, hook: str | None = None) -> str | None:

@@ -4,7 +4,15 @@ fault, and applied the advice. What it found, each test failing on the code befo
 
 - a term of value 0 with a gradient (``loss + (z - z.detach())``) backpropagated beside the declared loss: with
   per-sample quantities the step failed ``backpropagated_loss``; with HessMaxEV (or HessTrace) alone it was valid,
-  HessMaxEV the Hessian of the other loss (1.70 for 0.606).
+  HessMaxEV the Hessian of the other loss (1.70 for 0.606);
+- the curvature left out as "not symmetric" named fused weight norms and LayerNorm where a hook of the user's
+  had changed the gradient;
+- label smoothing in the backpropagated loss only: the advice (pass that loss) raised an error whose causes
+  did not name it;
+- an undeclared division by the micro-batches, a loss not divided by its declared micro-batches and a gradient
+  penalty's second pass through the loss were each read as a GradScaler (or a factor to declare).
+(Also found: a float32 loss of float64 logits read as "not a mean cross-entropy", mended in
+``tests/test_loss_precision.py`` the same day.)
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from torch import nn
 
 from cockpit_like import Cockpit
 from cockpit_like.quantities import Alpha, GradNorm, HessMaxEV, HessTrace
+from cockpit_like.utils.configuration import configuration
 from cockpit_like.utils.schedules import linear
 
 DTYPE = torch.float64
@@ -90,3 +99,62 @@ def test_products_that_a_hook_made_asymmetric_name_the_hook_not_weight_norm():
     for note in notes:
         assert "a backward hook of yours (" in note.lower() and "weight norm" not in note, note
         assert "after the cockpit's block (on p.grad" in note
+
+
+def test_label_smoothing_in_the_backpropagated_loss_only_is_named_and_the_advice_leads_there():
+    """The loss backpropagated with label_smoothing, the rows without: the failed check names other options of the
+    same loss; following the note's advice (pass the loss backpropagated as info['loss']) raised an error whose
+    causes did not name them: now both say to compute the rows with the loss's own options."""
+    smoothed = lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1)  # noqa: E731
+    _, checks = _step(configuration("economy"), lambda out, rows, loss: F.cross_entropy(out, _problem()[2], label_smoothing=0.1))
+    reason = checks["failed"][0]["reason"]
+    assert checks["failed"][0]["check"] == "backpropagated_loss" and "label_smoothing" in reason, reason
+    with pytest.raises(ValueError, match="label_smoothing=0.1, reduction='none'"):
+        _step(configuration("economy"), lambda out, rows, loss: F.cross_entropy(out, _problem()[2], label_smoothing=0.1),
+              declared=smoothed)  # fmt: skip
+
+
+def _accumulated(micro_batches_declared: int, divide: bool):
+    model, x, y = _problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    optimizer.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for part in (slice(0, 6), slice(6, 12)):
+            out = model(x[part])
+            rows = F.cross_entropy(out, y[part], reduction="none")
+            info = {"batch_size": 6, "individual_losses": rows, "loss": rows.mean(), "optimizer": optimizer}
+            if micro_batches_declared > 1:
+                info["micro_batches"] = micro_batches_declared
+            with cockpit(0, info=info):
+                (rows.mean() / 2 if divide else rows.mean()).backward()
+    optimizer.step()
+    return [n for n in cockpit.checks[0]["notes"] if "x those of the step's mean loss" in n]
+
+
+def test_an_undeclared_division_of_the_loss_is_read_as_accumulation_not_a_grad_scaler():
+    (note,) = _accumulated(1, divide=True)
+    assert "declare info['micro_batches'] = 2" in note and "GradScaler" not in note, note
+
+
+def test_declared_micro_batches_whose_loss_was_not_divided_say_so():
+    (note,) = _accumulated(2, divide=False)
+    assert "not divided by 2 (loss / 2 forgotten" in note and "GradScaler" not in note, note
+
+
+def test_a_factor_beside_a_failed_check_points_at_the_check():
+    """A gradient penalty's second pass through the loss: the factor 2 was read as a GradScaler's."""
+    model, x, y = _problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    out = model(x)
+    rows = F.cross_entropy(out, y, reduction="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = rows.mean()
+        with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss, "optimizer": optimizer}):
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+            (loss + 1e-2 * sum((g**2).sum() for g in grads)).backward()
+    (note,) = [n for n in cockpit.checks[0]["notes"] if "x those of the step's mean loss" in n]
+    assert "most likely what the failed" in note and "GradScaler" not in note, note
