@@ -158,3 +158,21 @@ def test_a_factor_beside_a_failed_check_points_at_the_check():
             (loss + 1e-2 * sum((g**2).sum() for g in grads)).backward()
     (note,) = [n for n in cockpit.checks[0]["notes"] if "x those of the step's mean loss" in n]
     assert "most likely what the failed" in note and "GradScaler" not in note, note
+
+
+def test_a_mean_of_row_token_means_is_named_and_its_advice_passes():
+    """Each row's loss its own token mean over a padded batch: TICDiag was left out with the generic 'not a mean
+    cross-entropy'; the reason names the unequal weights of the positions, and its advice passes the check."""
+    from cockpit_like.backends.sampled import mean_cross_entropy_check
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g, dtype=DTYPE, requires_grad=True)
+    labels = torch.randint(0, 7, (3, 5), generator=g)
+    labels[0, 3:] = -100
+    per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    counted = (labels != -100).sum(1).to(per_token.dtype)
+    row_means = per_token.sum(1) / counted
+    verdict, why = mean_cross_entropy_check(row_means.mean(), logits, row_means)
+    assert verdict is False and "each row's own token mean" in why and "token sum times B / N" in why
+    advised = per_token.sum(1) * 3 / counted.sum()
+    assert mean_cross_entropy_check(advised.mean(), logits, advised) == (True, None)

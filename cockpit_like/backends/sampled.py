@@ -204,9 +204,15 @@ def cross_entropy_verdict(loss, outputs: torch.Tensor, losses, gradient: torch.T
         (labels > -tolerance).all() and (labels < 1 + tolerance).all()
         and ((labels.sum(1) - 1).abs() < tolerance).all()
     ):
+        positions = (
+            "; with [B, T, C] logits also the mean of each row's own token mean where rows count different numbers "
+            "of positions (ignored or padded tokens), which weighs a position by 1 / (B T_b), not 1 / N: give each "
+            "row its token sum times B / N, N the batch's counted positions (docs/your_model.md, 'Padding or "
+            "ignored tokens')"
+        ) if outputs.dim() >= 3 else ""
         return False, (
             "its gradient in the outputs is not (softmax - labels) / N for any labels, soft labels included (an "
-            "MSE, a sum-reduced loss, another loss)"
+            f"MSE, a sum-reduced loss, another loss{positions})"
         ), used
     # the value: the labels' cross-entropy at every position with a gradient
     cross = torch.zeros(used.shape[0], dtype=torch.float64, device=labels.device)
