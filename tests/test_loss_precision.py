@@ -67,3 +67,34 @@ def test_hugging_face_gpt2_in_float64_with_its_float32_loss_keeps_tic():
     inside, by_hand = _gpt2_tic(True), _gpt2_tic(False)
     # the same TIC up to float32's rounding of the loss's gradient
     assert inside == pytest.approx(by_hand, rel=1e-5)
+
+
+def _mlp_tic(form: str):
+    """TICDiag of one step of a float64 MLP whose loss is a cross-entropy computed in float64 (``plain``), in float32
+    and cast back with the float64 logits declared (``cast``), or the same with the float32 logits (``advised``)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+    cockpit = Cockpit(model.parameters(), [TICDiag(track_schedule=lambda step: True)], model=model)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(12, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (12,), generator=g)
+    out = model(x)
+    logits = out if form == "plain" else out.float()
+    rows = F.cross_entropy(logits, y, reduction="none").double()
+    info = {"batch_size": 12, "individual_losses": rows, "loss": rows.mean(),
+            "outputs": logits if form == "advised" else out}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info=info):
+            info["loss"].backward(create_graph=cockpit.create_graph(0))
+    return cockpit.get_output()[0].get("TICDiag"), cockpit.checks[0]["notes"]
+
+
+def test_a_loss_computed_in_float32_and_cast_back_is_named_and_the_advice_works():
+    """``F.cross_entropy(out.float(), y).double()``: its dtype does not show the float32 computation; TICDiag stays
+    left out (a weighted cross-entropy within 1e-6 passes float32's tolerance too), with that reason, and passing
+    the float32 logits as info['outputs'] gives the value (outside trial 34: the generic reason's advice did not)."""
+    value, notes = _mlp_tic("cast")
+    assert value is None and any("only to float32's rounding" in n and "logits32 = out.float()" in n for n in notes)
+    advised, _ = _mlp_tic("advised")
+    plain, _ = _mlp_tic("plain")
+    assert advised is not None and advised == pytest.approx(plain, rel=1e-5)
