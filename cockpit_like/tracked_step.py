@@ -1042,7 +1042,8 @@ class TrackedStep:
                 # a GradScaler's scale is a power of two: nothing to declare for it (docs/your_training_loop.md), and
                 # the note said "declare" at every step of that documented loop (outside trial 29)
                 scaler = ratio > 1 and math.frexp(ratio)[0] == 0.5
-                cause = _factor_cause(ratio, checks) or ("a power of two, as a GradScaler's scale is (nothing needs declaring for one: "
+                cause = _factor_cause(ratio, checks) or (
+                         "a power of two, as a GradScaler's scale is (nothing needs declaring for one: "
                          "info['grad_scaler'] = scaler says so and ends this note); else a sum-reduced loss with "
                          "info['loss'] its mean or a loss multiplied by hand (declare info['loss_scale'] where intended)"
                          if scaler else "an undeclared GradScaler, a sum-reduced loss with info['loss'] its mean, a "
@@ -1185,8 +1186,10 @@ def _factor_cause(ratio: float, checks: StepChecks) -> str | None:
     """The likelier cause of an undeclared factor ``ratio`` between the step's gradients and its mean loss's, where
     the step says more than a GradScaler would (outside trial 34: a gradient penalty's second pass through the loss,
     undeclared micro-batches and a loss not divided by its micro-batches were each read as a GradScaler or a factor
-    to declare, and declaring it changed nothing): a check the step failed, a ratio of 1/K over K undeclared passes,
-    or K where K micro-batches are declared; else ``None``."""
+    to declare, and declaring it changed nothing): a ratio of 1/K with no micro-batches declared, K where K are
+    declared, a check the step failed; else ``None``."""
+    if not ratio > 0:
+        return None
     failed = sorted({entry.get("check") for entry in checks.failed} - {None})
     whole = round(ratio) if ratio >= 1 else round(1 / ratio)
     near = whole >= 2 and abs((ratio if ratio >= 1 else 1 / ratio) - whole) <= 1e-6 * whole
