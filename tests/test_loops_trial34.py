@@ -10,7 +10,9 @@ fault, and applied the advice. What it found, each test failing on the code befo
 - label smoothing in the backpropagated loss only: the advice (pass that loss) raised an error whose causes
   did not name it;
 - an undeclared division by the micro-batches, a loss not divided by its declared micro-batches and a gradient
-  penalty's second pass through the loss were each read as a GradScaler (or a factor to declare).
+  penalty's second pass through the loss were each read as a GradScaler (or a factor to declare);
+- gradients clipped inside the block failed the gradient check with the generic list of causes (found in the
+  tester's generic reasons after the round: the rows and the gradient differ by one factor in every parameter).
 (Also found: a float32 loss of float64 logits read as "not a mean cross-entropy", mended in
 ``tests/test_loss_precision.py`` the same day.)
 """
@@ -176,3 +178,21 @@ def test_a_mean_of_row_token_means_is_named_and_its_advice_passes():
     assert verdict is False and "each row's own token mean" in why and "token sum times B / N" in why
     advised = per_token.sum(1) * 3 / counted.sum()
     assert mean_cross_entropy_check(advised.mean(), logits, advised) == (True, None)
+
+
+def test_gradients_clipped_inside_the_block_are_named_by_their_one_factor():
+    """clip_grad_norm_ inside the cockpit's block: the gradient check failed with the generic list of causes; the
+    rows and the gradient differ by one factor in every parameter, which the reason now names, with the fix."""
+    model, x, y = _problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    out = model(x)
+    rows = F.cross_entropy(out, y, reduction="none")
+    loss = rows.mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss, "optimizer": optimizer}):
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    (failed,) = [f for f in cockpit.checks[0]["failed"] if f["check"] == "gradient"]
+    assert "times one factor" in failed["reason"] and "after the cockpit's block" in failed["reason"], failed

@@ -336,11 +336,20 @@ class StepChecks:
                 "halving it). Scale or clip the gradients after the cockpit's block instead (p.grad.mul_(...), "
                 "torch.nn.utils.clip_grad_value_ after `with cockpit(...)`). Otherwise: "
             ) if hooked else ""
+            ratios = [want / got for _, got, want, _ in offenders if got != 0.0 and math.isfinite(want / got)]
+            uniform = (
+                f"The gradient is the rows' sum times one factor, {ratios[0]:.6g}, in every one of these parameters: "
+                "the gradients were scaled in place before the step ended (torch.nn.utils.clip_grad_norm_, "
+                "GradScaler.unscale_ or p.grad.mul_ inside `with cockpit(...)`, outside trial 34). Clip or unscale "
+                "after the cockpit's block: the cockpit then sees the factor at the optimizer's step and says so. "
+                "Otherwise: "
+            ) if (len(ratios) == len(offenders) >= 2 and ratios[0] != 1.0
+                  and max(abs(r - ratios[0]) for r in ratios) <= 10 * max(tolerance_seen, 1e-9) * abs(ratios[0])) else ""
             self.fail(
                 "gradient",
                 f"the per-sample gradients do not average to the gradient autograd accumulated for step {self.step} "
                 f"in {len(offenders)} of {len(probe)} parameters: {shown}{more} (projections on a random direction). "
-                + elsewhere + half + hooks + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
+                + elsewhere + half + hooks + uniform + unseen + "Something reached the gradient that the per-sample hooks did not see: a second backward pass "
                 "inside the step (two losses, retain_graph), a gradient penalty or other second-order term, a "
                 "penalty on the parameters in the loss (weight decay: use the optimizer's weight_decay), a "
                 "backward pass outside the cockpit's block, gradients left from an earlier step (a forgotten "
