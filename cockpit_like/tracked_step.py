@@ -543,8 +543,7 @@ class TrackedStep:
             why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
             known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
             if why is None and not known and factor is not None and factor.calls <= 1:
-                count, name = gradient_changes()
-                why = _output_mismatch(factor.reference, used, name if count > env.run.gradient_changes else None)
+                why = _output_mismatch(factor.reference, used, _changing_hook(env.run))
             if why is not None and not known:  # (once per step: the first micro-batch that shows it)
                 where = f", backward pass {self.micro + 1} of {self.micro_batches}" if self.micro_batches > 1 else ""
                 partitions.checks.fail("backpropagated_loss", f"step {self.step}{where}: {why}.")
@@ -666,11 +665,10 @@ class TrackedStep:
                 f"the gradients were scaled by {changed:.6g} between the end of the backward pass and the optimizer "
                 "step (gradient clipping, GradScaler.unscale_): the quantities describe them as backward left them"
             )
-        count, name = gradient_changes()
-        hook = name if count > env.run.gradient_changes else None
+        hook = _changing_hook(env.run)
         if hook is not None:
             checks.note(
-                f"a backward hook of yours ({name}) returned a new gradient in this step's backward pass: every "
+                f"a backward hook of yours ({hook}) returned a new gradient in this step's backward pass: every "
                 "quantity reads the gradients as the hooks left them, the curvature's products too (their graph "
                 "holds what the hook did), so they describe the hooked gradient, not the loss's; where that shows "
                 "(the gradient at the model's output, products that are not symmetric) nothing is stored"
@@ -1180,6 +1178,13 @@ def _same_gradients(params, entry) -> bool:
     """Whether every ``p.grad`` is the tensor (and version) it was at the block's entry: nothing wrote one."""
     return entry is not None and len(entry) == len(params) and all(
         (None if p.grad is None else (id(p.grad), p.grad._version)) == seen for p, seen in zip(params, entry))
+
+
+def _changing_hook(run) -> str | None:
+    """The name of a backward hook of the user's that returned a new gradient since the open step's first backward
+    pass began (:func:`~cockpit_like.backends.user_state.gradient_changes`), else ``None``."""
+    count, name = gradient_changes()
+    return name if count > run.gradient_changes else None
 
 
 def _factor_cause(ratio: float, checks: StepChecks) -> str | None:

@@ -438,9 +438,9 @@ class _Rerun:
         if recorded is None:
             return
         if any(isinstance(t, Shell) for t in recorded):
-            # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with a re-run
-            # of the whole batch, i.e. the rows are independent (dropout is refused before)
-            self._rerun_whole(recorded)
+            # the forward pass's values were not kept (Shell): the row-by-row re-run must agree with the re-run
+            # of the whole batch made before the rows (checked_rows), i.e. the rows are independent (dropout is
+            # refused before)
             # a shared output (leading 1) was recorded as its expansion over the rows
             recorded = [
                 o.expand(t.shape) if o.shape != t.shape and o.dim() == t.dim() else o for o, t in zip(self._whole, recorded)

@@ -216,10 +216,10 @@ class StepExecution:
                 "module hooks take each row's gradient at those calls' outputs, so they would miss that part of it "
                 "(docs/your_model.md#limits)"
             )
-        elif (stats or not needs.stats) and not raw_batch_grad and row_check is not None:
+        elif not raw_batch_grad and row_check is not None:
             # a loss over the batch (contrastive, in-batch negatives): the rows are not the rows' gradients (at a
-            # step without per-sample statistics only the declared loss's gradient at the outputs: no rows)
-            coupled = row_check(self.root_outputs, *_scalars_and_row_nodes(tracer, calls, batch_size))
+            # step without per-sample statistics the check only takes the declared loss's gradient at the outputs)
+            coupled = row_check(self.root_outputs, *(_scalars_and_row_nodes(tracer, calls, batch_size) if stats else ()))
             if coupled is not None and "scalar" in coupled:
                 why = (
                     "info['individual_losses'] read a number of the whole batch that the model returns (a scalar "

@@ -83,12 +83,9 @@ def coupled_rows(
         return None
     generator = torch.Generator(device="cpu").manual_seed(int(seed))
     signs = (torch.randint(0, 2, (batch,), generator=generator) * 2 - 1).to(device=losses.device, dtype=losses.dtype)
-    with torch.enable_grad(), cockpit_work(), own_backward(), _backpack_keeps_its_inputs():
-        try:
-            plain = torch.autograd.grad(losses, edges, torch.ones_like(losses), retain_graph=True, allow_unused=True)
-            signed = torch.autograd.grad(losses, edges, signs, retain_graph=True, allow_unused=True)
-        except RuntimeError:  # the losses' graph does not reach (or no longer holds) the outputs
-            return None
+    plain, signed = _weighted_gradients(losses, edges, torch.ones_like(losses)), _weighted_gradients(losses, edges, signs)
+    if plain is None or signed is None:
+        return None
     if on_gradients is not None:
         on_gradients([(output, g.detach()) for output, g in zip(outputs, plain) if g is not None])
     worst = None
@@ -136,15 +133,20 @@ def declared_output_gradients(losses, outputs, *_, on_gradients) -> None:
     if not isinstance(losses, torch.Tensor) or losses.grad_fn is None or not losses.dtype.is_floating_point:
         return None
     outputs, edges = _output_edges(outputs)
-    if not outputs:
-        return None
+    plain = _weighted_gradients(losses, edges, torch.ones_like(losses)) if outputs else None
+    if plain is not None:
+        on_gradients([(output, g.detach()) for output, g in zip(outputs, plain) if g is not None])
+    return None
+
+
+def _weighted_gradients(losses, edges, weights):
+    """``d sum_n w_n l_n / d`` each edge (the cockpit's own backward pass through the loss function only, the graph
+    kept), or ``None`` where the losses' graph does not reach (or no longer holds) the outputs."""
     with torch.enable_grad(), cockpit_work(), own_backward(), _backpack_keeps_its_inputs():
         try:
-            plain = torch.autograd.grad(losses, edges, torch.ones_like(losses), retain_graph=True, allow_unused=True)
-        except RuntimeError:  # the losses' graph does not reach (or no longer holds) the outputs
+            return torch.autograd.grad(losses, edges, weights, retain_graph=True, allow_unused=True)
+        except RuntimeError:
             return None
-    on_gradients([(output, g.detach()) for output, g in zip(outputs, plain) if g is not None])
-    return None
 
 
 def _coupling_scalar(losses, scalars, row_nodes) -> dict | None:
