@@ -196,3 +196,109 @@ def test_gradients_clipped_inside_the_block_are_named_by_their_one_factor():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
     (failed,) = [f for f in cockpit.checks[0]["failed"] if f["check"] == "gradient"]
     assert "times one factor" in failed["reason"] and "after the cockpit's block" in failed["reason"], failed
+
+
+def _penalised_step(on, declare):
+    """One step of the full preset whose backpropagated loss adds a gradient penalty (``on`` the inputs or the
+    parameters) to the cross-entropy; ``declare``: info['loss'] the sum, the rows each row's loss plus the penalty."""
+    model, x, y = _problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=configuration("full"), model=model)
+    inputs = x.clone().requires_grad_(on == "inputs")
+    out = model(inputs)
+    rows = F.cross_entropy(out, y, reduction="none")
+    loss = rows.mean()
+    wrt = [inputs] if on == "inputs" else list(model.parameters())
+    penalty = 1e-2 * sum((g**2).sum() for g in torch.autograd.grad(loss, wrt, create_graph=True))
+    info = {"batch_size": 12, "individual_losses": rows, "loss": loss, "optimizer": optimizer}
+    if declare:
+        info.update(loss=loss + penalty, individual_losses=rows + penalty)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info=info):
+            (loss + penalty).backward(create_graph=cockpit.create_graph(0))
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    return cockpit.get_output()[0], cockpit.checks[0], grads
+
+
+def _penalised_top_eigenvalue(on):
+    """The eigenvalue of largest magnitude of the dense Hessian of cross-entropy plus the gradient penalty."""
+    model, x, y = _problem()
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def total(theta):
+        params = dict(zip(names, torch.split(theta, [s.numel() for s in shapes])))
+        params = {n: t.reshape(s) for (n, t), s in zip(params.items(), shapes)}
+        inputs = x.clone().requires_grad_(on == "inputs")
+        loss = F.cross_entropy(torch.func.functional_call(model, params, (inputs,)), y)
+        wrt = [inputs] if on == "inputs" else list(params.values())
+        return loss + 1e-2 * sum((g**2).sum() for g in torch.autograd.grad(loss, wrt, create_graph=True))
+
+    eigenvalues = torch.linalg.eigvalsh(torch.autograd.functional.hessian(total, flat))
+    return float(eigenvalues[eigenvalues.abs().argmax()])
+
+
+@pytest.mark.parametrize("on", ["inputs", "parameters"])
+def test_an_undeclared_gradient_penalty_is_named_and_its_advice_works(on):
+    """A gradient penalty backpropagated beside the declared loss failed ``backpropagated_loss`` with the generic
+    list of causes (trial 34's generic reasons): the reason names the derivative in the backpropagated graph, and
+    declaring the sum as it says gives a valid step, the per-sample quantities left out with their note, the rest
+    stored and right."""
+    record, checks, _ = _penalised_step(on, declare=False)
+    (failed,) = [f for f in checks["failed"] if f["check"] == "backpropagated_loss"]
+    assert "holds a derivative taken with create_graph" in failed["reason"], failed
+    assert "BackwardBackward" in failed["reason"] and "rows + penalty" in failed["reason"]
+    record, checks, grads = _penalised_step(on, declare=True)
+    assert checks["valid"] and not checks["failed"], checks
+    assert any("per-sample quantities" in n and "create_graph" in n for n in checks["notes"]), checks["notes"]
+    assert "NormTest" not in record
+    assert record["HessMaxEV"] == pytest.approx(_penalised_top_eigenvalue(on), rel=1e-2)
+    assert record["GradNorm"] == pytest.approx([float(g.norm()) for g in grads], rel=1e-12)
+
+
+def test_a_derivative_inside_the_declared_loss_too_keeps_the_general_reason():
+    """Where info['loss'] itself holds a derivative (a model trained on its input gradient, declared), another
+    undeclared term is not blamed on a gradient penalty."""
+    model, x, y = _problem()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    inputs = x.clone().requires_grad_(True)
+    out = model(inputs)
+    (gx,) = torch.autograd.grad(out.sum(), inputs, create_graph=True)
+    rows = F.cross_entropy(out, y, reduction="none") + (gx**2).sum(1)
+    loss = rows.mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss}):
+            (loss + 0.1 * (out**2).mean()).backward()
+    (failed,) = [f for f in cockpit.checks[0]["failed"] if f["check"] == "backpropagated_loss"]
+    assert "holds a derivative" not in failed["reason"] and "an auxiliary loss" in failed["reason"], failed
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "through_data"])
+def test_parameters_changed_after_the_optimizers_step_are_named_for_alpha(in_place):
+    """A weight scaled after ``optimizer.step()`` left Alpha out with the general list of causes (clipping, a loss
+    factor, another optimizer...): the update was checked right after the step and was the predicted one, so the
+    note says the parameters changed after it, naming those changed in place; the other steps store Alpha."""
+    model, x, y = _problem()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cockpit = Cockpit(model.parameters(), quantities=[Alpha(track_schedule=linear(1))], model=model)
+    for step in range(4):
+        optimizer.zero_grad()
+        out = model(x)
+        rows = F.cross_entropy(out, y, reduction="none")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with cockpit(step, info={"batch_size": 12, "individual_losses": rows, "loss": rows.mean(),
+                                     "optimizer": optimizer}):  # fmt: skip
+                rows.mean().backward()
+        optimizer.step()
+        if step == 1:
+            with torch.no_grad():
+                (model[2].weight if in_place else model[2].weight.data).mul_(0.9)
+    alpha = {step: values["Alpha"] for step, values in cockpit.get_output().items() if "Alpha" in values}
+    assert sorted(alpha) == [0, 2], alpha
+    (note,) = [n for n in cockpit.checks[2]["notes"] if n.startswith("Alpha of step 1")]
+    assert "changed after optimizer.step() and before step 2" in note, note
+    assert ("indices [2]" in note) == in_place, note

@@ -33,7 +33,7 @@ import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
 
-__all__ = ["BackwardRoots", "roots_tolerance"]
+__all__ = ["BackwardRoots", "derivative_in", "roots_tolerance"]
 
 _LOCK = threading.Lock()
 _WATCHERS: list[BackwardRoots] = []
@@ -69,6 +69,9 @@ class BackwardRoots:
         self.vector_roots = False
         #: called once, at the first call watched, before the backward pass runs (what p.grad holds then)
         self.on_first = None
+        #: the roots' autograd nodes, read only to say why a check failed (:func:`derivative_in`); dropped with
+        #: the block (the user's tensors hold them anyway)
+        self.graphs: list = []
         self._thread = threading.get_ident()
 
     def start(self) -> None:
@@ -112,6 +115,8 @@ class BackwardRoots:
                     part = root.detach().to(torch.float64)
                     part = part.sum() if grad is None else (part * grad.detach().to(torch.float64)).sum()
                     value = part if value is None else value + part.to(value.device)
+                    if root.grad_fn is not None:
+                        self.graphs.append(root.grad_fn)
                     wider = root.dtype if root.is_floating_point() else None
                     if wider is not None and (self.dtype is None or _bits(wider) > _bits(self.dtype)):
                         self.dtype = wider
@@ -127,6 +132,25 @@ class BackwardRoots:
                 _WATCHERS.remove(self)
             if not _WATCHERS:
                 _uninstall()
+
+
+def derivative_in(graphs: list, limit: int = 20_000) -> str | None:
+    """The name of a node of a backward pass made with ``create_graph`` in the graphs of ``graphs`` (autograd
+    nodes), the first one a walk from them meets (``None``: none within ``limit`` nodes). Such a node (its type's
+    name holds ``BackwardBackward``: the derivative of an operation's backward formula) is how a gradient penalty,
+    an input-gradient term or another ``torch.autograd.grad(..., create_graph=True)`` shows in the tensor
+    backpropagated."""
+    seen, stack = {id(node) for node in graphs}, list(graphs)
+    while stack and len(seen) <= limit:
+        node = stack.pop()
+        name = type(node).__name__
+        if "BackwardBackward" in name:
+            return name
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+    return None
 
 
 def is_nested_or_sparse(tensor: torch.Tensor) -> bool:
@@ -212,6 +236,21 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: boo
             "whose factor the cockpit could not see at this backward pass (it cannot look inside a BackPACK-extended "
             "loss module). Backpropagate info['loss'] itself (the mean: reduction='mean', as BackPACK's extensions "
             "expect), with info['individual_losses'] the per-row losses (docs/your_training_loop.md#self-checks)"
+        )
+    derivative = derivative_in(roots.graphs)
+    declared = getattr(loss, "grad_fn", None)
+    if derivative is not None and (declared is None or derivative_in([declared]) is None):  # (outside trial 34: a gradient penalty got the generic list of causes)
+        return (
+            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated holds a derivative "
+            f"taken with create_graph ({derivative} in its graph) that info['loss'] does not: a gradient penalty (on "
+            "the parameters or the inputs), a double-backward or input-gradient term from torch.autograd.grad(..., "
+            "create_graph=True), backpropagated beside the declared loss. The per-sample rows would hold part of it "
+            "and the declared losses none. Declare what you backpropagate: info['loss'] the whole value (loss + "
+            "penalty) and info['individual_losses'] rows that average to it (each row's loss plus the penalty: "
+            "rows + penalty); the cockpit then sees the derivative in info['loss'], leaves the per-sample "
+            "quantities out with a note (such a term reaches the weights around the layers' outputs) and stores "
+            "the rest (docs/your_model.md, 'A loss that reaches the parameters other than through the module calls')"
         )
     return (
         f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "

@@ -267,7 +267,9 @@ class Alpha(TwoStepQuantity):
             direction = _Steps(self._tracked_params, reference)
             tau = _norm(direction).item()
             same, mean_u0 = self._check(start, direction, tau) if tau > 0 else (True, None)
-        settled = {"tau": tau, "same": same, "mean_u0": mean_u0}
+        # (the parameters' version counters: which of them an in-place change after the step touched)
+        settled = {"tau": tau, "same": same, "mean_u0": mean_u0,
+                   "versions": [getattr(p, "_version", None) for p in self._tracked_params]}
         if not same and self.load_from_cache(start, "prediction") == "backward":
             self._waits = True  # already for the next start step, which begins before this one's value is made
         entries = self._cache[start]
@@ -431,11 +433,14 @@ class Alpha(TwoStepQuantity):
             # rounding alone, as a perturbation added and subtracted again by SAM after the step, is the same)
             same = settled["same"] and self._same_length(settled["tau"], tau, self.load_from_cache(start, "params"))
             exact = settled["mean_u0"]
+            after = settled if settled["same"] and not same else None  # the optimizer's update was the predicted one
         else:
-            same, exact = self._check(start, direction, tau)
+            (same, exact), after = self._check(start, direction, tau), None
         mean_u0 = mean_u0 if exact is None else exact
         if not same:  # the start slopes' variance was taken along another direction: no value (never a wrong one)
             unheld = self._unheld_moved(start, global_step, direction, record.info.get("optimizer"))
+            if unheld is None and after is not None:
+                unheld = self._changed_after_step(start, global_step, after, tau)
             record.note(unheld or self._off_prediction(start, global_step))
             return None
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
@@ -478,6 +483,25 @@ class Alpha(TwoStepQuantity):
                 f"update of {name} alone. Where several optimizers step in one iteration, declare the one that steps "
                 "last (Alpha is then withdrawn at the optimizer's step, with a note), or step all the parameters "
                 "with one optimizer (param groups) to track Alpha.")
+
+    def _changed_after_step(self, start: int, end: int, settled: dict, tau: float) -> str:
+        """The note where the optimizer's update from ``start`` was the predicted one (checked in its post-hook,
+        :meth:`_settle`) but the parameters moved again before ``end`` (outside trial 34: a weight scaled after
+        ``optimizer.step()`` got the general list of causes); names the parameters whose version counter moved."""
+        versions = settled.get("versions") or []
+        touched = [i for i, (p, v) in enumerate(zip(self._tracked_params, versions))
+                   if v is not None and getattr(p, "_version", v) != v]  # fmt: skip
+        which = "" if not touched else (
+            f" (in place: all {len(touched)} tracked parameters)" if len(touched) == len(self._tracked_params) > 1
+            else f" (in place: the tracked parameters of indices {touched[:5]}{' ...' if len(touched) > 5 else ''})")
+        return (f"Alpha of step {start} is not stored: the optimizer's update from step {start} was the one its "
+                f"look-ahead predicted (checked right after optimizer.step()), but the parameters changed after "
+                f"optimizer.step() and before step {end}{which}: the update's norm was {settled['tau']:.6g} at the "
+                f"optimizer's step and is {tau:.6g} at step {end}. A projection or clamp of the weights after the step "
+                "(max-norm, weight clipping), a rollback or load_state_dict, averaged weights copied into the model, "
+                "or a second optimizer stepping after info['optimizer'] does this; Alpha fits the loss along one "
+                "update, which such a change leaves unknown. Steps where the loop leaves the parameters as the "
+                "optimizer made them are stored as usual; the other quantities are not affected.")
 
     def _off_prediction(self, start: int, end: int) -> str:
         """What the note says where the update from ``start`` was not in the predicted direction; the next start
