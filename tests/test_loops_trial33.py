@@ -319,3 +319,57 @@ def test_scores_of_every_row_against_every_row_give_a_note_not_an_error():
     out, state, losses = _quiet(lambda: run(configuration("economy")))  # training stopped at step 0 before
     assert _same(state, plain) and _same(losses, plain_losses)
     _left_out_with(out, 3, "has a dimension of the batch's size")
+
+
+_FUNCTION_SOURCE = """import torch
+
+
+class NoisyBackward(torch.autograd.Function):
+    gen = torch.Generator()
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 1e-3 * torch.randn(grad.shape, generator=NoisyBackward.gen, dtype=grad.dtype)
+"""
+
+
+class UsesImportedFunction(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 4)
+        self.how = how
+
+    def forward(self, x):
+        function = globals()["trial35_noisy_function"].NoisyBackward if self.how == "module" else globals()["NoisyBackward35"]
+        return self.l2(function.apply(torch.tanh(self.l1(x))))
+
+
+@pytest.mark.parametrize("how", ["class", "module"])
+def test_a_generator_of_a_function_defined_in_another_file_is_put_back(how, tmp_path, monkeypatch):
+    """A custom ``Function`` whose class holds its generator, defined in another file of the user's project and
+    imported by the model's module (``from noise import NoisyBackward`` or ``import noise``): the curvature's
+    products ran its backward again and drew from that generator (left open by trial 33, five runs)."""
+    (tmp_path / "trial35_noisy_function.py").write_text(_FUNCTION_SOURCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import trial35_noisy_function as other
+
+    monkeypatch.setitem(globals(), "trial35_noisy_function", other)  # `import` at the top of the model's module
+    monkeypatch.setitem(globals(), "NoisyBackward35", other.NoisyBackward)  # `from ... import` at the top
+
+    def run(quantities):
+        torch.manual_seed(0)
+        other.NoisyBackward.gen.manual_seed(5)
+        model = UsesImportedFunction(how).to(DTYPE)
+        out, state, losses = _loop(model, quantities, 2, _batch)
+        return out, state + [other.NoisyBackward.gen.get_state()], losses
+
+    _, plain, plain_losses = run(None)
+    try:
+        _, state, losses = _quiet(lambda: run([HessMaxEV(linear(1))]))
+    finally:
+        sys.modules.pop("trial35_noisy_function", None)
+    assert _same(state, plain) and _same(losses, plain_losses)

@@ -201,20 +201,32 @@ def generator_namespaces(models) -> list[dict]:
 
 def _namespace_values(spaces: list[dict]) -> list:
     """The values of the namespaces ``spaces``, the class attributes of the classes defined there (a custom
-    ``autograd.Function`` holding its generator as ``gen``: outside trial 32), and the values at the top of the
-    user's own modules they import (``import noise`` and ``noise.G`` in the forward pass: outside trial 33)."""
+    ``autograd.Function`` holding its generator as ``gen``: outside trial 32) or in another file of the user's
+    project (such a ``Function`` imported from there: trial 33's last gap), and the values at the top of the
+    user's own modules they import (``import noise`` and ``noise.G`` in the forward pass: outside trial 33), with
+    their classes' attributes."""
+    import sys
     import types
+
+    def users_class(value, here) -> bool:  # defined here, or in another file of the user's project (trial 33)
+        if not isinstance(value, type):
+            return False
+        where = getattr(value, "__module__", None)
+        return where == here or (where is not None and _users_module(sys.modules.get(where)))
 
     values, seen = [], {id(space) for space in spaces}
     for space in spaces:
         here = space.get("__name__")
         for value in list(space.values()):
             values.append(value)
-            if isinstance(value, type) and value.__module__ == here:
+            if users_class(value, here):
                 values.extend(vars(value).values())
             elif isinstance(value, types.ModuleType) and id(vars(value)) not in seen and _users_module(value):
                 seen.add(id(vars(value)))
-                values.extend(list(vars(value).values()))
+                for inner in list(vars(value).values()):
+                    values.append(inner)
+                    if users_class(inner, value.__name__):
+                        values.extend(vars(inner).values())
     return values
 
 
@@ -222,7 +234,7 @@ def _users_module(module) -> bool:
     """Whether ``module`` is a Python module of the user's project: a file outside the standard library and the
     installed packages, and not a library the cockpit knows."""
     path = getattr(module, "__file__", None)
-    if not path or module.__name__.split(".")[0] in _LIBRARIES:
+    if not path or getattr(module, "__name__", "").split(".")[0] in _LIBRARIES:
         return False
     return not any(path.startswith(prefix) for prefix in _installed_paths() if prefix)
 
