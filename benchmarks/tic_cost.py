@@ -51,8 +51,11 @@ def main() -> int:
     torch.set_num_threads(1)
     for name, model, forward, (inputs, targets), losses, logits in problems():
         times = {"plain": [], "auto (ggn)": [], "hutchinson": []}
-        cockpits = {key: Cockpit(model.parameters(), quantities=[TICDiag(linear(1), curvature=curvature)], model=model)
-                    for key, curvature in (("auto (ggn)", "auto"), ("hutchinson", "hutchinson"))}
+        # Hutchinson's Hessian diagonal: refused by TICDiag since outside trial 35, measured here for its cost only
+        refusing_nothing = type("TICDiag", (TICDiag,), {"_refused": {}})
+        cockpits = {key: Cockpit(model.parameters(), quantities=[kind(linear(1), curvature=curvature)], model=model)
+                    for key, kind, curvature in (("auto (ggn)", TICDiag, "auto"),
+                                                 ("hutchinson", refusing_nothing, "hutchinson"))}  # fmt: skip
         for step in range(4):
             for key in times:
                 for p in model.parameters():

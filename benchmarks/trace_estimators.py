@@ -156,6 +156,9 @@ def _tic_quantities(schedule):
     for label, curvature in TIC_ESTIMATORS.items():
         if curvature == "ggn-mc4":
             made[label] = (always_sampled(TICDiag), always_sampled(TICTrace))
+        elif curvature == "hutchinson":  # the old default, refused by TICDiag since outside trial 35: measured as it was
+            refusing_nothing = type("TICDiag", (TICDiag,), {"_refused": {}})
+            made[label] = (refusing_nothing(schedule, curvature=curvature), TICTrace(schedule, curvature=curvature))
         else:
             made[label] = (TICDiag(schedule, curvature=curvature), TICTrace(schedule, curvature=curvature))
     return made

@@ -8,6 +8,7 @@ reverse over reverse): in torch 2.13 the ``torch.func`` compositions
 """
 
 import math
+import re
 import warnings
 
 import pytest
@@ -102,7 +103,6 @@ def test_hutchinson_quantities_match_the_dense_twin(name, dense_twins):
     samples, batch = 3, 4
     quantities = [
         HessTrace(linear(1), curvature="hutchinson", hutchinson_samples=samples),
-        TICDiag(linear(1), curvature="hutchinson", hutchinson_samples=samples),
         TICTrace(linear(1), curvature="hutchinson", hutchinson_samples=samples),
     ]
     cockpit = Cockpit(params, quantities=quantities, model=model)
@@ -118,7 +118,6 @@ def test_hutchinson_quantities_match_the_dense_twin(name, dense_twins):
     output = cockpit.get_output()[0]
     assert output["HessTrace"] == pytest.approx([float(b.sum()) for b in blocks], rel=1e-9, abs=1e-12)
     second_moment = torch.cat([(g**2).mean(0).reshape(-1) for g in grads])  # (1/B) sum_i g_i^2
-    assert output["TICDiag"] == pytest.approx(float((second_moment / (diagonal + 1e-7)).sum()), rel=1e-8)
     assert output["TICTrace"] == pytest.approx(float(second_moment.sum() / (diagonal.sum() + 1e-7)), rel=1e-8)
 
 
@@ -127,7 +126,7 @@ def test_one_estimate_per_step_is_shared():
     model = problem.model
     cockpit = Cockpit(
         model.parameters(),
-        quantities=[HessTrace(linear(1), curvature="hutchinson"), TICDiag(linear(1), curvature="hutchinson")],
+        quantities=[HessTrace(linear(1), curvature="hutchinson"), TICTrace(linear(1), curvature="hutchinson")],
         model=model,
     )
     calls = []
@@ -243,4 +242,36 @@ def test_unknown_curvature_lists_the_estimators():
     with pytest.raises(ValueError, match="hutchinson"):
         HessTrace(linear(1), curvature="exact")
     with pytest.raises(ValueError, match="hutchinson_samples"):
-        TICDiag(linear(1), curvature="hutchinson", hutchinson_samples=0)
+        TICTrace(linear(1), curvature="hutchinson", hutchinson_samples=0)
+
+
+@pytest.mark.parametrize("curvature", ["hutchinson", "hutch++"])
+def test_ticdiag_refuses_an_estimate_of_the_hessian_diagonal_from_products(curvature):
+    """TICDiag divides entry by entry: with Hutchinson's diagonal it stored values with no error bar, 20 of 20 off
+    by more than half on five losses (outside trial 35), the path its own notes advised for other losses. Asked for,
+    it is refused when constructed, with the alternatives; the notes advise TICTrace."""
+    with pytest.raises(ValueError, match=r"TICDiag\(curvature='" + re.escape(curvature) + r"'\) is not offered") as error:
+        TICDiag(linear(1), curvature=curvature)
+    assert "TICTrace(curvature='hutchinson')" in str(error.value) and "'ggn'" in str(error.value)
+    quantity = TICDiag(linear(1))
+    with pytest.raises(ValueError, match="is not offered"):
+        quantity._curvature = curvature  # Cockpit's attribute, set anew
+
+
+@pytest.mark.parametrize("samples", [4, 64, 1024])
+def test_hutchinsons_diagonal_cannot_tell_the_sign_of_the_entries_ticdiag_divides_by(samples):
+    """The measurement behind the refusal, on a small tanh MLP with a dense Hessian: the standard deviation of one
+    Hutchinson draw of entry j is sqrt(||H_j||^2 - H_jj^2); with the mean of ``samples`` draws, the entries whose sign
+    is known (|H_jj| > 2 standard deviations) stay a minority even at 1024 products."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 10), torch.nn.Tanh(), torch.nn.Linear(10, 3)).double()
+    x, y = torch.randn(12, 5, dtype=torch.float64), torch.randint(0, 3, (12,))
+    params = list(model.parameters())
+    gradient = torch.cat([g.reshape(-1) for g in torch.autograd.grad(
+        torch.nn.functional.cross_entropy(model(x), y), params, create_graph=True)])  # fmt: skip
+    dense = torch.stack([torch.cat([h.reshape(-1) for h in torch.autograd.grad(gradient[j], params, retain_graph=True)])
+                         for j in range(gradient.numel())])  # fmt: skip
+    diagonal = dense.diagonal()
+    spread = ((dense**2).sum(1) - diagonal**2).clamp(min=0).sqrt() / samples**0.5
+    known = int((diagonal.abs() > 2 * spread).sum())
+    assert known < 0.8 * diagonal.numel() and (samples > 4 or known < 0.05 * diagonal.numel()), known

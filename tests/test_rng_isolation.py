@@ -16,7 +16,7 @@ from torch import nn
 
 from cockpit_like import Cockpit
 from cockpit_like.backends import randomness
-from cockpit_like.quantities import HessMaxEV, HessTrace, KFACTrace, TICDiag
+from cockpit_like.quantities import HessMaxEV, HessTrace, KFACTrace, TICDiag, TICTrace
 from cockpit_like.utils import schedules
 from cockpit_like.utils.configuration import PRESETS, configuration
 from tests.helpers import backward_in
@@ -136,7 +136,7 @@ def test_curvature_values_do_not_depend_on_the_other_quantities():
     hutchinson = _run("not extended", lambda: [HessTrace(schedule, curvature="hutchinson")])[2].get_output()
     with_others = _run(
         "not extended",
-        lambda: [HessMaxEV(schedule), TICDiag(schedule, curvature="hutchinson"), HessTrace(schedule, curvature="hutchinson")],
+        lambda: [HessMaxEV(schedule), TICTrace(schedule, curvature="hutchinson"), HessTrace(schedule, curvature="hutchinson")],
     )[2].get_output()
     for step in range(3):
         assert hutchinson[step]["HessTrace"] == with_others[step]["HessTrace"]

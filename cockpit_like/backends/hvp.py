@@ -273,7 +273,7 @@ def graph_limit(
     """What a PyTorch feature of the model prevents, if ``error`` says that a backward pass through the step's
     graph cannot run; ``owners``: the quantities that need it (named in the advice), ``what``: the pass."""
     text = str(error)
-    named = ", ".join(sorted(owners)) or "HessMaxEV, TICDiag, HessTrace with curvature='hutchinson'"
+    named = ", ".join(sorted(owners)) or "HessMaxEV, HessTrace, TICTrace with curvature='hutchinson'"
     leave = f"or leave out the quantities that need the graph ({named}; configuration('economy') needs none)."
     if "does not currently support double backward" in text or "requires create_graph=False" in text:
         return (

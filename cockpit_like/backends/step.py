@@ -577,8 +577,9 @@ class StepExecution:
                     "a hand-written loss), extended (`lossfunc = backpack.extend(lossfunc)`). Fixes: for an unsupported model, pass "
                     "curvature='auto' to HessTrace / TICDiag / TICTrace (Hessian-vector products where the model "
                     "is not an extended chain of supported layers; the presets' default); for an unsupported "
-                    "loss, which 'auto' cannot check, pass curvature='hutchinson' (Hessian-vector products on any "
-                    "model and loss); KFACTrace(curvature='empirical') or 'auto' (per-sample gradients, any model); "
+                    "loss, which 'auto' cannot check, pass curvature='hutchinson' to HessTrace / TICTrace "
+                    "(Hessian-vector products on any model and loss; TICDiag cannot take an estimate of the Hessian's "
+                    "diagonal: leave it out); KFACTrace(curvature='empirical') or 'auto' (per-sample gradients, any model); "
                     "leave out the quantities that need these extensions; or replace the layer or loss with a "
                     "supported one."
                 ) from exc

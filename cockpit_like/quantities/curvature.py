@@ -18,8 +18,10 @@ On any model (no BackPACK needed):
 
 - ``"hutchinson"``: Hutchinson's estimate ``(1/m) sum_k v_k * (H v_k)`` of
   ``diag(∇²L)`` from ``m = hutchinson_samples`` Hessian-vector products with
-  Rademacher vectors (unbiased, random: the cockpit's generator; noisy per entry, so
-  ``TICDiag`` with it can be far off, while traces average the noise out);
+  Rademacher vectors (unbiased, random: the cockpit's generator; noisy per entry, of
+  the size of the entry's whole row of the Hessian, while traces average the noise
+  out: ``TICDiag``, which divides entry by entry, refuses it and ``"hutch++"`` when
+  constructed, with the alternatives);
   needs ``loss.backward(create_graph=cockpit.create_graph(step))``, and the
   quantities of one step share one estimate
   (:class:`~cockpit_like.backends.hvp.HutchinsonDiagonal`);
@@ -79,8 +81,7 @@ TICDiag (first order in the draws' deviations from their mean); the sketched
 GGN's errors are widened by the Student-t factor of ``draws - 1`` degrees of
 freedom, the trace's bounded by the rows' pooled variance too
 (:func:`~cockpit_like.backends.sampled.sketch_standard_errors`); none for
-Hutchinson's TICDiag and the BackPACK diagonals (exact, or one Monte-Carlo
-sample). With draws, TICDiag applies the second-order correction of
+the BackPACK diagonals (exact, or one Monte-Carlo sample). With draws, TICDiag applies the second-order correction of
 ``1 / c̄`` (``E[1/c̄] ≈ 1/c + Var(c̄)/c^3``): ``sum_j a_j / c̄_j (1 - Var̂(c̄_j)/c̄_j^2)``,
 each factor clamped at 0. ``reliable[step]`` is ``|value| > 2`` standard errors
 (:data:`RELIABLE_SE`); where it is False (the sign itself is uncertain) the
@@ -145,7 +146,22 @@ class UnknownCurvatureError(ValueError, KeyError):
         return str(self.args[0])
 
 
-def _check_curvature(curvature: str, owner: str) -> str:
+#: TICDiag's words where it is asked for an estimate of the Hessian diagonal from Hessian-vector products
+_TICDIAG_NOT_FROM_PRODUCTS = (
+    "TICDiag divides entry by entry by the curvature diagonal, and an estimate of the Hessian's diagonal from "
+    "Hessian-vector products cannot carry that: the noise of each entry is of the size of that entry's whole row of "
+    "the Hessian, larger than the entry itself almost everywhere (small MLPs: the sign of 0 of 71-93 entries known "
+    "at 4 samples, 5-25% of them at 64), so 1 / c_j and the value are noise of any size and sign (outside trial 35: "
+    "20 of 20 values of five losses more than 50% off the exact TICDiag, up to 500x, some of the other sign; no error "
+    "bar can be given). Use TICTrace(curvature='hutchinson') (a ratio of sums, stored with its error bar) for a loss "
+    "that is not a cross-entropy, TICDiag(curvature='ggn') with info['outputs'] for a cross-entropy (the default "
+    "'auto' does so), or BackPACK's exact 'diag_h' on an extended model"
+)
+
+
+def _check_curvature(curvature: str, owner: str, refused: dict | None = None) -> str:
+    if refused and curvature in refused:
+        raise ValueError(f"{owner}(curvature={curvature!r}) is not offered: {refused[curvature]}.")
     if curvature not in CURVATURES and curvature not in ESTIMATORS:
         raise UnknownCurvatureError(
             f"{owner}(curvature={curvature!r}): unknown curvature; choose one of "
@@ -175,11 +191,17 @@ def _diagonals(params: list[torch.Tensor], field: str, owner: str) -> list[torch
 class _DiagCurvatureQuantity(SingleStepQuantity):
     """Shared glue: the ``curvature`` argument and reading its diagonal."""
 
+    #: curvature choices the quantity cannot give a meaningful value with -> why (raised when it is constructed)
+    _refused: dict = {}
+
+    #: what a step's note advises for a loss whose curvature is not the cross-entropy of info['outputs']
+    _other_loss_advice = "pass an explicit curvature ('hutchinson': unbiased, with its error bar)"
+
     def __init__(
         self, track_schedule, verbose: bool = False, curvature: str = "auto", hutchinson_samples: int = 4
     ):
         super().__init__(track_schedule, verbose=verbose)
-        self._requested = _check_curvature(curvature, type(self).__name__)
+        self._requested = _check_curvature(curvature, type(self).__name__, self._refused)
         if isinstance(hutchinson_samples, bool) or not isinstance(hutchinson_samples, int) or hutchinson_samples < 1:
             raise ValueError(
                 f"{type(self).__name__}(hutchinson_samples=...) needs a positive int, got {hutchinson_samples!r}"
@@ -199,6 +221,8 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         self._draws: list | None = None
         #: steps at which ``"auto"`` wanted the GGN diagonal but ``info["outputs"]`` was not given
         self._without_outputs: set[int] = set()
+        #: of those, ``{step: what was given instead}`` (a tensor of another shape, or without a graph)
+        self._outputs_given: dict[int, str] = {}
 
     @property
     def curvature(self) -> str:
@@ -221,7 +245,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
 
     @_curvature.setter
     def _curvature(self, curvature: str) -> None:
-        self._requested = _check_curvature(curvature, type(self).__name__)
+        self._requested = _check_curvature(curvature, type(self).__name__, self._refused)
         self._method = None if curvature == "auto" else curvature
 
     @property
@@ -237,10 +261,24 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
     def observe_info(self, global_step: int, info: dict) -> None:
         if self._requested == "auto" and self.method == "ggn":
             outputs = info.get("outputs")
+            self._outputs_given.pop(global_step, None)
             if isinstance(outputs, torch.Tensor) and outputs.requires_grad and outputs.dim() >= 2:
                 self._without_outputs.discard(global_step)
             else:
                 self._without_outputs.add(global_step)
+                if isinstance(outputs, torch.Tensor):  # (outside trial 35: a [B] prediction read as "not given")
+                    self._outputs_given[global_step] = (
+                        f"info['outputs'] has shape {list(outputs.shape)}, not logits with classes last ([B, C] or "
+                        "[B, T, C]): one value per row (a regression's prediction, a binary logit) has no softmax "
+                        "cross-entropy over classes, whose GGN this is"
+                        if outputs.dim() < 2 else
+                        "info['outputs'] has no graph (detached, or computed under no_grad)"
+                    )
+
+    def _outputs_missing(self, global_step: int) -> str:
+        """What the step gave instead of the logits ``"auto"``'s GGN needs (for its notes)."""
+        given = self._outputs_given.pop(global_step, None)
+        return f"but {given}" if given else "which this step did not give"
 
     #: curvature -> (BackPACK's field where the models allow it, the estimator on any other model)
     _CHOICE_BY_MODEL = {"auto": ("diag_h", "hutchinson"), "diag_ggn_mc": ("diag_ggn_mc", "sampled_ggn_mc")}
@@ -290,7 +328,10 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
         return self._need(global_step) is not None and self.should_compute(global_step)
 
     def hessian_products(self, global_step: int) -> bool:
-        return self._step_method(global_step) in ("hutchinson", "hutch++") and self.should_compute(global_step)
+        # (TICDiag without info['outputs'] computes nothing: outside trial 35 found it named among the quantities
+        # that need Hessian-vector products)
+        return (self._step_method(global_step) in ("hutchinson", "hutch++") and self._need(global_step) is not None
+                and self.should_compute(global_step))  # fmt: skip
 
     def settings(self) -> dict:
         settings = {"curvature": self._requested}
@@ -342,7 +383,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                     f"cross-entropy's of info['outputs'], but {shown} got a gradient from terms of the loss that "
                     "do not pass through info['outputs'] (an auxiliary head or loss, a penalty), so it would not be "
                     "this loss's curvature (0 there: TIC would divide by epsilon). Pass as info['outputs'] logits "
-                    "that every term of the loss goes through, or pass an explicit curvature ('hutchinson')"
+                    f"that every term of the loss goes through, or {self._other_loss_advice}"
                 )
                 return None
             if getattr(result, "cross_entropy", None) is False:
@@ -356,8 +397,7 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                     "focal loss has another curvature, so the value would not be this loss's. For a plain "
                     "cross-entropy (hard or soft labels, label smoothing, ignored positions) pass its logits (classes "
                     "last) as info['outputs'] and the rows' losses as info['individual_losses']; for another loss "
-                    "leave info['outputs'] out and pass an explicit curvature ('hutchinson': unbiased, indefinite and "
-                    "noisy)"
+                    f"{self._other_loss_advice}"
                 )
                 return None
             return self._finite_or_none(global_step, list(result))
@@ -464,9 +504,10 @@ class _TIC(_DiagCurvatureQuantity):
         if global_step in self._without_outputs:
             get_record(global_step).note(
                 f"{name} at step {global_step}: curvature='auto' divides by the GGN diagonal (positive) of the "
-                f"cross-entropy of info['outputs'], which this step did not give; computed with an estimate of the "
-                f"Hessian diagonal instead ({self._used}; indefinite and noisy: the value may be far off, even "
-                "negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last)"
+                f"cross-entropy of info['outputs'], {self._outputs_missing(global_step)}; computed with an estimate "
+                f"of the Hessian diagonal instead ({self._used}, with its error bar: indefinite and noisy, the value "
+                "may be far off, even negative). For a cross-entropy pass info['outputs'] (its logits, classes "
+                "last); for another loss curvature='hutchinson' says so from the start"
             )
             self._without_outputs.discard(global_step)  # read: the set holds only steps under way
         return batch_size, squares, diagonals
@@ -482,21 +523,31 @@ class TICDiag(_TIC):
     (see the module docstring). ``B = info["batch_size"]``, ``s_j`` from
     the shared ``SumOfSquares`` statistic. Stored as a float. Entries with ``c_j ≈ 0``
     dominate; ``"diag_h"`` may even have ``c_j + epsilon <= 0``, as in Cockpit.
+    ``curvature="hutchinson"`` and ``"hutch++"`` raise a ``ValueError`` when
+    constructed: an estimate of the Hessian's diagonal from Hessian-vector
+    products is too noisy entry by entry for ``1 / c_j`` (its message gives the
+    alternatives: TICTrace with its error bar, the GGN for a cross-entropy).
     """
 
     #: an estimate of the Hessian's diagonal is indefinite and noisy entry by entry: ``1 / (c_j + epsilon)`` of it
-    #: means nothing (values of +-5e4, negative), so ``"auto"`` without ``info["outputs"]`` stores no value
+    #: means nothing (values of +-5e4, negative), so ``"auto"`` without ``info["outputs"]`` stores no value, and
+    #: asked for explicitly it is refused (outside trial 35: 20 of 20 values off, without an error bar)
     _falls_back = False
+    _refused = {"hutchinson": _TICDIAG_NOT_FROM_PRODUCTS, "hutch++": _TICDIAG_NOT_FROM_PRODUCTS}
+    _other_loss_advice = (
+        "use TICTrace(curvature='hutchinson') (a ratio of sums, stored with its error bar): TICDiag divides entry by "
+        "entry, which an estimate of the Hessian's diagonal from Hessian-vector products cannot carry"
+    )
 
     def _compute(self, global_step, params, batch_loss):
         if global_step in self._without_outputs:
             self._without_outputs.discard(global_step)
             get_record(global_step).note(
                 f"TICDiag at step {global_step}: no value stored: curvature='auto' divides by the GGN diagonal "
-                "(positive) of the cross-entropy of info['outputs'], which this step did not give, and an estimate "
-                "of the Hessian's diagonal is indefinite and noisy entry by entry (1 / (c_j + epsilon) of it can be "
-                "huge or negative). Pass info['outputs'] (the logits of the mean cross-entropy loss, classes last), "
-                "or ask for curvature='hutchinson' explicitly; TICTrace falls back with an error bar"
+                f"(positive) of the cross-entropy of info['outputs'], {self._outputs_missing(global_step)}, and an "
+                "estimate of the Hessian's diagonal is indefinite and noisy entry by entry (1 / (c_j + epsilon) of it "
+                "can be huge or negative). For a cross-entropy pass info['outputs'] (its logits, classes last); for "
+                "another loss TICTrace gives the trace version with an error bar (TICTrace(curvature='hutchinson'))"
             )
             return None
         batch_size, squares, diagonals = self._inputs(global_step, params)
