@@ -390,16 +390,64 @@ class _Rerun:
         square = [list(v.shape) for v in self.values
                   if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[0] == v.shape[1] == self.batch]
         if not square or self.batch < 2 or len(self.values) < 2:
-            return error
+            return self._reads_other_rows(error) or error
         related = RowsNotReproducedError(
             f"{type(self.module).__name__} takes {square[0]}, a matrix over the batch's {self.batch} rows (an "
             "adjacency over a graph's nodes, attention across the batch): each row's output reads other rows, so "
             "the rows are not independent samples and their per-sample gradients are not defined (re-running the "
-            f"module on single rows failed: {str(error).split(' though ')[0]}). Per-sample quantities need the "
+            f"module on single rows failed: {str(error).split(' though ')[0].rstrip(', ')}). Per-sample quantities need the "
             "samples as rows (a graph-level loss on pooled graphs, each graph its own row)"
         )
         related.__cause__ = error
         return related
+
+    def _reads_other_rows(self, error: UncoveredParameterError) -> RowsNotReproducedError | None:
+        """Where re-running single rows failed: whether the whole batch's outputs show that a row's output reads
+        other rows of an argument (one backward pass of the whole batch's re-run from one row's outputs to its
+        floating-point arguments, for up to three rows: a gradient outside the row is a dependence, never
+        rounding), as a :class:`RowsNotReproducedError` (the step goes on without per-sample values, with a note;
+        outside trial 35: manifold mixup with its permutation passed to ``forward`` stopped training), else
+        ``None`` (no such argument, or the pass cannot tell)."""
+        floating = {k for k in self.batched if self.values[k].is_floating_point()}
+        if not floating or self.batch < 2 or _layout_hint(self.module):  # (a layout of the user's to fix: raised)
+            return None
+        try:
+            with self.tracer.pause(), torch.enable_grad():
+                rows = [self.values[k].detach().clone().requires_grad_(k in floating) for k in self.batched]
+                inputs = [(k, row) for k, row in zip(self.batched, rows) if k in floating]
+                params = {name: self._own(p, False) for name, p in zip(self.param_names, self.params)}
+                outputs = [(o, d) for o, d in zip(self.run(params, rows), self.out_dims)
+                           if isinstance(o, torch.Tensor) and o.requires_grad]  # fmt: skip
+                for row in sorted({0, self.batch // 2, self.batch - 1}):
+                    seeds = []
+                    for output, dim in outputs:
+                        seed = torch.zeros_like(output)
+                        seed.narrow(dim, row, 1).fill_(1)
+                        seeds.append(seed)
+                    grads = torch.autograd.grad([o for o, _ in outputs], [t for _, t in inputs], seeds,
+                                                retain_graph=True, allow_unused=True)  # fmt: skip
+                    for (k, _), grad in zip(inputs, grads):
+                        if grad is None:
+                            continue
+                        reach = grad.abs().movedim(self.dims[k], 0).reshape(self.batch, -1).sum(1)
+                        others = [int(i) for i in reach.nonzero().flatten() if int(i) != row]
+                        if others:
+                            shown = ", ".join(map(str, others[:4])) + (" ..." if len(others) > 4 else "")
+                            related = RowsNotReproducedError(
+                                f"{type(self.module).__name__}: the output of row {row} of the batch reads rows "
+                                f"{shown} of its argument of shape {list(self.values[k].shape)} (one backward pass of "
+                                "the whole batch from that row's outputs reached them): the rows are not independent "
+                                "samples (mixup or manifold mixup inside the model, h = lam * h + (1 - lam) * h[perm]; "
+                                "a statistic over the batch; attention or an adjacency across the batch), so "
+                                "per-sample gradients are not defined (re-running single rows failed: "
+                                f"{str(error).split(' though ')[0].rstrip(', ')}). Mix the inputs before the model (mixup of x and "
+                                "y) for per-sample values; the other quantities are stored"
+                            )
+                            related.__cause__ = error
+                            return related
+        except Exception:  # noqa: BLE001 - the pass cannot tell: the error stands
+            return None
+        return None
 
     def _failed_message(self, error: Exception) -> str:
         """Why re-running the module on some rows failed, where its forward pass on the whole batch ran."""
@@ -474,7 +522,9 @@ class _Rerun:
                 "use_cache=False while training; random numbers: set dropout and drop-path (stochastic depth) rates to 0 "
                 "or call .eval(), and where the forward pass draws in eval mode too (random masking: ViTMAE's), pass "
                 "the randomness as an argument (ViTMAE: noise=); a loss or statistic over the whole batch computed "
-                "inside it)." + layout + _parametrization_hint(self.module)
+                "inside it; rows mixed by state set around the call, which the re-run does not see: manifold mixup's "
+                "permutation set on the model before the forward pass and cleared after it, whose rows depend on "
+                "other rows: mix the inputs before the model instead)." + layout + _parametrization_hint(self.module)
             )
 
 
