@@ -127,23 +127,30 @@ def test_manifold_mixup_leaves_the_per_sample_quantities_out_with_the_mixing_nam
     re-run of single rows failed with an index error and training stopped; the whole batch's outputs now show
     that a row reads other rows (one backward pass), and the step goes on with a note. Cleared after the forward
     pass, the re-run does not reproduce the forward pass, and the note names that case among its causes."""
-    torch.manual_seed(0)
-    model = _ManifoldMixup(how).to(DTYPE)
-    x, y = torch.randn(12, 6, dtype=DTYPE), torch.randint(0, 4, (12,))
-    perm = torch.randperm(12)
-    cockpit = Cockpit(model.parameters(), quantities=[NormTest(linear(1)), GradNorm(linear(1))], model=model)
-    model.perm = None if how == "argument" else perm
-    model.mix = (0.7, perm)
-    out = model(x, perm=perm) if how == "argument" else model(x)
-    if how == "cleared after":
-        model.mix = (1.0, torch.arange(1))  # as a callback would, after the forward pass
-    rows = 0.7 * F.cross_entropy(out, y, reduction="none") + 0.3 * F.cross_entropy(out, y[perm], reduction="none")
+    def run(tracked):
+        torch.manual_seed(0)
+        model = _ManifoldMixup(how).to(DTYPE)
+        x, y = torch.randn(12, 6, dtype=DTYPE), torch.randint(0, 4, (12,))
+        perm = torch.randperm(12)
+        quantities = [NormTest(linear(1)), GradNorm(linear(1))]
+        cockpit = Cockpit(model.parameters(), quantities=quantities, model=model) if tracked else None
+        model.perm = None if how == "argument" else perm
+        model.mix = (0.7, perm)
+        out = model(x, perm=perm) if how == "argument" else model(x)
+        if how == "cleared after":
+            model.mix = (1.0, torch.arange(1))  # as a callback would, after the forward pass
+        rows = 0.7 * F.cross_entropy(out, y, reduction="none") + 0.3 * F.cross_entropy(out, y[perm], reduction="none")
 
-    def step():
-        with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": rows.mean()}):
-            rows.mean().backward()
+        def step():
+            with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": rows.mean()}):
+                rows.mean().backward()
 
-    _quiet(step)  # (raised UncoveredParameterError before, for "argument" and "held")
+        _quiet(step) if tracked else rows.mean().backward()  # (raised UncoveredParameterError before)
+        return model, cockpit, [p.grad.clone() for p in model.parameters()], torch.rand(3)
+
+    _, _, plain_grads, plain_next = run(False)
+    model, cockpit, grads, after = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads)) and torch.equal(after, plain_next)
     record = cockpit.get_output()[0]
     assert "NormTest" not in record
     assert record["GradNorm"] == pytest.approx([float(p.grad.norm()) for p in model.parameters()], rel=1e-12)
