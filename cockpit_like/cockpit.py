@@ -772,13 +772,13 @@ class Cockpit:
         check that the parameters (and gradients) are those of the last tracked block
         (:meth:`_check_optimizer_step`); while its ``step(closure)`` runs, the backward passes begun are its
         closure's evaluations (:attr:`StepRun.stepping`)."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
+        from cockpit_like.utils.optim import has_step_hooks, looking_ahead
+
+        if not has_step_hooks(optimizer):  # (not an Optimizer, or a wrapper without Optimizer.__init__)
             return
         if any(known() is optimizer for known, _ in self._hooked_optimizers):
             return
         import weakref
-
-        from cockpit_like.utils.optim import looking_ahead
 
         me = weakref.ref(self)
 

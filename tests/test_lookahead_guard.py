@@ -187,6 +187,50 @@ def test_a_wrapper_stepping_its_inner_optimizer_leaves_the_run_alone_and_stores_
         assert "info['optimizer'] = <your Wrapper>.base, its SGD" in note
 
 
+class OldLookahead(torch.optim.Optimizer):
+    """timm's older Lookahead: an Optimizer subclass that never calls ``Optimizer.__init__`` (no step hook tables,
+    or plain ``dict`` ones: ``tables``), stepping its inner optimizer and pulling the weights towards slow copies
+    every ``k`` steps."""
+
+    def __init__(self, base, tables=None, alpha=0.5, k=2):
+        self._base_optimizer = base
+        self.param_groups, self.defaults, self.state = base.param_groups, base.defaults, base.state
+        self.alpha, self.k, self.n, self.slow = alpha, k, 0, {}
+        if tables is not None:
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = tables(), tables()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._base_optimizer.step(closure)
+        self.n += 1
+        if self.n % self.k == 0:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    slow = self.slow.setdefault(p, p.detach().clone())
+                    slow.add_(p - slow, alpha=self.alpha)
+                    p.copy_(slow)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self._base_optimizer.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("tables", [None, dict], ids=["no-hook-tables", "dict-hook-tables"])
+def test_a_wrapper_without_optimizer_init_is_seen_as_one_whose_step_is_not_watched(tables):
+    """Declared as info['optimizer'], such a wrapper made every tracked step raise torch's AttributeError (or a
+    TypeError for plain dicts) from the cockpit's step hooks (outside trial 36, 12 runs): its step cannot call hooks
+    (its class was never patched), so the cockpit watches it no more than any optimizer it cannot hook. The run is
+    bitwise the same, UpdateSize is the run's own, Alpha is left out with a note naming the wrapper."""
+    make = lambda ps: OldLookahead(torch.optim.SGD(ps, lr=0.5, momentum=0.9), tables)  # noqa: E731
+    plain, tracked = run(make, False), run(make, True)
+    assert_same_run(plain, tracked, holder=lambda opt: opt._base_optimizer)
+    assert_update_size_is_brute_force(tracked)
+    cockpit = tracked[2]
+    for t in range(3):
+        assert "Alpha" not in cockpit.get_output()[t]
+        assert any(f"Alpha of step {t} is not stored" in n and "OldLookahead" in n for n in cockpit.checks[t]["notes"])
+
+
 class OwnList(torch.optim.Optimizer):
     """Steps the parameters it listed at construction, not those in its param_groups."""
 

@@ -55,7 +55,7 @@ from cockpit_like.checks.invariants import tolerance_for
 from cockpit_like.functional import tensor_lists
 from cockpit_like.functional.alpha import alpha_from_observations, sample_mean_and_variance
 from cockpit_like.quantities.quantity import TwoStepQuantity, parameter_snapshot
-from cockpit_like.utils.optim import LookaheadNotValid, lookahead_update
+from cockpit_like.utils.optim import LookaheadNotValid, has_step_hooks, lookahead_update
 
 __all__ = ["Alpha", "lookahead_update"]  # lookahead_update: re-exported from cockpit_like.utils.optim
 
@@ -226,7 +226,7 @@ class Alpha(TwoStepQuantity):
         predicted update and the gradient sum are not kept through the next forward and backward pass."""
         self._unwatch()
         register = getattr(optimizer, "register_step_post_hook", None)
-        if callable(register):
+        if callable(register) and has_step_hooks(optimizer):
             token = object()
             self._step_token = token
             hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)

@@ -429,6 +429,20 @@ def _put_back(saved: list[tuple[object, object]]) -> None:
             target.update(copied)
 
 
+def has_step_hooks(optimizer) -> bool:
+    """Whether step hooks can be registered on ``optimizer``: a ``torch.optim.Optimizer`` whose hook tables exist
+    (``Optimizer.__init__`` makes them; a wrapper subclassing it without calling it, as timm's older Lookahead,
+    has none, and ``register_step_pre_hook`` raised torch's AttributeError from inside the cockpit: outside trial
+    36). Where there are none the wrapper's class step is not patched to call hooks either: the cockpit treats
+    it as an optimizer whose step it cannot see."""
+    import collections
+
+    return isinstance(optimizer, torch.optim.Optimizer) and all(
+        isinstance(getattr(optimizer, name, None), collections.OrderedDict)
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    )
+
+
 @contextlib.contextmanager
 def _step_hooks_held(optimizer):
     """The step pre- and post-hooks of ``optimizer`` (``register_step_pre_hook`` / ``register_step_post_hook``) and the
