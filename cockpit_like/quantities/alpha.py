@@ -106,6 +106,26 @@ def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
     return sum((x * y).sum() for x, y in zip(a, b))
 
 
+def _hyperparameters(optimizer) -> list[dict] | None:
+    """The numbers and flags of each of ``optimizer``'s param groups (learning rate, weight decay, betas...)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list):
+        return None
+    plain = (int, float, bool, tuple, type(None))
+    return [{k: v for k, v in group.items() if k != "params" and isinstance(v, plain)} for group in groups]
+
+
+def _changed(before: list[dict] | None, after: list[dict] | None) -> str | None:
+    """What changed between two :func:`_hyperparameters` readings, in words (``None``: nothing, or unknown)."""
+    if before is None or after is None or len(before) != len(after):
+        return None
+    changes = [f"{key} {old!r} -> {new!r}" + (f" (group {index})" if len(before) > 1 else "")
+               for index, (old_group, new_group) in enumerate(zip(before, after))
+               for key, old in old_group.items()
+               if key in new_group and (new := new_group[key]) != old]  # fmt: skip
+    return ", ".join(changes[:4]) + (" ..." if len(changes) > 4 else "") if changes else None
+
+
 #: :meth:`Alpha._predict_update`'s answer where the look-ahead ran but could not predict the update (noted)
 _NOT_VALID = object()
 
@@ -202,6 +222,8 @@ class Alpha(TwoStepQuantity):
                     return
                 if predicted is None:  # no look-ahead: the update is assumed along the negative gradient
                     predicted, prediction = [-g for g in grad_sum], "guessed"
+                    keep_why = lambda step, t=global_step: step <= t  # noqa: E731
+                    self.save_to_cache(global_step, "guessed_because", self._guessed_because, keep_why)
                 slopes = self._slopes(retained, predicted, batch_size)
             finally:
                 retained.clear()  # nothing per-sample survives this step
@@ -214,6 +236,9 @@ class Alpha(TwoStepQuantity):
         mean_u, var_u = sample_mean_and_variance(slopes)
         self.save_to_cache(global_step, "observations", (f0, var_f0, mean_u, var_u), keep)
         self.save_to_cache(global_step, "prediction", prediction, keep)
+        # the declared optimizer's hyperparameters the prediction used (a schedule that sets them between the block
+        # and optimizer.step() changes the update: outside trial 36 got the general list of causes)
+        self.save_to_cache(global_step, "hyperparameters", _hyperparameters(record.info.get("optimizer")), keep)
         # the prediction is made from the rows' sum, which may be this far from p.grad (half precision: 5e-2)
         self.save_to_cache(global_step, "rows_tolerance", record.rows_tolerance, keep)
         # settled at the optimizer's step: the predicted update and the gradient sum are not kept through
@@ -230,10 +255,10 @@ class Alpha(TwoStepQuantity):
             token = object()
             self._step_token = token
             hooks = getattr(optimizer, "_optimizer_step_post_hooks", None)
-            self._step_hook = register(lambda *_: self._settle_once(start, token, hooks))
+            self._step_hook = register(lambda opt, *_: self._settle_once(start, token, hooks, opt))
             self._step_hook_start = start
 
-    def _settle_once(self, start: int, token: object, hooks) -> None:
+    def _settle_once(self, start: int, token: object, hooks, optimizer=None) -> None:
         """The optimizer's post-hook: settle once, then remove the hook where that cannot disturb the optimizer,
         which is iterating over its post-hooks: where it is the last of them (removing an earlier one broke
         ``optimizer.step()``, "OrderedDict mutated during iteration": outside trial 10, two cockpits on one
@@ -241,7 +266,7 @@ class Alpha(TwoStepQuantity):
         if getattr(self, "_step_token", None) is not token:
             return
         self._step_token = None
-        self._settle(start)
+        self._settle(start, optimizer)
         handle = getattr(self, "_step_hook", None)
         if handle is not None and isinstance(hooks, dict) and hooks and next(reversed(hooks)) == handle.id:
             self._unwatch()
@@ -256,7 +281,7 @@ class Alpha(TwoStepQuantity):
         if getattr(self, "_step_hook_start", None) == global_step:  # no hook stays on the optimizer for it
             self._unwatch()
 
-    def _settle(self, start: int) -> None:
+    def _settle(self, start: int, optimizer=None) -> None:
         """After the optimizer's step from ``start``: the actual update ``theta_{t+1} - theta_t`` is known.
         Keep what the end step reads of the predicted update and the gradient sum (the update's norm,
         whether its direction is the predicted one, else the exact start slope mean) and free both."""
@@ -270,16 +295,22 @@ class Alpha(TwoStepQuantity):
         # (the parameters' version counters: which of them an in-place change after the step touched)
         settled = {"tau": tau, "same": same, "mean_u0": mean_u0,
                    "versions": [getattr(p, "_version", None) for p in self._tracked_params]}
+        if not same and self.is_cached(start, "hyperparameters"):
+            settled["hyperparameters"] = _changed(self.load_from_cache(start, "hyperparameters"),
+                                                  _hyperparameters(optimizer))
         if not same and self.load_from_cache(start, "prediction") == "backward":
             self._waits = True  # already for the next start step, which begins before this one's value is made
         entries = self._cache[start]
         keep = entries["predicted_update"][1]
-        for key in ("predicted_update", "grad_batch_sum", "rows_tolerance"):
+        for key in ("predicted_update", "grad_batch_sum", "rows_tolerance", "hyperparameters"):
             entries.pop(key, None)
         self.save_to_cache(start, "settled", settled, keep)
 
     def _predict_update(self, global_step, record, params, grad_sum):
         optimizer = record.info.get("optimizer")
+        # why the update is guessed where it is (the end step's note says it: outside trial 36, SparseAdam's
+        # failed look-ahead was told as "no info['optimizer'], or a closure")
+        self._guessed_because = "no info['optimizer'] was declared"
         if optimizer is None:
             self._tell_once(
                 "no optimizer",
@@ -290,6 +321,7 @@ class Alpha(TwoStepQuantity):
             )
             return None
         if _needs_closure(optimizer):  # (outside trial 29: the look-ahead's TypeError was shown as it came)
+            self._guessed_because = f"{type(optimizer).__name__}.step() needs a closure (it evaluates the loss again)"
             self._tell_once(
                 ("closure", type(optimizer)),
                 f"Alpha: {type(optimizer).__name__}.step() needs a closure (it evaluates the loss again), so Alpha "
@@ -308,6 +340,8 @@ class Alpha(TwoStepQuantity):
             record.note(f"Alpha of step {global_step} is not stored: {error}.")
             return _NOT_VALID
         except Exception as error:  # noqa: BLE001 - e.g. LBFGS needs a closure
+            self._guessed_because = (f"its look-ahead with {type(optimizer).__name__}.step() on copies failed "
+                                     f"({type(error).__name__}: {str(error)[:200]})")
             self._tell_once(
                 ("look-ahead", type(optimizer), type(error)),
                 f"Alpha: could not look ahead with {type(optimizer).__name__}.step() at step "
@@ -441,6 +475,9 @@ class Alpha(TwoStepQuantity):
             unheld = self._unheld_moved(start, global_step, direction, record.info.get("optimizer"))
             if unheld is None and after is not None:
                 unheld = self._changed_after_step(start, global_step, after, tau)
+            hyper = settled.get("hyperparameters") if self.is_cached(start, "settled") else None
+            if unheld is None and hyper:
+                unheld = self._hyperparameters_changed(start, global_step, hyper)
             record.note(unheld or self._off_prediction(start, global_step))
             return None
         return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
@@ -484,6 +521,17 @@ class Alpha(TwoStepQuantity):
                 "last (Alpha is then withdrawn at the optimizer's step, with a note), or step all the parameters "
                 "with one optimizer (param groups) to track Alpha.")
 
+    def _hyperparameters_changed(self, start: int, end: int, changes: str) -> str:
+        """The note where the update was not the predicted one and the declared optimizer's hyperparameters changed
+        between the block of ``start`` (where the prediction read them) and its step."""
+        self._waits = True  # from the next start on, the prediction is made at the optimizer's step
+        return (f"Alpha of step {start} is not stored: info['optimizer']'s hyperparameters changed between the end of "
+                f"the block of step {start}, where Alpha predicted the update with them, and optimizer.step() "
+                f"({changes}), so the update from step {start} to {end} is not the predicted one. A learning-rate "
+                "or weight-decay schedule applied before optimizer.step() does this: step schedulers after it (as "
+                "PyTorch's own schedulers are used). From the next start step on, Alpha predicts the update when "
+                "the optimizer steps, with the values it then has.")
+
     def _changed_after_step(self, start: int, end: int, settled: dict, tau: float) -> str:
         """The note where the optimizer's update from ``start`` was the predicted one (checked in its post-hook,
         :meth:`_settle`) but the parameters moved again before ``end`` (outside trial 34: a weight scaled after
@@ -510,10 +558,14 @@ class Alpha(TwoStepQuantity):
         why = (f"Alpha of step {start} is not stored: the update from step {start} to {end} is not in the direction "
                "the optimizer's look-ahead predicted for the step's per-sample slopes, whose variance Alpha needs")
         if prediction == "guessed":
+            because = self.load_from_cache(start, "guessed_because") if self.is_cached(start, "guessed_because") else None
+            because = because or "no info['optimizer'], or an optimizer whose step() needs a closure"
             return (f"Alpha of step {start} is not stored: the update from step {start} to {end} is not along the "
-                    "negative gradient, which Alpha assumed as it could not look ahead with the optimizer (no "
-                    "info['optimizer'], or an optimizer whose step() needs a closure, such as LBFGS). Pass "
-                    "info['optimizer'] = optimizer, one whose step() can run without a closure, to track Alpha.")
+                    f"negative gradient, which Alpha assumed as it could not look ahead with the optimizer ({because}). Alpha "
+                    "predicts the update by running info['optimizer'].step() on copies of the parameters and its "
+                    "state with the step's gradients: it needs an optimizer that can do so (the torch.optim "
+                    "optimizers but LBFGS, which needs a closure, and SparseAdam, which takes sparse gradients only) "
+                    "declared as info['optimizer']; with plain SGD the guess is exact.")
         if prediction == "inside":  # waiting cannot help: the backward pass runs inside the optimizer's step
             return (f"{why} from the gradients at the end of the backward pass. The gradients changed before the "
                     "optimizer's update (clipping, as Lightning's gradient_clip_val, or a loss factor, with an "

@@ -138,12 +138,19 @@ class KrylovQuantity(SingleStepQuantity):
         wrong double backward), so no Ritz value, quadrature or trace from them is the Hessian's.
         """
         if not result.finite:
-            get_record(global_step).note(
+            record = get_record(global_step)
+            why = (
+                "The step's loss is not finite (NaN or inf: a NaN input row, an overflow; the step's other notes "
+                "and cockpit.records say where it came from), and the products through its graph are not either."
+                if not record.loss_is_finite else  # (outside trial 36: a NaN row in float64 got the advice below)
+                "A graph kept in half precision (autocast with float16) overflows in the second backward pass, most "
+                "of all for a loss a GradScaler multiplied by its scale: run the forward pass of the steps these "
+                "quantities track without autocast, or in bfloat16."
+            )
+            record.note(
                 f"{type(self).__name__} at step {global_step}: no value stored: Hessian-vector product "
                 f"{result.num_products + 1} was not finite (inf or NaN), so the solve stopped there "
-                f"(converged[{global_step}] is False). A graph kept in half precision (autocast with float16) "
-                "overflows in the second backward pass, most of all for a loss a GradScaler multiplied by its "
-                "scale: run the forward pass of the steps these quantities track without autocast, or in bfloat16."
+                f"(converged[{global_step}] is False). {why}"
             )
             return True
         if result.symmetric(self._krylov_rtol):
