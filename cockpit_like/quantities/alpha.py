@@ -480,7 +480,12 @@ class Alpha(TwoStepQuantity):
                 unheld = self._hyperparameters_changed(start, global_step, hyper)
             record.note(unheld or self._off_prediction(start, global_step))
             return None
-        return alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+        value = alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
+        if not math.isfinite(value):  # stored as Cockpit stores such steps, and said (outside trial 37: no note)
+            record.note(f"Alpha of step {start} is {value}: the loss or the per-sample slopes at step {global_step} "
+                        "are not finite (the step's other notes say where they came from), so the fit along the "
+                        f"update from step {start} is not either.")
+        return value
 
     @staticmethod
     def _same_length(settled: float, tau: float, reference) -> bool:
@@ -549,7 +554,8 @@ class Alpha(TwoStepQuantity):
                 "(max-norm, weight clipping), a rollback or load_state_dict, averaged weights copied into the model, "
                 "or a second optimizer stepping after info['optimizer'] does this; Alpha fits the loss along one "
                 "update, which such a change leaves unknown. Steps where the loop leaves the parameters as the "
-                "optimizer made them are stored as usual; the other quantities are not affected.")
+                "optimizer made them are stored as usual. UpdateSize and Distance measure the parameters as they "
+                f"are at each step, so UpdateSize of step {start} holds this change too.")
 
     def _off_prediction(self, start: int, end: int) -> str:
         """What the note says where the update from ``start`` was not in the predicted direction; the next start
