@@ -747,9 +747,16 @@ class Cockpit:
         first pass, not the optimizer step)."""
         self._run.accumulates = True
         passes = self._output.checks.get(step, {}).get("backward_passes", 1) + 1
+        # what started at this step from its first pass's gradients (Alpha's predicted update) ends no value either:
+        # at the next step it met an update made from all the passes, and said so in general words (trial 34)
+        dropped = sorted(self.name_of(q) for q in self.quantities
+                         if getattr(q, "SAVE_SHIFT", 0) > 0 and not getattr(q, "ends_on_parameters", False)
+                         and not getattr(q, "starts_on_parameters", False) and q.drop_start(step, step + q.SAVE_SHIFT))  # fmt: skip
+        started = (f" {', '.join(dropped)} of step {step}, which started from the first pass's gradients, will not be "
+                   "stored either." if dropped else "")
         record = self._failed_after_storing(step, decomposed, "backward_passes", lambda withdrawn: (
             f"step {step} got another backward pass after it was finished as a whole, so its values described "
-            "only the first pass and were withdrawn. The cockpit has learned that this loop "
+            f"only the first pass and were withdrawn.{started} The cockpit has learned that this loop "
             "accumulates: from now on a step ends when info['optimizer'] steps (or the next step begins), and its "
             "backward passes are merged. Declaring info['micro_batches'] merges them from the first step on. "
             "If the passes are an optimizer's evaluations of its closure (LBFGS evaluates it up to max_iter "

@@ -183,7 +183,7 @@ def test_lbfgs_with_one_evaluation_per_step_is_tracked_exactly():
     assert "UpdateSize" in output[0] and "Distance" in output[2]
     # Alpha cannot look ahead with LBFGS (its step needs a closure): the update it assumed along the negative
     # gradient is not LBFGS's, so it stores no value and says so (before: an approximate one and a warning)
-    assert "Alpha" not in output[1] and "needs a closure, such as LBFGS" in cockpit.checks[2]["notes"][0]
+    assert "Alpha" not in output[1] and "LBFGS.step() needs a closure" in cockpit.checks[2]["notes"][0]
 
 
 # ---- parameters or gradients changed between the tracked block and optimizer.step() -------------------------

@@ -302,3 +302,27 @@ def test_parameters_changed_after_the_optimizers_step_are_named_for_alpha(in_pla
     (note,) = [n for n in cockpit.checks[2]["notes"] if n.startswith("Alpha of step 1")]
     assert "changed after optimizer.step() and before step 2" in note, note
     assert ("indices [2]" in note) == in_place, note
+
+
+def test_alpha_starting_from_a_withdrawn_first_pass_is_dropped_with_it():
+    """Undeclared accumulation: step 0 is withdrawn when its second backward pass comes; Alpha of step 0, predicted
+    from the first pass's gradients, was then left out at step 1 with the general list of causes (trial 34's
+    generic reasons, read again). It is dropped with the step, and the step's failed check says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model.parameters(), quantities=[Alpha(track_schedule=linear(1))], model=model)
+    x, y = torch.randn(36, 6, dtype=DTYPE), torch.randint(0, 4, (36,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            optimizer.zero_grad()
+            for part in range(2):
+                rows = F.cross_entropy(model(x[12 * step + 6 * part :][:6]), y[12 * step + 6 * part :][:6], reduction="none")
+                with cockpit(step, info={"batch_size": 6, "individual_losses": rows, "loss": rows.mean(), "optimizer": optimizer}):
+                    (rows.mean() / 2).backward()
+            optimizer.step()
+    (failed,) = [f for f in cockpit.checks[0]["failed"] if f["check"] == "backward_passes"]
+    assert "Alpha of step 0, which started from the first pass's gradients, will not be stored" in failed["reason"]
+    assert not any(n.startswith("Alpha of step 0") for n in cockpit.checks[1]["notes"]), cockpit.checks[1]["notes"]
+    assert "Alpha" in cockpit.get_output()[1]  # the merged steps from then on
