@@ -481,7 +481,7 @@ class Alpha(TwoStepQuantity):
             record.note(unheld or self._off_prediction(start, global_step))
             return None
         value = alpha_from_observations(tau, (f0, f1), (mean_u0, mean_u1), (var_f0, var_f1), (var_u0, var_u1))
-        if not math.isfinite(value):  # stored as Cockpit stores such steps, and said (outside trial 37: no note)
+        if value is not None and not math.isfinite(value):  # stored as Cockpit stores such steps, and said (trial 37)
             record.note(f"Alpha of step {start} is {value}: the loss or the per-sample slopes at step {global_step} "
                         "are not finite (the step's other notes say where they came from), so the fit along the "
                         f"update from step {start} is not either.")
