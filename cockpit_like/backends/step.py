@@ -67,6 +67,17 @@ class UnsupportedLayerError(NotImplementedError):
     """BackPACK cannot run a needed extension on a layer of the model."""
 
 
+#: the quantities ``curvature='hutchinson'`` serves, for the messages that advise it: TICDiag refuses it
+HUTCHINSON_SCOPE_INNER = (
+    "; HessTrace and TICTrace take it, TICDiag cannot (it divides entry by entry by the diagonal): give TICDiag "
+    "curvature='ggn' with info['outputs'] for a cross-entropy, or leave it out"
+)
+HUTCHINSON_SCOPE = (
+    " (HessTrace, TICTrace; TICDiag cannot take it, as it divides entry by entry by the diagonal: give it "
+    "curvature='ggn' with info['outputs'] for a cross-entropy, or leave it out)"
+)
+
+
 def is_extended(module: torch.nn.Module) -> bool:
     """Whether ``backpack.extend`` gave ``module`` its hooks."""
     return is_lean(module) or any(hook is hook_store_io for hook in module._forward_hooks.values())
@@ -354,7 +365,7 @@ class StepExecution:
                 "one call's input and output per module, so they cannot run on this step. Use the model without "
                 "backpack.extend (Cockpit(..., model=model): the hooks handle several calls, and curvature "
                 "'auto' estimates with Hessian-vector products), or pass curvature='hutchinson' to the curvature "
-                "quantities (HessTrace, TICDiag, TICTrace) and leave out those that need BackPACK's buffers."
+                f"quantities{HUTCHINSON_SCOPE} and leave out those that need BackPACK's buffers."
             )
         if self.extensions or hooks:  # BackPACK's hooks on the outputs would run again at the check's capture
             self.root_outputs = []
@@ -412,7 +423,7 @@ class StepExecution:
             f"{', '.join(owners)} left out: BackPACK's second-order extensions "
             f"({', '.join(sorted({describe(ext) for _, ext in second}))}) cannot run on layers whose outputs an "
             f"autocast forward pass made in half precision ({', '.join(half)}); pass curvature='hutchinson' to "
-            "these quantities (Hessian-vector products), or run the forward pass of the steps they track without "
+            f"these quantities (Hessian-vector products{HUTCHINSON_SCOPE_INNER}), or run the forward pass of the steps they track without "
             "autocast"
         )
         return [(owner, ext) for owner, ext in requests if (owner, ext) not in second]
@@ -848,7 +859,7 @@ class StepExecution:
                     f"ignore_index ({ignore}); its loss skips them, but BackPACK's second-order extensions count "
                     "their curvature and divide by every row, so what they give is not the loss's curvature. Pass "
                     "curvature='hutchinson' to these quantities (Hessian-vector products of info['loss'], exact in "
-                    "expectation), or use the model and loss without backpack.extend (Cockpit(..., model=model))"
+                    f"expectation{HUTCHINSON_SCOPE_INNER}), or use the model and loss without backpack.extend (Cockpit(..., model=model))"
                 )
             return
         loss = self.info.get("loss")
@@ -871,7 +882,7 @@ class StepExecution:
             f"({module:.6g}), and info['loss'] is {value:.6g}: the loss has terms beside the extended loss module "
             "(a distillation or auxiliary term on the same outputs), a weight on it, or a sum reduction, so their "
             "curvature is not info['loss']'s. Pass curvature='hutchinson' to these quantities (Hessian-vector "
-            "products of info['loss'], any loss), or make info['loss'] the output of one extended mean-reduced loss "
+            f"products of info['loss'], any loss{HUTCHINSON_SCOPE_INNER}), or make info['loss'] the output of one extended mean-reduced loss "
             "module"
         )
 
@@ -888,7 +899,7 @@ class StepExecution:
                 "by a loss function wrapped in backpack.extend (F.cross_entropy, or an nn.CrossEntropyLoss that is "
                 "not extended). Compute the loss with `lossfunc = backpack.extend(nn.CrossEntropyLoss())` (or "
                 "MSELoss, BCEWithLogitsLoss), or pass curvature='hutchinson' to the curvature quantities "
-                "(Hessian-vector products: any loss); the presets' curvature 'auto' picks BackPACK on an extended "
+                f"(Hessian-vector products: any loss{HUTCHINSON_SCOPE_INNER}); the presets' curvature 'auto' picks BackPACK on an extended "
                 "model."
             )
         if self.reducer is not None:
@@ -916,7 +927,7 @@ class StepExecution:
                     "extended: `model = backpack.extend(model)`, `lossfunc = "
                     "backpack.extend(lossfunc)`, and the forward pass must run after that. Or pass "
                     "curvature='hutchinson' (Hessian-vector products: no extend, any loss; 'auto' picks BackPACK "
-                    "on an extended model and cannot check the loss function)."
+                    f"on an extended model and cannot check the loss function{HUTCHINSON_SCOPE_INNER})."
                 )
             if missing:
                 shown = ", ".join(self._name(i) for i in missing[:5])
@@ -925,7 +936,7 @@ class StepExecution:
                     f"{shown}{' ...' if len(missing) > 5 else ''}. Their module is not extended "
                     "with backpack.extend, BackPACK does not support it, or they are not used in the "
                     "loss; extend every module that holds tracked parameters, pass curvature='hutchinson' "
-                    "(Hessian-vector products on any model), or pass only those parameters to Cockpit(params)."
+                    f"(Hessian-vector products on any model{HUTCHINSON_SCOPE_INNER}), or pass only those parameters to Cockpit(params)."
                 )
 
     def _name(self, index: int) -> str:
