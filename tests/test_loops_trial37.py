@@ -77,3 +77,22 @@ def test_alpha_before_a_step_whose_loss_is_not_finite_says_why():
     assert math.isnan(cockpit.get_output()[1]["Alpha"])  # as Cockpit stores a non-finite step
     (note,) = [n for n in cockpit.checks[2]["notes"] if n.startswith("Alpha of step 1")]
     assert "is nan: the loss or the per-sample slopes at step 2 are not finite" in note, note
+
+
+def test_a_small_loss_mean_difference_in_float32_names_the_causes_before_half_precision():
+    """Outside trial 38 (float32 Hugging Face models built from configs: 45 of 45 runs bitwise the documented
+    reference, 1,572 values, 0 wrong): a padded batch whose rows were each their own token mean, 7.3e-4 from the
+    loss, was told a half-precision rounding and 'a small extra term' only; neither tensor is in half precision."""
+    import pytest
+
+    from cockpit_like.checks.invariants import check_losses_mean
+
+    rows = torch.tensor([3.1, 4.2, 3.9, 3.6], dtype=torch.float32)
+    with pytest.raises(ValueError) as error:
+        check_losses_mean({"loss": rows.mean() * (1 + 7.3e-4), "individual_losses": rows}, 0)
+    text = str(error.value)
+    assert "Neither is in half precision, so a real difference is likelier" in text
+    assert text.index("padded batch") < text.index("rounding level"), text
+    rows = rows.double()  # float64 rows 1e-7 apart: float32's rounding level, the likelier cause, named first
+    with pytest.raises(ValueError, match=r"float32 rounding level can mean .*Otherwise: a small extra term"):
+        check_losses_mean({"loss": rows.mean() * (1 + 1e-7), "individual_losses": rows}, 0)

@@ -102,36 +102,50 @@ def check_losses_mean(info: dict, step: int) -> None:
         return
     rounding = _rounding_level(abs(mean - loss_value) / max(abs(mean), abs(loss_value)), eps)
     if rounding is not None:
+        lower = (
+            f"A difference at {rounding} rounding level can mean that they agree but one of them went through lower "
+            "precision: a factor or term computed in a lower precision than the losses (an integer tensor in a "
+            "division: `B / counted` with `counted = (labels != -100).sum()` is float32 even for float64 losses; "
+            "compute it in the losses' dtype, `counted.to(per_token.dtype)`: docs/your_model.md, 'Padding or "
+            "ignored tokens'), or the per-row losses computed from other logits (a float32 copy, autocast) than "
+            "the loss. Compute both from the same tensors in the same dtype."
+        )
+        # (outside trial 38: float32 losses of a padded batch, each row its own token mean, 7.3e-4 apart, were told
+        # a half-precision rounding or an extra term only. The half-precision level is named only where neither
+        # tensor is in half precision, so it needs an intermediate step in half precision: the causes come first)
+        unlikely = rounding.startswith("half")
         raise ValueError(
             f"cockpit step {step}: info['loss'] is {loss_value:.17g} but the mean of info['individual_losses'] is "
             f"{mean:.17g} (relative difference {abs(mean - loss_value) / max(abs(mean), abs(loss_value)):.2g}, "
             f"beyond the {_dtype_name(dtype)} / {_dtype_name(detached.dtype)} rounding this check allows). The "
-            f"cockpit's per-sample quantities need loss = mean(individual_losses) over this backward pass's rows. "
-            f"A difference at {rounding} rounding level means that they agree but one of them went through lower "
-            "precision: a factor or term computed in a lower precision than the losses (an integer tensor in a "
-            "division: `B / counted` with `counted = (labels != -100).sum()` is float32 even for float64 losses; "
-            f"compute it in the losses' dtype, `counted.to(per_token.dtype)`: docs/your_model.md, 'Padding or "
-            "ignored tokens'), or the per-row losses computed from other logits (a float32 copy, autocast) than "
-            "the loss. Compute both from the same tensors in the same dtype. (Otherwise: a small extra term in the "
-            "loss that the rows lack, such as an auxiliary loss or a penalty.)"
+            "cockpit's per-sample quantities need loss = mean(individual_losses) over this backward pass's rows. "
+            + (f"Neither is in half precision, so a real difference is likelier. Common causes: {_MEAN_CAUSES} "
+               f"Else: {lower}" if unlikely else f"{lower} (Otherwise: a small extra term in the loss that the rows lack, "
+               "such as an auxiliary loss or a penalty.)")
         )
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
-        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)} Common causes: a loss averaged over all tokens of a padded batch while each row's "
-        "loss is its own token mean (give each row its token sum divided by the batch's mean number of tokens, "
-        "or average the loss over rows); the loss and the rows computed with different options (label_smoothing, "
-        "weight=, ignore_index, a temperature: compute the rows with the loss's own function and options, "
-        "reduction='none', e.g. F.cross_entropy(out, y, label_smoothing=0.1, reduction='none')); "
-        "a loss with an extra term: a per-row auxiliary loss (add each row's "
-        "term to that row's loss), a penalty on the parameters such as weight decay (use the optimizer's "
-        "weight_decay instead: a term on the parameters has no rows, and added to every row's loss it fails the "
-        "gradient check), a loss over the whole batch (it has no per-row form: leave the per-sample quantities "
-        "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); a weighted mean, such as "
-        "cross_entropy(weight=W), ignore_index or a loss over the labelled rows only, which divides by the weights' "
-        "or counted rows' sum where the rows' mean divides by B (rows = F.cross_entropy(out, y, weight=W, "
-        "reduction='none') * B / W[y].sum(), an unlabelled row's loss 0); losses of another batch than the loss."
+        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)} Common causes: {_MEAN_CAUSES}"
     )
+
+
+#: why ``info["loss"]`` is not the mean of ``info["individual_losses"]``, the most common first (both errors above)
+_MEAN_CAUSES = (
+    "a loss averaged over all tokens of a padded batch while each row's "
+    "loss is its own token mean (give each row its token sum divided by the batch's mean number of tokens, "
+    "or average the loss over rows); the loss and the rows computed with different options (label_smoothing, "
+    "weight=, ignore_index, a temperature: compute the rows with the loss's own function and options, "
+    "reduction='none', e.g. F.cross_entropy(out, y, label_smoothing=0.1, reduction='none')); "
+    "a loss with an extra term: a per-row auxiliary loss (add each row's "
+    "term to that row's loss), a penalty on the parameters such as weight decay (use the optimizer's "
+    "weight_decay instead: a term on the parameters has no rows, and added to every row's loss it fails the "
+    "gradient check), a loss over the whole batch (it has no per-row form: leave the per-sample quantities "
+    "out); a sum-reduced loss (use reduction='mean', or divide by the batch size); a weighted mean, such as "
+    "cross_entropy(weight=W), ignore_index or a loss over the labelled rows only, which divides by the weights' "
+    "or counted rows' sum where the rows' mean divides by B (rows = F.cross_entropy(out, y, weight=W, "
+    "reduction='none') * B / W[y].sum(), an unlabelled row's loss 0); losses of another batch than the loss."
+)
 
 
 def _rounding_level(relative: float, eps: float) -> str | None:
