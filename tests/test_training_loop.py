@@ -125,3 +125,26 @@ def test_learning_rate_schedule():
     for step in range(3):
         assert output[step]["UpdateSize"] == pytest.approx(updates[step], rel=1e-10)
         assert isinstance(output[step]["Alpha"], float)
+
+
+def test_the_hooks_registry_holds_weak_references_without_callbacks():
+    """The hooks read the tracers' registry inside a compiled forward pass, where dynamo iterates it: entries that
+    the garbage collector removed in the middle (a WeakValueDictionary's callbacks) raised "dictionary changed size
+    during iteration" in a fresh-clone CI run. The registry is a plain dict of weak references now, changed only when
+    a tracer is made (dead entries swept then): a dead cockpit is collected, and a new one sweeps its entry."""
+    import gc
+    import weakref
+
+    from cockpit_like.backends import tracer as tracer_module
+
+    model = torch.nn.Linear(3, 2)
+    cockpit = Cockpit(model.parameters(), quantities=[], model=model)
+    registry = tracer_module._TRACERS
+    assert type(registry) is dict and all(type(ref) is weakref.ref for ref in registry.values())
+    before = len(registry)
+    del cockpit
+    gc.collect()
+    assert len(registry) == before  # nothing removed behind the hooks' back
+    other = torch.nn.Linear(3, 2)
+    kept = Cockpit(other.parameters(), quantities=[], model=other)
+    assert kept is not None and all(ref() is not None for ref in registry.values())  # the dead entry swept

@@ -45,8 +45,18 @@ __all__ = ["ModelTracer", "Call", "Shell", "stateful_parts", "snapshot_state"]
 
 
 # ---- the tracer ---------------------------------------------------------------------
-_TRACERS: "weakref.WeakValueDictionary[int, ModelTracer]" = weakref.WeakValueDictionary()
+#: tracer id -> a weak reference to it. A plain dict of references without callbacks, not a WeakValueDictionary:
+#: the hooks below read it inside a torch.compile'd forward pass, where dynamo iterates the dict to guard on it, and
+#: a WeakValueDictionary's entry removed by the garbage collector in the middle raised "dictionary changed size
+#: during iteration" (a fresh-clone CI run, 2026-11-29). Dead references are swept when a tracer is made.
+_TRACERS: "dict[int, weakref.ref[ModelTracer]]" = {}
 _IDS = itertools.count()
+
+
+def _tracer_of(tracer_id: int) -> "ModelTracer | None":
+    """The live tracer of ``tracer_id``, else ``None``."""
+    ref = _TRACERS.get(tracer_id)
+    return None if ref is None else ref()
 
 
 def autocast_state() -> tuple[str, torch.dtype] | None:
@@ -61,7 +71,7 @@ def _record(tracer_id: int, module, args, kwargs, output) -> None:
     # a module-level function bound by functools.partial to an int: a pickled model carries no
     # tracer; a deep copy's hooks report to the same tracer, whose step ignores calls that are not
     # part of its backward pass
-    tracer = _TRACERS.get(tracer_id)
+    tracer = _tracer_of(tracer_id)
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
     calls = tracer.calls
@@ -156,7 +166,7 @@ def _shell(value):
 
 
 def _open(tracer_id: int, module, args) -> None:
-    tracer = _TRACERS.get(tracer_id)
+    tracer = _tracer_of(tracer_id)
     if tracer is None or tracer.paused or not torch.is_grad_enabled():
         return
     if not tracer.in_forward() and any(ref() is module for ref in tracer.roots):
@@ -265,13 +275,13 @@ def _leading_dim(args, kwargs) -> int:
 
 
 def _before_root(tracer_id: int, module, args, kwargs) -> None:
-    tracer = _TRACERS.get(tracer_id)
+    tracer = _tracer_of(tracer_id)
     if tracer is not None and not tracer.paused:
         tracer.enter_forward(args, kwargs, module)
 
 
 def _after_root(tracer_id: int, held: list, module, args, output) -> None:
-    tracer = _TRACERS.get(tracer_id)
+    tracer = _tracer_of(tracer_id)
     if tracer is not None:
         tracer.exit_forward()
         if not tracer.in_forward():
@@ -384,7 +394,9 @@ class ModelTracer:
         tracking=lambda: True,
     ):
         self.id = next(_IDS)
-        _TRACERS[self.id] = self
+        for dead in [key for key, ref in _TRACERS.items() if ref() is None]:
+            del _TRACERS[dead]
+        _TRACERS[self.id] = weakref.ref(self)
         self._tracked = {id(p) for p in params}
         self._wants_graph = wants_graph
         #: whether the forward pass about to run belongs to a tracked step (the cockpit's schedule): the parameters
@@ -690,7 +702,7 @@ def _call_nodes(call: "Call") -> list:
 
 
 def _discover(tracer_id: int, module, args) -> None:
-    tracer = _TRACERS.get(tracer_id)
+    tracer = _tracer_of(tracer_id)
     if tracer is not None:
         tracer._found(module, args)
 
