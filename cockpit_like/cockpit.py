@@ -750,8 +750,7 @@ class Cockpit:
         # what started at this step from its first pass's gradients (Alpha's predicted update) ends no value either:
         # at the next step it met an update made from all the passes, and said so in general words (trial 34)
         dropped = sorted(self.name_of(q) for q in self.quantities
-                         if getattr(q, "SAVE_SHIFT", 0) > 0 and not getattr(q, "ends_on_parameters", False)
-                         and not getattr(q, "starts_on_parameters", False) and q.drop_start(step, step + q.SAVE_SHIFT))  # fmt: skip
+                         if getattr(q, "predicts_update", False) and q.drop_start(step, step + q.SAVE_SHIFT))
         started = (f" {', '.join(dropped)} of step {step}, which started from the first pass's gradients, will not be "
                    "stored either." if dropped else "")
         record = self._failed_after_storing(step, decomposed, "backward_passes", lambda withdrawn: (

@@ -292,7 +292,7 @@ class ColumnReplay:
 
     def _partial_output(self, call: _Call):
         """The error for a layer whose output a later module (an extended loss) reads only a part of."""
-        from cockpit_like.backends.step import HUTCHINSON_SCOPE_INNER, UnsupportedLayerError
+        from cockpit_like.backends.step import HUTCHINSON_SCOPE, UnsupportedLayerError
 
         output = call.io["output"]
         return UnsupportedLayerError(
@@ -300,7 +300,7 @@ class ColumnReplay:
             f"output (shape {list(output.shape)}), such as a loss on out[:, :k] or out[:, k:] of a model with two "
             f"heads: BackPACK's {type(self.extension).__name__} propagates curvature through whole outputs only. "
             "Give each head its own output layer, or track the curvature with curvature='hutchinson' "
-            f"(Hessian-vector products{HUTCHINSON_SCOPE_INNER}), or leave out the quantities that need it (HessTrace, "
+            f"(Hessian-vector products{HUTCHINSON_SCOPE}), or leave out the quantities that need it (HessTrace, "
             "TICDiag)."
         )
 

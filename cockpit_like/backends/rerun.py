@@ -395,7 +395,7 @@ class _Rerun:
             f"{type(self.module).__name__} takes {square[0]}, a matrix over the batch's {self.batch} rows (an "
             "adjacency over a graph's nodes, attention across the batch): each row's output reads other rows, so "
             "the rows are not independent samples and their per-sample gradients are not defined (re-running the "
-            f"module on single rows failed: {str(error).split(' though ')[0].rstrip(', ')}). Per-sample quantities need the "
+            f"module on single rows failed: {_head(error)}). Per-sample quantities need the "
             "samples as rows (a graph-level loss on pooled graphs, each graph its own row)"
         )
         related.__cause__ = error
@@ -412,41 +412,47 @@ class _Rerun:
         if not floating or self.batch < 2 or _layout_hint(self.module):  # (a layout of the user's to fix: raised)
             return None
         try:
-            with self.tracer.pause(), torch.enable_grad():
-                rows = [self.values[k].detach().clone().requires_grad_(k in floating) for k in self.batched]
-                inputs = [(k, row) for k, row in zip(self.batched, rows) if k in floating]
-                params = {name: self._own(p, False) for name, p in zip(self.param_names, self.params)}
-                outputs = [(o, d) for o, d in zip(self.run(params, rows), self.out_dims)
-                           if isinstance(o, torch.Tensor) and o.requires_grad]  # fmt: skip
-                for row in sorted({0, self.batch // 2, self.batch - 1}):
-                    seeds = []
-                    for output, dim in outputs:
-                        seed = torch.zeros_like(output)
-                        seed.narrow(dim, row, 1).fill_(1)
-                        seeds.append(seed)
-                    grads = torch.autograd.grad([o for o, _ in outputs], [t for _, t in inputs], seeds,
-                                                retain_graph=True, allow_unused=True)  # fmt: skip
-                    for (k, _), grad in zip(inputs, grads):
-                        if grad is None:
-                            continue
+            found = self._rows_read(floating)
+        except Exception:  # noqa: BLE001 - the pass cannot tell: the error stands
+            return None
+        if found is None:
+            return None
+        row, k, others = found
+        shown = ", ".join(map(str, others[:4])) + (" ..." if len(others) > 4 else "")
+        related = RowsNotReproducedError(
+            f"{type(self.module).__name__}: the output of row {row} of the batch reads rows {shown} of its argument "
+            f"of shape {list(self.values[k].shape)} (one backward pass of the whole batch from that row's outputs "
+            "reached them): the rows are not independent samples (mixup or manifold mixup inside the model, h = lam "
+            "* h + (1 - lam) * h[perm]; a statistic over the batch; attention or an adjacency across the batch), so "
+            f"per-sample gradients are not defined (re-running single rows failed: {_head(error)}). Mix the inputs "
+            "before the model (mixup of x and y) for per-sample values; the other quantities are stored"
+        )
+        related.__cause__ = error
+        return related
+
+    def _rows_read(self, floating: set[int]) -> tuple[int, int, list[int]] | None:
+        """``(row, argument, other rows)`` for the first of up to three rows whose outputs, in the whole batch's
+        re-run, have a gradient on other rows of a floating-point argument ``k in floating``, else ``None``."""
+        with self.tracer.pause(), torch.enable_grad():
+            rows = [self.values[k].detach().clone().requires_grad_(k in floating) for k in self.batched]
+            inputs = [(k, row) for k, row in zip(self.batched, rows) if k in floating]
+            params = {name: self._own(p, False) for name, p in zip(self.param_names, self.params)}
+            outputs = [(o, d) for o, d in zip(self.run(params, rows), self.out_dims)
+                       if isinstance(o, torch.Tensor) and o.requires_grad]  # fmt: skip
+            for row in sorted({0, self.batch // 2, self.batch - 1}):
+                seeds = []
+                for output, dim in outputs:
+                    seed = torch.zeros_like(output)
+                    seed.narrow(dim, row, 1).fill_(1)
+                    seeds.append(seed)
+                grads = torch.autograd.grad([o for o, _ in outputs], [t for _, t in inputs], seeds,
+                                            retain_graph=True, allow_unused=True)  # fmt: skip
+                for (k, _), grad in zip(inputs, grads):
+                    if grad is not None:
                         reach = grad.abs().movedim(self.dims[k], 0).reshape(self.batch, -1).sum(1)
                         others = [int(i) for i in reach.nonzero().flatten() if int(i) != row]
                         if others:
-                            shown = ", ".join(map(str, others[:4])) + (" ..." if len(others) > 4 else "")
-                            related = RowsNotReproducedError(
-                                f"{type(self.module).__name__}: the output of row {row} of the batch reads rows "
-                                f"{shown} of its argument of shape {list(self.values[k].shape)} (one backward pass of "
-                                "the whole batch from that row's outputs reached them): the rows are not independent "
-                                "samples (mixup or manifold mixup inside the model, h = lam * h + (1 - lam) * h[perm]; "
-                                "a statistic over the batch; attention or an adjacency across the batch), so "
-                                "per-sample gradients are not defined (re-running single rows failed: "
-                                f"{str(error).split(' though ')[0].rstrip(', ')}). Mix the inputs before the model (mixup of x and "
-                                "y) for per-sample values; the other quantities are stored"
-                            )
-                            related.__cause__ = error
-                            return related
-        except Exception:  # noqa: BLE001 - the pass cannot tell: the error stands
-            return None
+                            return row, k, others
         return None
 
     def _failed_message(self, error: Exception) -> str:
@@ -769,6 +775,11 @@ def _looped(run, live, params, values, batched, dims, grads, out_dims, batch):
 
 
 #: why a re-run on single rows can index out of range: the forward pass picks rows of the batch by index
+def _head(error: Exception) -> str:
+    """The first clause of a failed re-run's message (up to "though the training step's forward pass ran")."""
+    return str(error).split(" though ")[0].rstrip(", ")
+
+
 _INDEX_HINT = (
     " An index out of range on one row often means the forward pass picks rows of the batch by index (mixup or "
     "manifold mixup inside the model, h = lam * h + (1 - lam) * h[perm]): a row's output then depends on other "

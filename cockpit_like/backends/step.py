@@ -68,13 +68,9 @@ class UnsupportedLayerError(NotImplementedError):
 
 
 #: the quantities ``curvature='hutchinson'`` serves, for the messages that advise it: TICDiag refuses it
-HUTCHINSON_SCOPE_INNER = (
+HUTCHINSON_SCOPE = (
     "; HessTrace and TICTrace take it, TICDiag cannot (it divides entry by entry by the diagonal): give TICDiag "
     "curvature='ggn' with info['outputs'] for a cross-entropy, or leave it out"
-)
-HUTCHINSON_SCOPE = (
-    " (HessTrace, TICTrace; TICDiag cannot take it, as it divides entry by entry by the diagonal: give it "
-    "curvature='ggn' with info['outputs'] for a cross-entropy, or leave it out)"
 )
 
 
@@ -365,7 +361,7 @@ class StepExecution:
                 "one call's input and output per module, so they cannot run on this step. Use the model without "
                 "backpack.extend (Cockpit(..., model=model): the hooks handle several calls, and curvature "
                 "'auto' estimates with Hessian-vector products), or pass curvature='hutchinson' to the curvature "
-                f"quantities{HUTCHINSON_SCOPE} and leave out those that need BackPACK's buffers."
+                f"quantities (Hessian-vector products{HUTCHINSON_SCOPE}) and leave out those that need BackPACK's buffers."
             )
         if self.extensions or hooks:  # BackPACK's hooks on the outputs would run again at the check's capture
             self.root_outputs = []
@@ -423,7 +419,7 @@ class StepExecution:
             f"{', '.join(owners)} left out: BackPACK's second-order extensions "
             f"({', '.join(sorted({describe(ext) for _, ext in second}))}) cannot run on layers whose outputs an "
             f"autocast forward pass made in half precision ({', '.join(half)}); pass curvature='hutchinson' to "
-            f"these quantities (Hessian-vector products{HUTCHINSON_SCOPE_INNER}), or run the forward pass of the steps they track without "
+            f"these quantities (Hessian-vector products{HUTCHINSON_SCOPE}), or run the forward pass of the steps they track without "
             "autocast"
         )
         return [(owner, ext) for owner, ext in requests if (owner, ext) not in second]
@@ -588,9 +584,8 @@ class StepExecution:
                     "a hand-written loss), extended (`lossfunc = backpack.extend(lossfunc)`). Fixes: for an unsupported model, pass "
                     "curvature='auto' to HessTrace / TICDiag / TICTrace (Hessian-vector products where the model "
                     "is not an extended chain of supported layers; the presets' default); for an unsupported "
-                    "loss, which 'auto' cannot check, pass curvature='hutchinson' to HessTrace / TICTrace "
-                    "(Hessian-vector products on any model and loss; TICDiag cannot take an estimate of the Hessian's "
-                    "diagonal: leave it out); KFACTrace(curvature='empirical') or 'auto' (per-sample gradients, any model); "
+                    "loss, which 'auto' cannot check, pass curvature='hutchinson' (Hessian-vector products on any "
+                    f"model and loss{HUTCHINSON_SCOPE}); KFACTrace(curvature='empirical') or 'auto' (per-sample gradients, any model); "
                     "leave out the quantities that need these extensions; or replace the layer or loss with a "
                     "supported one."
                 ) from exc
@@ -859,7 +854,7 @@ class StepExecution:
                     f"ignore_index ({ignore}); its loss skips them, but BackPACK's second-order extensions count "
                     "their curvature and divide by every row, so what they give is not the loss's curvature. Pass "
                     "curvature='hutchinson' to these quantities (Hessian-vector products of info['loss'], exact in "
-                    f"expectation{HUTCHINSON_SCOPE_INNER}), or use the model and loss without backpack.extend (Cockpit(..., model=model))"
+                    f"expectation{HUTCHINSON_SCOPE}), or use the model and loss without backpack.extend (Cockpit(..., model=model))"
                 )
             return
         loss = self.info.get("loss")
@@ -882,7 +877,7 @@ class StepExecution:
             f"({module:.6g}), and info['loss'] is {value:.6g}: the loss has terms beside the extended loss module "
             "(a distillation or auxiliary term on the same outputs), a weight on it, or a sum reduction, so their "
             "curvature is not info['loss']'s. Pass curvature='hutchinson' to these quantities (Hessian-vector "
-            f"products of info['loss'], any loss{HUTCHINSON_SCOPE_INNER}), or make info['loss'] the output of one extended mean-reduced loss "
+            f"products of info['loss'], any loss{HUTCHINSON_SCOPE}), or make info['loss'] the output of one extended mean-reduced loss "
             "module"
         )
 
@@ -899,7 +894,7 @@ class StepExecution:
                 "by a loss function wrapped in backpack.extend (F.cross_entropy, or an nn.CrossEntropyLoss that is "
                 "not extended). Compute the loss with `lossfunc = backpack.extend(nn.CrossEntropyLoss())` (or "
                 "MSELoss, BCEWithLogitsLoss), or pass curvature='hutchinson' to the curvature quantities "
-                f"(Hessian-vector products: any loss{HUTCHINSON_SCOPE_INNER}); the presets' curvature 'auto' picks BackPACK on an extended "
+                f"(Hessian-vector products: any loss{HUTCHINSON_SCOPE}); the presets' curvature 'auto' picks BackPACK on an extended "
                 "model."
             )
         if self.reducer is not None:
@@ -927,7 +922,7 @@ class StepExecution:
                     "extended: `model = backpack.extend(model)`, `lossfunc = "
                     "backpack.extend(lossfunc)`, and the forward pass must run after that. Or pass "
                     "curvature='hutchinson' (Hessian-vector products: no extend, any loss; 'auto' picks BackPACK "
-                    f"on an extended model and cannot check the loss function{HUTCHINSON_SCOPE_INNER})."
+                    f"on an extended model and cannot check the loss function{HUTCHINSON_SCOPE})."
                 )
             if missing:
                 shown = ", ".join(self._name(i) for i in missing[:5])
@@ -936,7 +931,7 @@ class StepExecution:
                     f"{shown}{' ...' if len(missing) > 5 else ''}. Their module is not extended "
                     "with backpack.extend, BackPACK does not support it, or they are not used in the "
                     "loss; extend every module that holds tracked parameters, pass curvature='hutchinson' "
-                    f"(Hessian-vector products on any model{HUTCHINSON_SCOPE_INNER}), or pass only those parameters to Cockpit(params)."
+                    f"(Hessian-vector products on any model{HUTCHINSON_SCOPE}), or pass only those parameters to Cockpit(params)."
                 )
 
     def _name(self, index: int) -> str:

@@ -222,8 +222,6 @@ class Alpha(TwoStepQuantity):
                     return
                 if predicted is None:  # no look-ahead: the update is assumed along the negative gradient
                     predicted, prediction = [-g for g in grad_sum], "guessed"
-                    keep_why = lambda step, t=global_step: step <= t  # noqa: E731
-                    self.save_to_cache(global_step, "guessed_because", self._guessed_because, keep_why)
                 slopes = self._slopes(retained, predicted, batch_size)
             finally:
                 retained.clear()  # nothing per-sample survives this step
@@ -236,6 +234,8 @@ class Alpha(TwoStepQuantity):
         mean_u, var_u = sample_mean_and_variance(slopes)
         self.save_to_cache(global_step, "observations", (f0, var_f0, mean_u, var_u), keep)
         self.save_to_cache(global_step, "prediction", prediction, keep)
+        if prediction == "guessed":  # why (the end step's note says it)
+            self.save_to_cache(global_step, "guessed_because", self._guessed_because, keep)
         # the declared optimizer's hyperparameters the prediction used (a schedule that sets them between the block
         # and optimizer.step() changes the update: outside trial 36 got the general list of causes)
         self.save_to_cache(global_step, "hyperparameters", _hyperparameters(record.info.get("optimizer")), keep)
@@ -466,16 +466,15 @@ class Alpha(TwoStepQuantity):
             # another norm: the parameters changed after optimizer.step(), not the settled update (a change by
             # rounding alone, as a perturbation added and subtracted again by SAM after the step, is the same)
             same = settled["same"] and self._same_length(settled["tau"], tau, self.load_from_cache(start, "params"))
-            exact = settled["mean_u0"]
+            exact, hyper = settled["mean_u0"], settled.get("hyperparameters")
             after = settled if settled["same"] and not same else None  # the optimizer's update was the predicted one
         else:
-            (same, exact), after = self._check(start, direction, tau), None
+            (same, exact), after, hyper = self._check(start, direction, tau), None, None
         mean_u0 = mean_u0 if exact is None else exact
         if not same:  # the start slopes' variance was taken along another direction: no value (never a wrong one)
             unheld = self._unheld_moved(start, global_step, direction, record.info.get("optimizer"))
             if unheld is None and after is not None:
                 unheld = self._changed_after_step(start, global_step, after, tau)
-            hyper = settled.get("hyperparameters") if self.is_cached(start, "settled") else None
             if unheld is None and hyper:
                 unheld = self._hyperparameters_changed(start, global_step, hyper)
             record.note(unheld or self._off_prediction(start, global_step))
