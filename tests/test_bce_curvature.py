@@ -1,0 +1,228 @@
+"""Exact curvature of ``BCEWithLogitsLoss`` over several outputs on extended models, float64.
+
+BackPACK factors the loss Hessian of ``BCEWithLogitsLoss`` only for one logit
+per sample with default arguments; a multi-label classifier on an extended
+chain stopped the ``business`` and ``full`` presets (and HessTrace, TICDiag
+alone) with ``UnsupportedLayerError`` (outside trial 35). The cockpit's
+factories give the loss the diagonal factor of any outputs
+(``conv_diagonals._ElementwiseBCEWithLogitsDerivatives``). Checked against
+brute force independent of BackPACK: the dense Hessian of the loss
+(``torch.func.hessian``) for ``diag_h``, ``J^T H_f J`` for the GGN, per-sample
+gradients from ``vmap(grad)`` for TIC; BackPACK's own numbers where it runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from backpack import backpack, extend
+from backpack.extensions import DiagGGNExact, DiagHessian
+from torch import nn
+from torch.func import functional_call, grad, hessian, jacrev, vmap
+
+from cockpit_like import Cockpit
+from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_hessian
+from cockpit_like.backends.step import UnsupportedLayerError
+from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
+from cockpit_like.utils import schedules
+from cockpit_like.utils.configuration import configuration
+from tests.helpers import plain_copy
+
+DTYPE = torch.float64
+BATCH, FEATURES, LABELS = 5, 4, 3
+
+
+def _model(kind: str) -> nn.Sequential:
+    torch.manual_seed(3)
+    if kind == "conv":
+        model = nn.Sequential(nn.Conv1d(2, 3, 2), nn.Sigmoid(), nn.Flatten(), nn.Linear(3 * 3, LABELS))
+    elif kind == "scalar":
+        model = nn.Sequential(nn.Linear(FEATURES, 6), nn.Tanh(), nn.Linear(6, 1))
+    else:  # Sigmoid and Tanh: DiagHessian's residual terms of both signs
+        model = nn.Sequential(nn.Linear(FEATURES, 6), nn.Sigmoid(), nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, LABELS))
+    return model.to(DTYPE)
+
+
+def _data(case: str, kind: str):
+    generator = torch.Generator().manual_seed(11)
+    shape = {"conv": (BATCH, 2, 4), "sequence": (BATCH, 2, FEATURES)}.get(kind, (BATCH, FEATURES))
+    inputs = torch.randn(*shape, generator=generator, dtype=DTYPE)
+    out_shape = (BATCH, 1) if kind == "scalar" else (BATCH, 2, LABELS) if kind == "sequence" else (BATCH, LABELS)
+    targets = (torch.rand(out_shape, generator=generator, dtype=DTYPE) > 0.5).to(DTYPE)
+    if case == "soft":
+        targets = torch.rand(out_shape, generator=generator, dtype=DTYPE)
+    return inputs, targets
+
+
+def _loss(case: str, kind: str) -> nn.BCEWithLogitsLoss:
+    labels = 1 if kind == "scalar" else LABELS
+    if case == "sum":
+        return nn.BCEWithLogitsLoss(reduction="sum")
+    if case == "pos_weight":
+        return nn.BCEWithLogitsLoss(pos_weight=torch.linspace(0.5, 3.0, labels, dtype=DTYPE))
+    if case == "class_weight":
+        return nn.BCEWithLogitsLoss(weight=torch.linspace(0.2, 2.0, labels, dtype=DTYPE))
+    if case == "row_weight":  # a weight per sample, broadcast over the labels
+        shape = (BATCH, 1, 1) if kind == "sequence" else (BATCH, 1)
+        return nn.BCEWithLogitsLoss(weight=torch.linspace(0.1, 1.5, BATCH, dtype=DTYPE).reshape(shape))
+    return nn.BCEWithLogitsLoss()
+
+
+def _flat(model):
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def unflatten(vector):
+        return {n: piece.reshape(s) for n, piece, s in zip(names, vector.split(sizes), shapes)}
+
+    return flat, unflatten, shapes, sizes
+
+
+def _brute_force(model, lossfunc, inputs, targets, curvature: str) -> list[torch.Tensor]:
+    model = plain_copy(model)
+    flat, unflatten, shapes, sizes = _flat(model)
+
+    def outputs(vector):
+        return functional_call(model, unflatten(vector), (inputs,))
+
+    if curvature == "diag_h":
+        diagonal = hessian(lambda vector: lossfunc(outputs(vector), targets))(flat).diagonal()
+    else:
+        logits = outputs(flat).detach()
+        jac = jacrev(outputs)(flat).reshape(logits.numel(), -1)
+        hess_f = hessian(lambda f: lossfunc(f.reshape(logits.shape), targets))(logits.reshape(-1))
+        diagonal = torch.einsum("id,ij,jd->d", jac, hess_f, jac)
+    return [piece.reshape(s) for piece, s in zip(diagonal.split(sizes), shapes)]
+
+
+def _backpack(model, lossfunc, inputs, targets, extension) -> list[torch.Tensor]:
+    model, lossfunc = extend(model), extend(lossfunc)
+    model.zero_grad()
+    with backpack(extension):
+        lossfunc(model(inputs), targets).backward()
+    diagonals = [getattr(p, extension.savefield).detach().clone() for p in model.parameters()]
+    for param in model.parameters():
+        delattr(param, extension.savefield)
+    return diagonals
+
+
+def _close(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-14)
+
+
+CASES = ["mean", "sum", "soft", "pos_weight", "class_weight", "row_weight"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kind", ["mlp", "conv", "sequence"])
+@pytest.mark.parametrize("curvature,ours", [("diag_h", diag_hessian), ("diag_ggn_exact", diag_ggn_exact)])
+def test_several_outputs_against_brute_force(curvature, ours, kind, case):
+    """Multi-label logits ``[B, C]`` (and ``[B, T, C]`` from a Linear on sequences): BackPACK raised "Only
+    scalar-valued predictions are currently supported"; the factories' diagonals are the dense ones."""
+    model, lossfunc = _model(kind), _loss(case, kind)
+    inputs, targets = _data(case, kind)
+    expected = _brute_force(model, lossfunc, inputs, targets, curvature)
+    assert any(bool((e != 0).any()) for e in expected)
+    _close(_backpack(model, lossfunc, inputs, targets, ours()), expected)
+    theirs = DiagHessian() if curvature == "diag_h" else DiagGGNExact()
+    with pytest.raises(NotImplementedError):  # what it fixes: BackPACK's own extension refuses these
+        _backpack(model, lossfunc, inputs, targets, theirs)
+
+
+@pytest.mark.parametrize("case", ["mean", "sum", "soft"])
+def test_one_logit_per_sample_is_backpacks_own_factor(case):
+    """``[B, 1]`` logits with default weights: BackPACK's own code, bitwise its numbers (and the brute force)."""
+    model, lossfunc = _model("scalar"), _loss(case, "scalar")
+    inputs, targets = _data(case, "scalar")
+    expected = _brute_force(model, lossfunc, inputs, targets, "diag_h")  # (before extend() hooks the loss)
+    mine = _backpack(model, lossfunc, inputs, targets, diag_hessian())
+    theirs = _backpack(model, lossfunc, inputs, targets, DiagHessian())
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    _close(mine, expected)
+
+
+@pytest.mark.parametrize("case", ["pos_weight", "class_weight"])
+def test_one_logit_with_weights_which_backpack_refuses(case):
+    model, lossfunc = _model("scalar"), _loss(case, "scalar")
+    inputs, targets = _data(case, "scalar")
+    expected = _brute_force(model, lossfunc, inputs, targets, "diag_h")
+    _close(_backpack(model, lossfunc, inputs, targets, diag_hessian()), expected)
+    with pytest.raises(NotImplementedError, match="weight"):
+        _backpack(model, lossfunc, inputs, targets, DiagHessian())
+
+
+def test_negative_weights_are_refused_through_the_cockpit():
+    """No square root of a loss Hessian with negative entries: the step raises the cockpit's error, naming
+    the loss and the fixes (``curvature='hutchinson'``), before any value is stored."""
+    model = extend(_model("mlp"))
+    lossfunc = extend(nn.BCEWithLogitsLoss(weight=torch.tensor([1.0, -0.5, 1.0], dtype=DTYPE)))
+    cockpit = Cockpit(model.parameters(), quantities=[HessTrace(schedules.linear(1))])
+    inputs, targets = _data("mean", "mlp")
+    loss = lossfunc(model(inputs), targets)
+    with pytest.raises(UnsupportedLayerError, match="negative weight.*curvature='hutchinson'"):
+        with cockpit(0, info={"batch_size": BATCH}):
+            loss.backward()
+    assert cockpit.get_output() == {}
+
+
+def _per_sample_gradients(model, inputs, targets) -> torch.Tensor:
+    """``[B, D]``: the gradient of each row's term of the mean loss, times ``B`` (its loss over its labels)."""
+    model = plain_copy(model)
+    flat, unflatten, _, _ = _flat(model)
+    per_row = nn.BCEWithLogitsLoss(reduction="none")
+
+    def row_loss(vector, x, y):
+        return per_row(functional_call(model, unflatten(vector), (x.unsqueeze(0),)), y.unsqueeze(0)).mean()
+
+    return vmap(grad(row_loss), in_dims=(None, 0, 0))(flat, inputs, targets)
+
+
+@pytest.mark.parametrize("preset", ["full", "business"])
+def test_presets_on_a_multi_label_classifier(preset):
+    """The presets on an extended multi-label chain (outside trial 35's set-up): every step stores HessTrace
+    per layer equal to the dense Hessian's blocks, and TICDiag / TICTrace equal to their definition with
+    per-sample gradients from ``vmap(grad)`` (``curvature="auto"`` resolves to BackPACK's ``diag_h``)."""
+    model, lossfunc = extend(_model("mlp")), extend(nn.BCEWithLogitsLoss())
+    reference_loss = nn.BCEWithLogitsLoss()  # (the brute force's: functorch cannot run BackPACK's hooks)
+    per_row = nn.BCEWithLogitsLoss(reduction="none")
+    quantities = configuration(preset) + ([TICTrace(schedules.linear(1))] if preset == "full" else [])
+    cockpit = Cockpit(model.parameters(), quantities=quantities)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    references = {}
+    for step in range(3):
+        inputs, targets = _data("mean", "mlp")
+        inputs = inputs + step
+        blocks = _brute_force(model, reference_loss, inputs, targets, "diag_h")
+        flat_diag = torch.cat([d.reshape(-1) for d in blocks])
+        gradients = _per_sample_gradients(model, inputs, targets)
+        second_moment = (gradients**2).mean(0)
+        references[step] = (
+            [d.sum().item() for d in blocks],
+            (second_moment / (flat_diag + 1e-7)).sum().item(),
+            (second_moment.sum() / (flat_diag.sum() + 1e-7)).item(),
+        )
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, targets)
+        info = {"batch_size": BATCH, "individual_losses": per_row(outputs, targets).mean(1), "loss": loss,
+                "optimizer": optimizer}
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    output = cockpit.get_output()
+    tracked = [step for step in references if "HessTrace" in output.get(step, {})]
+    assert tracked and tracked[0] == 0
+    for step in tracked:
+        traces, tic_diag, tic_trace = references[step]
+        assert output[step]["HessTrace"] == pytest.approx(traces, rel=1e-9, abs=1e-12)
+        assert output[step]["TICDiag"] == pytest.approx(tic_diag, rel=1e-8)
+        if "TICTrace" in output[step]:
+            assert output[step]["TICTrace"] == pytest.approx(tic_trace, rel=1e-9)
+        assert cockpit.checks[step]["valid"], cockpit.checks[step]
+    hess_trace = next(q for q in cockpit.quantities if isinstance(q, HessTrace))
+    tic = next(q for q in cockpit.quantities if isinstance(q, TICDiag))
+    assert hess_trace.method == "diag_h" and tic.method == "diag_h"
