@@ -21,7 +21,7 @@ from torch import nn
 from torch.func import functional_call, grad, hessian, jacrev, vmap
 
 from cockpit_like import Cockpit
-from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_hessian
+from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
 from cockpit_like.backends.step import UnsupportedLayerError
 from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
 from cockpit_like.utils import schedules
@@ -226,3 +226,11 @@ def test_presets_on_a_multi_label_classifier(preset):
     hess_trace = next(q for q in cockpit.quantities if isinstance(q, HessTrace))
     tic = next(q for q in cockpit.quantities if isinstance(q, TICDiag))
     assert hess_trace.method == "diag_h" and tic.method == "diag_h"
+
+
+def test_sampled_ggn_keeps_backpacks_checks():
+    """``DiagGGNMC`` samples its factor (BackPACK's code, one logit per sample): several outputs still raise."""
+    model, lossfunc = _model("mlp"), nn.BCEWithLogitsLoss()
+    inputs, targets = _data("mean", "mlp")
+    with pytest.raises(NotImplementedError, match="scalar-valued"):
+        _backpack(model, lossfunc, inputs, targets, diag_ggn_mc())

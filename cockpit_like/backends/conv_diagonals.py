@@ -279,20 +279,27 @@ class _ReducedCrossEntropyDerivatives(CrossEntropyLossDerivatives):
         return reduced_sqrt_hessian(sqrt_h, self._get_probs(module, subsampling=subsampling))
 
 
-def use_reduced_cross_entropy(extension: Extension) -> Extension:
-    """Give the ``CrossEntropyLoss`` entry of ``extension`` the ``C - 1``-column factor.
+def _replace_loss_derivatives(extension: Extension, loss_cls: type, theirs: type, ours: type) -> Extension:
+    """Give ``extension``'s entry for ``loss_cls`` the derivatives ``ours()`` where they are exactly ``theirs``.
 
-    See :func:`reduced_sqrt_hessian`. Changed in place and returned; only an
-    entry whose derivatives are exactly BackPACK's ``CrossEntropyLossDerivatives``
-    is replaced (``DiagGGNMC`` samples its factor, which is unaffected).
+    A shallow copy of the module extension holds them (BackPACK's objects are untouched); changed in place and
+    returned. ``ours`` overrides only the exact factor ``_sqrt_hessian``: ``DiagGGNMC`` samples its factor, which
+    is unaffected.
     """
     module_extensions = getattr(extension, "_BackpropExtension__module_extensions")
-    module_extension = module_extensions.get(CrossEntropyLoss)
-    if module_extension is not None and type(getattr(module_extension, "derivatives", None)) is CrossEntropyLossDerivatives:
-        reduced = copy.copy(module_extension)
-        reduced.derivatives = _ReducedCrossEntropyDerivatives()
-        extension.set_module_extension(CrossEntropyLoss, reduced, overwrite=True)
+    module_extension = module_extensions.get(loss_cls)
+    if module_extension is not None and type(getattr(module_extension, "derivatives", None)) is theirs:
+        replaced = copy.copy(module_extension)
+        replaced.derivatives = ours()
+        extension.set_module_extension(loss_cls, replaced, overwrite=True)
     return extension
+
+
+def use_reduced_cross_entropy(extension: Extension) -> Extension:
+    """Give the ``CrossEntropyLoss`` entry of ``extension`` the ``C - 1``-column factor (:func:`reduced_sqrt_hessian`)."""
+    return _replace_loss_derivatives(
+        extension, CrossEntropyLoss, CrossEntropyLossDerivatives, _ReducedCrossEntropyDerivatives
+    )
 
 
 class _ElementwiseBCEWithLogitsDerivatives(BCELossWithLogitsDerivatives):
@@ -308,7 +315,8 @@ class _ElementwiseBCEWithLogitsDerivatives(BCELossWithLogitsDerivatives):
     (``w`` the ``weight`` broadcast to the input, ``p_c`` the ``pos_weight`` of the entry's class, the last
     axis; ``y`` may be soft) divided by ``N * C ...`` for ``reduction="mean"``, and its factor
     ``[D, N, *features]`` (``D`` the features per sample) holds ``sqrt(h)`` on the diagonal. Negative weights
-    (no square root) still raise ``NotImplementedError``. The sampled factor (``DiagGGNMC``) stays BackPACK's.
+    (no square root) still raise ``NotImplementedError``. The sampled factor (``DiagGGNMC``) stays BackPACK's,
+    with its checks.
     """
 
     def _sqrt_hessian(self, module, g_inp, g_out, subsampling=None):
@@ -338,21 +346,11 @@ class _ElementwiseBCEWithLogitsDerivatives(BCELossWithLogitsDerivatives):
 
 
 def use_elementwise_bce(extension: Extension) -> Extension:
-    """Give the ``BCEWithLogitsLoss`` entry of an exact curvature extension the factor of any outputs.
-
-    See :class:`_ElementwiseBCEWithLogitsDerivatives`. Changed in place and returned; only an entry whose
-    derivatives are exactly BackPACK's ``BCELossWithLogitsDerivatives`` is replaced, and only where the
-    extension factors the loss Hessian exactly (``DiagGGNMC`` samples it: BackPACK's checks stay).
-    """
-    if isinstance(extension, DiagGGNMC):
-        return extension
-    module_extensions = getattr(extension, "_BackpropExtension__module_extensions")
-    module_extension = module_extensions.get(BCEWithLogitsLoss)
-    if module_extension is not None and type(getattr(module_extension, "derivatives", None)) is BCELossWithLogitsDerivatives:
-        elementwise = copy.copy(module_extension)
-        elementwise.derivatives = _ElementwiseBCEWithLogitsDerivatives()
-        extension.set_module_extension(BCEWithLogitsLoss, elementwise, overwrite=True)
-    return extension
+    """Give the ``BCEWithLogitsLoss`` entry of ``extension`` the factor of any outputs
+    (:class:`_ElementwiseBCEWithLogitsDerivatives`)."""
+    return _replace_loss_derivatives(
+        extension, BCEWithLogitsLoss, BCELossWithLogitsDerivatives, _ElementwiseBCEWithLogitsDerivatives
+    )
 
 
 class _FunctionalAvgPool:
