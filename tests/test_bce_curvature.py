@@ -23,7 +23,7 @@ from torch.func import functional_call, grad, hessian, jacrev, vmap
 from cockpit_like import Cockpit
 from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, diag_hessian
 from cockpit_like.backends.step import UnsupportedLayerError
-from cockpit_like.quantities import HessTrace, TICDiag, TICTrace
+from cockpit_like.quantities import HessTrace, KFACTrace, TICDiag, TICTrace
 from cockpit_like.utils import schedules
 from cockpit_like.utils.configuration import configuration
 from tests.helpers import plain_copy
@@ -228,9 +228,67 @@ def test_presets_on_a_multi_label_classifier(preset):
     assert hess_trace.method == "diag_h" and tic.method == "diag_h"
 
 
-def test_sampled_ggn_keeps_backpacks_checks():
-    """``DiagGGNMC`` samples its factor (BackPACK's code, one logit per sample): several outputs still raise."""
-    model, lossfunc = _model("mlp"), nn.BCEWithLogitsLoss()
-    inputs, targets = _data("mean", "mlp")
-    with pytest.raises(NotImplementedError, match="scalar-valued"):
+@pytest.mark.parametrize("case", ["mean", "soft", "sum"])
+def test_sampled_ggn_agrees_with_the_exact_one_in_expectation(case):
+    """``DiagGGNMC`` draws one target per entry from ``Bernoulli(sigma(z))``: with many draws its diagonal is the
+    exact GGN's (BackPACK refused several outputs and soft targets)."""
+    model, lossfunc = _model("mlp"), _loss(case, "mlp")
+    inputs, targets = _data(case, "mlp")
+    expected = _brute_force(model, lossfunc, inputs, targets, "diag_ggn_exact")
+    torch.manual_seed(0)
+    sampled = _backpack(model, lossfunc, inputs, targets, diag_ggn_mc(mc_samples=4000))
+    for mine, exact in zip(sampled, expected):
+        assert float(mine.sum()) == pytest.approx(float(exact.sum()), rel=0.05)
+        assert not torch.allclose(mine, exact, rtol=1e-6)  # (sampled: not the exact diagonal by accident)
+
+
+def test_sampled_factor_refuses_weights():
+    model, lossfunc = _model("mlp"), _loss("pos_weight", "mlp")
+    inputs, targets = _data("pos_weight", "mlp")
+    with pytest.raises(NotImplementedError, match="pos_weight"):
         _backpack(model, lossfunc, inputs, targets, diag_ggn_mc())
+
+
+def _kfac_trace(model, lossfunc, inputs, targets, curvature, samples=1):
+    quantity = KFACTrace(schedules.linear(1), curvature=curvature, mc_samples=samples)
+    cockpit = Cockpit(model.parameters(), quantities=[quantity])
+    loss = lossfunc(model(inputs), targets)
+    torch.manual_seed(0)
+    with cockpit(0, info={"loss": loss}):
+        loss.backward()
+    return quantity.get_output()[0]
+
+
+@pytest.mark.parametrize("case", ["mean", "sum", "soft", "pos_weight"])
+def test_kflr_on_one_linear_layer_is_the_hessian_where_it_is_a_kronecker_product(case):
+    """KFLR on ``nn.Linear`` with several BCE outputs: the bias block is the Hessian's ``sum_n H_n`` for any
+    inputs; the weight block ``sum_n H_n (x) a_n a_n^T`` is ``G (x) A`` where every row has the same input."""
+    torch.manual_seed(0)
+    layer = nn.Linear(FEATURES, LABELS).to(DTYPE)
+    lossfunc = _loss(case, "mlp")
+    inputs, targets = _data(case, "mlp")
+    inputs[:] = inputs[0]  # one input row: the weight block is a Kronecker product
+    layer.bias.data = torch.linspace(-2, 2, LABELS, dtype=DTYPE)  # logits away from 0: sigma(1 - sigma) varies
+    hessian_blocks = _brute_force_blocks(layer, lossfunc, inputs, targets)
+    value = _kfac_trace(extend(layer), extend(lossfunc), inputs, targets, "kflr")
+    for i, block in enumerate(hessian_blocks):
+        assert value["trace"][i] == pytest.approx(block.trace().item(), rel=1e-10)
+        assert value["frobenius"][i] == pytest.approx(torch.linalg.matrix_norm(block).item(), rel=1e-10)
+
+
+def _brute_force_blocks(model, lossfunc, inputs, targets) -> list[torch.Tensor]:
+    flat, unflatten, _, sizes = _flat(model)
+    dense = hessian(lambda vector: lossfunc(functional_call(model, unflatten(vector), (inputs,)), targets))(flat)
+    ends = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return [dense[a:b, a:b] for a, b in zip(ends[:-1], ends[1:])]
+
+
+def test_kfac_monte_carlo_agrees_with_kflr_in_expectation_on_several_outputs():
+    traces = {}
+    for curvature, samples in (("kflr", 1), ("kfac", 3000)):
+        model, lossfunc = extend(_model("mlp")), extend(nn.BCEWithLogitsLoss())
+        inputs, targets = _data("mean", "mlp")
+        traces[curvature] = _kfac_trace(model, lossfunc, inputs, targets, curvature, samples)["trace"]
+    for mc, exact in zip(traces["kfac"], traces["kflr"]):
+        assert mc == pytest.approx(exact, rel=0.1)
+    assert traces["kfac"] != traces["kflr"]

@@ -283,8 +283,7 @@ def _replace_loss_derivatives(extension: Extension, loss_cls: type, theirs: type
     """Give ``extension``'s entry for ``loss_cls`` the derivatives ``ours()`` where they are exactly ``theirs``.
 
     A shallow copy of the module extension holds them (BackPACK's objects are untouched); changed in place and
-    returned. ``ours`` overrides only the exact factor ``_sqrt_hessian``: ``DiagGGNMC`` samples its factor, which
-    is unaffected.
+    returned.
     """
     module_extensions = getattr(extension, "_BackpropExtension__module_extensions")
     module_extension = module_extensions.get(loss_cls)
@@ -296,7 +295,8 @@ def _replace_loss_derivatives(extension: Extension, loss_cls: type, theirs: type
 
 
 def use_reduced_cross_entropy(extension: Extension) -> Extension:
-    """Give the ``CrossEntropyLoss`` entry of ``extension`` the ``C - 1``-column factor (:func:`reduced_sqrt_hessian`)."""
+    """Give the ``CrossEntropyLoss`` entry of ``extension`` the ``C - 1``-column factor (:func:`reduced_sqrt_hessian`;
+    ``DiagGGNMC`` samples its factor, which is unaffected)."""
     return _replace_loss_derivatives(
         extension, CrossEntropyLoss, CrossEntropyLossDerivatives, _ReducedCrossEntropyDerivatives
     )
@@ -315,9 +315,19 @@ class _ElementwiseBCEWithLogitsDerivatives(BCELossWithLogitsDerivatives):
     (``w`` the ``weight`` broadcast to the input, ``p_c`` the ``pos_weight`` of the entry's class, the last
     axis; ``y`` may be soft) divided by ``N * C ...`` for ``reduction="mean"``, and its factor
     ``[D, N, *features]`` (``D`` the features per sample) holds ``sqrt(h)`` on the diagonal. Negative weights
-    (no square root) still raise ``NotImplementedError``. The sampled factor (``DiagGGNMC``) stays BackPACK's,
-    with its checks.
+    (no square root) still raise ``NotImplementedError``. The sampled factor (``DiagGGNMC``, KFAC) draws a
+    target per entry from ``Bernoulli(sigma(z))``, independent entries: its mean outer product is the same
+    diagonal, for any outputs and for soft targets (the given targets do not enter it); it keeps BackPACK's
+    refusal of ``weight`` and ``pos_weight`` (the weighted loss is not such a likelihood), and divides by every
+    entry for ``reduction="mean"``.
     """
+
+    def _verify_support(self, module):
+        self._check_is_default(module)
+
+    @staticmethod
+    def _get_mean_normalization(input):
+        return input.numel()
 
     def _sqrt_hessian(self, module, g_inp, g_out, subsampling=None):
         logits, targets = module.input0, module.input1
