@@ -14,7 +14,8 @@ and the stream when they say something beyond "valid as declared" (:func:`notabl
      "frozen": [],                  # tracked parameters with requires_grad=False
      "notes": []}                   # what was left out and why (e.g. BatchNorm in training mode)
 
-May import torch and :mod:`cockpit_like.checks.probe`.
+May import torch, :mod:`cockpit_like.checks.probe`, :mod:`cockpit_like.checks.prints` and
+:mod:`cockpit_like.checks.graphs`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from cockpit_like.checks.graphs import smoothing_mismatch
 from cockpit_like.checks.prints import NonFinitePrint
 from cockpit_like.checks.probe import project_all
 
@@ -123,10 +125,26 @@ def check_losses_mean(info: dict, step: int) -> None:
                f"Else: {lower}" if unlikely else f"{lower} (Otherwise: a small extra term in the loss that the rows lack, "
                "such as an auxiliary loss or a penalty.)")
         )
+    smoothing = _smoothing_hint(loss, losses)
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
-        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)} Common causes: {_MEAN_CAUSES}"
+        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)}{smoothing} "
+        f"{'Other causes' if smoothing else 'Common causes'}: {_MEAN_CAUSES}"
+    )
+
+
+def _smoothing_hint(loss, losses) -> str:
+    """Where the graphs of ``info["loss"]`` and the rows hold torch's cross-entropy with different label
+    smoothing: that cause, first (outside trial 34: it was named only in the list of causes)."""
+    mismatch = smoothing_mismatch(loss, losses) if isinstance(loss, torch.Tensor) else None
+    if mismatch is None:
+        return ""
+    in_loss, in_rows = mismatch
+    return (
+        f" Their graphs hold torch's cross-entropy with different label smoothing: label_smoothing={in_loss:g} in "
+        f"info['loss'], {in_rows:g} in info['individual_losses']. Compute the rows with the loss's own options, "
+        f"F.cross_entropy(out, y, label_smoothing={in_loss:g}, reduction='none')."
     )
 
 

@@ -20,7 +20,7 @@ backward passes (:func:`~cockpit_like.backends.internal.cockpit_work`) are
 not counted. ``torch.autograd.grad`` is not a root: gradients set by hand
 are not compared.
 
-May import torch and :mod:`cockpit_like.backends.internal`.
+May import torch, :mod:`cockpit_like.backends.internal` and :mod:`cockpit_like.checks.graphs`.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import threading
 import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
+from cockpit_like.checks.graphs import derivative_in, smoothing_mismatch
 
 __all__ = ["BackwardRoots", "derivative_in", "roots_tolerance"]
 
@@ -134,25 +135,6 @@ class BackwardRoots:
                 _uninstall()
 
 
-def derivative_in(graphs: list, limit: int = 20_000) -> str | None:
-    """The name of a node of a backward pass made with ``create_graph`` in the graphs of ``graphs`` (autograd
-    nodes), the first one a walk from them meets (``None``: none within ``limit`` nodes). Such a node (its type's
-    name holds ``BackwardBackward``: the derivative of an operation's backward formula) is how a gradient penalty,
-    an input-gradient term or another ``torch.autograd.grad(..., create_graph=True)`` shows in the tensor
-    backpropagated."""
-    seen, stack = {id(node) for node in graphs}, list(graphs)
-    while stack and len(seen) <= limit:
-        node = stack.pop()
-        name = type(node).__name__
-        if "BackwardBackward" in name:
-            return name
-        for child, _ in getattr(node, "next_functions", ()):
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                stack.append(child)
-    return None
-
-
 def is_nested_or_sparse(tensor: torch.Tensor) -> bool:
     return bool(getattr(tensor, "is_nested", False)) or tensor.is_sparse
 
@@ -251,6 +233,18 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: boo
             "rows + penalty); the cockpit then sees the derivative in info['loss'], leaves the per-sample "
             "quantities out with a note (such a term reaches the weights around the layers' outputs) and stores "
             "the rest (docs/your_model.md, 'A loss that reaches the parameters other than through the module calls')"
+        )
+    smoothing = smoothing_mismatch(roots.graphs, [declared]) if declared is not None else None
+    if smoothing is not None:  # (outside trial 34: named only among the kinds of term it can be)
+        backpropagated, given = smoothing
+        return (
+            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and their graphs hold torch's cross-entropy "
+            f"with different label smoothing: label_smoothing={backpropagated:g} in the tensor backpropagated, "
+            f"{given:g} in info['loss']. The per-sample rows hold the loss backpropagated and the declared losses "
+            "another one. Compute info['loss'] and info['individual_losses'] with the loss's own options "
+            f"(F.cross_entropy(out, y, label_smoothing={backpropagated:g}) and the same with reduction='none' for the "
+            "rows), or backpropagate info['loss'] (docs/your_training_loop.md#self-checks)"
         )
     return (
         f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "

@@ -1,0 +1,114 @@
+"""What a loss tensor's autograd graph holds, read to say why a check failed.
+
+A failed check that compares two losses (``info["loss"]`` with the mean of
+``info["individual_losses"]``, or with what the backward pass propagated)
+can name its cause where the two tensors' graphs differ in a known way:
+:func:`derivative_in`, a node of a backward pass made with ``create_graph``
+(a gradient penalty); :func:`label_smoothing_in`, the label smoothing of
+torch's cross-entropy. Only autograd nodes are read (their types and saved
+scalars), never a tensor; the walks stop after ``limit`` nodes.
+
+May import torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+__all__ = ["derivative_in", "label_smoothing_in", "smoothing_mismatch"]
+
+
+def _nodes(graphs: list, limit: int) -> Iterator:
+    """The nodes reachable from ``graphs`` (autograd nodes; ``None`` skipped), each once, at most ``limit``."""
+    seen = {id(node) for node in graphs if node is not None}
+    stack = [node for node in graphs if node is not None]
+    while stack and len(seen) <= limit:
+        node = stack.pop()
+        yield node
+        for child, _ in getattr(node, "next_functions", ()):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+
+
+def derivative_in(graphs: list, limit: int = 20_000) -> str | None:
+    """The name of a node of a backward pass made with ``create_graph`` in the graphs of ``graphs`` (autograd
+    nodes), the first one a walk from them meets (``None``: none within ``limit`` nodes). Such a node (its type's
+    name holds ``BackwardBackward``: the derivative of an operation's backward formula) is how a gradient penalty,
+    an input-gradient term or another ``torch.autograd.grad(..., create_graph=True)`` shows in the tensor
+    backpropagated."""
+    for node in _nodes(graphs, limit):
+        name = type(node).__name__
+        if "BackwardBackward" in name:
+            return name
+    return None
+
+
+def _children(node) -> list:
+    return [child for child, _ in getattr(node, "next_functions", ()) if child is not None]
+
+
+def _below_views(node):
+    """``node``, or the first node under its chain of views and reshapes."""
+    while type(node).__name__ in ("ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0"):
+        children = _children(node)
+        if len(children) != 1:
+            return node
+        node = children[0]
+    return node
+
+
+def _smoothing_at(node) -> float | None:
+    """``epsilon`` where ``node`` is torch's label-smoothed cross-entropy (class-index targets): the sum of
+    ``(1 - epsilon) x`` the NLL of a log-softmax and a multiple of the same log-softmax summed over its classes
+    (what ``F.cross_entropy(..., label_smoothing=epsilon)`` records), else ``None``."""
+    if type(node).__name__ != "AddBackward0":
+        return None
+    children = _children(node)
+    if len(children) != 2 or any(type(child).__name__ != "MulBackward1" for child in children):
+        return None
+    for nll_side, smooth_side in (children, children[::-1]):
+        nll = [_below_views(c) for c in _children(nll_side)]
+        nll = [c for c in nll if type(c).__name__.startswith("NllLoss")]
+        if len(nll) != 1:
+            continue
+        log_softmax = [_below_views(c) for c in _children(nll[0])]
+        if len(log_softmax) != 1 or type(log_softmax[0]).__name__ != "LogSoftmaxBackward0":
+            continue
+        # the other term sums the same log-softmax over its classes, a few nodes down (negated, masked, divided)
+        for other in _nodes([smooth_side], 12):
+            if type(other).__name__ == "SumBackward1" and any(
+                _below_views(c) is log_softmax[0] for c in _children(other)
+            ):
+                keep = getattr(nll_side, "_saved_other", None)
+                try:
+                    return round(1.0 - float(keep), 12)
+                except (TypeError, ValueError):
+                    return None
+    return None
+
+
+def label_smoothing_in(graphs: list, limit: int = 20_000) -> float | None:
+    """The label smoothing of torch's cross-entropy in the graphs of ``graphs`` (autograd nodes): ``epsilon``
+    of the first smoothed one a walk meets, ``0.0`` where it meets a cross-entropy's NLL without smoothing only,
+    ``None`` where it meets neither within ``limit`` nodes (another loss, or soft targets, whose smoothing is in
+    the targets, not the graph)."""
+    plain = False
+    for node in _nodes(graphs, limit):
+        epsilon = _smoothing_at(node)
+        if epsilon is not None:
+            return epsilon
+        plain = plain or type(node).__name__.startswith("NllLoss")
+    return 0.0 if plain else None
+
+
+def smoothing_mismatch(first, second) -> tuple[float, float] | None:
+    """``(epsilon_first, epsilon_second)`` where the graphs of two loss tensors (or ``grad_fn`` lists) both hold
+    torch's cross-entropy with different label smoothing, else ``None``."""
+    found = []
+    for side in (first, second):
+        graphs = side if isinstance(side, list) else [getattr(side, "grad_fn", None)]
+        found.append(label_smoothing_in([g for g in graphs if g is not None]) if any(graphs) else None)
+    if None in found or abs(found[0] - found[1]) <= 1e-9:
+        return None
+    return found[0], found[1]

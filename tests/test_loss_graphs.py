@@ -1,0 +1,149 @@
+"""What a loss's autograd graph says (cockpit_like.checks.graphs), and the failed checks that name it.
+
+Outside trial 34: a cross-entropy backpropagated with ``label_smoothing`` while
+``info["loss"]`` and the rows were computed without it (or the rows without,
+``info["loss"]`` with) was told only among the kinds of term a loss can have
+(618 quantity-steps of generic reasons in the rerun, this cause among them).
+Both checks now read the label smoothing from the two graphs and name it.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cockpit_like import Cockpit
+from cockpit_like.checks.graphs import derivative_in, label_smoothing_in, smoothing_mismatch
+from cockpit_like.utils.configuration import configuration
+
+DTYPE = torch.float64
+
+
+def _logits(*shape):
+    return torch.randn(*shape, dtype=DTYPE, generator=torch.Generator().manual_seed(0), requires_grad=True)
+
+
+def _targets(*shape, classes=4):
+    return torch.randint(0, classes, shape, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("epsilon", [0.1, 0.25])
+def test_label_smoothing_of_torchs_cross_entropy_is_read_from_the_graph(epsilon, reduction):
+    out, y = _logits(6, 4), _targets(6)
+    loss = F.cross_entropy(out, y, label_smoothing=epsilon, reduction=reduction)
+    assert label_smoothing_in([loss.grad_fn]) == pytest.approx(epsilon, abs=1e-12)
+    module = nn.CrossEntropyLoss(label_smoothing=epsilon, reduction=reduction)(out, y)
+    assert label_smoothing_in([module.grad_fn]) == pytest.approx(epsilon, abs=1e-12)
+
+
+def test_sequences_token_means_and_terms_around_the_loss():
+    """``[B, C, T]`` logits (NLL through a view), rows as token means, the loss inside a larger sum."""
+    out, y = _logits(3, 4, 5), _targets(3, 5)
+    tokens = F.cross_entropy(out, y, label_smoothing=0.2, reduction="none")  # [B, T]
+    rows = tokens.mean(1)
+    assert label_smoothing_in([rows.grad_fn]) == pytest.approx(0.2)
+    flat = F.cross_entropy(out.transpose(1, 2).reshape(-1, 4), y.reshape(-1), label_smoothing=0.3)
+    assert label_smoothing_in([(flat + 0.01 * (out**2).sum()).grad_fn]) == pytest.approx(0.3)
+
+
+def test_no_smoothing_and_other_losses():
+    out, y = _logits(6, 4), _targets(6)
+    assert label_smoothing_in([F.cross_entropy(out, y).grad_fn]) == 0.0
+    assert label_smoothing_in([F.nll_loss(F.log_softmax(out, 1), y).grad_fn]) == 0.0
+    assert label_smoothing_in([F.mse_loss(out, torch.zeros_like(out)).grad_fn]) is None
+    # soft targets: the smoothing is in the targets, not the graph
+    soft = torch.softmax(torch.randn(6, 4, dtype=DTYPE), 1)
+    assert label_smoothing_in([F.cross_entropy(out, soft, label_smoothing=0.1).grad_fn]) is None
+
+
+@pytest.mark.parametrize("weight", [0.5, 0.9])
+def test_a_weighted_sum_of_two_losses_is_not_read_as_smoothing(weight):
+    """``w x CE + (1 - w) x`` another term of the logits: the same shape of sum, but the other term is not the
+    cross-entropy's log-softmax summed over its classes."""
+    out, y = _logits(6, 4), _targets(6)
+    mixed = weight * F.cross_entropy(out, y) + (1 - weight) * F.mse_loss(out, torch.zeros_like(out))
+    assert label_smoothing_in([mixed.grad_fn]) == 0.0
+    other = weight * F.cross_entropy(out, y) + (1 - weight) * F.cross_entropy(out * 2, y)
+    assert label_smoothing_in([other.grad_fn]) == 0.0
+
+
+def test_mismatch_and_the_walk_limits():
+    out, y = _logits(6, 4), _targets(6)
+    smoothed, plain = F.cross_entropy(out, y, label_smoothing=0.1), F.cross_entropy(out, y, reduction="none")
+    assert smoothing_mismatch(smoothed, plain) == pytest.approx((0.1, 0.0))
+    assert smoothing_mismatch(plain, smoothed) == pytest.approx((0.0, 0.1))
+    assert smoothing_mismatch(smoothed, F.cross_entropy(out, y, label_smoothing=0.1, reduction="none")) is None
+    assert smoothing_mismatch(smoothed, F.mse_loss(out, torch.zeros_like(out))) is None
+    assert smoothing_mismatch(smoothed, torch.tensor(1.0)) is None  # no graph: nothing to compare
+    deep = smoothed
+    for _ in range(30):
+        deep = deep * 1.0
+    assert label_smoothing_in([deep.grad_fn]) == pytest.approx(0.1)
+    assert label_smoothing_in([deep.grad_fn], limit=10) is None
+    assert derivative_in([smoothed.grad_fn]) is None
+
+
+def _problem():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).to(DTYPE)
+    generator = torch.Generator().manual_seed(2)
+    return model, torch.randn(12, 6, generator=generator, dtype=DTYPE), torch.randint(0, 4, (12,), generator=generator)
+
+
+def _step(loss_of, rows_of, backpropagated_of):
+    model, x, y = _problem()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    out = model(x)
+    info = {"batch_size": 12, "individual_losses": rows_of(out, y), "loss": loss_of(out, y)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info=info):
+            backpropagated_of(out, y).backward()
+    return cockpit.checks[0]
+
+
+def _smoothed(out, y):
+    return F.cross_entropy(out, y, label_smoothing=0.1)
+
+
+def _plain(out, y):
+    return F.cross_entropy(out, y)
+
+
+def _plain_rows(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def test_the_backpropagated_loss_check_names_the_smoothing():
+    """Trial 34's ``label_smoothing_mismatch``: backward() on the smoothed loss, both declarations without."""
+    checks = _step(_plain, _plain_rows, _smoothed)
+    (failed,) = checks["failed"]
+    assert failed["check"] == "backpropagated_loss"
+    assert "label_smoothing=0.1 in the tensor backpropagated, 0 in info['loss']" in failed["reason"]
+    assert "F.cross_entropy(out, y, label_smoothing=0.1)" in failed["reason"]
+
+
+def test_the_losses_mean_check_names_the_smoothing_first():
+    """Following the note (pass the loss backpropagated as info['loss']) with the rows still plain: the error
+    names the smoothing before the list of causes; the rows with it, as it says, make the step valid."""
+    with pytest.raises(ValueError, match=r"label_smoothing=0.1 in info\['loss'\], 0 in info\['individual_losses'\]"
+                                         r".*reduction='none'\)\. Other causes"):
+        _step(_smoothed, _plain_rows, _smoothed)
+    checks = _step(_smoothed, lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="none"), _smoothed)
+    assert checks["valid"] and not checks["failed"]
+
+
+def test_rows_smoothed_and_the_loss_not_is_named_the_other_way_round():
+    with pytest.raises(ValueError, match=r"label_smoothing=0 in info\['loss'\], 0.1 in info\['individual_losses'\]"):
+        _step(_plain, lambda out, y: F.cross_entropy(out, y, label_smoothing=0.1, reduction="none"), _plain)
+
+
+def test_a_generic_mismatch_keeps_the_common_causes():
+    with pytest.raises(ValueError, match="Common causes") as caught:
+        _step(lambda out, y: _plain(out, y) + 0.3, _plain_rows, _plain)
+    assert "label smoothing" not in str(caught.value).split("Common causes")[0]
