@@ -540,7 +540,8 @@ class TrackedStep:
             )
         if roots is not None:
             used = partition.factor if partition.factor is not None else partitions.checks.assumed
-            why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None)
+            why = undeclared_terms(roots, self.info.get("loss"), used, seen=partition.factor is not None,
+                                   rows=self.info.get("individual_losses"))
             known = any(entry["check"] == "backpropagated_loss" for entry in partitions.checks.failed)
             if why is None and not known and factor is not None and factor.calls <= 1:
                 why = _output_mismatch(factor.reference, used, _changing_hook(env.run))

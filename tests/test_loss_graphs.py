@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit_like import Cockpit
-from cockpit_like.checks.graphs import derivative_in, label_smoothing_in, smoothing_mismatch
+from cockpit_like.checks.graphs import derivative_in, label_smoothing_in, smoothing_mismatch, weighs_rows
 from cockpit_like.utils.configuration import configuration
 
 DTYPE = torch.float64
@@ -147,3 +147,56 @@ def test_a_generic_mismatch_keeps_the_common_causes():
     with pytest.raises(ValueError, match="Common causes") as caught:
         _step(lambda out, y: _plain(out, y) + 0.3, _plain_rows, _plain)
     assert "label smoothing" not in str(caught.value).split("Common causes")[0]
+
+
+# ---- row weights ---------------------------------------------------------------------------------------------
+def test_row_weights_are_read_from_the_graph():
+    out, y = _logits(6, 4), _targets(6)
+    rows = F.cross_entropy(out, y, reduction="none")
+    w = torch.linspace(0.5, 1.5, 6, dtype=DTYPE)
+    for weighted in ((rows * w).mean(), (w * rows).mean(), (rows * w).sum() / w.sum(), (rows / w).mean(),
+                     torch.dot(rows, w) / 6):  # fmt: skip
+        assert weighs_rows([weighted.grad_fn], rows)
+    for plain in (rows.mean(), rows.sum() / 6, (rows * 2.0).mean(), (rows * rows).mean()):
+        assert not weighs_rows([plain.grad_fn], rows)
+    assert weighs_rows([(rows * rows.detach()).mean().grad_fn], rows)  # (detached weights are weights)
+    other_rows = F.cross_entropy(out, y, reduction="none")  # the same values, another tensor: not these rows
+    assert not weighs_rows([(other_rows * w).mean().grad_fn], rows)
+    assert not weighs_rows([(rows * w).mean().grad_fn], rows.detach())
+
+
+def test_row_weights_in_the_backpropagated_loss_only_are_named():
+    """Trial 34's ``row_weights_bp_only``: ``(rows * w).mean()`` backpropagated, the plain rows declared."""
+    model, x, y = _problem()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    out = model(x)
+    rows = F.cross_entropy(out, y, reduction="none")
+    w = torch.linspace(0.5, 1.5, 12, dtype=DTYPE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": rows.mean()}):
+            (rows * w).mean().backward()
+    (failed,) = cockpit.checks[0]["failed"]
+    assert failed["check"] == "backpropagated_loss"
+    assert "multiplies (or divides) the rows of info['individual_losses'] by a tensor without gradient" in failed["reason"]
+    # the advice: the weighted rows declared, the loss backpropagated: valid
+    model, x, y = _problem()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    out = model(x)
+    rows = F.cross_entropy(out, y, reduction="none")
+    loss = (rows * w).mean()
+    with cockpit(0, info={"batch_size": 12, "individual_losses": rows * w, "loss": loss}):
+        loss.backward()
+    assert cockpit.checks[0]["valid"] and not cockpit.checks[0]["failed"]
+
+
+def test_row_weights_in_the_declared_loss_only_are_named_first():
+    w = torch.linspace(0.5, 1.5, 12, dtype=DTYPE)
+    model, x, y = _problem()
+    cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
+    out = model(x)
+    rows = F.cross_entropy(out, y, reduction="none")
+    loss = (rows * w).mean()
+    with pytest.raises(ValueError, match=r"info\['loss'\] multiplies \(or divides\) the rows.*Other causes"):
+        with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss}):
+            loss.backward()

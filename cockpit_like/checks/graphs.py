@@ -5,7 +5,8 @@ A failed check that compares two losses (``info["loss"]`` with the mean of
 can name its cause where the two tensors' graphs differ in a known way:
 :func:`derivative_in`, a node of a backward pass made with ``create_graph``
 (a gradient penalty); :func:`label_smoothing_in`, the label smoothing of
-torch's cross-entropy. Only autograd nodes are read (their types and saved
+torch's cross-entropy; :func:`weighs_rows`, the rows of
+``info["individual_losses"]`` multiplied by a tensor without gradient. Only autograd nodes are read (their types and saved
 scalars), never a tensor; the walks stop after ``limit`` nodes.
 
 May import torch.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["derivative_in", "label_smoothing_in", "smoothing_mismatch"]
+__all__ = ["derivative_in", "label_smoothing_in", "smoothing_mismatch", "weighs_rows"]
 
 
 def _nodes(graphs: list, limit: int) -> Iterator:
@@ -112,3 +113,38 @@ def smoothing_mismatch(first, second) -> tuple[float, float] | None:
     if None in found or abs(found[0] - found[1]) <= 1e-9:
         return None
     return found[0], found[1]
+
+
+#: nodes of ``a * b``, ``a / b`` and ``<a, b>``, whose two inputs are their two children
+_PRODUCTS = ("MulBackward0", "DivBackward0", "DotBackward0")
+
+
+def weighs_rows(graphs: list, rows, limit: int = 20_000) -> bool:
+    """Whether the graphs of ``graphs`` (autograd nodes) multiply or divide the tensor ``rows`` (``info[
+    "individual_losses"]``, its own node) by a tensor without gradient: row weights, or a mask, on the rows
+    before they are reduced (``(rows * w).mean()``, ``rows @ w / B``)."""
+    target = getattr(rows, "grad_fn", None)
+    if target is None:
+        return False
+    for node in _nodes(graphs, limit):
+        if type(node).__name__ in _PRODUCTS:
+            inputs = [child for child, _ in getattr(node, "next_functions", ())]
+            if len(inputs) == 2 and None in inputs and any(
+                child is not None and _below_views(child) is target for child in inputs
+            ) and _weights_saved(node):
+                return True
+    return False
+
+
+def _weights_saved(node) -> bool:
+    """Whether the constant operand ``node`` saved has more than one entry (a number times the rows is a factor
+    on the loss, which the loss-factor checks name, not a weight per row). After a backward pass has freed the
+    saved tensors this cannot be read: then ``True`` (the callers' words cover a number too)."""
+    for name in ("_saved_other", "_saved_self", "_saved_tensor"):
+        try:
+            saved = getattr(node, name, None)
+        except RuntimeError:  # (freed by a backward pass without retain_graph)
+            return True
+        if hasattr(saved, "numel") and not saved.requires_grad and saved.numel() > 1:
+            return True
+    return False

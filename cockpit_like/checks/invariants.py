@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cockpit_like.checks.graphs import smoothing_mismatch
+from cockpit_like.checks.graphs import smoothing_mismatch, weighs_rows
 from cockpit_like.checks.prints import NonFinitePrint
 from cockpit_like.checks.probe import project_all
 
@@ -125,19 +125,28 @@ def check_losses_mean(info: dict, step: int) -> None:
                f"Else: {lower}" if unlikely else f"{lower} (Otherwise: a small extra term in the loss that the rows lack, "
                "such as an auxiliary loss or a penalty.)")
         )
-    smoothing = _smoothing_hint(loss, losses)
+    named = _graph_hint(loss, losses)
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
-        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)}{smoothing} "
-        f"{'Other causes' if smoothing else 'Common causes'}: {_MEAN_CAUSES}"
+        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)}{named} "
+        f"{'Other causes' if named else 'Common causes'}: {_MEAN_CAUSES}"
     )
 
 
-def _smoothing_hint(loss, losses) -> str:
-    """Where the graphs of ``info["loss"]`` and the rows hold torch's cross-entropy with different label
-    smoothing: that cause, first (outside trial 34: it was named only in the list of causes)."""
-    mismatch = smoothing_mismatch(loss, losses) if isinstance(loss, torch.Tensor) else None
+def _graph_hint(loss, losses) -> str:
+    """Where the graph of ``info["loss"]`` weighs the rows, or the graphs of ``info["loss"]`` and the rows hold
+    torch's cross-entropy with different label smoothing: that cause, first (outside trial 34: they were named only
+    in the list of causes)."""
+    if not isinstance(loss, torch.Tensor):
+        return ""
+    if loss.grad_fn is not None and weighs_rows([loss.grad_fn], losses):
+        return (
+            " info['loss'] multiplies (or divides) the rows of info['individual_losses'] by a tensor without "
+            "gradient in its graph: row weights or a mask. Pass the weighted rows, rows * w (times B / w.sum() for "
+            "a weighted mean), as info['individual_losses']."
+        )
+    mismatch = smoothing_mismatch(loss, losses)
     if mismatch is None:
         return ""
     in_loss, in_rows = mismatch

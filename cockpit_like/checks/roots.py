@@ -32,7 +32,7 @@ import threading
 import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
-from cockpit_like.checks.graphs import derivative_in, smoothing_mismatch
+from cockpit_like.checks.graphs import derivative_in, smoothing_mismatch, weighs_rows
 
 __all__ = ["BackwardRoots", "derivative_in", "roots_tolerance"]
 
@@ -168,7 +168,9 @@ def _uninstall() -> None:
     _ORIGINAL = _WRAPPER = None
 
 
-def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: bool = True) -> str | None:
+def undeclared_terms(
+    roots: BackwardRoots, loss, factor: float | None, seen: bool = True, rows=None
+) -> str | None:
     """Why the propagated roots are not ``factor * info["loss"]`` (``None``: they are, or cannot be compared).
 
     Args:
@@ -176,6 +178,7 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: boo
         loss: ``info["loss"]`` (a one-element tensor or a number; anything else is not compared).
         factor: the factor seen by the loss hook, or the declared one where none was seen.
         seen: whether ``factor`` was seen (else declared), for the message.
+        rows: ``info["individual_losses"]`` (read only to name row weights in the tensor backpropagated).
     """
     total = roots.total()
     if total is None or factor is None:
@@ -245,6 +248,19 @@ def undeclared_terms(roots: BackwardRoots, loss, factor: float | None, seen: boo
             "another one. Compute info['loss'] and info['individual_losses'] with the loss's own options "
             f"(F.cross_entropy(out, y, label_smoothing={backpropagated:g}) and the same with reduction='none' for the "
             "rows), or backpropagate info['loss'] (docs/your_training_loop.md#self-checks)"
+        )
+    if isinstance(rows, torch.Tensor) and weighs_rows(roots.graphs, rows) and not (
+        declared is not None and weighs_rows([declared], rows)
+    ):  # (outside trial 34: row weights in the loss backpropagated only were named among the kinds of term)
+        return (
+            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated multiplies (or "
+            "divides) the rows of info['individual_losses'] by a tensor without gradient before reducing them, which "
+            "info['loss'] does not: row weights or a mask (importance weights, class-balanced rows; or a number). The "
+            "per-sample "
+            "rows hold the weighted losses and the declared ones the unweighted. Declare the weighted rows: "
+            "info['individual_losses'] = rows * w (times B / w.sum() for a weighted mean, so that their mean is the "
+            "loss), info['loss'] the loss backpropagated (docs/your_training_loop.md#self-checks)"
         )
     return (
         f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} and the factor between them "
