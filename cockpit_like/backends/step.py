@@ -1173,8 +1173,8 @@ def _explicit_same_padding(modules: list) -> list:
 def _from_backpack(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
-    if not isinstance(exc, (AssertionError, TypeError)):
-        return False
+    if not isinstance(exc, (AssertionError, TypeError, ValueError)):  # (ValueError: outside trial 39, BackPACK's
+        return False  # "Only 2D inputs are currently supported" for a loss it does not factor)
     tb = exc.__traceback__
     while tb is not None:
         if "backpack" in tb.tb_frame.f_code.co_filename.replace("\\", "/").split("/site-packages/")[-1].split("/")[0]:

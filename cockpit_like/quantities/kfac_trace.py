@@ -142,10 +142,10 @@ class KFACTrace(SingleStepQuantity):
     def extensions(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self._curvature == "empirical":
             return []
-        from cockpit_like.backends.conv_diagonals import use_elementwise_bce, use_functional_avgpool
+        from cockpit_like.backends.conv_diagonals import use_any_shape_losses, use_functional_avgpool
 
         extension = KFAC(mc_samples=self._mc_samples) if self._curvature == "kfac" else KFLR()
-        return [use_functional_avgpool(use_elementwise_bce(extension))]
+        return [use_functional_avgpool(use_any_shape_losses(extension))]
 
     def per_sample_stats(self, global_step: int) -> list:
         if not self.should_compute(global_step) or self._curvature != "empirical":

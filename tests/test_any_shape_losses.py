@@ -1,4 +1,4 @@
-"""Exact curvature of ``BCEWithLogitsLoss`` over several outputs on extended models, float64.
+"""Exact curvature of ``BCEWithLogitsLoss`` and ``MSELoss`` over outputs of any shape on extended models, float64.
 
 BackPACK factors the loss Hessian of ``BCEWithLogitsLoss`` only for one logit
 per sample with default arguments; a multi-label classifier on an extended
@@ -9,6 +9,9 @@ factories give the loss the diagonal factor of any outputs
 brute force independent of BackPACK: the dense Hessian of the loss
 (``torch.func.hessian``) for ``diag_h``, ``J^T H_f J`` for the GGN, per-sample
 gradients from ``vmap(grad)`` for TIC; BackPACK's own numbers where it runs.
+``MSELoss`` on ``[B, C, H, W]`` or ``[B, C, T]`` outputs stopped the presets
+with BackPACK's raw "Only 2D inputs are currently supported for MSELoss"
+(outside trial 39); it gets the factor of any shape too.
 """
 
 from __future__ import annotations
@@ -292,3 +295,103 @@ def test_kfac_monte_carlo_agrees_with_kflr_in_expectation_on_several_outputs():
     for mc, exact in zip(traces["kfac"], traces["kflr"]):
         assert mc == pytest.approx(exact, rel=0.1)
     assert traces["kfac"] != traces["kflr"]
+
+
+
+# ---- MSELoss on outputs that are not [B, C] ----------------------------------------------------------------------
+def _mse_model(kind: str) -> nn.Sequential:
+    torch.manual_seed(5)
+    if kind == "image":  # [B, C, H, W] outputs (a denoiser, a segmentation regression)
+        model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Sigmoid(), nn.Conv2d(3, 2, 2, padding=1))
+    else:  # [B, C, T]: a 1-d convolution over a sequence
+        model = nn.Sequential(nn.Conv1d(2, 4, 3), nn.Tanh(), nn.Conv1d(4, 3, 2))
+    return model.to(DTYPE)
+
+
+def _mse_data(kind: str):
+    generator = torch.Generator().manual_seed(13)
+    inputs = torch.randn(BATCH, 2, *((4, 3) if kind == "image" else (7,)), generator=generator, dtype=DTYPE)
+    with torch.no_grad():
+        targets = torch.randn_like(_mse_model(kind)(inputs))
+    return inputs, targets
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("kind", ["image", "sequence"])
+@pytest.mark.parametrize("curvature,ours", [("diag_h", diag_hessian), ("diag_ggn_exact", diag_ggn_exact)])
+def test_mse_on_outputs_of_any_shape_against_brute_force(curvature, ours, kind, reduction):
+    model, lossfunc = _mse_model(kind), nn.MSELoss(reduction=reduction)
+    inputs, targets = _mse_data(kind)
+    expected = _brute_force(model, lossfunc, inputs, targets, curvature)
+    _close(_backpack(model, lossfunc, inputs, targets, ours()), expected)
+    theirs = DiagHessian() if curvature == "diag_h" else DiagGGNExact()
+    with pytest.raises(ValueError, match="Only 2D inputs"):  # what it fixes
+        _backpack(model, lossfunc, inputs, targets, theirs)
+
+
+def test_mse_on_two_dimensional_outputs_is_backpacks_own_factor():
+    model, lossfunc = _model("mlp"), nn.MSELoss()
+    inputs, _ = _data("mean", "mlp")
+    targets = torch.randn(BATCH, LABELS, dtype=DTYPE, generator=torch.Generator().manual_seed(3))
+    expected = _brute_force(model, lossfunc, inputs, targets, "diag_h")
+    mine = _backpack(model, lossfunc, inputs, targets, diag_hessian())
+    assert all(torch.equal(a, b) for a, b in zip(mine, _backpack(model, lossfunc, inputs, targets, DiagHessian())))
+    _close(mine, expected)
+
+
+def test_mse_sampled_ggn_on_images_agrees_with_the_exact_one_in_expectation():
+    model, lossfunc = _mse_model("image"), nn.MSELoss()
+    inputs, targets = _mse_data("image")
+    expected = _brute_force(model, lossfunc, inputs, targets, "diag_ggn_exact")
+    torch.manual_seed(0)
+    sampled = _backpack(model, lossfunc, inputs, targets, diag_ggn_mc(mc_samples=4000))
+    for mine, exact in zip(sampled, expected):
+        assert float(mine.sum()) == pytest.approx(float(exact.sum()), rel=0.05)
+
+
+@pytest.mark.parametrize("preset", ["full", "business"])
+def test_presets_on_an_image_regression(preset):
+    """The presets on an extended image-to-image chain with a mean MSE: HessTrace per layer equals the dense
+    Hessian's blocks at every tracked step (before: BackPACK's raw ValueError at step 0)."""
+    model, lossfunc = extend(_mse_model("image")), extend(nn.MSELoss())
+    reference_loss = nn.MSELoss()
+    cockpit = Cockpit(model.parameters(), quantities=configuration(preset))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    references = {}
+    for step in range(3):
+        inputs, targets = _mse_data("image")
+        references[step] = [d.sum().item() for d in _brute_force(model, reference_loss, inputs, targets, "diag_h")]
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, targets)
+        rows = ((outputs - targets) ** 2).flatten(1).mean(1)
+        info = {"batch_size": BATCH, "individual_losses": rows, "loss": loss, "optimizer": optimizer}
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    output = cockpit.get_output()
+    tracked = [step for step in references if "HessTrace" in output.get(step, {})]
+    assert tracked and tracked[0] == 0
+    for step in tracked:
+        assert output[step]["HessTrace"] == pytest.approx(references[step], rel=1e-9, abs=1e-12)
+        assert cockpit.checks[step]["valid"], cockpit.checks[step]
+
+
+def test_a_value_error_inside_backpack_is_the_cockpits_error_with_its_fixes(monkeypatch):
+    """A ``ValueError`` that BackPACK raises for a module it cannot handle (its raw "Only 2D inputs" before this
+    change) reaches the user as ``UnsupportedLayerError`` naming the quantities and the fixes."""
+    from backpack.core.derivatives.mseloss import MSELossDerivatives
+
+    from cockpit_like.backends import conv_diagonals
+
+    monkeypatch.setattr(conv_diagonals._AnyShapeMSELossDerivatives, "_check_input_dims",
+                        MSELossDerivatives._check_input_dims)  # fmt: skip
+    monkeypatch.setattr(conv_diagonals._AnyShapeMSELossDerivatives, "_sqrt_hessian",
+                        MSELossDerivatives._sqrt_hessian)  # fmt: skip
+    model, lossfunc = extend(_mse_model("image")), extend(nn.MSELoss())
+    cockpit = Cockpit(model.parameters(), quantities=[HessTrace(schedules.linear(1))])
+    inputs, targets = _mse_data("image")
+    loss = lossfunc(model(inputs), targets)
+    with pytest.raises(UnsupportedLayerError, match="Only 2D inputs.*HessTrace.*curvature='hutchinson'"):
+        with cockpit(0, info={"batch_size": BATCH}):
+            loss.backward()
