@@ -61,6 +61,38 @@ def _reads_inside(waiting: dict, output: torch.Tensor) -> bool:
     return any(start < key < end for key in waiting)
 
 
+def _key(tensor: torch.Tensor) -> tuple:
+    return tensor.data_ptr(), tuple(tensor.shape)
+
+
+def _in_data_order(calls: list) -> list:
+    """The recorded calls with every consumer before the call that made what it reads (backward order).
+
+    Modules that pass their input through as the same memory (``nn.Identity``, ``nn.Dropout(p=0)``, a second
+    ``nn.Flatten``) have their backward hooks fire at one autograd node, in an order that changed from one step
+    to the next (outside trial 39: ``Flatten`` then ``Dropout(p=0)`` at step 0, the other way round at step 1,
+    which the replay read as a later module reading a part of an output). Among calls whose outputs share
+    memory, a call recorded before one that reads what it wrote (same memory and shape), where that one's output
+    is not also what it reads (two pass-throughs of one tensor: either order), moves after it; every other order
+    is kept.
+    """
+    order = list(calls)
+    keys = {id(call): (_key(call.io["output"]), {_key(t) for t in call.inputs}) for call in order}
+    for _ in range(len(order)):
+        misplaced = next(
+            ((i, j) for i in range(len(order)) for j in range(i + 1, len(order))
+             if keys[id(order[i])][0][0] == keys[id(order[j])][0][0]
+             and keys[id(order[i])][0] in keys[id(order[j])][1]
+             and keys[id(order[j])][0] not in keys[id(order[i])][1]),
+            None,
+        )  # fmt: skip
+        if misplaced is None:
+            break
+        i, j = misplaced
+        order.insert(i, order.pop(j))  # the consumer first
+    return order
+
+
 @dataclass
 class _Call:
     """One module's hook call of the backward pass, as the replay needs it."""
@@ -162,7 +194,7 @@ class ColumnReplay:
     # ---- after the backward pass -----------------------------------------------------------
     def run(self) -> None:
         """Compute and store ``p.<savefield>`` for every recorded module's parameters; forget the calls."""
-        calls, self._calls = self._calls, []
+        calls, self._calls = _in_data_order(self._calls), []
         self.blocks = []
         if not calls:
             return
