@@ -95,3 +95,57 @@ def test_calls_are_put_in_data_order_whatever_order_the_hooks_fired():
     second = _Recorded("identity", flat, flat)  # two pass-throughs of one tensor: their recorded order is kept
     assert [c.name for c in _in_data_order([linear, second, dropout, flatten, tanh])] == ["linear", "identity", "dropout", "flatten", "tanh"]
     assert [c.name for c in _in_data_order([linear, dropout, second, flatten, tanh])] == ["linear", "dropout", "identity", "flatten", "tanh"]
+
+
+def _sequence_step(transpose: bool):
+    torch.manual_seed(0)
+    model = extend(nn.Sequential(nn.Conv1d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv1d(5, 4, 1)).to(DTYPE))
+    lossfunc = extend(nn.CrossEntropyLoss())
+    from cockpit_like.quantities import TICDiag
+
+    quantity = TICDiag(track_schedule=lambda s: True, curvature="ggn")
+    cockpit = Cockpit(model.parameters(), quantities=[quantity])
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 3, 5, generator=generator, dtype=DTYPE), torch.randint(0, 4, (4, 5), generator=generator)
+    out = model(x)
+    loss = lossfunc(out, y)
+    rows = nn.functional.cross_entropy(out, y, reduction="none").mean(1)
+    info = {"batch_size": 4, "individual_losses": rows, "loss": loss,
+            "outputs": out.transpose(1, 2) if transpose else out}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cockpit(0, info=info):
+            loss.backward(create_graph=cockpit.create_graph(0))
+    return cockpit.get_output().get(0, {}), cockpit.checks[0]
+
+
+def test_sequence_logits_with_classes_in_dim_1_are_named_and_the_advice_works():
+    """``[B, C, T]`` logits as ``info["outputs"]`` for the GGN: the note listed losses it could be (MSE, sum, weights);
+    it names the layout and ``movedim(1, -1)``, and the transposed outputs give a value with its error bar."""
+    values, checks = _sequence_step(transpose=False)
+    assert "TICDiag" not in values
+    (note,) = [n for n in checks["notes"] if n.startswith("TICDiag")]
+    assert "its classes are in dimension 1 (shape [4, 4, 5]" in note and "movedim(1, -1)" in note
+    assert "MSE" not in note and "weighted" not in note
+    values, checks = _sequence_step(transpose=True)
+    assert isinstance(values["TICDiag"], float) and not [n for n in checks["notes"] if n.startswith("TICDiag")]
+
+
+def test_weighted_cross_entropy_is_not_advised_the_ggn():
+    """``CrossEntropyLoss(weight=W)`` on an extended chain: the error advised TICDiag ``curvature='ggn'`` for a
+    cross-entropy, which stores nothing for a weighted one; it now says which cross-entropy."""
+    from cockpit_like.backends.step import UnsupportedLayerError
+
+    model = extend(nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).to(DTYPE))
+    lossfunc = extend(nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5], dtype=DTYPE)))
+    cockpit = Cockpit(model.parameters(), quantities=configuration("business"))
+    x, y = torch.randn(5, 4, dtype=DTYPE), torch.tensor([0, 1, 2, 1, 0])
+    out = model(x)
+    loss = lossfunc(out, y)
+    with pytest.raises(UnsupportedLayerError, match="for a mean cross-entropy without class weights"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            rows = nn.functional.cross_entropy(out, y, weight=lossfunc.weight, reduction="none") * 5 / lossfunc.weight[y].sum()
+            with cockpit(0, info={"batch_size": 5, "loss": loss, "individual_losses": rows,
+                                  "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}):  # fmt: skip
+                loss.backward(create_graph=cockpit.create_graph(0))

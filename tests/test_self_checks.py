@@ -224,9 +224,19 @@ def test_a_mean_off_at_float32_rounding_for_float64_losses_names_the_lower_preci
 
 @pytest.mark.parametrize("factor, shown", [(1024.0, "1024 x"), (0.25, "1/4 x"), (3.0, "3 x")])
 def test_a_scaled_or_divided_loss_passed_as_the_loss_is_named_with_its_factor(factor, shown):
-    losses = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64)
+    losses = torch.tensor([1.0, 2.0, 4.0, 0.5, 3.0], dtype=torch.float64)
     with pytest.raises(ValueError, match=r"info\['loss'\] is " + shown + r" that mean: pass as info\['loss'\] the mean loss"):
         check_losses_mean({"loss": losses.mean() * factor, "individual_losses": losses}, 0)
+
+
+def test_a_sum_over_the_rows_is_told_to_use_the_mean_reduction_first():
+    """Outside trial 39: an extended ``CrossEntropyLoss(reduction='sum')`` was told first to pass the mean as
+    info['loss'] (the cockpit would see the factor), which it cannot inside a BackPACK-extended loss module."""
+    losses = torch.tensor([1.0, 2.0, 4.0, 0.5, 3.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"is 5 x that mean, the number of rows: a sum over the rows "
+                                         r"\(reduction='sum'\)\. Use reduction='mean'") as raised:
+        check_losses_mean({"loss": losses.sum(), "individual_losses": losses}, 0)
+    assert "the cockpit sees that factor on its own" not in str(raised.value)
 
 
 @pytest.mark.parametrize("form", ["factors", "sequence", "grad_batch", "sum"])

@@ -173,6 +173,11 @@ def _spacing(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
+#: how :func:`cross_entropy_verdict`'s reason starts where the loss is a mean cross-entropy of the outputs with
+#: their dimension 1 moved last (the cause found: the notes say nothing else)
+CLASSES_IN_DIM_1 = "its classes are in dimension 1"
+
+
 def cross_entropy_verdict(loss, outputs: torch.Tensor, losses, gradient: torch.Tensor | None):
     """:func:`_cross_entropy_check` given the gradient :func:`outputs_gradient` found (the same three entries).
 
@@ -181,6 +186,16 @@ def cross_entropy_verdict(loss, outputs: torch.Tensor, losses, gradient: torch.T
     weighted cross-entropy within 1e-6 of the plain one passes that tolerance too, outside trial 10), with that
     reason and its fix (outside trial 34: the generic reason's advice could not help)."""
     verdict = _cross_entropy_verdict(loss, outputs, losses, gradient)
+    if verdict[0] is False and outputs.dim() >= 3 and gradient is not None and outputs.shape[1] > 1:
+        # classes in dim 1, F.cross_entropy's layout for sequences and images (outside trial 39: told only among the
+        # losses it could be, "(classes last)" the one hint)
+        moved = _cross_entropy_verdict(loss, outputs.movedim(1, -1), losses, gradient.movedim(1, -1))
+        if moved[0] is True:
+            return False, (
+                f"{CLASSES_IN_DIM_1} (shape {list(outputs.shape)}, F.cross_entropy's layout for "
+                "sequences and images), where the GGN reads them last: the loss is a mean cross-entropy of "
+                "info['outputs'].movedim(1, -1). Pass that as info['outputs'] (out.transpose(1, 2) for [B, C, T])"
+            ), verdict[2]
     if verdict[0] is False and outputs.dtype == torch.float64 and gradient is not None and gradient.dtype == torch.float64:
         coarse = _cross_entropy_verdict(loss, outputs, losses, gradient, tolerance=1e-3)
         if coarse[0] is True:

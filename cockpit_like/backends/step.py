@@ -70,7 +70,7 @@ class UnsupportedLayerError(NotImplementedError):
 #: the quantities ``curvature='hutchinson'`` serves, for the messages that advise it: TICDiag refuses it
 HUTCHINSON_SCOPE = (
     "; HessTrace and TICTrace take it, TICDiag cannot (it divides entry by entry by the diagonal): give TICDiag "
-    "curvature='ggn' with info['outputs'] for a cross-entropy, or leave it out"
+    "curvature='ggn' with info['outputs'] for a mean cross-entropy without class weights, or leave it out"
 )
 
 

@@ -129,7 +129,7 @@ def check_losses_mean(info: dict, step: int) -> None:
     raise ValueError(
         f"cockpit step {step}: info['loss'] is {loss_value:.8g} but the mean of info['individual_losses'] is "
         f"{mean:.8g}. The cockpit's per-sample quantities need loss = mean(individual_losses) over this "
-        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean)}{named} "
+        f"backward pass's rows.{_scaled_loss_hint(loss_value, mean, detached.numel())}{named} "
         f"{'Other causes' if named else 'Common causes'}: {_MEAN_CAUSES}"
     )
 
@@ -189,12 +189,23 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _scaled_loss_hint(loss_value: float, mean: float) -> str:
+def _scaled_loss_hint(loss_value: float, mean: float, rows: int = 0) -> str:
     """Where ``info["loss"]`` is a round multiple (``S``, ``K``) or fraction (``1/K``) of the rows' mean: what
-    that usually means (the scaled or divided tensor passed instead of the loss)."""
+    that usually means (the scaled or divided tensor passed instead of the loss; ``rows`` times it: a sum over
+    the rows)."""
     if mean == 0.0 or loss_value == 0.0:
         return ""
     ratio = loss_value / mean
+    if rows >= 2 and abs(ratio - rows) <= 1e-6 * rows:
+        # (outside trial 39: an extended CrossEntropyLoss(reduction='sum') was told first to pass the mean as
+        # info['loss'], "the cockpit sees that factor on its own"; it cannot inside a BackPACK-extended loss module,
+        # and every step then failed the backpropagated-loss check)
+        return (
+            f" info['loss'] is {rows} x that mean, the number of rows: a sum over the rows (reduction='sum'). Use "
+            "reduction='mean' (with a loss module extended by BackPACK the one fix: its extensions expect the mean, "
+            "and the cockpit cannot see a factor inside the module), or backpropagate the mean and pass it as "
+            "info['loss']."
+        )
     for factor, shown in ((ratio, f"{round(ratio):d}"), (1.0 / ratio, f"1/{round(1.0 / ratio):d}")):
         # (round(factor), not factor, at least 2: a float32 loss / 2 against the rows' float64 mean is 1.99999992)
         if round(factor) >= 2 and abs(factor - round(factor)) <= 1e-6 * factor:

@@ -115,7 +115,7 @@ from cockpit_like.backends.conv_diagonals import diag_ggn_exact, diag_ggn_mc, di
 from cockpit_like.backends.curvature_engine import DeflatedDiagonal, SharedSpaceDiagonal
 from cockpit_like.backends.hvp import HutchinsonDiagonal
 from cockpit_like.backends.per_sample_stats import SumOfSquares
-from cockpit_like.backends.sampled import GGNDiagonal, SampledGGNDiagonal
+from cockpit_like.backends.sampled import CLASSES_IN_DIM_1, GGNDiagonal, SampledGGNDiagonal
 
 from cockpit_like.context import get_record
 from cockpit_like.functional.student_t import student_t_factor
@@ -390,6 +390,11 @@ class _DiagCurvatureQuantity(SingleStepQuantity):
                 why = getattr(result, "not_cross_entropy", None) or (
                     "its gradient in the outputs is not (softmax - labels) / N for any labels, soft labels included"
                 )
+                if why.startswith(CLASSES_IN_DIM_1):
+                    get_record(global_step).note(
+                        f"{type(self).__name__} at step {global_step}: no value stored: in info['outputs'] {why}."
+                    )
+                    return None
                 get_record(global_step).note(
                     f"{type(self).__name__} at step {global_step}: no value stored: the GGN diagonal is the plain "
                     "cross-entropy's of info['outputs'], but info['loss'] is not a mean cross-entropy of them: "
