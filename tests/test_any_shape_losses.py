@@ -184,6 +184,26 @@ def _per_sample_gradients(model, inputs, targets) -> torch.Tensor:
     return vmap(grad(row_loss), in_dims=(None, 0, 0))(flat, inputs, targets)
 
 
+def _train_tracked(cockpit, model, lossfunc, batches, rows_of):
+    """Three SGD steps in the README's loop; ``batches(step)`` gives ``(inputs, targets)``; the tracked steps."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        inputs, targets = batches(step)
+        optimizer.zero_grad()
+        outputs = model(inputs)
+        loss = lossfunc(outputs, targets)
+        info = {"batch_size": BATCH, "individual_losses": rows_of(outputs, targets), "loss": loss,
+                "optimizer": optimizer}  # fmt: skip
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    output = cockpit.get_output()
+    tracked = [step for step in range(3) if "HessTrace" in output.get(step, {})]
+    assert tracked and tracked[0] == 0
+    assert all(cockpit.checks[step]["valid"] for step in tracked), cockpit.checks
+    return output, tracked
+
+
 @pytest.mark.parametrize("preset", ["full", "business"])
 def test_presets_on_a_multi_label_classifier(preset):
     """The presets on an extended multi-label chain (outside trial 35's set-up): every step stores HessTrace
@@ -194,38 +214,28 @@ def test_presets_on_a_multi_label_classifier(preset):
     per_row = nn.BCEWithLogitsLoss(reduction="none")
     quantities = configuration(preset) + ([TICTrace(schedules.linear(1))] if preset == "full" else [])
     cockpit = Cockpit(model.parameters(), quantities=quantities)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     references = {}
-    for step in range(3):
+
+    def batches(step):
         inputs, targets = _data("mean", "mlp")
         inputs = inputs + step
-        blocks = _brute_force(model, reference_loss, inputs, targets, "diag_h")
+        blocks = _brute_force(model, reference_loss, inputs, targets, "diag_h")  # (the parameters before the step)
         flat_diag = torch.cat([d.reshape(-1) for d in blocks])
-        gradients = _per_sample_gradients(model, inputs, targets)
-        second_moment = (gradients**2).mean(0)
+        second_moment = (_per_sample_gradients(model, inputs, targets) ** 2).mean(0)
         references[step] = (
             [d.sum().item() for d in blocks],
             (second_moment / (flat_diag + 1e-7)).sum().item(),
             (second_moment.sum() / (flat_diag.sum() + 1e-7)).item(),
         )
-        optimizer.zero_grad()
-        outputs = model(inputs)
-        loss = lossfunc(outputs, targets)
-        info = {"batch_size": BATCH, "individual_losses": per_row(outputs, targets).mean(1), "loss": loss,
-                "optimizer": optimizer}
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
-        optimizer.step()
-    output = cockpit.get_output()
-    tracked = [step for step in references if "HessTrace" in output.get(step, {})]
-    assert tracked and tracked[0] == 0
+        return inputs, targets
+
+    output, tracked = _train_tracked(cockpit, model, lossfunc, batches, lambda out, y: per_row(out, y).mean(1))
     for step in tracked:
         traces, tic_diag, tic_trace = references[step]
         assert output[step]["HessTrace"] == pytest.approx(traces, rel=1e-9, abs=1e-12)
         assert output[step]["TICDiag"] == pytest.approx(tic_diag, rel=1e-8)
         if "TICTrace" in output[step]:
             assert output[step]["TICTrace"] == pytest.approx(tic_trace, rel=1e-9)
-        assert cockpit.checks[step]["valid"], cockpit.checks[step]
     hess_trace = next(q for q in cockpit.quantities if isinstance(q, HessTrace))
     tic = next(q for q in cockpit.quantities if isinstance(q, TICDiag))
     assert hess_trace.method == "diag_h" and tic.method == "diag_h"
@@ -356,25 +366,17 @@ def test_presets_on_an_image_regression(preset):
     model, lossfunc = extend(_mse_model("image")), extend(nn.MSELoss())
     reference_loss = nn.MSELoss()
     cockpit = Cockpit(model.parameters(), quantities=configuration(preset))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     references = {}
-    for step in range(3):
+
+    def batches(step):
         inputs, targets = _mse_data("image")
         references[step] = [d.sum().item() for d in _brute_force(model, reference_loss, inputs, targets, "diag_h")]
-        optimizer.zero_grad()
-        outputs = model(inputs)
-        loss = lossfunc(outputs, targets)
-        rows = ((outputs - targets) ** 2).flatten(1).mean(1)
-        info = {"batch_size": BATCH, "individual_losses": rows, "loss": loss, "optimizer": optimizer}
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
-        optimizer.step()
-    output = cockpit.get_output()
-    tracked = [step for step in references if "HessTrace" in output.get(step, {})]
-    assert tracked and tracked[0] == 0
+        return inputs, targets
+
+    output, tracked = _train_tracked(cockpit, model, lossfunc, batches,
+                                     lambda out, y: ((out - y) ** 2).flatten(1).mean(1))  # fmt: skip
     for step in tracked:
         assert output[step]["HessTrace"] == pytest.approx(references[step], rel=1e-9, abs=1e-12)
-        assert cockpit.checks[step]["valid"], cockpit.checks[step]
 
 
 def test_a_value_error_inside_backpack_is_the_cockpits_error_with_its_fixes(monkeypatch):
