@@ -4,7 +4,8 @@ Outside trial 34: a cross-entropy backpropagated with ``label_smoothing`` while
 ``info["loss"]`` and the rows were computed without it (or the rows without,
 ``info["loss"]`` with) was told only among the kinds of term a loss can have
 (618 quantity-steps of generic reasons in the rerun, this cause among them).
-Both checks now read the label smoothing from the two graphs and name it.
+Both checks now read the label smoothing from the two graphs and name it; row weights and
+a statistic over the batch inside the loss (batch-centred logits) likewise.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from cockpit_like import Cockpit
-from cockpit_like.checks.graphs import derivative_in, label_smoothing_in, smoothing_mismatch, weighs_rows
+from cockpit_like.checks.graphs import (
+    batch_statistic_in,
+    derivative_in,
+    label_smoothing_in,
+    smoothing_mismatch,
+    weighs_rows,
+)
 from cockpit_like.utils.configuration import configuration
 
 DTYPE = torch.float64
@@ -200,3 +207,41 @@ def test_row_weights_in_the_declared_loss_only_are_named_first():
     with pytest.raises(ValueError, match=r"info\['loss'\] multiplies \(or divides\) the rows.*Other causes"):
         with cockpit(0, info={"batch_size": 12, "individual_losses": rows, "loss": loss}):
             loss.backward()
+
+
+# ---- a statistic over the batch inside the loss --------------------------------------------------------------
+@pytest.mark.parametrize("inside", [lambda o: o - o.mean(0, keepdim=True), lambda o: o - o.mean(0),
+                                    lambda o: (o - o.mean(0)) / o.std(0), lambda o: o - o.mean()],
+                         ids=["centred", "centred_broadcast", "standardised", "global_mean"])  # fmt: skip
+def test_a_batch_statistic_inside_the_loss_is_read_from_the_graph(inside):
+    out, y = _logits(6, 4), _targets(6)
+    declared = F.cross_entropy(out, y)
+    backpropagated = F.cross_entropy(inside(out), y)
+    assert batch_statistic_in([backpropagated.grad_fn], declared) is not None
+    assert batch_statistic_in([declared.grad_fn], declared) is None
+
+
+def test_reductions_that_are_not_inside_the_loss_or_are_shared_are_not_read():
+    out, y = _logits(6, 4), _targets(6)
+    rows = F.cross_entropy(out, y, reduction="none")
+    declared = rows.mean()
+    assert batch_statistic_in([(rows.sum(0) / 6).grad_fn], declared) is None  # the rows' own mean: above the loss
+    assert batch_statistic_in([(declared + 0.1 * (out**2).mean()).grad_fn], declared) is None  # a term beside it
+    centred = out - out.mean(0)  # a batch statistic inside the model: in info['loss']'s graph as well
+    inside_model = F.cross_entropy(centred, y)
+    assert batch_statistic_in([(inside_model * 1.5).grad_fn], inside_model) is None
+    assert batch_statistic_in([F.cross_entropy(out[:, :1] - out[:, :1], y * 0).grad_fn], declared) is None
+
+
+def test_batch_centred_logits_in_the_backpropagated_loss_only_are_named_and_the_advice_works():
+    """Trial 34's ``batch_mean_centred``: the failed check named it among the kinds of term; it names the
+    statistic, and declaring that loss makes the step valid with the per-sample quantities left out (a note)."""
+    centred = lambda out, y: F.cross_entropy(out - out.mean(0, keepdim=True), y)  # noqa: E731
+    checks = _step(_plain, _plain_rows, centred)
+    (failed,) = checks["failed"]
+    assert failed["check"] == "backpropagated_loss"
+    assert "a statistic over the batch (MeanBackward1" in failed["reason"]
+    checks = _step(centred, lambda out, y: F.cross_entropy(out - out.mean(0, keepdim=True), y, reduction="none"),
+                   centred)  # fmt: skip
+    assert checks["valid"] and not checks["failed"]
+    assert any("not separable by rows" in note for note in checks["notes"])

@@ -6,7 +6,8 @@ can name its cause where the two tensors' graphs differ in a known way:
 :func:`derivative_in`, a node of a backward pass made with ``create_graph``
 (a gradient penalty); :func:`label_smoothing_in`, the label smoothing of
 torch's cross-entropy; :func:`weighs_rows`, the rows of
-``info["individual_losses"]`` multiplied by a tensor without gradient. Only autograd nodes are read (their types and saved
+``info["individual_losses"]`` multiplied by a tensor without gradient;
+:func:`batch_statistic_in`, a statistic over the batch inside the loss. Only autograd nodes are read (their types and saved
 scalars), never a tensor; the walks stop after ``limit`` nodes.
 
 May import torch.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["derivative_in", "label_smoothing_in", "smoothing_mismatch", "weighs_rows"]
+__all__ = ["batch_statistic_in", "derivative_in", "label_smoothing_in", "smoothing_mismatch", "weighs_rows"]
 
 
 def _nodes(graphs: list, limit: int) -> Iterator:
@@ -148,3 +149,47 @@ def _weights_saved(node) -> bool:
         if hasattr(saved, "numel") and not saved.requires_grad and saved.numel() > 1:
             return True
     return False
+
+
+#: the nodes of torch's losses and of the log-softmax a cross-entropy starts with
+_LOSS_NODES = ("NllLoss", "LogSoftmax", "MseLoss", "BinaryCrossEntropy", "SmoothL1Loss", "HuberLoss", "L1Loss",
+               "SoftMarginLoss", "KlDiv", "PoissonNllLoss")  # fmt: skip
+#: reductions whose saved ``dim`` says which dimensions they reduce
+_REDUCTIONS = ("MeanBackward1", "SumBackward1", "StdBackward0", "VarBackward0", "StdMeanBackward0", "VarMeanBackward0")
+
+
+def _over_the_batch(node) -> bool:
+    """Whether ``node`` reduces over dimension 0 (a mean of every entry included)."""
+    name = type(node).__name__
+    if name == "MeanBackward0":
+        sizes = getattr(node, "_saved_self_sym_sizes", ())
+        return len(sizes) >= 1 and sizes[0] > 1
+    if name in _REDUCTIONS:
+        dims = getattr(node, "_saved_dim", None)
+        sizes = getattr(node, "_saved_self_sym_sizes", None) or ()
+        if dims is None:
+            return True  # (std / var over every entry)
+        dims = (dims,) if isinstance(dims, int) else tuple(dims)
+        return any(d in (0, -len(sizes)) for d in dims) and (not sizes or sizes[0] > 1)
+    return False
+
+
+def batch_statistic_in(graphs: list, declared, limit: int = 20_000) -> str | None:
+    """The name of a reduction over the batch (dimension 0) that feeds a loss operation in the graphs of ``graphs``
+    and is not in the graph of ``declared`` (``info["loss"]``): logits centred or normalised by the batch's mean or
+    spread inside the loss (outside trial 34). Only the part of the graph that ``declared`` does not share is read
+    (the model's own graph is in both); ``None`` where there is none."""
+    shared = {id(node) for node in _nodes([getattr(declared, "grad_fn", None)], limit)}
+    stack = [(node, False) for node in graphs if node is not None and id(node) not in shared]
+    seen = {id(node) for node, _ in stack}
+    while stack and len(seen) <= limit:
+        node, below_loss = stack.pop()
+        name = type(node).__name__
+        if below_loss and _over_the_batch(node):
+            return name
+        below = below_loss or name.startswith(_LOSS_NODES)
+        for child in _children(node):
+            if id(child) not in seen and id(child) not in shared:
+                seen.add(id(child))
+                stack.append((child, below))
+    return None

@@ -32,7 +32,7 @@ import threading
 import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
-from cockpit_like.checks.graphs import derivative_in, smoothing_mismatch, weighs_rows
+from cockpit_like.checks.graphs import batch_statistic_in, derivative_in, smoothing_mismatch, weighs_rows
 
 __all__ = ["BackwardRoots", "derivative_in", "roots_tolerance"]
 
@@ -248,6 +248,17 @@ def undeclared_terms(
             "another one. Compute info['loss'] and info['individual_losses'] with the loss's own options "
             f"(F.cross_entropy(out, y, label_smoothing={backpropagated:g}) and the same with reduction='none' for the "
             "rows), or backpropagate info['loss'] (docs/your_training_loop.md#self-checks)"
+        )
+    statistic = batch_statistic_in(roots.graphs, loss) if declared is not None else None
+    if statistic is not None:  # (outside trial 34: logits centred over the batch, named among the kinds of term)
+        return (
+            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and inside the loss of the tensor backpropagated "
+            f"a statistic over the batch ({statistic}: a mean or spread over dimension 0, such as logits centred or "
+            "normalised by the batch's mean) feeds the loss, which info['loss'] does not hold: each row's loss then "
+            "reads every row, so it has no per-sample form. Declare that loss as info['loss'] (per-sample quantities "
+            "are then left out with a note: its rows are coupled), or compute the statistic without gradient "
+            "(detached) or over each row's own values (docs/your_training_loop.md#self-checks)"
         )
     if isinstance(rows, torch.Tensor) and weighs_rows(roots.graphs, rows) and not (
         declared is not None and weighs_rows([declared], rows)
