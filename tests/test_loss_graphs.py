@@ -5,7 +5,7 @@ Outside trial 34: a cross-entropy backpropagated with ``label_smoothing`` while
 ``info["loss"]`` with) was told only among the kinds of term a loss can have
 (618 quantity-steps of generic reasons in the rerun, this cause among them).
 Both checks now read the label smoothing from the two graphs and name it; row weights and
-a statistic over the batch inside the loss (batch-centred logits) likewise.
+a statistic over the batch inside the loss (batch-centred logits) and a term on the parameters likewise.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from cockpit_like.checks.graphs import (
     batch_statistic_in,
     derivative_in,
     label_smoothing_in,
+    parameter_term_in,
     smoothing_mismatch,
     weighs_rows,
 )
@@ -104,6 +105,7 @@ def _problem():
 
 def _step(loss_of, rows_of, backpropagated_of):
     model, x, y = _problem()
+    _step.model = model  # (for a loss that reads the parameters)
     cockpit = Cockpit(model.parameters(), quantities=configuration("economy"), model=model)
     out = model(x)
     info = {"batch_size": 12, "individual_losses": rows_of(out, y), "loss": loss_of(out, y)}
@@ -245,3 +247,27 @@ def test_batch_centred_logits_in_the_backpropagated_loss_only_are_named_and_the_
                    centred)  # fmt: skip
     assert checks["valid"] and not checks["failed"]
     assert any("not separable by rows" in note for note in checks["notes"])
+
+
+# ---- a term on the parameters ----------------------------------------------------------------------------------
+def test_a_term_on_the_parameters_is_read_from_the_graph():
+    model, x, y = _problem()
+    out = model(x)
+    declared = F.cross_entropy(out, y)
+    penalty = 1e-2 * sum((p**2).sum() for p in model.parameters())
+    assert parameter_term_in([(declared + penalty).grad_fn], declared)
+    assert not parameter_term_in([(declared * 2).grad_fn], declared)
+    assert not parameter_term_in([(declared + 0.1 * (out**2).mean()).grad_fn], declared)  # on the outputs: not
+    assert not parameter_term_in([(declared + penalty).grad_fn], declared + penalty)  # declared too
+
+
+def test_an_l2_term_in_the_backpropagated_loss_only_is_named():
+    """Trial 34's ``l2_in_every_row`` (the L2 term backpropagated, the declarations without it)."""
+    def with_l2(out, y):
+        model = _step.model
+        return F.cross_entropy(out, y) + 1e-2 * sum((p**2).sum() for p in model.parameters())
+
+    checks = _step(_plain, _plain_rows, with_l2)
+    reasons = {failed["check"]: failed["reason"] for failed in checks["failed"]}
+    assert "a term on the parameters themselves" in reasons["backpropagated_loss"]
+    assert "weight_decay" in reasons["backpropagated_loss"]

@@ -7,7 +7,9 @@ can name its cause where the two tensors' graphs differ in a known way:
 (a gradient penalty); :func:`label_smoothing_in`, the label smoothing of
 torch's cross-entropy; :func:`weighs_rows`, the rows of
 ``info["individual_losses"]`` multiplied by a tensor without gradient;
-:func:`batch_statistic_in`, a statistic over the batch inside the loss. Only autograd nodes are read (their types and saved
+:func:`batch_statistic_in`, a statistic over the batch inside the loss;
+:func:`parameter_term_in`, a term on the parameters themselves (an L2
+penalty). Only autograd nodes are read (their types and saved
 scalars), never a tensor; the walks stop after ``limit`` nodes.
 
 May import torch.
@@ -17,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["batch_statistic_in", "derivative_in", "label_smoothing_in", "smoothing_mismatch", "weighs_rows"]
+__all__ = [
+    "batch_statistic_in", "derivative_in", "label_smoothing_in", "parameter_term_in", "smoothing_mismatch", "weighs_rows",
+]
 
 
 def _nodes(graphs: list, limit: int) -> Iterator:
@@ -193,3 +197,21 @@ def batch_statistic_in(graphs: list, declared, limit: int = 20_000) -> str | Non
                 seen.add(id(child))
                 stack.append((child, below))
     return None
+
+
+def parameter_term_in(graphs: list, declared, limit: int = 20_000) -> bool:
+    """Whether the part of the graphs of ``graphs`` that ``declared``'s graph (``info["loss"]``) does not share reads
+    a leaf tensor directly (a parameter: an L2 penalty or weight decay written into the loss backpropagated, not
+    reaching the parameters through the model's outputs)."""
+    shared = {id(node) for node in _nodes([getattr(declared, "grad_fn", None)], limit)}
+    own = [node for node in graphs if node is not None and id(node) not in shared]
+    seen = {id(node) for node in own}
+    while own and len(seen) <= limit:
+        node = own.pop()
+        for child in _children(node):
+            if type(child).__name__ == "AccumulateGrad":
+                return True
+            if id(child) not in seen and id(child) not in shared:
+                seen.add(id(child))
+                own.append(child)
+    return False

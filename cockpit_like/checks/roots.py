@@ -32,7 +32,13 @@ import threading
 import torch
 
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
-from cockpit_like.checks.graphs import batch_statistic_in, derivative_in, smoothing_mismatch, weighs_rows
+from cockpit_like.checks.graphs import (
+    batch_statistic_in,
+    derivative_in,
+    parameter_term_in,
+    smoothing_mismatch,
+    weighs_rows,
+)
 
 __all__ = ["BackwardRoots", "derivative_in", "roots_tolerance"]
 
@@ -259,6 +265,15 @@ def undeclared_terms(
             "reads every row, so it has no per-sample form. Declare that loss as info['loss'] (per-sample quantities "
             "are then left out with a note: its rows are coupled), or compute the statistic without gradient "
             "(detached) or over each row's own values (docs/your_training_loop.md#self-checks)"
+        )
+    if declared is not None and parameter_term_in(roots.graphs, loss):  # (outside trial 34: an L2 term, generic)
+        return (
+            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated holds a term on the "
+            "parameters themselves (its graph reads a parameter other than through the model's outputs: an L2 "
+            "penalty or weight decay written into the loss), which info['loss'] does not. A term on the parameters "
+            "has no rows: use the optimizer's weight_decay instead, or backpropagate info['loss'] alone "
+            "(docs/your_training_loop.md#self-checks)"
         )
     if isinstance(rows, torch.Tensor) and weighs_rows(roots.graphs, rows) and not (
         declared is not None and weighs_rows([declared], rows)
