@@ -14,7 +14,7 @@ from typing import Any
 __all__ = ["ExtensionConflictError", "extension_key", "describe", "merge_extensions"]
 
 # Attributes of BackPACK extension objects that are machinery, not settings.
-_MACHINERY = {"saved_quantities", "_BackpropExtension__module_extensions"}
+_MACHINERY = {"saved_quantities", "_BackpropExtension__module_extensions", "_BackpropExtension__get_module_extension"}
 _HIDDEN_DEFAULTS = {"subsampling": None}
 
 

@@ -96,14 +96,48 @@ def backpack_computes_per_sample(module: torch.nn.Module) -> bool:
 
 
 def _backpack_fails_on(module: torch.nn.Module) -> bool:
-    """Configurations of supported classes that BackPACK 1.7 cannot compute: a transposed convolution with
-    ``output_padding`` (its weight's Jacobian is unfolded to the output size without the padding, a shape error);
-    a module pruned by ``torch.nn.utils.prune`` (BackPACK differentiates the computed ``weight``).
-    The hooks take their rows; the curvature ``"auto"`` uses Hessian-vector products."""
+    """Whether ``module`` is a configuration of a supported class that BackPACK 1.7 gets wrong
+    (:func:`backpack_gets_wrong`). The hooks take its rows; the curvature ``"auto"`` uses Hessian-vector products."""
+    return backpack_gets_wrong(module) is not None
+
+
+def backpack_gets_wrong(module: torch.nn.Module) -> str | None:
+    """Why BackPACK 1.7 cannot compute ``module`` though it supports its class, or ``None``: a transposed
+    convolution with ``output_padding`` (its weight's Jacobian is unfolded to the output size without the padding,
+    a shape error); a convolution whose ``padding_mode`` is not ``"zeros"`` (its derivatives pad with zeros
+    whatever the mode: outside trial 42, HessTrace and TIC of a reflect-padded convolution stored wrong with no
+    note); a module pruned by ``torch.nn.utils.prune`` (BackPACK differentiates the computed ``weight``)."""
     padding = getattr(module, "output_padding", None)
     if isinstance(module, torch.nn.modules.conv._ConvTransposeNd) and any(int(p) != 0 for p in padding):
-        return True
-    return bool(module._forward_pre_hooks) and pruned(module)  # its gradients are weight's, not weight_orig's
+        return f"{type(module).__name__} with output_padding={tuple(padding)}: BackPACK unfolds its weight's Jacobian without it"
+    if isinstance(module, torch.nn.modules.conv._ConvNd) and getattr(module, "padding_mode", "zeros") != "zeros":
+        return (
+            f"{type(module).__name__} with padding_mode={module.padding_mode!r}: BackPACK's convolution derivatives pad "
+            "with zeros whatever the padding mode, so what it computes is another function's"
+        )
+    if bool(module._forward_pre_hooks) and pruned(module):  # its gradients are weight's, not weight_orig's
+        return f"{type(module).__name__} pruned by torch.nn.utils.prune: BackPACK differentiates the computed weight"
+    return None
+
+
+def refuse_what_backpack_gets_wrong(extension):
+    """``extension`` (one of the cockpit's own BackPACK extension objects), changed in place so that a module
+    :func:`backpack_gets_wrong` names raises ``NotImplementedError`` with that reason where the extension would
+    run on it (in the backward pass), instead of computing another function's numbers. Returned."""
+    lookup = extension._BackpropExtension__get_module_extension
+    if getattr(lookup, "_cockpit_refusing", False):
+        return extension
+
+    def refusing(module):
+        found = lookup(module)
+        reason = backpack_gets_wrong(module) if found is not None else None
+        if reason is not None:
+            raise NotImplementedError(reason)
+        return found
+
+    refusing._cockpit_refusing = True
+    extension._BackpropExtension__get_module_extension = refusing
+    return extension
 
 
 def backpack_curvature_compatible(models: list[torch.nn.Module], extension) -> bool:
@@ -516,6 +550,9 @@ class StepExecution:
         extension at a step where a quantity's extension hook runs in the pass (it may read them too)."""
         budget = DEFAULT_BUDGET_BYTES if self._memory_budget is None else self._memory_budget
         self._replays = []
+        for ext in extensions:
+            if type(ext) not in self._user_types and type(ext).__module__.startswith("backpack.extensions.secondorder"):
+                refuse_what_backpack_gets_wrong(ext)  # (first-order rows of such modules come from the hooks)
         if self._quantity_hooks:
             return list(extensions)
         exts = []
@@ -584,7 +621,8 @@ class StepExecution:
                     "BCEWithLogits over any outputs, its weights >= 0 (none for sampled curvature: DiagGGNMC, KFAC); "
                     "not KLDiv, NLLLoss or a hand-written loss), extended (`lossfunc = backpack.extend(lossfunc)`). Fixes: for an unsupported model, pass "
                     "curvature='auto' to HessTrace / TICDiag / TICTrace (Hessian-vector products where the model "
-                    "is not an extended chain of supported layers; the presets' default); for an unsupported "
+                    "is not an extended chain of supported layers; the presets' default; it reads the model from "
+                    "Cockpit(..., model=model)); for an unsupported "
                     "loss, which 'auto' cannot check, pass curvature='hutchinson' (Hessian-vector products on any "
                     f"model and loss{HUTCHINSON_SCOPE}); KFACTrace(curvature='empirical') (per-sample gradients, any "
                     "model and loss; 'auto' takes it where the model is not an extended chain); "
@@ -1173,14 +1211,20 @@ def _explicit_same_padding(modules: list) -> list:
 def _from_backpack(exc: BaseException) -> bool:
     if isinstance(exc, NotImplementedError):
         return True
-    if not isinstance(exc, (AssertionError, TypeError, ValueError)):  # (ValueError: outside trial 39, BackPACK's
-        return False  # "Only 2D inputs are currently supported" for a loss it does not factor)
+    if not isinstance(exc, (AssertionError, TypeError, ValueError)):
+        return False
+    frames = []
     tb = exc.__traceback__
     while tb is not None:
-        if "backpack" in tb.tb_frame.f_code.co_filename.replace("\\", "/").split("/site-packages/")[-1].split("/")[0]:
-            return True
+        frames.append(_in_backpack(tb.tb_frame.f_code.co_filename))
         tb = tb.tb_next
-    return False
+    if isinstance(exc, ValueError):  # raised by BackPACK itself (outside trial 39: "Only 2D inputs are currently
+        return bool(frames) and frames[-1]  # supported"), not one of the cockpit's own passing through its hooks
+    return any(frames)
+
+
+def _in_backpack(filename: str) -> bool:
+    return "backpack" in filename.replace("\\", "/").split("/site-packages/")[-1].split("/")[0]
 
 
 def _chain(hooks: list):
