@@ -92,3 +92,68 @@ def _rows(model, x, y) -> torch.Tensor:
 def test_without_the_model_the_error_says_to_pass_it():
     with pytest.raises(UnsupportedLayerError, match=r"reads the model from Cockpit\(\.\.\., model=model\)"):
         _step(_net("reflect", 2), [HessTrace(schedules.linear(1), curvature="diag_h")], with_model=False)
+
+
+def _mlp(outputs: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, outputs)).to(DTYPE)
+
+
+@pytest.mark.parametrize("curvature", ["diag_h", "diag_ggn_exact"])
+def test_two_extended_loss_modules_are_named(curvature):
+    """``CE + 0.1 * MSE``, both extended: a raw shape error from BackPACK's GGN, or its "No accumulation rule"
+    under a list of requirements that were all met; now the cause, and the advice that works."""
+    model, ce, mse = extend(_mlp()), extend(nn.CrossEntropyLoss()), extend(nn.MSELoss())
+    cockpit = Cockpit(model.parameters(), quantities=[HessTrace(schedules.linear(1), curvature=curvature)])
+    x, y = torch.randn(6, 5, dtype=DTYPE), torch.randint(0, 4, (6,))
+    out = model(x)
+    loss = ce(out, y) + 0.1 * mse(out, nn.functional.one_hot(y, 4).to(DTYPE))
+    with pytest.raises(UnsupportedLayerError, match="two extended loss modules ran in this backward pass"
+                                                    r".*curvature='hutchinson'"):  # fmt: skip
+        with cockpit(0, info={"batch_size": 6}):
+            loss.backward()
+
+
+def _regression(curvature_quantity, flatten_inside: bool):
+    model = _mlp(1)
+    if flatten_inside:
+        model.append(nn.Flatten(0))
+    model, lossfunc = extend(model), extend(nn.MSELoss())
+    cockpit = Cockpit(model.parameters(), quantities=[curvature_quantity])
+    x, y = torch.randn(6, 5, dtype=DTYPE), torch.randn(6, dtype=DTYPE)
+    out = model(x)
+    loss = lossfunc(out if flatten_inside else out.squeeze(1), y)
+    with cockpit(0, info={"batch_size": 6}):
+        loss.backward()
+    return cockpit.get_output()[0], model, x, y
+
+
+def test_an_output_reshaped_outside_the_model_is_named_and_the_fix_inside_is_exact():
+    """MSE on ``model(x).squeeze(1)``: the error said the loss "reads a part of its output ... a model with two
+    heads"; it names the reshape and the fix, ``nn.Flatten(0)`` as the last module, whose values are the dense
+    Hessian's."""
+    with pytest.raises(UnsupportedLayerError, match=r"reads its whole output \(shape \[6, 1\]\) reshaped outside the model"):
+        _regression(HessTrace(schedules.linear(1), curvature="diag_h"), flatten_inside=False)
+    output, model, x, y = _regression(HessTrace(schedules.linear(1), curvature="diag_h"), flatten_inside=True)
+    from torch.func import functional_call, hessian
+
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [p.numel() for p in model.parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    twin = nn.Sequential(*[m for m in model]).to(DTYPE)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+    def loss(vector):
+        pieces = {n: v.reshape(s) for n, v, s in zip(names, vector.split(sizes), shapes)}
+        return nn.functional.mse_loss(functional_call(twin, pieces, (x,)), y)
+
+    expected = [float(d.sum()) for d in hessian(loss)(flat).diagonal().split(sizes)]
+    assert output["HessTrace"] == pytest.approx(expected, rel=1e-9, abs=1e-12)
+
+
+def test_a_runtime_error_inside_backpack_is_the_cockpits_error():
+    """KFLR on a reshaped output: BackPACK's raw ``einsum`` RuntimeError, now the cockpit's error with its fixes."""
+    from cockpit_like.quantities import KFACTrace
+
+    with pytest.raises(UnsupportedLayerError, match=r"RuntimeError: einsum.*KFACTrace\(curvature='empirical'\)"):
+        _regression(KFACTrace(schedules.linear(1), curvature="kflr"), flatten_inside=False)

@@ -174,6 +174,14 @@ class ColumnReplay:
         module_extension = self.extension._BackpropExtension__get_module_extension(module)
         if module_extension is None:
             return
+        if is_loss(module):
+            earlier = [type(call.module).__name__ for call in self._calls if is_loss(call.module)]
+            if earlier:  # (outside trial 42: BackPACK's "No accumulation rule", or a raw shape error from its GGN)
+                raise NotImplementedError(
+                    f"two extended loss modules ran in this backward pass ({earlier[0]} and {type(module).__name__}): "
+                    "BackPACK's curvature starts from one loss module's output; a sum of two has no factor it can "
+                    "backpropagate"
+                )
         io = {"output": module.output}
         index = 0
         while hasattr(module, f"input{index}"):
@@ -295,10 +303,12 @@ class ColumnReplay:
             call = calls[index]
             output = call.io["output"]
             quantity = waiting.pop(output.data_ptr(), None)
-            if quantity is not None and shapes.pop(output.data_ptr(), None) != tuple(output.shape):
+            read = shapes.pop(output.data_ptr(), None) if quantity is not None else None
+            if quantity is not None and read != tuple(output.shape):
                 # a later call read a part of this output that starts where it does (a loss on out[:, :4] of a
-                # layer whose output has 6 columns: outside trial 12, a raw shape error from BackPACK)
-                raise self._partial_output(call)
+                # layer whose output has 6 columns: outside trial 12, a raw shape error from BackPACK), or all of it
+                # in another shape (out.squeeze(1): outside trial 42)
+                raise self._partial_output(call, read)
             if quantity is None and _reads_inside(waiting, output):
                 # ... or a part that starts after it (out[:, 2:]): nothing would reach the layer (it was refused as
                 # "not extended")
@@ -322,11 +332,21 @@ class ColumnReplay:
             if quantity is not None and call.inputs:
                 self._hand_down(call, quantity, waiting, shapes)
 
-    def _partial_output(self, call: _Call):
-        """The error for a layer whose output a later module (an extended loss) reads only a part of."""
+    def _partial_output(self, call: _Call, read: tuple | None = None):
+        """The error for a layer whose output a later module (an extended loss) reads only a part of, or all of it
+        reshaped (``read``: the shape it was read in, where known)."""
         from cockpit_like.backends.step import HUTCHINSON_SCOPE, UnsupportedLayerError
 
         output = call.io["output"]
+        if read is not None and math.prod(read) == output.numel():
+            return UnsupportedLayerError(
+                f"{type(call.module).__name__} layer: the extended loss reads its whole output (shape "
+                f"{list(output.shape)}) reshaped outside the model (out.squeeze(1), out.view(...), out.flatten()): "
+                f"BackPACK's {type(self.extension).__name__} propagates curvature only through the model's modules. "
+                "Reshape inside the model (nn.Flatten(0) as its last module for outputs [B, 1] -> [B], nn.Unflatten), "
+                f"or track the curvature with curvature='hutchinson' (Hessian-vector products{HUTCHINSON_SCOPE}), or "
+                "leave out the quantities that need it (HessTrace, TICDiag)."
+            )
         return UnsupportedLayerError(
             f"{type(call.module).__name__} layer: a later module (an extended loss) reads a part of its "
             f"output (shape {list(output.shape)}), such as a loss on out[:, :k] or out[:, k:] of a model with two "

@@ -1209,22 +1209,34 @@ def _explicit_same_padding(modules: list) -> list:
 
 
 def _from_backpack(exc: BaseException) -> bool:
+    """Whether ``exc`` is BackPACK failing on the model (then the cockpit's :class:`UnsupportedLayerError` with its
+    fixes): a ``NotImplementedError``; an ``AssertionError`` or ``TypeError`` raised through BackPACK's code; a
+    ``ValueError``, ``RuntimeError`` or ``IndexError`` raised in BackPACK's code or in torch called from it (its
+    traceback's last BackPACK frame after its last frame of the cockpit: outside trials 39 and 42, "Only 2D inputs
+    are currently supported", a shape error of its KFLR on a reshaped output), not one of the cockpit's own
+    errors passing through BackPACK's hooks."""
     if isinstance(exc, NotImplementedError):
         return True
-    if not isinstance(exc, (AssertionError, TypeError, ValueError)):
+    if not isinstance(exc, (AssertionError, TypeError, ValueError, RuntimeError, IndexError)):
         return False
-    frames = []
+    origins = []
     tb = exc.__traceback__
     while tb is not None:
-        frames.append(_in_backpack(tb.tb_frame.f_code.co_filename))
+        origins.append(_origin(tb.tb_frame.f_code.co_filename))
         tb = tb.tb_next
-    if isinstance(exc, ValueError):  # raised by BackPACK itself (outside trial 39: "Only 2D inputs are currently
-        return bool(frames) and frames[-1]  # supported"), not one of the cockpit's own passing through its hooks
-    return any(frames)
+    if isinstance(exc, (AssertionError, TypeError)):
+        return "backpack" in origins
+    last_backpack = max((i for i, o in enumerate(origins) if o == "backpack"), default=-1)
+    last_cockpit = max((i for i, o in enumerate(origins) if o == "cockpit"), default=-1)
+    return last_backpack > last_cockpit
 
 
-def _in_backpack(filename: str) -> bool:
-    return "backpack" in filename.replace("\\", "/").split("/site-packages/")[-1].split("/")[0]
+def _origin(filename: str) -> str:
+    """``"backpack"``, ``"cockpit"`` or ``""``: whose code a traceback frame's file is."""
+    path = filename.replace("\\", "/")
+    if "backpack" in path.split("/site-packages/")[-1].split("/")[0]:
+        return "backpack"
+    return "cockpit" if "/cockpit_like/" in path else ""
 
 
 def _chain(hooks: list):
