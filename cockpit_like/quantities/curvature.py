@@ -615,4 +615,16 @@ class TICTrace(_TIC):
                 upper = float(abs(numerator)) * (1 / (size - RELIABLE_SE * spread) - 1 / size)
                 error = max(error, upper / RELIABLE_SE)
             self._keep_error(global_step, value, error)
+            if self._used in ("hutchinson", "hutch++") and 0 < spread and size <= RELIABLE_SE * spread:
+                # the interval t +- 2 se holds 0: N / t takes every value beyond N / (|t| + 2 se), of either sign, and
+                # no error bar holds it (outside trial 41: -0.127 +- 0.070 stored for -3.229, 44.6 of its
+                # first-order errors off; reliable False, as here)
+                get_record(global_step).note(
+                    f"TICTrace at step {global_step}: its standard error {error:.2g} is first order and does not "
+                    f"bound it: the Hessian's trace, estimated as {float(denominator):.4g} +- {spread:.2g}, is "
+                    f"within {RELIABLE_SE:g} standard errors of 0, so N tr(C) / trace can be anything beyond "
+                    f"{float(abs(numerator)) / (size + RELIABLE_SE * spread):.3g} in size, of either sign. More "
+                    "samples (hutchinson_samples=) or the GGN (curvature='ggn' with info['outputs'], for a "
+                    "cross-entropy) bound it"
+                )
         return value
