@@ -15,6 +15,9 @@ about the training loop (``docs/your_training_loop.md#self-checks``):
   model's output only (a loss over the batch, InfoNCE, in-batch negatives,
   makes per-sample gradients undefined: the per-sample quantities are left
   out of the step, with a note);
+- :mod:`~cockpit_like.checks.graphs`: what a loss tensor's autograd graph holds (label smoothing, row
+  weights, a statistic over the batch, a term on the parameters, a ``create_graph`` derivative), read only to
+  name the cause where a check that compares two losses failed;
 - :mod:`~cockpit_like.checks.invariants`: the mean of ``info["individual_losses"]``
   is ``info["loss"]``; the comparison of the probe with the gradient; the
   ``checks`` record stored with each tracked step.
