@@ -259,6 +259,12 @@ def test_a_term_on_the_parameters_is_read_from_the_graph():
     assert not parameter_term_in([(declared * 2).grad_fn], declared)
     assert not parameter_term_in([(declared + 0.1 * (out**2).mean()).grad_fn], declared)  # on the outputs: not
     assert not parameter_term_in([(declared + penalty).grad_fn], declared + penalty)  # declared too
+    # a second head's loss reads its own layer's parameters, and the trunk the declared loss shares: not a penalty
+    trunk = model[1](model[0](x))
+    head = nn.Linear(8, 1).double()
+    first = F.cross_entropy(model[2](trunk), y)
+    assert not parameter_term_in([(first + head(trunk).pow(2).mean()).grad_fn], first)
+    assert parameter_term_in([(first + head.weight.norm()).grad_fn], first)
 
 
 def test_an_l2_term_in_the_backpropagated_loss_only_is_named():

@@ -199,19 +199,43 @@ def batch_statistic_in(graphs: list, declared, limit: int = 20_000) -> str | Non
     return None
 
 
+#: nodes that add terms, or scale one by a number or a tensor without gradient: a loss's terms are below them
+_SUMS = ("AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "MulBackward0", "MulBackward1",
+         "DivBackward0", "DivBackward1", "NegBackward0", "SumBackward0", "MeanBackward0")  # fmt: skip
+
+
 def parameter_term_in(graphs: list, declared, limit: int = 20_000) -> bool:
-    """Whether the part of the graphs of ``graphs`` that ``declared``'s graph (``info["loss"]``) does not share reads
-    a leaf tensor directly (a parameter: an L2 penalty or weight decay written into the loss backpropagated, not
-    reaching the parameters through the model's outputs)."""
+    """Whether the tensor backpropagated (``graphs``) adds a term on the parameters alone that ``declared``'s graph
+    (``info["loss"]``) does not hold: an L2 penalty or weight decay written into the loss (outside trial 34). A
+    term is what sums and scalings at the top of the graph combine; it is on the parameters alone where its graph
+    reaches parameters (leaves) and nothing of ``declared``'s graph (a second head's loss reaches the trunk's
+    activations, which the declared loss shares)."""
     shared = {id(node) for node in _nodes([getattr(declared, "grad_fn", None)], limit)}
-    own = [node for node in graphs if node is not None and id(node) not in shared]
-    seen = {id(node) for node in own}
-    while own and len(seen) <= limit:
-        node = own.pop()
-        for child in _children(node):
-            if type(child).__name__ == "AccumulateGrad":
-                return True
-            if id(child) not in seen and id(child) not in shared:
-                seen.add(id(child))
-                own.append(child)
+    terms, seen = [node for node in graphs if node is not None], set()
+    while terms and len(seen) <= limit:
+        node = terms.pop()
+        if id(node) in seen or id(node) in shared:
+            continue
+        seen.add(id(node))
+        inputs = [child for child, _ in getattr(node, "next_functions", ())]
+        if type(node).__name__ in _SUMS and (
+            not type(node).__name__.startswith(("Mul", "Div")) or None in inputs or len(inputs) == 1
+        ):
+            terms.extend(child for child in inputs if child is not None)
+            continue
+        if _on_parameters_alone(node, shared, limit):
+            return True
     return False
+
+
+def _on_parameters_alone(node, shared: set, limit: int) -> bool:
+    """Whether every path down from ``node`` ends at a parameter (a leaf) without meeting ``shared``."""
+    leaves = 0
+    for below in _nodes([node], limit):
+        if type(below).__name__ == "AccumulateGrad":  # (a parameter's leaf is in every graph that reads it)
+            leaves += 1
+        elif id(below) in shared:
+            return False
+        elif not _children(below) and below is not node:
+            return False  # (a node without inputs that is not a leaf: nothing known of it)
+    return leaves > 0
