@@ -299,6 +299,7 @@ class ColumnReplay:
             joining.setdefault(index, []).append(block(start, stop))
         waiting: dict[int, object] = {}
         shapes: dict[int, tuple] = {}  # the shape of the tensor each waiting quantity was handed down for
+        readers: dict[int, tuple] = {}  # the call that handed a quantity down to each tensor, and its shape
         for index in range(min(joining), len(calls)):
             call = calls[index]
             output = call.io["output"]
@@ -331,6 +332,30 @@ class ColumnReplay:
                 quantity = self._join(quantity, joined)
             if quantity is not None and call.inputs:
                 self._hand_down(call, quantity, waiting, shapes)
+                readers.update({t.data_ptr(): (call, tuple(t.shape)) for t in call.inputs})
+        # the loss's factor handed down to a tensor that no recorded module returned: an operation between the model
+        # and the loss that BackPACK does not see (outside trial 43: an extended loss on model(x) / T, told that the
+        # layers were "not extended, not supported, or not used in the loss"). (A tensor a first layer reads that
+        # requires grad, an input being perturbed, is no such case: only the loss's own input is asked about.)
+        for key in waiting:
+            reader, shape = readers[key]
+            if is_loss(reader.module):
+                raise self._outside_modules(reader, shape)
+
+    def _outside_modules(self, reader: _Call, shape: tuple):
+        """The error for a module (often the extended loss) reading a tensor that no extended module returned."""
+        from cockpit_like.backends.step import HUTCHINSON_SCOPE, UnsupportedLayerError
+
+        return UnsupportedLayerError(
+            f"{type(reader.module).__name__}: it reads a tensor of shape {list(shape)} that no extended module of the "
+            "model returned: an operation outside the model's modules comes between them (model(x) / T for a "
+            "temperature, a scale, a mask, out + bias), through which BackPACK's "
+            f"{type(self.extension).__name__} cannot pass, so the layers before it got nothing. Do that operation "
+            "inside the model in a module BackPACK supports, or fold it into the layer before it (a temperature: "
+            "divide that layer's weight and bias by T), or track the curvature with curvature='hutchinson' "
+            f"(Hessian-vector products{HUTCHINSON_SCOPE}), or leave out the quantities that need it (HessTrace, "
+            "TICDiag)."
+        )
 
     def _partial_output(self, call: _Call, read: tuple | None = None):
         """The error for a layer whose output a later module (an extended loss) reads only a part of, or all of it

@@ -9,7 +9,7 @@ torch's cross-entropy; :func:`weighs_rows`, the rows of
 ``info["individual_losses"]`` multiplied by a tensor without gradient;
 :func:`batch_statistic_in`, a statistic over the batch inside the loss;
 :func:`parameter_term_in`, a term on the parameters themselves (an L2
-penalty). Only autograd nodes are read (their types and saved
+penalty); :func:`class_weights_in`, a cross-entropy's class weights. Only autograd nodes are read (their types and saved
 scalars), never a tensor; the walks stop after ``limit`` nodes.
 
 May import torch.
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 __all__ = [
-    "batch_statistic_in", "derivative_in", "label_smoothing_in", "parameter_term_in", "smoothing_mismatch", "weighs_rows",
+    "batch_statistic_in", "class_weights_in", "class_weights_mismatch", "derivative_in", "label_smoothing_in",
+    "parameter_term_in", "smoothing_mismatch", "weighs_rows",
 ]
 
 
@@ -124,20 +125,35 @@ def smoothing_mismatch(first, second) -> tuple[float, float] | None:
 _PRODUCTS = ("MulBackward0", "DivBackward0", "DotBackward0")
 
 
+#: nodes that reduce or scale what they read without adding another term: row weights are found below these only
+_REDUCING = ("MeanBackward0", "MeanBackward1", "SumBackward0", "SumBackward1", "DivBackward0", "DivBackward1",
+             "MulBackward1", "NegBackward0", "ViewBackward0", "ReshapeAliasBackward0", "UnsafeViewBackward0")  # fmt: skip
+
+
 def weighs_rows(graphs: list, rows, limit: int = 20_000) -> bool:
-    """Whether the graphs of ``graphs`` (autograd nodes) multiply or divide the tensor ``rows`` (``info[
-    "individual_losses"]``, its own node) by a tensor without gradient: row weights, or a mask, on the rows
-    before they are reduced (``(rows * w).mean()``, ``rows @ w / B``)."""
+    """Whether the graphs of ``graphs`` (autograd nodes) are a reduction of the tensor ``rows`` (``info[
+    "individual_losses"]``, its own node) multiplied or divided by a tensor without gradient: row weights, or a
+    mask, on the rows before they are reduced (``(rows * w).mean()``, ``rows @ w / B``). Only reductions and
+    scalings are followed from the top: a loss that adds another term to the weighted rows (a distillation term
+    beside ``0.5 * rows``: outside trial 43) has more than row weights."""
     target = getattr(rows, "grad_fn", None)
     if target is None:
         return False
-    for node in _nodes(graphs, limit):
-        if type(node).__name__ in _PRODUCTS:
-            inputs = [child for child, _ in getattr(node, "next_functions", ())]
-            if len(inputs) == 2 and None in inputs and any(
-                child is not None and _below_views(child) is target for child in inputs
-            ) and _weights_saved(node):
-                return True
+    stack = [node for node in graphs if node is not None]
+    seen = {id(node) for node in stack}
+    while stack and len(seen) <= limit:
+        node = stack.pop()
+        name = type(node).__name__
+        inputs = [child for child, _ in getattr(node, "next_functions", ())]
+        if name in _PRODUCTS and len(inputs) == 2 and None in inputs and any(
+            child is not None and _below_views(child) is target for child in inputs
+        ) and _weights_saved(node):
+            return True
+        if name in _REDUCING or (name in _PRODUCTS and None in inputs):
+            for child in inputs:
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    stack.append(child)
     return False
 
 
@@ -239,3 +255,33 @@ def _on_parameters_alone(node, shared: set, limit: int) -> bool:
         elif not _children(below) and below is not node:
             return False  # (a node without inputs that is not a leaf: nothing known of it)
     return leaves > 0
+
+
+def class_weights_in(graphs: list, limit: int = 20_000) -> bool | None:
+    """Whether torch's cross-entropy (its NLL) in the graphs of ``graphs`` has class weights (``weight=``):
+    ``True`` where one has, ``False`` where one was met without, ``None`` where none was met (the weight is read
+    from the node's saved ``weight``, which a backward pass frees: a freed one was a tensor)."""
+    found = None
+    for node in _nodes(graphs, limit):
+        if type(node).__name__.startswith("NllLoss"):
+            try:
+                weighted = getattr(node, "_saved_weight", None) is not None
+            except RuntimeError:  # (freed by a backward pass: there was a tensor)
+                weighted = True
+            if weighted:
+                return True
+            found = False
+    return found
+
+
+def class_weights_mismatch(first, second) -> tuple[bool, bool] | None:
+    """``(weighted_first, weighted_second)`` where the graphs of two loss tensors (or ``grad_fn`` lists) both hold
+    torch's cross-entropy, one with class weights and one without, else ``None``."""
+    found = []
+    for side in (first, second):
+        graphs = side if isinstance(side, list) else [getattr(side, "grad_fn", None)]
+        graphs = [g for g in graphs if g is not None]
+        found.append(class_weights_in(graphs) if graphs else None)
+    if None in found or found[0] == found[1]:
+        return None
+    return found[0], found[1]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cockpit_like.checks.graphs import smoothing_mismatch, weighs_rows
+from cockpit_like.checks.graphs import class_weights_mismatch, smoothing_mismatch, weighs_rows
 from cockpit_like.checks.prints import NonFinitePrint
 from cockpit_like.checks.probe import project_all
 
@@ -145,6 +145,15 @@ def _graph_hint(loss, losses) -> str:
             " info['loss'] multiplies (or divides) the rows of info['individual_losses'] by a tensor without "
             "gradient in its graph: row weights or a mask. Pass the weighted rows, rows * w (times B / w.sum() for "
             "a weighted mean), as info['individual_losses']."
+        )
+    weights = class_weights_mismatch(loss, losses)
+    if weights is not None:
+        where = "info['loss'] and not info['individual_losses']" if weights[0] else (
+            "info['individual_losses'] and not info['loss']")
+        return (
+            f" Their graphs hold torch's cross-entropy with class weights (weight=) in {where}. The rows of a "
+            "weighted mean are rows = F.cross_entropy(out, y, weight=W, reduction='none') * B / W[y].sum(), and "
+            "info['loss'] the weighted mean."
         )
     mismatch = smoothing_mismatch(loss, losses)
     if mismatch is None:

@@ -34,6 +34,7 @@ import torch
 from cockpit_like.backends.internal import cockpit_work, in_cockpit_work
 from cockpit_like.checks.graphs import (
     batch_statistic_in,
+    class_weights_mismatch,
     derivative_in,
     parameter_term_in,
     smoothing_mismatch,
@@ -224,8 +225,9 @@ def undeclared_terms(
             f"{passes} a loss of value {total:.8g}, {round(ratio)} x info['loss'] ({value:.8g}, the factor "
             f"{'seen' if seen else 'declared'} at it {factor:.6g}): a whole multiple of it, as a sum over the rows "
             "of what info['loss'] averages gives (a loss module with reduction='sum') or the loss scaled by hand, "
-            "whose factor the cockpit could not see at this backward pass (it cannot look inside a BackPACK-extended "
-            "loss module). Backpropagate info['loss'] itself (the mean: reduction='mean', as BackPACK's extensions "
+            "whose factor the cockpit could not see at this backward pass (the tensor backpropagated is not "
+            "computed from info['loss'], or is a BackPACK-extended loss module's output, inside which it cannot "
+            "look). Backpropagate info['loss'] itself (the mean: reduction='mean', as BackPACK's extensions "
             "expect), with info['individual_losses'] the per-row losses (docs/your_training_loop.md#self-checks)"
         )
     derivative = derivative_in(roots.graphs)
@@ -270,10 +272,23 @@ def undeclared_terms(
         return (
             f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
             f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated holds a term on the "
-            "parameters themselves (its graph reads a parameter other than through the model's outputs: an L2 "
-            "penalty or weight decay written into the loss), which info['loss'] does not. A term on the parameters "
-            "has no rows: use the optimizer's weight_decay instead, or backpropagate info['loss'] alone "
-            "(docs/your_training_loop.md#self-checks)"
+            "parameters themselves (a term of it reads parameters only, not through the model's outputs: an L2, "
+            "orthogonality or other penalty on the weights), which info['loss'] does not. Declare it: info['loss'] "
+            "the whole value and info['individual_losses'] each row's loss plus the penalty (a term on the "
+            "parameters has no rows: the per-sample quantities are then left out with a note, the rest stored); "
+            "for an L2 penalty the optimizer's weight_decay keeps them (the same update for SGD, not for Adam's "
+            "decoupled decay) (docs/your_training_loop.md#self-checks)"
+        )
+    weights = class_weights_mismatch(roots.graphs, [declared]) if declared is not None else None
+    if weights is not None:  # (outside trial 43: class weights in the loss backpropagated only, generic)
+        where, other = ("the tensor backpropagated", "info['loss'] has none") if weights[0] else (
+            "info['loss']", "the tensor backpropagated has none")
+        return (
+            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and their graphs hold torch's cross-entropy with "
+            f"class weights (weight=) in {where}, and {other}. Declare the loss you backpropagate with its weights: "
+            "info['loss'] the weighted mean and info['individual_losses'] = F.cross_entropy(out, y, weight=W, "
+            "reduction='none') * B / W[y].sum() (rows that average to it) (docs/your_training_loop.md#self-checks)"
         )
     if isinstance(rows, torch.Tensor) and weighs_rows(roots.graphs, rows) and not (
         declared is not None and weighs_rows([declared], rows)
