@@ -393,6 +393,7 @@ def _worker(rank: int, port: int, job: str, folder: str) -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=datetime.timedelta(seconds=60),
     )  # fmt: skip
+    os.environ["COCKPIT_TEST_JOB_FOLDER"] = folder  # (for a job that leaves a mark: _job_segfault_once)
     try:
         run = JOBS[job] if job in JOBS else _job_named(job)
         torch.save(run(rank), os.path.join(folder, f"rank{rank}.pt"))
@@ -401,6 +402,23 @@ def _worker(rank: int, port: int, job: str, folder: str) -> None:
     finally:
         if job != "early_error":  # there a peer is gone already
             dist.destroy_process_group()
+
+
+def _job_segfault_once(rank: int) -> dict:
+    """Rank 1 dies of SIGSEGV before saving at the first try (a mark in the job's folder says it tried): what a rank
+    forked from the fork server did once in a full run; :func:`_spawn` runs such a job again in fresh processes."""
+    import signal
+
+    mark = os.path.join(os.environ["COCKPIT_TEST_JOB_FOLDER"], "tried")
+    if rank == 1 and not os.path.exists(mark):
+        open(mark, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return {"rank": rank, "sum": float(torch.ones(3).sum())}
+
+
+def test_a_rank_killed_by_a_signal_before_saving_is_run_again(tmp_path):
+    ranks = _spawn("tests.test_distributed:_job_segfault_once", tmp_path)
+    assert [r["rank"] for r in ranks] == [0, 1] and os.path.exists(tmp_path / "tried")
 
 
 def _job_named(target: str):
@@ -433,10 +451,11 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def _spawn(job: str, folder, timeout: float = 240) -> list:
+def _spawn(job: str, folder, timeout: float = 240, start_method: str | None = None) -> list:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before the server starts: the ranks inherit its environment)
+    method = start_method or _start_method()
     context = torch.multiprocessing.start_processes(
-        _worker, args=(_free_port(), job, str(folder)), nprocs=WORLD, join=False, start_method=_start_method()
+        _worker, args=(_free_port(), job, str(folder)), nprocs=WORLD, join=False, start_method=method
     )
     deadline = time.monotonic() + timeout
     paths = [os.path.join(folder, f"rank{rank}.pt") for rank in range(WORLD)]
@@ -446,10 +465,17 @@ def _spawn(job: str, folder, timeout: float = 240) -> list:
                 for process in context.processes:
                     process.kill()
                 pytest.fail(f"job {job!r} did not finish within {timeout} s (a rank hangs)")
-    except torch.multiprocessing.ProcessExitedException:
+    except torch.multiprocessing.ProcessExitedException as exited:
         # gloo's threads can abort a process while it tears its group down (signal SIGABRT, "terminate called
         # without an active exception"), after every rank saved its results: those results stand
         if not all(os.path.exists(path) for path in paths):
+            if method == "forkserver" and getattr(exited, "signal_name", None) == "SIGSEGV":
+                # a rank forked from the fork server died of a signal before saving (once in a fresh-clone run of
+                # the whole suite, 2026-11-29; the module alone passed 6 of 6): the job again, in fresh processes
+                for process in context.processes:
+                    if process.is_alive():
+                        process.kill()
+                return _spawn(job, folder, timeout, start_method="spawn")
             raise
     return [torch.load(path, weights_only=False) for path in paths]
 
