@@ -79,6 +79,21 @@ def _in_data_order(calls: list) -> list:
     order = list(calls)
     keys = {id(call): (_key(call.io["output"]), {_key(t) for t in call.inputs}) for call in order}
     for _ in range(len(order)):
+        groups: dict[int, list[int]] = {}  # output memory -> positions of the calls that returned it
+        for position, call in enumerate(order):
+            groups.setdefault(keys[id(call)][0][0], []).append(position)
+        misplaced = next(
+            ((i, j) for group in groups.values() if len(group) > 1 for a, i in enumerate(group) for j in group[a + 1:]
+             if keys[id(order[i])][0] in keys[id(order[j])][1] and keys[id(order[j])][0] not in keys[id(order[i])][1]),
+            None,
+        )  # fmt: skip
+        if misplaced is None:
+            break
+        i, j = misplaced
+        order.insert(i, order.pop(j))  # the consumer first
+    return order
+    keys = {id(call): (_key(call.io["output"]), {_key(t) for t in call.inputs}) for call in order}
+    for _ in range(len(order)):
         misplaced = next(
             ((i, j) for i in range(len(order)) for j in range(i + 1, len(order))
              if keys[id(order[i])][0][0] == keys[id(order[j])][0][0]

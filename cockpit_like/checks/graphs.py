@@ -9,8 +9,9 @@ torch's cross-entropy; :func:`weighs_rows`, the rows of
 ``info["individual_losses"]`` multiplied by a tensor without gradient;
 :func:`batch_statistic_in`, a statistic over the batch inside the loss;
 :func:`parameter_term_in`, a term on the parameters themselves (an L2
-penalty); :func:`class_weights_in`, a cross-entropy's class weights. Only autograd nodes are read (their types and saved
-scalars), never a tensor; the walks stop after ``limit`` nodes.
+penalty); :func:`class_weights_in`, a cross-entropy's class weights. Only
+autograd nodes are read (their types and saved scalars), never a tensor;
+the walks stop after ``limit`` nodes.
 
 May import torch.
 """
@@ -109,16 +110,23 @@ def label_smoothing_in(graphs: list, limit: int = 20_000) -> float | None:
     return 0.0 if plain else None
 
 
-def smoothing_mismatch(first, second) -> tuple[float, float] | None:
-    """``(epsilon_first, epsilon_second)`` where the graphs of two loss tensors (or ``grad_fn`` lists) both hold
-    torch's cross-entropy with different label smoothing, else ``None``."""
+def _mismatch(first, second, read):
+    """``(read(first), read(second))`` where both read something (not ``None``) and the two differ, else ``None``;
+    ``first`` and ``second`` are loss tensors or lists of autograd nodes."""
     found = []
     for side in (first, second):
         graphs = side if isinstance(side, list) else [getattr(side, "grad_fn", None)]
-        found.append(label_smoothing_in([g for g in graphs if g is not None]) if any(graphs) else None)
-    if None in found or abs(found[0] - found[1]) <= 1e-9:
+        graphs = [g for g in graphs if g is not None]
+        found.append(read(graphs) if graphs else None)
+    if None in found or found[0] == found[1]:
         return None
     return found[0], found[1]
+
+
+def smoothing_mismatch(first, second) -> tuple[float, float] | None:
+    """``(epsilon_first, epsilon_second)`` where the graphs of two loss tensors (or ``grad_fn`` lists) both hold
+    torch's cross-entropy with different label smoothing, else ``None``."""
+    return _mismatch(first, second, label_smoothing_in)
 
 
 #: nodes of ``a * b``, ``a / b`` and ``<a, b>``, whose two inputs are their two children
@@ -277,11 +285,4 @@ def class_weights_in(graphs: list, limit: int = 20_000) -> bool | None:
 def class_weights_mismatch(first, second) -> tuple[bool, bool] | None:
     """``(weighted_first, weighted_second)`` where the graphs of two loss tensors (or ``grad_fn`` lists) both hold
     torch's cross-entropy, one with class weights and one without, else ``None``."""
-    found = []
-    for side in (first, second):
-        graphs = side if isinstance(side, list) else [getattr(side, "grad_fn", None)]
-        graphs = [g for g in graphs if g is not None]
-        found.append(class_weights_in(graphs) if graphs else None)
-    if None in found or found[0] == found[1]:
-        return None
-    return found[0], found[1]
+    return _mismatch(first, second, class_weights_in)

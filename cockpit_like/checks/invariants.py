@@ -136,8 +136,8 @@ def check_losses_mean(info: dict, step: int) -> None:
 
 def _graph_hint(loss, losses) -> str:
     """Where the graph of ``info["loss"]`` weighs the rows, or the graphs of ``info["loss"]`` and the rows hold
-    torch's cross-entropy with different label smoothing: that cause, first (outside trial 34: they were named only
-    in the list of causes)."""
+    torch's cross-entropy with and without class weights or with different label smoothing: that cause, first
+    (outside trials 34 and 43: they were named only in the list of causes)."""
     if not isinstance(loss, torch.Tensor):
         return ""
     if loss.grad_fn is not None and weighs_rows([loss.grad_fn], losses):

@@ -232,10 +232,11 @@ def undeclared_terms(
         )
     derivative = derivative_in(roots.graphs)
     declared = getattr(loss, "grad_fn", None)
+    differs = (f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
+               f"{'seen' if seen else 'declared'} at it {factor:.6g})")
     if derivative is not None and (declared is None or derivative_in([declared]) is None):  # (outside trial 34: a gradient penalty got the generic list of causes)
         return (
-            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
-            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated holds a derivative "
+            f"{differs}, and the tensor backpropagated holds a derivative "
             f"taken with create_graph ({derivative} in its graph) that info['loss'] does not: a gradient penalty (on "
             "the parameters or the inputs), a double-backward or input-gradient term from torch.autograd.grad(..., "
             "create_graph=True), backpropagated beside the declared loss. The per-sample rows would hold part of it "
@@ -249,8 +250,7 @@ def undeclared_terms(
     if smoothing is not None:  # (outside trial 34: named only among the kinds of term it can be)
         backpropagated, given = smoothing
         return (
-            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
-            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and their graphs hold torch's cross-entropy "
+            f"{differs}, and their graphs hold torch's cross-entropy "
             f"with different label smoothing: label_smoothing={backpropagated:g} in the tensor backpropagated, "
             f"{given:g} in info['loss']. The per-sample rows hold the loss backpropagated and the declared losses "
             "another one. Compute info['loss'] and info['individual_losses'] with the loss's own options "
@@ -260,8 +260,7 @@ def undeclared_terms(
     statistic = batch_statistic_in(roots.graphs, loss) if declared is not None else None
     if statistic is not None:  # (outside trial 34: logits centred over the batch, named among the kinds of term)
         return (
-            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
-            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and inside the loss of the tensor backpropagated "
+            f"{differs}, and inside the loss of the tensor backpropagated "
             f"a statistic over the batch ({statistic}: a mean or spread over dimension 0, such as logits centred or "
             "normalised by the batch's mean) feeds the loss, which info['loss'] does not hold: each row's loss then "
             "reads every row, so it has no per-sample form. Declare that loss as info['loss'] (per-sample quantities "
@@ -270,8 +269,7 @@ def undeclared_terms(
         )
     if declared is not None and parameter_term_in(roots.graphs, loss):  # (outside trial 34: an L2 term, generic)
         return (
-            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
-            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated holds a term on the "
+            f"{differs}, and the tensor backpropagated holds a term on the "
             "parameters themselves (a term of it reads parameters only, not through the model's outputs: an L2, "
             "orthogonality or other penalty on the weights), which info['loss'] does not. Declare it: info['loss'] "
             "the whole value and info['individual_losses'] each row's loss plus the penalty (a term on the "
@@ -284,8 +282,7 @@ def undeclared_terms(
         where, other = ("the tensor backpropagated", "info['loss'] has none") if weights[0] else (
             "info['loss']", "the tensor backpropagated has none")
         return (
-            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
-            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and their graphs hold torch's cross-entropy with "
+            f"{differs}, and their graphs hold torch's cross-entropy with "
             f"class weights (weight=) in {where}, and {other}. Declare the loss you backpropagate with its weights: "
             "info['loss'] the weighted mean and info['individual_losses'] = F.cross_entropy(out, y, weight=W, "
             "reduction='none') * B / W[y].sum() (rows that average to it) (docs/your_training_loop.md#self-checks)"
@@ -294,8 +291,7 @@ def undeclared_terms(
         declared is not None and weighs_rows([declared], rows)
     ):  # (outside trial 34: row weights in the loss backpropagated only were named among the kinds of term)
         return (
-            f"{passes} a loss of value {total:.8g}, but info['loss'] is {value:.8g} (the factor "
-            f"{'seen' if seen else 'declared'} at it {factor:.6g}), and the tensor backpropagated multiplies (or "
+            f"{differs}, and the tensor backpropagated multiplies (or "
             "divides) the rows of info['individual_losses'] by a tensor without gradient before reducing them, which "
             "info['loss'] does not: row weights or a mask (importance weights, class-balanced rows; or a number). The "
             "per-sample "
